@@ -1,0 +1,166 @@
+"""Custom ops `llmfast::unified_attention` and `llmfast::reshape_and_cache`.
+
+Registered with `torch.library.custom_op` so that Dynamo records them as single opaque
+nodes (the compile backend splits the graph there) and aot/Inductor keep their in-place
+writes (every mutated tensor is listed in `mutates_args`).
+
+Dispatch: Triton kernels on CUDA, and on CPU when `TRITON_INTERPRET=1` (tests); the
+reference torch implementation otherwise. The reference is also the test oracle.
+
+Shapes (T = tokens in the step, padded; R = requests):
+    q    [T, num_heads, head_dim]        k, v  [T, num_kv_heads, head_dim]
+    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping [T] int64 (-1: padding token, not written)
+    block_table [R, max_blocks_per_req] int32
+    query_start_loc [R + 1] int32 (cumsum of scheduled tokens; rows past
+        query_start_loc[R] are padding and their `out` rows are left unspecified)
+    seq_lens [R] int32 (context length after this step, new tokens included)
+    out  [T, num_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def triton_interpret_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    return triton_interpret_enabled()
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def reshape_and_cache_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Causal attention of each request's query tokens over its paged context.
+
+    The query tokens of request r are the last `num_q` tokens of its `seq_len` context,
+    so query i (0-based within the request) sits at position seq_len - num_q + i and sees
+    context positions 0 .. that position.
+    """
+    num_heads = q.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    tables = block_table.cpu() if block_table.device.type != "cpu" else block_table
+    for r, seq_len in enumerate(lens):
+        q_start, q_end = starts[r], starts[r + 1]
+        num_q = q_end - q_start
+        if num_q == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = tables[r, :num_blocks].to(k_cache.device, torch.long)
+        # [seq_len, num_kv_heads, head_dim]
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        keys = keys.to(compute_dtype).repeat_interleave(group, dim=1)
+        values = values.to(compute_dtype).repeat_interleave(group, dim=1)
+        queries = q[q_start:q_end].to(compute_dtype)  # [num_q, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("llmfast::reshape_and_cache", mutates_args=("k_cache", "v_cache"))
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if use_triton(k.device):
+        from llmfast.kernels import attention
+
+        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+@reshape_and_cache.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "llmfast::unified_attention", mutates_args=("k_cache", "v_cache", "out")
+)
+def unified_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Write the new tokens' k/v into the paged cache, then attend (see module doc)."""
+    if use_triton(q.device):
+        from llmfast.kernels import attention
+
+        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        attention.unified_attention(
+            q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
+        )
+    else:
+        reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+        paged_attention_reference(
+            q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
+        )
+
+
+@unified_attention.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale, out):
+    return None
+
+
+# Dynamo records a call as either the overload packet or its `.default` overload.
+SPLITTING_OPS = {
+    "llmfast::unified_attention": (
+        torch.ops.llmfast.unified_attention,
+        torch.ops.llmfast.unified_attention.default,
+    ),
+}

@@ -1,0 +1,84 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Rows with temperature below this are sampled greedily.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """Invalid sampling parameters; the message is one user-facing line."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request, in vLLM's vocabulary.
+
+    temperature 0 means greedy; top_k 0 (or -1) and top_p 1 disable those filters.
+    `stop` strings are matched by the engine on the detokenised text and are not part
+    of the returned text. `logprobs=n` returns the sampled token's logprob and the top n.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists or a single string from callers; store tuples (hashable, immutable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> SamplingParamsError:
+            return SamplingParamsError(msg)
+
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {value}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad(f"seed must be a non-negative integer, got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop strings must be non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE

@@ -1,0 +1,61 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+The scheduler never sends tensors; the runner never sees `Request` objects. A request's
+full state crosses once (`NewRequestData`); afterwards only increments do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmfast.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (its runner
+    state was dropped when it was preempted, so it is sent whole again)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens already generated (non-empty only for a request resumed after preemption).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclass
+class CachedRequestData:
+    """Requests that ran last step and run again: only what changed."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the row
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Ids whose runner state must go: finished or aborted since the last step.
+    finished_req_ids: set[str]
+    # Ids preempted this step (their runner state goes too; they come back as new).
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request, in `req_ids` order: the sampled token ids (empty for a
+    prefill chunk that does not reach the end of the prompt)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request, per sampled token: (logprob of the sampled token, {token: logprob} top-n).
+    logprobs: list[list[tuple[float, dict[int, float]]]] | None = None
