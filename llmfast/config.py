@@ -231,8 +231,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ConfigError(f"block size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.block_size < 1 or self.block_size > 128 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block size must be a power of two up to 128; got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu memory utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -4,8 +4,9 @@ Registered with `torch.library.custom_op` so that Dynamo records them as single 
 nodes (the compile backend splits the graph there) and aot/Inductor keep their in-place
 writes (every mutated tensor is listed in `mutates_args`).
 
-Dispatch: Triton kernels on CUDA, and on CPU when `TRITON_INTERPRET=1` (tests); the
-reference torch implementation otherwise. The reference is also the test oracle.
+Dispatch: Triton kernels on CUDA, and on CPU when `TRITON_INTERPRET=1` (tests); on
+plain CPU the vectorised torch path in `cpu_attention.py`. The reference implementations
+here are the test oracle.
 
 Shapes (T = tokens in the step, padded; R = requests):
     q    [T, num_heads, head_dim]        k, v  [T, num_kv_heads, head_dim]
@@ -146,10 +147,10 @@ def unified_attention(
             q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
         )
     else:
+        from llmfast.kernels.cpu_attention import paged_attention_cpu
+
         reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
-        paged_attention_reference(
-            q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
-        )
+        paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out)
 
 
 @unified_attention.register_fake

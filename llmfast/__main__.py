@@ -1,0 +1,3 @@
+from llmfast.cli import main
+
+main()

@@ -1,0 +1,244 @@
+"""`LLMEngine`: requests in, one scheduler step at a time, `RequestOutput`s out.
+
+Each `step()` schedules, runs the model once, applies the sampled tokens, detokenises
+incrementally and checks stop strings (which the scheduler cannot see).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmfast.config import EngineConfig
+from llmfast.engine_args import EngineArgs
+from llmfast.models.loader import ModelSource
+from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmfast.profiling import nvtx_range
+from llmfast.request import Request, RequestRejected
+from llmfast.runner import ModelRunner
+from llmfast.sampling_params import SamplingParams
+from llmfast.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str, float | None], None]
+Prompt = str | list[int] | dict
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request: text, stop strings, metrics."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: object | None
+    metrics: RequestMetrics
+    text: str = ""
+    emitted: int = 0  # chars of `text` already streamed
+    stop_reason: str | int | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 progress: Progress | None = None) -> None:
+        self.config = config
+        self.source = source
+        self.tokenizer = None
+        if source.path is not None:
+            from llmfast.tokenizer import load_tokenizer
+
+            try:
+                self.tokenizer = load_tokenizer(source.path)
+            except Exception as e:  # a weights-only directory can still run on token ids
+                logger.warning("no tokenizer loaded from %s: %s", source.path, e)
+        eos = tuple(source.config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
+        self.eos_token_ids = eos
+        if progress:
+            progress("loading weights", None)
+        self.runner = ModelRunner(config, source, eos_token_ids=eos)
+        num_blocks = self.runner.initialize(progress)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, progress: Progress | None = None) -> LLMEngine:
+        config, source = args.create_engine_config(progress)
+        return cls(config, source, progress)
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise RequestRejected("a dict prompt needs 'prompt_token_ids'")
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, list):
+            return None, [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            raise RequestRejected(f"a prompt must be a string or token ids, not {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise RequestRejected(
+                f"model {self.source.name} has no tokenizer; pass prompt_token_ids instead of text"
+            )
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(ids)
+        req_id = request_id if request_id is not None else str(next(self._ids))
+        if req_id in self._tracked:
+            raise RequestRejected(f"request id {req_id!r} is already in use")
+        request = Request(req_id, ids, params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(request)  # may raise RequestRejected
+        detok = None
+        if self.tokenizer is not None:
+            from llmfast.tokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer, ids)
+        self._tracked[req_id] = _Tracked(request, text, detok,
+                                         RequestMetrics(arrival_time=time.monotonic()))
+        return req_id
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestRejected("the prompt is empty")
+        max_len = self.config.scheduler.max_model_len
+        if len(ids) >= max_len:
+            raise RequestRejected(
+                f"the prompt has {len(ids)} tokens; max-model-len {max_len} leaves no room "
+                "to generate (raise --max-model-len or shorten the prompt)"
+            )
+        vocab = self.config.model.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.abort(req_id)
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is not None and tracked.finish_reason is None:
+            tracked.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        with nvtx_range("schedule"):
+            sched_out = self.scheduler.schedule()
+        now = time.monotonic()
+        for new in sched_out.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None and tracked.metrics.first_scheduled_time is None:
+                tracked.metrics.first_scheduled_time = now
+                tracked.num_cached_tokens = new.num_computed_tokens
+        runner_out = self.runner.execute(sched_out)
+        with nvtx_range("update"):
+            updates = self.scheduler.update(sched_out, runner_out)
+        with nvtx_range("detokenize"):
+            return self._process_updates(updates)
+
+    def _process_updates(self, updates) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        stopped: list[str] = []
+        for upd in updates:
+            tracked = self._tracked.get(upd.req_id)
+            if tracked is None:
+                continue
+            m = tracked.metrics
+            if upd.new_token_ids:
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.token_times.extend([now] * len(upd.new_token_ids))
+                if tracked.detokenizer is not None:
+                    tracked.text += tracked.detokenizer.add_tokens(upd.new_token_ids)
+                if upd.logprobs:
+                    if tracked.logprobs is None:
+                        tracked.logprobs = []
+                    for (token, (lp, top)) in zip(upd.new_token_ids, upd.logprobs):
+                        tracked.logprobs.append({token: lp, **{t: v for t, v in top.items() if t != token}})
+            finish = upd.finish_reason
+            if finish is None and self._hit_stop_string(tracked):
+                finish = "stop"
+                stopped.append(upd.req_id)
+            elif finish == "stop" and tracked.request.output_token_ids:
+                last = tracked.request.output_token_ids[-1]
+                if last in tracked.request.sampling_params.stop_token_ids:
+                    tracked.stop_reason = last
+            if finish is not None:
+                tracked.finish_reason = finish
+                m.finish_time = now
+            outputs.append(self._make_output(tracked, upd))
+            if finish is not None:
+                del self._tracked[upd.req_id]
+        if stopped:
+            self.scheduler.finish_requests(stopped, "stop")
+        return outputs
+
+    def _hit_stop_string(self, tracked: _Tracked) -> bool:
+        stops = tracked.request.sampling_params.stop
+        if not stops or not tracked.text:
+            return False
+        # Only the tail can hold a new match: what the last step added, plus the
+        # longest stop string's length of earlier text.
+        window = max(map(len, stops)) + 64
+        start = max(0, len(tracked.text) - window)
+        best = None
+        for stop in stops:
+            idx = tracked.text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        tracked.text = tracked.text[: best[0]]
+        tracked.stop_reason = best[1]
+        return True
+
+    def _make_output(self, tracked: _Tracked, upd) -> RequestOutput:
+        request = tracked.request
+        finished = tracked.finish_reason is not None
+        # Hold back a possible stop-string prefix while streaming.
+        stops = request.sampling_params.stop
+        hold = 0 if finished or not stops else max(map(len, stops)) - 1
+        visible = max(tracked.emitted, len(tracked.text) - hold)
+        delta = tracked.text[tracked.emitted:visible]
+        tracked.emitted = visible
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = list(tracked.logprobs or [])
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.text[:visible],
+            token_ids=list(request.output_token_ids),
+            finish_reason=tracked.finish_reason,
+            stop_reason=tracked.stop_reason,
+            logprobs=logprobs,
+            delta_text=delta,
+            delta_token_ids=list(upd.new_token_ids),
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=tracked.metrics,
+            num_cached_tokens=tracked.num_cached_tokens,
+        )
+
+    def stats(self):
+        """Scheduler and prefix-cache statistics (a SchedulerStats)."""
+        return self.scheduler.get_stats()

@@ -1,0 +1,177 @@
+"""The persistent input batch: per-request state as struct-of-arrays rows.
+
+Allocated once from `max_num_reqs` and `max_model_len`. A request keeps its row while
+it runs; `condense()` moves tail rows into holes so the used rows are `0..num_reqs-1`
+and every per-step computation is a slice of these arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmfast.buffers import CpuGpuBuffer
+from llmfast.cache.block_table import BlockTable
+from llmfast.sampling import seed_to_int64
+from llmfast.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers of a request between steps."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+# Per-request sampling arrays: (name, numpy dtype, torch dtype, default for an empty row).
+_SAMPLING_ARRAYS = (
+    ("temperature", np.float32, torch.float32, 1.0),
+    ("top_k", np.int32, torch.int32, 0),
+    ("top_p", np.float32, torch.float32, 1.0),
+    ("min_p", np.float32, torch.float32, 0.0),
+    ("repetition_penalty", np.float32, torch.float32, 1.0),
+    ("presence_penalty", np.float32, torch.float32, 0.0),
+    ("frequency_penalty", np.float32, torch.float32, 0.0),
+    ("seed", np.int64, torch.int64, 0),
+    ("has_seed", np.bool_, torch.bool, False),
+    ("min_tokens", np.int64, torch.int64, 0),
+)
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self.req_ids: list[str | None] = [None] * max_num_reqs  # row -> req id
+        self.req_id_to_index: dict[str, int] = {}
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self._free_rows: list[int] = []  # holes left by removals, reused first
+        self._num_rows_used = 0  # rows 0.._num_rows_used-1 are used or holes
+
+        # [max_num_reqs, max_model_len]: prompt then output token ids of each row.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+
+        self.sampling = {
+            name: CpuGpuBuffer(max_num_reqs, dtype=tdtype, device=device)
+            for name, _, tdtype, _ in _SAMPLING_ARRAYS
+        }
+        max_blocks = -(-max_model_len // block_size)
+        self.block_table = BlockTable(
+            max_num_reqs, max_blocks, max_num_batched_tokens, block_size, device
+        )
+
+    # ------------------------------------------------------------------ rows
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, state: CachedRequestState) -> int:
+        if state.req_id in self.req_id_to_index:
+            raise ValueError(f"request {state.req_id} is already in the batch")
+        if self._free_rows:
+            self._free_rows.sort(reverse=True)
+            row = self._free_rows.pop()  # the lowest hole
+        else:
+            if self._num_rows_used >= self.max_num_reqs:
+                raise RuntimeError("input batch is full")
+            row = self._num_rows_used
+            self._num_rows_used += 1
+        self.req_ids[row] = state.req_id
+        self.req_id_to_index[state.req_id] = row
+
+        prompt, output = state.prompt_token_ids, state.output_token_ids
+        n_prompt, n_total = len(prompt), len(prompt) + len(output)
+        self.token_ids[row, :n_prompt] = prompt
+        self.token_ids[row, n_prompt:n_total] = output
+        self.num_prompt_tokens[row] = n_prompt
+        self.num_tokens[row] = n_total
+        self.num_computed_tokens[row] = state.num_computed_tokens
+
+        params = state.sampling_params
+        self.sampling_params[row] = params
+        values = {
+            "temperature": params.temperature,
+            "top_k": params.top_k,
+            "top_p": params.top_p,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty,
+            "seed": seed_to_int64(params.seed) if params.seed is not None else 0,
+            "has_seed": params.seed is not None,
+            "min_tokens": params.min_tokens,
+        }
+        for name, value in values.items():
+            self.sampling[name].np[row] = value
+        self.block_table.add_row(row, state.block_ids)
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self.req_ids[row] = None
+        self.sampling_params[row] = None
+        self.block_table.clear_row(row)
+        self._free_rows.append(row)
+        return row
+
+    def condense(self) -> None:
+        """Move the last used rows into the holes so rows 0..num_reqs-1 are all used.
+
+        Example: rows [a, _, b, _, c] (holes at 1 and 3) -> c moves to 1 -> [a, c, b].
+        """
+        holes = sorted(self._free_rows)
+        self._free_rows.clear()
+        last = self._num_rows_used - 1
+        for hole in holes:
+            while last > hole and self.req_ids[last] is None:
+                last -= 1
+            if last <= hole:
+                break
+            self._move_row(last, hole)
+            last -= 1
+        self._num_rows_used = self.num_reqs
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        assert req_id is not None
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+            arr[dst] = arr[src]
+        for buf in self.sampling.values():
+            buf.np[dst] = buf.np[src]
+        self.block_table.move_row(src, dst)
+        self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.sampling_params[dst], self.sampling_params[src] = self.sampling_params[src], None
+        self.req_id_to_index[req_id] = dst
+
+    # ------------------------------------------------------------------ tokens
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = self.num_tokens[row]
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    def output_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]

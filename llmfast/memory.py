@@ -1,0 +1,76 @@
+"""KV-cache sizing: how many blocks fit in the memory left after weights and activations."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from llmfast.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
+
+
+class KVCacheTooSmall(ValueError):
+    """The KV cache cannot hold even one request; one user-facing line."""
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, keys and values."""
+    per_token = 2 * model.num_hidden_layers * model.kv_size * dtype.itemsize
+    return per_token * block_size
+
+
+def available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def num_cpu_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    budget = cache.kv_cache_memory
+    if budget is None:
+        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, available_host_memory() // 4)
+    return budget // kv_block_bytes(model, cache.block_size, dtype)
+
+
+def num_gpu_blocks(
+    cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+    peak_bytes: int,
+) -> int:
+    """Blocks that fit in `gpu_memory_utilization` of the device after the profiled peak
+    (weights + the largest forward's activations + CUDA graphs, measured by the caller)."""
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * cache.gpu_memory_utilization) - peak_bytes - max(used_by_others, 0)
+    logger.info(
+        "KV cache budget %.2f GiB (total %.1f GiB x %.2f, peak %.2f GiB)",
+        budget / GiB, total / GiB, cache.gpu_memory_utilization, peak_bytes / GiB,
+    )
+    return max(budget, 0) // kv_block_bytes(model, cache.block_size, dtype)
+
+
+def check_fits_one_request(num_blocks: int, block_size: int, max_model_len: int,
+                           block_bytes: int) -> None:
+    usable = num_blocks - 1  # block 0 is the null block
+    needed = -(-max_model_len // block_size)
+    if usable < 1:
+        raise KVCacheTooSmall(
+            f"KV cache memory too small: not even one block of {block_bytes} bytes fits; "
+            "raise --kv-cache-memory / --gpu-memory-utilization or lower --block-size"
+        )
+    if usable < needed:
+        raise KVCacheTooSmall(
+            f"KV cache holds {usable * block_size} tokens, fewer than max-model-len "
+            f"{max_model_len}; raise --kv-cache-memory / --gpu-memory-utilization or lower "
+            "--max-model-len"
+        )

@@ -1,0 +1,265 @@
+"""Model loading: HF safetensors directories (single or sharded), GGUF files (converted
+once to such a directory), `random:<preset>` dummy weights, and the default model.
+
+Weights go straight into the fused parameters in the target dtype; no transformers
+model is built. Pickle checkpoints are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from llmfast.config import ConfigError, ModelConfig, RopeScaling
+from llmfast.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str, float | None], None]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class LoadError(ValueError):
+    """A model that cannot be loaded; the message is one user-facing line."""
+
+
+def _llama3(factor: float) -> RopeScaling:
+    return RopeScaling("llama3", factor, 1.0, 4.0, 8192)
+
+
+RANDOM_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=512, max_position_embeddings=4096,
+        eos_token_ids=(2,), bos_token_id=1,
+    ),
+    "smollm2-135m": ModelConfig(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, intermediate_size=1536, vocab_size=49152, rope_theta=100000.0,
+        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
+    "llama-3.2-1b": ModelConfig(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, vocab_size=128256, rope_theta=500000.0,
+        rope_scaling=_llama3(32.0), tie_word_embeddings=True, max_position_embeddings=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama-3.2-3b": ModelConfig(
+        hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+        head_dim=128, intermediate_size=8192, vocab_size=128256, rope_theta=500000.0,
+        rope_scaling=_llama3(32.0), tie_word_embeddings=True, max_position_embeddings=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama-3.1-8b": ModelConfig(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+        rope_scaling=_llama3(8.0), max_position_embeddings=131072, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved `--model` argument: a local HF-style directory, or a random preset."""
+
+    spec: str
+    path: Path | None  # None for random presets
+    config: ModelConfig
+
+    @property
+    def is_random(self) -> bool:
+        return self.path is None
+
+    @property
+    def name(self) -> str:
+        return self.spec if self.path is None else self.path.name
+
+
+def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSource:
+    """Turn a `--model` argument into a local directory (downloading or converting the
+    default model and GGUF files once) and read its config."""
+    if spec is None or spec in ("", "default"):
+        from llmfast.models.default_model import ensure_default_model
+
+        path = ensure_default_model(progress=progress)
+        return ModelSource(str(path), path, _read_config(path))
+    if spec.startswith("random:"):
+        preset = spec.removeprefix("random:")
+        if preset not in RANDOM_PRESETS:
+            raise LoadError(
+                f"unknown random preset {preset!r}; choose one of {', '.join(RANDOM_PRESETS)}"
+            )
+        return ModelSource(spec, None, RANDOM_PRESETS[preset])
+    path = Path(spec).expanduser()
+    if not path.exists():
+        hint = (
+            " (llmfast never downloads from a hub: pass a local directory or .gguf file)"
+            if spec.count("/") == 1 and not spec.startswith((".", "/"))
+            else ""
+        )
+        raise LoadError(f"model path {spec} does not exist{hint}")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            from llmfast.models.default_model import convert_gguf_cached
+
+            converted = convert_gguf_cached(path, progress=progress)
+            return ModelSource(spec, converted, _read_config(converted))
+        if path.suffix in PICKLE_SUFFIXES:
+            raise _pickle_refusal(path)
+        raise LoadError(f"{path} is not a model directory or a .gguf file")
+    return ModelSource(spec, path, _read_config(path))
+
+
+def _pickle_refusal(path: Path) -> LoadError:
+    return LoadError(
+        f"{path} is a pickle checkpoint, which llmfast refuses to load (it can run code); "
+        "convert it to safetensors"
+    )
+
+
+def _read_config(model_dir: Path) -> ModelConfig:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise LoadError(f"{model_dir} has no config.json; it is not an HF model directory")
+    try:
+        return ModelConfig.from_json(config_path)
+    except ConfigError as e:
+        raise LoadError(f"{model_dir}: {e}") from None
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise LoadError(f"{index} is not a valid safetensors index") from None
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise LoadError(f"{model_dir}: shards named in the index are missing: {missing[:3]}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        if any(model_dir.glob(f"*{s}") for s in PICKLE_SUFFIXES):
+            raise _pickle_refusal(model_dir)
+        raise LoadError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice | None] | None:
+    """Where an HF tensor goes: (parameter, row slice within it) or None to skip.
+
+    q/k/v rows stack into qkv_proj as [q_size | kv_size | kv_size]; gate/up rows into
+    gate_up_proj as [intermediate | intermediate].
+    """
+    cfg = model.config
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name in params:
+        return params[name], None
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    parts = name.rsplit(".", 2)  # e.g. "model.layers.3.self_attn", "q_proj", "weight"
+    if len(parts) != 3:
+        return None
+    prefix, proj, _ = parts
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    fused = {
+        "q_proj": ("qkv_proj", slice(0, q)),
+        "k_proj": ("qkv_proj", slice(q, q + kv)),
+        "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+        "gate_proj": ("gate_up_proj", slice(0, inter)),
+        "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+    }
+    if proj not in fused:
+        return None
+    fused_name, rows = fused[proj]
+    param = params.get(f"{prefix}.{fused_name}.weight")
+    return (param, rows) if param is not None else None
+
+
+def load_safetensors_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter, checking that
+    each parameter row is written exactly once."""
+    params = dict(model.named_parameters())  # a tied head appears once
+    rows_written = {id(p): 0 for p in params.values()}
+    device = next(model.parameters()).device
+    for file in _safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    target = _target(model, name)
+                    if target is None:
+                        logger.debug("skipping checkpoint tensor %s", name)
+                        continue
+                    param, rows = target
+                    tensor = f.get_tensor(name)
+                    dest = param.data if rows is None else param.data[rows]
+                    if tuple(tensor.shape) != tuple(dest.shape):
+                        raise LoadError(
+                            f"{file.name}: {name} has shape {tuple(tensor.shape)}, the config "
+                            f"implies {tuple(dest.shape)}"
+                        )
+                    dest.copy_(tensor.to(device=device, dtype=dest.dtype))
+                    rows_written[id(param)] += dest.shape[0]
+        except SafetensorError as e:
+            raise LoadError(f"{file} is corrupt or truncated: {e}") from None
+        except OSError as e:
+            raise LoadError(f"cannot read {file}: {e}") from None
+    missing = [n for n, p in params.items() if rows_written[id(p)] != p.shape[0]]
+    if missing:
+        raise LoadError(
+            f"{model_dir}: checkpoint lacks weights for {len(missing)} parameters, "
+            f"e.g. {missing[0]}"
+        )
+
+
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Seeded random weights with sane scales (std 0.02, unit norms), for benchmarks."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
+            param.data.copy_(values)
+
+
+def build_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Allocate the model directly on `device` in `dtype`, then fill its weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(source.config, max_positions=max_positions)
+    model = model.to_empty(device=device)
+    model = model.to(dtype)
+    if source.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers made on meta (the RoPE table) must be recomputed for real.
+    rotary = model.model.layers[0].self_attn.rotary
+    with torch.device(device):
+        fresh = type(rotary)(
+            source.config.head_dim,
+            max_positions or source.config.max_position_embeddings,
+            source.config.rope_theta,
+            source.config.rope_scaling,
+        )
+    rotary.cos_sin = fresh.cos_sin
+    if source.path is None:
+        init_random_weights(model, seed)
+    else:
+        load_safetensors_weights(model, source.path)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,273 @@
+"""`ModelRunner`: load -> measure memory -> allocate the KV cache -> (compile, capture)
+-> `execute()` one scheduler step at a time.
+
+The runner keeps its own per-request state, so each step applies only the
+SchedulerOutput's increments, then prepares inputs with vectorised numpy into
+persistent buffers and copies each to the device once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from llmfast.attention_metadata import AttentionMetadata
+from llmfast.buffers import CpuGpuBuffer
+from llmfast.config import EngineConfig
+from llmfast.input_batch import CachedRequestState, InputBatch
+from llmfast.memory import check_fits_one_request, kv_block_bytes, num_cpu_blocks, num_gpu_blocks
+from llmfast.models.loader import ModelSource, build_model
+from llmfast.profiling import nvtx_range
+from llmfast.sampling import Sampler
+from llmfast.sampling_metadata import build_sampling_metadata
+from llmfast.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str, float | None], None]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.eos_token_ids = eos_token_ids
+        sched = config.scheduler
+        self.max_num_tokens = sched.max_num_batched_tokens
+        self.max_num_reqs = sched.max_num_seqs
+        self.max_model_len = sched.max_model_len
+        self.block_size = config.cache.block_size
+        self.startup_times: dict[str, float] = {}
+
+        t0 = time.perf_counter()
+        self.model = build_model(source, self.dtype, self.device,
+                                 max_positions=self.max_model_len, seed=config.seed)
+        self.startup_times["load"] = time.perf_counter() - t0
+        self.vocab_size = source.config.vocab_size
+
+        def buf(*shape: int, dtype: torch.dtype) -> CpuGpuBuffer:
+            return CpuGpuBuffer(*shape, dtype=dtype, device=self.device)
+
+        self.input_ids = buf(self.max_num_tokens, dtype=torch.int64)
+        self.positions = buf(self.max_num_tokens, dtype=torch.int64)
+        self.query_start_loc = buf(self.max_num_reqs + 1, dtype=torch.int32)
+        self.seq_lens = buf(self.max_num_reqs, dtype=torch.int32)
+        self.logits_indices = buf(self.max_num_reqs, dtype=torch.int64)
+        self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
+                                      self.max_num_tokens, self.block_size, self.device)
+        self.sampler = Sampler()
+        self.forward_fn = self.model.forward
+        self.num_blocks = 0
+
+    # ------------------------------------------------------------------ start-up
+
+    def initialize(self, progress: Progress | None = None) -> int:
+        """Size and allocate the KV cache; returns the number of blocks."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        model_cfg = self.model.config
+        if cfg.cache.num_gpu_blocks_override is not None:
+            num_blocks = cfg.cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            peak = self._profile_peak_memory()
+            num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.dtype, self.device, peak)
+        else:
+            num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.dtype)
+        block_bytes = kv_block_bytes(model_cfg, self.block_size, self.dtype)
+        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
+        if progress:
+            progress(f"allocating KV cache: {num_blocks} blocks", None)
+        shape = (model_cfg.num_hidden_layers, 2, num_blocks, self.block_size,
+                 model_cfg.num_key_value_heads, model_cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
+        self.num_blocks = num_blocks
+        self.startup_times["kv_cache"] = time.perf_counter() - t0
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * block_bytes / 2**20)
+        return num_blocks
+
+    def _profile_peak_memory(self) -> int:
+        """Run the largest forward once on a throwaway cache; return peak bytes in use."""
+        cfg = self.model.config
+        num_tokens = self.max_num_tokens
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        blocks_per_req = -(-(-(-num_tokens // num_reqs)) // self.block_size)
+        num_blocks = num_reqs * blocks_per_req + 1
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        scratch = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device))
+                   for _ in range(cfg.num_hidden_layers)]
+        self.model.bind_kv_caches(scratch)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        per_req = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        per_req[: num_tokens % num_reqs] += 1
+        cu = np.concatenate([[0], np.cumsum(per_req)])
+        req_idx = np.repeat(np.arange(num_reqs), per_req)
+        positions = np.arange(num_tokens) - cu[req_idx]
+        table = torch.arange(1, num_blocks, dtype=torch.int32, device=self.device)
+        md = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            block_table=table.view(num_reqs, blocks_per_req),
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(per_req, dtype=torch.int32, device=self.device),
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.tensor(positions, device=self.device), md)
+            self.model.compute_logits(hidden[: self.max_num_reqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - sum(
+            2 * k.numel() * k.element_size() for k, _ in scratch)
+        del scratch
+        torch.cuda.empty_cache()
+        return peak
+
+    # ------------------------------------------------------------------ per step
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        cached = out.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+            row = batch.req_id_to_index[req_id]
+            batch.block_table.append_row(row, new_blocks)
+            batch.num_computed_tokens[row] = num_computed
+        for new in out.scheduled_new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+        batch.condense()
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[AttentionMetadata, int, int, np.ndarray]:
+        """Fill the persistent buffers for this step.
+
+        Returns (attention metadata, num_tokens, padded num_tokens, rows that sample).
+        Worked example, num_scheduled [2, 5, 3], num_computed [10, 0, 7]:
+            req_indices     = [0 0 1 1 1 1 1 2 2 2]
+            query_start_loc = [0 2 7 10]
+            offsets         = [0 1 0 1 2 3 4 0 1 2]
+            positions       = [10 11 0 1 2 3 4 7 8 9]
+            logits_indices  = [1 6 9] (each request's last scheduled token)
+        """
+        batch = self.input_batch
+        n = batch.num_reqs
+        num_sched = np.fromiter(
+            (out.num_scheduled_tokens.get(r, 0) for r in batch.req_ids[:n]), np.int64, n)
+        cu = np.cumsum(num_sched)
+        num_tokens = int(cu[-1])
+        num_padded = self.padded_num_tokens(num_tokens)
+        req_indices = np.repeat(self._arange[:n], num_sched)
+        offsets = self._arange[:num_tokens] - np.repeat(cu - num_sched, num_sched)
+        computed = batch.num_computed_tokens[:n]
+        positions = computed[req_indices] + offsets
+
+        self.positions.np[:num_tokens] = positions
+        self.positions.np[num_tokens:num_padded] = 0
+        flat = req_indices * batch.max_model_len + positions
+        self.input_ids.np[:num_tokens] = batch.token_ids.ravel()[flat]
+        self.input_ids.np[num_tokens:num_padded] = 0
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : n + 1] = cu
+        seq_lens = computed + num_sched
+        self.seq_lens.np[:n] = seq_lens
+        self.logits_indices.np[:n] = np.maximum(cu - 1, 0)
+        batch.block_table.compute_slot_mapping(req_indices, positions, num_padded)
+        # A row samples when this step reaches the end of its known tokens.
+        sampling_rows = np.flatnonzero((num_sched > 0) & (seq_lens >= batch.num_tokens[:n]))
+
+        md = AttentionMetadata(
+            slot_mapping=batch.block_table.slot_mapping.copy_to_gpu(num_padded),
+            block_table=batch.block_table.table.copy_to_gpu(n),
+            query_start_loc=self.query_start_loc.copy_to_gpu(n + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(n),
+        )
+        self.input_ids.copy_to_gpu(num_padded)
+        self.positions.copy_to_gpu(num_padded)
+        self.logits_indices.copy_to_gpu(n)
+        batch.num_computed_tokens[:n] = seq_lens
+        return md, num_tokens, num_padded, sampling_rows
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """The token count the step runs at (CUDA-graph sizes pad; eager does not)."""
+        return num_tokens
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        with nvtx_range("prepare_inputs"):
+            self._update_states(out)
+            batch = self.input_batch
+            n = batch.num_reqs
+            if out.total_num_scheduled_tokens == 0 or n == 0:
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            md, num_tokens, num_padded, sampling_rows = self._prepare_inputs(out)
+        with nvtx_range(f"forward[{num_padded}]"):
+            hidden = self.forward_fn(
+                self.input_ids.gpu[:num_padded], self.positions.gpu[:num_padded], md)
+        with nvtx_range("sample"):
+            logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
+            metadata = build_sampling_metadata(batch, n, self.vocab_size, self.eos_token_ids)
+            sampler_out = self.sampler(logits, metadata)
+            sampled = sampler_out.sampled_token_ids.cpu().numpy()  # the step's one sync
+        return self._collect(out, sampled, sampler_out, sampling_rows)
+
+    def _collect(self, out: SchedulerOutput, sampled: np.ndarray, sampler_out,
+                 sampling_rows: np.ndarray) -> ModelRunnerOutput:
+        batch = self.input_batch
+        n = batch.num_reqs
+        samples = np.zeros(n, dtype=bool)
+        samples[sampling_rows] = True
+        logprobs_np = None
+        if sampler_out.logprobs is not None:
+            lp = sampler_out.logprobs
+            logprobs_np = (lp.sampled_logprobs.cpu().numpy(), lp.topk_ids.cpu().numpy(),
+                           lp.topk_logprobs.cpu().numpy())
+        req_ids: list[str] = []
+        tokens: list[list[int]] = []
+        logprobs: list[list[tuple[float, dict[int, float]]]] = []
+        for row in range(n):
+            req_id = batch.req_ids[row]
+            assert req_id is not None
+            if req_id not in out.num_scheduled_tokens:
+                continue
+            req_ids.append(req_id)
+            if not samples[row]:
+                tokens.append([])
+                logprobs.append([])
+                continue
+            token = int(sampled[row])
+            batch.append_token(row, token)
+            self.requests[req_id].output_token_ids.append(token)
+            tokens.append([token])
+            want = batch.sampling_params[row].logprobs
+            if logprobs_np is not None and want is not None:
+                ids, lps = logprobs_np[1][row, :want], logprobs_np[2][row, :want]
+                logprobs.append([(float(logprobs_np[0][row]),
+                                  {int(i): float(v) for i, v in zip(ids, lps)})])
+            else:
+                logprobs.append([])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens,
+                                 logprobs=logprobs if logprobs_np is not None else None)

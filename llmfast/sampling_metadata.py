@@ -1,0 +1,92 @@
+"""Fill the sampler's `SamplingMetadata` from the persistent input batch, vectorised.
+
+The per-request sampling arrays live in the batch (numpy + device copies); each step
+copies the first `num_reqs` rows once and derives the host-side skip flags with numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmfast.input_batch import InputBatch
+from llmfast.sampling import SamplingMetadata, seed_to_int64
+from llmfast.sampling_params import GREEDY_TEMPERATURE
+
+
+def build_sampling_metadata(
+    batch: InputBatch, n: int, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> SamplingMetadata:
+    s = {name: buf.np[:n] for name, buf in batch.sampling.items()}
+    dev = {name: buf.copy_to_gpu(n) for name, buf in batch.sampling.items()}
+    steps_np = (batch.num_tokens[:n] - batch.num_prompt_tokens[:n]).astype(np.int64)
+    device = batch.device
+
+    greedy = s["temperature"] < GREEDY_TEMPERATURE
+    no_penalties = bool(
+        (s["repetition_penalty"] == 1.0).all()
+        and (s["presence_penalty"] == 0.0).all()
+        and (s["frequency_penalty"] == 0.0).all()
+    )
+    params = batch.sampling_params[:n]
+    stop_lists = None
+    no_min_tokens = bool((steps_np >= s["min_tokens"]).all())
+    if not no_min_tokens:
+        stop_lists = [
+            list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            for p in params
+        ]
+    prompt_ids = output_ids = None
+    if not no_penalties:
+        prompt_ids, output_ids = _padded_token_ids(batch, n, vocab_size, device)
+    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=dev["temperature"],
+        top_k=dev["top_k"],
+        top_p=dev["top_p"],
+        min_p=dev["min_p"],
+        repetition_penalty=dev["repetition_penalty"],
+        presence_penalty=dev["presence_penalty"],
+        frequency_penalty=dev["frequency_penalty"],
+        seeds=dev["seed"],
+        has_seed=dev["has_seed"],
+        step=torch.from_numpy(steps_np).to(device, non_blocking=True),
+        min_tokens=dev["min_tokens"],
+        prompt_token_ids=prompt_ids,
+        output_token_ids=output_ids,
+        stop_token_ids=None if stop_lists is None else _pad_lists(stop_lists, vocab_size, device),
+        all_greedy=bool(greedy.all()),
+        all_random=not bool(greedy.any()),
+        no_penalties=no_penalties,
+        no_top_k=bool((s["top_k"] == 0).all()),
+        no_top_p=bool((s["top_p"] == 1.0).all()),
+        no_min_p=bool((s["min_p"] == 0.0).all()),
+        no_min_tokens=no_min_tokens,
+        no_seeds=not bool(s["has_seed"].any()),
+        max_top_k=int(s["top_k"].max(initial=0)),
+        max_num_logprobs=max(logprobs) if logprobs else None,
+    )
+
+
+def _padded_token_ids(batch: InputBatch, n: int, vocab_size: int, device: torch.device):
+    """Prompt and output ids per row, padded with `vocab_size` (an id no token has)."""
+    num_prompt = batch.num_prompt_tokens[:n, None]
+    num_tokens = batch.num_tokens[:n, None]
+    width = int(num_tokens.max(initial=1))
+    ids = batch.token_ids[:n, :width].astype(np.int64)
+    cols = np.arange(width)[None, :]
+    prompt = np.where(cols < num_prompt, ids, vocab_size)[:, : int(num_prompt.max(initial=1))]
+    output = np.where((cols >= num_prompt) & (cols < num_tokens), ids, vocab_size)
+    return (torch.from_numpy(prompt).to(device, non_blocking=True),
+            torch.from_numpy(np.ascontiguousarray(output)).to(device, non_blocking=True))
+
+
+def _pad_lists(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    arr = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        arr[i, : len(r)] = r
+    return torch.from_numpy(arr).to(device)
+
+
+__all__ = ["build_sampling_metadata", "seed_to_int64"]

@@ -1,0 +1,57 @@
+"""Tiny random Llama checkpoints written by transformers itself (the oracle's format)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_hf_checkpoint(
+    path: Path,
+    *,
+    tie: bool = False,
+    sharded: bool = False,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    """Write a random LlamaForCausalLM with transformers' `save_pretrained` (safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = {**TINY, **overrides, "tie_word_embeddings": tie}
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+        kwargs["rope_theta"] = rope_scaling.get("rope_theta", 500000.0)
+    config = LlamaConfig(**kwargs)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    # transformers initialises norms to 1; randomise them so a missed norm weight shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
+    return path
+
+
+def load_hf_model(path: Path):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

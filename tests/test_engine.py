@@ -1,0 +1,158 @@
+"""Engine equivalence: batched greedy generation equals HF transformers on each prompt
+alone, under chunked prefill, preemption, prefix caching and staggered arrivals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmfast import LLM, SamplingParams
+from llmfast.request import RequestRejected
+from tests.checkpoints import load_hf_model, make_hf_checkpoint
+
+NUM_PROMPTS = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("engine") / "ckpt", vocab_size=256)
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by HF with its own KV cache; eos ignored."""
+    ids = torch.tensor([prompt])
+    out = []
+    past = None
+    with torch.inference_mode():
+        for _ in range(n):
+            res = hf(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def _workload(seed: int, shared_prefix: int = 0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 256) for _ in range(shared_prefix)]
+    prompts = [prefix + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 40))]
+               for _ in range(NUM_PROMPTS)]
+    lengths = [rng.randrange(1, 12) for _ in range(NUM_PROMPTS)]
+    return prompts, lengths
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt):
+    hf = load_hf_model(ckpt)
+    cache = {}
+
+    def expected(prompt, n):
+        key = (tuple(prompt), n)
+        if key not in cache:
+            cache[key] = _hf_greedy(hf, prompt, n)
+        return cache[key]
+
+    return expected
+
+
+def _params(lengths):
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+
+
+def _check(llm, prompts, lengths, oracle):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(lengths))
+    for p, n, out in zip(prompts, lengths, outs):
+        assert out.prompt_token_ids == p
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == oracle(p, n)
+    return outs
+
+
+def _llm(ckpt, **kw):
+    args = dict(device="cpu", max_model_len=128, block_size=4, seed=0)
+    args.update(kw)
+    return LLM(str(ckpt), **args)
+
+
+def test_batched_greedy_matches_hf(ckpt, oracle):
+    prompts, lengths = _workload(0)
+    _check(_llm(ckpt), prompts, lengths, oracle)
+
+
+def test_chunked_prefill_budget_8(ckpt, oracle):
+    prompts, lengths = _workload(1)
+    _check(_llm(ckpt, max_num_batched_tokens=8, max_num_seqs=8), prompts, lengths, oracle)
+
+
+def test_preemption_under_tiny_cache(ckpt, oracle):
+    prompts, lengths = _workload(2)
+    llm = _llm(ckpt, num_gpu_blocks_override=40, max_model_len=64)
+    _check(llm, prompts, lengths, oracle)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_shared_prefix_hits(ckpt, oracle):
+    prompts, lengths = _workload(3, shared_prefix=20)
+    llm = _llm(ckpt, max_num_batched_tokens=64)
+    outs = _check(llm, prompts, lengths, oracle)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    # A second round of the same prompts is served almost entirely from the cache.
+    before = llm.engine.stats().prefix_cache_hits
+    _check(llm, prompts, lengths, oracle)
+    assert llm.engine.stats().prefix_cache_hits - before >= NUM_PROMPTS * 16
+
+
+def test_requests_added_while_others_run(ckpt, oracle):
+    prompts, lengths = _workload(4)
+    llm = _llm(ckpt, max_num_batched_tokens=32)
+    engine = llm.engine
+    params = _params(lengths)
+    pending = list(range(NUM_PROMPTS))
+    ids: dict[str, int] = {}
+    results: dict[int, list[int]] = {}
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending and steps % 2 == 0:  # two new arrivals every other step
+            for _ in range(2):
+                if pending:
+                    i = pending.pop(0)
+                    ids[engine.add_request({"prompt_token_ids": prompts[i]}, params[i])] = i
+        for out in engine.step():
+            if out.finished:
+                results[ids[out.request_id]] = out.outputs[0].token_ids
+        steps += 1
+    for i in range(NUM_PROMPTS):
+        assert results[i] == oracle(prompts[i], lengths[i])
+
+
+def test_all_blocks_free_after_run(ckpt):
+    prompts, lengths = _workload(5)
+    llm = _llm(ckpt, num_gpu_blocks_override=40, max_model_len=64)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], _params(lengths))
+    assert llm.engine.stats().kv_cache_usage == 0.0
+
+
+def test_prompt_too_long_is_rejected(ckpt):
+    llm = _llm(ckpt, max_model_len=32)
+    with pytest.raises(RequestRejected) as e:
+        llm.generate({"prompt_token_ids": list(range(3, 40))})
+    assert "max-model-len" in str(e.value) and "\n" not in str(e.value)
+    # The engine is still usable afterwards.
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) <= 3
+
+
+def test_seeded_sampling_reproducible_across_batches(ckpt):
+    llm = _llm(ckpt)
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, p)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [9, 10 + i]} for i in range(5)]
+    batch = llm.generate(others[:2] + [{"prompt_token_ids": [5, 6, 7, 8]}] + others[2:],
+                         [SamplingParams(temperature=1.0, max_tokens=7)] * 2 + [p]
+                         + [SamplingParams(temperature=0.0, max_tokens=3)] * 3)
+    assert batch[2].outputs[0].token_ids == alone

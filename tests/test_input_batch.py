@@ -1,0 +1,116 @@
+"""Persistent input batch and block table against naive per-request references."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from llmfast.cache.block_table import PAD_SLOT_ID, BlockTable
+from llmfast.input_batch import CachedRequestState, InputBatch
+from llmfast.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def test_slot_mapping_design_example():
+    """DESIGN.md: num_scheduled [4, 17, 4], block_size 16, rows starting with blocks
+    0 / 5 6 / 11 -> slots [0..3, 80..96, 176..179]."""
+    table = BlockTable(4, 8, 64, 16, CPU)
+    table.add_row(0, [0, 1])
+    table.add_row(1, [5, 6])
+    table.add_row(2, [11, 12])
+    num_sched = np.array([4, 17, 4])
+    req_indices = np.repeat(np.arange(3), num_sched)
+    positions = np.concatenate([np.arange(n) for n in num_sched])
+    table.compute_slot_mapping(req_indices, positions, 32)
+    expected = list(range(0, 4)) + list(range(80, 97)) + list(range(176, 180))
+    assert table.slot_mapping.np[:25].tolist() == expected
+    assert (table.slot_mapping.np[25:32] == PAD_SLOT_ID).all()
+
+
+def test_slot_mapping_matches_naive_loop():
+    rng = np.random.default_rng(0)
+    block_size, max_blocks = 8, 16
+    table = BlockTable(8, max_blocks, 512, block_size, CPU)
+    rows, computed, sched = [], [], []
+    for row in range(6):
+        blocks = rng.permutation(200)[:max_blocks].tolist()
+        table.add_row(row, blocks)
+        c = int(rng.integers(0, 60))
+        s = int(rng.integers(0, 60))
+        rows.append(blocks)
+        computed.append(c)
+        sched.append(s)
+    sched_np = np.array(sched)
+    req_indices = np.repeat(np.arange(6), sched_np)
+    positions = np.concatenate([np.arange(c, c + s) for c, s in zip(computed, sched)])
+    table.compute_slot_mapping(req_indices, positions, len(positions) + 5)
+    naive = []
+    for r in range(6):
+        for p in range(computed[r], computed[r] + sched[r]):
+            naive.append(rows[r][p // block_size] * block_size + p % block_size)
+    assert table.slot_mapping.np[: len(naive)].tolist() == naive
+    assert (table.slot_mapping.np[len(naive): len(naive) + 5] == PAD_SLOT_ID).all()
+
+
+def _state(i: int, rng: random.Random) -> CachedRequestState:
+    prompt = [rng.randrange(100) for _ in range(rng.randrange(1, 20))]
+    output = [rng.randrange(100) for _ in range(rng.randrange(0, 5))]
+    params = SamplingParams(temperature=rng.random(), top_k=rng.randrange(0, 50),
+                            seed=rng.choice([None, i]), max_tokens=5)
+    blocks = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 5))]
+    return CachedRequestState(f"r{i}", prompt, output, params, blocks, rng.randrange(0, 10))
+
+
+def test_add_remove_condense_matches_reference():
+    rng = random.Random(0)
+    batch = InputBatch(max_num_reqs=16, max_model_len=64, max_num_batched_tokens=64,
+                       block_size=16, device=CPU)
+    live: dict[str, CachedRequestState] = {}
+    counter = 0
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.5 and len(live) < 16:
+            st = _state(counter, rng)
+            counter += 1
+            row = batch.add_request(st)
+            live[st.req_id] = st
+            # Freed rows are reused before new ones.
+            assert row <= max(batch.req_id_to_index.values())
+        elif op < 0.85 and live:
+            req_id = rng.choice(sorted(live))
+            batch.remove_request(req_id)
+            del live[req_id]
+        else:
+            batch.condense()
+            assert sorted(batch.req_id_to_index.values()) == list(range(len(live)))
+        # Every row's data equals the per-request reference.
+        for req_id, st in live.items():
+            row = batch.req_id_to_index[req_id]
+            assert batch.req_ids[row] == req_id
+            tokens = st.prompt_token_ids + st.output_token_ids
+            assert batch.num_tokens[row] == len(tokens)
+            assert batch.token_ids[row, : len(tokens)].tolist() == tokens
+            assert batch.num_prompt_tokens[row] == len(st.prompt_token_ids)
+            assert batch.num_computed_tokens[row] == st.num_computed_tokens
+            assert batch.sampling["top_k"].np[row] == st.sampling_params.top_k
+            assert np.isclose(batch.sampling["temperature"].np[row], st.sampling_params.temperature)
+            assert bool(batch.sampling["has_seed"].np[row]) == (st.sampling_params.seed is not None)
+            n = batch.block_table.num_blocks[row]
+            assert batch.block_table.table.np[row, :n].tolist() == st.block_ids
+            assert batch.sampling_params[row] is st.sampling_params
+    assert batch.num_reqs == len(live)
+
+
+def test_condense_moves_tail_into_holes():
+    rng = random.Random(1)
+    batch = InputBatch(8, 64, 64, 16, CPU)
+    for i in range(5):
+        batch.add_request(_state(i, rng))
+    batch.remove_request("r1")
+    batch.remove_request("r3")
+    batch.condense()
+    assert batch.req_ids[:3] == ["r0", "r4", "r2"]
+    assert batch.block_table.num_blocks[3:5].tolist() == [0, 0]
