@@ -171,9 +171,12 @@ class LLMEngine:
                     for (token, (lp, top)) in zip(upd.new_token_ids, upd.logprobs):
                         tracked.logprobs.append({token: lp, **{t: v for t, v in top.items() if t != token}})
             finish = upd.finish_reason
-            if finish is None and self._hit_stop_string(tracked):
+            if finish is not None and tracked.detokenizer is not None:
+                tracked.text += tracked.detokenizer.flush()  # text held back mid-character
+            if self._hit_stop_string(tracked):
+                if finish is None:
+                    stopped.append(upd.req_id)  # the scheduler still runs it
                 finish = "stop"
-                stopped.append(upd.req_id)
             elif finish == "stop" and tracked.request.output_token_ids:
                 last = tracked.request.output_token_ids[-1]
                 if last in tracked.request.sampling_params.stop_token_ids:

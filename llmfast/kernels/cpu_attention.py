@@ -55,10 +55,12 @@ def _decode(q, k_cache, v_cache, block_table, starts, lens, rows, scale, out) ->
         i += len(chunk)
         idx = torch.tensor(chunk)
         tokens = torch.tensor([starts[r] for r in chunk])
-        blocks = block_table[idx, :num_blocks].long()  # [D, num_blocks]
-        # [D, L, num_kv_heads, head_dim] with L = num_blocks * block_size
-        keys = k_cache[blocks].flatten(1, 2).float()
-        values = v_cache[blocks].flatten(1, 2).float()
+        blocks = block_table[idx, :num_blocks].long().view(-1)  # [D * num_blocks]
+        # [D, L, num_kv_heads, head_dim] with L = num_blocks * block_size; index_select
+        # is several times faster than advanced indexing here.
+        shape = (len(chunk), num_blocks * block_size, num_kv_heads, head_dim)
+        keys = k_cache.index_select(0, blocks).view(shape).float()
+        values = v_cache.index_select(0, blocks).view(shape).float()
         queries = q[tokens].float().view(len(chunk), num_kv_heads, group, head_dim)
         # [D, num_kv_heads, group, L]
         scores = torch.einsum("dkgh,dlkh->dkgl", queries, keys) * scale
@@ -73,8 +75,8 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, q_end, seq_len, row, sca
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_q = q_end - q_start
     blocks = block_table[row, : -(-seq_len // block_size)].long()
-    keys = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-    values = v_cache[blocks].flatten(0, 1)[:seq_len]
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, hd]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
     group = q.shape[1] // num_kv_heads
     # Query i sits at position seq_len - num_q + i and sees positions <= its own.
     q_pos = torch.arange(seq_len - num_q, seq_len)[:, None]

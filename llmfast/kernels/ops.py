@@ -46,12 +46,15 @@ def reshape_and_cache_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    block_size = k_cache.shape[1]
+    # A slot indexes the cache viewed as [num_blocks * block_size, num_kv_heads, head_dim];
+    # view (not reshape) so a non-contiguous cache fails loudly instead of writing a copy.
+    num_tokens = slot_mapping.shape[0]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat.index_copy_(0, slots, k[:num_tokens][valid].to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, v[:num_tokens][valid].to(v_cache.dtype))
 
 
 def paged_attention_reference(

@@ -1,0 +1,198 @@
+"""Per-request block lists on top of the block pool: allocation, prefix-cache lookup and
+caching of full blocks.
+
+Block i of a request holds the KV of its tokens [i * block_size, (i + 1) * block_size).
+With block_size 16, a request with 40 computed tokens and 8 more scheduled needs
+ceil(48 / 16) = 3 blocks; its full blocks 0 and 1 are cacheable, block 2 (tokens 32..47)
+becomes cacheable once all 16 of its tokens are computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmfast.cache.block_pool import BlockHash, BlockPool, KVCacheBlock
+from llmfast.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per admission (a new or resumed request), in tokens."""
+
+    num_queries: int = 0  # admissions looked up
+    queries: int = 0  # tokens of those requests
+    hits: int = 0  # tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already dealt with for caching
+        # (hashed into the map, or found there); the next caching pass starts after them.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # ---- prefix cache --------------------------------------------------------------
+
+    def _block_hash(self, request: Request, i: int, parent: BlockHash | None) -> BlockHash:
+        """Hash of the request's full block i, computed once and kept on the request."""
+        hashes = request.block_hashes
+        if i < len(hashes):
+            block_hash = hashes[i]
+            if parent is not None and block_hash.parent is not parent:
+                # `parent` is an equal-content object taken from the map; pointing at it
+                # keeps later equality checks to one `is` instead of a chain walk. Safe
+                # even if block_hash is a map key: its value and equality are unchanged.
+                block_hash.parent = parent
+            return block_hash
+        bs = self.block_size
+        block_hash = BlockHash(parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]))
+        hashes.append(block_hash)
+        return block_hash
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks: (blocks, num_computed_tokens).
+
+        At most num_tokens - 1 tokens count as computed: the last token must run through
+        the model to produce logits. E.g. block_size 16, a 32-token prompt fully cached:
+        (32 - 1) // 16 = 1 block hits, and the second block is recomputed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        hashes = request.block_hashes
+        computed: list[KVCacheBlock] = []
+        parent = None
+        for i in range(max_blocks):
+            block_hash = self._block_hash(request, i, parent)
+            block = lookup(block_hash)
+            if block is None:
+                break
+            # Adopt the map's object so the next block's parent is identical to the
+            # cached child's parent.
+            parent = block.block_hash
+            hashes[i] = parent
+            computed.append(block)
+        return computed, len(computed) * self.block_size
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_full: int
+    ) -> None:
+        rid = request.request_id
+        start = self.num_cached_blocks[rid]
+        hashes = request.block_hashes
+        parent = hashes[start - 1] if start else None
+        cache_block = self.block_pool.cache_block
+        for i in range(start, num_full):
+            block = blocks[i]
+            if block.block_hash is not None:  # a prefix hit: already in the map
+                parent = block.block_hash
+                continue
+            block_hash = self._block_hash(request, i, parent)
+            cached = cache_block(block, block_hash)
+            # If another request cached this content first, `block` stays a private,
+            # unhashed copy; the chain continues from the cached object.
+            parent = cached.block_hash
+            hashes[i] = parent
+        self.num_cached_blocks[rid] = num_full
+
+    # ---- allocation ----------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` (prefix hits from `get_computed_blocks`, passed on
+        admission, possibly empty) are taken before the new tokens. Returns the newly
+        allocated blocks, or None, with nothing changed, if the free blocks don't
+        suffice. Also caches the request's full blocks whose tokens are computed by now
+        (before this step: the ones scheduled now are not computed yet).
+        """
+        rid = request.request_id
+        bs = self.block_size
+        req_blocks = self.req_to_blocks.get(rid)
+        num_hit = len(new_computed_blocks) if new_computed_blocks else 0
+        num_computed = request.num_computed_tokens + num_hit * bs
+        num_have = num_hit + (0 if req_blocks is None else len(req_blocks))
+        # ceil((num_computed + num_new_tokens) / bs) blocks needed in all.
+        num_new_blocks = (num_computed + num_new_tokens + bs - 1) // bs - num_have
+        pool = self.block_pool
+
+        if num_new_blocks <= 0 and not num_hit and req_blocks is not None:
+            # Hot path: a decode that still fits in its last block.
+            new_blocks: list[KVCacheBlock] = []
+        else:
+            num_free = pool.free_block_queue.num_free_blocks
+            if num_hit:
+                # Touching a free cached hit takes it out of the free queue too.
+                num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks > num_free:
+                return None
+            if req_blocks is None:
+                req_blocks = self.req_to_blocks[rid] = []
+                self.num_cached_blocks[rid] = 0
+            if num_hit:
+                pool.touch(new_computed_blocks)
+                req_blocks.extend(new_computed_blocks)
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+            req_blocks.extend(new_blocks)
+
+        if new_computed_blocks is not None and self.enable_caching:
+            stats = self.stats
+            stats.num_queries += 1
+            stats.queries += len(request.all_token_ids)
+            stats.hits += num_hit * bs
+        if self.enable_caching and num_computed // bs > self.num_cached_blocks[rid]:
+            self._cache_full_blocks(request, req_blocks, num_computed // bs)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, caching its computed full blocks first.
+
+        Blocks are released tail first, so that the request's later blocks are evicted
+        before its prefix (see BlockPool.free_blocks).
+        """
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        if blocks is None:
+            return
+        if self.enable_caching:
+            num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+            if num_full > self.num_cached_blocks[rid]:
+                self._cache_full_blocks(request, blocks, num_full)
+        del self.num_cached_blocks[rid]
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

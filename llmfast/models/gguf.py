@@ -1,0 +1,417 @@
+"""GGUF (llama.cpp) files → an HF-style Llama directory, so that one loader serves both.
+
+The directory holds `config.json`, `generation_config.json`, `model.safetensors` (HF tensor
+names, float32), the tokenizer files with the chat template, and `llmfast-gguf.json`, which
+is written last and marks a finished conversion. It is built in a temporary sibling
+directory and renamed into place, so an interrupted conversion never leaves a directory
+that looks complete.
+
+Why float32: dequantised Q4_1 / Q8_0 / K-quant values are products of an f16 scale and a
+small integer plus an f16 offset; they need more mantissa bits than bf16 (8) or f16 (11)
+hold, so only float32 keeps them exact (and equal to what transformers' own GGUF loader
+produces). For SmolLM2-135M that is ~540 MB on disk, written once; the loader casts to the
+run dtype (bf16 on CUDA) when it loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmfast.config import ConfigError, ModelConfig, RopeScaling
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str, float | None], None]
+
+# Bump when the output of a conversion changes, so cached directories are rebuilt.
+CONVERSION_VERSION = 1
+MARKER_NAME = "llmfast-gguf.json"
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Present in some llama GGUF files but carry nothing the HF layout needs: `rope_freqs`
+# is read for llama3 rope scaling below, `attn_rot_embd` is an old precomputed table.
+_IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+
+# BPE pre-tokenizers that transformers' GGUF reader does not know: digits are split one
+# by one before the GPT-2 byte-level regex (what these models' own tokenizer.json does).
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
+
+
+class GGUFError(ConfigError):
+    """A GGUF file llmfast cannot convert; the message is one user-facing line."""
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    gguf_name: str
+    hf_name: str
+    reader_tensor: Any  # gguf.ReaderTensor
+
+
+def convert_gguf_to_hf_dir(
+    gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None
+) -> Path:
+    """Convert a llama GGUF file into an HF-style directory at `out_dir` (must not exist)."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    report = progress or (lambda stage, fraction: None)
+    if out_dir.exists():
+        raise GGUFError(f"cannot convert {gguf_path.name}: {out_dir} already exists")
+    report(f"reading {gguf_path.name}", None)
+    reader = _open(gguf_path)
+    config = _model_config(reader, gguf_path.name)
+    tensors = _plan_tensors(reader, config, gguf_path.name)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        state_dict = _dequantize_all(tensors, config, gguf_path.name, report)
+        report("writing model.safetensors", None)
+        from safetensors.torch import save_file
+
+        save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del state_dict
+        _write_json(tmp / "config.json", config.to_hf_dict())
+        _write_json(tmp / "generation_config.json", _generation_config(reader, config))
+        report("converting the tokenizer", None)
+        _write_tokenizer(reader, gguf_path, tmp)
+        types = Counter(t.reader_tensor.tensor_type.name for t in tensors)
+        _write_json(
+            tmp / MARKER_NAME,
+            {
+                "format_version": CONVERSION_VERSION,
+                "source": gguf_path.name,
+                "source_bytes": gguf_path.stat().st_size,
+                "tensor_types": dict(sorted(types.items())),
+            },
+        )
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report("conversion done", 1.0)
+    logger.info("converted %s to %s", gguf_path, out_dir)
+    return out_dir
+
+
+def is_converted(model_dir: str | Path) -> bool:
+    """Whether `model_dir` is a finished conversion by this version of the converter."""
+    marker = Path(model_dir) / MARKER_NAME
+    try:
+        return json.loads(marker.read_text()).get("format_version") == CONVERSION_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation. # weight: [num_heads * head_dim, in_features]
+
+    HF rotates dimension i of a head with dimension i + head_dim/2 (`rotate_half`); ggml's
+    llama rope rotates adjacent pairs (2i, 2i+1). llama.cpp's converter therefore
+    interleaves the two halves of each head's rows: with head_dim 4, HF rows [a0 a1 b0 b1]
+    are stored as [a0 b0 a1 b1]. Reading the stored rows as [head, pair, half] and swapping
+    pair and half gives back [head, half, pair], the HF order.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    if head_dim * num_heads != rows or head_dim % 2:
+        raise GGUFError(f"cannot un-permute {rows} rows into {num_heads} heads of even size")
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {path} not found")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # a parser of untrusted bytes: any failure means a bad file
+        raise GGUFError(
+            f"{path.name} is not a readable GGUF file (truncated or corrupt?): {_one_line(e)}"
+        ) from None
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    detail = text[0] if text else type(error).__name__
+    return detail[:200]
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except Exception as e:
+        raise GGUFError(f"GGUF metadata {key} is unreadable: {_one_line(e)}") from None
+
+
+def _model_config(reader: Any, name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise GGUFError(
+            f"{name} holds a {arch or 'unlabelled'!r} model (general.architecture); "
+            "llmfast converts only 'llama' GGUF files"
+        )
+    if (_field(reader, "llama.expert_count") or 0) > 0:
+        raise GGUFError(f"{name} is a mixture-of-experts llama (Mixtral-style); not supported")
+
+    def required(key: str) -> Any:
+        value = _field(reader, f"llama.{key}")
+        if value is None:
+            raise GGUFError(f"{name} lacks the metadata llama.{key}")
+        return value
+
+    hidden = int(required("embedding_length"))
+    num_heads = int(required("attention.head_count"))
+    head_dim = int(_field(reader, "llama.attention.key_length") or hidden // max(num_heads, 1))
+    value_dim = int(_field(reader, "llama.attention.value_length") or head_dim)
+    rope_dim = int(_field(reader, "llama.rope.dimension_count") or head_dim)
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise GGUFError(
+            f"{name}: key/value/rope dimensions {head_dim}/{value_dim}/{rope_dim} differ; "
+            "llmfast needs one head_dim with full rotary embedding"
+        )
+    tensor_names = {t.name: t for t in reader.tensors}
+    embed = tensor_names.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError(f"{name} has no token_embd.weight tensor")
+    rope_theta = float(_field(reader, "llama.rope.freq_base", 10000.0))
+    try:
+        return ModelConfig(
+            hidden_size=hidden,
+            num_hidden_layers=int(required("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv") or num_heads),
+            head_dim=head_dim,
+            intermediate_size=int(required("feed_forward_length")),
+            # The embedding's row count is the truth; `llama.vocab_size` is often absent.
+            vocab_size=int(embed.shape[-1]),
+            rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=_rope_scaling(reader, tensor_names, rope_theta, head_dim, name),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            max_position_embeddings=int(_field(reader, "llama.context_length") or 2048),
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_stop_ids(reader),
+            torch_dtype="float32",
+        )
+    except ConfigError as e:
+        raise GGUFError(f"{name}: {e}") from None
+
+
+def _stop_ids(reader: Any) -> tuple[int, ...]:
+    # eot / eom are llama.cpp's names for extra end-of-turn tokens (Llama 3's <|eot_id|>).
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = [_field(reader, f"tokenizer.ggml.{k}") for k in keys]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _rope_scaling(
+    reader: Any, tensors: dict[str, Any], theta: float, head_dim: int, name: str
+) -> RopeScaling:
+    kind = _field(reader, "llama.rope.scaling.type", "none")
+    factor = float(_field(reader, "llama.rope.scaling.factor", 1.0) or 1.0)
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp stores llama3 scaling as per-frequency divisors, not as parameters.
+        import gguf
+
+        t = tensors["rope_freqs.weight"]
+        freqs = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
+        return _llama3_from_freqs(freqs.reshape(-1), theta, head_dim, name)
+    if kind in ("none", "", None) or factor == 1.0:
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", factor)
+    raise GGUFError(f"{name} uses {kind!r} rope scaling; llmfast supports linear and llama3")
+
+
+def _llama3_from_freqs(freqs: np.ndarray, theta: float, head_dim: int, name: str) -> RopeScaling:
+    """Recognise llama3 scaling in `rope_freqs`: its largest divisor is the factor, and the
+    other parameters must be Llama 3's (low 1, high 4, original context 8192), which is
+    checked by recomputing the divisors the way llama.cpp's converter does."""
+    scaling = RopeScaling("llama3", float(freqs.max()), 1.0, 4.0, 8192)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    expected = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            expected.append(1.0)
+        elif wavelen > low_wavelen:
+            expected.append(scaling.factor)
+        else:
+            smooth = (old / wavelen - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            expected.append(1.0 / ((1 - smooth) / scaling.factor + smooth))
+    if freqs.shape != (head_dim // 2,) or not np.allclose(freqs, expected, rtol=1e-3):
+        raise GGUFError(
+            f"{name}: rope_freqs do not match llama3 scaling with Llama 3's parameters; "
+            "convert the HF checkpoint instead"
+        )
+    return scaling
+
+
+def _plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[_Tensor]:
+    """Map every GGUF tensor to its HF name; refuse unknown or missing ones."""
+    planned: list[_Tensor] = []
+    for t in reader.tensors:
+        if _IGNORED.match(t.name):
+            continue
+        match = _LAYER_NAME.match(t.name)
+        if match and match[2] in _LAYER_TENSORS and int(match[1]) < config.num_hidden_layers:
+            hf = f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.weight"
+        elif t.name.endswith(".weight") and t.name[:-7] in _GLOBAL_TENSORS:
+            hf = f"{_GLOBAL_TENSORS[t.name[:-7]]}.weight"
+        else:
+            raise GGUFError(
+                f"{name} has a tensor {t.name} that plain Llama lacks (biases, experts?); "
+                "not supported"
+            )
+        planned.append(_Tensor(t.name, hf, t))
+    expected = _expected_shapes(config)
+    missing = sorted(set(expected) - {p.hf_name for p in planned})
+    if missing:
+        raise GGUFError(f"{name} lacks {len(missing)} tensors, e.g. {missing[0]}")
+    for p in planned:
+        # GGUF lists dims fastest-first (ggml's ne order): the reverse of torch's shape.
+        shape = tuple(int(d) for d in reversed(p.reader_tensor.shape.tolist()))
+        if shape != expected[p.hf_name]:
+            raise GGUFError(
+                f"{name}: tensor {p.gguf_name} has shape {list(shape)}, "
+                f"expected {list(expected[p.hf_name])} from the metadata"
+            )
+    return planned
+
+
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, i = c.hidden_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    per_layer = {
+        "self_attn.q_proj": (c.q_size, h),
+        "self_attn.k_proj": (c.kv_size, h),
+        "self_attn.v_proj": (c.kv_size, h),
+        "self_attn.o_proj": (h, c.q_size),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+        "input_layernorm": (h,),
+        "post_attention_layernorm": (h,),
+    }
+    for layer in range(c.num_hidden_layers):
+        for short, shape in per_layer.items():
+            shapes[f"model.layers.{layer}.{short}.weight"] = shape
+    return shapes
+
+
+def _dequantize_all(
+    tensors: list[_Tensor], config: ModelConfig, name: str, report: Progress
+) -> dict[str, torch.Tensor]:
+    import gguf
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for n, t in enumerate(tensors):
+        rt = t.reader_tensor
+        try:
+            array = gguf.quants.dequantize(rt.data, rt.tensor_type)
+        except NotImplementedError:
+            raise GGUFError(
+                f"{name}: tensor {t.gguf_name} uses {rt.tensor_type.name}, which the gguf "
+                "package cannot dequantise"
+            ) from None
+        except Exception as e:
+            raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {_one_line(e)}") from None
+        # A copy: the reader's arrays are read-only views of the memory-mapped file.
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        if t.gguf_name.endswith(".attn_q.weight"):
+            weight = unpermute_qk(weight, config.num_attention_heads)
+        elif t.gguf_name.endswith(".attn_k.weight"):
+            weight = unpermute_qk(weight, config.num_key_value_heads)
+        state_dict[t.hf_name] = weight
+        report("dequantising tensors", (n + 1) / len(tensors))
+    return state_dict
+
+
+def _generation_config(reader: Any, config: ModelConfig) -> dict[str, Any]:
+    eos = list(config.eos_token_ids)
+    out: dict[str, Any] = {"bos_token_id": config.bos_token_id}
+    out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        out["pad_token_id"] = int(pad)
+    return out
+
+
+def _write_tokenizer(reader: Any, gguf_path: Path, out_dir: Path) -> None:
+    """transformers builds the tokenizer from the GGUF metadata; we save it as files."""
+    if reader.get_field("tokenizer.ggml.tokens") is None:
+        logger.warning("%s has no tokenizer; the converted model has none", gguf_path.name)
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent.resolve()), gguf_file=gguf_path.name
+        )
+    except Exception as e:
+        raise GGUFError(
+            f"{gguf_path.name}: transformers cannot build its tokenizer: {_one_line(e)}"
+        ) from None
+    if _field(reader, "tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+        from tokenizers import pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

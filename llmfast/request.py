@@ -1,0 +1,128 @@
+"""One generation request as the scheduler sees it: token ids, progress and status.
+
+`num_computed_tokens` catches up to `num_tokens` (prompt plus generated tokens); there is no
+prefill or decode phase. The scheduler advances it when it schedules tokens, so between
+`schedule()` and `update()` it already counts the tokens in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from llmfast.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (e.g. its prompt cannot fit); the message is one line."""
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after PREEMPTED is a finished state (see `is_finished`).
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Mutable per-request state, owned by the scheduler once added.
+
+    Plain slots instead of a dataclass: the scheduler touches a few of these fields for
+    every running request every step, and the derived fields (`stop_token_set`, the
+    cached `max_tokens`/`min_tokens`) keep that hot path to attribute reads.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_ids",
+        "arrival_time",
+        "output_token_ids",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "status",
+        "num_preemptions",
+        "block_hashes",
+        "stop_token_set",
+        "max_tokens",
+        "min_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        # Prompt followed by outputs; appended in step with output_token_ids so that
+        # block hashing and num_tokens never have to concatenate.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        # Prefix-cache hashes of this request's full blocks, in order (block i covers
+        # tokens [i * block_size, (i + 1) * block_size)). Kept across preemption so a
+        # resumed request does not re-hash; filled by the KV cache manager.
+        self.block_hashes: list = []
+        # Tokens that end the request once more than min_tokens have been generated.
+        stop = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        self.stop_token_set = frozenset(stop)
+        self.max_tokens = sampling_params.max_tokens
+        self.min_tokens = sampling_params.min_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )

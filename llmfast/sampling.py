@@ -1,0 +1,347 @@
+"""Batched, sync-free sampling: penalties, min_tokens, logprobs, greedy / filtered random.
+
+One `Sampler.forward` call turns the logits of every request in the batch into one token
+id each, without a single device→host synchronisation: per-request parameters arrive as
+device tensors (`SamplingMetadata`), and only host-known flags (computed by the input
+batch when the set of params changes) decide which stages run. Random rows use the
+exponential race `argmax(probs / q)`, q ~ Exp(1); seeded rows draw q from a counter-based
+hash of (seed, step, token id), so their tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from llmfast.sampling_params import GREEDY_TEMPERATURE, SamplingParams, SamplingParamsError
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingParams",
+    "SamplingParamsError",
+    "seed_to_int64",
+    "seeded_exponential",
+]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """Reinterpret an unsigned 64-bit constant as the signed value torch.int64 holds."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+# splitmix64 constants (Steele et al.), as signed int64 so torch accepts them.
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+# Decorrelates the step counter from the seed before they are combined.
+_STEP_SALT = _i64(0xD1B54A32D192ED03)
+# Smallest normal float32: clamping q to it keeps probs / q finite (probs <= 1) and
+# keeps masked tokens (prob 0) at exactly 0, never NaN.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def seed_to_int64(seed: int) -> int:
+    """Fold any non-negative Python int seed into the int64 that `SamplingMetadata.seeds`
+    holds (seeds >= 2**63 would overflow a numpy int64 array)."""
+    return _i64(seed)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; masking off the sign-extended bits makes it logical.
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser; int64 multiplication wraps on every torch backend."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise that depends only on (seed, step, token id). # [num_reqs, vocab_size]
+
+    A row's key mixes its seed and step; token i then takes the i-th element of the
+    splitmix64 stream started at that key. Integer ops only, so any device gives the
+    same bits; the top 24 bits become a uniform in [0, 1 - 2**-24] exactly in float32.
+    """
+    row_key = _mix64(_mix64(seeds) ^ (steps * _STEP_SALT))  # [num_reqs]
+    idx = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)
+    z = _mix64(row_key[:, None] + idx[None, :] * _GOLDEN)  # [num_reqs, vocab_size]
+    u = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+    return -torch.log1p(-u)  # 1 - u is exact, so q = 0 only when u = 0
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-request sampling state for one step, one row per request.
+
+    Device tensors are straight copies of per-request numpy arrays: the `[n]` ones are a
+    slice of `max_num_seqs`-long arrays, the `[n, k]` id tensors are padded with any id
+    >= vocab_size (vocab_size is the natural choice; ids are clamped, so larger is fine).
+    Host fields are recomputed by the batch when its set of requests changes; the
+    sampler trusts them to skip work and never reads a device value to decide anything.
+    A row whose stage is off must hold the neutral value (temperature 1 or 0 for greedy,
+    top_k 0, top_p 1, min_p 0, penalties 1 / 0 / 0, min_tokens 0).
+    """
+
+    temperature: torch.Tensor  # [n] f32; < GREEDY_TEMPERATURE means greedy
+    top_k: torch.Tensor  # [n] int32; 0 = off
+    top_p: torch.Tensor  # [n] f32; 1 = off
+    min_p: torch.Tensor  # [n] f32; 0 = off
+    repetition_penalty: torch.Tensor  # [n] f32; 1 = off
+    presence_penalty: torch.Tensor  # [n] f32; 0 = off
+    frequency_penalty: torch.Tensor  # [n] f32; 0 = off
+    seeds: torch.Tensor  # [n] int64 (seed_to_int64); ignored where has_seed is False
+    has_seed: torch.Tensor  # [n] bool
+    step: torch.Tensor  # [n] int64: output tokens generated so far
+    min_tokens: torch.Tensor  # [n] int64; stop ids are banned while step < min_tokens
+    # Penalty inputs; None allowed when no_penalties.
+    prompt_token_ids: torch.Tensor | None  # [n, max_prompt_len] int64, padded
+    output_token_ids: torch.Tensor | None  # [n, max_output_len] int64, padded
+    # EOS (unless ignore_eos) + stop_token_ids per row; None allowed when no_min_tokens.
+    stop_token_ids: torch.Tensor | None  # [n, max_num_stop_ids] int64, padded
+    # Host-side flags.
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    no_min_tokens: bool  # no row has step < min_tokens
+    no_seeds: bool  # no row has a seed
+    max_top_k: int  # max top_k over the batch (0 if no_top_k)
+    max_num_logprobs: int | None  # None: no row wants logprobs
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        *,
+        vocab_size: int,
+        steps: Sequence[int] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+        eos_token_id: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Build metadata from request objects: the reference for how InputBatch fills it.
+
+        Slow (Python lists); the engine's batch keeps these arrays persistently instead.
+        """
+        n = len(params)
+        steps = list(steps) if steps is not None else [0] * n
+        prompts = [list(p) for p in prompt_token_ids] if prompt_token_ids else [[]] * n
+        outputs = [list(o) for o in output_token_ids] if output_token_ids else [[]] * n
+
+        def f32(vals: list) -> torch.Tensor:
+            return torch.tensor(vals, dtype=torch.float32, device=device)
+
+        def i64(vals: list) -> torch.Tensor:
+            return torch.tensor(vals, dtype=torch.int64, device=device)
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            width = max((len(r) for r in rows), default=0)
+            return i64([r + [vocab_size] * (width - len(r)) for r in rows]).view(n, width)
+
+        stops = [
+            list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and
+                                      not p.ignore_eos else [])
+            for p in params
+        ]
+        no_penalties = all(
+            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 for p in params
+        )
+        no_min_tokens = all(s >= p.min_tokens or not st for p, s, st in zip(params, steps, stops))
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
+            top_p=f32([p.top_p for p in params]),
+            min_p=f32([p.min_p for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            seeds=i64([seed_to_int64(p.seed or 0) for p in params]),
+            has_seed=torch.tensor([p.seed is not None for p in params], device=device),
+            step=i64(steps),
+            min_tokens=i64([p.min_tokens for p in params]),
+            prompt_token_ids=None if no_penalties else padded(prompts),
+            output_token_ids=None if no_penalties else padded(outputs),
+            stop_token_ids=None if no_min_tokens else padded(stops),
+            all_greedy=all(p.greedy for p in params),
+            all_random=not any(p.greedy for p in params),
+            no_penalties=no_penalties,
+            no_top_k=all(p.top_k == 0 for p in params),
+            no_top_p=all(p.top_p == 1.0 for p in params),
+            no_min_p=all(p.min_p == 0.0 for p in params),
+            no_min_tokens=no_min_tokens,
+            no_seeds=all(p.seed is None for p in params),
+            max_top_k=max((p.top_k for p in params), default=0),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+
+class LogprobsTensors(NamedTuple):
+    sampled_logprobs: torch.Tensor  # [n] f32
+    topk_ids: torch.Tensor  # [n, max_num_logprobs] int64
+    topk_logprobs: torch.Tensor  # [n, max_num_logprobs] f32
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [n] int64, on the logits' device
+    logprobs: LogprobsTensors | None
+
+
+def _token_mask(ids: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """Bool [n, vocab_size]: True where the row's padded id list holds the token.
+
+    Pads (any id >= vocab_size) land in a spare last column that is sliced off.
+    """
+    ids = ids.clamp(max=vocab_size)
+    mask = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, ids, True)[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (HF/vLLM) over prompt + output tokens, then OpenAI frequency/presence
+    over output tokens only. Returns a new tensor. # [n, vocab_size]"""
+    n, vocab_size = logits.shape
+    out_ids = md.output_token_ids.clamp(max=vocab_size)
+    counts = torch.zeros(n, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab_size]  # [n, vocab_size]
+    output_seen = counts > 0
+    seen = _token_mask(md.prompt_token_ids, n, vocab_size) | output_seen
+    rep = torch.where(seen, md.repetition_penalty[:, None], 1.0)
+    # Dividing positive and multiplying negative logits both make a seen token less likely.
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - md.frequency_penalty[:, None] * counts
+    return logits - md.presence_penalty[:, None] * output_seen
+
+
+def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Ban EOS / stop ids in rows that have not reached min_tokens yet."""
+    n, vocab_size = logits.shape
+    active = (md.step < md.min_tokens)[:, None]  # [n, 1]
+    ids = torch.where(active, md.stop_token_ids, vocab_size)  # inactive rows: all pads
+    return logits.masked_fill(_token_mask(ids, n, vocab_size), float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask tokens outside each row's top-k and top-p sets, in place.
+
+    top-k keeps every token >= the k-th largest logit (ties at the threshold are kept)
+    on both paths, so a row gets the same set whatever the rest of the batch enables.
+    top-p keeps the smallest head of the sorted distribution with mass >= top_p.
+    """
+    vocab_size = logits.shape[-1]
+    neg_inf = float("-inf")
+    if md.no_top_p:
+        # Sort-free: only the k_max largest values per row are needed for thresholds.
+        k_max = min(md.max_top_k, vocab_size)
+        top_vals = logits.topk(k_max, dim=-1, sorted=True).values  # [n, k_max]
+        kth = (md.top_k.to(torch.int64) - 1).clamp(0, k_max - 1)[:, None]
+        threshold = top_vals.gather(1, kth)  # [n, 1]
+        threshold = threshold.masked_fill(md.top_k[:, None] <= 0, neg_inf)
+        return logits.masked_fill_(logits < threshold, neg_inf)
+
+    # Ascending, so the tail to drop is a prefix; stable so ties order the same in any batch.
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False, stable=True)
+    if not md.no_top_k:
+        k = md.top_k.to(torch.int64).clamp(0, vocab_size)
+        # The k-th largest sits at ascending index V - k; k = 0 rows (off) get -inf.
+        kth = (vocab_size - k).clamp(max=vocab_size - 1)[:, None]
+        threshold = sorted_logits.gather(1, kth)
+        threshold = threshold.masked_fill(k[:, None] <= 0, neg_inf)
+        sorted_logits.masked_fill_(sorted_logits < threshold, neg_inf)
+    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)  # [n, vocab_size]
+    drop = cum <= (1.0 - md.top_p)[:, None]
+    drop[:, -1] = False  # the most likely token always survives
+    sorted_logits.masked_fill_(drop, neg_inf)
+    return logits.scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Drop tokens with prob < min_p * max prob, in place. In logit space that is
+    logit < max_logit + log(min_p): no softmax, and min_p = 0 gives -inf (off)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + md.min_p.log()[:, None]
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def compute_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    sampled_lp = logprobs.gather(1, sampled[:, None]).squeeze(1)  # [n]
+    topk_lp, topk_ids = logprobs.topk(k, dim=-1)  # [n, k]; k = 0 gives empty tensors
+    return LogprobsTensors(sampled_lp, topk_ids, topk_lp)
+
+
+class Sampler(nn.Module):
+    """logits [n, vocab_size] + SamplingMetadata -> one token id per row, no host sync.
+
+    Stage order: penalties -> min_tokens masking -> logprobs (log_softmax here: the
+    model's distribution after penalties/bans, before temperature and filters, like
+    vLLM's raw logprobs) -> greedy argmax -> temperature -> top-k -> top-p -> min-p ->
+    exponential race. Greedy and random rows are merged with torch.where at the end.
+    """
+
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.all_greedy and md.no_penalties and md.no_min_tokens and md.max_num_logprobs is None:
+            # The common decode fast path: one argmax, no float32 copy of the logits.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+        # .float() may alias the caller's tensor: every op up to the temperature division
+        # is out of place, and only tensors created here are modified in place.
+        logits = logits.float()  # [n, vocab_size]
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md)
+        if not md.no_min_tokens:
+            logits = apply_min_tokens(logits, md)
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+
+        greedy = None
+        if not md.all_random:
+            greedy = logits.argmax(dim=-1)  # [n]
+        if md.all_greedy:
+            sampled = greedy
+        else:
+            sampled = self._sample_random(logits, md)
+            if greedy is not None:
+                is_greedy = md.temperature < GREEDY_TEMPERATURE
+                sampled = torch.where(is_greedy, greedy, sampled)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = compute_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        # Greedy rows divide by 1 instead of ~0; their draw is discarded anyway.
+        temperature = torch.where(md.temperature < GREEDY_TEMPERATURE, 1.0, md.temperature)
+        logits = logits / temperature[:, None]  # new tensor: in place is safe from here
+        if not (md.no_top_k and md.no_top_p):
+            logits = apply_top_k_top_p(logits, md)
+        if not md.no_min_p:
+            logits = apply_min_p(logits, md)
+        probs = logits.softmax(dim=-1)  # [n, vocab_size]
+
+        # argmax(p_i / q_i) with q_i ~ Exp(1) picks token i with probability p_i.
+        if md.no_seeds:
+            q = torch.empty_like(probs).exponential_()
+        else:
+            q = seeded_exponential(md.seeds, md.step, probs.shape[-1])
+            q = torch.where(md.has_seed[:, None], q, torch.empty_like(probs).exponential_())
+        return probs.div_(q.clamp_min_(_TINY)).argmax(dim=-1)

@@ -1,0 +1,328 @@
+"""Token-budget scheduler: chunked prefill, prefix caching, recompute preemption.
+
+There is no prefill or decode phase. Each step every request gets tokens so that its
+`num_computed_tokens` catches up to `num_tokens`: running requests first (in admission
+order), then waiting ones in FIFO order, all under `max_num_batched_tokens` tokens and
+`max_num_seqs` running requests. A prompt longer than the remaining budget is computed in
+chunks over several steps. When the KV cache runs out, the most recently admitted running
+request is preempted: its blocks are freed and it is recomputed later from scratch (its
+full blocks usually come back as prefix-cache hits).
+
+The engine calls, per step: `schedule()` -> runner -> `update()` -> (engine's stop-string
+check) `finish_requests()`. Aborts and additions happen between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from llmfast.cache.kv_cache_manager import KVCacheManager
+from llmfast.config import CacheConfig, SchedulerConfig
+from llmfast.request import Request, RequestRejected, RequestStatus
+from llmfast.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+_REASON_TO_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to a request, for the engine's output stream."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # None while the request keeps running
+    # Per new token: (logprob of the sampled token, {token: logprob} top-n), if asked.
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_preemptions: int  # since start
+    prefix_cache_queries: int  # tokens of admitted requests
+    prefix_cache_hits: int  # of which found cached
+    prefix_cache_hit_rate: float
+    kv_cache_usage: float  # fraction of usable blocks held
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        # A sequence can never be longer than the whole cache: treating that as the
+        # length limit lets a request alone always make progress, so nothing starves.
+        cache_capacity = self.kv_cache_manager.num_usable_blocks * self.block_size
+        self.max_model_len = min(scheduler_config.max_model_len, cache_capacity)
+        self.requests: dict[str, Request] = {}  # unfinished ones, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; preemption takes the last
+        # Ids the runner holds state for that finished or were aborted since last step.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        rid = request.request_id
+        n = len(request.all_token_ids)
+        if rid in self.requests:
+            raise RequestRejected(f"request {rid!r}: a request with this id is already running")
+        if n == 0:
+            raise RequestRejected(f"request {rid!r}: the prompt is empty")
+        # The prompt needs room for at least one generated token: n + 1 <= max length.
+        max_len = self.scheduler_config.max_model_len
+        if n >= max_len:
+            raise RequestRejected(
+                f"request {rid!r}: prompt of {n} tokens leaves no room to generate "
+                f"within max-model-len {max_len}"
+            )
+        bs = self.block_size
+        usable = self.kv_cache_manager.num_usable_blocks
+        if (n + 1 + bs - 1) // bs > usable:
+            raise RequestRejected(
+                f"request {rid!r}: prompt of {n} tokens needs {(n + bs) // bs} KV-cache blocks "
+                f"of {bs} tokens, the cache has {usable}"
+            )
+
+    def finish_requests(self, req_ids: str | Iterable[str], reason: str | RequestStatus) -> None:
+        """End requests from outside (a stop string found by the engine, an abort).
+
+        Unknown or already finished ids are ignored.
+        """
+        status = _REASON_TO_STATUS[reason] if isinstance(reason, str) else RequestStatus(reason)
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        stopped_running = False
+        for rid in req_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status is _RUNNING:
+                self.kv_cache_manager.free(request)
+                self.finished_req_ids.add(rid)
+                stopped_running = True
+            else:  # waiting or preempted: holds no blocks, the runner never kept it
+                self.waiting.remove(request)
+            request.status = status
+        if stopped_running:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+
+    def abort(self, req_id: str) -> None:
+        self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            prefix_cache_hit_rate=kv.stats.hit_rate,
+            kv_cache_usage=kv.usage,
+        )
+
+    # ---- one step ------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        # Free first: freeing caches the full blocks of the computed tokens.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are taken from the back of `running`, so pushing each to the front
+        # of `waiting` keeps their admission order: running [A, B, C] losing C then B
+        # gives waiting [B, C, ...].
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d times)", request.request_id, request.num_preemptions)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        cached = CachedRequestData()
+        cached_ids, cached_blocks, cached_computed = (
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+        )
+        new_reqs: list[NewRequestData] = []
+        preempted_ids: set[str] = set()
+        allocate = self.kv_cache_manager.allocate_slots
+        running = self.running
+        # The last token of a sequence of max_model_len tokens is never computed.
+        max_computed = self.max_model_len - 1
+
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - num_computed
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_computed - num_computed:
+                num_new = max_computed - num_computed
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = allocate(request, num_new)
+            while new_blocks is None:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    break
+                new_blocks = allocate(request, num_new)
+            if new_blocks is None:  # it preempted itself: nothing later can fit either
+                break
+            rid = request.request_id
+            num_scheduled_tokens[rid] = num_new
+            cached_ids.append(rid)
+            cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached_computed.append(num_computed)
+            request.num_computed_tokens = num_computed + num_new
+            budget -= num_new
+            i += 1
+
+        # Admitting while preempting would only feed the thrashing.
+        if not preempted_ids:
+            budget = self._schedule_waiting(budget, num_scheduled_tokens, new_reqs)
+
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted_ids,
+        )
+
+    def _schedule_waiting(
+        self, budget: int, num_scheduled_tokens: dict[str, int], new_reqs: list[NewRequestData]
+    ) -> int:
+        kv = self.kv_cache_manager
+        waiting, running = self.waiting, self.running
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting[0]
+            computed_blocks, num_cached = kv.get_computed_blocks(request)
+            num_new = len(request.all_token_ids) - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break  # FIFO: nothing behind it jumps the queue
+            waiting.popleft()
+            running.append(request)
+            request.status = _RUNNING
+            rid = request.request_id
+            num_scheduled_tokens[rid] = num_new
+            new_reqs.append(
+                NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(rid),
+                    num_computed_tokens=num_cached,
+                )
+            )
+            request.num_computed_tokens = num_cached + num_new
+            budget -= num_new
+        return budget
+
+    def update(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        requests = self.requests
+        max_model_len = self.max_model_len
+        all_logprobs = model_runner_output.logprobs
+        updates: list[RequestUpdate] = []
+        finished: list[Request] = []
+        for idx, (rid, sampled) in enumerate(
+            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
+        ):
+            request = requests.get(rid)
+            # Gone (aborted since schedule) or a prefill chunk short of the prompt's end:
+            # its sample, if the runner made one, means nothing.
+            if not sampled or request is None or request.status is not _RUNNING:
+                continue
+            all_ids = request.all_token_ids
+            if request.num_computed_tokens < len(all_ids):
+                continue
+            out_ids = request.output_token_ids
+            status = None
+            num_accepted = 0
+            for token in sampled:
+                out_ids.append(token)
+                all_ids.append(token)
+                num_accepted += 1
+                num_out = len(out_ids)
+                if token in request.stop_token_set and num_out > request.min_tokens:
+                    status = _STOPPED
+                elif num_out >= request.max_tokens or len(all_ids) >= max_model_len:
+                    status = _LENGTH
+                else:
+                    continue
+                break
+            new_ids = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
+            logprobs = None
+            if all_logprobs is not None:
+                logprobs = all_logprobs[idx][:num_accepted]
+            if status is None:
+                updates.append(RequestUpdate(rid, new_ids, None, logprobs))
+                continue
+            request.status = status
+            updates.append(RequestUpdate(rid, new_ids, status.finish_reason, logprobs))
+            finished.append(request)
+        if finished:
+            free = self.kv_cache_manager.free
+            for request in finished:
+                free(request)
+                del requests[request.request_id]
+                self.finished_req_ids.add(request.request_id)
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return updates

@@ -1,0 +1,235 @@
+"""Tokenizer, chat template and incremental detokenizer.
+
+`Tokenizer` wraps a transformers tokenizer loaded from a local model directory (never
+with remote code). `IncrementalDetokenizer` turns a stream of sampled token ids into text
+deltas with constant work per token, vLLM-style: it decodes a short window of ids twice
+(without and with the new token) and emits the difference, which handles both byte-level
+BPE (characters split over several tokens) and SentencePiece (a leading "▁" that is a
+space only when something precedes it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from llmfast.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_REPLACEMENT = "\ufffd"  # what decoding yields for bytes that are not (yet) valid UTF-8
+
+
+class TokenizerError(ConfigError):
+    """A tokenizer problem the user must fix; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    hf: Any  # a transformers PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]
+    name: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # No clean-up of tokenization spaces: it rewrites " ." as "." depending on what
+        # follows, which would make incremental decoding disagree with a full decode.
+        return self.hf.decode(
+            list(token_ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def render_chat(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        plain_fallback: bool = False,
+    ) -> str:
+        """The prompt text for `messages` (the chat template's output)."""
+        _check_messages(messages)
+        if not self.has_chat_template:
+            if not plain_fallback:
+                model = f"the model {self.name}" if self.name else "this model"
+                raise TokenizerError(
+                    f"{model} has no chat template; use a plain prompt "
+                    "(or allow the plain 'role: content' fallback format)"
+                )
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        try:
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja errors, incl. the template's own raise_exception()
+            raise TokenizerError(f"the chat template failed: {_one_line(e)}") from None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        plain_fallback: bool = False,
+    ) -> list[int]:
+        """Token ids of the chat prompt. The template writes its own special tokens (BOS
+        included), so the rendered text is encoded without adding any; the plain fallback
+        format gets the tokenizer's usual ones."""
+        text = self.render_chat(messages, add_generation_prompt, plain_fallback)
+        return self.encode(text, add_special_tokens=not self.has_chat_template)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    model_dir = Path(model_dir)
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        raise TokenizerError(f"no tokenizer files in {model_dir}")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(
+            str(model_dir), trust_remote_code=False, local_files_only=True
+        )
+    except Exception as e:
+        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {_one_line(e)}") from None
+    return Tokenizer(hf, _eos_token_ids(hf, model_dir), model_dir.name)
+
+
+def _eos_token_ids(hf: Any, model_dir: Path) -> tuple[int, ...]:
+    """The tokenizer's EOS, then those of generation_config.json and config.json: chat
+    models often stop on an end-of-turn token that only the generation config names."""
+    ids: list[int] = []
+    if hf.eos_token_id is not None:
+        ids.append(int(hf.eos_token_id))
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((model_dir / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        values = value if isinstance(value, list) else [value]
+        ids.extend(int(v) for v in values if isinstance(v, int))
+    return tuple(dict.fromkeys(ids))
+
+
+def _check_messages(messages: list[dict[str, str]]) -> None:
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
+            m.get("content"), str
+        ):
+            raise TokenizerError(f"a chat message needs string 'role' and 'content': {m!r:.80}")
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:200]
+
+
+class _Decoder(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing sequence of output tokens.
+
+    Offsets into `_ids` (a tail of the prompt, then the outputs):
+    `_prefix` .. `_read` is context already emitted (decoded only so that a leading
+    space or a multi-token character comes out right), `_read` .. end is not emitted yet.
+    A delta is emitted once the text does not end in U+FFFD (an incomplete UTF-8
+    character); then the window slides to start where the last delta began. Each token
+    costs two decodes of a few ids, whatever the length of the sequence.
+    """
+
+    PROMPT_WINDOW = 5  # prompt tokens decoded as context for the first output token
+
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = [int(t) for t in prompt_token_ids[-self.PROMPT_WINDOW :]]
+        self._num_prompt = len(self._ids)
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text: str | None = None  # decode of _ids[_prefix:_read], cached
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._ids[self._num_prompt :]
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> str:
+        """Append sampled ids; return the new text (possibly "")."""
+        deltas = []
+        for token_id in new_token_ids:
+            self._ids.append(int(token_id))
+            deltas.append(self._step(final=False))
+        delta = "".join(deltas)
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a request: emit held-back text even if it ends mid-character."""
+        delta = self._step(final=True) if self._read < len(self._ids) else ""
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def _step(self, final: bool) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+        prefix_text = self._prefix_text
+        new_text = self._decode(self._ids[self._prefix :])
+        if new_text.endswith(_REPLACEMENT) and not final:
+            return ""  # wait for the rest of the character
+        # Normally new_text extends prefix_text. Only the first window can end inside a
+        # character (the prompt's last token), so compare instead of assuming.
+        start = len(prefix_text)
+        if not new_text.startswith(prefix_text):
+            start = _common_prefix_length(prefix_text, new_text)
+        delta = new_text[start:]
+        if not delta:
+            return ""  # e.g. a skipped special token: keep the window, nothing to show
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = None
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,191 @@
+"""Tokenizer wrapper, chat template and the incremental detokenizer, on tiny tokenizers
+trained here (no hub)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from llmfast.tokenizer import IncrementalDetokenizer, TokenizerError, load_tokenizer
+
+CORPUS = [
+    "Hello world, this is a small test of the tokenizer.",
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Emoji: 😀 🎉 👍🏽 🇫🇷 and more emoji 😀😀 in a row.",
+    "中文字符 你好世界 日本語のテキスト 한국어",
+    "naïve café résumé — “quotes” and ½ fractions",
+    "numbers 12345 67890 and symbols !@#$%^&*()",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MIXED_TEXT = "Hi 😀 there, 你好世界! 👍🏽 naïve 🇫🇷 done."
+
+
+def train_byte_level_bpe(vocab_size: int = 420):
+    """A GPT-2-style byte-level BPE (a `tokenizers.Tokenizer`); deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    return tok
+
+
+def save_hf_tokenizer(tok, path: Path, chat_template: str | None = CHATML) -> Path:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    path.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_dir(tmp_path_factory) -> Path:
+    return save_hf_tokenizer(train_byte_level_bpe(), tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="module")
+def metaspace_dir(tmp_path_factory) -> Path:
+    """SentencePiece-style: words carry a leading '▁' that decodes to a space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False)
+    tok.train_from_iterator(["hello world again and again", "the world says hello"] * 3, trainer)
+    return save_hf_tokenizer(tok, tmp_path_factory.mktemp("sp"), chat_template=None)
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    deltas = [detok.add_tokens([i]) for i in ids]
+    return deltas + [detok.flush()]
+
+
+def test_encode_decode_and_eos(byte_dir):
+    (byte_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    try:
+        tok = load_tokenizer(byte_dir)
+    finally:
+        (byte_dir / "generation_config.json").unlink()
+    ids = tok.encode(MIXED_TEXT)
+    assert tok.decode(ids) == MIXED_TEXT
+    # The tokenizer's own EOS first, then the generation config's, without duplicates.
+    assert tok.eos_token_ids == (tok.hf.convert_tokens_to_ids("<|im_end|>"), 7)
+
+
+def test_chat_template(byte_dir):
+    tok = load_tokenizer(byte_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages)
+    expected = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids, skip_special_tokens=False) == expected
+    # Special tokens stay whole (one id each), not spelled out in bytes.
+    assert ids[0] == tok.hf.convert_tokens_to_ids("<|im_start|>")
+    with pytest.raises(TokenizerError, match="role"):
+        tok.apply_chat_template([{"content": "no role"}])
+
+
+def test_missing_chat_template(tmp_path):
+    tok = load_tokenizer(save_hf_tokenizer(train_byte_level_bpe(), tmp_path / "t", None))
+    messages = [{"role": "user", "content": "hello"}]
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tok.apply_chat_template(messages)
+    ids = tok.apply_chat_template(messages, plain_fallback=True)
+    assert tok.decode(ids) == "user: hello\nassistant:"
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
+        load_tokenizer(tmp_path)
+
+
+def test_multibyte_characters_never_broken(byte_dir):
+    tok = load_tokenizer(byte_dir)
+    ids = tok.encode(MIXED_TEXT, add_special_tokens=False)
+    # The test means something only if some character is split across tokens.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tok, tok.encode("prompt: "))
+    deltas = stream(detok, ids)
+    assert "".join(deltas) == MIXED_TEXT == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+    assert detok.output_token_ids == ids
+
+
+def test_prompt_ending_mid_character(byte_dir):
+    tok = load_tokenizer(byte_dir)
+    ids = tok.encode("你好世界", add_special_tokens=False)
+    # Split where the prompt alone decodes to an incomplete character.
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok, ids[:cut])
+    text = "".join(stream(detok, ids[cut:]))
+    prompt_text = tok.decode(ids[:cut]).rstrip("\ufffd")
+    assert prompt_text + text == "你好世界"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_sequences_match_full_decode(byte_dir, skip_special_tokens):
+    tok = load_tokenizer(byte_dir)
+    rng = random.Random(0)
+    vocab = tok.vocab_size
+    checked = 0
+    for _ in range(80):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        if tok.decode(prompt, skip_special_tokens).endswith("\ufffd"):
+            # A prompt ending mid-character joins the output's first bytes into one
+            # character, so the output alone is not the reference then; tested below.
+            continue
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens)
+        deltas = stream(detok, output)
+        full = tok.decode(output, skip_special_tokens=skip_special_tokens)
+        assert "".join(deltas) == full
+        # Only the final flush may end mid-character.
+        assert not any(d.endswith("\ufffd") for d in deltas[:-1])
+        checked += 1
+    assert checked >= 40
+
+
+def test_sentencepiece_leading_space(metaspace_dir):
+    tok = load_tokenizer(metaspace_dir)
+    prompt = tok.encode("hello", add_special_tokens=False)
+    output = tok.encode("hello world again", add_special_tokens=False)[len(prompt) :]
+    # Alone, the output's first word loses its "▁" space; after the prompt it keeps it.
+    assert tok.decode(output) == "world again"
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert "".join(stream(detok, output)) == " world again"
+    # Without a prompt the first word starts the text: no space.
+    detok = IncrementalDetokenizer(tok, [])
+    assert "".join(stream(detok, output)) == "world again"
+
+
+def test_constant_work_per_token(byte_dir):
+    tok = load_tokenizer(byte_dir)
+
+    class Counting:
+        longest = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.longest = max(Counting.longest, len(ids))
+            return tok.decode(ids, skip_special_tokens)
+
+    ids = tok.encode(MIXED_TEXT * 40, add_special_tokens=False)
+    detok = IncrementalDetokenizer(Counting(), tok.encode("a long prompt " * 50))
+    assert "".join(stream(detok, ids)) == MIXED_TEXT * 40
+    assert len(ids) > 500 and Counting.longest <= 12
