@@ -225,7 +225,9 @@ class LLMEngine:
         completion = CompletionOutput(
             index=0,
             text=tracked.text[:visible],
-            token_ids=list(request.output_token_ids),
+            # While running this is the request's live list (copying it every step would
+            # make streaming quadratic); a finished request's list is its own copy.
+            token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
             finish_reason=tracked.finish_reason,
             stop_reason=tracked.stop_reason,
             logprobs=logprobs,

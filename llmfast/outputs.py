@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     index: int
     text: str  # all output text so far (stop string excluded)
-    token_ids: list[int]
+    token_ids: list[int]  # all output ids; grows in place until the request finishes
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that hit
     # Per generated token: {token id: logprob} (sampled token first, then the top-n).

@@ -1,0 +1,81 @@
+"""Engine behaviour that needs a tokenizer: stop strings, streaming deltas, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llmfast import LLM, SamplingParams
+from tests.conftest_cli import make_chat_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_chat_model(tmp_path_factory.mktemp("text") / "model")
+    return LLM(str(path), device="cpu", max_model_len=256, block_size=8)
+
+
+def _greedy(max_tokens=40, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_stop_string_cuts_text_exactly(llm):
+    full = llm.generate("hello there", _greedy())[0].outputs[0].text
+    assert len(full) > 12, full
+    stop = full[6:9]
+    cut = full[: full.index(stop)]
+    out = llm.generate("hello there", _greedy(stop=[stop, "\x00never"]))[0].outputs[0]
+    assert out.text == cut
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_streamed_deltas_equal_final_text_and_hide_stop(llm):
+    full = llm.generate("The capital", _greedy())[0].outputs[0].text
+    stop = full[10:14]
+    deltas = []
+    last = None
+    for out in llm.stream("The capital", _greedy(stop=[stop])):
+        deltas.append(out.outputs[0].delta_text)
+        last = out
+    assert last.finished
+    assert "".join(deltas) == last.outputs[0].text == full[: full.index(stop)]
+    assert stop not in "".join(deltas)
+
+
+def test_stream_close_aborts_and_frees_blocks(llm):
+    stream = llm.stream("Tell me a story", _greedy(max_tokens=200))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    stats = llm.engine.stats()
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_stop_token_ids(llm):
+    full = llm.generate("hello", _greedy())[0].outputs[0]
+    stop_id = full.token_ids[4]
+    out = llm.generate("hello", _greedy(stop_token_ids=[stop_id]))[0].outputs[0]
+    first = full.token_ids.index(stop_id)
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_logprobs(llm):
+    out = llm.generate("hello", _greedy(max_tokens=5, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry
+        top = sorted(entry.values(), reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert math.isclose(entry[token], top[0], rel_tol=1e-6)
+        assert all(v <= 0.0 for v in entry.values())
+        assert 3 <= len(entry) <= 4
+
+
+def test_text_prompts_and_chat_template(llm):
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    a = llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=8))[0]
+    b = llm.generate(llm.tokenizer.decode(ids, skip_special_tokens=False), _greedy(max_tokens=8))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
