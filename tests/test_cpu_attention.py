@@ -36,6 +36,12 @@ def test_mixed_batch_matches_reference(seed, monkeypatch):
                               0.25, expected, compute_dtype=torch.float64)
     # Force several decode chunks too.
     monkeypatch.setattr(cpu_attention, "_MAX_GATHER_ELEMENTS", 2000)
+    # Poison every cache slot past each request's context: it must never be read.
+    for r, n in enumerate(ctx):
+        for pos in range(n, table.shape[1] * kc.shape[1]):
+            block = int(table[r, pos // kc.shape[1]])
+            kc[block, pos % kc.shape[1]] = float("nan")
+            vc[block, pos % kc.shape[1]] = float("nan")
     out = torch.full_like(q, float("nan"))
     cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.25, out)
     torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)

@@ -67,6 +67,9 @@ def _decode(q, k_cache, v_cache, block_table, starts, lens, rows, scale, out) ->
         valid = torch.arange(keys.shape[1]) < torch.tensor([lens[r] for r in chunk])[:, None]
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        # Slots past seq_len in the last block may hold anything (even NaN from a stale
+        # block); 0 * NaN is NaN, so zero them in the gathered copy.
+        values.masked_fill_(~valid[:, :, None, None], 0.0)
         result = torch.einsum("dkgl,dlkh->dkgh", probs, values)
         out[tokens] = result.reshape(len(chunk), -1, head_dim).to(out.dtype)
 

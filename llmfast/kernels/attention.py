@@ -1,0 +1,388 @@
+"""Triton unified paged attention: any mix of decode rows and prefill chunks in one launch.
+
+Design
+- Grid (query tiles, kv heads, kv splits). Each request's query tokens are cut into tiles
+  of BLOCK_Q tokens; request r's tiles are numbered from `query_start_loc[r] // BLOCK_Q + r`,
+  which bounds the total by `num_tokens // BLOCK_Q + num_reqs` (a host-known count). A
+  program finds its request by binary search over query_start_loc inside the kernel, so
+  the launch never reads a device value (CUDA-graph safe); surplus tiles exit at once.
+- GQA packing: a program holds BLOCK_Q tokens x all query heads of one kv head
+  (BLOCK_M = BLOCK_Q * GROUP_P rows), so each K/V tile is loaded once per group.
+- The loop walks the context in BLOCK_N-key tiles, gathering physical blocks through the
+  block table per key (BLOCK_N need not equal block_size), with an online softmax in
+  fp32 (exp2, scale folded in) and a causal mask against each row's position.
+- Flash-decoding: with few decode rows and long contexts the kv-split axis cuts the
+  context into NUM_SPLITS ranges; each writes unnormalised partials (acc, max, sum) to a
+  workspace and a second kernel merges them. The split count comes from shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
+
+__all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "unified_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_kv_tiles(
+    acc, l_i, m_i, q, q_pos, tile_from, tile_to, kv_end,
+    k_base, v_base, table, offs_d,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update over key tiles [tile_from, tile_to) of one request.
+
+    MASKED=False is for tiles every row of the tile may see whole (the bulk of a long
+    context): no causal or bounds masks in the loop. MASKED=True handles the tail.
+    """
+    d_mask = offs_d < HEAD_DIM  # all-true unless head_dim was padded to a power of 2
+    for kv_tile in range(tile_from, tile_to):
+        offs_n = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Paged gather: key n lives in physical block table[n // BLOCK_SIZE].
+        if MASKED:
+            n_valid = offs_n < kv_end
+            block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+        else:
+            block = tl.load(table + offs_n // BLOCK_SIZE)
+        block = block.to(tl.int64)
+        k_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
+        v_off = block * stride_vb + (offs_n % BLOCK_SIZE) * stride_vs
+        k_ptrs = k_base + k_off[None, :] + offs_d[:, None] * stride_kd  # [HEAD_DIM_P, BLOCK_N]
+        v_ptrs = v_base + v_off[:, None] + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM_P]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+        elif HEAD_DIM != HEAD_DIM_P:
+            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # P is rounded to the cache dtype for the second matmul (tensor cores).
+        p = p.to(v_base.dtype.element_ty)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
+def _unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    num_reqs, num_tokens, scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    # Highest tiles first: in a prefill they see the longest context, and starting the
+    # longest programs first shortens the tail of the launch.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Request r owns tiles [qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1): find the
+    # last r whose first tile is <= tile. E.g. BLOCK_Q 4, qsl [0, 1, 18, 19]: requests
+    # start at tiles 0, 1, 6 and tile 3 belongs to request 1 (its tokens 8..11).
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mid_first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(mid_first <= tile, mid, lo)
+        hi = tl.where(mid_first <= tile, hi, mid - 1)
+    req = lo
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_lo = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query of the tile in req
+    if q_lo >= num_q:  # surplus tile (or a padding request with no tokens)
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - num_q  # cached prefix before this step's tokens
+
+    # Row m of the tile is token q_lo + m // GROUP_P, query head kv_head*GROUP + m % GROUP_P.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_lo + offs_m // GROUP_P
+    head = kv_head * GROUP + offs_m % GROUP_P
+    row_valid = (q_local < num_q) & (offs_m % GROUP_P < GROUP)
+    token = (q_start + q_local).to(tl.int64)
+    q_pos = ctx_len + q_local  # [BLOCK_M] position of each row in its sequence
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_valid = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_P]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys the tile's last query can see; earlier rows are cut by the causal mask.
+    kv_end = ctx_len + tl.minimum(q_lo + BLOCK_Q, num_q)
+    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    if NUM_SPLITS > 1:
+        per_split = (num_kv_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_kv_tiles
+
+    # A finite floor instead of -inf keeps fully masked rows NaN-free: exp2(-inf - m) = 0.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    table = block_table_ptr + req.to(tl.int64) * stride_bt
+    # Keys < ctx_len + q_lo + 1 are visible to every row of the tile: those whole
+    # tiles run unmasked, the rest (the causal diagonal) masked.
+    num_full = (ctx_len + q_lo + 1) // BLOCK_N
+    tile_mid = tl.maximum(tl.minimum(num_full, tile_hi), tile_lo)
+    acc, l_i, m_i = _attend_kv_tiles(
+        acc, l_i, m_i, q, q_pos, tile_lo, tile_mid, kv_end, k_base, v_base, table, offs_d,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
+        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_kv_tiles(
+        acc, l_i, m_i, q, q_pos, tile_mid, tile_hi, kv_end, k_base, v_base, table, offs_d,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
+        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION,
+    )
+
+    if NUM_SPLITS == 1:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_i[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+    else:
+        # Partials laid out [NUM_SPLITS, num_tokens, NUM_HEADS(, HEAD_DIM_P)], fp32.
+        row = (split * num_tokens + token) * NUM_HEADS + head  # [BLOCK_M]
+        tl.store(part_max_ptr + row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + row, l_i, mask=row_valid)
+        tl.store(
+            part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
+    num_reqs, num_tokens,
+    stride_ot, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    # One program per token merges the splits of all its heads: out = sum_s w_s acc_s /
+    # sum_s w_s l_s with w_s = 2^(m_s - max_s m_s). Empty splits hold m = -1e30, l = 0,
+    # so their weight underflows to 0.
+    token = tl.program_id(0).to(tl.int64)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):  # padding row: no partials
+        return
+    heads = tl.arange(0, HEADS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    h_valid = heads < NUM_HEADS
+    m_max = tl.full([HEADS_P], -1.0e30, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = (s * num_tokens + token) * NUM_HEADS + heads
+        m_max = tl.maximum(m_max, tl.load(part_max_ptr + row, mask=h_valid, other=-1.0e30))
+    acc = tl.zeros([HEADS_P, HEAD_DIM_P], dtype=tl.float32)
+    l_sum = tl.zeros([HEADS_P], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = (s * num_tokens + token) * NUM_HEADS + heads  # [HEADS_P]
+        w = tl.math.exp2(tl.load(part_max_ptr + row, mask=h_valid, other=-1.0e30) - m_max)
+        l_sum += w * tl.load(part_sum_ptr + row, mask=h_valid, other=0.0)
+        part = tl.load(
+            part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
+            mask=h_valid[:, None],
+            other=0.0,
+        )  # [HEADS_P, HEAD_DIM_P]
+        acc += w[:, None] * part
+    l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(
+        out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty),
+        mask=h_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
+    )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_q: int  # query tokens per tile; rows per tile = block_q * next_pow2(group)
+    block_n: int  # keys per inner-loop step
+    num_splits: int  # kv splits (flash-decoding) when > 1
+    num_warps: int
+    num_stages: int
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: only forced splits are worth their cost there
+
+
+def select_config(
+    num_tokens: int,
+    num_reqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks_per_req: int,
+    dtype: torch.dtype,
+    num_sms: int,
+) -> AttentionConfig:
+    """Tile sizes and split count from host-known shapes only (same for a padded batch)."""
+    group_p = next_pow2(num_heads // num_kv_heads)
+    wide = dtype == torch.float32 or head_dim > 128  # smaller tiles, more warps: no spills
+    if num_tokens <= 2 * num_reqs:
+        # Decode-like: ~1 token per request, memory bound. 16 rows is tl.dot's minimum;
+        # padding the group up to it costs no extra K/V traffic.
+        block_q = max(1, 16 // group_p)
+        block_n = 32 if wide else 64
+        programs = num_reqs * num_kv_heads
+        max_kv_tiles = triton.cdiv(max_blocks_per_req * block_size, block_n)
+        splits = 1
+        # Double the splits while the grid stays within ~2 programs per SM and every
+        # split still gets >= 4 key tiles of the longest possible context (the partials
+        # and the merge are not free). Batch 1, 8 KV heads, a block table 8192 keys wide,
+        # 132 SMs: 32 splits of 256 keys each.
+        while (
+            splits < 64
+            and 2 * splits * programs <= 2 * num_sms
+            and 4 * 2 * splits <= max_kv_tiles
+        ):
+            splits *= 2
+        return AttentionConfig(block_q, block_n, splits, num_warps=8 if wide else 4, num_stages=3)
+    # Prefill-like: compute bound, 128 rows x 64 keys per step (wgmma-sized on Hopper).
+    if wide:
+        # fp32 (ieee dots run on FMA units) or head_dim > 128: 32 x 16 tiles and 8 warps
+        # keep ptxas free of spills on sm_90 (checked offline); fp32 speed is secondary.
+        return AttentionConfig(max(1, 32 // group_p), 16, 1, num_warps=8, num_stages=2)
+    num_warps = 8 if head_dim > 64 else 4
+    return AttentionConfig(max(1, 128 // group_p), 64, 1, num_warps=num_warps, num_stages=3)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_workspace(device, num_splits, num_tokens, num_heads, head_dim_p):
+    return _new_workspace(device, num_splits, num_tokens, num_heads, head_dim_p)
+
+
+def _new_workspace(device, num_splits, num_tokens, num_heads, head_dim_p):
+    f32 = dict(dtype=torch.float32, device=device)
+    acc = torch.empty(num_splits, num_tokens, num_heads, head_dim_p, **f32)
+    stats = torch.empty(2, num_splits, num_tokens, num_heads, **f32)
+    return acc, stats[0], stats[1]
+
+
+def _workspace(device: torch.device, *key: int):
+    # Partials are reused across calls of the same shape. While a CUDA graph is being
+    # captured a fresh buffer is taken instead, so it comes from (and stays in) the
+    # graph's private pool rather than aliasing memory eager calls keep using.
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _new_workspace(device, *key)
+    return _cached_workspace(device, *key)
+
+
+def unified_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    *,
+    num_splits: int | None = None,
+    block_q: int | None = None,
+) -> None:
+    """Causal paged attention for every query row up to query_start_loc[-1] into `out`.
+
+    `num_splits` / `block_q` override the heuristic (tests); `num_splits` is rounded up
+    to a power of two. Rows past query_start_loc[num_reqs] are left unwritten.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cfg = select_config(
+        num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+        block_table.shape[1], q.dtype, _num_sms(q.device),
+    )
+    splits = next_pow2(num_splits) if num_splits is not None else cfg.num_splits
+    bq = block_q if block_q is not None else cfg.block_q
+    if q.is_cuda:  # tl.dot needs >= 16 rows; only the interpreter takes smaller tiles
+        bq = max(bq, 16 // next_pow2(group))
+    head_dim_p = max(16, next_pow2(head_dim))
+
+    if splits > 1:
+        key = (splits, num_tokens, num_heads, head_dim_p)
+        part_acc, part_max, part_sum = _workspace(q.device, *key)
+    else:
+        part_acc = part_max = part_sum = out  # unused; any pointer of the right device
+    num_tiles = num_tokens // bq + num_reqs
+    check_launchable(_unified_attention_kernel, q)
+    _unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        block_table, query_start_loc, seq_lens,
+        num_reqs, num_tokens, scale * _LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        block_table.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
+        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
+        # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
+        UPCAST=not isinstance(_unified_attention_kernel, triton.runtime.JITFunction),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens,)](
+            out, part_acc, part_max, part_sum, query_start_loc,
+            num_reqs, num_tokens, *out.stride(),
+            NUM_HEADS=num_heads, HEADS_P=next_pow2(num_heads),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits,
+            num_warps=8 if num_heads * head_dim_p > 4096 else 4,
+        )

@@ -1,0 +1,90 @@
+"""Triton kernel that writes the new tokens' K and V into the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def check_launchable(kernel, tensor: torch.Tensor) -> None:
+    """Fail clearly when CPU tensors meet compiled (not interpreted) kernels.
+
+    Triton picks the interpreter when `@triton.jit` runs, i.e. at import, and its own
+    standard library (tl.sum, ...) is decorated when triton itself is imported: so
+    TRITON_INTERPRET=1 must be set before triton is imported, not just before a call.
+    """
+    if tensor.device.type != "cuda" and isinstance(kernel, triton.runtime.JITFunction):
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
+        )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # One program per token moves all of its [num_kv_heads, head_dim] K and V rows.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_P)[:, None]
+    dims = tl.arange(0, HEAD_DIM_P)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
+    tl.store(
+        k_dst + heads * stride_kch + dims * stride_kcd,
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_dst + heads * stride_vch + dims * stride_vcd,
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def reshape_and_cache(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+) -> None:
+    """Write k[i], v[i] into the caches at slot slot_mapping[i] (block = slot // block_size).
+
+    With block_size 16 and slot_mapping [3, 80, -1], token 0 goes to block 0 offset 3,
+    token 1 to block 5 offset 0 and token 2 is skipped. Grid = num_tokens (a shape), so
+    the launch reads nothing from the device and can be captured in a CUDA graph.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    block_size = k_cache.shape[1]
+    check_launchable(_reshape_and_cache_kernel, k)
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEADS_P=next_pow2(num_kv_heads),
+        HEAD_DIM=head_dim, HEAD_DIM_P=next_pow2(head_dim),
+        BLOCK_SIZE=block_size,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 2,
+    )

@@ -1,0 +1,204 @@
+"""Benchmark the Triton paged-attention kernel against torch SDPA (needs a CUDA GPU).
+
+    python scripts/bench_kernels.py [--json PATH] [--markdown PATH] [--iters 50]
+
+Decode: batch 1/8/64/256 x context 512/2048/8192, one query token per request over a
+paged cache with shuffled blocks; reports achieved bandwidth on the K/V bytes read.
+Prefill: one request of 512/2048/8192 new tokens, causal; reports TFLOP/s counting the
+causal half (2 * T^2 * heads * head_dim). Beside each: torch's scaled_dot_product_attention
+on the same values laid out contiguously (GQA via enable_gqa), and the largest
+difference between the two outputs. A device-to-device copy gives the bandwidth ceiling
+(bytes read + written / time). Times are medians of CUDA-event timings, with L2 flushed
+before every timed call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
+block_size 16. Prints markdown tables (for profiles/kernels.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llmfast.kernels import attention  # noqa: E402
+
+L2_FLUSH_BYTES = 256 << 20
+
+
+def time_us(fn, iters: int, flush: torch.Tensor) -> float:
+    """Median microseconds of fn() between CUDA events, L2 flushed before each call."""
+    for _ in range(3):
+        fn()
+    events = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def copy_bandwidth(flush: torch.Tensor, iters: int) -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), iters, flush)
+    return 2 * src.numel() / us / 1e3
+
+
+def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator):
+    """k, v [B, L, kv_heads, hd] -> k_cache, v_cache [num_blocks, block_size, kv_heads, hd]
+    and block_table [B, blocks per request], each request's blocks scattered over a
+    shuffled pool."""
+    batch, length = k.shape[:2]
+    blocks_per_req = -(-length // block_size)
+    perm = torch.randperm(batch * blocks_per_req, generator=gen, device="cuda")
+    block_table = perm.view(batch, blocks_per_req).to(torch.int32)
+    pos = torch.arange(length, device="cuda")
+    slots = block_table[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
+    caches = []
+    for x in (k, v):
+        cache = torch.empty(perm.numel(), block_size, *x.shape[2:], dtype=x.dtype, device="cuda")
+        cache.view(-1, *x.shape[2:])[slots.view(-1)] = x.reshape(-1, *x.shape[2:])
+        caches.append(cache)
+    return caches[0], caches[1], block_table
+
+
+def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
+    """`batch` requests, each with `num_new` query tokens at the end of `ctx` positions."""
+    dtype = getattr(torch, args.dtype)
+    heads, kv_heads, hd = args.num_heads, args.num_kv_heads, args.head_dim
+    q = torch.randn(batch, num_new, heads, hd, dtype=dtype, device="cuda", generator=gen)
+    k = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device="cuda", generator=gen)
+    v = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device="cuda", generator=gen)
+    k_cache, v_cache, block_table = paged_copy(k, v, args.block_size, gen)
+
+    q_flat = q.view(batch * num_new, heads, hd)
+    out = torch.empty_like(q_flat)
+    qsl = torch.arange(0, batch * num_new + 1, num_new, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    scale = hd**-0.5
+
+    def ours():
+        attention.unified_attention(
+            q_flat, k_cache, v_cache, block_table, qsl, seq_lens, scale, out
+        )
+
+    # SDPA on contiguous [B, heads, L, hd]; causal only matters when there are many queries
+    # (with num_new == ctx, SDPA's top-left causal mask equals ours).
+    q_s, k_s, v_s = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+
+    def sdpa():
+        return F.scaled_dot_product_attention(
+            q_s, k_s, v_s, is_causal=num_new > 1, scale=scale, enable_gqa=True
+        )
+
+    ours_us = time_us(ours, args.iters, flush)
+    sdpa_us = time_us(sdpa, args.iters, flush)
+    ours()
+    ours_bhld = out.view(batch, num_new, heads, hd).transpose(1, 2)
+    diff = (ours_bhld.float() - sdpa().float()).abs().max()
+    cfg = attention.select_config(
+        batch * num_new, batch, heads, kv_heads, hd, args.block_size, block_table.shape[1],
+        dtype, torch.cuda.get_device_properties(0).multi_processor_count,
+    )
+    return dict(batch=batch, ctx=ctx, num_new=num_new, splits=cfg.num_splits,
+                ours_us=ours_us, sdpa_us=sdpa_us, max_abs_diff=diff.item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--json", type=Path, help="write all results here")
+    parser.add_argument("--markdown", type=Path, help="also write the tables here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU (none found); nothing was measured.")
+
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    copy_gbs = copy_bandwidth(flush, args.iters)
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    heads, kv_heads, hd = args.num_heads, args.num_kv_heads, args.head_dim
+
+    decode = []
+    for batch in args.batches:
+        for ctx in args.contexts:
+            r = run_case(batch, ctx, 1, args, flush, gen)
+            kv_bytes = 2 * batch * ctx * kv_heads * hd * elem
+            r.update(ours_gbs=kv_bytes / r["ours_us"] / 1e3, sdpa_gbs=kv_bytes / r["sdpa_us"] / 1e3)
+            decode.append(r)
+            torch.cuda.empty_cache()
+    prefill = []
+    for tokens in args.prefill_tokens:
+        r = run_case(1, tokens, tokens, args, flush, gen)
+        flops = 2 * tokens * tokens * heads * hd  # causal half of 4 * T^2 * H * D
+        r.update(ours_tflops=flops / r["ours_us"] / 1e6, sdpa_tflops=flops / r["sdpa_us"] / 1e6)
+        prefill.append(r)
+        torch.cuda.empty_cache()
+
+    device = torch.cuda.get_device_name(0)
+    lines = [
+        f"Device: {device}; torch {torch.__version__}; {args.dtype}, head_dim {hd}, "
+        f"{heads} q heads, {kv_heads} KV heads, block_size {args.block_size}.",
+        "",
+        f"Device-to-device copy bandwidth (read + write): **{copy_gbs:.0f} GB/s**",
+        "",
+        "Decode (1 query token per request; GB/s = K/V bytes read / time):",
+        "",
+        "| batch | context | splits | llmfast µs | llmfast GB/s | % of copy BW | SDPA µs "
+        "| SDPA GB/s | llmfast / SDPA speed | max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in decode:
+        lines.append(
+            f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['ours_us']:.1f} "
+            f"| {r['ours_gbs']:.0f} "
+            f"| {100 * r['ours_gbs'] / copy_gbs:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_gbs']:.0f} "
+            f"| {r['sdpa_us'] / r['ours_us']:.2f}x | {r['max_abs_diff']:.2g} |"
+        )
+    lines += [
+        "",
+        "Prefill (one request, causal; TFLOP/s on 2 * T^2 * heads * head_dim):",
+        "",
+        "| tokens | llmfast µs | llmfast TFLOP/s | SDPA µs | SDPA TFLOP/s | llmfast / SDPA speed "
+        "| max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in prefill:
+        lines.append(
+            f"| {r['ctx']} | {r['ours_us']:.1f} | {r['ours_tflops']:.1f} | {r['sdpa_us']:.1f} "
+            f"| {r['sdpa_tflops']:.1f} | {r['sdpa_us'] / r['ours_us']:.2f}x "
+            f"| {r['max_abs_diff']:.2g} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            device=device, torch=torch.__version__,
+            config={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            copy_gbs=copy_gbs, decode=decode, prefill=prefill,
+        ), indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

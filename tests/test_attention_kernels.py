@@ -1,0 +1,459 @@
+"""Triton paged attention and KV write, run by the Triton interpreter on CPU.
+
+Triton chooses the interpreter when `@triton.jit` runs, and decorates its own standard
+library (tl.sum, ...) when triton is imported, so TRITON_INTERPRET=1 must be set before
+anything imports triton. Setting it in this module would leak into every other test
+module (ops.py dispatches on it) and fail if triton was already imported; instead the
+kernel checks run in one child Python per module, started with TRITON_INTERPRET=1
+(the `interpreter` fixture; this file is the child's script). Shapes are small: the
+interpreter runs every program in Python. The oracle is ops.py's reference in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import select
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+import triton
+
+from llmfast.kernels import attention, kv_write, ops
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+CHILD_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """run(check_name, **kwargs): runs `check_name` in the interpreter child."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
+    proc = subprocess.Popen(
+        [sys.executable, __file__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+
+    def run(check: str, **kwargs) -> None:
+        proc.stdin.write(json.dumps([check, kwargs]) + "\n")
+        proc.stdin.flush()
+        if not select.select([proc.stdout], [], [], CHILD_TIMEOUT_S)[0]:
+            proc.kill()
+            pytest.fail(f"interpreter child gave no answer in {CHILD_TIMEOUT_S} s")
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"interpreter child died (exit code {proc.wait()})")
+        error = json.loads(line)
+        if error:
+            pytest.fail(error, pytrace=False)
+
+    yield run
+    if proc.poll() is None:  # still serving: end it by closing its input
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+def _serve() -> None:
+    """Child loop: one JSON [check_name, kwargs] per line in, "" or a traceback out."""
+    interpreted = triton.runtime.interpreter.InterpretedFunction
+    assert isinstance(attention._unified_attention_kernel, interpreted)
+    replies, sys.stdout = sys.stdout, sys.stderr  # keep the reply channel clean
+    for line in sys.stdin:
+        check, kwargs = json.loads(line)
+        try:
+            globals()[check](**kwargs)
+            error = ""
+        except Exception:
+            error = traceback.format_exc()
+        replies.write(json.dumps(error) + "\n")
+        replies.flush()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def make_batch(
+    reqs: list[tuple[int, int]],  # (num_computed_tokens, num_scheduled_tokens) per request
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    pad_tokens: int = 0,
+    pad_reqs: int = 0,
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict:
+    """A step's attention inputs with a shuffled paged cache.
+
+    Block 0 is a null block and every cache slot that holds no token is NaN, so a kernel
+    that reads past a request's context (or through an unused table entry) poisons its
+    output. Padding: `pad_tokens` rows with slot -1 past query_start_loc[-1], and
+    `pad_reqs` requests with no tokens and seq_len 0.
+    """
+    gen = torch.Generator().manual_seed(seed)  # small index tensors: built on CPU
+    dev_gen = torch.Generator(device).manual_seed(seed)  # bulk values: made on `device`
+
+    def randn(*shape):
+        return torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+
+    seq_lens = [c + n for c, n in reqs]
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_req) + 2  # null block + two never-used blocks
+    perm = torch.randperm(num_blocks - 1, generator=gen).to(torch.int32) + 1
+    num_reqs = len(reqs) + pad_reqs
+    block_table = torch.zeros(num_reqs, max(blocks_per_req) + 1, dtype=torch.int32)
+    prefix_slots, new_slots = [], []
+    for r, ((c, n), nb) in enumerate(zip(reqs, blocks_per_req)):
+        block_table[r, :nb], perm = perm[:nb], perm[nb:]
+        pos = torch.arange(c + n)
+        slot = block_table[r, pos // block_size].long() * block_size + pos % block_size
+        prefix_slots.append(slot[:c])
+        new_slots.append(slot[c:])
+
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=device)
+    # The cached prefix: written directly, as earlier steps would have.
+    prefix = torch.cat(prefix_slots).to(device)
+    k_cache.view(-1, num_kv_heads, head_dim)[prefix] = randn(len(prefix), num_kv_heads, head_dim)
+    v_cache.view(-1, num_kv_heads, head_dim)[prefix] = randn(len(prefix), num_kv_heads, head_dim)
+
+    num_tokens = sum(n for _, n in reqs) + pad_tokens
+    starts = [0]
+    for _, n in reqs:
+        starts.append(starts[-1] + n)
+    starts += [starts[-1]] * pad_reqs
+    slot_mapping = torch.cat(new_slots + [torch.full((pad_tokens,), -1, dtype=torch.long)])
+    return dict(
+        q=randn(num_tokens, num_heads, head_dim),
+        k=randn(num_tokens, num_kv_heads, head_dim),
+        v=randn(num_tokens, num_kv_heads, head_dim),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slot_mapping.to(device),
+        block_table=block_table.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def reference_out(b: dict) -> torch.Tensor:
+    """Float64 attention over the caches after the new tokens were written."""
+    k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+    ops.reshape_and_cache_reference(b["k"], b["v"], k_cache, v_cache, b["slot_mapping"])
+    out = torch.zeros(b["q"].shape, dtype=torch.float64, device=b["q"].device)
+    ops.paged_attention_reference(
+        b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
+        b["scale"], out, compute_dtype=torch.float64,
+    )
+    return out
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite rows"
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def run_triton_step(b: dict, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KV write then attention with the Triton kernels, on copies; out starts as NaN."""
+    k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+    attention.reshape_and_cache(b["k"], b["v"], k_cache, v_cache, b["slot_mapping"])
+    out = torch.full_like(b["q"], float("nan"))
+    attention.unified_attention(
+        b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
+        b["scale"], out, **kw,
+    )
+    return out, k_cache, v_cache
+
+
+def check_step(b: dict, dtype: torch.dtype, **kw) -> None:
+    out, k_cache, v_cache = run_triton_step(b, **kw)
+    # Cache: exactly the reference write; every other slot (NaN poison) untouched.
+    ref_k, ref_v = b["k_cache"].clone(), b["v_cache"].clone()
+    ops.reshape_and_cache_reference(b["k"], b["v"], ref_k, ref_v, b["slot_mapping"])
+    assert_same_bits(k_cache, ref_k)
+    assert_same_bits(v_cache, ref_v)
+    n = int(b["query_start_loc"][-1])
+    assert_rel_close(out[:n], reference_out(b)[:n], TOL[dtype])
+
+
+# Decode with a long cached context, a prefill chunk over a cached prefix, a fresh
+# prefill, a decode whose context is the new token alone, a tiny chunk at a block edge.
+MIXED = [(36, 1), (20, 13), (0, 9), (0, 1), (15, 2)]
+
+
+# ----------------------------------------------------------------------------- child checks
+# Run inside the interpreter child; dtypes arrive by name (JSON).
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def check_mixed(dtype, group, head_dim, block_size, block_q=None, num_splits=None):
+    b = make_batch(
+        MIXED, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+        block_size=block_size, dtype=_dtype(dtype), pad_tokens=3, pad_reqs=1,
+    )
+    check_step(b, _dtype(dtype), block_q=block_q, num_splits=num_splits)
+
+
+def check_split_decode(dtype: str, num_splits: int):
+    # Contexts shorter than one split's share leave some splits empty (merge weight 0).
+    b = make_batch(
+        [(150, 1), (3, 1), (70, 1)], num_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=_dtype(dtype), pad_tokens=1,
+    )
+    check_step(b, _dtype(dtype), num_splits=num_splits)
+
+
+def check_reshape_and_cache_strided():
+    # k/v as views of a fused qkv projection and caches as views of one [2, ...] tensor.
+    torch.manual_seed(0)
+    num_tokens, kv_heads, head_dim, block_size = 6, 3, 32, 16
+    qkv = torch.randn(num_tokens, (4 + 2 * kv_heads) * head_dim, dtype=torch.float16)
+    k = qkv[:, 4 * head_dim: (4 + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = qkv[:, (4 + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+    kv_cache = torch.full((2, 6, block_size, kv_heads, head_dim), float("nan"), dtype=torch.float16)
+    slots = torch.tensor([3, 80, -1, 17, 95, -1], dtype=torch.int64)
+    ref = kv_cache.clone()
+    ops.reshape_and_cache_reference(k, v, ref[0], ref[1], slots)
+    attention.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], slots)
+    assert_same_bits(kv_cache, ref)
+
+
+def check_op_dispatch():
+    # torch.ops.llmfast.unified_attention on CPU goes to Triton when interpreting.
+    b = make_batch(
+        [(5, 1), (0, 6)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float32, pad_tokens=1,
+    )
+    k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+    out = torch.full_like(b["q"], float("nan"))
+    torch.ops.llmfast.unified_attention(
+        b["q"], b["k"], b["v"], k_cache, v_cache, b["slot_mapping"], b["block_table"],
+        b["query_start_loc"], b["seq_lens"], b["scale"], out,
+    )
+    assert_rel_close(out[:7], reference_out(b)[:7], TOL[torch.float32])
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(
+    "dtype, group, head_dim, block_size, block_q",
+    [
+        ("float32", 1, 64, 16, None),
+        ("float16", 3, 64, 32, 4),
+        ("bfloat16", 4, 128, 16, 2),
+        ("bfloat16", 8, 64, 64, None),
+        ("float32", 2, 80, 16, 4),  # head_dim padded to 128 inside the kernel
+    ],
+)
+def test_mixed_batch_matches_reference(interpreter, dtype, group, head_dim, block_size, block_q):
+    interpreter(
+        "check_mixed", dtype=dtype, group=group, head_dim=head_dim,
+        block_size=block_size, block_q=block_q,
+    )
+
+
+@pytest.mark.parametrize("dtype, num_splits", [("float32", 4), ("bfloat16", 8)])
+def test_split_kv_decode(interpreter, dtype, num_splits):
+    interpreter("check_split_decode", dtype=dtype, num_splits=num_splits)
+
+
+def test_split_kv_mixed_batch(interpreter):
+    # The split path is general: prefill tiles with causal masks split as well.
+    interpreter(
+        "check_mixed", dtype="float16", group=4, head_dim=64, block_size=16,
+        block_q=4, num_splits=2,
+    )
+
+
+def test_reshape_and_cache_strided_inputs(interpreter):
+    interpreter("check_reshape_and_cache_strided")
+
+
+def test_op_dispatches_to_triton_when_interpreting(interpreter):
+    interpreter("check_op_dispatch")
+
+
+def test_tiles_cover_every_token_once():
+    # Host-side replay of the kernel's tile -> request search (pure Python, fast).
+    rng = random.Random(0)
+    for _ in range(200):
+        block_q = rng.choice([1, 2, 4, 16, 32])
+        counts = [rng.choice([0, 1, 1, 3, 17, 40]) for _ in range(rng.randint(1, 9))]
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        num_tokens = starts[-1] + rng.randint(0, 5)
+        seen = []
+        for tile in range(num_tokens // block_q + len(counts)):
+            lo, hi = 0, len(counts) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if starts[mid] // block_q + mid <= tile:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            q_lo = (tile - (starts[lo] // block_q + lo)) * block_q
+            seen += [starts[lo] + i for i in range(q_lo, min(q_lo + block_q, counts[lo]))]
+        assert sorted(seen) == list(range(starts[-1])), (block_q, counts)
+
+
+def test_split_heuristic():
+    def cfg(num_reqs, ctx, num_tokens=None):
+        return attention.select_config(
+            num_tokens or num_reqs, num_reqs, 32, 8, 128, 16, ctx // 16, torch.bfloat16, 132
+        )
+
+    assert cfg(1, 8192).num_splits >= 16  # 8 programs alone would idle most SMs
+    assert cfg(8, 2048).num_splits > 1
+    assert cfg(64, 2048).num_splits == 1  # 512 programs already fill the GPU
+    assert cfg(1, 64).num_splits == 1  # too short to be worth a merge
+    prefill = cfg(1, 8192, num_tokens=2048)
+    assert prefill.num_splits == 1 and prefill.block_q * 4 == 128
+
+
+def test_opcheck_reference_ops(monkeypatch):
+    # CPU reference path: checks schema, fake impls and the mutates_args declarations.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    b = make_batch(
+        [(3, 1), (0, 4)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+        dtype=torch.float32, pad_tokens=1,
+    )
+    # NaN-free caches: opcheck compares outputs (and mutated inputs) between runs.
+    k_cache = torch.nan_to_num(b["k_cache"])
+    v_cache = torch.nan_to_num(b["v_cache"])
+    out = torch.zeros_like(b["q"])
+    torch.library.opcheck(
+        torch.ops.llmfast.reshape_and_cache.default,
+        (b["k"], b["v"], k_cache.clone(), v_cache.clone(), b["slot_mapping"]),
+    )
+    torch.library.opcheck(
+        torch.ops.llmfast.unified_attention.default,
+        (b["q"], b["k"], b["v"], k_cache, v_cache, b["slot_mapping"], b["block_table"],
+         b["query_start_loc"], b["seq_lens"], b["scale"], out),
+    )
+
+
+class _FakeHopperDriver(triton.backends.driver.DriverBase):
+    """Makes triton compile for sm_90 on a machine without a GPU (nothing is launched)."""
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def get_current_target(self):
+        return triton.backends.compiler.GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return None
+
+    def get_benchmarker(self):
+        return None
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+
+def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
+    # The interpreter checks numerics but not that the kernels compile for a GPU; this
+    # compiles them (PTX and cubin) for an H100 through the real launch path, with every
+    # way of reading a tensor value on the host disabled.
+    if torch.cuda.is_available():
+        pytest.skip("the -m gpu tests compile and run the kernels for real")
+    jit_function = triton.runtime.JITFunction
+    if not isinstance(attention._unified_attention_kernel, jit_function):
+        pytest.skip("triton was imported with TRITON_INTERPRET=1")
+    from triton.runtime.driver import driver
+
+    compiled = []
+    warmup_run = jit_function.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        assert all(isinstance(g, int) for g in grid)
+        kernel = warmup_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+
+    monkeypatch.setattr(jit_function, "run", compile_only)
+    monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
+    monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
+    batches = [  # (num_tokens, num_reqs, num_splits): decode with and without splits, prefill
+        (8, 8, 8), (64, 64, 1), (512, 2, 1),
+    ]
+    previous = driver._active  # `driver.active` would try to create a real driver
+    driver.set_active(_FakeHopperDriver())
+    try:
+        for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
+            monkeypatch.setattr(torch.Tensor, name, _no_host_read(name))
+        for num_tokens, num_reqs, num_splits in batches:
+            q = torch.empty(num_tokens, 32, 128, dtype=torch.bfloat16)
+            k = torch.empty(num_tokens, 8, 128, dtype=torch.bfloat16)
+            k_cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
+            block_table = torch.empty(num_reqs, 128, dtype=torch.int32)
+            qsl = torch.empty(num_reqs + 1, dtype=torch.int32)
+            seq_lens = torch.empty(num_reqs, dtype=torch.int32)
+            slots = torch.empty(num_tokens, dtype=torch.int64)
+            attention.reshape_and_cache(k, k, k_cache, k_cache, slots)
+            attention.unified_attention(
+                q, k_cache, k_cache, block_table, qsl, seq_lens, 0.1, q, num_splits=num_splits
+            )
+    finally:
+        monkeypatch.undo()
+        driver._active = previous
+    names = [name for name, _ in compiled]
+    assert names.count("_unified_attention_kernel") == 3 and "_merge_splits_kernel" in names
+    for name, kernel in compiled:
+        assert "cubin" in kernel.asm, name
+        assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)
+
+
+def _no_host_read(name):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"Tensor.{name} called in the kernels' launch path")
+
+    return refuse
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sweep(interpreter, dtype, group, block_size, head_dim):
+    for kw in (dict(block_q=4), dict(), dict(num_splits=4)):
+        interpreter(
+            "check_mixed", dtype=dtype, group=group, head_dim=head_dim,
+            block_size=block_size, **kw,
+        )
+
+
+if __name__ == "__main__":
+    _serve()

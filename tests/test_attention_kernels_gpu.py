@@ -1,0 +1,146 @@
+"""The Triton attention kernels on a real GPU at real sizes (run with `-m gpu`).
+
+Same oracle and checks as tests/test_attention_kernels.py (whose helpers are loaded by
+path, so this works whatever pytest's import mode): float64 reference, NaN-poisoned
+outputs and caches, shuffled block tables, padding. Plus CUDA-graph capture and replay
+of the op, which fails at capture if anything in the launch path syncs with the host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import random
+
+import pytest
+import torch
+
+from llmfast.kernels import attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _load_cpu_helpers():
+    path = pathlib.Path(__file__).with_name("test_attention_kernels.py")
+    spec = importlib.util.spec_from_file_location("_attention_kernel_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+H = _load_cpu_helpers()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+
+
+def batch(reqs, *, pad_tokens=0, pad_reqs=0, seed=0, dtype=torch.bfloat16, **shape):
+    kw = {**LLAMA, **shape}
+    return H.make_batch(
+        reqs, dtype=dtype, pad_tokens=pad_tokens, pad_reqs=pad_reqs, device="cuda", seed=seed, **kw
+    )
+
+
+def decodes(num_reqs: int, max_ctx: int, rng: random.Random, min_ctx: int = 1):
+    return [(rng.randint(min_ctx, max_ctx) - 1, 1) for _ in range(num_reqs)]
+
+
+def check(b, dtype, **kw):
+    H.check_step(b, dtype, **kw)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_batch_256_contexts_to_8192(dtype):
+    b = batch(decodes(256, 8192, random.Random(0)), pad_tokens=8, dtype=dtype)
+    check(b, dtype)
+
+
+@pytest.mark.parametrize("num_reqs", [1, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_context_few_decodes_split_kv(num_reqs, dtype):
+    reqs = decodes(num_reqs, 8192, random.Random(num_reqs), min_ctx=4096)
+    b = batch(reqs, dtype=dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    width = b["block_table"].shape[1]
+    cfg = attention.select_config(num_reqs, num_reqs, 32, 8, 128, 16, width, dtype, sms)
+    assert cfg.num_splits > 1  # the heuristic takes the flash-decoding path here
+    check(b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_prefill_chunks_and_decodes(dtype):
+    rng = random.Random(1)
+    chunks = [(0, 1024), (7168, 1024), (3000, 517), (16, 700)]  # (cached prefix, new tokens)
+    b = batch(chunks + decodes(60, 8192, rng), pad_tokens=5, pad_reqs=1, dtype=dtype)
+    check(b, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [4, 16])
+def test_forced_splits_on_mixed_batch(num_splits):
+    rng = random.Random(2)
+    b = batch([(2000, 300), (0, 64)] + decodes(30, 4096, rng), pad_tokens=3)
+    check(b, torch.bfloat16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_4096_tokens(dtype):
+    check(batch([(0, 4096)], dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_block_size_head_dim_sweep(group, block_size, head_dim):
+    rng = random.Random(group * 100 + block_size + head_dim)
+    reqs = [(0, 300), (1500, 200), (37, 3)] + decodes(20, 2048, rng)
+    shape = dict(num_heads=4 * group, num_kv_heads=4, head_dim=head_dim, block_size=block_size)
+    b = batch(reqs, pad_tokens=2, pad_reqs=1, **shape)
+    check(b, torch.bfloat16)
+    decode_only = batch(decodes(6, 2048, rng, min_ctx=1024), **shape)
+    check(decode_only, torch.bfloat16)  # few long decodes: splits by the heuristic
+
+
+@pytest.mark.parametrize("num_reqs, max_ctx", [(64, 2048), (2, 8192)])
+def test_cuda_graph_capture_and_replay(num_reqs, max_ctx):
+    # All-decode batch padded to num_reqs + 8 tokens, as the full-graph decode mode would
+    # run it. Capture must not sync (it raises if it does); a replay must read the
+    # buffers' new contents: batch `b` has different block tables, slots and values.
+    rng = random.Random(3)
+    reqs = decodes(num_reqs, max_ctx, rng, min_ctx=max_ctx // 2)
+    a = batch(reqs, pad_tokens=8, seed=1)
+    b = batch(reqs, pad_tokens=8, seed=2)
+    static = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
+    out = torch.full_like(static["q"], float("nan"))
+
+    def step():
+        torch.ops.llmfast.unified_attention(
+            static["q"], static["k"], static["v"], static["k_cache"], static["v_cache"],
+            static["slot_mapping"], static["block_table"], static["query_start_loc"],
+            static["seq_lens"], a["scale"], out,
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    n = int(a["query_start_loc"][-1])
+    H.assert_rel_close(out[:n], H.reference_out(a)[:n], H.TOL[torch.bfloat16])
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for key, value in static.items():
+        value.copy_(b[key])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    H.assert_rel_close(out[:n], H.reference_out(b)[:n], H.TOL[torch.bfloat16])
+    ref_k, ref_v = b["k_cache"].clone(), b["v_cache"].clone()
+    H.ops.reshape_and_cache_reference(b["k"], b["v"], ref_k, ref_v, b["slot_mapping"])
+    H.assert_same_bits(static["k_cache"], ref_k)
+    H.assert_same_bits(static["v_cache"], ref_v)
