@@ -97,9 +97,10 @@ def _progress_callback(progress, total: int):
     if progress is True:
         if total < 2:
             return None, lambda: None
+        from rich.console import Console
         from rich.progress import Progress
 
-        bar = Progress(transient=True)
+        bar = Progress(console=Console(stderr=True), transient=True)
         task = bar.add_task("generating", total=total)
         bar.start()
         return (lambda done, _: bar.update(task, completed=done)), bar.stop

@@ -1,0 +1,122 @@
+"""The HF transformers baseline: the same weights and workload through `generate`, as a
+user who already has transformers would run it (left-padded batches, greedy).
+
+A model directory is loaded with `AutoModelForCausalLM.from_pretrained`; a `random:`
+preset has no directory, so an HF `LlamaForCausalLM` is built from its config and
+llmfast's own random weights are copied in (unfused), which makes both engines compute
+the same function.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from llmfast.bench import (
+    BenchError,
+    BenchProgress,
+    BenchRequest,
+    ThroughputResult,
+    throughput_result,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def hf_state_dict_from_llmfast(model, config) -> dict[str, torch.Tensor]:
+    """Split llmfast's fused projections back into HF names: qkv_proj rows are
+    [q_size | kv_size | kv_size], gate_up_proj rows [intermediate | intermediate]."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            state[prefix + "q_proj.weight"] = tensor[:q]
+            state[prefix + "k_proj.weight"] = tensor[q: q + kv]
+            state[prefix + "v_proj.weight"] = tensor[q + kv:]
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            state[prefix + "gate_proj.weight"] = tensor[:inter]
+            state[prefix + "up_proj.weight"] = tensor[inter:]
+        elif tensor.is_floating_point() and "rotary" not in name:
+            state[name] = tensor
+    return state
+
+
+def load_hf_model(engine):
+    """The HF model for the engine's weights, in its dtype and on its device."""
+    try:
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise BenchError(f"--baseline hf needs transformers: {e}") from None
+    dtype = engine.config.torch_dtype
+    device = torch.device(engine.config.device)
+    source = engine.source
+    if source.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
+    else:
+        hf_cfg = {k: v for k, v in source.config.to_hf_dict().items()
+                  if k not in ("architectures", "model_type", "torch_dtype")}
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**hf_cfg))
+        model = model.to_empty(device="cpu")
+        state = hf_state_dict_from_llmfast(engine.runner.model, source.config)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        # Only non-persistent buffers may be left (RoPE inv_freq), recomputed below.
+        if unexpected or any("rotary" not in m for m in missing):
+            raise BenchError(f"cannot map llmfast weights to HF: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        if source.config.tie_word_embeddings:
+            model.tie_weights()
+        rotary = model.model.rotary_emb
+        with torch.device("cpu"):
+            fresh = type(rotary)(config=model.config)
+        model.model.rotary_emb = fresh
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def run_hf_baseline(model, requests: Sequence[BenchRequest], batch_size: int | None = None,
+                    pad_token_id: int = 0,
+                    progress: BenchProgress | None = None) -> ThroughputResult:
+    """Greedy `generate` over left-padded batches of `batch_size` (None: all at once).
+
+    Requests are grouped by output length (sorted), each batch generating exactly its
+    longest output (min_new_tokens = max_new_tokens, so EOS cannot end it early); only a
+    request's own output length counts as real tokens."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():  # warm-up, untimed, as for llmfast
+        model.generate(input_ids=torch.tensor([[1, 2, 3, 4]], device=device), max_new_tokens=2,
+                       min_new_tokens=2, do_sample=False, pad_token_id=pad_token_id,
+                       temperature=None, top_p=None, top_k=None)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].output_len)
+    size = batch_size or len(requests)
+    batches = [order[i: i + size] for i in range(0, len(order), size)]
+    output_tokens = 0
+    t0 = time.perf_counter()
+    for n, batch in enumerate(batches):
+        prompts = [requests[i].prompt_token_ids for i in batch]
+        width = max(map(len, prompts))
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        new_tokens = max(requests[i].output_len for i in batch)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                pad_token_id=pad_token_id, temperature=None, top_p=None, top_k=None,
+            )
+        generated = out.shape[1] - width
+        if generated != new_tokens:
+            logger.warning("HF generated %d tokens instead of %d", generated, new_tokens)
+        output_tokens += sum(min(requests[i].output_len, generated) for i in batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if progress:
+            progress(n + 1, len(batches))
+    return throughput_result(requests, output_tokens, time.perf_counter() - t0)

@@ -1,0 +1,72 @@
+"""The `llmfast` command: chat, generate, bench, profile, pull.
+
+This module only assembles the Typer app; each command lives in its own `cli_*` module.
+All parse and usage errors, like the commands' own errors, come out as one line
+`error: ...` on stderr with a non-zero exit (2 for usage errors, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+from llmfast.cli_bench import BENCH_EXAMPLES, bench
+from llmfast.cli_chat import CHAT_EXAMPLES, chat
+from llmfast.cli_common import engine_command, print_error
+from llmfast.cli_generate import GENERATE_EXAMPLES, generate
+from llmfast.cli_profile import PROFILE_EXAMPLES, profile
+from llmfast.cli_pull import PULL_EXAMPLES, pull
+
+
+class _OneLineErrorGroup(TyperGroup):
+    """Click shows usage errors as a box with the usage text; llmfast promises one line."""
+
+    def main(self, args: Any = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            result = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                  standalone_mode=False, **extra)
+            code = result if isinstance(result, int) else 0
+        except typer.TyperException as e:  # click's ClickException (typer vendors click)
+            ctx = getattr(e, "ctx", None)
+            if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+                typer.echo(ctx.get_help())
+                code = 0
+            else:
+                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                print_error(e.format_message().replace("\n", " ") + hint)
+                code = getattr(e, "exit_code", 1)
+        except typer.Abort:
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(
+        name="llmfast",
+        cls=_OneLineErrorGroup,
+        help="A small, fast LLM inference engine for Llama-family models.",
+        no_args_is_help=True,
+        add_completion=False,
+        rich_markup_mode="markdown",
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    commands = (("chat", chat, CHAT_EXAMPLES), ("generate", generate, GENERATE_EXAMPLES),
+                ("bench", bench, BENCH_EXAMPLES), ("profile", profile, PROFILE_EXAMPLES))
+    for name, func, examples in commands:
+        app.command(name, epilog=examples)(engine_command(func))
+    app.command("pull", epilog=PULL_EXAMPLES)(pull)
+    return app
+
+
+app = build_app()
+
+
+def main() -> None:
+    app()

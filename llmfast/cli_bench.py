@@ -1,0 +1,359 @@
+"""`llmfast bench`: runs the runners of `llmfast.bench` and formats their results
+(Rich tables, `--json`, `--plot`). No measuring happens here."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import gc
+import json
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llmfast.bench import BenchError, parse_sizes
+from llmfast.cli_common import EngineOptions, count_progress, load_llm, stderr_console
+
+BENCH_EXAMPLES = """\
+**Examples**
+
+* `llmfast bench --sizes 1..512 --max-num-seqs 512`  (decode sweep: batch 1, 2, 4, ... 512)
+
+* `llmfast bench --sizes 8..64:8 --context 512 --modes eager,compiled,graphs --plot sweep.png`
+
+* `llmfast bench --mode throughput --num-prompts 200 --input-len 256 --output-len 128 --baseline hf`
+
+* `llmfast bench --mode latency --request-rate 4 --num-prompts 100 --json latency.json`
+
+* `llmfast bench --model random:llama-3.2-1b --startup`  (start-up report, random weights)
+
+Sizes: `1..512` doubles from 1 to 512, `8..64:8` steps by 8, `1,8,64` lists.
+"""
+
+
+class BenchMode(str, enum.Enum):
+    sweep = "sweep"
+    throughput = "throughput"
+    latency = "latency"
+
+
+class Baseline(str, enum.Enum):
+    none = "none"
+    hf = "hf"
+
+
+# Each execution mode is its own LLM instance with these engine arguments.
+EXEC_MODES: dict[str, dict[str, Any]] = {
+    "eager": {"enforce_eager": True},
+    "compiled": {"enforce_eager": False, "compile": True, "cuda_graphs": False},
+    "graphs": {"enforce_eager": False, "compile": True, "cuda_graphs": True},
+}
+
+
+def bench(
+    *,
+    opts: EngineOptions,
+    mode: Annotated[BenchMode, typer.Option("--mode", help="sweep: decode latency per batch "
+                                            "size; throughput: an offline batch; latency: "
+                                            "requests arriving over time.")] = BenchMode.sweep,
+    sizes: Annotated[str, typer.Option("--sizes", help="Sweep batch sizes: 1..512, 8..64:8 "
+                                       "or 1,8,64.")] = "1..64",
+    context: Annotated[int, typer.Option("--context", help="Sweep: prompt tokens per "
+                                         "request.")] = 128,
+    steps: Annotated[int, typer.Option("--steps", help="Sweep: timed decode steps per "
+                                       "size.")] = 32,
+    modes: Annotated[str | None, typer.Option("--modes", help="Sweep: compare execution modes, "
+                                              "e.g. eager,compiled,graphs (graphs: CUDA "
+                                              "only).")] = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", help="Throughput/latency: "
+                                             "requests.")] = 64,
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens (mean).")] = 128,
+    output_len: Annotated[int, typer.Option("--output-len", help="Output tokens (mean).")] = 128,
+    random_range_ratio: Annotated[float, typer.Option(
+        "--random-range-ratio", help="Lengths uniform in mean*(1±r); 0 = fixed.")] = 0.0,
+    baseline: Annotated[Baseline, typer.Option("--baseline", help="Throughput: also run HF "
+                                               "transformers generate.")] = Baseline.none,
+    hf_batch_size: Annotated[int | None, typer.Option(
+        "--hf-batch-size", help="HF baseline batch size.  [default: all requests]",
+        show_default=False)] = None,
+    request_rate: Annotated[float, typer.Option(
+        "--request-rate", help="Latency: Poisson arrivals per second; inf = all at once.")]
+    = math.inf,
+    startup: Annotated[bool, typer.Option("--startup", help="Print the start-up report.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write all figures as JSON.")]
+    = None,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Benchmark decode latency, throughput or request latency."""
+    for path in (json_path, plot_path):
+        if path is not None:
+            check_writable(path)
+    if min(context, steps, num_prompts, input_len, output_len) < 1:
+        raise BenchError("--context, --steps, --num-prompts, --input-len and --output-len "
+                         "must be >= 1")
+    if hf_batch_size is not None and hf_batch_size < 1:
+        raise BenchError("--hf-batch-size must be >= 1")
+    seed = opts.engine_kwargs.get("seed", 0)
+    config: dict[str, Any] = {"mode": mode.value, "model": opts.model or "default",
+                              "engine_args": opts.engine_kwargs, "seed": seed}
+    err = stderr_console()
+    con = table_console()
+    if mode is BenchMode.sweep:
+        size_list = parse_sizes(sizes)
+        exec_modes = parse_exec_modes(modes, opts)
+        overrides = sweep_overrides(size_list, opts)
+        config |= {"sizes": size_list, "context": context, "steps": steps,
+                   "exec_modes": exec_modes}
+        runs = {}
+        for name in exec_modes:
+            runs[name] = _sweep_run(opts, name, overrides, size_list, context, steps, seed, err)
+        con.print(sweep_table(runs))
+    else:
+        from llmfast.bench import random_requests
+
+        config |= {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+                   "random_range_ratio": random_range_ratio}
+        run, llm = _start(opts, "default", {}, err)
+        requests = random_requests(num_prompts, input_len, output_len,
+                                   llm.engine.config.model.vocab_size, random_range_ratio, seed)
+        if mode is BenchMode.throughput:
+            config |= {"baseline": baseline.value, "hf_batch_size": hf_batch_size}
+            _throughput_run(run, llm, requests, baseline, hf_batch_size, err)
+            con.print(throughput_table(run))
+        else:
+            from llmfast.bench import run_latency
+
+            config["request_rate"] = request_rate
+            with count_progress("latency", err) as progress:
+                result = run_latency(llm.engine, requests, request_rate, seed, progress)
+            run["latency"] = dataclasses.asdict(result)
+            con.print(latency_table(run["latency"]))
+        runs = {"default": run}
+    if startup:
+        con.print(startup_table(runs))
+    report = bench_report(config, runs)
+    if json_path is not None:
+        json_path.write_text(json.dumps(_finite(report), indent=2, allow_nan=False,
+                                        default=str) + "\n")
+        err.print(f"wrote {json_path}", style="dim")
+    if plot_path is not None:
+        from llmfast.cli_plot import plot_report
+
+        plot_report(report, plot_path)
+        err.print(f"wrote {plot_path}", style="dim")
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def check_writable(path: Path) -> None:
+    """Fail before a long benchmark, not after it."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise BenchError(f"{path} is a directory; give a file name")
+    if not parent.is_dir():
+        raise BenchError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise BenchError(f"cannot write {path}: directory {parent} is not writable")
+
+
+def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:
+    if spec is None:
+        return ["default"]
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in names if m not in EXEC_MODES]
+    if unknown or not names:
+        raise BenchError(f"unknown mode(s) {', '.join(unknown) or repr(spec)} in --modes; "
+                         f"choose from {', '.join(EXEC_MODES)}")
+    if "graphs" in names:
+        from llmfast.engine_args import resolve_device
+
+        if resolve_device(opts.engine_kwargs.get("device", "auto")).type != "cuda":
+            raise BenchError("mode graphs needs a CUDA device (CUDA graphs do not exist on CPU)")
+    return list(dict.fromkeys(names))
+
+
+def sweep_overrides(sizes: list[int], opts: EngineOptions) -> dict[str, int]:
+    """Room for the largest batch: raise the engine limits the user did not set; a limit
+    the user set below the largest size is an error."""
+    from llmfast.engine_args import EngineArgs
+
+    largest = max(sizes)
+    overrides = {}
+    for name, flag in (("max_num_seqs", "--max-num-seqs"),
+                       ("max_num_batched_tokens", "--max-num-batched-tokens")):
+        given = opts.engine_kwargs.get(name)
+        if given is not None and largest > given:
+            raise BenchError(f"size {largest} in --sizes is above {flag} {given}")
+        if given is None:
+            overrides[name] = max(largest, getattr(EngineArgs, name))
+    return overrides
+
+
+# ---------------------------------------------------------------------- runs
+
+
+def _start(opts: EngineOptions, name: str, overrides: dict[str, Any], err: Console):
+    llm = load_llm(opts, err, **overrides)
+    engine = llm.engine
+    run = {"exec_mode": name, "model": engine.source.name,
+           "engine_config": dataclasses.asdict(engine.config),
+           "startup": dict(getattr(engine.runner, "startup_times", {}))}
+    return run, llm
+
+
+def _sweep_run(opts, name, overrides, sizes, context, steps, seed, err) -> dict:
+    from llmfast.bench import run_sweep
+
+    run, llm = _start(opts, name, {**overrides, **EXEC_MODES.get(name, {})}, err)
+    with count_progress(f"sweep ({name})", err) as progress:
+        points = run_sweep(llm.engine, sizes, context, steps, seed, progress)
+    run["sweep"] = [dataclasses.asdict(p) for p in points]
+    _release(llm)
+    return run
+
+
+def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size, err) -> None:
+    from llmfast.bench import run_throughput
+
+    with count_progress("throughput (llmfast)", err) as progress:
+        run["throughput"] = dataclasses.asdict(run_throughput(llm.engine, requests, progress))
+    if baseline is Baseline.hf:
+        from llmfast.bench_hf import load_hf_model, run_hf_baseline
+
+        with count_progress("loading HF model", err):
+            model = load_hf_model(llm.engine)
+        with count_progress("throughput (HF generate)", err) as progress:
+            hf = run_hf_baseline(model, requests, hf_batch_size, progress=progress)
+        run["baseline_hf"] = dataclasses.asdict(hf)
+        run["speedup_vs_hf"] = run["throughput"]["output_tokens_per_s"] / hf.output_tokens_per_s
+
+
+def _release(llm) -> None:
+    import torch
+
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_report(config: dict, runs: dict) -> dict:
+    from llmfast.bench import environment_info
+
+    device = next(iter(runs.values()))["engine_config"]["device"]
+    return {
+        "llmfast_bench_version": 1,
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": config,
+        "environment": environment_info(device),
+        "runs": runs,
+    }
+
+
+def _finite(value: Any) -> Any:
+    """Strict JSON has no Infinity/NaN: write them as strings ("inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------- tables
+
+
+def table_console() -> Console:
+    """stdout; wide when it is a file or pipe, so no table cell is cut to fit 80 columns."""
+    con = Console(highlight=False)
+    return con if con.is_terminal else Console(highlight=False, width=200)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.2f}"
+
+
+def sweep_table(runs: dict) -> Table:
+    """One row per batch size; per execution mode: step latency p50/p90/p99 (ms), decode
+    tokens/s and prefill tokens/s."""
+    first = next(iter(runs.values()))
+    table = Table(title=f"decode sweep: {first['model']}, context "
+                        f"{first['sweep'][0]['context_len']}, {first['sweep'][0]['steps']} steps")
+    table.add_column("batch", justify="right")
+    for name in runs:
+        label = "" if name == "default" else f"{name}\n"
+        for header in ("step ms p50", "p90", "p99", "decode tok/s", "prefill tok/s"):
+            table.add_column(label + header, justify="right", overflow="fold")
+    for i, point in enumerate(first["sweep"]):
+        row = [str(point["batch_size"])]
+        for run in runs.values():
+            p = run["sweep"][i]
+            lat = p["step_latency"]
+            flag = "" if p["all_decode"] else "*"
+            row += [_ms(lat["median"]) + flag, _ms(lat["p90"]), _ms(lat["p99"]),
+                    f"{p['decode_tokens_per_s']:.1f}", f"{p['prefill_tokens_per_s']:.0f}"]
+        table.add_row(*row)
+    if any(not p["all_decode"] for r in runs.values() for p in r["sweep"]):
+        table.caption = "* some timed steps were not pure decode (KV cache too small?)"
+    return table
+
+
+def throughput_table(run: dict) -> Table:
+    table = Table(title=f"throughput: {run['model']}")
+    for col in ("engine", "requests", "in tokens", "out tokens", "time s", "req/s",
+                "out tok/s", "total tok/s"):
+        table.add_column(col, justify="right" if col != "engine" else "left")
+    rows = [("llmfast", run["throughput"])]
+    if "baseline_hf" in run:
+        rows.append(("HF generate", run["baseline_hf"]))
+    for name, r in rows:
+        table.add_row(name, str(r["num_requests"]), str(r["input_tokens"]),
+                      str(r["output_tokens"]), f"{r['elapsed_s']:.2f}",
+                      f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
+                      f"{r['total_tokens_per_s']:.1f}")
+    if "speedup_vs_hf" in run:
+        table.caption = f"llmfast / HF output tokens/s: {run['speedup_vs_hf']:.2f}x"
+    return table
+
+
+def latency_table(result: dict) -> Table:
+    rate = result["request_rate"]
+    table = Table(title=f"latency: {result['num_requests']} requests at "
+                        f"{'all at once' if math.isinf(rate) else f'{rate:g} req/s'}")
+    for col in ("metric (ms)", "mean", "median", "p90", "p99"):
+        table.add_column(col, justify="right" if col != "metric (ms)" else "left")
+    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
+        s = result[key]
+        if s is None:
+            table.add_row(label, "-", "-", "-", "-")
+        else:
+            table.add_row(label, _ms(s["mean"]), _ms(s["median"]), _ms(s["p90"]), _ms(s["p99"]))
+    table.caption = (f"{result['requests_per_s']:.2f} req/s, "
+                     f"{result['output_tokens_per_s']:.1f} output tok/s "
+                     f"over {result['duration_s']:.2f} s")
+    return table
+
+
+def startup_table(runs: dict) -> Table:
+    table = Table(title="start-up")
+    table.add_column("stage")
+    for name in runs:
+        table.add_column(f"{name} s" if name != "default" else "seconds", justify="right")
+    stages = list(dict.fromkeys(k for r in runs.values() for k in r["startup"]))
+    for stage in stages:
+        table.add_row(stage, *(_secs(r["startup"].get(stage)) for r in runs.values()))
+    table.add_row("total", *(f"{sum(r['startup'].values()):.2f}" for r in runs.values()),
+                  style="bold")
+    return table
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -1,0 +1,222 @@
+"""`llmfast chat`: interactive multi-turn chat, or a scripted one through a pipe.
+
+In a terminal: Rich prompt, tokens stream as they come, a dim line after each reply
+(TTFT, tokens/s, prefix-cache hits). Ctrl-C during a reply stops that reply (the request
+is aborted, the turn dropped from the history); Ctrl-C or Ctrl-D at the prompt exits.
+
+Piped (stdin not a terminal): one message or /command per line; each reply is written
+plainly to stdout followed by an empty line; stats and command acknowledgements go to
+stderr. A line that is not UTF-8 ends the run with exit 1 (a script must not go on with
+a conversation it did not mean to have); interactively it is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
+
+import typer
+from rich.console import Console
+
+from llmfast.cli_chat_session import ChatCommandError, ChatSession, ChatSettings, TurnResult
+from llmfast.cli_common import (
+    EngineOptions,
+    IgnoreEos,
+    MaxTokens,
+    System,
+    Temperature,
+    TopK,
+    TopP,
+    engine_stats,
+    load_llm,
+    print_error,
+    stderr_console,
+)
+
+CHAT_EXAMPLES = """\
+**Examples**
+
+* `llmfast chat`  (the default model, SmolLM2-135M-Instruct)
+
+* `llmfast chat --model ./Llama-3.2-1B-Instruct --temperature 0 --system "Be brief."`
+
+* `printf 'Hi!\\n/temp 0\\nName a colour.\\n' | llmfast chat`  (scripted: one message per line)
+
+In the chat: /reset, /system TEXT, /temp X, /top_p X, /top_k N, /max_tokens N, /seed N,
+/stats, /help, /exit. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt quits.
+"""
+
+EXIT_COMMANDS = ("/exit", "/quit")
+
+
+def chat(
+    *,
+    opts: EngineOptions,
+    system: System = None,
+    temperature: Temperature = 0.7,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    max_tokens: MaxTokens = 512,
+    ignore_eos: IgnoreEos = False,
+) -> None:
+    """Chat with a model, multi-turn, with its chat template."""
+    settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k,
+                            max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            seed=opts.engine_kwargs.get("seed"))
+    settings.params()  # validate before the model loads
+    err = stderr_console()
+    llm = load_llm(opts, err)
+    session = ChatSession(llm, settings, system)
+    if sys.stdin.isatty():
+        _interactive(session, Console(highlight=False))
+    else:
+        _piped(session, err)
+
+
+# ---------------------------------------------------------------------- piped
+
+
+def _piped(session: ChatSession, err: Console) -> None:
+    out = sys.stdout
+    for number, raw in enumerate(sys.stdin.buffer, start=1):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            print_error(f"line {number} of the input is not valid UTF-8")
+            raise typer.Exit(1) from None
+        if not line.strip():
+            continue
+        if line.strip() in EXIT_COMMANDS:
+            return
+        if line.startswith("/"):
+            _command(session, line, err)
+            continue
+        result = _reply(session, line, lambda delta: (out.write(delta), out.flush()))
+        if result is None:
+            continue
+        out.write("\n\n")
+        out.flush()
+        err.print(_stats_line(result), markup=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------- interactive
+
+
+def _interactive(session: ChatSession, con: Console) -> None:
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (loaded, it gives input() line editing and history)
+    con.print("[dim]llmfast chat: /help for commands, Ctrl-D to quit[/]")
+    while True:
+        try:
+            line = con.input("[bold green]you ›[/] ")
+            line.encode("utf-8")  # surrogate escapes mean the bytes were not UTF-8
+        except (EOFError, KeyboardInterrupt):
+            con.print()
+            return
+        except (UnicodeDecodeError, UnicodeEncodeError):
+            print_error("the input is not valid UTF-8; message ignored")
+            continue
+        if not line.strip():
+            continue
+        if line.strip() in EXIT_COMMANDS:
+            return
+        if line.startswith("/"):
+            _command(session, line, con)
+            continue
+        con.print("[bold blue]llm ›[/] ", end="")
+        with _stop_on_sigint() as stop:
+            result = _reply(session, line, lambda delta: _write(con, delta), stop)
+        con.print()
+        if result is None:
+            continue
+        if result.aborted:
+            con.print("[yellow]reply stopped; it is dropped from the conversation[/]")
+        con.print(f"[dim]{_stats_line(result)}[/]", highlight=False)
+
+
+def _reply(session: ChatSession, line: str, on_delta, stop=lambda: False) -> TurnResult | None:
+    """One turn; a message that cannot be sent (too long for max-model-len, a template
+    error) is reported and the chat goes on."""
+    from llmfast.config import ConfigError  # (TokenizerError is one)
+    from llmfast.request import RequestRejected
+
+    try:
+        return session.reply(line, on_delta, stop)
+    except (ChatCommandError, RequestRejected, ConfigError) as e:
+        print_error(str(e))
+        return None
+
+
+def _write(con: Console, delta: str) -> None:
+    con.file.write(delta)  # raw text: model output is not Rich markup
+    con.file.flush()
+
+
+@contextlib.contextmanager
+def _stop_on_sigint() -> Iterator:
+    """While a reply streams, Ctrl-C sets a flag that the stream polls between engine
+    steps, instead of raising in the middle of a step (which would leave the scheduler
+    and the runner out of step)."""
+    pressed = []
+
+    def handler(signum, frame) -> None:
+        pressed.append(True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------- shared
+
+
+def _command(session: ChatSession, line: str, con: Console) -> None:
+    if line.strip() == "/stats":
+        con.print(_stats_report(session), markup=False, soft_wrap=True)
+        return
+    try:
+        message = session.handle_command(line)
+    except ChatCommandError as e:
+        print_error(str(e))
+        return
+    if message:
+        con.print(message, markup=False, style="dim")
+
+
+def _stats_line(r: TurnResult) -> str:
+    parts = []
+    if r.ttft is not None:
+        parts.append(f"TTFT {r.ttft * 1000:.0f} ms")
+    if r.tokens_per_s is not None:
+        parts.append(f"{r.tokens_per_s:.1f} tok/s")
+    parts.append(f"{r.num_output_tokens} tokens")
+    parts.append(f"prefix cache {r.num_cached_tokens}/{r.num_prompt_tokens} prompt tokens")
+    if r.dropped_turns:
+        parts.append(f"{r.dropped_turns} old turn(s) dropped to fit")
+    if r.finish_reason == "length":
+        parts.append("stopped at max tokens")
+    return " · ".join(parts)
+
+
+def _stats_report(session: ChatSession) -> str:
+    t = session.totals
+    hit = t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0
+    lines = [
+        f"turns {t.turns} ({t.aborted} stopped), prompt tokens {t.prompt_tokens}, "
+        f"from prefix cache {t.cached_tokens} ({hit:.0%}), generated {t.output_tokens}",
+    ]
+    stats = engine_stats(session.llm.engine)
+    if stats:
+        lines.append("engine: " + ", ".join(f"{k}={_fmt(v)}" for k, v in stats.items()))
+    startup = getattr(session.llm.engine.runner, "startup_times", {})
+    if startup:
+        lines.append("start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in startup.items()))
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

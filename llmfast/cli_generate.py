@@ -1,0 +1,142 @@
+"""`llmfast generate`: one-shot prompts, batched through `LLM.generate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.rule import Rule
+from rich.text import Text
+
+from llmfast.cli_common import (
+    EngineOptions,
+    IgnoreEos,
+    MaxTokens,
+    System,
+    Temperature,
+    TopK,
+    TopP,
+    count_progress,
+    load_llm,
+    stderr_console,
+)
+from llmfast.sampling_params import SamplingParams
+
+GENERATE_EXAMPLES = """\
+**Examples**
+
+* `llmfast generate "What is the capital of France?"`
+
+* `llmfast generate "Tell me a joke" "Write a haiku" --temperature 0.8 --max-tokens 64`
+
+* `llmfast generate --file prompts.txt --json > out.json`  (one prompt per line)
+
+* `llmfast generate --no-chat --stop "." "The capital of France is"`
+"""
+
+
+def generate(
+    *,
+    opts: EngineOptions,
+    prompts: Annotated[list[str] | None, typer.Argument(help="Prompts (or use --file).",
+                                                         show_default=False)] = None,
+    file: Annotated[Path | None, typer.Option(
+        "--file", "-f", help="Read prompts from a file, one per line.")] = None,
+    max_tokens: MaxTokens = 128,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    stop: Annotated[list[str] | None, typer.Option(
+        "--stop", help="Stop string (repeatable).")] = None,
+    chat: Annotated[bool | None, typer.Option(
+        "--chat/--no-chat", help="Apply the chat template.  [default: on if the model has one]",
+        show_default=False)] = None,
+    system: System = None,
+    ignore_eos: IgnoreEos = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of results.")] = False,
+) -> None:
+    """Generate completions for one or more prompts, batched."""
+    texts = _read_prompts(prompts or [], file)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+        stop=tuple(stop or ()), seed=opts.engine_kwargs.get("seed"), ignore_eos=ignore_eos)
+    err = stderr_console()
+    llm = load_llm(opts, err)
+    inputs = _prepare(llm, texts, chat, system)
+    t0 = time.perf_counter()
+    with count_progress("generating", err) as progress:
+        outputs = llm.generate(inputs, params, progress=progress)
+    elapsed = time.perf_counter() - t0
+    if json_out:
+        json.dump([_as_json(text, out) for text, out in zip(texts, outputs)], sys.stdout,
+                  indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+    else:
+        _print_plain(texts, outputs)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    err.print(f"{len(outputs)} prompt(s), {tokens} tokens in {elapsed:.2f} s "
+              f"({tokens / elapsed:.1f} tok/s)", style="dim")
+
+
+def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:
+    texts = list(prompts)
+    if file is not None:
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise OSError(f"cannot read {file}: {e.strerror or e}") from None
+        try:
+            content = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file} is not valid UTF-8 (byte {e.start})") from None
+        texts += [line for line in content.splitlines() if line.strip()]
+    if not texts:
+        raise ValueError("no prompts: pass them as arguments or with --file")
+    return texts
+
+
+def _prepare(llm, texts: list[str], chat: bool | None, system: str | None) -> list:
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"model {llm.engine.source.name} has no tokenizer, so it cannot take "
+                         "text prompts (random: presets are for bench and profile)")
+    use_chat = tokenizer.has_chat_template if chat is None else chat
+    if not use_chat:
+        return texts
+    head = [{"role": "system", "content": system}] if system else []
+    # apply_chat_template raises a one-line TokenizerError when asked for a template
+    # the model lacks (--chat on such a model).
+    return [{"prompt": t, "prompt_token_ids": tokenizer.apply_chat_template(
+        head + [{"role": "user", "content": t}], add_generation_prompt=True)} for t in texts]
+
+
+def _as_json(prompt: str, out) -> dict:
+    completion = out.outputs[0]
+    m = out.metrics
+    return {
+        "prompt": prompt,
+        "text": completion.text,
+        "token_ids": completion.token_ids,
+        "finish_reason": completion.finish_reason,
+        "metrics": {
+            "ttft_s": m.ttft, "tpot_s": m.tpot, "e2e_s": m.e2e,
+            "num_prompt_tokens": len(out.prompt_token_ids),
+            "num_output_tokens": len(completion.token_ids),
+            "num_cached_tokens": out.num_cached_tokens,
+        },
+    }
+
+
+def _print_plain(texts: list[str], outputs) -> None:
+    con = Console(highlight=False, soft_wrap=True)
+    for i, (prompt, out) in enumerate(zip(texts, outputs)):
+        if len(texts) > 1:
+            title = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+            con.print(Rule(Text(f"{i + 1}: {title}"), style="dim"))
+        con.file.write(out.outputs[0].text + "\n")  # raw: Rich would drop control characters
+        con.file.flush()

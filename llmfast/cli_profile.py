@@ -1,0 +1,144 @@
+"""`llmfast profile`: trace a short decode workload with nsys (when on PATH) or the
+torch profiler, into `profiles/<timestamp>-<model>/`."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from llmfast.cli_common import EngineOptions, engine_argv, load_llm, stderr_console
+
+PROFILE_EXAMPLES = """\
+**Examples**
+
+* `llmfast profile`  (batches of 1 and 8, 8 decode steps each, default model)
+
+* `llmfast profile --sizes 1,64,256 --steps 16 --out profiles/h100-decode`
+
+* `llmfast profile --model random:tiny --tracer torch`  (force the torch profiler)
+
+With `nsys` on PATH the run is re-executed under `nsys profile` (open `trace.nsys-rep`
+in nsys-ui); otherwise a torch-profiler trace `trace.json` is written (open it at
+ui.perfetto.dev) with a `top_ops.md` table. Both show the engine's phases: schedule,
+prepare_inputs, forward[N], sample, update, detokenize.
+"""
+
+# Set in the environment of the run under nsys, so it does not start nsys again.
+_UNDER_NSYS = "LLMFAST_UNDER_NSYS"
+
+
+class Tracer(str, enum.Enum):
+    auto = "auto"
+    nsys = "nsys"
+    torch = "torch"
+    none = "none"
+
+
+def profile(
+    *,
+    opts: EngineOptions,
+    sizes: Annotated[str, typer.Option("--sizes", help="Batch sizes to profile: 1,8 or "
+                                       "1..64.")] = "1,8",
+    steps: Annotated[int, typer.Option("--steps", help="Decode steps per size.")] = 8,
+    context: Annotated[int, typer.Option("--context", help="Prompt tokens per request.")] = 64,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory.  "
+                                             "[default: profiles/<timestamp>-<model>]",
+                                             show_default=False)] = None,
+    tracer: Annotated[Tracer, typer.Option("--tracer", help="auto: nsys if on PATH, else "
+                                           "torch; none: only NVTX ranges (used under "
+                                           "nsys).")] = Tracer.auto,
+) -> None:
+    """Profile a short decode workload (nsys or torch profiler) with the engine's phases."""
+    from llmfast.bench import BenchError, parse_sizes
+    from llmfast.profile_run import default_profile_dir, prepare_profile_dir
+
+    size_list = parse_sizes(sizes)
+    if steps < 1 or context < 1:
+        raise BenchError("--steps and --context must be >= 1")
+    out_dir = prepare_profile_dir(out or default_profile_dir(opts.model))
+    err = stderr_console()
+    con = Console(highlight=False, soft_wrap=True)  # never break a path across lines
+    nsys = shutil.which("nsys")
+    if tracer is Tracer.nsys and nsys is None:
+        raise ValueError("--tracer nsys: nsys is not on PATH (install Nsight Systems)")
+    if tracer in (Tracer.auto, Tracer.nsys) and nsys and not os.environ.get(_UNDER_NSYS):
+        inner = [sys.executable, "-m", "llmfast", "profile", "--sizes", sizes,
+                 "--steps", str(steps), "--context", str(context), "--out", str(out_dir),
+                 "--tracer", "none", *engine_argv(opts)]
+        _profile_with_nsys(nsys, out_dir, inner, con, err)
+        return
+    kind = "none" if tracer in (Tracer.none, Tracer.nsys) or os.environ.get(_UNDER_NSYS) \
+        else "torch"
+    _profile_in_process(opts, size_list, steps, context, out_dir, kind, con, err)
+
+
+def _profile_with_nsys(nsys: str, out_dir: Path, inner: list[str], con: Console,
+                       err: Console) -> None:
+    from llmfast.profile_run import run_nsys
+
+    err.print(f"running under {nsys} profile ...", style="dim")
+    result = run_nsys(nsys, out_dir, inner, env={**os.environ, _UNDER_NSYS: "1"})
+    if result.returncode != 0:
+        raise ValueError(f"the profiled run failed under nsys (exit {result.returncode})")
+    if result.report is None:
+        raise ValueError(f"nsys wrote no report into {out_dir}")
+    con.print(f"nsys report: {result.report}  (open it in Nsight Systems: nsys-ui "
+              f"{result.report})", markup=False)
+    if result.stats is not None:
+        con.print(f"summary:     {result.stats}  (nsys stats)", markup=False)
+
+
+def _profile_in_process(opts: EngineOptions, sizes: list[int], steps: int, context: int,
+                        out_dir: Path, kind: str, con: Console, err: Console) -> None:
+    import dataclasses
+
+    from llmfast.bench import environment_info, warm_up
+    from llmfast.profile_run import run_decode_workload, torch_profile
+
+    from llmfast.cli_bench import sweep_overrides
+
+    llm = load_llm(opts, err, **sweep_overrides(sizes, opts))
+    engine = llm.engine
+    seed = opts.engine_kwargs.get("seed", 0)
+    warm_up(engine)  # outside the trace: first-call costs would dominate it
+
+    def workload():
+        return run_decode_workload(engine, sizes, steps, context, seed)
+
+    summary = {"sizes": sizes, "steps": steps, "context": context, "tracer": kind,
+               "model": engine.source.name, "environment": environment_info(engine.config.device),
+               "startup": dict(getattr(engine.runner, "startup_times", {}))}
+    if kind == "torch":
+        with err.status("profiling with the torch profiler ..."):
+            traced = torch_profile(workload, out_dir, engine.config.device.startswith("cuda"))
+        points, summary["phases"] = traced.result, traced.phases
+    else:  # under nsys: the NVTX ranges are the trace
+        points = workload()
+    summary["sweep"] = [dataclasses.asdict(p) for p in points]
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if kind == "torch":
+        con.print(_phase_table(traced.phases))
+        con.print(f"trace:   {traced.trace}  (open it at https://ui.perfetto.dev or "
+                  "chrome://tracing)", markup=False)
+        con.print(f"top ops: {traced.top_ops}", markup=False)
+    con.print(f"summary: {out_dir / 'summary.json'}", markup=False)
+
+
+def _phase_table(phases: dict[str, dict[str, float]]):
+    from rich.table import Table
+
+    table = Table(title="engine phases (torch profiler, CPU wall time)")
+    for col in ("phase", "calls", "total ms", "ms per call"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for name, p in phases.items():
+        table.add_row(name, str(p["count"]), f"{p['total_ms']:.2f}",
+                      f"{p['total_ms'] / max(p['count'], 1):.3f}")
+    return table

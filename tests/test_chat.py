@@ -1,0 +1,219 @@
+"""`llmfast chat`: the session logic (prefix-cache reuse across turns, commands), piped
+mode through the real command, and a pseudo-terminal run with Ctrl-C mid-reply."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmfast.cli import app
+from llmfast.cli_chat_session import ChatCommandError, ChatSession, ChatSettings
+from tests.conftest_cli import make_chat_model
+
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = ["--temperature", "0", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("chat-model"))
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model):
+    from llmfast import LLM
+
+    return LLM(str(chat_model), device="cpu", block_size=8)
+
+
+def run_chat(model: Path, text: bytes, *args: str):
+    return CliRunner().invoke(app, ["chat", "--model", str(model), *GREEDY, *args], input=text)
+
+
+# ---------------------------------------------------------------------- session
+
+
+def test_second_turn_reuses_cached_blocks(llm):
+    session = ChatSession(llm, ChatSettings(temperature=0.0, max_tokens=8),
+                          system="You are a test model.")
+    first = session.reply("hello there", lambda d: None)
+    second = session.reply("how are you today?", lambda d: None)
+    assert first.num_cached_tokens == 0 or first.num_cached_tokens < first.num_prompt_tokens
+    # Turn 2's prompt starts with turn 1's prompt: at least its full blocks are cached.
+    assert second.num_cached_tokens >= (first.num_prompt_tokens // 8) * 8 > 0
+    assert session.totals.turns == 2 and len(session.history) == 4
+    session.handle_command("/reset")
+    again = session.reply("hello there", lambda d: None)
+    assert again.text == first.text  # greedy: same conversation, same answer
+    assert again.num_cached_tokens > 0  # turn 1's blocks are still in the cache
+
+
+def test_aborted_reply_is_dropped_and_freed(llm):
+    session = ChatSession(llm, ChatSettings(temperature=0.0, max_tokens=200, ignore_eos=True))
+    steps = []
+    result = session.reply("hello there", lambda d: None,
+                           should_stop=lambda: steps.append(1) or len(steps) >= 3)
+    assert result.aborted and result.finish_reason == "abort"
+    assert 0 < result.num_output_tokens < 200
+    assert session.history == [] and session.totals.aborted == 1
+    assert not llm.engine.has_unfinished()
+    llm.engine.step()  # the runner drops the aborted row on the next step
+    stats = llm.engine.stats()
+    assert stats.kv_cache_usage == 0.0
+
+
+def test_commands_change_settings(llm):
+    session = ChatSession(llm, ChatSettings())
+    session.handle_command("/temp 0.2")
+    session.handle_command("/top_p 0.9")
+    session.handle_command("/top_k 5")
+    session.handle_command("/max_tokens 7")
+    session.handle_command("/seed 11")
+    session.handle_command("/ignore_eos on")
+    assert session.settings == ChatSettings(0.2, 0.9, 5, 7, 11, True)
+    session.handle_command("/seed none")
+    assert session.settings.seed is None
+    for bad in ("/temp -1", "/top_p 0", "/top_p 2", "/max_tokens 0", "/top_k x", "/temp",
+                "/frob", "/ignore_eos maybe"):
+        with pytest.raises(ChatCommandError):
+            session.handle_command(bad)
+    assert session.settings.temperature == 0.2  # a bad value never replaces a good one
+    session.handle_command("/system Be brief.")
+    assert session.system == "Be brief." and session.history == []
+
+
+def test_long_history_drops_oldest_turns(chat_model):
+    from llmfast import LLM
+
+    llm = LLM(str(chat_model), device="cpu", max_model_len=160)
+    session = ChatSession(llm, ChatSettings(temperature=0.0, max_tokens=20, ignore_eos=True))
+    dropped = 0
+    for i in range(6):
+        dropped += session.reply(f"message number {i} about the capital of France",
+                                 lambda d: None).dropped_turns
+    assert dropped > 0
+    assert session.history[-2]["content"] == "message number 5 about the capital of France"
+
+
+# ---------------------------------------------------------------------- piped
+
+
+def test_piped_two_turns_reset_and_prefix_hits(chat_model):
+    script = b"hello there\nhow are you today?\n/reset\nhello there\n/stats\n"
+    result = run_chat(chat_model, script, "--max-tokens", "6", "--system", "You are a test.")
+    assert result.exit_code == 0, result.output
+    replies = result.stdout.split("\n\n")
+    assert replies[-1] == ""
+    replies = replies[:-1]
+    assert len(replies) == 3
+    assert replies[0] == replies[2]  # after /reset the same message gets the same answer
+    stats = re.findall(r"prefix cache (\d+)/(\d+) prompt tokens", result.stderr)
+    assert len(stats) == 3
+    assert int(stats[1][0]) > 0  # turn 2 reuses turn 1's blocks
+    assert "conversation reset" in result.stderr
+    assert "from prefix cache" in result.stderr and "Traceback" not in result.output
+    assert "\x1b[" not in result.stdout  # plain text, no Rich markup
+
+
+def test_piped_bad_command_continues(chat_model):
+    result = run_chat(chat_model, b"/temp -1\n/bogus\nhi\n", "--max-tokens", "2")
+    assert result.exit_code == 0
+    assert "error: temperature must be >= 0" in result.stderr
+    assert "error: unknown command /bogus" in result.stderr
+    assert result.stdout.count("\n\n") == 1  # the message after the errors was answered
+
+
+def test_piped_non_utf8_exits_with_one_line(chat_model):
+    result = run_chat(chat_model, b"hi\n\xff\xfe oops\nnever answered\n", "--max-tokens", "2")
+    assert result.exit_code == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: line 2 of the input is not valid UTF-8"]
+    assert result.stdout.count("\n\n") == 1
+    assert "Traceback" not in result.output
+
+
+def test_piped_too_long_message_is_skipped(chat_model):
+    long = ("word " * 200).encode()
+    result = run_chat(chat_model, long + b"\nhi\n", "--max-tokens", "2", "--max-model-len", "64")
+    assert result.exit_code == 0, result.output
+    assert "error: the message is" in result.stderr and "max-model-len is 64" in result.stderr
+    assert result.stdout.count("\n\n") == 1  # "hi" still answered
+
+
+def test_piped_exit_command(chat_model):
+    result = run_chat(chat_model, b"/exit\nnever answered\n", "--max-tokens", "2")
+    assert result.exit_code == 0 and result.stdout == ""
+
+
+# ---------------------------------------------------------------------- terminal
+
+
+def _spawn(model: Path, *args: str):
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "TERM": "xterm"}
+    return pexpect.spawn(sys.executable, ["-m", "llmfast", "chat", "--model", str(model),
+                                          *GREEDY, *args],
+                         env=env, encoding="utf-8", codec_errors="replace", timeout=60,
+                         dimensions=(50, 200))
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r\n", "\n")
+
+
+def test_terminal_ctrl_c_mid_reply_then_correct_answer(chat_model):
+    reference = run_chat(chat_model, b"hello there\n", "--max-tokens", "12")
+    expected = reference.stdout.split("\n\n")[0]
+    child = _spawn(chat_model, "--max-tokens", "100000", "--ignore-eos",
+                   "--max-model-len", "4000")
+    try:
+        child.expect("you ›")
+        child.sendline("hello there")
+        child.expect("llm ›")
+        time.sleep(1.0)  # let tokens stream; 4000 tokens take far longer than this
+        child.sendintr()
+        child.expect("reply stopped")
+        child.expect(r"(\d+) tokens")
+        assert 0 < int(child.match.group(1)) < 3900  # stopped mid-reply
+        child.expect("you ›")
+        child.sendline("/max_tokens 12")
+        child.expect("max_tokens = 12")
+        child.expect("you ›")
+        child.sendline("/ignore_eos off")
+        child.expect("you ›")
+        child.sendline("hello there")
+        child.expect("llm ›")
+        child.expect("TTFT")
+        answer = _plain(child.before).removeprefix(" ").rstrip("\n")
+        # The dropped turn left no trace: the answer is that of a fresh chat.
+        assert answer == expected.rstrip("\n")
+        child.expect("you ›")
+        child.sendcontrol("d")
+        child.expect(pexpect_eof())
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_terminal_ctrl_c_at_prompt_exits_cleanly(chat_model):
+    child = _spawn(chat_model)
+    try:
+        child.expect("you ›")
+        child.sendintr()
+        child.expect(pexpect_eof())
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert "Traceback" not in (child.before or "")
+
+
+def pexpect_eof():
+    import pexpect
+
+    return pexpect.EOF

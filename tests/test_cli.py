@@ -1,0 +1,315 @@
+"""The `llmfast` commands driven through Typer's CliRunner (in process, CPU, tiny models):
+help texts, generate, bench output files, pull, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmfast.cli import app
+from tests.conftest_cli import make_chat_model
+
+TINY = ["--model", "random:tiny", "--device", "cpu"]
+
+
+def invoke(*args: str, input: bytes | str | None = None):
+    # Wide enough that Rich never shortens a flag name in --help.
+    return CliRunner().invoke(app, list(args), input=input, env={"COLUMNS": "160"})
+
+
+def assert_one_line_error(result, fragment: str = "") -> str:
+    assert result.exit_code != 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert "Traceback" not in result.output
+    assert fragment.lower() in lines[0].lower(), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("chat-model"))
+
+
+# ---------------------------------------------------------------------- help
+
+
+@pytest.mark.parametrize("command", ["chat", "generate", "bench", "profile"])
+def test_help_has_examples_and_engine_flags(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    text = result.stdout
+    assert "Examples" in text and f"llmfast {command}" in text
+    for flag in ("--model", "--dtype", "--device", "--debug", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--max-model-len", "--block-size",
+                 "--enforce-eager", "--kv-cache-memory", "--gpu-memory-utilization",
+                 "--compile", "--no-cuda-graphs", "--cuda-graph-sizes", "--seed"):
+        assert flag in text, flag
+
+
+def test_top_level_help_lists_commands():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("chat", "generate", "bench", "profile", "pull"):
+        assert command in result.stdout
+    assert "llmfast pull" in invoke("pull", "--help").stdout
+
+
+# ---------------------------------------------------------------------- option parsing
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1048576", 2**20), ("1.5GB", 1_500_000_000),
+    ("64k", 64 * 1024), ("8 MiB", 8 * 2**20), ("100b", 100),
+])
+def test_parse_bytes(text, expected):
+    from llmfast.cli_common import parse_bytes
+
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "5 parsecs", "-1MiB", "0", "1.5.2GB"])
+def test_parse_bytes_rejects(text):
+    import typer
+
+    from llmfast.cli_common import parse_bytes
+
+    with pytest.raises(typer.BadParameter):
+        parse_bytes(text)
+
+
+def test_engine_flags_round_trip():
+    """engine_argv (used to re-run under nsys) reproduces the parsed flags."""
+    from llmfast.cli_common import _ENGINE_FLAGS, _engine_options, engine_argv
+
+    defaults = {name: default for name, (_, _, default) in _ENGINE_FLAGS.items()}
+    values = {**defaults, "model": "random:tiny", "dtype": "bfloat16", "device": "cpu",
+              "seed": 3, "max_num_seqs": 7, "kv_cache_memory": "1MiB", "compile": False,
+              "enforce_eager": True, "no_cuda_graphs": True, "cuda_graph_sizes": "1..8",
+              "no_prefix_caching": True, "debug": True}
+    opts = _engine_options(values)
+    assert opts.engine_kwargs == {
+        "dtype": "bfloat16", "device": "cpu", "seed": 3, "max_num_seqs": 7,
+        "kv_cache_memory": 2**20, "compile": False, "enforce_eager": True,
+        "cuda_graphs": False, "cuda_graph_sizes": (1, 2, 4, 8), "enable_prefix_caching": False}
+    argv = engine_argv(opts)
+    parsed = {}
+
+    def capture(*, opts):
+        parsed["opts"] = opts
+
+    import typer
+
+    from llmfast.cli_common import engine_command
+
+    probe = typer.Typer()
+    probe.command()(engine_command(capture))
+    assert CliRunner().invoke(probe, argv).exit_code == 0
+    assert parsed["opts"] == opts
+
+
+# ---------------------------------------------------------------------- generate
+
+
+def test_generate_json_batched_matches_single(chat_model, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\n\nTell me a story\n")
+    common = ["--model", str(chat_model), "--device", "cpu", "--max-tokens", "6",
+              "--temperature", "0", "--ignore-eos"]
+    batched = invoke("generate", "--file", str(prompts), "The capital of France", "--json",
+                     *common)
+    assert batched.exit_code == 0, batched.output
+    rows = json.loads(batched.stdout)
+    assert [r["prompt"] for r in rows] == ["The capital of France", "hello there",
+                                          "Tell me a story"]
+    for row in rows:
+        assert set(row) == {"prompt", "text", "token_ids", "finish_reason", "metrics"}
+        assert len(row["token_ids"]) == 6 and row["finish_reason"] == "length"
+        assert {"ttft_s", "tpot_s", "e2e_s", "num_prompt_tokens", "num_cached_tokens",
+                "num_output_tokens"} <= set(row["metrics"])
+        assert row["metrics"]["ttft_s"] > 0
+    single = invoke("generate", "hello there", "--json", *common)
+    assert json.loads(single.stdout)[0]["token_ids"] == rows[1]["token_ids"]
+    plain = invoke("generate", "hello there", *common)
+    assert plain.exit_code == 0
+    assert plain.stdout.rstrip("\n") == rows[1]["text"].rstrip("\n")
+
+
+def test_generate_chat_template_toggle(chat_model):
+    common = ["--model", str(chat_model), "--device", "cpu", "--max-tokens", "2", "--json"]
+    chat = json.loads(invoke("generate", "hi", *common).stdout)[0]
+    raw = json.loads(invoke("generate", "hi", "--no-chat", *common).stdout)[0]
+    # The template wraps the message: many more prompt tokens than the bare text.
+    assert chat["metrics"]["num_prompt_tokens"] > raw["metrics"]["num_prompt_tokens"] + 5
+
+
+# ---------------------------------------------------------------------- bench
+
+
+def test_bench_sweep_writes_json_and_png(tmp_path):
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    result = invoke("bench", *TINY, "--sizes", "1..8", "--context", "16", "--steps", "4",
+                    "--json", str(out_json), "--plot", str(out_png), "--startup")
+    assert result.exit_code == 0, result.output
+    assert "decode sweep" in result.stdout and "start-up" in result.stdout
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"llmfast_bench_version", "timestamp", "config", "environment", "runs"}
+    assert report["config"]["sizes"] == [1, 2, 4, 8]
+    assert report["config"]["context"] == 16 and report["config"]["steps"] == 4
+    env = report["environment"]
+    for key in ("torch", "transformers", "llmfast", "device", "cpu", "python"):
+        assert env[key], key
+    run = report["runs"]["default"]
+    assert {"load", "kv_cache"} <= set(run["startup"])
+    assert run["engine_config"]["device"] == "cpu"
+    assert [p["batch_size"] for p in run["sweep"]] == [1, 2, 4, 8]
+    for p in run["sweep"]:
+        assert set(p) == {"batch_size", "context_len", "steps", "step_latency",
+                          "decode_tokens_per_s", "prefill_tokens", "prefill_time_s",
+                          "prefill_steps", "prefill_tokens_per_s", "all_decode",
+                          "step_latencies_s"}
+        assert set(p["step_latency"]) == {"count", "mean", "median", "p90", "p99", "min", "max"}
+        assert len(p["step_latencies_s"]) == 4 and p["all_decode"]
+    from matplotlib.image import imread
+
+    image = imread(out_png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_bench_throughput_with_hf_baseline(tmp_path):
+    out_json, out_png = tmp_path / "t.json", tmp_path / "t.png"
+    result = invoke("bench", *TINY, "--mode", "throughput", "--num-prompts", "4",
+                    "--input-len", "12", "--output-len", "4", "--random-range-ratio", "0.5",
+                    "--baseline", "hf", "--hf-batch-size", "2", "--json", str(out_json),
+                    "--plot", str(out_png))
+    assert result.exit_code == 0, result.output
+    assert "HF generate" in result.stdout and "llmfast / HF" in result.stdout
+    run = json.loads(out_json.read_text())["runs"]["default"]
+    assert run["throughput"]["output_tokens"] == run["baseline_hf"]["output_tokens"]
+    assert run["speedup_vs_hf"] > 0
+    assert out_png.stat().st_size > 0
+
+
+def test_bench_latency_mode(tmp_path):
+    out_json = tmp_path / "lat.json"
+    result = invoke("bench", *TINY, "--mode", "latency", "--num-prompts", "5",
+                    "--input-len", "8", "--output-len", "4", "--request-rate", "100",
+                    "--json", str(out_json))
+    assert result.exit_code == 0, result.output
+    for metric in ("TTFT", "TPOT", "ITL", "E2E"):
+        assert metric in result.stdout
+    lat = json.loads(out_json.read_text())["runs"]["default"]["latency"]
+    assert lat["num_requests"] == 5 and lat["request_rate"] == 100.0
+    assert set(lat["ttft"]) == {"count", "mean", "median", "p90", "p99", "min", "max"}
+    burst = invoke("bench", *TINY, "--mode", "latency", "--num-prompts", "2", "--input-len",
+                   "4", "--output-len", "2", "--json", str(out_json))
+    assert burst.exit_code == 0
+    assert json.loads(out_json.read_text())["config"]["request_rate"] == "inf"
+
+
+# ---------------------------------------------------------------------- pull
+
+
+def test_pull_prints_path(monkeypatch, tmp_path):
+    import llmfast.models.default_model as dm
+
+    def fake(progress=None, **_):
+        progress("downloading", None)
+        progress("converting", 0.5)
+        return tmp_path / "SmolLM2"
+
+    monkeypatch.setattr(dm, "ensure_default_model", fake)
+    result = invoke("pull")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == str(tmp_path / "SmolLM2")
+
+
+def test_pull_offline_is_one_line(monkeypatch):
+    import llmfast.models.default_model as dm
+
+    def offline(progress=None, **_):
+        raise dm.DefaultModelError("the default model could not be downloaded; are you offline?")
+
+    monkeypatch.setattr(dm, "ensure_default_model", offline)
+    assert_one_line_error(invoke("pull"), "offline")
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["bench", *TINY, "--sizes", "0..8"], ">= 1"),
+    (["bench", *TINY, "--sizes", "8..1"], "backwards"),
+    (["bench", *TINY, "--sizes", "a..b"], "cannot parse"),
+    (["bench", *TINY, "--sizes", "1..100000"], "limit"),
+    (["bench", *TINY, "--sizes", "1..512", "--max-num-seqs", "256"], "max-num-seqs"),
+    (["bench", *TINY, "--modes", "graphs"], "cuda"),
+    (["bench", *TINY, "--modes", "turbo"], "unknown mode"),
+    (["bench", *TINY, "--mode", "fastest"], "invalid value"),
+    (["bench", *TINY, "--json", "/nonexistent-dir/x.json"], "does not exist"),
+    (["bench", *TINY, "--kv-cache-memory", "lots"], "512mib"),
+    (["generate", "hi", *TINY, "--temperature", "-1"], "temperature"),
+    (["generate", "hi", *TINY, "--top-p", "0"], "top_p"),
+    (["generate", "hi", *TINY, "--top-p", "1.5"], "top_p"),
+    (["generate", "hi", *TINY, "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", *TINY, "--max-tokens", "many"], "max-tokens"),
+    (["generate", "hi", "--model", "random:tiny", "--device", "tpu"], "unknown device"),
+    (["generate", "hi", "--model", "random:tiny", "--device", "cuda"], "no cuda gpu"),
+    (["generate", "hi", "--model", "random:nope", "--device", "cpu"], "unknown random preset"),
+    (["generate", "hi", "--model", "/nonexistent/model", "--device", "cpu"], "does not exist"),
+    (["generate", "hi", *TINY], "no tokenizer"),
+    (["generate", *TINY], "no prompts"),
+    (["generate", "hi", *TINY, "--dtype", "int3"], "dtype"),
+    (["generate", "hi", *TINY, "--block-size", "7"], "block size"),
+    (["generate", "hi", *TINY, "--kv-cache-memory", "1KiB"], "kv cache"),
+    (["chat", *TINY], "no tokenizer"),
+    (["chat", *TINY, "--temperature", "-2"], "temperature"),
+    (["bench", *TINY, "--no-such-flag"], "no such option"),
+    (["frobnicate"], "no such command"),
+])
+def test_bad_input_is_one_line_error(args, fragment):
+    assert_one_line_error(invoke(*args), fragment)
+
+
+def test_generate_file_not_utf8(tmp_path, chat_model):
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(b"hello \xff\xfe there\n")
+    assert_one_line_error(invoke("generate", "--file", str(bad), "--model", str(chat_model),
+                                 "--device", "cpu"), "not valid utf-8")
+    assert_one_line_error(invoke("generate", "--file", str(tmp_path / "missing.txt"),
+                                 "--model", str(chat_model), "--device", "cpu"), "missing.txt")
+
+
+def test_kv_cache_too_small_for_one_request():
+    line = assert_one_line_error(invoke("generate", "hi", *TINY, "--kv-cache-memory", "64KiB",
+                                        "--max-model-len", "4096"))
+    assert "kv cache" in line.lower() and "max-model-len" in line
+
+
+def test_debug_shows_traceback():
+    result = invoke("generate", "hi", "--model", "random:tiny", "--device", "tpu", "--debug")
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr and "error: unknown device" in result.stderr
+
+
+def test_sweep_overrides_raise_unset_limits_only():
+    from llmfast.bench import BenchError
+    from llmfast.cli_bench import parse_exec_modes, sweep_overrides
+    from llmfast.cli_common import EngineOptions
+
+    unset = EngineOptions(model=None, debug=False)
+    assert sweep_overrides([1, 512], unset) == {"max_num_seqs": 512,
+                                                "max_num_batched_tokens": 2048}
+    assert sweep_overrides([1, 8], unset) == {"max_num_seqs": 256,
+                                              "max_num_batched_tokens": 2048}
+    given = EngineOptions(model=None, debug=False, engine_kwargs={"max_num_seqs": 16})
+    assert sweep_overrides([1, 16], given) == {"max_num_batched_tokens": 2048}
+    with pytest.raises(BenchError, match="--max-num-seqs 16"):
+        sweep_overrides([32], given)
+    cpu = EngineOptions(model=None, debug=False, engine_kwargs={"device": "cpu"})
+    assert parse_exec_modes("eager,compiled,eager", cpu) == ["eager", "compiled"]
+    assert parse_exec_modes(None, cpu) == ["default"]

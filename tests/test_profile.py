@@ -1,0 +1,135 @@
+"""`llmfast profile` on CPU: the torch-profiler trace carries the engine's NVTX-named
+phases; with `nsys` on PATH (a fake one recording its argv) the run re-executes itself
+under the right `nsys profile` command line."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from llmfast.cli import app
+from llmfast.profile_run import (
+    default_profile_dir,
+    model_label,
+    nsys_command,
+    nsys_stats_command,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "random:tiny", "--device", "cpu", "--sizes", "1,4", "--steps", "3",
+        "--context", "16"]
+PHASES = ("schedule", "prepare_inputs", "sample", "update", "detokenize")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def test_profile_dir_names():
+    now = datetime.datetime(2026, 11, 21, 5, 33, 6)
+    expected = Path("profiles/20261121-053306-random-tiny")
+    assert default_profile_dir("random:tiny", now=now) == expected
+    assert model_label("/models/Llama-3.2-1B/") == "Llama-3.2-1B"
+    assert model_label(None) == "SmolLM2-135M-Instruct"
+    assert model_label("weird name?.gguf") == "weird-name-.gguf"
+
+
+def test_nsys_command_lines():
+    inner = [sys.executable, "-m", "llmfast", "profile", "--tracer", "none"]
+    assert nsys_command("/opt/nsys", Path("/p/run"), inner) == [
+        "/opt/nsys", "profile", "-t", "cuda,nvtx,osrt", "--cuda-graph-trace=node",
+        "-o", "/p/run/trace", "--force-overwrite=true", *inner]
+    assert nsys_stats_command("nsys", Path("/p/run/trace.nsys-rep")) == [
+        "nsys", "stats", "--force-export=true", "/p/run/trace.nsys-rep"]
+
+
+def test_profile_cpu_torch_trace_has_phases(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no nsys: auto = torch
+    out = tmp_path / "prof"
+    result = invoke("profile", *TINY, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    for phase in PHASES:
+        assert phase in names, phase
+    assert {"forward[1]", "forward[4]"} <= names  # decode steps at batch 1 and 4
+    top = (out / "top_ops.md").read_text()
+    assert "| op | calls |" in top and "aten::" in top and "`schedule`" in top
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tracer"] == "torch" and [p["batch_size"] for p in summary["sweep"]] == [1, 4]
+    assert str(out / "trace.json") in result.stdout and "ui.perfetto.dev" in result.stdout
+
+
+FAKE_NSYS = '''#!{python}
+"""A stand-in for nsys: records its argv; `profile` runs the inner command and writes
+an empty report, `stats` prints a line."""
+import json, subprocess, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if args[0] == "profile":
+    out = args[args.index("-o") + 1]
+    inner = args[args.index("--force-overwrite=true") + 1:]
+    code = subprocess.run(inner).returncode
+    open(out + ".nsys-rep", "w").close()
+    sys.exit(code)
+if args[0] == "stats":
+    print("fake nsys stats for", args[-1])
+'''
+
+
+def test_profile_reruns_under_nsys(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "nsys-argv.jsonl"
+    fake = bin_dir / "nsys"
+    fake.write_text(FAKE_NSYS.format(python=sys.executable, log=str(log)))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.delenv("LLMFAST_UNDER_NSYS", raising=False)
+    out = tmp_path / "prof"
+    result = invoke("profile", *TINY, "--out", str(out), "--seed", "3")
+    assert result.exit_code == 0, result.output
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2
+    profile_call, stats_call = calls
+    assert profile_call[:7] == ["profile", "-t", "cuda,nvtx,osrt", "--cuda-graph-trace=node",
+                                "-o", str(out / "trace"), "--force-overwrite=true"]
+    inner = profile_call[7:]
+    assert inner[:4] == [sys.executable, "-m", "llmfast", "profile"]
+    assert inner[inner.index("--tracer") + 1] == "none"
+    assert inner[inner.index("--out") + 1] == str(out)
+    assert inner[inner.index("--sizes") + 1] == "1,4"
+    for flag, value in (("--model", "random:tiny"), ("--device", "cpu"), ("--seed", "3")):
+        assert inner[inner.index(flag) + 1] == value
+    assert stats_call == ["stats", "--force-export=true", str(out / "trace.nsys-rep")]
+    assert "fake nsys stats" in (out / "nsys-stats.txt").read_text()
+    # The inner run did the work (once: it did not start nsys again).
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tracer"] == "none" and len(summary["sweep"]) == 2
+    assert "trace.nsys-rep" in result.stdout and "nsys-ui" in result.stdout
+
+
+def test_profile_dir_not_writable(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = invoke("profile", *TINY, "--out", str(blocker / "sub"))
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write the profile directory")
+    assert "Traceback" not in result.output
+
+
+def test_profile_bad_sizes_and_missing_nsys(tmp_path, monkeypatch):
+    result = invoke("profile", *TINY[:4], "--sizes", "8..1", "--out", str(tmp_path / "p"))
+    assert result.exit_code == 1 and result.stderr.startswith("error: range")
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    result = invoke("profile", *TINY, "--tracer", "nsys", "--out", str(tmp_path / "p"))
+    assert result.exit_code == 1 and "nsys is not on PATH" in result.stderr
