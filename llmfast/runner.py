@@ -17,6 +17,7 @@ import torch
 
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.buffers import CpuGpuBuffer
+from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.input_batch import CachedRequestState, InputBatch
 from llmfast.memory import check_fits_one_request, kv_block_bytes, num_cpu_blocks, num_gpu_blocks
@@ -65,23 +66,38 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
                                       self.max_num_tokens, self.block_size, self.device)
         self.sampler = Sampler()
-        self.forward_fn = self.model.forward
+        # Eager passthrough under enforce_eager; else piecewise compile (+ CUDA graphs).
+        self.compiled = CompiledModel(self.model, config.compile, self.device,
+                                      self.max_num_tokens)
+        self.forward_fn = self.compiled
         self.num_blocks = 0
 
     # ------------------------------------------------------------------ start-up
 
     def initialize(self, progress: Progress | None = None) -> int:
-        """Size and allocate the KV cache; returns the number of blocks."""
-        t0 = time.perf_counter()
+        """Size and allocate the KV cache, compiling (and on CUDA capturing graphs) on the
+        way; returns the number of blocks.
+
+        Order on CUDA: profile the largest forward on a scratch cache -> compile and
+        capture on that scratch cache (the piecewise graphs never touch the KV cache, so
+        rebinding it later needs no recapture) -> size the KV cache from what is left.
+        """
         cfg = self.config
         model_cfg = self.model.config
+        captured = False
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
+            t0 = time.perf_counter()
             peak = self._profile_peak_memory()
-            num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.dtype, self.device, peak)
+            self.startup_times["profile"] = time.perf_counter() - t0
+            graph_bytes = self._compile_and_capture(progress)
+            captured = True
+            num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.dtype, self.device,
+                                        peak + graph_bytes)
         else:
             num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.dtype)
+        t0 = time.perf_counter()
         block_bytes = kv_block_bytes(model_cfg, self.block_size, self.dtype)
         check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
         if progress:
@@ -96,7 +112,37 @@ class ModelRunner:
         self.startup_times["kv_cache"] = time.perf_counter() - t0
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * block_bytes / 2**20)
+        if not captured:
+            self._compile_and_capture(progress)
         return num_blocks
+
+    def _compile_and_capture(self, progress: Progress | None) -> int:
+        if self.config.compile.enforce_eager:
+            return 0
+        if progress:
+            progress("compiling" + (" and capturing CUDA graphs"
+                                    if self.compiled.capture_sizes else ""), None)
+        graph_bytes = self.compiled.capture(self._dummy_run)
+        stats = self.compiled.stats
+        self.startup_times["compile"] = stats.compile_time_s
+        if stats.captured_sizes:
+            self.startup_times["capture"] = stats.capture_time_s
+        logger.info("compile: %s", stats.summary())
+        return graph_bytes
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        """One forward at `num_tokens` from the persistent buffers; slot_mapping all -1,
+        so nothing is written to the KV cache."""
+        slots = self.input_batch.block_table.slot_mapping.gpu
+        self.input_ids.gpu[:num_tokens].zero_()
+        self.positions.gpu[:num_tokens].zero_()
+        slots[:num_tokens].fill_(-1)
+        self.query_start_loc.gpu[0] = 0
+        self.query_start_loc.gpu[1] = 1
+        self.seq_lens.gpu[:1].fill_(1)  # one request reading one (null-block) slot
+        md = AttentionMetadata(slots[:num_tokens], self.input_batch.block_table.table.gpu[:1],
+                               self.query_start_loc.gpu[:2], self.seq_lens.gpu[:1])
+        self.forward_fn(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens], md)
 
     def _profile_peak_memory(self) -> int:
         """Run the largest forward once on a throwaway cache; return peak bytes in use."""
@@ -215,7 +261,7 @@ class ModelRunner:
 
     def padded_num_tokens(self, num_tokens: int) -> int:
         """The token count the step runs at (CUDA-graph sizes pad; eager does not)."""
-        return num_tokens
+        return self.compiled.padded_num_tokens(num_tokens)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -156,3 +156,13 @@ def test_seeded_sampling_reproducible_across_batches(ckpt):
                          [SamplingParams(temperature=1.0, max_tokens=7)] * 2 + [p]
                          + [SamplingParams(temperature=0.0, max_tokens=3)] * 3)
     assert batch[2].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("budget", [2048, 8])
+def test_compiled_engine_matches_hf(ckpt, oracle, budget):
+    """The same equivalence through the piecewise-compiled model (Inductor on CPU), with
+    one Dynamo graph for every batch shape the run produces."""
+    prompts, lengths = _workload(6)
+    llm = _llm(ckpt, compile=True, max_num_batched_tokens=budget, max_num_seqs=8)
+    _check(llm, prompts, lengths, oracle)
+    assert llm.engine.runner.compiled.stats.num_dynamo_graphs == 1

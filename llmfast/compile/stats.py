@@ -1,0 +1,34 @@
+"""What compiling and capturing did: counts, times, cache use, graph memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompileStats:
+    num_dynamo_graphs: int = 0  # graphs the backend compiled; 1 means no recompiles
+    num_pieces: int = 0  # pieces compiled by Inductor (num_layers + 1 for Llama)
+    num_splitting_ops: int = 0  # attention calls left between the pieces
+    piece_kinds: list[str] = field(default_factory=list)  # "compiled" / "split", in order
+    compile_time_s: float = 0.0
+    cache_dir: str | None = None
+    cache_hits: int = 0  # FX-graph + AOTAutograd cache hits while compiling
+    cache_misses: int = 0
+    captured_sizes: tuple[int, ...] = ()  # token counts with CUDA graphs, ascending
+    num_cuda_graphs: int = 0  # pieces x sizes
+    capture_time_s: float = 0.0
+    graph_memory_bytes: int = 0  # device memory taken by capture (pool + graph objects)
+
+    def summary(self) -> str:
+        line = (
+            f"{self.num_pieces} pieces around {self.num_splitting_ops} attention calls, "
+            f"compiled in {self.compile_time_s:.1f} s "
+            f"(cache hits {self.cache_hits}, misses {self.cache_misses})"
+        )
+        if self.captured_sizes:
+            line += (
+                f"; {self.num_cuda_graphs} CUDA graphs at {len(self.captured_sizes)} sizes "
+                f"in {self.capture_time_s:.1f} s, {self.graph_memory_bytes / 2**20:.0f} MiB"
+            )
+        return line

@@ -1,0 +1,1 @@
+"""CUDA graphs for the compiled model's pieces: capture sizes, padding, capture/replay."""

@@ -1,0 +1,206 @@
+"""CUDA graphs for the compiled pieces: one graph per (piece, padded token count).
+
+Protocol (driven by `CompiledModel.capture`): for each size, largest first, the runner
+runs one dummy forward to warm up (lazy inits, Triton autotuning) and then one inside
+`GraphCaptureState.capturing(size)`; during that forward each piece captures its own
+graph instead of running. The attention calls between pieces run eagerly as always
+(on not-yet-computed inputs: harmless, the dummy step writes no KV slot).
+
+Memory: every graph of every piece and size allocates from one shared private pool.
+Captured outputs are kept only as non-owning ("weak") tensors, so after a forward at
+one size is captured its activations go back to the pool and the next (smaller) size
+reuses them. This is safe because graphs never run concurrently and, within a forward,
+piece i+1 was captured while piece i's outputs were still alive, so it never reuses
+their memory. The price: a replayed piece's outputs are valid only until the next
+replay of any graph — the runner consumes the hidden states before the next step.
+
+Replay needs every input at its capture-time address: the runner's persistent buffers
+(input_ids, positions), the weights, and the previous piece's (static) outputs.
+`check_static_addresses` verifies that on every replay (debug mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def token_arg_index(fake_args: Sequence[Any]) -> int | None:
+    """The first tensor argument whose leading dimension is symbolic: the token count.
+
+    A non-attention piece only ever sees per-token tensors (ids, positions, hidden
+    states), weights (static shapes) and size symbols, so this is its batch size.
+    """
+    for i, arg in enumerate(fake_args):
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0 and isinstance(arg.shape[0], torch.SymInt):
+            return i
+    return None
+
+
+def weak_ref(t: Any) -> Any:
+    """A tensor viewing `t`'s memory without owning it (non-tensors pass through).
+
+    The memory stays valid while the graph pool holds it; see the module docstring.
+    """
+    if not isinstance(t, torch.Tensor):
+        return t
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), t.device, storage.nbytes()
+    )
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        alias, t.storage_offset(), t.size(), t.stride()
+    )
+
+
+def _map_outputs(out: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(out, (list, tuple)):
+        return type(out)(fn(x) for x in out)
+    return fn(out)
+
+
+class CudaGraphCapturer:
+    """Captures with `torch.cuda.CUDAGraph` into one pool shared by all pieces/sizes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Callable[[], None], Any]:
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end rather than `with torch.cuda.graph(...)`: the context
+        # manager runs gc.collect() and empty_cache() per capture (hundreds of times).
+        # The caller has already made a side stream current (capture needs one).
+        graph.capture_begin(pool=self.pool)
+        try:
+            out = fn(*args)
+        finally:
+            graph.capture_end()
+        return graph.replay, out
+
+    def static_outputs(self, outputs: Any) -> Any:
+        """What replays return: weak views of the capture's outputs (see module doc)."""
+        return _map_outputs(outputs, weak_ref)
+
+
+class EmulatedGraphCapturer:
+    """CPU stand-in with CUDA-graph semantics, for testing the capture bookkeeping and
+    the runner's use of static buffers without a GPU: "capture" runs the piece once and
+    keeps its outputs; "replay" reruns it on the capture-time arguments and copies the
+    results into those same outputs (static output addresses, like a real graph)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Callable[[], None], Any]:
+        captured_args = list(args)
+        outputs = fn(*captured_args)
+
+        def replay() -> None:
+            fresh = fn(*captured_args)
+            pairs = zip(outputs, fresh) if isinstance(outputs, (list, tuple)) else [(outputs, fresh)]
+            for dst, src in pairs:
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+
+        return replay, outputs
+
+    def static_outputs(self, outputs: Any) -> Any:
+        return outputs
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    outputs: Any
+    input_addresses: list[int | None]
+
+
+class GraphCaptureState:
+    """What all piece runners of one compiled model share: the capturer (pool) and which
+    size, if any, is being captured right now."""
+
+    def __init__(self, capturer: CudaGraphCapturer | EmulatedGraphCapturer,
+                 check_static_addresses: bool = False) -> None:
+        self.capturer = capturer
+        self.check_static_addresses = check_static_addresses
+        self.capturing_size: int | None = None
+        self.num_graphs = 0
+        self.num_replays = 0
+        self.runners: list[PiecewiseGraphRunner] = []
+
+    @contextlib.contextmanager
+    def capturing(self, num_tokens: int) -> Iterator[None]:
+        self.capturing_size = num_tokens
+        try:
+            yield
+        finally:
+            self.capturing_size = None
+        missing = [r.index for r in self.runners if r.token_index is not None
+                   and num_tokens not in r.graphs]
+        if missing:
+            raise RuntimeError(f"pieces {missing} were not captured at size {num_tokens}: "
+                               "the dummy forward did not run at that size")
+
+    def wrap(self, index: int, fn: Callable[..., Any], fake_args: Sequence[Any]) -> Callable[..., Any]:
+        """A `PieceWrapper` for `PiecewiseBackend`."""
+        runner = PiecewiseGraphRunner(index, fn, token_arg_index(fake_args), self)
+        self.runners.append(runner)
+        return runner
+
+
+class PiecewiseGraphRunner:
+    """Calls one compiled piece: replays its graph for a captured size, captures when
+    asked, runs it directly otherwise (sizes without a graph)."""
+
+    def __init__(self, index: int, fn: Callable[..., Any], token_index: int | None,
+                 state: GraphCaptureState) -> None:
+        self.index = index
+        self.fn = fn
+        self.token_index = token_index
+        self.state = state
+        self.graphs: dict[int, _Graph] = {}
+        if token_index is None:
+            logger.warning("piece %d has no token-sized input; it runs without CUDA graphs", index)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.token_index is None:
+            return self.fn(*args)
+        num_tokens = args[self.token_index].shape[0]
+        graph = self.graphs.get(num_tokens)
+        if graph is not None:
+            if self.state.check_static_addresses:
+                self._check_addresses(num_tokens, graph, args)
+            graph.replay()
+            self.state.num_replays += 1
+            return graph.outputs
+        if self.state.capturing_size == num_tokens:
+            return self._capture(num_tokens, args)
+        return self.fn(*args)
+
+    def _capture(self, num_tokens: int, args: Sequence[Any]) -> Any:
+        capturer = self.state.capturer
+        replay, outputs = capturer.capture(self.fn, args)
+        addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+        self.graphs[num_tokens] = _Graph(replay, capturer.static_outputs(outputs), addresses)
+        self.state.num_graphs += 1
+        # Return the owning outputs: the rest of this capture forward holds them, so the
+        # next pieces' captures cannot take their memory from the pool. They are freed
+        # (back to the pool, for the next size) when the dummy forward ends.
+        return outputs
+
+    def _check_addresses(self, num_tokens: int, graph: _Graph, args: Sequence[Any]) -> None:
+        for i, (arg, captured) in enumerate(zip(args, graph.input_addresses)):
+            if isinstance(arg, torch.Tensor) and arg.data_ptr() != captured:
+                raise AssertionError(
+                    f"CUDA graph input moved: piece {self.index}, size {num_tokens}, argument "
+                    f"{i} ({tuple(arg.shape)}) at {arg.data_ptr():#x}, captured at "
+                    f"{captured:#x}; inputs must come from the persistent buffers"
+                )

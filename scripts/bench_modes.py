@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Decode step latency per execution mode, side by side: eager, compiled (piecewise
+torch.compile), graphs (compiled + piecewise CUDA graphs; CUDA only).
+
+One decode step = B requests with one new token each at context length L: the model
+forward over B tokens plus the lm_head on the B rows, then a device sync. Inputs sit
+in persistent buffers (tests/static_batch.py), as in the runner. Medians over --iters.
+
+    python scripts/bench_modes.py --model random:smollm2-135m --batch-sizes 1
+    python scripts/bench_modes.py --model random:llama-3.2-1b --dtype bfloat16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch
+
+from llmfast.compile import CompiledModel
+from llmfast.config import CompileConfig, parse_dtype
+from llmfast.models.loader import build_model, resolve_model
+from tests.static_batch import StaticBatch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="random:smollm2-135m")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--batch-sizes", default=None, help="default: 1,8,64,256,512 (CUDA), 1,8 (CPU)")
+    p.add_argument("--modes", default=None, help="default: eager,compiled,graphs (CUDA), eager,compiled (CPU)")
+    p.add_argument("--context-len", type=int, default=128, help="context per request")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (default 50 CUDA, 10 CPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (on a shared CPU, 1 avoids OpenMP oversubscription)")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args()
+
+
+def decode_batch(static: StaticBatch, batch: int, context_len: int) -> None:
+    """Fill the persistent buffers for `batch` decodes, each the last token of a
+    `context_len` context (the cache contents don't matter for timing)."""
+    bs = static.block_size
+    pos = context_len - 1
+    rows = static.block_table[:batch]
+    static.input_ids[:batch] = 1
+    static.positions[:batch] = pos
+    static.slot_mapping[:batch] = rows[:, pos // bs].long() * bs + pos % bs
+    static.table[:batch].copy_(rows)
+    static.query_start_loc[: batch + 1] = torch.arange(batch + 1, dtype=torch.int32)
+    static.seq_lens[:batch] = context_len
+
+
+def make_step(static: StaticBatch, forward, batch: int, num_padded: int):
+    def step() -> None:
+        hidden = static._run(forward, num_padded, batch)
+        with torch.inference_mode():
+            static.model.compute_logits(hidden[:batch])
+
+    return step
+
+
+def time_interleaved(steps: dict, iters: int, warmup: int, device: torch.device) -> dict:
+    """Median ms per mode. Modes take turns within each iteration, so background load
+    (a shared CPU) hits them alike and the ratios stay meaningful."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync()
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(iters):
+        for mode, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times[mode].append(time.perf_counter() - t0)
+    return {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    on_cuda = device.type == "cuda"
+    dtype = parse_dtype(args.dtype or ("bfloat16" if on_cuda else "float32"))
+    batches = [int(b) for b in (args.batch_sizes or ("1,8,64,256,512" if on_cuda else "1,8")).split(",")]
+    modes = (args.modes or ("eager,compiled,graphs" if on_cuda else "eager,compiled")).split(",")
+    if "graphs" in modes and not on_cuda:
+        sys.exit("mode 'graphs' needs CUDA")
+    iters = args.iters or (50 if on_cuda else 10)
+    max_batch = max(batches)
+
+    source = resolve_model(args.model)
+    model = build_model(source, dtype, device, max_positions=args.context_len + 16)
+    static = StaticBatch(model, max_batch, args.context_len, max_num_tokens=max_batch,
+                         block_size=args.block_size)
+    forwards = {}
+    info: dict[str, object] = {}
+    for mode in modes:
+        if mode == "eager":
+            forwards[mode] = (model, lambda n: n)
+            continue
+        config = CompileConfig(use_cuda_graphs=mode == "graphs",
+                               cuda_graph_sizes=tuple(sorted(set(batches))))
+        cm = CompiledModel(model, config, device, max_num_tokens=max_batch)
+        graph_bytes = cm.capture(static.dummy_runner(cm))
+        forwards[mode] = (cm, cm.padded_num_tokens)
+        info[mode] = {"stats": cm.stats.summary(), "graph_bytes": graph_bytes}
+        print(f"[{mode}] {cm.stats.summary()}", flush=True)
+    results: dict[str, dict[int, float]] = {mode: {} for mode in modes}
+    for b in batches:
+        decode_batch(static, b, args.context_len)
+        steps = {mode: make_step(static, fwd, b, pad(b)) for mode, (fwd, pad) in forwards.items()}
+        for mode, ms in time_interleaved(steps, iters, args.warmup, device).items():
+            results[mode][b] = ms
+        print(f"B={b}: " + ", ".join(f"{m} {results[m][b]:.2f} ms" for m in modes), flush=True)
+
+    header = f"{'batch':>6} " + " ".join(f"{m + ' ms':>12}" for m in modes)
+    if "eager" in modes:
+        header += " " + " ".join(f"{m + ' x':>12}" for m in modes if m != "eager")
+    print(f"\ndecode step latency, {args.model} {str(dtype).removeprefix('torch.')} on "
+          f"{torch.cuda.get_device_name(device) if on_cuda else 'cpu'}, context {args.context_len}, "
+          f"median of {iters}, {torch.get_num_threads()} CPU threads")
+    print(header)
+    for b in batches:
+        row = f"{b:>6} " + " ".join(f"{results[m][b]:>12.3f}" for m in modes)
+        if "eager" in modes:
+            row += " " + " ".join(f"{results['eager'][b] / results[m][b]:>12.2f}"
+                                  for m in modes if m != "eager")
+        print(row)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "model": args.model, "dtype": str(dtype), "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+            "torch": torch.__version__, "context_len": args.context_len, "iters": iters,
+            "latency_ms": {m: {str(b): v for b, v in r.items()} for m, r in results.items()},
+            "compile": info,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
