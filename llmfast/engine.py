@@ -56,7 +56,7 @@ class LLMEngine:
             try:
                 self.tokenizer = load_tokenizer(source.path)
             except Exception as e:  # a weights-only directory can still run on token ids
-                logger.warning("no tokenizer loaded from %s: %s", source.path, e)
+                logger.info("no tokenizer loaded from %s: %s", source.path, e)
         eos = tuple(source.config.eos_token_ids)
         if self.tokenizer is not None:
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))

@@ -36,12 +36,14 @@ def test_mixed_batch_matches_reference(seed, monkeypatch):
                               0.25, expected, compute_dtype=torch.float64)
     # Force several decode chunks too.
     monkeypatch.setattr(cpu_attention, "_MAX_GATHER_ELEMENTS", 2000)
-    # Poison every cache slot past each request's context: it must never be read.
+    cpu_attention._build_plan.cache_clear()
+    # Poison every cache slot past each request's context with stale finite garbage (the
+    # runner zero-fills the cache, so stale slots are finite): it must not leak in.
     for r, n in enumerate(ctx):
         for pos in range(n, table.shape[1] * kc.shape[1]):
             block = int(table[r, pos // kc.shape[1]])
-            kc[block, pos % kc.shape[1]] = float("nan")
-            vc[block, pos % kc.shape[1]] = float("nan")
+            kc[block, pos % kc.shape[1]] = 1e4
+            vc[block, pos % kc.shape[1]] = -1e4
     out = torch.full_like(q, float("nan"))
     cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.25, out)
     torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import llmfast.kernels.ops  # noqa: F401  (registers torch.ops.llmfast.*)
+from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.config import ModelConfig, RopeScaling
 
@@ -107,7 +107,14 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = torch.empty_like(q)
-        torch.ops.llmfast.unified_attention(
+        # Compiled graphs record the custom op (the backend splits there); eager calls
+        # skip its dispatcher, which costs more than the CPU attention itself at batch 1.
+        attention = (
+            torch.ops.llmfast.unified_attention
+            if torch.compiler.is_compiling()
+            else unified_attention_impl
+        )
+        attention(
             q,
             k,
             v,

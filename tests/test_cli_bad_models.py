@@ -1,0 +1,54 @@
+"""Bad model inputs through the real CLI: one `error:` line, non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.checkpoints import make_hf_checkpoint
+from tests.conftest_cli import make_chat_model
+from tests.test_cli import assert_one_line_error, invoke
+
+
+def _gen(model, *extra):
+    return invoke("generate", "hello", "--model", str(model), "--device", "cpu", *extra)
+
+
+def test_dir_without_config(tmp_path):
+    assert_one_line_error(_gen(tmp_path), "config.json")
+
+
+def test_non_llama_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"],
+                                                      "model_type": "mistral"}))
+    assert_one_line_error(_gen(tmp_path), "MistralForCausalLM")
+
+
+def test_truncated_safetensors(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "m")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert_one_line_error(_gen(path), "corrupt or truncated")
+
+
+def test_bin_checkpoint(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"\x80\x04junk")
+    assert_one_line_error(_gen(path), "pickle")
+    assert_one_line_error(_gen(path / "pytorch_model.bin"), "pickle")
+
+
+@pytest.mark.parametrize("suffix", [".gguf"])
+def test_corrupt_gguf(tmp_path, suffix):
+    bad = tmp_path / f"model{suffix}"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
+    assert_one_line_error(_gen(bad), "")
+
+
+def test_prompt_longer_than_max_model_len(tmp_path):
+    path = make_chat_model(tmp_path / "chat")
+    result = invoke("generate", "hello there " * 40, "--model", str(path), "--device", "cpu",
+                    "--max-model-len", "32", "--no-chat")
+    assert_one_line_error(result, "max-model-len")
