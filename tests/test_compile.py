@@ -7,6 +7,7 @@ model serves most tests, and every compile writes to one temporary compile cache
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -270,3 +271,29 @@ def test_compiled_models_do_not_share_dynamo_caches():
             seqs.model = _CallThrough(cm, model)
             seqs.step({0: [1, 2]})
             assert cm.stats.num_dynamo_graphs == 1
+
+
+def test_compiled_models_do_not_share_automatic_dynamic_state():
+    # Regression: Dynamo's automatic-dynamic ("PGO") state is keyed by (file, first line,
+    # name) of the compiled code, so every CompiledModel's forward shared it. A first
+    # model fed from 64-token persistent buffers and a second from 32-token ones made
+    # the second trace the buffers' *bases* as dynamic, with guards on `x._base.size()`
+    # that fail ("'NoneType' object has no attribute 'size'") for a non-view input: a
+    # recompile, and for CUDA graphs the static-address check silently skipped.
+    for max_num_tokens in (64, 32, 48):
+        model = tiny_model()
+        cm = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu",
+                           max_num_tokens=max_num_tokens, piece_compiler="eager")
+        static = StaticBatch(model, 2, 32, max_num_tokens)
+        static.step({0: [1, 2, 3], 1: [4]}, cm)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            static.step({0: [5], 1: [6]}, cm)
+            md = AttentionMetadata(static.slot_mapping[:2].clone(), static.table[:2].clone(),
+                                   static.query_start_loc[:3].clone(),
+                                   static.seq_lens[:2].clone())
+            ids, positions = static.input_ids[:2].clone(), static.positions[:2].clone()
+            with torch.inference_mode():
+                cm(ids, positions, md)  # fresh tensors, not views of the buffers
+        assert cm.stats.num_dynamo_graphs == 1
+        del model, cm, static
+        gc.collect()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -52,6 +53,9 @@ def _mark_unbacked(t: torch.Tensor, dim: int, shape_id: str | None) -> None:
         mark_unbacked(t, dim)
 
 
+_forward_ids = itertools.count()  # unique names for _private_forward
+
+
 def _private_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     """`model(...)` behind a code object of its own.
 
@@ -59,13 +63,23 @@ def _private_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     `model` itself would share `LlamaForCausalLM.forward`'s code between every
     CompiledModel in the process (tests, benchmarks), so the ninth would fail; a
     private copy of the code also frees its cache with this object.
+
+    The copy also gets a name of its own (`forward_<n>`): Dynamo's automatic-dynamic
+    ("PGO") state, the sizes it has seen per input, is keyed by the code's file, first
+    line and *name*, not by the code object. With one shared name every CompiledModel in
+    the process pooled it: after models fed from persistent buffers of different lengths
+    (e.g. engine tests with different budgets), a new model traced the buffers' bases
+    as dynamic and guarded on `input_ids._base.size()`, a guard that fails ("'NoneType'
+    object has no attribute 'size'") for a non-view input: a recompile instead of the
+    static-address check.
     """
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return model(input_ids, positions, attn_metadata)
 
-    forward.__code__ = forward.__code__.replace()  # a new, distinct code object
+    name = f"forward_{next(_forward_ids)}"
+    forward.__code__ = forward.__code__.replace(co_name=name, co_qualname=name)
     return forward
 
 
