@@ -42,6 +42,7 @@ class _Tracked:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+    stream: bool = True  # False: an output only when the request finishes
 
 
 class LLMEngine:
@@ -93,7 +94,9 @@ class LLMEngine:
         return prompt, self.tokenizer.encode(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = True) -> str:
+        """Queue a request; returns its id. With `stream=False` `step()` reports it only
+        once it finishes (offline batches skip building an output per token)."""
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)
@@ -108,7 +111,8 @@ class LLMEngine:
 
             detok = IncrementalDetokenizer(self.tokenizer, ids)
         self._tracked[req_id] = _Tracked(request, text, detok,
-                                         RequestMetrics(arrival_time=time.monotonic()))
+                                         RequestMetrics(arrival_time=time.monotonic()),
+                                         stream=stream)
         return req_id
 
     def _validate_prompt(self, ids: list[int]) -> None:
@@ -184,6 +188,8 @@ class LLMEngine:
             if finish is not None:
                 tracked.finish_reason = finish
                 m.finish_time = now
+            elif not tracked.stream:
+                continue
             outputs.append(self._make_output(tracked, upd))
             if finish is not None:
                 del self._tracked[upd.req_id]

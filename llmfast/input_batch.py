@@ -24,7 +24,7 @@ class CachedRequestState:
 
     req_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # at (re)admission; later tokens live in the batch row
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
@@ -167,11 +167,6 @@ class InputBatch:
         self.req_id_to_index[req_id] = dst
 
     # ------------------------------------------------------------------ tokens
-
-    def append_token(self, row: int, token_id: int) -> None:
-        n = self.num_tokens[row]
-        self.token_ids[row, n] = token_id
-        self.num_tokens[row] = n + 1
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]

@@ -53,7 +53,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.engine.add_request(prompt, p, stream=False))
         except Exception:
             for req_id in ids:
                 self.engine.abort(req_id)

@@ -210,10 +210,13 @@ class ModelRunner:
             batch.add_request(state)
         batch.condense()
 
-    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[AttentionMetadata, int, int, np.ndarray]:
+    def _prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[AttentionMetadata, int, np.ndarray, np.ndarray]:
         """Fill the persistent buffers for this step.
 
-        Returns (attention metadata, num_tokens, padded num_tokens, rows that sample).
+        Returns (attention metadata, padded num_tokens, tokens scheduled per row, rows
+        that sample).
         Worked example, num_scheduled [2, 5, 3], num_computed [10, 0, 7]:
             req_indices     = [0 0 1 1 1 1 1 2 2 2]
             query_start_loc = [0 2 7 10]
@@ -257,7 +260,7 @@ class ModelRunner:
         self.positions.copy_to_gpu(num_padded)
         self.logits_indices.copy_to_gpu(n)
         batch.num_computed_tokens[:n] = seq_lens
-        return md, num_tokens, num_padded, sampling_rows
+        return md, num_padded, num_sched, sampling_rows
 
     def padded_num_tokens(self, num_tokens: int) -> int:
         """The token count the step runs at (CUDA-graph sizes pad; eager does not)."""
@@ -271,7 +274,7 @@ class ModelRunner:
             n = batch.num_reqs
             if out.total_num_scheduled_tokens == 0 or n == 0:
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-            md, num_tokens, num_padded, sampling_rows = self._prepare_inputs(out)
+            md, num_padded, num_sched, sampling_rows = self._prepare_inputs(out)
         with nvtx_range(f"forward[{num_padded}]"):
             hidden = self.forward_fn(
                 self.input_ids.gpu[:num_padded], self.positions.gpu[:num_padded], md)
@@ -280,42 +283,37 @@ class ModelRunner:
             metadata = build_sampling_metadata(batch, n, self.vocab_size, self.eos_token_ids)
             sampler_out = self.sampler(logits, metadata)
             sampled = sampler_out.sampled_token_ids.cpu().numpy()  # the step's one sync
-        return self._collect(out, sampled, sampler_out, sampling_rows)
+        return self._collect(out, sampled, sampler_out, num_sched, sampling_rows)
 
     def _collect(self, out: SchedulerOutput, sampled: np.ndarray, sampler_out,
-                 sampling_rows: np.ndarray) -> ModelRunnerOutput:
+                 num_sched: np.ndarray, sampling_rows: np.ndarray) -> ModelRunnerOutput:
         batch = self.input_batch
         n = batch.num_reqs
+        # Append each sampling row's token to its row of the batch, vectorised.
+        if len(sampling_rows):
+            counts = batch.num_tokens[sampling_rows]
+            batch.token_ids[sampling_rows, counts] = sampled[sampling_rows]
+            batch.num_tokens[sampling_rows] = counts + 1
         samples = np.zeros(n, dtype=bool)
         samples[sampling_rows] = True
-        logprobs_np = None
+        sampled_list, samples_list = sampled.tolist(), samples.tolist()
+        rows = np.flatnonzero(num_sched > 0).tolist()  # rows scheduled this step
+        req_ids = [batch.req_ids[r] for r in rows]
+        tokens = [[sampled_list[r]] if samples_list[r] else [] for r in rows]
+        logprobs = None
         if sampler_out.logprobs is not None:
-            lp = sampler_out.logprobs
-            logprobs_np = (lp.sampled_logprobs.cpu().numpy(), lp.topk_ids.cpu().numpy(),
-                           lp.topk_logprobs.cpu().numpy())
-        req_ids: list[str] = []
-        tokens: list[list[int]] = []
-        logprobs: list[list[tuple[float, dict[int, float]]]] = []
-        for row in range(n):
-            req_id = batch.req_ids[row]
-            assert req_id is not None
-            if req_id not in out.num_scheduled_tokens:
+            logprobs = self._collect_logprobs(sampler_out.logprobs, rows, samples_list)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens, logprobs=logprobs)
+
+    def _collect_logprobs(self, lp, rows: list[int], samples: list[bool]):
+        sampled_lp = lp.sampled_logprobs.cpu().numpy()
+        top_ids, top_lps = lp.topk_ids.cpu().numpy(), lp.topk_logprobs.cpu().numpy()
+        result: list[list[tuple[float, dict[int, float]]]] = []
+        for r in rows:
+            want = self.input_batch.sampling_params[r].logprobs
+            if not samples[r] or want is None:
+                result.append([])
                 continue
-            req_ids.append(req_id)
-            if not samples[row]:
-                tokens.append([])
-                logprobs.append([])
-                continue
-            token = int(sampled[row])
-            batch.append_token(row, token)
-            self.requests[req_id].output_token_ids.append(token)
-            tokens.append([token])
-            want = batch.sampling_params[row].logprobs
-            if logprobs_np is not None and want is not None:
-                ids, lps = logprobs_np[1][row, :want], logprobs_np[2][row, :want]
-                logprobs.append([(float(logprobs_np[0][row]),
-                                  {int(i): float(v) for i, v in zip(ids, lps)})])
-            else:
-                logprobs.append([])
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens,
-                                 logprobs=logprobs if logprobs_np is not None else None)
+            top = {int(i): float(v) for i, v in zip(top_ids[r, :want], top_lps[r, :want])}
+            result.append([(float(sampled_lp[r]), top)])
+        return result

@@ -19,14 +19,15 @@ import torch
 from llmfast import LLM, SamplingParams
 
 
-def measure(num_reqs: int, steps: int) -> dict[str, float]:
+def measure(num_reqs: int, steps: int, stream: bool) -> dict[str, float]:
     llm = LLM("random:tiny", device="cpu", max_num_seqs=max(num_reqs, 1),
               max_num_batched_tokens=max(2048, num_reqs * 17), max_model_len=512)
     engine = llm.engine
     runner = engine.runner
     for i in range(num_reqs):
         engine.add_request({"prompt_token_ids": [3 + (i % 500)] * 16},
-                           SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True),
+                           stream=stream)
     engine.step()  # all prefills
     engine.step()
     timings = {"forward": 0.0, "sampler": 0.0}
@@ -62,13 +63,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,64,256")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--stream", action="store_true",
+                    help="streaming requests (an output per request per step), as chat does; "
+                         "default: offline, as LLM.generate")
     args = ap.parse_args()
     print(f"# engine overhead per decode step (random:tiny, CPU, torch {torch.__version__}, "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"{'streaming' if args.stream else 'offline'} requests)")
     print("| running requests | step (ms) | forward (ms) | sampler (ms) | overhead (ms) |")
     print("|---:|---:|---:|---:|---:|")
     for n in (int(s) for s in args.sizes.split(",")):
-        r = measure(n, args.steps)
+        r = measure(n, args.steps, args.stream)
         print(f"| {n} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['sampler_ms']:.2f} "
               f"| {r['overhead_ms']:.2f} |")
 
