@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmfast.kernels.ops import unified_attention_impl
+
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
 from llmfast.compile.backend import resolve_splitting_ops
@@ -128,6 +130,18 @@ def test_one_piece_per_attention_gap(compiled):
     assert cm.stats.num_splitting_ops == layers
     split_calls = [n for n in cm.backend.split_gm.graph.nodes if n.op == "call_module"]
     assert len(split_calls) == 2 * layers + 1
+
+
+def test_split_graph_calls_attention_implementation_directly(compiled):
+    _, model, cm, _, _ = compiled
+    split = cm.backend.split_gm
+    pieces = [split._modules[str(n.target)] for n in split.graph.nodes if n.op == "call_module"]
+    targets = [
+        node.target for piece in pieces for node in piece.graph.nodes
+        if node.op == "call_function"
+    ]
+    assert targets.count(unified_attention_impl) == model.config.num_hidden_layers
+    assert torch.ops.llmfast.unified_attention.default not in targets
 
 
 def test_compiled_matches_eager_without_recompiles(compiled):

@@ -58,3 +58,24 @@ def test_bf16_matches_reference():
     out = torch.full_like(q, float("nan"))
     cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.3, out)
     torch.testing.assert_close(out[:total].double(), expected[:total], atol=2e-2, rtol=2e-2)
+
+
+def test_layers_sharing_a_plan_reuse_one_workspace_per_cache_shape():
+    # Two caches with the same row size (2 x 16 vs 4 x 8 elements per slot) share the
+    # step's plan: each must get gather buffers of its own shape, and every call (as
+    # every layer of a step) must equal the reference though the buffers are reused.
+    cpu_attention._build_plan.cache_clear()
+    q_lens, ctx = [1, 3, 1], [9, 20, 33]
+    shared_table = None
+    for num_kv, hd, seed in [(2, 16, 5), (4, 8, 6), (2, 16, 7)]:
+        q, kc, vc, table, qsl, seq_lens, total = _case(seed, q_lens, ctx, num_heads=8,
+                                                       num_kv=num_kv, hd=hd)
+        shared_table = table if shared_table is None else shared_table
+        table = shared_table
+        expected = torch.empty(q.shape, dtype=torch.float64)
+        paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
+                                  0.3, expected, compute_dtype=torch.float64)
+        out = torch.full_like(q, float("nan"))
+        cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.3, out)
+        torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)
+    assert cpu_attention._build_plan.cache_info().hits >= 1  # the plan was shared

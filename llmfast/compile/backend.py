@@ -97,6 +97,22 @@ def _compile_with_inductor(piece: fx.GraphModule, fake_args: list[Any]) -> Calla
     return compile_fx(piece, fake_args)
 
 
+def _call_impls_directly(piece: fx.GraphModule) -> None:
+    """Retarget a splitting op's node at the op's Python implementation, where it has one
+    (`llmfast.kernels.ops.direct_impl`): the split graph runs as plain Python, so the
+    op's dispatch wrappers are pure overhead there."""
+    from llmfast.kernels.ops import direct_impl
+
+    changed = False
+    for node in piece.graph.nodes:
+        impl = direct_impl(node.target) if node.op == "call_function" else None
+        if impl is not None:
+            node.target = impl
+            changed = True
+    if changed:
+        piece.recompile()
+
+
 class _PieceCompiler(fx.Interpreter):
     """Runs the split graph on fake inputs; at each submodule call, compiles it (unless
     it is a splitting op) with the fake arguments that reach it."""
@@ -117,6 +133,7 @@ class _PieceCompiler(fx.Interpreter):
         submod = self.fetch_attr(target)
         out = submod(*args)  # fake propagation, to reach the next piece
         if self.kinds[target] == "split":
+            _call_impls_directly(submod)
             # Call the generated forward directly: skips nn.Module.__call__ (hooks,
             # ~10 us per call, 30 times per step on SmolLM2).
             self.module.__dict__[target] = submod.forward

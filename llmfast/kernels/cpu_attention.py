@@ -17,7 +17,7 @@ zero-fills the cache at allocation (0 * NaN would otherwise leak into the output
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +48,21 @@ class _PrefillRow:
 class _Plan:
     decode: tuple[_DecodeChunk, ...]
     prefill: tuple[_PrefillRow, ...]
+    max_gather_blocks: int  # the most cache blocks one decode chunk or prefill row reads
+    # Gathered keys and values, [2, max_gather_blocks, block_size, kv_heads, head_dim],
+    # allocated by the first layer and reused by the others (keyed by dtype and block
+    # shape, as two caches may share a plan). A fresh
+    # tensor per gather costs more than the gather: large allocations come straight from
+    # mmap, and first-touch page faults on tens of MiB a layer dominated decode at batch 64.
+    workspace: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def gather_buffers(self, cache: torch.Tensor, num_blocks: int):
+        key = (cache.dtype, cache.shape[1:])
+        buf = self.workspace.get(key)
+        if buf is None:
+            buf = cache.new_empty((2, self.max_gather_blocks, *cache.shape[1:]))
+            self.workspace[key] = buf
+        return buf[0, :num_blocks], buf[1, :num_blocks]
 
 
 def paged_attention_cpu(
@@ -71,12 +86,12 @@ def paged_attention_cpu(
         num_kv_heads * head_dim,
     )
     for chunk in plan.decode:
-        _decode(q, k_cache, v_cache, chunk, scale, out)
+        _decode(q, k_cache, v_cache, chunk, scale, out, plan)
     for row in plan.prefill:
-        _prefill(q, k_cache, v_cache, row, scale, out)
+        _prefill(q, k_cache, v_cache, row, scale, out, plan)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)
 def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
                 table_shape: tuple[int, int], block_size: int, row_elements: int) -> _Plan:
     starts = np.frombuffer(qsl_bytes, dtype=np.int32).astype(np.int64)
@@ -111,18 +126,28 @@ def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
             blocks=torch.from_numpy(table[r, : -(-seq_len // block_size)].astype(np.int64)),
             mask=torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos),
         ))
-    return _Plan(tuple(decode), tuple(prefill))
+    max_gather_blocks = max(
+        [c.blocks.shape[0] for c in decode] + [r.blocks.shape[0] for r in prefill], default=0
+    )
+    return _Plan(tuple(decode), tuple(prefill), max_gather_blocks)
 
 
-def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out) -> None:
+def _gather(k_cache, v_cache, blocks: torch.Tensor, plan: _Plan):
+    keys, values = plan.gather_buffers(k_cache, blocks.shape[0])
+    torch.index_select(k_cache, 0, blocks, out=keys)
+    torch.index_select(v_cache, 0, blocks, out=values)
+    return keys, values
+
+
+def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out, plan: _Plan) -> None:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_rows = chunk.tokens.shape[0]
     group = q.shape[1] // num_kv_heads
     length = chunk.num_blocks * block_size
     # [D, L, num_kv_heads, head_dim] -> strided [D, num_kv_heads, L, head_dim] views.
     shape = (num_rows, length, num_kv_heads, head_dim)
-    keys = k_cache.index_select(0, chunk.blocks).view(shape).transpose(1, 2)
-    values = v_cache.index_select(0, chunk.blocks).view(shape).transpose(1, 2)
+    keys, values = _gather(k_cache, v_cache, chunk.blocks, plan)
+    keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
     # The group's query heads become SDPA's query positions: [D, num_kv_heads, group, hd].
     queries = q.index_select(0, chunk.tokens).view(num_rows, num_kv_heads, group, head_dim)
     dtype = torch.float32
@@ -132,11 +157,12 @@ def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out) -> None
     out.index_copy_(0, chunk.tokens, result.reshape(num_rows, -1, head_dim).to(out.dtype))
 
 
-def _prefill(q, k_cache, v_cache, row: _PrefillRow, scale: float, out) -> None:
+def _prefill(q, k_cache, v_cache, row: _PrefillRow, scale: float, out, plan: _Plan) -> None:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
-    keys = k_cache.index_select(0, row.blocks).flatten(0, 1)[: row.seq_len].transpose(0, 1)
-    values = v_cache.index_select(0, row.blocks).flatten(0, 1)[: row.seq_len].transpose(0, 1)
+    keys, values = _gather(k_cache, v_cache, row.blocks, plan)
+    keys = keys.flatten(0, 1)[: row.seq_len].transpose(0, 1)
+    values = values.flatten(0, 1)[: row.seq_len].transpose(0, 1)
     dtype = torch.float32
     result = F.scaled_dot_product_attention(
         q[row.q_start : row.q_end].transpose(0, 1).to(dtype),  # [num_heads, num_q, head_dim]
