@@ -1,8 +1,8 @@
 """Engine overhead per decode step: everything but the model forward and the sampler.
 
 Runs `random:tiny` (so the forward is small) with N requests all decoding, and times
-each `engine.step()` split into forward, sampler and the rest (schedule, input
-preparation, state updates, detokenisation). Prints medians per batch size.
+each `engine.step()` split into forward (the model, lm_head included), sampler and the
+rest (schedule, input preparation, sampling metadata, state updates, detokenisation). Prints medians per batch size.
 
     python scripts/bench_engine_overhead.py --sizes 1,64,256
 """
@@ -41,6 +41,8 @@ def measure(num_reqs: int, steps: int, stream: bool) -> dict[str, float]:
         return wrapper
 
     runner.forward_fn = timed("forward", runner.forward_fn)
+    # The lm_head is the model's last layer (run apart, on the sampled rows only).
+    runner.model.compute_logits = timed("forward", runner.model.compute_logits)
     runner.sampler.forward = timed("sampler", runner.sampler.forward)
     totals, forwards, samplers = [], [], []
     for _ in range(steps):

@@ -3,6 +3,7 @@ alone, under chunked prefill, preemption, prefix caching and staggered arrivals.
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -135,6 +136,14 @@ def test_all_blocks_free_after_run(ckpt):
     llm = _llm(ckpt, num_gpu_blocks_override=40, max_model_len=64)
     llm.generate([{"prompt_token_ids": p} for p in prompts], _params(lengths))
     assert llm.engine.stats().kv_cache_usage == 0.0
+
+
+def test_engine_start_freezes_long_lived_objects(ckpt):
+    gc.unfreeze()
+    llm = _llm(ckpt)
+    # The model's modules were alive at start-up, so the collector no longer scans them.
+    assert gc.get_freeze_count() > 1000
+    assert not any(obj is llm.engine.runner.model for obj in gc.get_objects())
 
 
 def test_prompt_too_long_is_rejected(ckpt):

@@ -133,3 +133,18 @@ def test_profile_bad_sizes_and_missing_nsys(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     result = invoke("profile", *TINY, "--tracer", "nsys", "--out", str(tmp_path / "p"))
     assert result.exit_code == 1 and "nsys is not on PATH" in result.stderr
+
+
+def test_nvtx_range_shows_in_torch_profiler_trace_only_while_profiling():
+    import torch
+
+    from llmfast.profiling import nvtx_range
+
+    with nvtx_range("outside-any-profiler"):
+        torch.ones(2).sum()
+    with torch.profiler.profile() as prof:
+        with nvtx_range("llmfast-test-range"):
+            torch.ones(2).sum()
+    names = {event.name for event in prof.events()}
+    assert "llmfast-test-range" in names
+    assert "outside-any-profiler" not in names
