@@ -20,6 +20,7 @@ from llmfast.buffers import CpuGpuBuffer
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.input_batch import CachedRequestState, InputBatch
+from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
 from llmfast.memory import check_fits_one_request, kv_block_bytes, num_cpu_blocks, num_gpu_blocks
 from llmfast.models.loader import ModelSource, build_model
 from llmfast.profiling import nvtx_range
@@ -49,6 +50,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(source, self.dtype, self.device,
                                  max_positions=self.max_model_len, seed=config.seed)
+        if self.device.type == "cpu" and config.compile.enforce_eager:
+            # A second, blocked copy of the weights: at most a quarter of the RAM.
+            ram = physical_memory_bytes()
+            prepack_linears(self.model, None if ram is None else ram // 4)
         self.startup_times["load"] = time.perf_counter() - t0
         self.vocab_size = source.config.vocab_size
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""CPU projections: F.linear (MKL) vs the row split of `llmfast/kernels/cpu_linear.py`.
+"""CPU projections: F.linear (MKL) vs the row split and the oneDNN prepacked weights of
+`llmfast/kernels/cpu_linear.py`.
 
 Every projection of a model preset (qkv, o, gate_up, down per layer, and lm_head) at a
 few token counts. Each layer gets its own weight copy, as in a real model, so weights
@@ -21,7 +22,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.kernels.cpu_linear import cpu_linear_impl, num_row_blocks  # noqa: E402  # noqa: E402
+from llmfast.kernels.cpu_linear import (  # noqa: E402
+    num_row_blocks,
+    pack_weight,
+    packed_linear,
+    row_split_linear,
+)  # noqa: E402
 from llmfast.models.loader import resolve_model  # noqa: E402
 
 
@@ -38,7 +44,7 @@ def median_ms(fn, iters: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="random:smollm2-135m")
-    parser.add_argument("--tokens", default="1,2,8,16,32,128")
+    parser.add_argument("--tokens", default="1,2,4,8,32,128,512")
     parser.add_argument("--layers", type=int, default=0, help="weight copies (0: the model's)")
     parser.add_argument("--iters", type=int, default=7)
     args = parser.parse_args()
@@ -53,21 +59,26 @@ def main() -> None:
     }
     print(f"{args.model}, float32, {torch.get_num_threads()} threads, ms per step "
           f"(all layers), median of {args.iters}")
-    print(f"{'proj':>8} {'tokens':>6} {'F.linear':>10} {'row split':>10} {'x':>6}")
+    print(f"{'proj':>8} {'tokens':>6} {'F.linear':>10} {'row split':>10} {'x':>6} "
+          f"{'oneDNN':>10} {'x':>6}")
     totals: dict[int, list[float]] = {}
     for name, (rows, cols, copies) in shapes.items():
         weights = [torch.randn(rows, cols) for _ in range(copies)]
         blocks = num_row_blocks(rows)
+        packed = [pack_weight(w) for w in weights]
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, cols)
             base = median_ms(lambda: [F.linear(x, w) for w in weights], args.iters)
-            ours = median_ms(lambda: [cpu_linear_impl(x, w, blocks, 1 << 30) for w in weights], args.iters)
-            total = totals.setdefault(tokens, [0.0, 0.0])
-            total[0] += base
-            total[1] += ours
-            print(f"{name:>8} {tokens:>6} {base:>10.2f} {ours:>10.2f} {base / ours:>6.2f}")
-    for tokens, (base, ours) in totals.items():
-        print(f"{'all':>8} {tokens:>6} {base:>10.2f} {ours:>10.2f} {base / ours:>6.2f}")
+            split = median_ms(lambda: [row_split_linear(x, w, blocks) for w in weights], args.iters)
+            dnn = median_ms(lambda: [packed_linear(x, p, None) for p in packed], args.iters)
+            total = totals.setdefault(tokens, [0.0, 0.0, 0.0])
+            for i, value in enumerate((base, split, dnn)):
+                total[i] += value
+            print(f"{name:>8} {tokens:>6} {base:>10.2f} {split:>10.2f} {base / split:>6.2f} "
+                  f"{dnn:>10.2f} {base / dnn:>6.2f}")
+    for tokens, (base, split, dnn) in totals.items():
+        print(f"{'all':>8} {tokens:>6} {base:>10.2f} {split:>10.2f} {base / split:>6.2f} "
+              f"{dnn:>10.2f} {base / dnn:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from llmfast.kernels.cpu_linear import (
     Linear,
     cpu_linear,
     num_row_blocks,
+    prepack_linears,
+    prepack_supported,
     row_split_linear,
 )
 
@@ -92,3 +94,49 @@ def test_compiled_linear_serves_every_token_count():
         for num_tokens in (2, 7, MAX_SPLIT_TOKENS + 5):
             x = torch.randn(num_tokens, 32)
             torch.testing.assert_close(compiled(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+needs_onednn = pytest.mark.skipif(
+    not prepack_supported(torch.empty(1)), reason="this torch build has no oneDNN"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 100, 300])
+def test_prepacked_linear_matches_float64(num_tokens):
+    torch.manual_seed(num_tokens)
+    layer = Linear(96, 160, bias=True)
+    assert layer.prepack() and layer.packed_weight is not None
+    x = torch.randn(num_tokens, 96)
+    expected = x.double() @ layer.weight.double().t() + layer.bias.double()
+    with torch.no_grad():
+        out = layer(x)
+    assert out.shape == (num_tokens, 160)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+
+
+@needs_onednn
+def test_prepack_linears_budget_and_tied_weights():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.proj = Linear(32, 48)
+            self.head = Linear(32, 64)
+            self.head.weight = self.embed.weight  # tied, as SmolLM2's lm_head
+
+    model = Tiny()
+    weight_bytes = (48 * 32 + 64 * 32) * 4  # the tied storage counted once
+    assert prepack_linears(model, max_bytes=weight_bytes - 1) == 0
+    assert model.proj.packed_weight is None and model.head.packed_weight is None
+    assert prepack_linears(model, max_bytes=weight_bytes) == weight_bytes
+    assert model.proj.packed_weight is not None and model.head.packed_weight is not None
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight),
+                                   rtol=1e-5, atol=2e-5)
+
+
+def test_prepack_skips_other_dtypes():
+    layer = Linear(16, 32).to(torch.bfloat16)
+    assert not layer.prepack() and layer.packed_weight is None
