@@ -26,6 +26,7 @@ import torch
 
 from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, parse_dtype
+from llmfast.kernels.cpu_linear import prepack_linears
 from llmfast.models.loader import build_model, resolve_model
 from tests.static_batch import StaticBatch
 
@@ -104,6 +105,9 @@ def main() -> None:
 
     source = resolve_model(args.model)
     model = build_model(source, dtype, device, max_positions=args.context_len + 16)
+    if device.type == "cpu":
+        # As the runner does for eager CPU runs; compiled graphs do not use the packs.
+        prepack_linears(model, None)
     static = StaticBatch(model, max_batch, args.context_len, max_num_tokens=max_batch,
                          block_size=args.block_size)
     forwards = {}
