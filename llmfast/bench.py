@@ -205,18 +205,23 @@ def run_sweep_point(engine, batch_size: int, context_len: int, steps: int,
                     warmup_steps: int = 2, seed: int = 0) -> SweepPoint:
     """Prefill `batch_size` random prompts of `context_len` tokens, run `warmup_steps`
     untimed decode steps, then time `steps` calls of `engine.step()`."""
-    max_len = engine.config.scheduler.max_model_len
-    total_len = context_len + warmup_steps + steps + 1
-    if total_len > max_len:
+    sched = engine.config.scheduler
+    # Prompts prefilled in an early step of a chunked prefill decode while later ones
+    # still prefill, so they run up to that many steps ahead: give them room, or the
+    # first ones would finish inside the timed window and it would not be pure decode.
+    # (+1: the decodes of the first prompts take budget from the later ones' chunks.)
+    max_lead = -(-batch_size * context_len // sched.max_num_batched_tokens) + 1
+    num_decode = warmup_steps + steps + max_lead
+    if context_len + num_decode > sched.max_model_len:
         raise BenchError(
-            f"--context {context_len} + {steps + warmup_steps + 1} decode steps exceeds "
-            f"max-model-len {max_len}"
+            f"--context {context_len} + {num_decode} decode steps exceeds "
+            f"max-model-len {sched.max_model_len}"
         )
     # A seed per batch size: the prompts of one size must not hit the prefix cache
     # filled by the previous size, or prefill would be measured on cached blocks.
     rng = np.random.default_rng([seed, batch_size, context_len])
     vocab = engine.config.model.vocab_size
-    params = bench_params(warmup_steps + steps + 1)
+    params = bench_params(num_decode)
     ids = [
         engine.add_request({"prompt_token_ids": rng.integers(0, vocab, size=context_len).tolist()},
                            params, request_id=f"sweep-{batch_size}-{i}")

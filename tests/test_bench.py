@@ -158,6 +158,19 @@ def test_run_sweep(llm):
     assert not llm.engine.has_unfinished()  # everything aborted and freed
 
 
+def test_run_sweep_is_pure_decode_after_a_chunked_prefill():
+    from llmfast import LLM
+
+    # 4 prompts x 16 tokens over a 32-token budget: 2 prompts, then 2 decodes + 1.9
+    # prompts, then the rest: the first prompts decode 2 steps ahead of the last, and
+    # none may finish inside the timed steps.
+    llm = LLM("random:tiny", device="cpu", max_model_len=128, max_num_batched_tokens=32, seed=0)
+    (point,) = run_sweep(llm.engine, [4], context_len=16, steps=4)
+    assert point.prefill_steps == 3
+    assert point.all_decode
+    assert not llm.engine.has_unfinished()
+
+
 def test_run_sweep_rejects_too_big(llm):
     with pytest.raises(BenchError, match="max-num-seqs"):
         run_sweep(llm.engine, [1, 100000], context_len=8, steps=2)
