@@ -24,7 +24,7 @@ def _nvtx_enabled() -> bool:
 
 
 class _Range:
-    __slots__ = ("name", "_record", "_annotate")
+    __slots__ = ("_annotate", "_record", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.kernels.cpu_linear import (  # noqa: E402
+from llmfast.kernels.cpu_linear import (
     num_row_blocks,
     pack_weight,
     packed_linear,
     row_split_linear,
-)  # noqa: E402
-from llmfast.models.loader import resolve_model  # noqa: E402
+)
+from llmfast.models.loader import resolve_model
 
 
 def median_ms(fn, iters: int) -> float:

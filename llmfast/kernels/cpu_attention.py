@@ -158,7 +158,6 @@ def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out, plan: _
 
 
 def _prefill(q, k_cache, v_cache, row: _PrefillRow, scale: float, out, plan: _Plan) -> None:
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
     keys, values = _gather(k_cache, v_cache, row.blocks, plan)
     keys = keys.flatten(0, 1)[: row.seq_len].transpose(0, 1)
