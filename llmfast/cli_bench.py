@@ -225,7 +225,7 @@ def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size,
     with count_progress("throughput (llmfast)", err) as progress:
         run["throughput"] = dataclasses.asdict(run_throughput(llm.engine, requests, progress))
     if baseline is Baseline.hf:
-        from llmfast.bench_hf import load_hf_model, run_hf_baseline
+        from llmfast.bench.hf import load_hf_model, run_hf_baseline
 
         with count_progress("loading HF model", err):
             model = load_hf_model(llm.engine)

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Decode step latency per execution mode, side by side: eager, compiled (piecewise
-torch.compile), graphs (compiled + piecewise CUDA graphs; CUDA only).
+torch.compile), graphs (compiled + piecewise CUDA graphs; CUDA only), and `linears`:
+only the model's projections and lm_head, each called once on B rows as the eager
+model calls them. A decode step streams every weight once, so `linears` is a floor
+for any mode that keeps these kernels: eager / linears bounds what compiling the rest
+(norms, RoPE, residuals, attention glue) can gain.
 
 One decode step = B requests with one new token each at context length L: the model
 forward over B tokens plus the lm_head on the B rows, then a device sync. Inputs sit
@@ -37,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--batch-sizes", default=None, help="default: 1,8,64,256,512 (CUDA), 1,8 (CPU)")
-    p.add_argument("--modes", default=None, help="default: eager,compiled,graphs (CUDA), eager,compiled (CPU)")
+    p.add_argument("--modes", default=None, help="default: eager,compiled,graphs (CUDA), eager,compiled (CPU); also: linears")
     p.add_argument("--context-len", type=int, default=128, help="context per request")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default 50 CUDA, 10 CPU)")
     p.add_argument("--warmup", type=int, default=3)
@@ -67,6 +71,20 @@ def make_step(static: StaticBatch, forward, batch: int, num_padded: int):
         hidden = static._run(forward, num_padded, batch)
         with torch.inference_mode():
             static.model.compute_logits(hidden[:batch])
+
+    return step
+
+
+def make_linears_step(model: torch.nn.Module, batch: int, device: torch.device, dtype):
+    """Every nn.Linear of the model in module order (projections, then lm_head), each on
+    its own [batch, in_features] input: the weight-streaming part of a decode step."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, m.in_features, device=device, dtype=dtype) for m in layers]
+
+    def step() -> None:
+        with torch.inference_mode():
+            for layer, x in zip(layers, inputs):
+                layer(x)
 
     return step
 
@@ -113,6 +131,8 @@ def main() -> None:
     forwards = {}
     info: dict[str, object] = {}
     for mode in modes:
+        if mode == "linears":
+            continue
         if mode == "eager":
             forwards[mode] = (model, lambda n: n)
             continue
@@ -127,13 +147,18 @@ def main() -> None:
     for b in batches:
         decode_batch(static, b, args.context_len)
         steps = {mode: make_step(static, fwd, b, pad(b)) for mode, (fwd, pad) in forwards.items()}
+        if "linears" in modes:
+            steps["linears"] = make_linears_step(model, b, device, dtype)
+        steps = {mode: steps[mode] for mode in modes}
         for mode, ms in time_interleaved(steps, iters, args.warmup, device).items():
             results[mode][b] = ms
         print(f"B={b}: " + ", ".join(f"{m} {results[m][b]:.2f} ms" for m in modes), flush=True)
 
     header = f"{'batch':>6} " + " ".join(f"{m + ' ms':>12}" for m in modes)
     if "eager" in modes:
-        header += " " + " ".join(f"{m + ' x':>12}" for m in modes if m != "eager")
+        # eager / linears: the most any mode keeping these projections could gain.
+        header += " " + " ".join(f"{('bound' if m == 'linears' else m) + ' x':>12}"
+                                 for m in modes if m != "eager")
     print(f"\ndecode step latency, {args.model} {str(dtype).removeprefix('torch.')} on "
           f"{torch.cuda.get_device_name(device) if on_cuda else 'cpu'}, context {args.context_len}, "
           f"median of {iters}, {torch.get_num_threads()} CPU threads")

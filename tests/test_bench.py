@@ -3,6 +3,7 @@ random model (CPU)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -108,7 +109,7 @@ def test_poisson_arrivals():
     assert poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
     a = poisson_arrivals(2000, 50.0, seed=1)
     assert a == poisson_arrivals(2000, 50.0, seed=1)
-    assert all(x < y for x, y in zip(a, a[1:]))
+    assert all(x < y for x, y in itertools.pairwise(a))
     assert np.mean(np.diff(a)) == pytest.approx(1 / 50, rel=0.1)
     with pytest.raises(BenchError):
         poisson_arrivals(3, 0.0)
@@ -201,7 +202,7 @@ def test_run_latency(llm):
 
 
 def test_hf_baseline_same_weights_same_tokens(llm):
-    from llmfast.bench_hf import load_hf_model, run_hf_baseline
+    from llmfast.bench.hf import load_hf_model, run_hf_baseline
 
     model = load_hf_model(llm.engine)
     reqs = random_requests(3, 10, 6, vocab_size=512, range_ratio=0.3, seed=7)

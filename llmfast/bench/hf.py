@@ -15,13 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from llmfast.bench import (
-    BenchError,
-    BenchProgress,
-    BenchRequest,
-    ThroughputResult,
-    throughput_result,
-)
+from llmfast.bench.sizes import BenchError
+from llmfast.bench.throughput import ThroughputResult, throughput_result
+from llmfast.bench.workload import BenchProgress, BenchRequest
 
 logger = logging.getLogger(__name__)
 

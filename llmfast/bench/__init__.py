@@ -1,0 +1,61 @@
+"""Benchmarks as a library: size specs, workloads, percentile maths, and the sweep,
+throughput and latency runners. Results are plain dataclasses; `llmfast bench` only
+formats them (and the tests call these directly).
+
+Definitions follow vLLM's `bench`: TTFT from a request's arrival to its first token,
+TPOT = (e2e - ttft) / (output_len - 1), ITL = the gaps between consecutive tokens.
+
+Where each part lives: `sizes` (size specs, BenchError), `stats` (Summary, summarize),
+`workload` (requests, sampling params, warm-up, BenchProgress), `sweep`, `throughput`
+and `latency` (the runners), `environment` (versions and hardware). The HF transformers
+baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported here.
+"""
+
+from llmfast.bench.environment import environment_info
+from llmfast.bench.latency import (
+    LatencyResult,
+    poisson_arrivals,
+    request_latencies,
+    run_latency,
+)
+from llmfast.bench.sizes import MAX_BENCH_SIZE, BenchError, parse_sizes
+from llmfast.bench.stats import Summary, summarize
+from llmfast.bench.sweep import SweepPoint, run_sweep, run_sweep_point
+from llmfast.bench.throughput import ThroughputResult, run_throughput, throughput_result
+from llmfast.bench.workload import (
+    BenchProgress,
+    BenchRequest,
+    bench_params,
+    check_fits,
+    random_lengths,
+    random_requests,
+    shared_prefix_requests,
+    warm_up,
+)
+
+__all__ = [
+    "MAX_BENCH_SIZE",
+    "BenchError",
+    "BenchProgress",
+    "BenchRequest",
+    "LatencyResult",
+    "Summary",
+    "SweepPoint",
+    "ThroughputResult",
+    "bench_params",
+    "check_fits",
+    "environment_info",
+    "parse_sizes",
+    "poisson_arrivals",
+    "random_lengths",
+    "random_requests",
+    "request_latencies",
+    "run_latency",
+    "run_sweep",
+    "run_sweep_point",
+    "run_throughput",
+    "shared_prefix_requests",
+    "summarize",
+    "throughput_result",
+    "warm_up",
+]
