@@ -1,7 +1,10 @@
 """Run an llmfast model step by step over a paged KV cache, without the engine: the
-model-level oracle harness for comparing with HF transformers."""
+model-level oracle harness for comparing with HF transformers. `tests/static_batch.py`
+shares its block layout and step arithmetic (`shuffled_blocks`, `step_inputs`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -9,21 +12,64 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.models.llama import LlamaForCausalLM
 
 
+def shuffled_blocks(model: LlamaForCausalLM, num_seqs: int, max_len: int, block_size: int,
+                    seed: int, device: torch.device | str = "cpu"):
+    """Zeroed KV caches bound to `model`, and a [num_seqs, blocks_per_seq] int32 block
+    table giving each sequence a shuffled (non-contiguous) set of blocks; block 0 stays
+    reserved, as in the engine."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    blocks_per_seq = -(-max_len // block_size)
+    num_blocks = 1 + num_seqs * blocks_per_seq
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device),
+               torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(cfg.num_hidden_layers)]
+    model.bind_kv_caches(caches)
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    return caches, perm.view(num_seqs, blocks_per_seq).to(torch.int32)
+
+
+@dataclass
+class StepInputs:
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # block-table row of each request
+
+
+def step_inputs(chunks: dict[int, list[int]], lens: list[int], block_table: torch.Tensor,
+                block_size: int) -> StepInputs:
+    """The flat inputs of one step feeding `chunks` (seq -> new token ids), one token at
+    a time (a plain loop, independent of the engine's vectorised index maths). Advances
+    `lens`.
+
+    Worked example, block_size 4, seq 0 owns blocks [7, 2], lens[0] = 3, chunk [a, b]:
+    positions 3, 4; slots 7*4 + 3 = 31 and 2*4 + 0 = 8; seq_lens [5]."""
+    step = StepInputs()
+    for seq, tokens in chunks.items():
+        start = lens[seq]
+        for i, tok in enumerate(tokens):
+            pos = start + i
+            block = int(block_table[seq, pos // block_size])
+            step.ids.append(tok)
+            step.positions.append(pos)
+            step.slots.append(block * block_size + pos % block_size)
+        lens[seq] += len(tokens)
+        step.query_start_loc.append(step.query_start_loc[-1] + len(tokens))
+        step.seq_lens.append(lens[seq])
+        step.rows.append(seq)
+    return step
+
+
 class PagedSequences:
     """A few sequences, each owning a shuffled (non-contiguous) set of cache blocks."""
 
     def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
                  seed: int = 0) -> None:
-        cfg = model.config
-        blocks_per_seq = -(-max_len // block_size)
-        num_blocks = 1 + num_seqs * blocks_per_seq  # block 0 reserved
-        dtype = next(model.parameters()).dtype
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                       for _ in range(cfg.num_hidden_layers)]
-        model.bind_kv_caches(self.caches)
-        perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
-        self.block_table = perm.view(num_seqs, blocks_per_seq).to(torch.int32)
+        self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed)
         self.block_size = block_size
         self.lens = [0] * num_seqs
         self.model = model
@@ -31,25 +77,13 @@ class PagedSequences:
     def step(self, chunks: dict[int, list[int]]) -> torch.Tensor:
         """Feed `chunks` (seq index -> new token ids); returns the logits of every new
         token, [total_new_tokens, vocab], in the order given."""
-        ids, positions, slots, qsl, seq_lens, rows = [], [], [], [0], [], []
-        for seq, tokens in chunks.items():
-            start = self.lens[seq]
-            for i, tok in enumerate(tokens):
-                pos = start + i
-                block = int(self.block_table[seq, pos // self.block_size])
-                ids.append(tok)
-                positions.append(pos)
-                slots.append(block * self.block_size + pos % self.block_size)
-            self.lens[seq] += len(tokens)
-            qsl.append(qsl[-1] + len(tokens))
-            seq_lens.append(self.lens[seq])
-            rows.append(seq)
+        s = step_inputs(chunks, self.lens, self.block_table, self.block_size)
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_table=self.block_table[rows],
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            slot_mapping=torch.tensor(s.slots, dtype=torch.int64),
+            block_table=self.block_table[s.rows],
+            query_start_loc=torch.tensor(s.query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(s.seq_lens, dtype=torch.int32),
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), md)
+            hidden = self.model(torch.tensor(s.ids), torch.tensor(s.positions), md)
             return self.model.compute_logits(hidden)

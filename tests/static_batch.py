@@ -15,6 +15,7 @@ import torch
 
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.models.llama import LlamaForCausalLM
+from tests.paged import shuffled_blocks, step_inputs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -22,18 +23,10 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 class StaticBatch:
     def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int,
                  max_num_tokens: int, block_size: int = 16, seed: int = 0) -> None:
-        cfg = model.config
         param = next(model.parameters())
-        device, dtype = param.device, param.dtype
-        blocks_per_seq = -(-max_len // block_size)
-        num_blocks = 1 + num_seqs * blocks_per_seq
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(cfg.num_hidden_layers)]
-        model.bind_kv_caches(self.caches)
-        perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
-        self.block_table = perm.view(num_seqs, blocks_per_seq).to(torch.int32).to(device)
+        device = param.device
+        self.caches, table = shuffled_blocks(model, num_seqs, max_len, block_size, seed, device)
+        self.block_table = table.to(device)
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -61,32 +54,20 @@ class StaticBatch:
              pad: Callable[[int], int] = lambda n: n) -> torch.Tensor:
         """Feed `chunks` (seq -> new token ids) through `forward`; returns the logits of
         every new token (float32, [total_new_tokens, vocab]), in the order given."""
-        ids, positions, slots, qsl, seq_lens, rows = [], [], [], [0], [], []
-        for seq, tokens in chunks.items():
-            start = self.lens[seq]
-            for i, tok in enumerate(tokens):
-                pos = start + i
-                block = int(self.block_table[seq, pos // self.block_size])
-                ids.append(tok)
-                positions.append(pos)
-                slots.append(block * self.block_size + pos % self.block_size)
-            self.lens[seq] += len(tokens)
-            qsl.append(qsl[-1] + len(tokens))
-            seq_lens.append(self.lens[seq])
-            rows.append(seq)
-        n, num_reqs = len(ids), len(rows)
+        st = step_inputs(chunks, self.lens, self.block_table, self.block_size)
+        n, num_reqs = len(st.ids), len(st.rows)
         num_padded = pad(n)
         assert num_padded <= self.max_num_tokens
         dev = self.device
-        self.input_ids[:n].copy_(torch.tensor(ids, device=dev))
+        self.input_ids[:n].copy_(torch.tensor(st.ids, device=dev))
         self.input_ids[n:num_padded] = 0
-        self.positions[:n].copy_(torch.tensor(positions, device=dev))
+        self.positions[:n].copy_(torch.tensor(st.positions, device=dev))
         self.positions[n:num_padded] = 0
-        self.slot_mapping[:n].copy_(torch.tensor(slots, device=dev))
+        self.slot_mapping[:n].copy_(torch.tensor(st.slots, device=dev))
         self.slot_mapping[n:num_padded] = -1
-        self.table[:num_reqs].copy_(self.block_table[rows])
-        self.query_start_loc[: num_reqs + 1].copy_(torch.tensor(qsl, device=dev))
-        self.seq_lens[:num_reqs].copy_(torch.tensor(seq_lens, device=dev))
+        self.table[:num_reqs].copy_(self.block_table[st.rows])
+        self.query_start_loc[: num_reqs + 1].copy_(torch.tensor(st.query_start_loc, device=dev))
+        self.seq_lens[:num_reqs].copy_(torch.tensor(st.seq_lens, device=dev))
         hidden = self._run(forward, num_padded, num_reqs)
         with torch.inference_mode():
             return self.model.compute_logits(hidden[:n])
