@@ -154,7 +154,8 @@ class ModelRunner:
         cfg = self.model.config
         num_tokens = self.max_num_tokens
         num_reqs = min(self.max_num_reqs, num_tokens)
-        blocks_per_req = -(-(-(-num_tokens // num_reqs)) // self.block_size)
+        tokens_per_req = -(-num_tokens // num_reqs)  # ceil
+        blocks_per_req = -(-tokens_per_req // self.block_size)
         num_blocks = num_reqs * blocks_per_req + 1
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         scratch = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -181,6 +182,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - sum(
             2 * k.numel() * k.element_size() for k, _ in scratch)
+        # The model still holds the scratch caches: bind one-block ones instead (the
+        # capture's dummy forwards read block 0 alone), so that the scratch memory is
+        # free again before the real cache is sized and allocated beside it.
+        one_block = (1, *shape[1:])
+        self.model.bind_kv_caches(
+            [(torch.zeros(one_block, dtype=self.dtype, device=self.device),
+              torch.zeros(one_block, dtype=self.dtype, device=self.device))
+             for _ in range(cfg.num_hidden_layers)])
         del scratch
         torch.cuda.empty_cache()
         return peak

@@ -236,6 +236,11 @@ def check_reshape_and_cache_strided():
     ops.reshape_and_cache_reference(k, v, ref[0], ref[1], slots)
     attention.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], slots)
     assert_same_bits(kv_cache, ref)
+    # More key rows than slots (the reference allows it): only len(slots) rows written.
+    short = torch.tensor([40, 7], dtype=torch.int64)
+    ops.reshape_and_cache_reference(k, v, ref[0], ref[1], short)
+    attention.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], short)
+    assert_same_bits(kv_cache, ref)
 
 
 def check_op_dispatch():

@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmfast.kernels.ops import unified_attention_impl
-
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
 from llmfast.compile.backend import resolve_splitting_ops
 from llmfast.compile.cache import compile_cache_key
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig, ConfigError
 from llmfast.graphs.sizes import capture_sizes, pad_num_tokens, parse_sizes
+from llmfast.kernels.ops import unified_attention_impl
 from llmfast.models.loader import build_model, resolve_model
 from tests.paged import PagedSequences
 from tests.static_batch import StaticBatch
@@ -249,12 +248,41 @@ def test_emulated_graphs_match_eager_and_leave_padding_out_of_the_cache(cache_ro
     assert cm.stats.num_dynamo_graphs == 1
 
 
+def test_graphs_survive_binding_the_real_kv_cache_after_capture(cache_root):
+    """As the runner does on CUDA: capture on a scratch cache, then bind another. Pieces
+    get caches and metadata only for size checks, so the debug address check must not
+    flag them (it did: "input moved ... argument 3"), and replay must use the new cache."""
+    from llmfast.graphs.piecewise import data_arg_indices
+
+    eager_model, model = tiny_model(), tiny_model()
+    config = CompileConfig(cuda_graph_sizes=(1, 2, 4, 8, 16), check_static_addresses=True)
+    cm = CompiledModel(model, config, "cpu", max_num_tokens=64, graph_impl="emulated")
+    eager, static = StaticBatch(eager_model, 4, 64, 64), StaticBatch(model, 4, 64, 64)
+    cm.capture(static.dummy_runner(cm))
+    # The first piece is handed KV caches (4-d) for their sizes alone: not data.
+    first = cm.backend.split_gm._modules["submod_0"]
+    placeholders = [n for n in first.graph.nodes if n.op == "placeholder"]
+    caches = [i for i, n in enumerate(placeholders)
+              if getattr(n.meta.get("example_value"), "dim", lambda: 0)() == 4]
+    data = data_arg_indices(first, len(placeholders))
+    assert caches and not set(caches) & set(data)
+    assert all(r.token_index in r.data_args for r in cm._graph_state.runners)
+    real = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in static.caches]
+    model.bind_kv_caches(real)
+    static.caches = real
+    for chunks in STEPS:
+        torch.testing.assert_close(static.step(chunks, cm, cm.padded_num_tokens),
+                                   eager.step(chunks, eager_model), atol=1e-5, rtol=1e-5)
+    assert cm._graph_state.num_replays > 0
+    assert any(k.any() for k, _ in real), "replays wrote to the old cache"
+
+
 def test_static_address_check_catches_moved_inputs():
     from llmfast.graphs.piecewise import EmulatedGraphCapturer, GraphCaptureState
 
     state = GraphCaptureState(EmulatedGraphCapturer(torch.device("cpu")),
                               check_static_addresses=True)
-    runner = state.wrap(0, lambda x: x * 2, [torch.empty(0)])
+    runner = state.wrap(0, lambda x: x * 2, [torch.empty(0)])  # no FX piece: all args read
     runner.token_index = 0  # a plain tensor here: pretend its dim 0 is the token dim
     x = torch.ones(4)
     with state.capturing(4):

@@ -36,9 +36,10 @@ from llmfast.compile.stats import CompileStats
 
 logger = logging.getLogger(__name__)
 
-# (index among the compiled pieces, compiled callable, fake example args) -> the callable
-# the split graph will call instead, e.g. a CUDA-graph runner around the compiled piece.
-PieceWrapper = Callable[[int, Callable[..., Any], Sequence[Any]], Callable[..., Any]]
+# (index among the compiled pieces, compiled callable, fake example args, the piece's FX
+# graph) -> the callable the split graph will call instead, e.g. a CUDA-graph runner
+# around the compiled piece.
+PieceWrapper = Callable[[int, Callable[..., Any], Sequence[Any], fx.GraphModule], Callable[..., Any]]
 
 
 def resolve_splitting_ops(names: Iterable[str]) -> set[Any]:
@@ -140,7 +141,7 @@ class _PieceCompiler(fx.Interpreter):
             return out
         fn = self.compile_piece(submod, list(args))
         if self.wrap_piece is not None:
-            fn = self.wrap_piece(self.num_compiled, fn, list(args))
+            fn = self.wrap_piece(self.num_compiled, fn, list(args), submod)
         # An instance attribute shadows the submodule: the split graph's
         # `self.submod_i(...)` now calls the compiled piece.
         self.module.__dict__[target] = fn

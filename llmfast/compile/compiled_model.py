@@ -13,8 +13,9 @@ compiled + piecewise CUDA graphs (CUDA with `use_cuda_graphs`).
 The token dimension of the inputs, the request dimension of the metadata and the block
 dimension of the KV caches are marked unbacked before the first call, so one graph
 serves every step and the KV cache may be re-bound (e.g. from the profiling scratch
-cache to the real one) without a recompile. The piecewise graphs never touch the KV
-cache (attention runs between them), so they may be captured before it is allocated.
+cache to the real one) without a recompile. The piecewise graphs never read the KV
+cache (attention runs between them; Dynamo passes caches to some pieces only to check
+their sizes), so they may be captured before it is allocated.
 """
 
 from __future__ import annotations

@@ -14,31 +14,55 @@ piece i+1 was captured while piece i's outputs were still alive, so it never reu
 their memory. The price: a replayed piece's outputs are valid only until the next
 replay of any graph — the runner consumes the hidden states before the next step.
 
-Replay needs every input at its capture-time address: the runner's persistent buffers
-(input_ids, positions), the weights, and the previous piece's (static) outputs.
-`check_static_addresses` verifies that on every replay (debug mode).
+Replay needs every input a piece reads at its capture-time address: the runner's
+persistent buffers (input_ids, positions), the weights, and the previous piece's
+(static) outputs. `check_static_addresses` verifies that on every replay (debug mode).
+Dynamo also hands some pieces KV caches and metadata tensors, only to check their sizes
+(`aten.sym_size` is their sole use): the graph never reads them, so they may move (the
+runner captures on a scratch cache, then binds the real one) and are not checked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import fx
 
 logger = logging.getLogger(__name__)
 
+_SIZE_QUERIES = (
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_storage_offset.default,
+)
 
-def token_arg_index(fake_args: Sequence[Any]) -> int | None:
-    """The first tensor argument whose leading dimension is symbolic: the token count.
 
-    A non-attention piece only ever sees per-token tensors (ids, positions, hidden
-    states), weights (static shapes) and size symbols, so this is its batch size.
+def data_arg_indices(piece: fx.GraphModule | None, num_args: int) -> list[int]:
+    """Positions of the arguments whose data `piece` reads: every placeholder with a
+    use other than a size query. None (no graph to inspect): all of them."""
+    if piece is None:
+        return list(range(num_args))
+    placeholders = [n for n in piece.graph.nodes if n.op == "placeholder"]
+    return [i for i, node in enumerate(placeholders)
+            if any(not (u.op == "call_function" and u.target in _SIZE_QUERIES)
+                   for u in node.users)]
+
+
+def token_arg_index(fake_args: Sequence[Any], data_args: Sequence[int]) -> int | None:
+    """The first argument the piece reads whose leading dimension is symbolic: the
+    token count. A non-attention piece reads per-token tensors (ids, positions, hidden
+    states), weights (static shapes) and size symbols; the KV caches (leading dim: the
+    block count) and request metadata reach it only for size checks, not as data.
     """
-    for i, arg in enumerate(fake_args):
+    for i in data_args:
+        arg = fake_args[i]
         if isinstance(arg, torch.Tensor) and arg.dim() > 0 and isinstance(arg.shape[0], torch.SymInt):
             return i
     return None
@@ -120,7 +144,7 @@ class EmulatedGraphCapturer:
 class _Graph:
     replay: Callable[[], None]
     outputs: Any
-    input_addresses: list[int | None]
+    input_addresses: dict[int, int]  # argument position -> data_ptr at capture
 
 
 class GraphCaptureState:
@@ -149,9 +173,12 @@ class GraphCaptureState:
             raise RuntimeError(f"pieces {missing} were not captured at size {num_tokens}: "
                                "the dummy forward did not run at that size")
 
-    def wrap(self, index: int, fn: Callable[..., Any], fake_args: Sequence[Any]) -> Callable[..., Any]:
+    def wrap(self, index: int, fn: Callable[..., Any], fake_args: Sequence[Any],
+             piece: fx.GraphModule | None = None) -> Callable[..., Any]:
         """A `PieceWrapper` for `PiecewiseBackend`."""
-        runner = PiecewiseGraphRunner(index, fn, token_arg_index(fake_args), self)
+        data_args = data_arg_indices(piece, len(fake_args))
+        runner = PiecewiseGraphRunner(index, fn, token_arg_index(fake_args, data_args),
+                                      data_args, self)
         self.runners.append(runner)
         return runner
 
@@ -161,14 +188,25 @@ class PiecewiseGraphRunner:
     asked, runs it directly otherwise (sizes without a graph)."""
 
     def __init__(self, index: int, fn: Callable[..., Any], token_index: int | None,
-                 state: GraphCaptureState) -> None:
+                 data_args: Sequence[int], state: GraphCaptureState) -> None:
         self.index = index
         self.fn = fn
         self.token_index = token_index
-        self.state = state
+        self.data_args = tuple(data_args)
+        # Weak: the state lists its runners, and a strong cycle would outlive a discarded
+        # engine (the engine gc.freeze()s what exists at start-up, so no collector pass
+        # would ever free the cycle, nor the CUDA graphs and pool it holds).
+        self._state = weakref.ref(state)
         self.graphs: dict[int, _Graph] = {}
         if token_index is None:
             logger.warning("piece %d has no token-sized input; it runs without CUDA graphs", index)
+
+    @property
+    def state(self) -> GraphCaptureState:
+        state = self._state()
+        if state is None:
+            raise RuntimeError("the compiled model owning this graph runner is gone")
+        return state
 
     def __call__(self, *args: Any) -> Any:
         if self.token_index is None:
@@ -188,7 +226,8 @@ class PiecewiseGraphRunner:
     def _capture(self, num_tokens: int, args: Sequence[Any]) -> Any:
         capturer = self.state.capturer
         replay, outputs = capturer.capture(self.fn, args)
-        addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+        addresses = {i: args[i].data_ptr() for i in self.data_args
+                     if isinstance(args[i], torch.Tensor)}
         self.graphs[num_tokens] = _Graph(replay, capturer.static_outputs(outputs), addresses)
         self.state.num_graphs += 1
         # Return the owning outputs: the rest of this capture forward holds them, so the
@@ -197,8 +236,9 @@ class PiecewiseGraphRunner:
         return outputs
 
     def _check_addresses(self, num_tokens: int, graph: _Graph, args: Sequence[Any]) -> None:
-        for i, (arg, captured) in enumerate(zip(args, graph.input_addresses)):
-            if isinstance(arg, torch.Tensor) and arg.data_ptr() != captured:
+        for i, captured in graph.input_addresses.items():
+            arg = args[i]
+            if arg.data_ptr() != captured:
                 raise AssertionError(
                     f"CUDA graph input moved: piece {self.index}, size {num_tokens}, argument "
                     f"{i} ({tuple(arg.shape)}) at {arg.data_ptr():#x}, captured at "

@@ -72,10 +72,15 @@ def reshape_and_cache(
     """Write k[i], v[i] into the caches at slot slot_mapping[i] (block = slot // block_size).
 
     With block_size 16 and slot_mapping [3, 80, -1], token 0 goes to block 0 offset 3,
-    token 1 to block 5 offset 0 and token 2 is skipped. Grid = num_tokens (a shape), so
-    the launch reads nothing from the device and can be captured in a CUDA graph.
+    token 1 to block 5 offset 0 and token 2 is skipped. Grid = len(slot_mapping) (a
+    shape), so the launch reads nothing from the device and can be captured in a CUDA
+    graph; k and v may have more rows (as the reference allows): those are not written.
     """
-    num_tokens, num_kv_heads, head_dim = k.shape
+    num_kv_heads, head_dim = k.shape[1:]
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens > k.shape[0] or num_tokens > v.shape[0]:
+        raise ValueError(f"slot_mapping has {num_tokens} slots for {k.shape[0]} keys and "
+                         f"{v.shape[0]} values")
     if num_tokens == 0:
         return
     block_size = k_cache.shape[1]
