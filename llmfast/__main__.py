@@ -1,3 +1,3 @@
-from llmfast.cli import main
+from llmfast.cli.main import main
 
 main()

@@ -17,11 +17,11 @@ from llmfast.config import EngineConfig
 from llmfast.engine_args import EngineArgs
 from llmfast.models.loader import ModelSource
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmfast.profiling import nvtx_range
-from llmfast.request import Request, RequestRejected
-from llmfast.runner import ModelRunner
+from llmfast.nvtx_ranges import nvtx_range
+from llmfast.core.request import Request, RequestRejected
+from llmfast.worker.model_runner import ModelRunner
 from llmfast.sampling_params import SamplingParams
-from llmfast.scheduler import Scheduler
+from llmfast.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import tracemalloc
 
 import pytest
 
-from llmfast.cache import block_pool as bp
-from llmfast.cache.block_pool import (
+from llmfast.core import block_pool as bp
+from llmfast.core.block_pool import (
     NULL_BLOCK_ID,
     BlockHash,
     BlockPool,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmfast.cli import app
-from llmfast.cli_chat_session import ChatCommandError, ChatSession, ChatSettings
+from llmfast.cli.main import app
+from llmfast.cli.chat_session import ChatCommandError, ChatSession, ChatSettings
 from tests.conftest_cli import make_chat_model
 
 REPO = Path(__file__).resolve().parents[1]

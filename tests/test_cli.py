@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmfast.cli import app
+from llmfast.cli.main import app
 from tests.conftest_cli import make_chat_model
 
 TINY = ["--model", "random:tiny", "--device", "cpu"]
@@ -67,7 +67,7 @@ def test_top_level_help_lists_commands():
     ("64k", 64 * 1024), ("8 MiB", 8 * 2**20), ("100b", 100),
 ])
 def test_parse_bytes(text, expected):
-    from llmfast.cli_common import parse_bytes
+    from llmfast.cli.common import parse_bytes
 
     assert parse_bytes(text) == expected
 
@@ -76,7 +76,7 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects(text):
     import typer
 
-    from llmfast.cli_common import parse_bytes
+    from llmfast.cli.common import parse_bytes
 
     with pytest.raises(typer.BadParameter):
         parse_bytes(text)
@@ -84,7 +84,7 @@ def test_parse_bytes_rejects(text):
 
 def test_engine_flags_round_trip():
     """engine_argv (used to re-run under nsys) reproduces the parsed flags."""
-    from llmfast.cli_common import _ENGINE_FLAGS, _engine_options, engine_argv
+    from llmfast.cli.common import _ENGINE_FLAGS, _engine_options, engine_argv
 
     defaults = {name: default for name, (_, _, default) in _ENGINE_FLAGS.items()}
     values = {**defaults, "model": "random:tiny", "dtype": "bfloat16", "device": "cpu",
@@ -104,7 +104,7 @@ def test_engine_flags_round_trip():
 
     import typer
 
-    from llmfast.cli_common import engine_command
+    from llmfast.cli.common import engine_command
 
     probe = typer.Typer()
     probe.command()(engine_command(capture))
@@ -298,8 +298,8 @@ def test_debug_shows_traceback():
 
 def test_sweep_overrides_raise_unset_limits_only():
     from llmfast.bench import BenchError
-    from llmfast.cli_bench import parse_exec_modes, sweep_overrides
-    from llmfast.cli_common import EngineOptions
+    from llmfast.cli.bench import parse_exec_modes, sweep_overrides
+    from llmfast.cli.common import EngineOptions
 
     unset = EngineOptions(model=None, debug=False)
     assert sweep_overrides([1, 512], unset) == {"max_num_seqs": 512,

@@ -11,7 +11,7 @@ import torch
 
 from llmfast import LLM, SamplingParams
 from llmfast.kernels.cpu_linear import Linear
-from llmfast.request import RequestRejected
+from llmfast.core.request import RequestRejected
 from tests.checkpoints import load_hf_model, make_hf_checkpoint
 
 NUM_PROMPTS = 16

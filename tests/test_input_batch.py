@@ -7,8 +7,8 @@ import random
 import numpy as np
 import torch
 
-from llmfast.cache.block_table import PAD_SLOT_ID, BlockTable
-from llmfast.input_batch import CachedRequestState, InputBatch
+from llmfast.worker.block_table import PAD_SLOT_ID, BlockTable
+from llmfast.worker.input_batch import CachedRequestState, InputBatch
 from llmfast.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmfast.cache import block_pool as bp
-from llmfast.cache.kv_cache_manager import KVCacheManager
-from llmfast.request import Request
+from llmfast.core import block_pool as bp
+from llmfast.core.kv_cache_manager import KVCacheManager
+from llmfast.core.request import Request
 from llmfast.sampling_params import SamplingParams
 
 BS = 4

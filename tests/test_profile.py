@@ -13,8 +13,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from llmfast.cli import app
-from llmfast.profile_run import (
+from llmfast.cli.main import app
+from llmfast.bench.profile_run import (
     default_profile_dir,
     model_label,
     nsys_command,
@@ -138,7 +138,7 @@ def test_profile_bad_sizes_and_missing_nsys(tmp_path, monkeypatch):
 def test_nvtx_range_shows_in_torch_profiler_trace_only_while_profiling():
     import torch
 
-    from llmfast.profiling import nvtx_range
+    from llmfast.nvtx_ranges import nvtx_range
 
     with nvtx_range("outside-any-profiler"):
         torch.ones(2).sum()

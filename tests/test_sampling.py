@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from llmfast.sampling import (
+from llmfast.worker.sampler import (
     Sampler,
     SamplingMetadata,
     SamplingParams,

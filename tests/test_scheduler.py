@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from llmfast.config import CacheConfig, SchedulerConfig
-from llmfast.request import Request, RequestRejected, RequestStatus
+from llmfast.core.request import Request, RequestRejected, RequestStatus
 from llmfast.sampling_params import SamplingParams
-from llmfast.scheduler import Scheduler
-from llmfast.scheduler_output import ModelRunnerOutput
+from llmfast.core.scheduler import Scheduler
+from llmfast.core.scheduler_output import ModelRunnerOutput
 
 BS = 8
 EOS = 2

@@ -17,10 +17,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llmfast.config import CacheConfig, SchedulerConfig
-from llmfast.request import Request, RequestRejected, RequestStatus
+from llmfast.core.request import Request, RequestRejected, RequestStatus
 from llmfast.sampling_params import SamplingParams
-from llmfast.scheduler import Scheduler
-from llmfast.scheduler_output import ModelRunnerOutput
+from llmfast.core.scheduler import Scheduler
+from llmfast.core.scheduler_output import ModelRunnerOutput
 
 EOS = 2
 

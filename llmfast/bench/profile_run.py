@@ -2,7 +2,7 @@
 by Nsight Systems (the process re-runs itself under `nsys profile`) or by the torch
 profiler (a Chrome/Perfetto JSON trace plus a markdown table of the top ops).
 
-Both traces carry the engine's phase ranges from `llmfast.profiling.nvtx_range`:
+Both traces carry the engine's phase ranges from `llmfast.nvtx_ranges.nvtx_range`:
 schedule, prepare_inputs, forward[<padded size>], sample, update, detokenize.
 """
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmfast.buffers import CpuGpuBuffer
-from llmfast.cache.block_table import BlockTable
-from llmfast.sampling import seed_to_int64
+from llmfast.worker.buffers import CpuGpuBuffer
+from llmfast.worker.block_table import BlockTable
+from llmfast.worker.sampler import seed_to_int64
 from llmfast.sampling_params import SamplingParams
 
 

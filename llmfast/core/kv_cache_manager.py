@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmfast.cache.block_pool import BlockHash, BlockPool, KVCacheBlock
-from llmfast.request import Request
+from llmfast.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from llmfast.core.request import Request
 
 
 @dataclass

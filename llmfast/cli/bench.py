@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmfast.bench import BenchError, parse_sizes
-from llmfast.cli_common import EngineOptions, count_progress, load_llm, stderr_console
+from llmfast.cli.common import EngineOptions, count_progress, load_llm, stderr_console
 
 BENCH_EXAMPLES = """\
 **Examples**
@@ -143,7 +143,7 @@ def bench(
                                         default=str) + "\n")
         err.print(f"wrote {json_path}", style="dim")
     if plot_path is not None:
-        from llmfast.cli_plot import plot_report
+        from llmfast.cli.plot import plot_report
 
         plot_report(report, plot_path)
         err.print(f"wrote {plot_path}", style="dim")

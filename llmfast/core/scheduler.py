@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmfast.cache.kv_cache_manager import KVCacheManager
+from llmfast.core.kv_cache_manager import KVCacheManager
 from llmfast.config import CacheConfig, SchedulerConfig
-from llmfast.request import Request, RequestRejected, RequestStatus
-from llmfast.scheduler_output import (
+from llmfast.core.request import Request, RequestRejected, RequestStatus
+from llmfast.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmfast.input_batch import InputBatch
-from llmfast.sampling import SamplingMetadata, seed_to_int64
+from llmfast.worker.input_batch import InputBatch
+from llmfast.worker.sampler import SamplingMetadata, seed_to_int64
 from llmfast.sampling_params import GREEDY_TEMPERATURE
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from llmfast.cli_common import cli_errors, setup_logging, stage_progress, stderr_console
+from llmfast.cli.common import cli_errors, setup_logging, stage_progress, stderr_console
 
 PULL_EXAMPLES = """\
 **Examples**

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmfast.buffers import CpuGpuBuffer
+from llmfast.worker.buffers import CpuGpuBuffer
 
 PAD_SLOT_ID = -1
 

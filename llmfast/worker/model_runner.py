@@ -16,17 +16,17 @@ import numpy as np
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
-from llmfast.buffers import CpuGpuBuffer
+from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
-from llmfast.input_batch import CachedRequestState, InputBatch
+from llmfast.worker.input_batch import CachedRequestState, InputBatch
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
-from llmfast.memory import check_fits_one_request, kv_block_bytes, num_cpu_blocks, num_gpu_blocks
+from llmfast.worker.kv_cache_sizing import check_fits_one_request, kv_block_bytes, num_cpu_blocks, num_gpu_blocks
 from llmfast.models.loader import ModelSource, build_model
-from llmfast.profiling import nvtx_range
-from llmfast.sampling import Sampler
-from llmfast.sampling_metadata import build_sampling_metadata
-from llmfast.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmfast.nvtx_ranges import nvtx_range
+from llmfast.worker.sampler import Sampler
+from llmfast.worker.sampling_metadata import build_sampling_metadata
+from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from llmfast.cli_common import EngineOptions, engine_argv, load_llm, stderr_console
+from llmfast.cli.common import EngineOptions, engine_argv, load_llm, stderr_console
 
 PROFILE_EXAMPLES = """\
 **Examples**
@@ -58,7 +58,7 @@ def profile(
 ) -> None:
     """Profile a short decode workload (nsys or torch profiler) with the engine's phases."""
     from llmfast.bench import BenchError, parse_sizes
-    from llmfast.profile_run import default_profile_dir, prepare_profile_dir
+    from llmfast.bench.profile_run import default_profile_dir, prepare_profile_dir
 
     size_list = parse_sizes(sizes)
     if steps < 1 or context < 1:
@@ -82,7 +82,7 @@ def profile(
 
 def _profile_with_nsys(nsys: str, out_dir: Path, inner: list[str], con: Console,
                        err: Console) -> None:
-    from llmfast.profile_run import run_nsys
+    from llmfast.bench.profile_run import run_nsys
 
     err.print(f"running under {nsys} profile ...", style="dim")
     result = run_nsys(nsys, out_dir, inner, env={**os.environ, _UNDER_NSYS: "1"})
@@ -101,9 +101,9 @@ def _profile_in_process(opts: EngineOptions, sizes: list[int], steps: int, conte
     import dataclasses
 
     from llmfast.bench import environment_info, warm_up
-    from llmfast.profile_run import run_decode_workload, torch_profile
+    from llmfast.bench.profile_run import run_decode_workload, torch_profile
 
-    from llmfast.cli_bench import sweep_overrides
+    from llmfast.cli.bench import sweep_overrides
 
     llm = load_llm(opts, err, **sweep_overrides(sizes, opts))
     engine = llm.engine

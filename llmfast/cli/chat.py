@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import typer
 from rich.console import Console
 
-from llmfast.cli_chat_session import ChatCommandError, ChatSession, ChatSettings, TurnResult
-from llmfast.cli_common import (
+from llmfast.cli.chat_session import ChatCommandError, ChatSession, ChatSettings, TurnResult
+from llmfast.cli.common import (
     EngineOptions,
     IgnoreEos,
     MaxTokens,
@@ -140,7 +140,7 @@ def _reply(session: ChatSession, line: str, on_delta, stop=lambda: False) -> Tur
     """One turn; a message that cannot be sent (too long for max-model-len, a template
     error) is reported and the chat goes on."""
     from llmfast.config import ConfigError  # (TokenizerError is one)
-    from llmfast.request import RequestRejected
+    from llmfast.core.request import RequestRejected
 
     try:
         return session.reply(line, on_delta, stop)

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.text import Text
 
-from llmfast.cli_common import (
+from llmfast.cli.common import (
     EngineOptions,
     IgnoreEos,
     MaxTokens,

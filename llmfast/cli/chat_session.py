@@ -1,5 +1,5 @@
 """A multi-turn chat over an `LLM`: history, sampling settings, slash commands and one
-streamed reply at a time. No terminal I/O here; `cli_chat` drives it.
+streamed reply at a time. No terminal I/O here; `llmfast.cli.chat` drives it.
 
 Each turn re-renders the whole conversation with the chat template, so the prompt of
 turn n starts with turn n-1's prompt and reply: the prefix cache serves those blocks and

@@ -13,12 +13,12 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from llmfast.cli_bench import BENCH_EXAMPLES, bench
-from llmfast.cli_chat import CHAT_EXAMPLES, chat
-from llmfast.cli_common import engine_command, print_error
-from llmfast.cli_generate import GENERATE_EXAMPLES, generate
-from llmfast.cli_profile import PROFILE_EXAMPLES, profile
-from llmfast.cli_pull import PULL_EXAMPLES, pull
+from llmfast.cli.bench import BENCH_EXAMPLES, bench
+from llmfast.cli.chat import CHAT_EXAMPLES, chat
+from llmfast.cli.common import engine_command, print_error
+from llmfast.cli.generate import GENERATE_EXAMPLES, generate
+from llmfast.cli.profile import PROFILE_EXAMPLES, profile
+from llmfast.cli.pull import PULL_EXAMPLES, pull
 
 
 class _OneLineErrorGroup(TyperGroup):
