@@ -65,7 +65,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         if progress:
             progress("loading weights", None)
-        self.runner = ModelRunner(config, source, eos_token_ids=eos)
+        self.runner = ModelRunner(config, source, eos_token_ids=eos, progress=progress)
         num_blocks = self.runner.initialize(progress)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self._tracked: dict[str, _Tracked] = {}

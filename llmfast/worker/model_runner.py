@@ -35,7 +35,7 @@ Progress = Callable[[str, float | None], None]
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -49,7 +49,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = build_model(source, self.dtype, self.device,
-                                 max_positions=self.max_model_len, seed=config.seed)
+                                 max_positions=self.max_model_len, seed=config.seed,
+                                 progress=progress)
         if self.device.type == "cpu" and config.compile.enforce_eager:
             # A second, blocked copy of the weights: at most a quarter of the RAM.
             ram = physical_memory_bytes()

@@ -1,0 +1,174 @@
+"""Weights made where they are used: random presets filled in place on the target device
+in the target dtype (reproducible per seed and device, no float32 or second copy), and
+safetensors checkpoints streamed tensor by tensor with the same result as reading the
+whole file and fusing it by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmfast.models.loader import (
+    RANDOM_WEIGHT_STD,
+    build_model,
+    resolve_model,
+    weight_bytes,
+    weights_too_big_message,
+)
+from tests.checkpoints import make_hf_checkpoint
+
+MAX_POSITIONS = 64  # keeps the RoPE table (fp32, made at build) far below any weight
+
+
+def _random(preset: str = "tiny", dtype=torch.float32, seed: int = 0, progress=None,
+            max_positions: int = MAX_POSITIONS):
+    return build_model(resolve_model(f"random:{preset}"), dtype, "cpu",
+                       max_positions=max_positions, seed=seed, progress=progress)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_init_reproducible_right_dtype_and_scale(dtype):
+    a, b, other = _random(dtype=dtype), _random(dtype=dtype), _random(dtype=dtype, seed=1)
+    params_a = dict(a.named_parameters())
+    params_b = dict(b.named_parameters())
+    params_other = dict(other.named_parameters())
+    assert a.lm_head.weight is not a.model.embed_tokens.weight  # tiny is untied
+    for name, p in params_a.items():
+        assert p.dtype == dtype and p.device.type == "cpu", name
+        assert torch.equal(p, params_b[name]), f"{name} differs between two seed-0 builds"
+        if name.endswith("norm.weight"):
+            assert torch.all(p == 1), name
+        else:
+            assert not torch.equal(p, params_other[name]), f"{name} ignores the seed"
+            std = p.float().std().item()
+            assert 0.8 * RANDOM_WEIGHT_STD < std < 1.2 * RANDOM_WEIGHT_STD, (name, std)
+            assert abs(p.float().mean().item()) < 0.2 * RANDOM_WEIGHT_STD, name
+    # Distinct parameters get distinct draws (one generator runs through them all).
+    assert not torch.equal(params_a["model.layers.0.self_attn.o_proj.weight"],
+                           params_a["model.layers.1.self_attn.o_proj.weight"])
+
+
+def test_random_init_tied_head_shares_the_embedding():
+    model = _random("smollm2-135m", dtype=torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+class _Allocations(TorchDispatchMode):
+    """Every real (non-meta) tensor an op creates: (op, dtype, bytes). An in-place op
+    or a view returns storage it was given, which is not an allocation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[str, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {id(t.untyped_storage()) for t in _tensors((args, kwargs))
+                 if t.device.type != "meta"}
+        given_ptrs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))
+                      if t.device.type != "meta"}
+        for t in _tensors(out):
+            if t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if id(storage) in given or storage.data_ptr() in given_ptrs:
+                continue
+            self.made.append((str(func), t.dtype, storage.nbytes()))
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensors(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensors(x)]
+    return []
+
+
+def test_random_init_allocates_each_parameter_once_in_its_dtype():
+    """bfloat16 weights: no float32 tensor of a weight's size is ever made, and all that is
+    allocated is the parameters (once) plus the small RoPE table and its temporaries."""
+    with _Allocations() as seen:
+        model = _random(dtype=torch.bfloat16, max_positions=16)
+    params = list(model.parameters())
+    smallest_weight = min(p.numel() * 2 for p in params if p.dim() == 2)
+    rope_bytes = model.model.layers[0].self_attn.rotary.cos_sin.nbytes
+    assert rope_bytes * 4 < smallest_weight  # so the thresholds below can tell them apart
+    big = [(op, dtype, n) for op, dtype, n in seen.made if n >= smallest_weight]
+    assert all(dtype == torch.bfloat16 for _, dtype, _ in big), big
+    assert sorted(n for _, _, n in big) == sorted(
+        p.numel() * 2 for p in params if p.numel() * 2 >= smallest_weight)
+    total = sum(n for _, _, n in seen.made)
+    assert total <= weight_bytes(model) + 8 * rope_bytes, (total, weight_bytes(model))
+
+
+def test_progress_reports_bytes_and_rate():
+    calls = []
+    model = _random(progress=lambda stage, fraction: calls.append((stage, fraction)))
+    assert calls, "no progress reported"
+    stage, fraction = calls[-1]
+    assert fraction == 1.0
+    total_gb = weight_bytes(model) / 1e9
+    assert stage.startswith("initialising random weights")
+    assert f"{total_gb:.2f}/{total_gb:.2f} GB at " in stage and stage.endswith("GB/s")
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def _reference_load(path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The whole checkpoint read into memory and fused by hand: q/k/v rows stacked into
+    qkv_proj, gate/up into gate_up_proj, then cast."""
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state |= load_file(file)
+    fused: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                          "gate_proj.weight", "up_proj.weight")):
+            continue
+        fused[name] = tensor
+    layers = {n.split(".")[2] for n in state if n.startswith("model.layers.")}
+    for i in layers:
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        fused[attn + "qkv_proj.weight"] = torch.cat(
+            [state[attn + f"{x}_proj.weight"] for x in "qkv"])
+        fused[mlp + "gate_up_proj.weight"] = torch.cat(
+            [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
+    return {k: v.to(dtype) for k, v in fused.items()}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("stored,dtype", [(torch.float32, torch.float32),
+                                          (torch.float32, torch.bfloat16),
+                                          (torch.bfloat16, torch.float32)])
+def test_streaming_load_equals_whole_file_load(tmp_path, sharded, stored, dtype):
+    path = make_hf_checkpoint(tmp_path / "ckpt", sharded=sharded)
+    if stored != torch.float32:  # rewrite every file in the stored dtype
+        for file in path.glob("*.safetensors"):
+            save_file({k: v.to(stored) for k, v in load_file(file).items()}, file,
+                      metadata={"format": "pt"})
+    expected = _reference_load(path, dtype)
+    calls = []
+    model = build_model(resolve_model(str(path)), dtype, "cpu", max_positions=64,
+                        progress=lambda stage, fraction: calls.append((stage, fraction)))
+    params = dict(model.named_parameters())
+    assert set(params) == set(expected)
+    for name, p in params.items():
+        assert p.dtype == dtype
+        assert torch.equal(p, expected[name]), name
+    assert calls[-1][1] == 1.0 and calls[-1][0].startswith("loading weights")
+
+
+def test_weights_too_big_message_is_one_clear_line():
+    gib = 2**30
+    message = weights_too_big_message(int(16.1 * gib), 10 * gib, 24 * gib,
+                                      torch.device("cuda:0"))
+    assert "\n" not in message
+    assert "16.10 GiB" in message and "10.00 GiB free of 24.00 GiB" in message
+    assert "cuda:0" in message
