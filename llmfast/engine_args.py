@@ -24,6 +24,21 @@ Progress = Callable[[str, float | None], None]
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
+# Step limits when the user sets none: (max_num_seqs, max_num_batched_tokens) by device.
+# CPU: what a 2-core machine gets through in one step without stalling interactive use.
+# CUDA: room for a large decode batch *and* its prefill in one budget. On the H100 a
+# 2048-token budget forced chunked prefill into the decode steps at batch >= 256
+# (7.1 ms vs 6.1 ms per step with a 64k budget, GPU-RESULTS.md); 8192 tokens / 512
+# sequences keeps a 1B-8B model's steps large enough to fill the GPU while the profiled
+# activation peak stays small (~1 GiB for 8B). To be confirmed by measurement on the
+# H100 (scripts/gpu_check.sh step `defaults`).
+DEFAULT_STEP_LIMITS = {"cpu": (256, 2048), "cuda": (512, 8192)}
+
+
+def default_step_limits(device: torch.device) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for a device kind, when the user sets none."""
+    return DEFAULT_STEP_LIMITS.get(device.type, DEFAULT_STEP_LIMITS["cpu"])
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -31,8 +46,8 @@ class EngineArgs:
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # cuda if available, else cpu
     seed: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: 256 on CPU, 512 on CUDA
+    max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on CUDA
     max_model_len: int | None = None  # None: the model's, capped at 8192
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes (CPU)
@@ -69,6 +84,10 @@ class EngineArgs:
             raise ConfigError(
                 f"max-model-len {max_model_len} exceeds the model's {model_max} positions"
             )
+        default_seqs, default_tokens = default_step_limits(device)
+        max_num_seqs = default_seqs if self.max_num_seqs is None else self.max_num_seqs
+        max_num_batched_tokens = (default_tokens if self.max_num_batched_tokens is None
+                                  else self.max_num_batched_tokens)
         use_compile = (device.type == "cuda") if self.compile is None else self.compile
         enforce_eager = self.enforce_eager or not use_compile
         config = EngineConfig(
@@ -82,8 +101,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
             ),
             compile=CompileConfig(
@@ -91,7 +110,7 @@ class EngineArgs:
                 use_cuda_graphs=self.cuda_graphs and device.type == "cuda" and not enforce_eager,
                 cuda_graph_sizes=tuple(
                     s for s in (self.cuda_graph_sizes or DEFAULT_CUDA_GRAPH_SIZES)
-                    if s <= self.max_num_batched_tokens
+                    if s <= max_num_batched_tokens
                 ),
             ),
             device=str(device),

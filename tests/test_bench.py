@@ -23,7 +23,9 @@ from llmfast.bench import (
     run_throughput,
     shared_prefix_requests,
     summarize,
+    sweep_engine_limits,
 )
+from llmfast.bench.bandwidth import decode_weight_bytes, peak_bandwidth
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +150,14 @@ def test_bench_params_are_greedy_fixed_length():
 
 
 def test_run_sweep(llm):
-    points = run_sweep(llm.engine, [1, 4], context_len=20, steps=4)
-    assert [p.batch_size for p in points] == [1, 4]
+    result = run_sweep(llm.engine, [1, 4], context_len=20, steps=4)
+    points = result.points
+    assert [p.batch_size for p in points] == [1, 4] and result.skipped == []
+    assert result.bandwidth is None  # CPU: no HBM limit
     for p in points:
+        assert p.hbm_fraction is None
+        assert p.weight_bytes == decode_weight_bytes(llm.engine.runner.model)
+        assert p.weight_stream_bytes_per_s == pytest.approx(p.weight_bytes / p.step_latency.median)
         assert p.all_decode
         assert len(p.step_latencies_s) == 4 and p.step_latency.count == 4
         assert p.step_latency.min <= p.step_latency.median <= p.step_latency.p99
@@ -166,15 +173,75 @@ def test_run_sweep_is_pure_decode_after_a_chunked_prefill():
     # prompts, then the rest: the first prompts decode 2 steps ahead of the last, and
     # none may finish inside the timed steps.
     llm = LLM("random:tiny", device="cpu", max_model_len=128, max_num_batched_tokens=32, seed=0)
-    (point,) = run_sweep(llm.engine, [4], context_len=16, steps=4)
+    (point,) = run_sweep(llm.engine, [4], context_len=16, steps=4).points
     assert point.prefill_steps == 3
     assert point.all_decode
     assert not llm.engine.has_unfinished()
+    # 64 decodes do not fit in a 32-token step: refused, not timed as split steps.
+    with pytest.raises(BenchError, match="max-num-batched-tokens 32"):
+        run_sweep(llm.engine, [64], context_len=4, steps=2)
+
+
+def test_run_sweep_leaves_out_a_size_the_kv_cache_cannot_hold():
+    from llmfast import LLM
+
+    # 8 usable blocks of 16 tokens: batch 2 at context 40 (+ decode room) needs 2 x 4
+    # blocks; batch 4 needs 16 and would be preempted, so it must not become a row.
+    probe = LLM("random:tiny", device="cpu", max_model_len=128, num_gpu_blocks_override=9)
+    assert probe.engine.runner.num_blocks == 9
+    result = run_sweep(probe.engine, [1, 2, 4], context_len=40, steps=4)
+    assert [p.batch_size for p in result.points] == [1, 2]
+    assert all(p.all_decode for p in result.points)
+    ((skip),) = result.skipped
+    assert skip.batch_size == 4 and "KV blocks" in skip.reason
+    assert not probe.engine.has_unfinished()
+
+
+def test_sweep_engine_limits_fit_the_largest_batch_in_one_step():
+    cpu = (256, 2048)
+    assert sweep_engine_limits(8, None, None, cpu) == {"max_num_seqs": 256,
+                                                        "max_num_batched_tokens": 2048}
+    assert sweep_engine_limits(512, None, None, cpu) == {"max_num_seqs": 512,
+                                                          "max_num_batched_tokens": 2048}
+    assert sweep_engine_limits(4096, None, None, cpu) == {"max_num_seqs": 4096,
+                                                           "max_num_batched_tokens": 4096}
+    assert sweep_engine_limits(512, None, None, (512, 8192)) == {
+        "max_num_seqs": 512, "max_num_batched_tokens": 8192}
+    assert sweep_engine_limits(64, 64, None, cpu) == {"max_num_batched_tokens": 2048}
+    with pytest.raises(BenchError, match="--max-num-batched-tokens 128"):
+        sweep_engine_limits(256, None, 128, cpu)
+
+
+def test_peak_bandwidth_by_device_name():
+    assert peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert peak_bandwidth("NVIDIA GH200 480GB") == 4.0e12
+    assert peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
+    assert peak_bandwidth("NVIDIA A10") == 0.6e12
+    assert peak_bandwidth("NVIDIA L40") == 0.864e12
+    assert peak_bandwidth("Some Future GPU") is None
+
+
+def test_decode_weight_bytes_counts_a_tied_head_once_and_skips_an_untied_embedding():
+    from dataclasses import replace
+
+    from llmfast.models.loader import ModelSource, build_model, resolve_model, weight_bytes
+
+    untied = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=16)
+    embed = untied.model.embed_tokens.weight
+    assert decode_weight_bytes(untied) == weight_bytes(untied) - embed.numel() * 4
+    cfg = resolve_model("random:tiny").config
+    tied = build_model(ModelSource("t", None, replace(cfg, tie_word_embeddings=True)),
+                       torch.float32, "cpu", max_positions=16)
+    assert decode_weight_bytes(tied) == weight_bytes(tied)
+    assert weight_bytes(tied) == weight_bytes(untied) - embed.numel() * 4
 
 
 def test_run_sweep_rejects_too_big(llm):
     with pytest.raises(BenchError, match="max-num-seqs"):
         run_sweep(llm.engine, [1, 100000], context_len=8, steps=2)
+
     with pytest.raises(BenchError, match="max-model-len"):
         run_sweep(llm.engine, [1], context_len=250, steps=8)
 
@@ -216,3 +283,32 @@ def test_hf_baseline_same_weights_same_tokens(llm):
     result = run_hf_baseline(model, reqs, batch_size=2)
     assert result.output_tokens == sum(r.output_len for r in reqs)
     assert result.num_requests == 3 and result.output_tokens_per_s > 0
+
+
+def test_hf_batch_candidates():
+    from llmfast.bench.hf import hf_batch_candidates
+
+    assert hf_batch_candidates(100) == [8, 16, 32, 64, 100]
+    assert hf_batch_candidates(256) == [8, 16, 32, 64, 128, 256]
+    assert hf_batch_candidates(4) == [4]
+    assert hf_batch_candidates(2000) == [8, 16, 32, 64, 128, 256, 512, 2000]
+
+
+def test_tune_hf_batch_size_picks_the_fastest_probe(llm):
+    from llmfast.bench.hf import load_hf_model, tune_hf_batch_size
+
+    model = load_hf_model(llm.engine)
+    reqs = random_requests(8, 6, 3, vocab_size=512, seed=3)
+    seen = []
+    best, probes = tune_hf_batch_size(model, reqs, [1, 2, 4, 8],
+                                      progress=lambda done, total: seen.append(done))
+    sizes = list(probes)
+    assert sizes == [1, 2, 4, 8][: len(sizes)] and len(sizes) >= 2  # ascending, a prefix
+    rates = [probes[s] for s in sizes]
+    assert all(r is not None and r > 0 for r in rates)
+    assert best in probes and probes[best] == max(rates)
+    # It stops at the first probe slower than its predecessor, and only there.
+    for i in range(1, len(rates) - 1):
+        assert rates[i] > rates[i - 1]
+    assert len(sizes) == 4 or rates[-1] <= rates[-2]
+    assert seen == list(range(1, len(sizes) + 1))

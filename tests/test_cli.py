@@ -153,9 +153,9 @@ def test_generate_chat_template_toggle(chat_model):
 def test_bench_sweep_writes_json_and_png(tmp_path):
     out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     result = invoke("bench", *TINY, "--sizes", "1..8", "--context", "16", "--steps", "4",
-                    "--json", str(out_json), "--plot", str(out_png), "--startup")
+                    "--json", str(out_json), "--plot", str(out_png))
     assert result.exit_code == 0, result.output
-    assert "decode sweep" in result.stdout and "start-up" in result.stdout
+    assert "decode sweep" in result.stdout and "skipped" not in result.stdout
     report = json.loads(out_json.read_text())
     assert set(report) == {"llmfast_bench_version", "timestamp", "config", "environment", "runs"}
     assert report["config"]["sizes"] == [1, 2, 4, 8]
@@ -167,17 +167,70 @@ def test_bench_sweep_writes_json_and_png(tmp_path):
     assert {"load", "kv_cache"} <= set(run["startup"])
     assert run["engine_config"]["device"] == "cpu"
     assert [p["batch_size"] for p in run["sweep"]] == [1, 2, 4, 8]
+    assert run["sweep_skipped"] == [] and run["bandwidth"] is None  # CPU: no HBM limit
     for p in run["sweep"]:
         assert set(p) == {"batch_size", "context_len", "steps", "step_latency",
                           "decode_tokens_per_s", "prefill_tokens", "prefill_time_s",
                           "prefill_steps", "prefill_tokens_per_s", "all_decode",
-                          "step_latencies_s"}
+                          "step_latencies_s", "weight_bytes", "weight_stream_bytes_per_s",
+                          "hbm_fraction"}
+        assert p["weight_bytes"] > 0 and p["hbm_fraction"] is None
         assert set(p["step_latency"]) == {"count", "mean", "median", "p90", "p99", "min", "max"}
         assert len(p["step_latencies_s"]) == 4 and p["all_decode"]
     from matplotlib.image import imread
 
     image = imread(out_png)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+STARTUP_RUN_KEYS = {"stages", "import_s", "engine_s", "first_step_s", "time_to_first_token_s",
+                    "process_s", "compile_cache_hits", "compile_cache_misses", "cache_files",
+                    "device", "engine_config"}
+
+
+def _check_startup_report(result, out_json) -> dict:
+    assert result.exit_code == 0, result.output
+    assert "start-up" in result.stdout and "time to first token" in result.stdout
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"llmfast_bench_version", "timestamp", "config", "environment",
+                           "runs", "startup"}
+    assert report["config"]["mode"] == "startup" and report["runs"] == {}
+    startup = report["startup"]
+    assert set(startup) == {"model", "engine_args", "cache_root", "cold", "warm"}
+    for which in ("cold", "warm"):
+        run = startup[which]
+        assert set(run) == STARTUP_RUN_KEYS, which
+        assert {"load", "kv_cache"} <= set(run["stages"])
+        assert run["device"] == "cpu"
+        # Spawn -> first token covers the imports, the engine and the first step.
+        assert run["time_to_first_token_s"] >= run["import_s"] + run["engine_s"]
+        assert run["process_s"] >= run["time_to_first_token_s"]
+        assert run["engine_s"] >= sum(run["stages"].values())
+    return startup
+
+
+def test_bench_startup_cold_and_warm_eager(tmp_path):
+    out_json, out_png = tmp_path / "startup.json", tmp_path / "startup.png"
+    result = invoke("bench", *TINY, "--enforce-eager", "--startup", "--json", str(out_json),
+                    "--plot", str(out_png))
+    startup = _check_startup_report(result, out_json)
+    assert startup["engine_args"]["enforce_eager"] is True
+    for which in ("cold", "warm"):  # eager: nothing compiled, nothing cached
+        assert "compile" not in startup[which]["stages"]
+        assert startup[which]["compile_cache_hits"] == startup[which]["compile_cache_misses"] == 0
+    assert out_png.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_startup_warm_start_reuses_the_compile_cache(tmp_path):
+    out_json = tmp_path / "startup.json"
+    result = invoke("bench", *TINY, "--compile", "--startup", "--json", str(out_json))
+    startup = _check_startup_report(result, out_json)
+    cold, warm = startup["cold"], startup["warm"]
+    assert cold["compile_cache_misses"] > 0 and cold["compile_cache_hits"] == 0
+    assert warm["compile_cache_misses"] == 0 and warm["compile_cache_hits"] > 0
+    assert cold["cache_files"] > 0 and warm["cache_files"] >= cold["cache_files"]
+    assert "compile" in cold["stages"] and "compile" in warm["stages"]
 
 
 def test_bench_throughput_with_hf_baseline(tmp_path):
@@ -187,8 +240,12 @@ def test_bench_throughput_with_hf_baseline(tmp_path):
                     "--baseline", "hf", "--hf-batch-size", "2", "--json", str(out_json),
                     "--plot", str(out_png))
     assert result.exit_code == 0, result.output
-    assert "HF generate" in result.stdout and "llmfast / HF" in result.stdout
+    assert "HF generate (batch 2)" in result.stdout and "llmfast / HF" in result.stdout
+    assert "total tokens/s" in result.stdout
     run = json.loads(out_json.read_text())["runs"]["default"]
+    assert run["hf_batch_size"] == 2 and "hf_batch_probes" not in run  # given, not probed
+    assert run["total_speedup_vs_hf"] == pytest.approx(
+        run["throughput"]["total_tokens_per_s"] / run["baseline_hf"]["total_tokens_per_s"])
     assert run["throughput"]["output_tokens"] == run["baseline_hf"]["output_tokens"]
     assert run["speedup_vs_hf"] > 0
     assert out_png.stat().st_size > 0

@@ -7,7 +7,8 @@ TPOT = (e2e - ttft) / (output_len - 1), ITL = the gaps between consecutive token
 
 Where each part lives: `sizes` (size specs, BenchError), `stats` (Summary, summarize),
 `workload` (requests, sampling params, warm-up, BenchProgress), `sweep`, `throughput`
-and `latency` (the runners), `environment` (versions and hardware). The HF transformers
+and `latency` (the runners), `environment` (versions and hardware), `bandwidth` (the
+HBM weight-streaming limit), `startup` (cold and warm start in fresh processes). The HF transformers
 baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported here.
 """
 
@@ -20,7 +21,15 @@ from llmfast.bench.latency import (
 )
 from llmfast.bench.sizes import MAX_BENCH_SIZE, BenchError, parse_sizes
 from llmfast.bench.stats import Summary, summarize
-from llmfast.bench.sweep import SweepPoint, run_sweep, run_sweep_point
+from llmfast.bench.sweep import (
+    NotPureDecode,
+    SweepPoint,
+    SweepResult,
+    SweepSkip,
+    run_sweep,
+    run_sweep_point,
+    sweep_engine_limits,
+)
 from llmfast.bench.throughput import ThroughputResult, run_throughput, throughput_result
 from llmfast.bench.workload import (
     BenchProgress,
@@ -39,8 +48,11 @@ __all__ = [
     "BenchProgress",
     "BenchRequest",
     "LatencyResult",
+    "NotPureDecode",
     "Summary",
     "SweepPoint",
+    "SweepResult",
+    "SweepSkip",
     "ThroughputResult",
     "bench_params",
     "check_fits",
@@ -56,6 +68,7 @@ __all__ = [
     "run_throughput",
     "shared_prefix_requests",
     "summarize",
+    "sweep_engine_limits",
     "throughput_result",
     "warm_up",
 ]

@@ -116,3 +116,39 @@ def run_hf_baseline(model, requests: Sequence[BenchRequest], batch_size: int | N
         if progress:
             progress(n + 1, len(batches))
     return throughput_result(requests, output_tokens, time.perf_counter() - t0)
+
+
+HF_BATCH_CANDIDATES = (8, 16, 32, 64, 128, 256, 512)
+
+
+def hf_batch_candidates(num_requests: int) -> list[int]:
+    """Batch sizes to probe: the powers of two from 8 below the request count, and the
+    request count itself (all at once). E.g. 100 -> [8, 16, 32, 64, 100]."""
+    sizes = [b for b in HF_BATCH_CANDIDATES if b < num_requests]
+    return [*sizes, num_requests]
+
+
+def tune_hf_batch_size(model, requests: Sequence[BenchRequest], candidates: Sequence[int],
+                       pad_token_id: int = 0,
+                       progress: BenchProgress | None = None) -> tuple[int, dict[int, float | None]]:
+    """The batch size at which `generate` gives the most output tokens/s: one batch of
+    the first `b` requests per candidate (ascending), stopping at the first that runs
+    out of memory or is slower than the one before. Returns (best, {size: tok/s or
+    None for out of memory})."""
+    probes: dict[int, float | None] = {}
+    best, best_rate = candidates[0], -1.0
+    for n, size in enumerate(sorted(candidates)):
+        try:
+            rate = run_hf_baseline(model, requests[:size], size, pad_token_id).output_tokens_per_s
+        except torch.cuda.OutOfMemoryError:
+            probes[size] = None
+            torch.cuda.empty_cache()
+            break
+        probes[size] = rate
+        if progress:
+            progress(n + 1, len(candidates))
+        if rate <= best_rate:
+            break
+        best, best_rate = size, rate
+    logger.info("HF generate batch size %d is the fastest of %s", best, probes)
+    return best, probes

@@ -1,4 +1,15 @@
-"""The batch-size sweep: prefill a batch, then time pure-decode engine steps per size."""
+"""The batch-size sweep: prefill a batch, then time pure-decode engine steps per size.
+
+Every reported row is a step in which each of the batch's requests decoded exactly one
+token, and nothing else ran: the engine's limits are sized for it (`sweep_engine_limits`:
+a step holds the whole batch), requests may generate far past the timed window (none
+finishes inside it), the KV cache is checked to hold the batch to the end, and the timed
+steps are verified afterwards. A size that fails any of this is left out of the rows and
+listed in `skipped` with the reason; it is never reported with a mixed step's timing.
+
+On CUDA each row also gives the weight-streaming rate (weight bytes read per step /
+median step time) and its fraction of the device's HBM bandwidth (`bench.bandwidth`).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +20,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llmfast.bench.bandwidth import DeviceBandwidth, decode_weight_bytes, device_bandwidth
 from llmfast.bench.sizes import BenchError
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import BenchProgress, bench_params, warm_up
 
 logger = logging.getLogger(__name__)
+
+
+class NotPureDecode(BenchError):
+    """A batch size whose timed steps cannot be (or were not) pure decode."""
 
 
 @dataclass
@@ -31,29 +47,94 @@ class SweepPoint:
     prefill_tokens_per_s: float
     all_decode: bool  # every timed step gave exactly one token to every request
     step_latencies_s: list[float] = field(default_factory=list)
+    weight_bytes: int = 0  # read by one decode step
+    weight_stream_bytes_per_s: float = 0.0  # weight_bytes / median step time
+    hbm_fraction: float | None = None  # of the device's bandwidth; None on CPU
 
 
-def run_sweep_point(engine, batch_size: int, context_len: int, steps: int,
-                    warmup_steps: int = 2, seed: int = 0) -> SweepPoint:
-    """Prefill `batch_size` random prompts of `context_len` tokens, run `warmup_steps`
-    untimed decode steps, then time `steps` calls of `engine.step()`."""
+@dataclass
+class SweepSkip:
+    batch_size: int
+    reason: str
+
+
+@dataclass
+class SweepResult:
+    points: list[SweepPoint]  # pure-decode rows only
+    skipped: list[SweepSkip]
+    bandwidth: DeviceBandwidth | None  # None on CPU
+
+
+def sweep_engine_limits(largest: int, given_seqs: int | None, given_tokens: int | None,
+                        defaults: tuple[int, int]) -> dict[str, int]:
+    """Engine limits for a sweep up to batch `largest`: a decode step of the whole batch
+    must fit in one step, so max_num_seqs and max_num_batched_tokens are at least
+    `largest` (and at least the device's defaults, which keep prefill quick). A limit the
+    user set below `largest` is an error; one the user set is kept.
+
+    Worked example (CPU defaults 256 / 2048): largest 512 -> {512, 2048};
+    largest 4096 -> {4096, 4096}; largest 8 -> {256, 2048}.
+    """
+    default_seqs, default_tokens = defaults
+    limits = {}
+    for name, flag, given, default in (
+        ("max_num_seqs", "--max-num-seqs", given_seqs, default_seqs),
+        ("max_num_batched_tokens", "--max-num-batched-tokens", given_tokens, default_tokens),
+    ):
+        if given is not None and largest > given:
+            raise BenchError(f"size {largest} in --sizes is above {flag} {given}; a decode "
+                             "step of the whole batch must fit in one step")
+        if given is None:
+            limits[name] = max(largest, default)
+    return limits
+
+
+def _max_lead(batch_size: int, context_len: int, budget: int) -> int:
+    """Steps by which the first prompts of a chunked prefill run ahead of the last: an
+    upper bound for the room they need (max_tokens) and the KV blocks they fill.
+
+    Worked example: 4 prompts of 16 tokens, budget 32: step 1 prefills prompts 0-1,
+    step 2 decodes 0-1 and prefills 30 tokens, step 3 the rest: a lead of 2 <= 3."""
+    return -(-batch_size * context_len // budget) + 1
+
+
+def _check_room(engine, batch_size: int, context_len: int, num_decode: int) -> None:
     sched = engine.config.scheduler
-    # Prompts prefilled in an early step of a chunked prefill decode while later ones
-    # still prefill, so they run up to that many steps ahead: give them room, or the
-    # first ones would finish inside the timed window and it would not be pure decode.
-    # (+1: the decodes of the first prompts take budget from the later ones' chunks.)
-    max_lead = -(-batch_size * context_len // sched.max_num_batched_tokens) + 1
-    num_decode = warmup_steps + steps + max_lead
     if context_len + num_decode > sched.max_model_len:
         raise BenchError(
             f"--context {context_len} + {num_decode} decode steps exceeds "
             f"max-model-len {sched.max_model_len}"
         )
+    if batch_size > sched.max_num_seqs or batch_size > sched.max_num_batched_tokens:
+        raise NotPureDecode(
+            f"batch {batch_size} does not fit in one step (max-num-seqs {sched.max_num_seqs}, "
+            f"max-num-batched-tokens {sched.max_num_batched_tokens})")
+    block_size = engine.config.cache.block_size
+    usable = engine.runner.num_blocks - 1  # block 0 is the null block
+    needed = batch_size * -(-(context_len + num_decode) // block_size)
+    if needed > usable:
+        raise NotPureDecode(
+            f"batch {batch_size} needs {needed} KV blocks, the cache holds {usable} "
+            "(requests would be preempted); lower --context or raise --kv-cache-memory / "
+            "--gpu-memory-utilization")
+
+
+def run_sweep_point(engine, batch_size: int, context_len: int, steps: int,
+                    warmup_steps: int = 2, seed: int = 0, weight_bytes: int = 0,
+                    bandwidth: DeviceBandwidth | None = None) -> SweepPoint:
+    """Prefill `batch_size` random prompts of `context_len` tokens, run `warmup_steps`
+    untimed decode steps, then time `steps` calls of `engine.step()`. Raises
+    NotPureDecode when the timed steps cannot be or were not pure decode."""
+    sched = engine.config.scheduler
+    max_lead = _max_lead(batch_size, context_len, sched.max_num_batched_tokens)
+    _check_room(engine, batch_size, context_len, warmup_steps + steps + max_lead)
+    # As many tokens as the model length allows: no request can finish inside the timed
+    # window, however far ahead a chunked prefill lets the first ones run.
+    params = bench_params(sched.max_model_len - context_len)
     # A seed per batch size: the prompts of one size must not hit the prefix cache
     # filled by the previous size, or prefill would be measured on cached blocks.
     rng = np.random.default_rng([seed, batch_size, context_len])
     vocab = engine.config.model.vocab_size
-    params = bench_params(num_decode)
     ids = [
         engine.add_request({"prompt_token_ids": rng.integers(0, vocab, size=context_len).tolist()},
                            params, request_id=f"sweep-{batch_size}-{i}")
@@ -78,33 +159,47 @@ def run_sweep_point(engine, batch_size: int, context_len: int, steps: int,
             outs = engine.step()
             latencies.append(time.perf_counter() - t)
             all_decode &= len(outs) == batch_size and all(
-                len(o.outputs[0].delta_token_ids) == 1 for o in outs)
+                len(o.outputs[0].delta_token_ids) == 1 and not o.finished for o in outs)
     finally:
         for req_id in ids:
             engine.abort(req_id)
     if not all_decode:
-        logger.warning("batch %d: some timed steps were not pure decode (KV cache too "
-                       "small for the batch? preemption?)", batch_size)
+        raise NotPureDecode(f"batch {batch_size}: some timed steps were not pure decode "
+                            "(preemption?); left out")
     stats = summarize(latencies)
     prefill_tokens = batch_size * context_len
+    stream_rate = weight_bytes / stats.median if stats.median > 0 else 0.0
+    limit = bandwidth.limit_bytes_per_s if bandwidth is not None else None
     return SweepPoint(
         batch_size=batch_size, context_len=context_len, steps=steps, step_latency=stats,
         decode_tokens_per_s=batch_size * steps / sum(latencies),
         prefill_tokens=prefill_tokens, prefill_time_s=prefill_time, prefill_steps=prefill_steps,
         prefill_tokens_per_s=prefill_tokens / prefill_time, all_decode=all_decode,
-        step_latencies_s=latencies,
+        step_latencies_s=latencies, weight_bytes=weight_bytes,
+        weight_stream_bytes_per_s=stream_rate,
+        hbm_fraction=stream_rate / limit if limit else None,
     )
 
 
 def run_sweep(engine, sizes: Sequence[int], context_len: int, steps: int, seed: int = 0,
-              progress: BenchProgress | None = None) -> list[SweepPoint]:
-    limit = engine.config.scheduler.max_num_seqs
-    if max(sizes) > limit:
-        raise BenchError(f"size {max(sizes)} is above --max-num-seqs {limit}")
+              progress: BenchProgress | None = None) -> SweepResult:
+    sched = engine.config.scheduler
+    if max(sizes) > sched.max_num_seqs:
+        raise BenchError(f"size {max(sizes)} is above --max-num-seqs {sched.max_num_seqs}")
+    if max(sizes) > sched.max_num_batched_tokens:
+        raise BenchError(f"size {max(sizes)} is above --max-num-batched-tokens "
+                         f"{sched.max_num_batched_tokens}: its decode steps would be split")
+    weight_bytes = decode_weight_bytes(engine.runner.model)
+    bandwidth = device_bandwidth(engine.runner.device)
     warm_up(engine)
-    points = []
+    points, skipped = [], []
     for i, size in enumerate(sizes):
-        points.append(run_sweep_point(engine, size, context_len, steps, seed=seed))
+        try:
+            points.append(run_sweep_point(engine, size, context_len, steps, seed=seed,
+                                          weight_bytes=weight_bytes, bandwidth=bandwidth))
+        except NotPureDecode as e:
+            logger.warning("%s", e)
+            skipped.append(SweepSkip(size, str(e)))
         if progress:
             progress(i + 1, len(sizes))
-    return points
+    return SweepResult(points, skipped, bandwidth)

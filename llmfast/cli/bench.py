@@ -31,7 +31,7 @@ BENCH_EXAMPLES = """\
 
 * `llmfast bench --mode latency --request-rate 4 --num-prompts 100 --json latency.json`
 
-* `llmfast bench --model random:llama-3.2-1b --startup`  (start-up report, random weights)
+* `llmfast bench --model random:llama-3.2-1b --startup`  (cold and warm start-up, two fresh processes)
 
 Sizes: `1..512` doubles from 1 to 512, `8..64:8` steps by 8, `1,8,64` lists.
 """
@@ -59,9 +59,10 @@ EXEC_MODES: dict[str, dict[str, Any]] = {
 def bench(
     *,
     opts: EngineOptions,
-    mode: Annotated[BenchMode, typer.Option("--mode", help="sweep: decode latency per batch "
-                                            "size; throughput: an offline batch; latency: "
-                                            "requests arriving over time.")] = BenchMode.sweep,
+    mode: Annotated[BenchMode | None, typer.Option(
+        "--mode", help="sweep: decode latency per batch size; throughput: an offline batch; "
+                       "latency: requests arriving over time.  [default: sweep, none with "
+                       "--startup]", show_default=False)] = None,
     sizes: Annotated[str, typer.Option("--sizes", help="Sweep batch sizes: 1..512, 8..64:8 "
                                        "or 1,8,64.")] = "1..64",
     context: Annotated[int, typer.Option("--context", help="Sweep: prompt tokens per "
@@ -80,17 +81,21 @@ def bench(
     baseline: Annotated[Baseline, typer.Option("--baseline", help="Throughput: also run HF "
                                                "transformers generate.")] = Baseline.none,
     hf_batch_size: Annotated[int | None, typer.Option(
-        "--hf-batch-size", help="HF baseline batch size.  [default: all requests]",
+        "--hf-batch-size", help="HF baseline batch size.  [default: on CUDA the fastest of "
+        "8, 16, ... up to the request count, probed first; on CPU all requests]",
         show_default=False)] = None,
     request_rate: Annotated[float, typer.Option(
         "--request-rate", help="Latency: Poisson arrivals per second; inf = all at once.")]
     = math.inf,
-    startup: Annotated[bool, typer.Option("--startup", help="Print the start-up report.")] = False,
+    startup: Annotated[bool, typer.Option(
+        "--startup", help="Start the engine twice in fresh processes, on empty caches then "
+                          "on the caches the first left, and print both start-ups side by "
+                          "side (alone, or before --mode's benchmark).")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write all figures as JSON.")]
     = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
 ) -> None:
-    """Benchmark decode latency, throughput or request latency."""
+    """Benchmark decode latency, throughput, request latency or start-up."""
     for path in (json_path, plot_path):
         if path is not None:
             check_writable(path)
@@ -99,22 +104,32 @@ def bench(
                          "must be >= 1")
     if hf_batch_size is not None and hf_batch_size < 1:
         raise BenchError("--hf-batch-size must be >= 1")
+    if mode is None and not startup:
+        mode = BenchMode.sweep
     seed = opts.engine_kwargs.get("seed", 0)
-    config: dict[str, Any] = {"mode": mode.value, "model": opts.model or "default",
+    config: dict[str, Any] = {"mode": mode.value if mode else "startup",
+                              "model": opts.model or "default",
                               "engine_args": opts.engine_kwargs, "seed": seed}
     err = stderr_console()
     con = table_console()
+    startup_report = None
+    if startup:
+        from llmfast.bench.startup import run_startup
+
+        with count_progress("start-up: cold, then warm (two fresh processes)", err):
+            startup_report = dataclasses.asdict(run_startup(opts.model, opts.engine_kwargs))
+        con.print(startup_table(startup_report))
+    runs: dict[str, dict] = {}
     if mode is BenchMode.sweep:
         size_list = parse_sizes(sizes)
         exec_modes = parse_exec_modes(modes, opts)
         overrides = sweep_overrides(size_list, opts)
         config |= {"sizes": size_list, "context": context, "steps": steps,
                    "exec_modes": exec_modes}
-        runs = {}
         for name in exec_modes:
             runs[name] = _sweep_run(opts, name, overrides, size_list, context, steps, seed, err)
         con.print(sweep_table(runs))
-    else:
+    elif mode is not None:
         from llmfast.bench import random_requests
 
         config |= {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
@@ -135,9 +150,7 @@ def bench(
             run["latency"] = dataclasses.asdict(result)
             con.print(latency_table(run["latency"]))
         runs = {"default": run}
-    if startup:
-        con.print(startup_table(runs))
-    report = bench_report(config, runs)
+    report = bench_report(config, runs, startup_report)
     if json_path is not None:
         json_path.write_text(json.dumps(_finite(report), indent=2, allow_nan=False,
                                         default=str) + "\n")
@@ -180,20 +193,15 @@ def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:
 
 
 def sweep_overrides(sizes: list[int], opts: EngineOptions) -> dict[str, int]:
-    """Room for the largest batch: raise the engine limits the user did not set; a limit
-    the user set below the largest size is an error."""
-    from llmfast.engine_args import EngineArgs
+    """Room for the largest batch in one step (`sweep_engine_limits`): raise the engine
+    limits the user did not set; a limit the user set below the largest size is an error."""
+    from llmfast.bench import sweep_engine_limits
+    from llmfast.engine_args import default_step_limits, resolve_device
 
-    largest = max(sizes)
-    overrides = {}
-    for name, flag in (("max_num_seqs", "--max-num-seqs"),
-                       ("max_num_batched_tokens", "--max-num-batched-tokens")):
-        given = opts.engine_kwargs.get(name)
-        if given is not None and largest > given:
-            raise BenchError(f"size {largest} in --sizes is above {flag} {given}")
-        if given is None:
-            overrides[name] = max(largest, getattr(EngineArgs, name))
-    return overrides
+    kw = opts.engine_kwargs
+    defaults = default_step_limits(resolve_device(kw.get("device", "auto")))
+    return sweep_engine_limits(max(sizes), kw.get("max_num_seqs"),
+                               kw.get("max_num_batched_tokens"), defaults)
 
 
 # ---------------------------------------------------------------------- runs
@@ -213,8 +221,11 @@ def _sweep_run(opts, name, overrides, sizes, context, steps, seed, err) -> dict:
 
     run, llm = _start(opts, name, {**overrides, **EXEC_MODES.get(name, {})}, err)
     with count_progress(f"sweep ({name})", err) as progress:
-        points = run_sweep(llm.engine, sizes, context, steps, seed, progress)
-    run["sweep"] = [dataclasses.asdict(p) for p in points]
+        result = run_sweep(llm.engine, sizes, context, steps, seed, progress)
+    run["sweep"] = [dataclasses.asdict(p) for p in result.points]
+    run["sweep_skipped"] = [dataclasses.asdict(s) for s in result.skipped]
+    run["bandwidth"] = None if result.bandwidth is None else {
+        **dataclasses.asdict(result.bandwidth), "source": result.bandwidth.source}
     _release(llm)
     return run
 
@@ -225,14 +236,27 @@ def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size,
     with count_progress("throughput (llmfast)", err) as progress:
         run["throughput"] = dataclasses.asdict(run_throughput(llm.engine, requests, progress))
     if baseline is Baseline.hf:
-        from llmfast.bench.hf import load_hf_model, run_hf_baseline
+        from llmfast.bench.hf import (
+            hf_batch_candidates,
+            load_hf_model,
+            run_hf_baseline,
+            tune_hf_batch_size,
+        )
 
         with count_progress("loading HF model", err):
             model = load_hf_model(llm.engine)
+        if hf_batch_size is None and llm.engine.config.device.startswith("cuda"):
+            with count_progress("HF generate: probing batch sizes", err) as progress:
+                hf_batch_size, probes = tune_hf_batch_size(
+                    model, requests, hf_batch_candidates(len(requests)), progress=progress)
+            run["hf_batch_probes"] = {str(k): v for k, v in probes.items()}
+        run["hf_batch_size"] = hf_batch_size or len(requests)
         with count_progress("throughput (HF generate)", err) as progress:
             hf = run_hf_baseline(model, requests, hf_batch_size, progress=progress)
         run["baseline_hf"] = dataclasses.asdict(hf)
         run["speedup_vs_hf"] = run["throughput"]["output_tokens_per_s"] / hf.output_tokens_per_s
+        run["total_speedup_vs_hf"] = (run["throughput"]["total_tokens_per_s"]
+                                      / hf.total_tokens_per_s)
 
 
 def _release(llm) -> None:
@@ -244,17 +268,26 @@ def _release(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_report(config: dict, runs: dict) -> dict:
+def bench_report(config: dict, runs: dict, startup: dict | None = None) -> dict:
+    """The JSON document: config, environment, one entry per run and, with --startup,
+    `startup` = {model, engine_args, cache_root, cold: {...}, warm: {...}}."""
     from llmfast.bench import environment_info
 
-    device = next(iter(runs.values()))["engine_config"]["device"]
-    return {
+    if runs:
+        device = next(iter(runs.values()))["engine_config"]["device"]
+    else:
+        assert startup is not None
+        device = startup["cold"]["device"]
+    report = {
         "llmfast_bench_version": 1,
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "config": config,
         "environment": environment_info(device),
         "runs": runs,
     }
+    if startup is not None:
+        report["startup"] = startup
+    return report
 
 
 def _finite(value: Any) -> Any:
@@ -283,44 +316,87 @@ def _ms(value: float | None) -> str:
 
 def sweep_table(runs: dict) -> Table:
     """One row per batch size; per execution mode: step latency p50/p90/p99 (ms), decode
-    tokens/s and prefill tokens/s."""
+    tokens/s, prefill tokens/s and, on CUDA, the weight-streaming rate and its share of
+    the HBM bandwidth. Only pure-decode rows exist; a skipped size shows its reason below."""
     first = next(iter(runs.values()))
-    table = Table(title=f"decode sweep: {first['model']}, context "
-                        f"{first['sweep'][0]['context_len']}, {first['sweep'][0]['steps']} steps")
+    config = first["engine_config"]["scheduler"]
+    table = Table(title=f"decode sweep: {first['model']}, context {_sweep_context(runs)}, "
+                        f"budget {config['max_num_batched_tokens']} tokens / "
+                        f"{config['max_num_seqs']} seqs")
     table.add_column("batch", justify="right")
+    with_hbm = any(r.get("bandwidth") for r in runs.values())
+    headers = ["step ms p50", "p90", "p99", "decode tok/s", "prefill tok/s"]
+    if with_hbm:
+        headers += ["weights GB/s", "% HBM"]
     for name in runs:
         label = "" if name == "default" else f"{name}\n"
-        for header in ("step ms p50", "p90", "p99", "decode tok/s", "prefill tok/s"):
+        for header in headers:
             table.add_column(label + header, justify="right", overflow="fold")
-    for i, point in enumerate(first["sweep"]):
-        row = [str(point["batch_size"])]
+    sizes = sorted({p["batch_size"] for r in runs.values() for p in r["sweep"]})
+    for size in sizes:
+        row = [str(size)]
         for run in runs.values():
-            p = run["sweep"][i]
+            p = next((p for p in run["sweep"] if p["batch_size"] == size), None)
+            if p is None:
+                row += ["skipped"] + ["-"] * (len(headers) - 1)
+                continue
             lat = p["step_latency"]
-            flag = "" if p["all_decode"] else "*"
-            row += [_ms(lat["median"]) + flag, _ms(lat["p90"]), _ms(lat["p99"]),
+            row += [_ms(lat["median"]), _ms(lat["p90"]), _ms(lat["p99"]),
                     f"{p['decode_tokens_per_s']:.1f}", f"{p['prefill_tokens_per_s']:.0f}"]
+            if with_hbm:
+                fraction = p.get("hbm_fraction")
+                row += [f"{p['weight_stream_bytes_per_s'] / 1e9:.0f}",
+                        "-" if fraction is None else f"{100 * fraction:.0f}%"]
         table.add_row(*row)
-    if any(not p["all_decode"] for r in runs.values() for p in r["sweep"]):
-        table.caption = "* some timed steps were not pure decode (KV cache too small?)"
+    notes = []
+    for name, run in runs.items():
+        bw = run.get("bandwidth")
+        if bw:
+            limit = bw["peak_bytes_per_s"] or bw["measured_copy_bytes_per_s"]
+            if limit:
+                notes.append(f"% HBM: weight bytes per step / median step time vs {bw['name']} "
+                             f"{limit / 1e12:.2f} TB/s ({bw['source']})")
+        for skip in run.get("sweep_skipped", []):
+            where = "" if name == "default" else f"{name}: "
+            notes.append(f"{where}batch {skip['batch_size']} skipped: {skip['reason']}")
+    if notes:
+        table.caption = "\n".join(dict.fromkeys(notes))
     return table
 
 
+def _sweep_context(runs: dict) -> str:
+    for run in runs.values():
+        if run["sweep"]:
+            return f"{run['sweep'][0]['context_len']}, {run['sweep'][0]['steps']} steps"
+    return "-"
+
+
 def throughput_table(run: dict) -> Table:
+    """llmfast and (with --baseline hf) HF generate side by side: output and total
+    (input + output) tokens/s, and their ratios."""
     table = Table(title=f"throughput: {run['model']}")
     for col in ("engine", "requests", "in tokens", "out tokens", "time s", "req/s",
                 "out tok/s", "total tok/s"):
         table.add_column(col, justify="right" if col != "engine" else "left")
     rows = [("llmfast", run["throughput"])]
     if "baseline_hf" in run:
-        rows.append(("HF generate", run["baseline_hf"]))
+        rows.append((f"HF generate (batch {run.get('hf_batch_size', '?')})", run["baseline_hf"]))
     for name, r in rows:
         table.add_row(name, str(r["num_requests"]), str(r["input_tokens"]),
                       str(r["output_tokens"]), f"{r['elapsed_s']:.2f}",
                       f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                       f"{r['total_tokens_per_s']:.1f}")
     if "speedup_vs_hf" in run:
-        table.caption = f"llmfast / HF output tokens/s: {run['speedup_vs_hf']:.2f}x"
+        ratios = (f"llmfast / HF: output tokens/s {run['speedup_vs_hf']:.2f}x, total "
+                  f"tokens/s {run.get('total_speedup_vs_hf', float('nan')):.2f}x")
+        lines = [ratios]
+        probes = run.get("hf_batch_probes")
+        if probes:
+            tried = ", ".join(f"{k}: {'OOM' if v is None else f'{v:.0f}'}"
+                              for k, v in probes.items())
+            lines.append(f"HF batch {run['hf_batch_size']} is the fastest probed "
+                         f"(output tok/s by batch: {tried})")
+        table.caption = "\n".join(lines)
     return table
 
 
@@ -342,16 +418,34 @@ def latency_table(result: dict) -> Table:
     return table
 
 
-def startup_table(runs: dict) -> Table:
-    table = Table(title="start-up")
-    table.add_column("stage")
-    for name in runs:
-        table.add_column(f"{name} s" if name != "default" else "seconds", justify="right")
-    stages = list(dict.fromkeys(k for r in runs.values() for k in r["startup"]))
-    for stage in stages:
-        table.add_row(stage, *(_secs(r["startup"].get(stage)) for r in runs.values()))
-    table.add_row("total", *(f"{sum(r['startup'].values()):.2f}" for r in runs.values()),
-                  style="bold")
+STARTUP_ROWS = (("load", "load weights"), ("profile", "profile memory"),
+                ("compile", "compile"), ("capture", "capture CUDA graphs"),
+                ("kv_cache", "allocate KV cache"))
+
+
+def startup_table(report: dict) -> Table:
+    """Cold and warm start side by side (seconds), from `bench.startup`'s report."""
+    cold, warm = report["cold"], report["warm"]
+    table = Table(title=f"start-up: {report['model']} (cold: empty caches; warm: the "
+                        "same command again)")
+    for col in ("stage", "cold s", "warm s", "warm / cold"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+
+    def row(label: str, a: float | None, b: float | None, **kw: Any) -> None:
+        ratio = f"{b / a:.2f}" if a and b is not None else "-"
+        table.add_row(label, _secs(a), _secs(b), ratio, **kw)
+
+    row("python + imports", cold["import_s"], warm["import_s"])
+    for key, label in STARTUP_ROWS:
+        if key in cold["stages"] or key in warm["stages"]:
+            row(label, cold["stages"].get(key), warm["stages"].get(key))
+    row("engine (all of LLM(...))", cold["engine_s"], warm["engine_s"])
+    row("first token (one step)", cold["first_step_s"], warm["first_step_s"])
+    row("time to first token", cold["time_to_first_token_s"], warm["time_to_first_token_s"],
+        style="bold")
+    table.caption = (f"compile cache hits/misses: cold {cold['compile_cache_hits']}/"
+                     f"{cold['compile_cache_misses']}, warm {warm['compile_cache_hits']}/"
+                     f"{warm['compile_cache_misses']}; device {cold['device']}")
     return table
 
 

@@ -107,9 +107,12 @@ _ENGINE_FLAGS: dict[str, tuple[Any, Any, Any]] = {
                None),
     "seed": (int | None, _opt("--seed", help="Seed of the engine's random state (random "
                                              "weights, sampling).  [default: 0]"), None),
-    "max_num_seqs": (int | None, _opt("--max-num-seqs", help="Most requests in one step."), None),
+    "max_num_seqs": (int | None, _opt(
+        "--max-num-seqs", help="Most requests in one step.  [default: 256 on CPU, 512 on CUDA]"),
+        None),
     "max_num_batched_tokens": (int | None, _opt(
-        "--max-num-batched-tokens", help="Token budget of one step."), None),
+        "--max-num-batched-tokens",
+        help="Token budget of one step.  [default: 2048 on CPU, 8192 on CUDA]"), None),
     "max_model_len": (int | None, _opt(
         "--max-model-len", help="Longest sequence (prompt + output). [default: the model's, "
                                 "at most 8192]"), None),

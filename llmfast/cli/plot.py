@@ -23,6 +23,12 @@ def _figure(ncols: int):
 def plot_report(report: dict, path: Path) -> None:
     mode = report["config"]["mode"]
     runs = report["runs"]
+    if mode == "startup":
+        fig = _plot_startup(report["startup"])
+        fig.suptitle(f"llmfast bench --startup: {report['startup']['model']} on "
+                     f"{report['environment'].get('gpu') or report['environment']['device']}")
+        fig.savefig(path, dpi=110)
+        return
     if mode == "sweep":
         fig = _plot_sweep(runs)
     elif mode == "throughput":
@@ -54,6 +60,23 @@ def _plot_sweep(runs: dict):
     tput.set_title("decode throughput")
     lat.set_ylabel("ms per engine step")
     lat.set_title("decode step latency")
+    return fig
+
+
+def _plot_startup(startup: dict):
+    fig, (ax,) = _figure(1)
+    stages = list(dict.fromkeys([*startup["cold"]["stages"], *startup["warm"]["stages"]]))
+    labels = ["imports", *stages, "first token"]
+    width = 0.4
+    for offset, which in ((-width / 2, "cold"), (width / 2, "warm")):
+        run = startup[which]
+        values = [run["import_s"], *(run["stages"].get(s, 0.0) for s in stages),
+                  run["first_step_s"]]
+        ax.bar([i + offset for i in range(len(labels))], values, width, label=which)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("seconds")
+    ax.set_title("start-up by stage")
+    ax.legend()
     return fig
 
 

@@ -50,13 +50,38 @@ def num_gpu_blocks(
     """Blocks that fit in `gpu_memory_utilization` of the device after the profiled peak
     (weights + the largest forward's activations + CUDA graphs, measured by the caller)."""
     free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free - torch.cuda.memory_reserved(device)
-    budget = int(total * cache.gpu_memory_utilization) - peak_bytes - max(used_by_others, 0)
+    used_by_others = max(total - free - torch.cuda.memory_reserved(device), 0)
+    block_bytes = kv_block_bytes(model, cache.block_size, dtype)
+    budget = gpu_kv_budget(total, used_by_others, cache.gpu_memory_utilization, peak_bytes,
+                           block_bytes)
     logger.info(
-        "KV cache budget %.2f GiB (total %.1f GiB x %.2f, peak %.2f GiB)",
+        "KV cache budget %.2f GiB (total %.1f GiB x %.2f, peak %.2f GiB, others %.2f GiB)",
         budget / GiB, total / GiB, cache.gpu_memory_utilization, peak_bytes / GiB,
+        used_by_others / GiB,
     )
-    return max(budget, 0) // kv_block_bytes(model, cache.block_size, dtype)
+    return budget // block_bytes
+
+
+def gpu_kv_budget(total: int, used_by_others: int, utilization: float, peak_bytes: int,
+                  block_bytes: int) -> int:
+    """Bytes left for the KV cache: `utilization` of the device, less what the model
+    needs at its peak (weights, activations, graphs) and what other processes hold.
+
+    Worked example: 80 GiB x 0.9 = 72 GiB; peak 3 GiB; others 1 GiB -> 68 GiB.
+    Raises KVCacheTooSmall (one line, with the numbers) when not even one block fits.
+    """
+    allowed = int(total * utilization)
+    budget = allowed - peak_bytes - used_by_others
+    if budget < block_bytes:
+        raise KVCacheTooSmall(
+            f"the model does not fit: it needs {peak_bytes / GiB:.2f} GiB at its peak "
+            f"(weights, activations, CUDA graphs) and other processes hold "
+            f"{used_by_others / GiB:.2f} GiB, but --gpu-memory-utilization {utilization:g} "
+            f"allows {allowed / GiB:.2f} GiB of {total / GiB:.2f} GiB, leaving no room for "
+            "the KV cache; raise --gpu-memory-utilization, lower --max-num-batched-tokens / "
+            "--max-num-seqs, or use a smaller model or dtype"
+        )
+    return budget
 
 
 def check_fits_one_request(num_blocks: int, block_size: int, max_model_len: int,

@@ -1,0 +1,106 @@
+"""The HBM weight-streaming limit of a decode step: every step reads all weights once, so
+`weight bytes / step time` can be at most the device's memory bandwidth. The sweep
+reports each row's fraction of it.
+
+Peak bandwidths are the vendors' figures by device name; a device not in the table falls
+back to a measured device-to-device copy (which itself reaches ~80-90 % of the peak, so
+fractions against it read high).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# (substring of torch.cuda.get_device_name, lower case; peak bytes/s). First match
+# wins, so a more specific name comes before the family's.
+PEAK_BANDWIDTH: tuple[tuple[str, float], ...] = (
+    ("h100 pcie", 2.0e12),
+    ("h100 nvl", 3.9e12),
+    ("h100", 3.35e12),  # SXM5 80GB HBM3 ("NVIDIA H100 80GB HBM3")
+    ("gh200", 4.0e12),  # before "h200", which it contains
+    ("h200", 4.8e12),
+    ("b200", 8.0e12),
+    ("a100-sxm4-80gb", 2.039e12),
+    ("a100 80gb pcie", 1.935e12),
+    ("a100", 1.555e12),  # the 40 GB parts
+    ("l40s", 0.864e12),
+    ("l40", 0.864e12),
+    ("l4", 0.3e12),
+    ("a10", 0.6e12),
+    ("rtx 4090", 1.008e12),
+)
+
+
+@dataclass(frozen=True)
+class DeviceBandwidth:
+    name: str
+    peak_bytes_per_s: float | None  # from the table; None when the name is unknown
+    measured_copy_bytes_per_s: float | None  # read + write bytes of a device copy
+
+    @property
+    def limit_bytes_per_s(self) -> float | None:
+        """The bandwidth fractions are taken against: the vendor's peak, else the copy."""
+        return self.peak_bytes_per_s or self.measured_copy_bytes_per_s
+
+    @property
+    def source(self) -> str:
+        if self.peak_bytes_per_s:
+            return "spec"
+        return "measured copy" if self.measured_copy_bytes_per_s else "none"
+
+
+def peak_bandwidth(device_name: str) -> float | None:
+    name = device_name.lower()
+    for key, value in PEAK_BANDWIDTH:
+        if key in name:
+            return value
+    return None
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30,
+                           repeats: int = 10) -> float:
+    """Median bytes/s (read + write) of a device-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    times.sort()
+    return 2 * nbytes / times[len(times) // 2]
+
+
+def device_bandwidth(device: torch.device) -> DeviceBandwidth | None:
+    """The bandwidth of a CUDA device (None on CPU, where the sweep reports no limit)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    try:
+        measured = measure_copy_bandwidth(device)
+    except torch.cuda.OutOfMemoryError:
+        logger.warning("no memory left to measure the copy bandwidth")
+        measured = None
+    return DeviceBandwidth(name, peak_bandwidth(name), measured)
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every parameter once, except an untied input
+    embedding, of which a step reads only its batch's rows (a tied one is read whole as
+    the LM head)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if embed is not model.lm_head.weight:
+        total -= embed.numel() * embed.element_size()
+    return total

@@ -1,0 +1,132 @@
+"""Start-up, cold and warm: two fresh processes with the same model and engine
+arguments, the first on empty caches, the second reusing what the first left.
+
+Both children get the same cache root: `LLMFAST_CACHE` (llmfast's compile cache, which
+holds Inductor's FX-graph, AOTAutograd and autotuning caches), `TORCHINDUCTOR_CACHE_DIR`
+(Inductor outside llmfast's compile) and `TRITON_CACHE_DIR` (llmfast's own Triton
+kernels). The cold child starts with the root empty; the warm one is the same command
+again. Each child (`llmfast.bench.startup_child`) writes its figures to a JSON file;
+nothing is printed by this module.
+
+The model is resolved here, once: a default or GGUF model is fetched or converted into
+the user's cache before the children run, and they get its directory, so an empty
+cache root never means a download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmfast.bench.sizes import BenchError
+
+# The runner's stages, in start-up order (ModelRunner.startup_times' keys).
+STARTUP_STAGES = ("load", "profile", "compile", "capture", "kv_cache")
+
+
+@dataclass
+class StartupRun:
+    """One fresh process: where its time went until the first token."""
+
+    stages: dict[str, float]  # seconds per runner stage (STARTUP_STAGES, those that ran)
+    import_s: float  # process spawn -> llmfast and torch imported, ready to build
+    engine_s: float  # LLM(...) construction: the stages plus tokenizer, scheduler, ...
+    first_step_s: float  # one greedy token of a short prompt, after construction
+    time_to_first_token_s: float  # process spawn -> that token
+    process_s: float  # process spawn -> exit
+    compile_cache_hits: int  # Inductor FX-graph + AOTAutograd cache hits while compiling
+    compile_cache_misses: int
+    cache_files: int  # files under the cache root when the process ended
+    device: str = ""
+    engine_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StartupReport:
+    model: str
+    engine_args: dict[str, Any]
+    cache_root: str
+    cold: StartupRun
+    warm: StartupRun
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    """The variables that put every cache a start-up fills under `root`."""
+    return {
+        "LLMFAST_CACHE": str(root / "llmfast"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "TRITON_CACHE_DIR": str(root / "triton"),
+    }
+
+
+def resolved_model(spec: str | None) -> str:
+    """What the children load: a random preset as is, anything else as its local
+    directory (fetched or converted now, into the user's cache)."""
+    from llmfast.models.loader import resolve_model
+
+    source = resolve_model(spec)
+    return source.spec if source.is_random else str(source.path)
+
+
+def run_startup(model: str | None, engine_args: dict[str, Any],
+                cache_root: Path | None = None, timeout_s: float | None = None
+                ) -> StartupReport:
+    """Start the engine twice in fresh processes, cold then warm. `cache_root` must be
+    empty or absent (default: a temporary directory, removed afterwards)."""
+    target = resolved_model(model)
+    if cache_root is not None:
+        if cache_root.exists() and any(cache_root.iterdir()):
+            raise BenchError(f"{cache_root} is not empty: a cold start needs an empty cache")
+        return _cold_and_warm(target, engine_args, cache_root, timeout_s)
+    with tempfile.TemporaryDirectory(prefix="llmfast_startup_") as tmp:
+        return _cold_and_warm(target, engine_args, Path(tmp), timeout_s)
+
+
+def _cold_and_warm(model: str, engine_args: dict[str, Any], root: Path,
+                   timeout_s: float | None) -> StartupReport:
+    root.mkdir(parents=True, exist_ok=True)
+    cold = run_child(model, engine_args, root, timeout_s)
+    warm = run_child(model, engine_args, root, timeout_s)
+    return StartupReport(model, dict(engine_args), str(root), cold, warm)
+
+
+def run_child(model: str, engine_args: dict[str, Any], root: Path,
+              timeout_s: float | None = None) -> StartupRun:
+    """One fresh `python -m llmfast.bench.startup_child` with its caches under `root`."""
+    env = {**os.environ, **cache_env(root)}
+    with tempfile.TemporaryDirectory(prefix="llmfast_child_") as tmp:
+        out = Path(tmp) / "startup.json"
+        spec = json.dumps({"model": model, "engine_args": engine_args})
+        spawned = time.time()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "llmfast.bench.startup_child", spec, str(out)],
+                env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"the start-up process ran past {timeout_s:g} s") from None
+        exited = time.time()
+        if proc.returncode != 0 or not out.is_file():
+            lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+            raise BenchError("the start-up process failed: "
+                             + (lines[-1] if lines else f"exit status {proc.returncode}"))
+        data = json.loads(out.read_text())
+    return StartupRun(
+        stages=data["stages"],
+        import_s=data["ready_epoch"] - spawned,
+        engine_s=data["engine_s"],
+        first_step_s=data["first_step_s"],
+        time_to_first_token_s=data["first_token_epoch"] - spawned,
+        process_s=exited - spawned,
+        compile_cache_hits=data["compile_cache_hits"],
+        compile_cache_misses=data["compile_cache_misses"],
+        cache_files=sum(1 for p in root.rglob("*") if p.is_file()),
+        device=data["device"],
+        engine_config=data["engine_config"],
+    )

@@ -1,0 +1,50 @@
+"""The process `llmfast.bench.startup` starts twice: build the engine, make one token,
+write the timings as JSON to the file named by the second argument.
+
+    python -m llmfast.bench.startup_child '{"model": ..., "engine_args": {...}}' out.json
+
+Kept apart from `llmfast.bench.startup` so that `-m` runs a module the package has not
+imported already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str]) -> None:
+    spec, out = json.loads(argv[1]), Path(argv[2])
+    from llmfast.llm import LLM
+    from llmfast.sampling_params import SamplingParams
+
+    ready = time.time()
+    t0 = time.perf_counter()
+    llm = LLM(spec["model"], **spec["engine_args"])
+    engine_s = time.perf_counter() - t0
+    engine = llm.engine
+    vocab = engine.config.model.vocab_size
+    prompt = {"prompt_token_ids": [(7 * i + 3) % vocab for i in range(8)]}
+    t1 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    first_step_s = time.perf_counter() - t1
+    first_token = time.time()
+    stats = engine.runner.compiled.stats
+    out.write_text(json.dumps({
+        "stages": dict(engine.runner.startup_times),
+        "ready_epoch": ready,
+        "engine_s": engine_s,
+        "first_step_s": first_step_s,
+        "first_token_epoch": first_token,
+        "compile_cache_hits": stats.cache_hits,
+        "compile_cache_misses": stats.cache_misses,
+        "device": engine.config.device,
+        "engine_config": dataclasses.asdict(engine.config),
+    }, default=str))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,182 @@
+"""Weight loading, measured: random init before/after, and a safetensors load against the
+disk's read speed of the same file, in one run.
+
+    python scripts/bench_load.py --preset llama-3.2-1b --dtype bfloat16 --device cpu
+    python scripts/bench_load.py --preset llama-3.2-1b --dtype bfloat16 --device cuda --json x.json
+
+1. Random init: the former way (a CPU float32 `randn` per parameter, copied into the
+   device parameter) against `build_model` now (filled in place on the device).
+2. A checkpoint of the same shapes (HF names, the target dtype) is written to --dir; then,
+   with the file evicted from the page cache before each (posix_fadvise DONTNEED: "cold"),
+   and again with it cached ("warm"): reading the files into memory (the disk's speed for
+   these files) and `build_model` from the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from llmfast.bench.hf import hf_state_dict_from_llmfast
+from llmfast.models.llama import LlamaForCausalLM
+from llmfast.models.loader import build_model, resolve_model, weight_bytes
+
+READ_CHUNK = 64 << 20
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def old_random_init(source, dtype, device, max_positions: int, seed: int) -> float:
+    """The former path: build, then fill each parameter from a CPU float32 generator."""
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(source.config, max_positions=max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    del model
+    return elapsed
+
+
+def evict(files: list[Path]) -> None:
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_files(files: list[Path]) -> float:
+    """Seconds to read every byte of `files` into one reused buffer."""
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    for file in files:
+        with open(file, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+    return time.perf_counter() - t0
+
+
+def timed_load(path: Path, dtype, device, max_positions: int) -> float:
+    source = resolve_model(str(path))
+    t0 = time.perf_counter()
+    model = build_model(source, dtype, device, max_positions=max_positions)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    del model
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-positions", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="where to write the checkpoint (default: a temporary directory)")
+    ap.add_argument("--skip-old", action="store_true", help="skip the former random init")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    source = resolve_model(f"random:{args.preset}")
+    result: dict = {"preset": args.preset, "dtype": args.dtype, "device": str(device),
+                    "torch": torch.__version__, "platform": platform.platform(),
+                    "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+
+    # 1. Random init, former and current, same process.
+    if not args.skip_old:
+        result["random_init_old_s"] = old_random_init(source, dtype, device,
+                                                      args.max_positions, seed=0)
+    t0 = time.perf_counter()
+    model = build_model(source, dtype, device, max_positions=args.max_positions)
+    sync(device)
+    result["random_init_new_s"] = time.perf_counter() - t0
+    result["weight_bytes"] = weight_bytes(model)
+
+    # 2. A checkpoint of the same weights, unfused HF names, in the target dtype.
+    tmp = args.dir or Path(tempfile.mkdtemp(prefix="llmfast_load_"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        state = {k: v.detach().to("cpu").contiguous()
+                 for k, v in hf_state_dict_from_llmfast(model, source.config).items()}
+        if source.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        del model
+        file = tmp / "model.safetensors"
+        save_file(state, file, metadata={"format": "pt"})
+        del state
+        (tmp / "config.json").write_text(json.dumps(source.config.to_hf_dict()))
+        files = [file]
+        result["file_bytes"] = sum(f.stat().st_size for f in files)
+        for cache in ("cold", "warm"):
+            reads, loads = [], []
+            for _ in range(args.repeats):
+                if cache == "cold":
+                    evict(files)
+                else:
+                    read_files(files)
+                reads.append(read_files(files) if cache == "warm" else _cold_read(files))
+                if cache == "cold":
+                    evict(files)
+                loads.append(timed_load(tmp, dtype, device, args.max_positions))
+            read_s, load_s = statistics.median(reads), statistics.median(loads)
+            result[f"{cache}_read_s"] = read_s
+            result[f"{cache}_load_s"] = load_s
+            result[f"{cache}_read_gbps"] = result["file_bytes"] / read_s / 1e9
+            result[f"{cache}_load_gbps"] = result["file_bytes"] / load_s / 1e9
+            result[f"{cache}_load_vs_read"] = read_s / load_s
+    finally:
+        if args.dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    gb = result["weight_bytes"] / 1e9
+    print(f"{args.preset} {args.dtype} on {device}: {gb:.2f} GB of weights")
+    if "random_init_old_s" in result:
+        print(f"random init: before {result['random_init_old_s']:.2f} s, "
+              f"now {result['random_init_new_s']:.2f} s "
+              f"({result['random_init_old_s'] / result['random_init_new_s']:.1f}x)")
+    else:
+        print(f"random init: now {result['random_init_new_s']:.2f} s")
+    for cache in ("cold", "warm"):
+        print(f"safetensors, {cache} page cache (median of {args.repeats}): read "
+              f"{result[f'{cache}_read_s']:.2f} s ({result[f'{cache}_read_gbps']:.2f} GB/s), "
+              f"load {result[f'{cache}_load_s']:.2f} s ({result[f'{cache}_load_gbps']:.2f} GB/s)"
+              f" = {100 * result[f'{cache}_load_vs_read']:.0f}% of the read speed")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _cold_read(files: list[Path]) -> float:
+    evict(files)
+    return read_files(files)
+
+
+if __name__ == "__main__":
+    main()
