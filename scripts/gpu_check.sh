@@ -9,10 +9,18 @@
 #     || exit; bash scripts/gpu_check.sh
 #
 # Each step has its own time limit so that one hang still leaves the summary.
-# Steps: GPU_CHECK_STEPS="tests kernels modes" (default: all three). One device call may
-# run 600 s at most, and the steps' limits add up to more: run two calls,
-# GPU_CHECK_STEPS=tests, then GPU_CHECK_STEPS="kernels modes" (cold caches both times:
-# Triton and Inductor compile from scratch on a fresh machine).
+# Steps: GPU_CHECK_STEPS="tests kernels modes" (the default), or any of
+#   load        scripts/bench_load.py: random init before/after, safetensors load vs the
+#               disk's read speed of the same file (random:llama-3.2-1b shapes, bf16)
+#   startup     llmfast bench --startup: cold and warm start in two fresh processes
+#   sweep       llmfast bench --sizes 1..512: pure-decode rows, tok/s, % of HBM bandwidth
+#   throughput  llmfast vs HF generate (HF batch size probed), output and total tok/s
+#   defaults    offline throughput at step budgets 2048 / 8192 / 16384 tokens, to confirm
+#               the CUDA defaults (512 seqs / 8192 tokens, engine_args.DEFAULT_STEP_LIMITS)
+# One device call may run 600 s at most, and the steps' limits add up to more: split
+# them, e.g. GPU_CHECK_STEPS=tests; "kernels modes"; "load startup"; "sweep throughput";
+# defaults (cold caches each time on a fresh machine: Triton and Inductor compile from
+# scratch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/llmfast_gpu_check}
@@ -51,6 +59,26 @@ for step in $STEPS; do
         modes)
             run_step modes 330 python3 scripts/bench_modes.py --model random:llama-3.2-1b \
                 --dtype bfloat16 --json "$OUT/modes.json" ;;
+        load)
+            run_step load 150 python3 scripts/bench_load.py --preset llama-3.2-1b \
+                --dtype bfloat16 --device cuda --repeats 2 --json "$OUT/load.json" ;;
+        startup)
+            run_step startup 240 python3 -m llmfast bench --model random:llama-3.2-1b \
+                --startup --json "$OUT/startup.json" ;;
+        sweep)
+            run_step sweep 240 python3 -m llmfast bench --model random:llama-3.2-1b \
+                --sizes 1..512 --context 128 --steps 32 --json "$OUT/sweep.json" ;;
+        throughput)
+            run_step throughput 330 python3 -m llmfast bench --model random:llama-3.2-1b \
+                --mode throughput --num-prompts 256 --input-len 256 --output-len 128 \
+                --baseline hf --json "$OUT/throughput.json" ;;
+        defaults)
+            for budget in 2048 8192 16384; do
+                run_step "defaults_$budget" 110 python3 -m llmfast bench \
+                    --model random:llama-3.2-1b --mode throughput --num-prompts 512 \
+                    --input-len 256 --output-len 128 --max-num-seqs 512 \
+                    --max-num-batched-tokens "$budget" --json "$OUT/defaults_$budget.json"
+            done ;;
         *) echo "unknown step $step" ;;
     esac
 done
@@ -59,7 +87,13 @@ echo
 echo "================ llmfast gpu_check summary ================"
 head -n 3 "$OUT/device.txt"
 for step in $STEPS; do
-    printf '%-8s %s\n' "$step" "${STATUS[$step]:-not run}"
+    if [[ $step == defaults ]]; then
+        for budget in 2048 8192 16384; do
+            printf '%-16s %s\n' "defaults_$budget" "${STATUS[defaults_$budget]:-not run}"
+        done
+    else
+        printf '%-16s %s\n' "$step" "${STATUS[$step]:-not run}"
+    fi
 done
 if [[ -f "$OUT/tests.log" ]]; then
     echo "--- tests:"
@@ -73,3 +107,19 @@ if [[ -f "$OUT/modes.log" ]]; then
     echo "--- modes (decode step latency, ms; x = speed-up over eager):"
     grep -A 12 '^decode step latency' "$OUT/modes.log"
 fi
+if [[ -f "$OUT/load.log" ]]; then
+    echo "--- load (random init, safetensors vs disk read):"
+    tail -n 4 "$OUT/load.log"
+fi
+for name in startup sweep throughput; do
+    if [[ -f "$OUT/$name.log" ]]; then
+        echo "--- $name:"
+        grep -v -E '^(===|wrote )' "$OUT/$name.log" | tail -n 24
+    fi
+done
+for budget in 2048 8192 16384; do
+    if [[ -f "$OUT/defaults_$budget.log" ]]; then
+        echo "--- defaults, budget $budget tokens:"
+        grep -E '│ llmfast ' "$OUT/defaults_$budget.log" | tail -n 1
+    fi
+done

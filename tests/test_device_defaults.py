@@ -1,0 +1,50 @@
+"""Engine limits sized for the device, and the KV-cache budget's one-line error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmfast.engine_args import DEFAULT_STEP_LIMITS, EngineArgs, default_step_limits
+from llmfast.worker.kv_cache_sizing import GiB, KVCacheTooSmall, gpu_kv_budget
+
+
+def test_step_limits_by_device_kind():
+    assert default_step_limits(torch.device("cpu")) == (256, 2048)
+    assert default_step_limits(torch.device("cuda")) == (512, 8192)
+    assert default_step_limits(torch.device("cuda:1")) == DEFAULT_STEP_LIMITS["cuda"]
+    seqs, tokens = default_step_limits(torch.device("cuda"))
+    assert tokens >= seqs  # a decode step of a full batch fits in one step's budget
+
+
+def test_cpu_engine_config_takes_the_cpu_defaults_unless_set():
+    config, _ = EngineArgs(model="random:tiny", device="cpu").create_engine_config()
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (256, 2048)
+    config, _ = EngineArgs(model="random:tiny", device="cpu", max_num_seqs=8,
+                           max_num_batched_tokens=100).create_engine_config()
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 100)
+    # Graph sizes above the resolved budget are dropped.
+    assert max(config.compile.cuda_graph_sizes) <= 100
+
+
+def test_gpu_kv_budget_worked_example():
+    # 80 GiB x 0.9 = 72 GiB; peak 3 GiB; others 1 GiB -> 68 GiB.
+    budget = gpu_kv_budget(80 * GiB, 1 * GiB, 0.9, 3 * GiB, block_bytes=2 << 20)
+    assert budget == int(80 * GiB * 0.9) - 4 * GiB
+
+
+@pytest.mark.parametrize("peak, others", [(75 * GiB, 0), (40 * GiB, 40 * GiB)])
+def test_gpu_kv_budget_model_does_not_fit(peak, others):
+    with pytest.raises(KVCacheTooSmall) as info:
+        gpu_kv_budget(80 * GiB, others, 0.9, peak, block_bytes=2 << 20)
+    message = str(info.value)
+    assert "\n" not in message and "does not fit" in message
+    assert f"{peak / GiB:.2f} GiB at its peak" in message
+    assert "--gpu-memory-utilization 0.9 allows 72.00 GiB of 80.00 GiB" in message
+
+
+def test_gpu_kv_budget_less_than_one_block_is_an_error():
+    allowed = int(10 * GiB * 0.5)
+    with pytest.raises(KVCacheTooSmall):
+        gpu_kv_budget(10 * GiB, 0, 0.5, allowed - 100, block_bytes=4096)
+    assert gpu_kv_budget(10 * GiB, 0, 0.5, allowed - 4096, block_bytes=4096) == 4096
