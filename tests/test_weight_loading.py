@@ -5,6 +5,9 @@ whole file and fusing it by hand."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,6 +19,11 @@ from llmfast.models.loader import (
     resolve_model,
     weight_bytes,
     weights_too_big_message,
+)
+from llmfast.models.safetensors_reader import (
+    SafetensorsFile,
+    SafetensorsFormatError,
+    TensorReader,
 )
 from tests.checkpoints import make_hf_checkpoint
 
@@ -172,3 +180,121 @@ def test_weights_too_big_message_is_one_clear_line():
     assert "\n" not in message
     assert "16.10 GiB" in message and "10.00 GiB free of 24.00 GiB" in message
     assert "cuda:0" in message
+
+
+# ---------------------------------------------------------------------- the reader
+
+
+def _write_raw(path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("dest_dtype", [None, torch.float32, torch.bfloat16])
+def test_reader_matches_safetensors_own_loader(tmp_path, staged, dest_dtype):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(7, 5, generator=gen),
+        "b": torch.randn(3, 11, generator=gen).to(torch.bfloat16),
+        "c": torch.randn(64, generator=gen).to(torch.float16),
+        "d": torch.randn(1, generator=gen),
+    }
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    file = SafetensorsFile.open(path)
+    assert file.data_bytes == sum(t.nbytes for t in tensors.values())
+    expected = load_file(path)
+    # 48-byte chunks: every tensor but "d" crosses at least one chunk boundary when staged.
+    reader = TensorReader(torch.device("cpu"), chunk_bytes=48, staged=staged)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with reader:
+            for name, entry in file.entries.items():
+                assert entry.dtype == expected[name].dtype and entry.shape == expected[name].shape
+                dest = torch.full(entry.shape, float("nan"), dtype=dest_dtype or entry.dtype)
+                reader.read(fd, entry, dest)
+                assert torch.equal(dest, expected[name].to(dest.dtype)), name
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("header, data, fragment", [
+    (None, b"", "shorter than"),
+    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "past the end"),
+    ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "do not match"),
+    ({"x": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2,
+     "unsupported dtype"),
+    ({"x": {"dtype": "F32"}}, b"", "malformed"),
+    ([1, 2], b"", "not a JSON object"),
+])
+def test_reader_rejects_bad_headers(tmp_path, header, data, fragment):
+    path = tmp_path / "bad.safetensors"
+    if header is None:
+        path.write_bytes(b"\1\2\3")
+    else:
+        _write_raw(path, header, data)
+    with pytest.raises(SafetensorsFormatError, match=fragment):
+        SafetensorsFile.open(path)
+
+
+def test_reader_rejects_a_header_longer_than_the_file(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes((10**6).to_bytes(8, "little") + b"{}")
+    with pytest.raises(SafetensorsFormatError, match="exceeds the file"):
+        SafetensorsFile.open(path)
+
+
+# ---------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+def test_random_init_on_cuda_allocates_only_the_weights():
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    source = resolve_model("random:smollm2-135m")
+    model = build_model(source, torch.bfloat16, device, max_positions=2048)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    rope = model.model.layers[0].self_attn.rotary.cos_sin.nbytes
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16
+               for p in model.parameters())
+    # The weights once, the RoPE table and its temporaries: no float32 copy of a weight.
+    assert peak <= weight_bytes(model) + 8 * rope + (8 << 20), (peak, weight_bytes(model))
+    again = build_model(source, torch.bfloat16, device, max_positions=2048)
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streaming_load_onto_cuda_equals_whole_file_load(tmp_path, dtype):
+    path = make_hf_checkpoint(tmp_path / "ckpt", sharded=True)
+    expected = _reference_load(path, dtype)
+    model = build_model(resolve_model(str(path)), dtype, "cuda", max_positions=64)
+    for name, p in model.named_parameters():
+        assert p.device.type == "cuda" and p.dtype == dtype
+        assert torch.equal(p.cpu(), expected[name]), name
+
+
+@pytest.mark.gpu
+def test_staged_reader_onto_cuda_with_small_chunks(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    tensors = {"w": torch.randn(300, 7, generator=gen).to(torch.bfloat16),
+               "v": torch.randn(1000, generator=gen)}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path)
+    file = SafetensorsFile.open(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with TensorReader(torch.device("cuda"), chunk_bytes=256) as reader:
+            dests = {n: torch.empty(e.shape, dtype=torch.float32, device="cuda")
+                     for n, e in file.entries.items()}
+            for name, entry in file.entries.items():
+                reader.read(fd, entry, dests[name])
+    finally:
+        os.close(fd)
+    for name, t in tensors.items():
+        assert torch.equal(dests[name].cpu(), t.float()), name

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.llama import LlamaForCausalLM
 from llmfast.models.load_progress import ByteProgress
+from llmfast.models.safetensors_reader import (
+    SafetensorsFile,
+    SafetensorsFormatError,
+    TensorReader,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,67 +198,52 @@ def _target(
     return (param, rows) if param is not None else None
 
 
-def _safe_open_device(device: torch.device) -> str:
-    """safetensors names CUDA devices with an index: "cuda" alone is "cuda:<current>"."""
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
-
-
-def _safetensors_data_bytes(file: Path) -> int:
-    """Bytes of tensor data in a safetensors file: all of it after the 8-byte header
-    length and the JSON header (0 if the file is too short to say; opening it reports)."""
-    try:
-        with open(file, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-        return max(file.stat().st_size - 8 - header_len, 0)
-    except OSError:
-        return 0
-
-
 def load_safetensors_weights(
     model: LlamaForCausalLM, model_dir: Path, progress: Progress | None = None
 ) -> None:
     """Stream every checkpoint tensor into its (possibly fused) parameter, checking that
     each parameter row is written exactly once.
 
-    safetensors opens each file onto the model's device: one tensor at a time is read
-    (memory-mapped) and lands there, then is copied (cast in the same kernel) into its
-    parameter; no CPU copy of the whole model exists at any point.
+    Each tensor's bytes are read from the file straight into its parameter (CPU) or
+    through two pinned chunks onto the device (CUDA), cast there when the checkpoint's
+    dtype differs (`safetensors_reader`); no CPU copy of the model exists at any point.
     """
     params = dict(model.named_parameters())  # a tied head appears once
     all_params = dict(model.named_parameters(remove_duplicate=False))
     rows_written = {id(p): 0 for p in params.values()}
     device = next(model.parameters()).device
-    files = _safetensors_files(model_dir)
-    data_bytes = {file: _safetensors_data_bytes(file) for file in files}
-    meter = ByteProgress("loading weights", sum(data_bytes.values()), progress, device)
-    for file in files:
-        done_before = meter.done_bytes
-        try:
-            with safe_open(str(file), framework="pt", device=_safe_open_device(device)) as f:
-                for name in f.keys():
+    files = [_open_safetensors(f) for f in _safetensors_files(model_dir)]
+    meter = ByteProgress("loading weights", sum(f.data_bytes for f in files), progress, device)
+    with TensorReader(device) as reader:
+        for file in files:
+            done_before = meter.done_bytes
+            try:
+                fd = os.open(file.path, os.O_RDONLY)
+            except OSError as e:
+                raise LoadError(f"cannot read {file.path}: {e}") from None
+            try:
+                for name, entry in file.entries.items():
                     target = _target(model, name, all_params)
                     if target is None:
                         logger.debug("skipping checkpoint tensor %s", name)
                         continue
                     param, rows = target
-                    tensor = f.get_tensor(name)
                     dest = param.data if rows is None else param.data[rows]
-                    if tuple(tensor.shape) != tuple(dest.shape):
+                    if entry.shape != tuple(dest.shape):
                         raise LoadError(
-                            f"{file.name}: {name} has shape {tuple(tensor.shape)}, the config "
+                            f"{file.path.name}: {name} has shape {entry.shape}, the config "
                             f"implies {tuple(dest.shape)}"
                         )
-                    dest.copy_(tensor)
+                    reader.read(fd, entry, dest)
                     rows_written[id(param)] += dest.shape[0]
-                    meter.add(tensor.nbytes)
-                    del tensor  # before the next one is read: one tensor in flight
-            meter.add(data_bytes[file] - (meter.done_bytes - done_before))  # skipped ones
-        except SafetensorError as e:
-            raise LoadError(f"{file} is corrupt or truncated: {e}") from None
-        except OSError as e:
-            raise LoadError(f"cannot read {file}: {e}") from None
+                    meter.add(entry.nbytes)
+            except SafetensorsFormatError as e:
+                raise LoadError(f"{file.path} is corrupt or truncated: {e}") from None
+            except OSError as e:
+                raise LoadError(f"cannot read {file.path}: {e}") from None
+            finally:
+                os.close(fd)
+            meter.add(file.data_bytes - (meter.done_bytes - done_before))  # skipped ones
     rate = meter.finish()
     logger.info("loaded %.2f GB of weights at %.2f GB/s", meter.done_bytes / 1e9, rate / 1e9)
     missing = [n for n, p in params.items() if rows_written[id(p)] != p.shape[0]]
@@ -262,6 +252,15 @@ def load_safetensors_weights(
             f"{model_dir}: checkpoint lacks weights for {len(missing)} parameters, "
             f"e.g. {missing[0]}"
         )
+
+
+def _open_safetensors(path: Path) -> SafetensorsFile:
+    try:
+        return SafetensorsFile.open(path)
+    except SafetensorsFormatError as e:
+        raise LoadError(f"{path} is corrupt or truncated: {e}") from None
+    except OSError as e:
+        raise LoadError(f"cannot read {path}: {e}") from None
 
 
 RANDOM_WEIGHT_STD = 0.02
