@@ -439,6 +439,8 @@ def startup_table(report: dict) -> Table:
     for key, label in STARTUP_ROWS:
         if key in cold["stages"] or key in warm["stages"]:
             row(label, cold["stages"].get(key), warm["stages"].get(key))
+    row("other (config, buffers, gc)", cold["engine_s"] - sum(cold["stages"].values()),
+        warm["engine_s"] - sum(warm["stages"].values()))
     row("engine (all of LLM(...))", cold["engine_s"], warm["engine_s"])
     row("first token (one step)", cold["first_step_s"], warm["first_step_s"])
     row("time to first token", cold["time_to_first_token_s"], warm["time_to_first_token_s"],

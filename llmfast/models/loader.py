@@ -7,10 +7,11 @@ model is built. Pickle checkpoints are refused: loading them can run arbitrary c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,22 +295,35 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def check_fits_on_device(model: torch.nn.Module, device: torch.device) -> None:
-    """On CUDA, refuse before allocating when the weights alone exceed the free memory:
-    one clear line instead of an out-of-memory error halfway through loading."""
-    if device.type != "cuda":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    needed = weight_bytes(model)
-    if needed > free:
-        raise LoadError(weights_too_big_message(needed, free, total, device))
-
-
 def weights_too_big_message(needed: int, free: int, total: int, device: torch.device) -> str:
     gib = 2**30
     return (f"the model's weights need {needed / gib:.2f} GiB but {device} has "
             f"{free / gib:.2f} GiB free of {total / gib:.2f} GiB; use a smaller model or "
             "dtype, or free the GPU")
+
+
+@contextlib.contextmanager
+def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """While constructing the model: parameters are allocated on `device` in `dtype`
+    (default device and dtype) and left uninitialised (no `reset_parameters`: we
+    overwrite every value). So each parameter is allocated exactly once, where and as it
+    will live. (Constructing on the meta device instead runs meta kernels written in
+    Python, whose first call imports torch._dynamo: 1.5-6 s, billed to loading even when
+    nothing is ever compiled.) Buffers with an explicit dtype, such as the float32 RoPE
+    table, keep it."""
+    classes = (torch.nn.Linear, torch.nn.Embedding)
+    saved_init = {cls: cls.__dict__["reset_parameters"] for cls in classes}
+    saved_dtype = torch.get_default_dtype()
+    for cls in classes:
+        cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(saved_dtype)
+        for cls, method in saved_init.items():
+            cls.reset_parameters = method  # type: ignore[method-assign]
 
 
 def build_model(
@@ -320,32 +334,29 @@ def build_model(
     seed: int = 0,
     progress: Progress | None = None,
 ) -> LlamaForCausalLM:
-    """Allocate the model directly on `device` in `dtype`, then fill its weights.
-
-    The module is built on the meta device and cast there (free), so `to_empty`
-    allocates each parameter exactly once, in its final dtype on its final device;
-    random or checkpoint values are then written into it in place.
-    """
+    """Allocate the model directly on `device` in `dtype` (`_allocate_as`: each
+    parameter once, uninitialised), then write its weights in place: seeded random
+    values for a preset, the checkpoint's for a directory."""
     device = torch.device(device)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(source.config, max_positions=max_positions)
-    model = model.to(dtype)
-    check_fits_on_device(model, device)
-    model = model.to_empty(device=device)
-    if source.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    # Buffers made on meta (the RoPE table) must be recomputed for real.
-    rotary = model.model.layers[0].self_attn.rotary
-    with torch.device(device):
-        fresh = type(rotary)(
-            source.config.head_dim,
-            max_positions or source.config.max_position_embeddings,
-            source.config.rope_theta,
-            source.config.rope_scaling,
-        )
-    rotary.cos_sin = fresh.cos_sin
+    model = None
+    try:
+        with _allocate_as(device, dtype):
+            model = LlamaForCausalLM(source.config, max_positions=max_positions)
+    except torch.OutOfMemoryError:
+        pass  # reported below, once the partial model is gone and its memory free again
+    if model is None:
+        torch.cuda.empty_cache()
+        raise LoadError(_too_big_for(source, dtype, device, max_positions))
     if source.path is None:
         init_random_weights(model, seed, progress)
     else:
         load_safetensors_weights(model, source.path, progress)
     return model.eval().requires_grad_(False)
+
+
+def _too_big_for(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None) -> str:
+    with torch.device("meta"):
+        shapes = LlamaForCausalLM(source.config, max_positions=max_positions)
+    free, total = torch.cuda.mem_get_info(device)
+    return weights_too_big_message(weight_bytes(shapes.to(dtype)), free, total, device)
