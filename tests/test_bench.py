@@ -312,3 +312,20 @@ def test_tune_hf_batch_size_picks_the_fastest_probe(llm):
         assert rates[i] > rates[i - 1]
     assert len(sizes) == 4 or rates[-1] <= rates[-2]
     assert seen == list(range(1, len(sizes) + 1))
+
+
+@pytest.mark.gpu
+def test_sweep_on_cuda_reports_the_hbm_fraction():
+    from llmfast import LLM
+
+    llm = LLM("random:smollm2-135m", device="cuda", max_model_len=512, seed=0,
+              gpu_memory_utilization=0.5)
+    result = run_sweep(llm.engine, [1, 8], context_len=32, steps=8)
+    bw = result.bandwidth
+    assert bw is not None and bw.measured_copy_bytes_per_s > 1e11  # any GPU: > 100 GB/s
+    assert bw.limit_bytes_per_s == (bw.peak_bytes_per_s or bw.measured_copy_bytes_per_s)
+    assert [p.batch_size for p in result.points] == [1, 8] and result.skipped == []
+    for p in result.points:
+        assert p.hbm_fraction == pytest.approx(
+            p.weight_bytes / p.step_latency.median / bw.limit_bytes_per_s)
+        assert 0 < p.hbm_fraction < 1.5
