@@ -339,3 +339,38 @@ def test_compiled_models_do_not_share_automatic_dynamic_state():
         assert cm.stats.num_dynamo_graphs == 1
         del model, cm, static
         gc.collect()
+
+
+def test_identical_layer_pieces_share_one_compile(monkeypatch):
+    # 4 layers: pieces = first (embed .. qkv 0), 3 middles (o_proj, mlp, next qkv), last
+    # (o_proj, mlp, final norm). The middles are one function of their inputs (weights
+    # included): compiled once, reused twice, and the model still equals eager.
+    from dataclasses import replace
+
+    from llmfast.compile import backend
+    from llmfast.models.loader import ModelSource
+
+    config = replace(resolve_model("random:tiny").config, num_hidden_layers=4)
+    source = ModelSource("four-layers", None, config)
+    eager_model = build_model(source, torch.float32, "cpu", seed=0, max_positions=64)
+    model = build_model(source, torch.float32, "cpu", seed=1, max_positions=64)
+    model.load_state_dict(eager_model.state_dict())
+    compiled_pieces = []
+
+    def compile_piece(piece, args):  # stands in for Inductor: counts, runs the FX code
+        compiled_pieces.append((piece, args))
+        return piece.forward
+
+    monkeypatch.setattr(backend, "_compile_with_inductor", compile_piece)
+    cm = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu", max_num_tokens=64)
+    eager_seqs, seqs = PagedSequences(eager_model, 2, 64), PagedSequences(model, 2, 64)
+    seqs.model = _CallThrough(cm, model)
+    for chunks in ({0: [1, 2, 3], 1: [4, 5]}, {0: [6], 1: [7]}):
+        torch.testing.assert_close(seqs.step(chunks), eager_seqs.step(chunks), atol=1e-5, rtol=0)
+    assert cm.stats.num_pieces == 5 and cm.stats.num_shared_pieces == 2
+    assert len(compiled_pieces) == 3
+    signatures = [backend.piece_signature(p, a) for p, a in compiled_pieces]
+    assert None not in signatures and len(set(signatures)) == 3
+    called = cm.backend.split_gm.__dict__
+    assert called["submod_2"] is called["submod_4"] is called["submod_6"]
+    assert called["submod_0"] is not called["submod_2"] is not called["submod_8"]

@@ -114,9 +114,41 @@ def _call_impls_directly(piece: fx.GraphModule) -> None:
         piece.recompile()
 
 
+def piece_signature(piece: fx.GraphModule, args: Sequence[Any]) -> str | None:
+    """What a piece computes, independent of its node names: each node's op, target and
+    arguments (by position), plus the shapes, strides and dtypes of the inputs. Two
+    pieces with one signature compute the same function of their inputs (the decoder
+    layers of a model: their weights are inputs too), so one compiled callable serves
+    both. None for a piece that reads module attributes (get_attr, call_module): its
+    result would depend on more than its inputs.
+
+    Worked example: layer 3's piece `mm(arg0, t(arg1))` and layer 4's
+    `mm(x_4, t(w_4))` both read as `call_function aten.mm ((%0, %2),)` after
+    `call_function aten.t ((%1,),)`: one signature, one compile."""
+    index: dict[fx.Node, int] = {}
+    parts = []
+    for i, node in enumerate(piece.graph.nodes):
+        if node.op in ("get_attr", "call_module"):
+            return None
+        index[node] = i
+        if node.op == "placeholder":
+            parts.append("placeholder")
+            continue
+        operands = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        parts.append(f"{node.op} {node.target} {operands!r}")
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{tuple(a.shape)} {a.stride()} {a.dtype} {a.device.type}")
+        else:
+            parts.append(repr(a))
+    return "\n".join(parts)
+
+
 class _PieceCompiler(fx.Interpreter):
     """Runs the split graph on fake inputs; at each submodule call, compiles it (unless
-    it is a splitting op) with the fake arguments that reach it."""
+    it is a splitting op) with the fake arguments that reach it. A piece with the
+    signature of one compiled before reuses its compiled callable (`piece_signature`):
+    a warm start then makes a handful of cache lookups instead of one per layer."""
 
     def __init__(self, split: fx.GraphModule, kinds: list[str],
                  compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
@@ -128,6 +160,8 @@ class _PieceCompiler(fx.Interpreter):
         self.compile_piece = compile_piece
         self.wrap_piece = wrap_piece
         self.num_compiled = 0
+        self.num_shared = 0  # pieces that reused another piece's compiled callable
+        self._by_signature: dict[str, Callable[..., Any]] = {}
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         assert not kwargs, "split_module passes positional arguments only"
@@ -139,7 +173,14 @@ class _PieceCompiler(fx.Interpreter):
             # ~10 us per call, 30 times per step on SmolLM2).
             self.module.__dict__[target] = submod.forward
             return out
-        fn = self.compile_piece(submod, list(args))
+        signature = piece_signature(submod, args)
+        fn = self._by_signature.get(signature) if signature is not None else None
+        if fn is None:
+            fn = self.compile_piece(submod, list(args))
+            if signature is not None:
+                self._by_signature[signature] = fn
+        else:
+            self.num_shared += 1
         if self.wrap_piece is not None:
             fn = self.wrap_piece(self.num_compiled, fn, list(args), submod)
         # An instance attribute shadows the submodule: the split graph's
@@ -202,6 +243,7 @@ class PiecewiseBackend:
         stats.num_dynamo_graphs += 1
         stats.piece_kinds = kinds
         stats.num_pieces = kinds.count("compiled")
+        stats.num_shared_pieces = compiler.num_shared
         stats.num_splitting_ops = kinds.count("split")
         stats.compile_time_s += time.perf_counter() - start
         stats.cache_dir = str(self.cache_dir) if self.cache_dir is not None else None

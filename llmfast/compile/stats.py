@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class CompileStats:
     num_dynamo_graphs: int = 0  # graphs the backend compiled; 1 means no recompiles
     num_pieces: int = 0  # pieces compiled by Inductor (num_layers + 1 for Llama)
+    num_shared_pieces: int = 0  # of those, reusing an identical piece's compiled code
     num_splitting_ops: int = 0  # attention calls left between the pieces
     piece_kinds: list[str] = field(default_factory=list)  # "compiled" / "split", in order
     compile_time_s: float = 0.0
@@ -22,7 +23,8 @@ class CompileStats:
 
     def summary(self) -> str:
         line = (
-            f"{self.num_pieces} pieces around {self.num_splitting_ops} attention calls, "
+            f"{self.num_pieces} pieces around {self.num_splitting_ops} attention calls "
+            f"({self.num_shared_pieces} sharing another's code), "
             f"compiled in {self.compile_time_s:.1f} s "
             f"(cache hits {self.cache_hits}, misses {self.cache_misses})"
         )
