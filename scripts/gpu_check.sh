@@ -69,9 +69,11 @@ for step in $STEPS; do
             run_step sweep 240 python3 -m llmfast bench --model random:llama-3.2-1b \
                 --sizes 1..512 --context 128 --steps 32 --json "$OUT/sweep.json" ;;
         throughput)
+            # llmfast keeps its engine (and KV cache) while HF runs in the same process:
+            # half the GPU each, so HF's batch-size probe is not cut short by memory.
             run_step throughput 330 python3 -m llmfast bench --model random:llama-3.2-1b \
                 --mode throughput --num-prompts 256 --input-len 256 --output-len 128 \
-                --baseline hf --json "$OUT/throughput.json" ;;
+                --gpu-memory-utilization 0.5 --baseline hf --json "$OUT/throughput.json" ;;
         defaults)
             for budget in 2048 8192 16384; do
                 run_step "defaults_$budget" 110 python3 -m llmfast bench \
