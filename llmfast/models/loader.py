@@ -18,6 +18,14 @@ from safetensors import SafetensorError, safe_open
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.llama import LlamaForCausalLM
+from llmfast.models.validate import (
+    check_checkpoint,
+    check_hf_config,
+    check_model_size,
+    check_weights_fit,
+    is_ignorable,
+    safetensors_shapes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +106,7 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSo
             raise LoadError(
                 f"unknown random preset {preset!r}; choose one of {', '.join(RANDOM_PRESETS)}"
             )
+        check_model_size(RANDOM_PRESETS[preset])
         return ModelSource(spec, None, RANDOM_PRESETS[preset])
     path = Path(spec).expanduser()
     if not path.exists():
@@ -131,9 +140,12 @@ def _read_config(model_dir: Path) -> ModelConfig:
     if not config_path.is_file():
         raise LoadError(f"{model_dir} has no config.json; it is not an HF model directory")
     try:
-        return ModelConfig.from_json(config_path)
+        config = ModelConfig.from_json(config_path)
+        check_hf_config(json.loads(config_path.read_text()))
+        check_model_size(config)  # before anything is built from it
     except ConfigError as e:
         raise LoadError(f"{model_dir}: {e}") from None
+    return config
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -197,7 +209,7 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    target = _target(model, name)
+                    target = None if is_ignorable(name, model.config) else _target(model, name)
                     if target is None:
                         logger.debug("skipping checkpoint tensor %s", name)
                         continue
@@ -234,6 +246,32 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
             param.data.copy_(values)
 
 
+def _check_before_allocating(model: LlamaForCausalLM, source: ModelSource,
+                             dtype: torch.dtype, device: torch.device) -> None:
+    where = source.spec if source.path is None else str(source.path)
+    try:
+        check_weights_fit(model, dtype, device, _available_memory(device))
+        if source.path is not None:
+            shapes = safetensors_shapes(_safetensors_files(source.path))
+            check_checkpoint(model, shapes, lambda name: _target(model, name))
+    except ConfigError as e:
+        raise LoadError(f"{where}: {e}") from None
+    except SafetensorError as e:
+        raise LoadError(f"{where}: a safetensors file is corrupt or truncated: {e}") from None
+    except OSError as e:
+        raise LoadError(f"{where}: cannot read the weights: {e}") from None
+
+
+def _available_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        from llmfast.worker.kv_cache_sizing import available_host_memory
+
+        return available_host_memory()
+    return None
+
+
 def build_model(
     source: ModelSource,
     dtype: torch.dtype,
@@ -241,9 +279,11 @@ def build_model(
     max_positions: int | None = None,
     seed: int = 0,
 ) -> LlamaForCausalLM:
-    """Allocate the model directly on `device` in `dtype`, then fill its weights."""
+    """Allocate the model directly on `device` in `dtype`, then fill its weights. The
+    checkpoint is checked against the config (on the meta-device model) first."""
     with torch.device("meta"):
         model = LlamaForCausalLM(source.config, max_positions=max_positions)
+    _check_before_allocating(model, source, dtype, torch.device(device))
     model = model.to_empty(device=device)
     model = model.to(dtype)
     if source.config.tie_word_embeddings:
