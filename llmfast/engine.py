@@ -52,13 +52,17 @@ class LLMEngine:
         self.config = config
         self.source = source
         self.tokenizer = None
+        # Why there is no tokenizer although the model ships one (it failed to load).
+        self.tokenizer_error: str | None = None
         if source.path is not None:
-            from llmfast.tokenizer import load_tokenizer
+            from llmfast.tokenizer import TokenizerError, has_tokenizer_files, load_tokenizer
 
-            try:
-                self.tokenizer = load_tokenizer(source.path)
-            except Exception as e:  # a weights-only directory can still run on token ids
-                logger.info("no tokenizer loaded from %s: %s", source.path, e)
+            if has_tokenizer_files(source.path):  # else weights only: runs on token ids
+                try:
+                    self.tokenizer = load_tokenizer(source.path)
+                except TokenizerError as e:
+                    self.tokenizer_error = str(e)
+                    logger.info("%s; only token-id prompts will work", e)
         eos = tuple(source.config.eos_token_ids)
         if self.tokenizer is not None:
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
@@ -96,9 +100,17 @@ class LLMEngine:
             raise RequestRejected(f"a prompt must be a string or token ids, not {type(prompt).__name__}")
         if self.tokenizer is None:
             raise RequestRejected(
-                f"model {self.source.name} has no tokenizer; pass prompt_token_ids instead of text"
-            )
+                f"{self.no_tokenizer_reason()}; pass prompt_token_ids instead of text")
         return prompt, self.tokenizer.encode(prompt)
+
+    def no_tokenizer_reason(self) -> str:
+        """Why this engine cannot take text: the tokenizer failed to load, or there is none."""
+        if self.tokenizer_error is not None:
+            return self.tokenizer_error
+        if self.source.is_random:
+            return (f"model {self.source.name} has no tokenizer (random: presets are for "
+                    "bench and profile)")
+        return f"model {self.source.name} has no tokenizer files"
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = True) -> str:
