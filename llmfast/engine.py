@@ -39,6 +39,9 @@ class _Tracked:
     metrics: RequestMetrics
     text: str = ""
     emitted: int = 0  # chars of `text` already streamed
+    # A stop string counts only if it ends past this many chars: the text of the first
+    # min_tokens tokens cannot stop the request (as vLLM).
+    stop_check_offset: int = 0
     stop_reason: str | int | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
@@ -196,6 +199,8 @@ class LLMEngine:
             finish = upd.finish_reason
             if finish is not None and tracked.detokenizer is not None:
                 tracked.text += tracked.detokenizer.flush()  # text held back mid-character
+            if len(tracked.request.output_token_ids) <= tracked.request.min_tokens:
+                tracked.stop_check_offset = len(tracked.text)
             if self._hit_stop_string(tracked):
                 if finish is None:
                     stopped.append(upd.req_id)  # the scheduler still runs it
@@ -226,7 +231,7 @@ class LLMEngine:
         start = max(0, len(tracked.text) - window)
         best = None
         for stop in stops:
-            idx = tracked.text.find(stop, start)
+            idx = tracked.text.find(stop, max(start, tracked.stop_check_offset - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
         if best is None:
