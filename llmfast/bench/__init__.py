@@ -14,6 +14,7 @@ baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported
 from llmfast.bench.environment import environment_info
 from llmfast.bench.latency import (
     LatencyResult,
+    check_request_rate,
     poisson_arrivals,
     request_latencies,
     run_latency,
@@ -46,6 +47,7 @@ __all__ = [
     "check_fits",
     "environment_info",
     "parse_sizes",
+    "check_request_rate",
     "poisson_arrivals",
     "random_lengths",
     "random_requests",
