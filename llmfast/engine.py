@@ -21,6 +21,7 @@ from llmfast.nvtx_ranges import nvtx_range
 from llmfast.core.request import Request, RequestRejected
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.sampling_params import SamplingParams
+from llmfast.value_checks import int_list
 from llmfast.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -95,10 +96,10 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise RequestRejected("a dict prompt needs 'prompt_token_ids'")
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            ids = int_list(prompt["prompt_token_ids"], "prompt token ids", RequestRejected)
             return prompt.get("prompt"), ids
         if isinstance(prompt, list):
-            return None, [int(t) for t in prompt]
+            return None, int_list(prompt, "prompt token ids", RequestRejected)
         if not isinstance(prompt, str):
             raise RequestRejected(f"a prompt must be a string or token ids, not {type(prompt).__name__}")
         if self.tokenizer is None:
