@@ -96,15 +96,15 @@ def _text_after_tokens(llm, prompt, params, n: int) -> str:
 def test_min_tokens_holds_back_stop_strings(llm):
     """Like vLLM: a stop string counts only if it ends in text of a token past min_tokens."""
     min_tokens = 8
-    full = llm.generate("hello there", _greedy())[0].outputs[0]
-    early = _text_after_tokens(llm, "hello there", _greedy(), min_tokens)
+    full = llm.generate("hello there", _greedy(24))[0].outputs[0]
+    early = _text_after_tokens(llm, "hello there", _greedy(24), min_tokens)
     assert full.text.startswith(early) and len(early) >= 3, (early, full.text)
     stop = early[1:3]
     # Without min_tokens it stops inside the first tokens...
-    cut = llm.generate("hello there", _greedy(stop=[stop]))[0].outputs[0]
+    cut = llm.generate("hello there", _greedy(24, stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and len(cut.token_ids) <= min_tokens
     # ...with it, at the first match ending past their text, or not at all.
-    out = llm.generate("hello there", _greedy(stop=[stop], min_tokens=min_tokens))[0].outputs[0]
+    out = llm.generate("hello there", _greedy(24, stop=[stop], min_tokens=min_tokens))[0].outputs[0]
     idx = full.text.find(stop, len(early) - len(stop) + 1)
     if idx == -1:
         assert (out.text, out.finish_reason) == (full.text, "length")
@@ -115,12 +115,12 @@ def test_min_tokens_holds_back_stop_strings(llm):
 
 def test_min_tokens_holds_back_stop_token_ids(llm):
     min_tokens = 6
-    full = llm.generate("hello", _greedy())[0].outputs[0]
+    full = llm.generate("hello", _greedy(24))[0].outputs[0]
     stop_id = full.token_ids[1]
-    out = llm.generate("hello", _greedy(stop_token_ids=[stop_id], min_tokens=min_tokens))[0]
+    out = llm.generate("hello", _greedy(24, stop_token_ids=[stop_id], min_tokens=min_tokens))[0]
     ids = out.outputs[0].token_ids
     assert stop_id not in ids[:min_tokens]  # banned by the sampler, not merely ignored
     if out.outputs[0].finish_reason == "stop":
         assert ids[-1] == stop_id and len(ids) > min_tokens and stop_id not in ids[:-1]
     else:
-        assert len(ids) == 40 and stop_id not in ids
+        assert len(ids) == 24 and stop_id not in ids

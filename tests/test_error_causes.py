@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from llmfast import LLM
 from llmfast.core.request import RequestRejected
@@ -81,3 +82,14 @@ def test_kv_cache_allocation_failure_is_named(monkeypatch):
     with pytest.raises(KVCacheOutOfMemory) as info:
         LLM("random:tiny", device="cpu", kv_cache_memory=100 << 40)
     _check_kv_message(str(info.value))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kv_cache_out_of_gpu_memory_is_named():
+    # random:tiny blocks are 4 KiB in bf16: 2**30 of them are 4 TiB, more than any GPU.
+    with pytest.raises(KVCacheOutOfMemory) as info:
+        LLM("random:tiny", device="cuda", num_gpu_blocks_override=1 << 30, enforce_eager=True)
+    message = str(info.value)
+    assert "4096.00 GiB asked" in message and "GiB available on cuda" in message
+    assert "lower num_gpu_blocks_override" in message
