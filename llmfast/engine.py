@@ -21,6 +21,7 @@ from llmfast.nvtx_ranges import nvtx_range
 from llmfast.core.request import Request, RequestRejected
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.sampling_params import SamplingParams
+from llmfast.value_checks import int_list
 from llmfast.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class _Tracked:
     metrics: RequestMetrics
     text: str = ""
     emitted: int = 0  # chars of `text` already streamed
+    # A stop string counts only if it ends past this many chars: the text of the first
+    # min_tokens tokens cannot stop the request (as vLLM).
+    stop_check_offset: int = 0
     stop_reason: str | int | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
@@ -52,13 +56,17 @@ class LLMEngine:
         self.config = config
         self.source = source
         self.tokenizer = None
+        # Why there is no tokenizer although the model ships one (it failed to load).
+        self.tokenizer_error: str | None = None
         if source.path is not None:
-            from llmfast.tokenizer import load_tokenizer
+            from llmfast.tokenizer import TokenizerError, has_tokenizer_files, load_tokenizer
 
-            try:
-                self.tokenizer = load_tokenizer(source.path)
-            except Exception as e:  # a weights-only directory can still run on token ids
-                logger.info("no tokenizer loaded from %s: %s", source.path, e)
+            if has_tokenizer_files(source.path):  # else weights only: runs on token ids
+                try:
+                    self.tokenizer = load_tokenizer(source.path)
+                except TokenizerError as e:
+                    self.tokenizer_error = str(e)
+                    logger.info("%s; only token-id prompts will work", e)
         eos = tuple(source.config.eos_token_ids)
         if self.tokenizer is not None:
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
@@ -88,17 +96,25 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise RequestRejected("a dict prompt needs 'prompt_token_ids'")
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            ids = int_list(prompt["prompt_token_ids"], "prompt token ids", RequestRejected)
             return prompt.get("prompt"), ids
         if isinstance(prompt, list):
-            return None, [int(t) for t in prompt]
+            return None, int_list(prompt, "prompt token ids", RequestRejected)
         if not isinstance(prompt, str):
             raise RequestRejected(f"a prompt must be a string or token ids, not {type(prompt).__name__}")
         if self.tokenizer is None:
             raise RequestRejected(
-                f"model {self.source.name} has no tokenizer; pass prompt_token_ids instead of text"
-            )
+                f"{self.no_tokenizer_reason()}; pass prompt_token_ids instead of text")
         return prompt, self.tokenizer.encode(prompt)
+
+    def no_tokenizer_reason(self) -> str:
+        """Why this engine cannot take text: the tokenizer failed to load, or there is none."""
+        if self.tokenizer_error is not None:
+            return self.tokenizer_error
+        if self.source.is_random:
+            return (f"model {self.source.name} has no tokenizer (random: presets are for "
+                    "bench and profile)")
+        return f"model {self.source.name} has no tokenizer files"
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = True) -> str:
@@ -184,6 +200,8 @@ class LLMEngine:
             finish = upd.finish_reason
             if finish is not None and tracked.detokenizer is not None:
                 tracked.text += tracked.detokenizer.flush()  # text held back mid-character
+            if len(tracked.request.output_token_ids) <= tracked.request.min_tokens:
+                tracked.stop_check_offset = len(tracked.text)
             if self._hit_stop_string(tracked):
                 if finish is None:
                     stopped.append(upd.req_id)  # the scheduler still runs it
@@ -214,7 +232,7 @@ class LLMEngine:
         start = max(0, len(tracked.text) - window)
         best = None
         for stop in stops:
-            idx = tracked.text.find(stop, start)
+            idx = tracked.text.find(stop, max(start, tracked.stop_check_offset - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
         if best is None:

@@ -19,6 +19,7 @@ from llmfast.config import (
     parse_dtype,
 )
 from llmfast.models.loader import ModelSource, resolve_model
+from llmfast.value_checks import describe, is_int, is_number
 
 Progress = Callable[[str, float | None], None]
 
@@ -58,6 +59,9 @@ class EngineArgs:
     compile: bool | None = None  # None: on for CUDA, off for CPU
     cuda_graphs: bool = True
     cuda_graph_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_engine_args(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -118,6 +122,47 @@ class EngineArgs:
             seed=self.seed,
         )
         return config, source
+
+
+# name -> smallest value; None allowed where the field's default is None.
+_INT_ARGS = {"seed": 0, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
+             "block_size": 1, "kv_cache_memory": 1, "num_gpu_blocks_override": 2}
+_BOOL_ARGS = ("enable_prefix_caching", "enforce_eager", "compile", "cuda_graphs")
+
+
+def check_engine_args(args: EngineArgs) -> None:
+    """Types and lower bounds, before anything is resolved or loaded: `LLM(seed=-1)` and
+    `LLM(max_model_len=0)` fail as `--seed -1` and `--max-model-len 0` do."""
+    for name, low in _INT_ARGS.items():
+        value = getattr(args, name)
+        if value is None and getattr(EngineArgs, name) is None:
+            continue
+        if not is_int(value) or value < low:
+            kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+                low, f"an integer >= {low}")
+            raise ConfigError(f"{_flag(name)} must be {kind}, got {describe(value)}")
+    for name in _BOOL_ARGS:
+        value = getattr(args, name)
+        optional = value is None and getattr(EngineArgs, name) is None
+        if not isinstance(value, bool) and not optional:
+            raise ConfigError(f"{_flag(name)} must be True or False, got {describe(value)}")
+    if not is_number(args.gpu_memory_utilization):
+        raise ConfigError(f"gpu-memory-utilization must be a number, got "
+                          f"{describe(args.gpu_memory_utilization)}")
+    for name in ("dtype", "device"):
+        value = getattr(args, name)
+        if not isinstance(value, str) and not (name == "dtype" and isinstance(value, torch.dtype)):
+            raise ConfigError(f"{name} must be a string, got {describe(value)}")
+    if args.model is not None and not isinstance(args.model, str):
+        raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
+    sizes = args.cuda_graph_sizes
+    if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
+            is_int(s) and s > 0 for s in sizes)):
+        raise ConfigError(f"cuda-graph-sizes must be positive integers, got {sizes!r:.60}")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")

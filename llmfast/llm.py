@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from llmfast.engine import LLMEngine, Prompt
 from llmfast.engine_args import EngineArgs
+from llmfast.output_router import OutputRouter, RequestStream
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
 
@@ -16,11 +17,19 @@ GenerateProgress = Callable[[int, int], None]
 class LLM:
     """An engine with a batch API. Engine args are the CLI's engine flags with underscores:
     dtype, device, seed, max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-    kv_cache_memory, gpu_memory_utilization, enforce_eager, compile, cuda_graphs, ..."""
+    kv_cache_memory, gpu_memory_utilization, enforce_eager, compile, cuda_graphs, ...
+
+    One `LLM` serves any number of callers: `generate` calls and open `stream`s, from one
+    thread or several, all batch together in the same engine. Engine steps are serialised
+    by a lock (whichever caller needs outputs steps the engine for everyone) and every
+    request's outputs go to its own caller. Closing or dropping a stream before it ends
+    aborts its request and frees its KV blocks. Do not drive `llm.engine` directly while
+    such calls are open."""
 
     def __init__(self, model: str | None = None, *, progress=None, **engine_args) -> None:
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.engine = LLMEngine.from_engine_args(args, progress=progress)
+        self._router = OutputRouter(self.engine)
 
     @property
     def tokenizer(self):
@@ -50,47 +59,23 @@ class LLM:
                 raise ValueError(
                     f"{len(params)} sampling params for {len(prompts)} prompts; pass one or one each"
                 )
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, stream=False))
-        except Exception:
-            for req_id in ids:
-                self.engine.abort(req_id)
-            raise
+        ids = self._router.add(prompts, params, stream=False)
         callback, close = _progress_callback(progress, len(ids))
-        final: dict[str, RequestOutput] = {}
         try:
-            while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                if callback:
-                    callback(len(final), len(ids))
+            return self._router.collect(ids, callback)
         except BaseException:
-            for req_id in ids:
-                if req_id not in final:
-                    self.engine.abort(req_id)
+            self._router.release(ids)
             raise
         finally:
             close()
-        return [final[i] for i in ids]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-               ) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per step for one request (`outputs[0].delta_text` is the
-        new text); closing the iterator early aborts the request."""
-        req_id = self.engine.add_request(prompt, sampling_params)
-        finished = False
-        try:
-            while not finished:
-                for out in self.engine.step():
-                    if out.request_id == req_id:
-                        finished = out.finished
-                        yield out
-        finally:
-            if not finished:
-                self.engine.abort(req_id)
+               ) -> RequestStream:
+        """An iterator of RequestOutputs for one request, one per step that produced
+        any (`outputs[0].delta_text` is the new text). The request is queued now; closing
+        the iterator (or dropping it) before it ends aborts the request."""
+        (req_id,) = self._router.add([prompt], [sampling_params], stream=True)
+        return RequestStream(self._router, req_id)
 
 
 def _progress_callback(progress, total: int):

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmfast.value_checks import describe, int_list, is_int, is_number
+
 # Rows with temperature below this are sampled greedily.
 GREEDY_TEMPERATURE = 1e-5
+
+_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
+_INT_FIELDS = ("top_k", "max_tokens", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs")
 
 
 class SamplingParamsError(ValueError):
@@ -37,14 +44,37 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         # Accept lists or a single string from callers; store tuples (hashable, immutable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(
+            int_list(self.stop_token_ids, "stop_token_ids", SamplingParamsError)))
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:  # numpy integers -> int
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
+
+    def _check_types(self) -> None:
+        """Wrong types get a SamplingParamsError naming the field, not a TypeError from
+        a comparison (and a float is not silently truncated to an int)."""
+        for name in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            if not is_number(value):
+                raise SamplingParamsError(f"{name} must be a finite number, got {describe(value)}")
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if not is_int(value) and not (value is None and name in _OPTIONAL_INT_FIELDS):
+                raise SamplingParamsError(f"{name} must be an integer, got {describe(value)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"ignore_eos must be True or False, got "
+                                      f"{describe(self.ignore_eos)}")
+        if not isinstance(self.stop, (str, list, tuple)):
+            raise SamplingParamsError(f"stop must be a string or a list of strings, got "
+                                      f"{describe(self.stop)}")
 
     def _validate(self) -> None:
         def bad(msg: str) -> SamplingParamsError:

@@ -96,9 +96,13 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=not self.has_chat_template)
 
 
+def has_tokenizer_files(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES)
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     model_dir = Path(model_dir)
-    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+    if not has_tokenizer_files(model_dir):
         raise TokenizerError(f"no tokenizer files in {model_dir}")
     from transformers import AutoTokenizer
 

@@ -115,6 +115,9 @@ def test_poisson_arrivals():
     assert np.mean(np.diff(a)) == pytest.approx(1 / 50, rel=0.1)
     with pytest.raises(BenchError):
         poisson_arrivals(3, 0.0)
+    with pytest.raises(BenchError, match="at most 3600 s"):  # would wait ~2000 years
+        poisson_arrivals(64, 1e-9)
+    assert len(poisson_arrivals(64, 64 / 3600)) == 64  # an hour on average is allowed
 
 
 # ---------------------------------------------------------------------- workloads

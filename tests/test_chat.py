@@ -121,9 +121,9 @@ def test_piped_two_turns_reset_and_prefix_hits(chat_model):
     assert "\x1b[" not in result.stdout  # plain text, no Rich markup
 
 
-def test_piped_bad_command_continues(chat_model):
+def test_piped_bad_command_continues_then_exits_1(chat_model):
     result = run_chat(chat_model, b"/temp -1\n/bogus\nhi\n", "--max-tokens", "2")
-    assert result.exit_code == 0
+    assert result.exit_code == 1  # a script learns that not every line was taken
     assert "error: temperature must be >= 0" in result.stderr
     assert "error: unknown command /bogus" in result.stderr
     assert result.stdout.count("\n\n") == 1  # the message after the errors was answered
@@ -138,12 +138,16 @@ def test_piped_non_utf8_exits_with_one_line(chat_model):
     assert "Traceback" not in result.output
 
 
-def test_piped_too_long_message_is_skipped(chat_model):
+def test_piped_too_long_message_is_skipped_and_the_run_fails(chat_model):
     long = ("word " * 200).encode()
     result = run_chat(chat_model, long + b"\nhi\n", "--max-tokens", "2", "--max-model-len", "64")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output
     assert "error: the message is" in result.stderr and "max-model-len is 64" in result.stderr
     assert result.stdout.count("\n\n") == 1  # "hi" still answered
+    # Also when the script ends with /exit.
+    result = run_chat(chat_model, b"hi\n" + long + b"\n/exit\nnever\n", "--max-tokens", "2",
+                      "--max-model-len", "64")
+    assert result.exit_code == 1 and result.stdout.count("\n\n") == 1
 
 
 def test_piped_exit_command(chat_model):

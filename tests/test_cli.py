@@ -13,6 +13,7 @@ from llmfast.cli.main import app
 from tests.conftest_cli import make_chat_model
 
 TINY = ["--model", "random:tiny", "--device", "cpu"]
+NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
 
 
 def invoke(*args: str, input: bytes | str | None = None):
@@ -308,6 +309,14 @@ def test_pull_offline_is_one_line(monkeypatch):
     (["bench", *TINY, "--modes", "turbo"], "unknown mode"),
     (["bench", *TINY, "--mode", "fastest"], "invalid value"),
     (["bench", *TINY, "--json", "/nonexistent-dir/x.json"], "does not exist"),
+    # Checked before the model loads (this one does not exist): nothing runs in vain.
+    (["bench", *NO_MODEL, "--plot", "out.txt"], "--plot out.txt has extension '.txt'; use .png"),
+    (["bench", *NO_MODEL, "--plot", "sweep"], "--plot sweep has no extension"),
+    (["bench", *NO_MODEL, "--json", "out.png"], "use .json"),
+    (["bench", *NO_MODEL, "--mode", "latency", "--request-rate", "1e-9"], "at most 3600 s"),
+    (["bench", *NO_MODEL, "--mode", "latency", "--num-prompts", "5000", "--request-rate", "1"],
+     "5000 requests over ~5e+03 s"),
+    (["bench", *NO_MODEL, "--mode", "latency", "--request-rate", "0"], "must be > 0"),
     (["bench", *TINY, "--kv-cache-memory", "lots"], "512mib"),
     (["generate", "hi", *TINY, "--temperature", "-1"], "temperature"),
     (["generate", "hi", *TINY, "--top-p", "0"], "top_p"),

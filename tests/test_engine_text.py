@@ -79,3 +79,48 @@ def test_text_prompts_and_chat_template(llm):
     a = llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=8))[0]
     b = llm.generate(llm.tokenizer.decode(ids, skip_special_tokens=False), _greedy(max_tokens=8))[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def _text_after_tokens(llm, prompt, params, n: int) -> str:
+    """The request's text once its first n tokens are in (streamed, no stop strings, so
+    nothing is held back)."""
+    count, text = 0, ""
+    for out in llm.stream(prompt, params):
+        count += len(out.outputs[0].delta_token_ids)
+        text = out.outputs[0].text
+        if count >= n:
+            break
+    return text
+
+
+def test_min_tokens_holds_back_stop_strings(llm):
+    """Like vLLM: a stop string counts only if it ends in text of a token past min_tokens."""
+    min_tokens = 8
+    full = llm.generate("hello there", _greedy(24))[0].outputs[0]
+    early = _text_after_tokens(llm, "hello there", _greedy(24), min_tokens)
+    assert full.text.startswith(early) and len(early) >= 3, (early, full.text)
+    stop = early[1:3]
+    # Without min_tokens it stops inside the first tokens...
+    cut = llm.generate("hello there", _greedy(24, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) <= min_tokens
+    # ...with it, at the first match ending past their text, or not at all.
+    out = llm.generate("hello there", _greedy(24, stop=[stop], min_tokens=min_tokens))[0].outputs[0]
+    idx = full.text.find(stop, len(early) - len(stop) + 1)
+    if idx == -1:
+        assert (out.text, out.finish_reason) == (full.text, "length")
+    else:
+        assert (out.text, out.finish_reason, out.stop_reason) == (full.text[:idx], "stop", stop)
+    assert len(out.token_ids) > min_tokens
+
+
+def test_min_tokens_holds_back_stop_token_ids(llm):
+    min_tokens = 6
+    full = llm.generate("hello", _greedy(24))[0].outputs[0]
+    stop_id = full.token_ids[1]
+    out = llm.generate("hello", _greedy(24, stop_token_ids=[stop_id], min_tokens=min_tokens))[0]
+    ids = out.outputs[0].token_ids
+    assert stop_id not in ids[:min_tokens]  # banned by the sampler, not merely ignored
+    if out.outputs[0].finish_reason == "stop":
+        assert ids[-1] == stop_id and len(ids) > min_tokens and stop_id not in ids[:-1]
+    else:
+        assert len(ids) == 24 and stop_id not in ids

@@ -15,6 +15,7 @@ baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported
 from llmfast.bench.environment import environment_info
 from llmfast.bench.latency import (
     LatencyResult,
+    check_request_rate,
     poisson_arrivals,
     request_latencies,
     run_latency,
@@ -56,6 +57,7 @@ __all__ = [
     "ThroughputResult",
     "bench_params",
     "check_fits",
+    "check_request_rate",
     "environment_info",
     "parse_sizes",
     "poisson_arrivals",

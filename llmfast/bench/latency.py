@@ -35,10 +35,26 @@ class LatencyResult:
     per_request: list[dict] = field(default_factory=list)  # raw figures
 
 
-def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival offsets (seconds) of a Poisson process of `rate` requests/s; inf: all at 0."""
+# The longest a benchmark may wait for its requests to arrive (the expected arrival time
+# of the last one): a rate so low that arrivals take longer is a typo, not a benchmark.
+MAX_ARRIVAL_SPAN_S = 3600.0
+
+
+def check_request_rate(rate: float, num_requests: int) -> None:
+    """A rate > 0 (or inf) whose arrivals end within MAX_ARRIVAL_SPAN_S on average."""
     if not rate > 0:
         raise BenchError(f"--request-rate must be > 0 (or inf), got {rate}")
+    span = num_requests / rate
+    if span > MAX_ARRIVAL_SPAN_S:
+        raise BenchError(
+            f"--request-rate {rate:g} spreads {num_requests} requests over ~{span:.3g} s; "
+            f"arrivals may span at most {MAX_ARRIVAL_SPAN_S:.0f} s (raise --request-rate or "
+            "lower --num-prompts)")
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (seconds) of a Poisson process of `rate` requests/s; inf: all at 0."""
+    check_request_rate(rate, n)
     if math.isinf(rate):
         return [0.0] * n
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
@@ -60,6 +76,7 @@ def run_latency(engine, requests: Sequence[BenchRequest], request_rate: float, s
                 progress: BenchProgress | None = None) -> LatencyResult:
     """Requests arrive at Poisson times; the step loop adds each once its time has come."""
     check_fits(requests, engine.config.scheduler.max_model_len)
+    check_request_rate(request_rate, len(requests))
     warm_up(engine)
     offsets = poisson_arrivals(len(requests), request_rate, seed)
     start = time.monotonic()

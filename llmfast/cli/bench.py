@@ -85,23 +85,27 @@ def bench(
         "8, 16, ... up to the request count, probed first; on CPU all requests]",
         show_default=False)] = None,
     request_rate: Annotated[float, typer.Option(
-        "--request-rate", help="Latency: Poisson arrivals per second; inf = all at once.")]
+        "--request-rate", help="Latency: Poisson arrivals per second; inf = all at once. "
+        "The arrivals may span at most an hour.")]
     = math.inf,
     startup: Annotated[bool, typer.Option(
         "--startup", help="Start the engine twice in fresh processes, on empty caches then "
                           "on the caches the first left, and print both start-ups side by "
                           "side (alone, or before --mode's benchmark).")] = False,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write all figures as JSON.")]
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write all figures as JSON "
+                                                   "(.json).")]
     = None,
-    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a plot (.png, .svg or .pdf).")] = None,
 ) -> None:
     """Benchmark decode latency, throughput, request latency or start-up."""
-    for path in (json_path, plot_path):
-        if path is not None:
-            check_writable(path)
+    check_output_paths(json_path, plot_path)
     if min(context, steps, num_prompts, input_len, output_len) < 1:
         raise BenchError("--context, --steps, --num-prompts, --input-len and --output-len "
                          "must be >= 1")
+    if mode is BenchMode.latency:
+        from llmfast.bench import check_request_rate
+
+        check_request_rate(request_rate, num_prompts)
     if hf_batch_size is not None and hf_batch_size < 1:
         raise BenchError("--hf-batch-size must be >= 1")
     if mode is None and not startup:
@@ -165,8 +169,25 @@ def bench(
 # ---------------------------------------------------------------------- checks
 
 
+# What --plot can write (matplotlib picks the format from the extension) and --json.
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+JSON_SUFFIXES = (".json",)
+
+
+def check_output_paths(json_path: Path | None, plot_path: Path | None) -> None:
+    """Fail before a long benchmark, not after it: each output file writable, with an
+    extension naming its format (a plot without one would be written under another name)."""
+    for path, flag, suffixes in ((json_path, "--json", JSON_SUFFIXES),
+                                 (plot_path, "--plot", PLOT_SUFFIXES)):
+        if path is None:
+            continue
+        if path.suffix.lower() not in suffixes:
+            got = f"has extension {path.suffix!r}" if path.suffix else "has no extension"
+            raise BenchError(f"{flag} {path} {got}; use {' or '.join(suffixes)}")
+        check_writable(path)
+
+
 def check_writable(path: Path) -> None:
-    """Fail before a long benchmark, not after it."""
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise BenchError(f"{path} is a directory; give a file name")
@@ -174,6 +195,8 @@ def check_writable(path: Path) -> None:
         raise BenchError(f"cannot write {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise BenchError(f"cannot write {path}: directory {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise BenchError(f"cannot write {path}: the file is not writable")
 
 
 def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:

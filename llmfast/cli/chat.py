@@ -7,7 +7,9 @@ is aborted, the turn dropped from the history); Ctrl-C or Ctrl-D at the prompt e
 Piped (stdin not a terminal): one message or /command per line; each reply is written
 plainly to stdout followed by an empty line; stats and command acknowledgements go to
 stderr. A line that is not UTF-8 ends the run with exit 1 (a script must not go on with
-a conversation it did not mean to have); interactively it is reported and skipped.
+a conversation it did not mean to have); interactively it is reported and skipped. A
+turn or command that fails is reported and the run goes on, but exits 1 at the end, so
+that a script sees that not every line was answered.
 """
 
 from __future__ import annotations
@@ -79,7 +81,15 @@ def chat(
 
 
 def _piped(session: ChatSession, err: Console) -> None:
+    failed = _piped_lines(session, err)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _piped_lines(session: ChatSession, err: Console) -> int:
+    """Answer each input line; returns how many failed (each reported already)."""
     out = sys.stdout
+    failed = 0
     for number, raw in enumerate(sys.stdin.buffer, start=1):
         try:
             line = raw.decode("utf-8").rstrip("\r\n")
@@ -89,16 +99,18 @@ def _piped(session: ChatSession, err: Console) -> None:
         if not line.strip():
             continue
         if line.strip() in EXIT_COMMANDS:
-            return
+            break
         if line.startswith("/"):
-            _command(session, line, err)
+            failed += not _command(session, line, err)
             continue
         result = _reply(session, line, lambda delta: (out.write(delta), out.flush()))
         if result is None:
+            failed += 1
             continue
         out.write("\n\n")
         out.flush()
         err.print(_stats_line(result), markup=False, soft_wrap=True)
+    return failed
 
 
 # ---------------------------------------------------------------------- interactive
@@ -174,17 +186,19 @@ def _stop_on_sigint() -> Iterator:
 # ---------------------------------------------------------------------- shared
 
 
-def _command(session: ChatSession, line: str, con: Console) -> None:
+def _command(session: ChatSession, line: str, con: Console) -> bool:
+    """Apply a /command; False if it failed (reported)."""
     if line.strip() == "/stats":
         con.print(_stats_report(session), markup=False, soft_wrap=True)
-        return
+        return True
     try:
         message = session.handle_command(line)
     except ChatCommandError as e:
         print_error(str(e))
-        return
+        return False
     if message:
         con.print(message, markup=False, style="dim")
+    return True
 
 
 def _stats_line(r: TurnResult) -> str:

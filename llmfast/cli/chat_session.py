@@ -100,9 +100,7 @@ class ChatSession:
     def __init__(self, llm, settings: ChatSettings, system: str | None = None) -> None:
         tokenizer = llm.tokenizer
         if tokenizer is None:
-            raise ChatCommandError(
-                f"model {llm.engine.source.name} has no tokenizer, so it cannot chat "
-                "(random: presets are for bench and profile)")
+            raise ChatCommandError(f"{llm.engine.no_tokenizer_reason()}, so it cannot chat")
         self.llm = llm
         self.tokenizer = tokenizer
         self.settings = settings

@@ -188,14 +188,14 @@ def engine_command(func: Callable[..., Any]) -> Callable[..., Any]:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user: shown as one line."""
     from llmfast.config import ConfigError
-    from llmfast.worker.kv_cache_sizing import KVCacheTooSmall
+    from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
     from llmfast.models.default_model import DefaultModelError
     from llmfast.models.loader import LoadError
     from llmfast.core.request import RequestRejected
     from llmfast.sampling_params import SamplingParamsError
 
     return (ConfigError, LoadError, RequestRejected, SamplingParamsError, KVCacheTooSmall,
-            DefaultModelError, ValueError, OSError)
+            KVCacheOutOfMemory, DefaultModelError, ValueError, OSError)
 
 
 def one_line(error: BaseException) -> str:

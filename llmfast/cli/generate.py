@@ -103,8 +103,7 @@ def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:
 def _prepare(llm, texts: list[str], chat: bool | None, system: str | None) -> list:
     tokenizer = llm.tokenizer
     if tokenizer is None:
-        raise ValueError(f"model {llm.engine.source.name} has no tokenizer, so it cannot take "
-                         "text prompts (random: presets are for bench and profile)")
+        raise ValueError(f"{llm.engine.no_tokenizer_reason()}, so it cannot take text prompts")
     use_chat = tokenizer.has_chat_template if chat is None else chat
     if not use_chat:
         return texts

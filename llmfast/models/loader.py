@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.llama import LlamaForCausalLM
@@ -24,6 +25,14 @@ from llmfast.models.safetensors_reader import (
     SafetensorsFile,
     SafetensorsFormatError,
     TensorReader,
+)
+from llmfast.models.validate import (
+    check_checkpoint,
+    check_hf_config,
+    check_model_size,
+    check_weights_fit,
+    is_ignorable,
+    safetensors_shapes,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,6 +114,7 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSo
             raise LoadError(
                 f"unknown random preset {preset!r}; choose one of {', '.join(RANDOM_PRESETS)}"
             )
+        check_model_size(RANDOM_PRESETS[preset])
         return ModelSource(spec, None, RANDOM_PRESETS[preset])
     path = Path(spec).expanduser()
     if not path.exists():
@@ -138,9 +148,12 @@ def _read_config(model_dir: Path) -> ModelConfig:
     if not config_path.is_file():
         raise LoadError(f"{model_dir} has no config.json; it is not an HF model directory")
     try:
-        return ModelConfig.from_json(config_path)
+        config = ModelConfig.from_json(config_path)
+        check_hf_config(json.loads(config_path.read_text()))
+        check_model_size(config)  # before anything is built from it
     except ConfigError as e:
         raise LoadError(f"{model_dir}: {e}") from None
+    return config
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -224,7 +237,8 @@ def load_safetensors_weights(
                 raise LoadError(f"cannot read {file.path}: {e}") from None
             try:
                 for name, entry in file.entries.items():
-                    target = _target(model, name, all_params)
+                    target = (None if is_ignorable(name, model.config)
+                              else _target(model, name, all_params))
                     if target is None:
                         logger.debug("skipping checkpoint tensor %s", name)
                         continue
@@ -295,22 +309,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def weights_too_big_message(needed: int, free: int, total: int, device: torch.device) -> str:
-    gib = 2**30
-    return (f"the model's weights need {needed / gib:.2f} GiB but {device} has "
-            f"{free / gib:.2f} GiB free of {total / gib:.2f} GiB; use a smaller model or "
-            "dtype, or free the GPU")
-
-
 @contextlib.contextmanager
 def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     """While constructing the model: parameters are allocated on `device` in `dtype`
     (default device and dtype) and left uninitialised (no `reset_parameters`: we
     overwrite every value). So each parameter is allocated exactly once, where and as it
-    will live. (Constructing on the meta device instead runs meta kernels written in
-    Python, whose first call imports torch._dynamo: 1.5-6 s, billed to loading even when
-    nothing is ever compiled.) Buffers with an explicit dtype, such as the float32 RoPE
-    table, keep it."""
+    will live. Buffers with an explicit dtype, such as the float32 RoPE table, keep it.
+    (On the meta device, where the config check builds its model, meta kernels written
+    in Python run, and the first imports torch._dynamo: 1.5-6 s of "load".)"""
     classes = (torch.nn.Linear, torch.nn.Embedding)
     saved_init = {cls: cls.__dict__["reset_parameters"] for cls in classes}
     saved_dtype = torch.get_default_dtype()
@@ -326,6 +332,32 @@ def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
             cls.reset_parameters = method  # type: ignore[method-assign]
 
 
+def _check_before_allocating(model: LlamaForCausalLM, source: ModelSource,
+                             dtype: torch.dtype, device: torch.device) -> None:
+    where = source.spec if source.path is None else str(source.path)
+    try:
+        check_weights_fit(model, dtype, device, _available_memory(device))
+        if source.path is not None:
+            shapes = safetensors_shapes(_safetensors_files(source.path))
+            check_checkpoint(model, shapes, lambda name: _target(model, name))
+    except ConfigError as e:
+        raise LoadError(f"{where}: {e}") from None
+    except SafetensorError as e:
+        raise LoadError(f"{where}: a safetensors file is corrupt or truncated: {e}") from None
+    except OSError as e:
+        raise LoadError(f"{where}: cannot read the weights: {e}") from None
+
+
+def _available_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        from llmfast.worker.kv_cache_sizing import available_host_memory
+
+        return available_host_memory()
+    return None
+
+
 def build_model(
     source: ModelSource,
     dtype: torch.dtype,
@@ -334,29 +366,19 @@ def build_model(
     seed: int = 0,
     progress: Progress | None = None,
 ) -> LlamaForCausalLM:
-    """Allocate the model directly on `device` in `dtype` (`_allocate_as`: each
-    parameter once, uninitialised), then write its weights in place: seeded random
-    values for a preset, the checkpoint's for a directory."""
+    """Check the checkpoint against the config on a meta-device model, then allocate
+    the model directly on `device` in `dtype` (`_allocate_as`: each parameter once,
+    uninitialised) and write its weights in place: seeded random values for a preset,
+    the checkpoint's for a directory."""
     device = torch.device(device)
-    model = None
-    try:
-        with _allocate_as(device, dtype):
-            model = LlamaForCausalLM(source.config, max_positions=max_positions)
-    except torch.OutOfMemoryError:
-        pass  # reported below, once the partial model is gone and its memory free again
-    if model is None:
-        torch.cuda.empty_cache()
-        raise LoadError(_too_big_for(source, dtype, device, max_positions))
+    with _allocate_as(torch.device("meta"), dtype):
+        shapes = LlamaForCausalLM(source.config, max_positions=max_positions)
+    _check_before_allocating(shapes, source, dtype, device)
+    del shapes
+    with _allocate_as(device, dtype):
+        model = LlamaForCausalLM(source.config, max_positions=max_positions)
     if source.path is None:
         init_random_weights(model, seed, progress)
     else:
         load_safetensors_weights(model, source.path, progress)
     return model.eval().requires_grad_(False)
-
-
-def _too_big_for(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                 max_positions: int | None) -> str:
-    with torch.device("meta"):
-        shapes = LlamaForCausalLM(source.config, max_positions=max_positions)
-    free, total = torch.cuda.mem_get_info(device)
-    return weights_too_big_message(weight_bytes(shapes.to(dtype)), free, total, device)

@@ -19,6 +19,37 @@ class KVCacheTooSmall(ValueError):
     """The KV cache cannot hold even one request; one user-facing line."""
 
 
+class KVCacheOutOfMemory(ValueError):
+    """The KV cache asked for does not fit in memory; one user-facing line."""
+
+
+def kv_cache_out_of_memory(num_blocks: int, block_bytes: int, available: int | None,
+                           device: torch.device, cache: CacheConfig) -> KVCacheOutOfMemory:
+    """The error naming what was asked, what is there, and the setting to lower."""
+    if cache.num_gpu_blocks_override is not None:
+        setting = "num_gpu_blocks_override"
+    elif device.type == "cuda":
+        setting = "--gpu-memory-utilization"
+    else:
+        setting = "--kv-cache-memory"
+    there = "unknown" if available is None else f"{available / GiB:.2f} GiB"
+    return KVCacheOutOfMemory(
+        f"cannot allocate the KV cache: {num_blocks * block_bytes / GiB:.2f} GiB asked "
+        f"({num_blocks} blocks of {block_bytes} bytes), {there} available on {device}; "
+        f"lower {setting}")
+
+
+def check_kv_cache_fits_host(num_blocks: int, block_bytes: int, device: torch.device,
+                             cache: CacheConfig) -> None:
+    """On CPU, refuse a cache larger than the available RAM before allocating it: Linux
+    would grant the allocation and the OOM killer end the process while it is zeroed."""
+    if device.type != "cpu":
+        return
+    available = available_host_memory()
+    if num_blocks * block_bytes > available:
+        raise kv_cache_out_of_memory(num_blocks, block_bytes, available, device, cache)
+
+
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across all layers, keys and values."""
     per_token = 2 * model.num_hidden_layers * model.kv_size * dtype.itemsize

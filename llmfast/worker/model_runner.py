@@ -21,7 +21,15 @@ from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
-from llmfast.worker.kv_cache_sizing import check_fits_one_request, kv_block_bytes, num_cpu_blocks, num_gpu_blocks
+from llmfast.worker.kv_cache_sizing import (
+    available_host_memory,
+    check_fits_one_request,
+    check_kv_cache_fits_host,
+    kv_block_bytes,
+    kv_cache_out_of_memory,
+    num_cpu_blocks,
+    num_gpu_blocks,
+)
 from llmfast.models.loader import ModelSource, build_model
 from llmfast.nvtx_ranges import nvtx_range
 from llmfast.worker.sampler import Sampler
@@ -110,9 +118,17 @@ class ModelRunner:
             progress(f"allocating KV cache: {num_blocks} blocks", None)
         shape = (model_cfg.num_hidden_layers, 2, num_blocks, self.block_size,
                  model_cfg.num_key_value_heads, model_cfg.head_dim)
+        check_kv_cache_fits_host(num_blocks, block_bytes, self.device, cfg.cache)
+        try:
+            kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        except (torch.OutOfMemoryError, RuntimeError):  # RuntimeError: the CPU allocator's
+            available = (torch.cuda.mem_get_info(self.device)[0]
+                         if self.device.type == "cuda" else available_host_memory())
+            raise kv_cache_out_of_memory(num_blocks, block_bytes, available, self.device,
+                                         cfg.cache) from None
         # fill_ writes every page now: on Linux, reading never-written (calloc'd) pages
         # of a big CPU tensor was measured ~50x slower than reading written ones.
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device).fill_(0)
+        self.kv_cache = kv_cache.fill_(0)
         self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0

@@ -1,0 +1,162 @@
+"""Config and checkpoint agreement, checked before anything is allocated.
+
+Three checks, in the order loading meets them:
+- `check_hf_config`: settings in config.json that the decoder would otherwise ignore
+  (an activation other than SiLU, a partial rotary embedding, rope parameters that are
+  missing or out of range) are refused, not run as something else;
+- `check_model_size`: every dimension within what real models use, and the weights within
+  the memory there is, before a layer is built or a byte allocated (a config saying 10^9
+  layers fails at once instead of hanging);
+- `check_checkpoint`: each checkpoint tensor maps to a parameter of the model built on
+  the meta device, with the same shape; every parameter row is covered; no tensor is left
+  over (e.g. the weights of a layer that config.json does not have).
+
+The mapping from checkpoint names to parameters is the loader's own (passed in), so the
+check follows every model family and option the loader knows about.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmfast.config import ConfigError, ModelConfig
+
+# Activations that are SiLU under another name (transformers' ACT2FN maps both to SiLU).
+SILU_NAMES = ("silu", "swish")
+
+# Limits well above every released model (Llama 3.1 405B: 126 layers, hidden 16384, FFN
+# 53248; the largest vocabularies ~262k), far below what would hang or exhaust memory.
+SIZE_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 65536,
+    "intermediate_size": 262144,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 26,
+}
+
+# Checkpoint tensors that carry nothing the model needs: rotary tables are recomputed.
+_IGNORABLE = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+# (parameter, rows within it) that a checkpoint tensor fills, or None if it fills none.
+Target = Callable[[str], "tuple[torch.Tensor, slice | None] | None"]
+
+
+def check_hf_config(cfg: Mapping[str, Any]) -> None:
+    """Refuse config.json settings that the decoder does not implement."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in SILU_NAMES:
+        raise ConfigError(f"unsupported activation hidden_act={act!r}; llmfast runs SiLU models")
+    partial = cfg.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        raise ConfigError(f"rope settings must be an object, got {rope!r:.60}")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not _positive_number(theta):
+        raise ConfigError(f"rope_theta must be a positive number, got {theta!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    required = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings")}.get(kind, ())
+    for key in required:
+        if not _positive_number(rope.get(key)):
+            raise ConfigError(f"{kind} rope scaling needs a positive {key}, got {rope.get(key)!r}")
+    if kind == "llama3" and not rope["low_freq_factor"] < rope["high_freq_factor"]:
+        raise ConfigError("llama3 rope scaling needs low_freq_factor < high_freq_factor")
+
+
+def _positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def check_model_size(config: ModelConfig) -> None:
+    """Dimensions within `SIZE_LIMITS` (cheap arithmetic; nothing is built)."""
+    for name, limit in SIZE_LIMITS.items():
+        value = getattr(config, name)
+        if value > limit:
+            raise ConfigError(f"model config: {name}={value} is implausibly large (limit {limit})")
+
+
+def check_weights_fit(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                      available: int | None) -> None:
+    """The weights of `model` (built on the meta device) in `dtype` within `available`
+    bytes of `device` (None: unknown, not checked)."""
+    num_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    if available is not None and num_bytes > available:
+        raise ConfigError(
+            f"the weights need {num_bytes / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}"
+            f", only {available / 2**30:.1f} GiB is available on {device}")
+
+
+def check_checkpoint(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],
+                     target: Target) -> None:
+    """Checkpoint tensors (name -> shape) against `model`'s parameters (built on meta,
+    weights not tied yet). `target` is the loader's name -> (parameter, rows) mapping."""
+    config: ModelConfig = model.config
+    params = dict(model.named_parameters())
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)  # the embedding's rows
+    name_of = {id(p): n for n, p in params.items()}
+    covered = {n: torch.zeros(p.shape[0], dtype=torch.bool) for n, p in params.items()}
+    for name, shape in shapes.items():
+        if is_ignorable(name, config):
+            continue
+        hit = target(name)
+        param_name = None if hit is None else name_of.get(id(hit[0]))
+        if param_name is None:
+            raise ConfigError(_unexpected(name, shape, config))
+        param, rows = hit
+        expected = tuple(param.shape if rows is None else param[rows].shape)
+        if tuple(shape) != expected:
+            raise ConfigError(
+                f"checkpoint tensor {name} has shape {tuple(shape)}, config.json implies "
+                f"{expected}")
+        covered[param_name][rows if rows is not None else slice(None)] = True
+    missing = [n for n, rows in covered.items() if not bool(rows.all())]
+    if missing:
+        raise ConfigError(
+            f"the checkpoint lacks weights for {len(missing)} parameter(s) that config.json "
+            f"implies, e.g. {missing[0]}")
+
+
+def is_ignorable(name: str, config: ModelConfig) -> bool:
+    """A checkpoint tensor the model has no use for and may safely skip."""
+    if _IGNORABLE.search(name):
+        return True
+    # Some tied checkpoints still store the head: a copy of the embedding.
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _unexpected(name: str, shape: tuple[int, ...], config: ModelConfig) -> str:
+    layer = _LAYER.match(name)
+    if layer and int(layer[1]) >= config.num_hidden_layers:
+        return (f"the checkpoint has weights for layer {layer[1]} ({name}) but config.json "
+                f"says num_hidden_layers={config.num_hidden_layers}")
+    return f"unexpected checkpoint tensor {name} {tuple(shape)}: config.json does not describe it"
+
+
+def safetensors_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in `files`, from their headers (no data is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                if name in shapes:
+                    raise ConfigError(f"tensor {name} is stored twice (again in {file.name})")
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
