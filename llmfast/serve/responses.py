@@ -157,7 +157,12 @@ def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
     for e in entries:
         tokens.append(e.token)
         token_logprobs.append(e.logprob)
-        top.append({tok: lp for tok, _, lp in e.top})
+        # Keyed by text, as OpenAI's format is: distinct ids can decode alike (e.g. bytes
+        # of one character), and then the likelier keeps the key.
+        alternatives: dict[str, float] = {}
+        for tok, _, lp in e.top:
+            alternatives.setdefault(tok, lp)
+        top.append(alternatives)
         offsets.append(offset)
         offset += len(e.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
