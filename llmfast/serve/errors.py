@@ -46,19 +46,35 @@ def error_body(message: str, status: int, param: str | None = None,
 
 
 def from_validation_error(error: ValidationError | RequestValidationError) -> APIError:
-    """The first pydantic complaint as one line, naming the top-level field (OpenAI's
-    `param`); pydantic's deeper location parts name union members, not user fields."""
+    """The first pydantic complaint as one line: `messages[0].role: Input should be ...`.
+    `param` is the top-level field (OpenAI's convention)."""
     first = error.errors()[0]
-    loc = [part for part in first.get("loc", ()) if part != "body"]
-    param = str(loc[0]) if loc else None
-    msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "")
-    if param in UNION_HINTS and len(loc) > 1 and isinstance(loc[1], str):
-        msg = f"must be {UNION_HINTS[param]}"  # pydantic would name one union member
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    msg = first.get("msg", "invalid value")
+    if kind == "json_invalid":
         return APIError(f"malformed JSON: {msg.removeprefix('Invalid JSON: ')}", 400,
                         code="invalid_json")
-    return APIError(f"{param}: {msg}" if param else (msg or "invalid request"), 400, param,
-                    "invalid_value")
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if not loc:
+        return APIError("the request body must be a JSON object" if kind == "model_type"
+                        else msg, 400, code="invalid_value")
+    path, field = "", str(loc[0])
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _is_type_tag(part):  # pydantic names the union member it tried last
+            if field in UNION_HINTS:
+                msg = f"must be {UNION_HINTS[field]}"
+            break
+        else:
+            path, field = f"{path}.{part}" if path else part, part
+    if kind == "extra_forbidden":
+        msg = "unknown field"
+    return APIError(f"{path}: {msg}", 400, str(loc[0]), "invalid_value")
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
 
 
 def install_handlers(app: FastAPI) -> None:

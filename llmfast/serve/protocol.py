@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "messages": "a list of {role, content} objects with string (or text-part) content",
+    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
 }
 
 
