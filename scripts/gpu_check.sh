@@ -9,7 +9,8 @@
 #     || exit; bash scripts/gpu_check.sh
 #
 # Each step has its own time limit so that one hang still leaves the summary.
-# Steps: GPU_CHECK_STEPS="tests kernels modes" (default: all three). One device call may
+# Steps: GPU_CHECK_STEPS="tests kernels modes" (default: all three); "serve" (not in the
+# default) starts `llmfast serve` on random:llama-3.2-1b and load-tests it. One device call may
 # run 600 s at most, and the steps' limits add up to more: run two calls,
 # GPU_CHECK_STEPS=tests, then GPU_CHECK_STEPS="kernels modes" (cold caches both times:
 # Triton and Inductor compile from scratch on a fresh machine).
@@ -51,6 +52,16 @@ for step in $STEPS; do
         modes)
             run_step modes 330 python3 scripts/bench_modes.py --model random:llama-3.2-1b \
                 --dtype bfloat16 --json "$OUT/modes.json" ;;
+        serve)
+            run_step serve 400 bash -c '
+                python3 -m llmfast serve --model random:llama-3.2-1b --dtype bfloat16 \
+                    --port 8011 > "$0/serve-server.log" 2>&1 &
+                pid=$!
+                for _ in $(seq 300); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
+                python3 scripts/bench_serve.py --url http://127.0.0.1:8011 --num-prompts 256 \
+                    --input-len 256 --output-len 128 --vocab-size 32000 \
+                    --request-rate 4,16,64,inf --json "$0/serve.json"
+                rc=$?; kill -TERM $pid; wait $pid; exit $rc' "$OUT" ;;
         *) echo "unknown step $step" ;;
     esac
 done
@@ -68,6 +79,10 @@ fi
 if [[ -f "$OUT/kernels.json" ]]; then
     echo "--- kernels: see $OUT/kernels.log / kernels.json"
     tail -n 12 "$OUT/kernels.log"
+fi
+if [[ -f "$OUT/serve.log" ]]; then
+    echo "--- serve (llmfast serve under load, ms):"
+    tail -n 7 "$OUT/serve.log"
 fi
 if [[ -f "$OUT/modes.log" ]]; then
     echo "--- modes (decode step latency, ms; x = speed-up over eager):"

@@ -265,3 +265,19 @@ def test_greedy_text_equals_llmfast_generate(client, model, serve_model_dir):
         model=model, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=16
     ).choices[0].message.content for p in prompts]
     assert served == expected
+
+
+def test_load_generator_counts_every_request(server):
+    """scripts/bench_serve.py's runner: all requests complete with their token counts and
+    the latency summaries cover them (no timing is asserted)."""
+    from llmfast.bench.serving import format_result, run_serve_bench
+    from llmfast.bench.workload import random_requests
+
+    requests = random_requests(6, 24, 5, vocab_size=300, seed=1)
+    result = asyncio.run(run_serve_bench(server.base_url + "/v1", requests, request_rate=50.0,
+                                         max_concurrency=4))
+    assert (result.completed, result.failed) == (6, 0)
+    assert result.ttft.count == 6 and result.e2e.count == 6 and result.tpot.count == 6
+    assert result.output_tokens_per_s == pytest.approx(30 / result.duration_s)
+    assert 0 < result.ttft.median <= result.e2e.median
+    assert "| TTFT |" in format_result(result)
