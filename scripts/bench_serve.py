@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.bench.serving import format_result, run_serve_bench  # noqa: E402
-from llmfast.bench.workload import random_requests  # noqa: E402
+from llmfast.bench.serving import format_result, run_serve_bench
+from llmfast.bench.workload import random_requests
 
 
 def _rates(text: str) -> list[float]:

@@ -258,7 +258,7 @@ def test_greedy_text_equals_llmfast_generate(client, model, serve_model_dir):
     cmd = [sys.executable, "-m", "llmfast", "generate", "--model", str(serve_model_dir),
            "--json", "--max-tokens", "16", "--temperature", "0", "--kv-cache-memory", "32MiB",
            *prompts]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=repo_env(), timeout=300)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=repo_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     expected = [row["text"] for row in json.loads(done.stdout)]
     served = [client.chat.completions.create(

@@ -10,6 +10,7 @@ Runs on httpx's asyncio client; imports neither torch nor the engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -81,7 +82,7 @@ async def _one(client, url: str, model: str, req: BenchRequest, headers: dict) -
     return {"ttft": ttft, "e2e": e2e, "output_len": n_out,
             "prompt_len": usage["prompt_tokens"],
             "tpot": (e2e - ttft) / (n_out - 1) if n_out > 1 else None,
-            "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])]}
+            "itl": [b - a for a, b in itertools.pairwise(chunk_times)]}
 
 
 async def run_serve_bench(url: str, requests: Sequence[BenchRequest], request_rate: float,
@@ -135,11 +136,11 @@ def format_result(result: ServeBenchResult) -> str:
     """A markdown summary: throughput line, then a ms table of the latency metrics."""
     rate = "inf" if math.isinf(result.request_rate) else f"{result.request_rate:g}"
     lines = [
-        f"{result.completed}/{result.num_requests} requests ok ({result.failed} failed) in "
-        f"{result.duration_s:.2f} s at rate {rate}/s, max concurrency "
-        f"{result.max_concurrency or 'unlimited'}: {result.requests_per_s:.2f} req/s, "
-        f"{result.output_tokens_per_s:.1f} output tok/s, "
-        f"{result.total_tokens_per_s:.1f} total tok/s",
+        (f"{result.completed}/{result.num_requests} requests ok ({result.failed} failed) in "
+         f"{result.duration_s:.2f} s at rate {rate}/s, max concurrency "
+         f"{result.max_concurrency or 'unlimited'}: {result.requests_per_s:.2f} req/s, "
+         f"{result.output_tokens_per_s:.1f} output tok/s, "
+         f"{result.total_tokens_per_s:.1f} total tok/s"),
         "",
         "| metric (ms) | mean | median | p90 | p99 | max |",
         "|---|---:|---:|---:|---:|---:|",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from llmfast.serve.engine_loop import AsyncEngine
 from llmfast.serve.errors import APIError, from_validation_error, install_handlers
@@ -126,15 +127,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     too_big = declared.isdigit() and int(declared) > limit
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_big = True
-        if too_big:
-            if size > limit + _DRAIN_LIMIT:
-                break
-            continue
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                too_big = True
+            if too_big:
+                if size > limit + _DRAIN_LIMIT:
+                    break
+                continue
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: nobody reads the answer
+        raise APIError("the client disconnected while sending the request", 400) from None
     if too_big:
         raise APIError(f"the request body is larger than the server's limit of {limit} bytes",
                        413, code="request_too_large")

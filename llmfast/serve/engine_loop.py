@@ -17,6 +17,7 @@ that the next step mutates, so they never leave the engine thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -204,25 +205,27 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
-        engine = self.engine
         while True:
-            if not self._drain_commands():
-                return
-            if not engine.has_unfinished():
-                self.stats = engine.stats()
-                self._wake.wait()
-                self._wake.clear()
-                continue
             try:
-                outputs = engine.step()
-            except Exception:  # noqa: BLE001 - a bug must not take the server down
+                if not self._drain_commands():
+                    return
+                self._step_or_wait()
+            except Exception:  # a bug must not take the server down
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(StreamError("internal error in the engine step", 500))
-                continue
-            batch = [item for out in outputs if (item := self._route(out)) is not None]
+
+    def _step_or_wait(self) -> None:
+        engine = self.engine
+        if not engine.has_unfinished():
             self.stats = engine.stats()
-            if batch:
-                self._loop.call_soon_threadsafe(self._deliver, batch)
+            self._wake.wait()
+            self._wake.clear()
+            return
+        outputs = engine.step()
+        batch = [item for out in outputs if (item := self._route(out)) is not None]
+        self.stats = engine.stats()
+        if batch:
+            self._loop.call_soon_threadsafe(self._deliver, batch)
 
     def _drain_commands(self) -> bool:
         """Apply queued commands; False once told to stop."""
@@ -240,7 +243,6 @@ class AsyncEngine:
             else:
                 self._fail_all(StreamError(command.message, 503))
                 self._fail_pending_adds(command.message)
-                self.stats = self.engine.stats()
                 return False
 
     def _apply_add(self, command: _Add) -> None:
@@ -312,10 +314,13 @@ class AsyncEngine:
 
     def _fail_all(self, error: StreamError) -> None:
         streams = {}
-        for req_id, route in self._routes.items():
-            self.engine.abort(req_id)
+        routes, self._routes = self._routes, {}
+        for req_id, route in routes.items():
             streams[id(route.stream)] = route.stream
-        self._routes.clear()
+            with contextlib.suppress(Exception):  # after a failed step, free what we can
+                self.engine.abort(req_id)
+        with contextlib.suppress(Exception):
+            self.stats = self.engine.stats()
         if streams:
             self._loop.call_soon_threadsafe(self._deliver, [(s, error) for s in streams.values()])
 
