@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +122,7 @@ def print_summary(rows) -> None:
 
 
 def engine_baseline(model: str, flags: list[str], requests, rates, seed: int):
-    """The same requests on the engine in this process (no HTTP, no threads)."""
+    """The same requests on the engine in this process (no HTTP, no event loop)."""
     from llmfast.bench.latency import run_latency
     from llmfast.llm import LLM
 
@@ -129,14 +130,19 @@ def engine_baseline(model: str, flags: list[str], requests, rates, seed: int):
     for flag, value in zip(flags[::2], flags[1::2]):
         name = flag.lstrip("-").replace("-", "_")
         kwargs[name] = parse_bytes(value) if name == "kv_cache_memory" else int(value)
-    llm = LLM(None if model == "default" else model, **kwargs)
+    engine = LLM(None if model == "default" else model, **kwargs).engine
     rows = []
-    for rate in rates:
-        result = run_latency(llm.engine, requests, rate, seed)
-        print(f"## engine in-process, rate {rate:g}/s: {result.output_tokens_per_s:.1f} "
-              f"output tok/s", flush=True)
-        rows.append(("engine (in-process)", result))
-    del llm
+    # In a worker thread, as the server steps it: the comparison then isolates what HTTP,
+    # JSON and the event loop cost. (On a CPU oversubscribed by other processes, torch's
+    # intra-op team in the main thread was many times slower than in a worker thread:
+    # measured on the 2-core dev machine under load 8.)
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        for rate in rates:
+            result = worker.submit(run_latency, engine, requests, rate, seed).result()
+            print(f"## engine in-process, rate {rate:g}/s: {result.output_tokens_per_s:.1f} "
+                  f"output tok/s", flush=True)
+            rows.append(("engine (in-process)", result))
+    del engine
     gc.collect()
     return rows
 

@@ -19,6 +19,7 @@ from llmfast.serve.errors import APIError, from_validation_error, install_handle
 from llmfast.serve.generation import run_generation
 from llmfast.serve.metrics import CONTENT_TYPE, ServerMetrics
 from llmfast.serve.protocol import ChatCompletionRequest, CompletionRequest
+from llmfast.serve.responses import Kind
 from llmfast.serve.sampling import Limits, chat_inputs, completion_inputs
 
 # An oversized body is read to its end (discarded) so the client gets its 413 instead of a
@@ -87,32 +88,31 @@ def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
             "id": config.model_name, "object": "model", "created": created,
             "owned_by": "llmfast", "max_model_len": limits.max_model_len}]})
 
+    async def generate(request: Request, kind: Kind) -> Response:
+        authorize(request)
+        if kind == "completion":
+            req = await _parse(request, CompletionRequest, config.max_body_bytes)
+            check_model(req.model)
+            inputs = completion_inputs(req, limits)
+            extra = {"echo": req.echo, "want_logprobs": req.logprobs is not None}
+        else:
+            req = await _parse(request, ChatCompletionRequest, config.max_body_bytes)
+            check_model(req.model)
+            inputs = chat_inputs(req, limits)
+            extra = {"want_logprobs": req.logprobs}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await run_generation(request, front, metrics, kind, config.model_name, inputs,
+                                    stream=req.stream, include_usage=include_usage, **extra)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        authorize(request)
-        req = await _parse(request, CompletionRequest, config.max_body_bytes)
-        check_model(req.model)
-        inputs = completion_inputs(req, limits)
-        return await run_generation(
-            request, front, metrics, "completion", config.model_name, inputs,
-            stream=req.stream, include_usage=_include_usage(req), echo=req.echo,
-            want_logprobs=req.logprobs is not None)
+        return await generate(request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
-        req = await _parse(request, ChatCompletionRequest, config.max_body_bytes)
-        check_model(req.model)
-        inputs = chat_inputs(req, limits)
-        return await run_generation(
-            request, front, metrics, "chat", config.model_name, inputs,
-            stream=req.stream, include_usage=_include_usage(req), want_logprobs=req.logprobs)
+        return await generate(request, "chat")
 
     return app
-
-
-def _include_usage(req) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 async def _parse(request: Request, model: type[BaseModel], limit: int):
