@@ -140,6 +140,7 @@ class AsyncEngine:
         self._stopping = False
         # Read by /metrics from the event loop: replaced whole, never mutated.
         self.stats = engine.stats()
+        self.num_steps = 0  # engine steps taken (written by the engine thread only)
 
     # ------------------------------------------------------------------ event loop side
 
@@ -222,6 +223,7 @@ class AsyncEngine:
             self._wake.clear()
             return
         outputs = engine.step()
+        self.num_steps += 1
         batch = [item for out in outputs if (item := self._route(out)) is not None]
         self.stats = engine.stats()
         if batch:

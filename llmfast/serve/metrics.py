@@ -46,6 +46,8 @@ class _EngineStats:
                                   "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield CounterMetricFamily("llmfast_num_preemptions", "Requests preempted.",
                                   s.num_preemptions)
+        yield CounterMetricFamily("llmfast_engine_steps", "Engine steps taken.",
+                                  self.front.num_steps)
 
 
 class ServerMetrics:
