@@ -15,6 +15,7 @@
 #   startup     llmfast bench --startup: cold and warm start in two fresh processes
 #   sweep       llmfast bench --sizes 1..512: pure-decode rows, tok/s, % of HBM bandwidth
 #   throughput  llmfast vs HF generate (HF batch size probed), output and total tok/s
+#   serve       llmfast serve on random:llama-3.2-1b, load-tested at rates 4, 16, 64, inf
 #   defaults    offline throughput at step budgets 2048 / 8192 / 16384 tokens, to confirm
 #               the CUDA defaults (512 seqs / 8192 tokens, engine_args.DEFAULT_STEP_LIMITS)
 # One device call may run 600 s at most, and the steps' limits add up to more: split
@@ -81,6 +82,16 @@ for step in $STEPS; do
                     --input-len 256 --output-len 128 --max-num-seqs 512 \
                     --max-num-batched-tokens "$budget" --json "$OUT/defaults_$budget.json"
             done ;;
+        serve)
+            run_step serve 400 bash -c '
+                python3 -m llmfast serve --model random:llama-3.2-1b --dtype bfloat16 \
+                    --port 8011 > "$0/serve-server.log" 2>&1 &
+                pid=$!
+                for _ in $(seq 300); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
+                python3 scripts/bench_serve.py --url http://127.0.0.1:8011 --num-prompts 256 \
+                    --input-len 256 --output-len 128 --vocab-size 32000 \
+                    --request-rate 4,16,64,inf --json "$0/serve.json"
+                rc=$?; kill -TERM $pid; wait $pid; exit $rc' "$OUT" ;;
         *) echo "unknown step $step" ;;
     esac
 done
@@ -104,6 +115,10 @@ fi
 if [[ -f "$OUT/kernels.json" ]]; then
     echo "--- kernels: see $OUT/kernels.log / kernels.json"
     tail -n 12 "$OUT/kernels.log"
+fi
+if [[ -f "$OUT/serve.log" ]]; then
+    echo "--- serve (llmfast serve under load, ms):"
+    tail -n 7 "$OUT/serve.log"
 fi
 if [[ -f "$OUT/modes.log" ]]; then
     echo "--- modes (decode step latency, ms; x = speed-up over eager):"

@@ -1,4 +1,4 @@
-"""The `llmfast` command: chat, generate, bench, profile, pull.
+"""The `llmfast` command: chat, generate, bench, profile, serve, pull.
 
 This module only assembles the Typer app; each command lives in its own `cli_*` module.
 All parse and usage errors, like the commands' own errors, come out as one line
@@ -19,6 +19,7 @@ from llmfast.cli.common import engine_command, print_error
 from llmfast.cli.generate import GENERATE_EXAMPLES, generate
 from llmfast.cli.profile import PROFILE_EXAMPLES, profile
 from llmfast.cli.pull import PULL_EXAMPLES, pull
+from llmfast.cli.serve import SERVE_EXAMPLES, serve
 
 
 class _OneLineErrorGroup(TyperGroup):
@@ -58,7 +59,8 @@ def build_app() -> typer.Typer:
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     commands = (("chat", chat, CHAT_EXAMPLES), ("generate", generate, GENERATE_EXAMPLES),
-                ("bench", bench, BENCH_EXAMPLES), ("profile", profile, PROFILE_EXAMPLES))
+                ("bench", bench, BENCH_EXAMPLES), ("profile", profile, PROFILE_EXAMPLES),
+                ("serve", serve, SERVE_EXAMPLES))
     for name, func, examples in commands:
         app.command(name, epilog=examples)(engine_command(func))
     app.command("pull", epilog=PULL_EXAMPLES)(pull)

@@ -1,0 +1,66 @@
+"""`llmfast serve`: the OpenAI-compatible HTTP server (see llmfast/serve/)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+import typer
+
+from llmfast.cli.common import EngineOptions, load_llm, parse_bytes, stderr_console
+
+SERVE_EXAMPLES = """\
+**Examples**
+
+* `llmfast serve`  (the default model on http://127.0.0.1:8000/v1)
+
+* `llmfast serve ./my-llama --port 9000 --api-key secret`
+
+* `curl localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "Hi", "max_tokens": 8}'`
+
+* `python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x");
+  print(c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}]))'`
+"""
+
+
+def serve(
+    *,
+    opts: EngineOptions,
+    model_arg: Annotated[str | None, typer.Argument(
+        metavar="MODEL", help="The model (same as --model).", show_default=False)] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LLMFAST_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="The model id in the API.  [default: the model's name]",
+        show_default=False)] = None,
+    max_body_size: Annotated[str, typer.Option(
+        "--max-body-size", help="Largest request body (413 above), e.g. 8MiB.")] = "8MiB",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
+    from llmfast.serve.app import ServeConfig
+    from llmfast.serve.server import bind
+    from llmfast.serve.server import serve as run_server
+
+    if model_arg is not None:
+        if opts.model is not None and opts.model != model_arg:
+            raise typer.BadParameter(f"{model_arg!r} and --model {opts.model!r} disagree",
+                                     param_hint="'MODEL'")
+        opts = dataclasses.replace(opts, model=None if model_arg == "default" else model_arg)
+    if not 0 <= port <= 65535:
+        raise typer.BadParameter(f"must be in [0, 65535], got {port}", param_hint="'--port'")
+    max_body = parse_bytes(max_body_size, flag="--max-body-size")
+    sock = bind(host, port)  # before the slow start: a taken port fails at once
+    err = stderr_console()
+    llm = load_llm(opts, err)
+    source = llm.engine.source
+    name = served_model_name or source.name
+    aliases = tuple(a for a in (opts.model, source.spec) if a and a != name)
+    config = ServeConfig(model_name=name, model_aliases=aliases, api_key=api_key,
+                         max_body_bytes=max_body)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
+    err.print(f"serving {name} at {url}/v1 (OpenAI API; /health, /metrics)"
+              + ("; API key required" if api_key else ""), style="dim")
+    run_server(llm.engine, sock, config, access_log=opts.debug)

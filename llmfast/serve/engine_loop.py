@@ -1,0 +1,337 @@
+"""The async front of the synchronous engine: one thread owns `LLMEngine` and steps it
+while any request is live; HTTP handlers talk to it only through a command queue
+(add, abort, stop) and read their outputs from an asyncio queue per HTTP request.
+
+Why a thread and not `asyncio.to_thread(engine.step)` per step: the engine is not
+thread-safe, so every touch (adding, aborting, tokenising, detokenising logprob tokens,
+reading stats) must come from one place; a dedicated thread makes that place obvious and
+costs no hand-off per step. The event loop stays free to accept, parse and stream while a
+step runs. Concurrent HTTP requests land in the same `engine.step()` calls: continuous
+batching comes from the engine's scheduler, this file only feeds it.
+
+Outputs cross back to the event loop once per step (one `call_soon_threadsafe` with every
+request's news), as frozen `ChoiceDelta`s: the engine's `RequestOutput` holds live lists
+that the next step mutates, so they never leave the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmfast.engine import LLMEngine
+from llmfast.outputs import RequestOutput
+from llmfast.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Messages to render with the tokenizer's chat template (in the engine thread)."""
+
+    messages: tuple[dict[str, str], ...]
+
+
+PromptInput = str | list[int] | ChatPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[tuple[str, int, float], ...]  # the top-k (token, id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    """What one step did for one choice of an HTTP request."""
+
+    index: int  # choice index in the response (prompt_index * n + sample_index)
+    text: str  # new visible text
+    num_new_tokens: int
+    num_output_tokens: int  # so far
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """The engine cannot finish this request (shutdown, an internal failure)."""
+
+    message: str
+    status: int
+
+
+class EngineUnavailable(RuntimeError):
+    """The front is stopping or stopped; no new requests."""
+
+
+@dataclass(slots=True)
+class _Route:
+    stream: RequestStream
+    index: int
+    num_logprobs: int | None  # top-k asked for, None: no logprobs
+    logprobs_sent: int = 0
+
+
+class RequestStream:
+    """The outputs of one HTTP request: `ChoiceDelta`s, then possibly a `StreamError`."""
+
+    def __init__(self, request_id: str, num_choices: int) -> None:
+        self.request_id = request_id
+        self.num_choices = num_choices
+        self.engine_ids = [f"{request_id}-{i}" for i in range(num_choices)]
+        self._queue: asyncio.Queue[ChoiceDelta | StreamError] = asyncio.Queue()
+
+    def put(self, item: ChoiceDelta | StreamError) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> ChoiceDelta | StreamError:
+        return await self._queue.get()
+
+    def get_nowait(self) -> ChoiceDelta | StreamError | None:
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    stream: RequestStream
+    prompts: tuple[PromptInput, ...]
+    params: tuple[SamplingParams, ...]  # one per choice, prompt-major
+    done: asyncio.Future
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    engine_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    message: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine  # touched only by the engine thread once started
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._routes: dict[str, _Route] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        # Read by /metrics from the event loop: replaced whole, never mutated.
+        self.stats = engine.stats()
+        self.num_steps = 0  # engine steps taken (written by the engine thread only)
+
+    # ------------------------------------------------------------------ event loop side
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="llmfast-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
+                  params: Sequence[SamplingParams]) -> list[PreparedPrompt]:
+        """Tokenise the prompts and queue `len(params)` engine requests (the choices,
+        prompt-major; each prompt has `len(params) // len(prompts)` of them). Raises what
+        the engine raises for a bad prompt (RequestRejected, TokenizerError)."""
+        if not self.running:
+            raise EngineUnavailable("the server is shutting down")
+        done = self._loop.create_future()
+        self._send(_Add(stream, tuple(prompts), tuple(params), done))
+        return await done
+
+    def abort(self, engine_ids: Sequence[str]) -> None:
+        """Abort these engine requests (unknown or finished ids are ignored). Their KV
+        blocks are freed before the next step."""
+        if engine_ids and self._thread is not None:
+            self._send(_Abort(tuple(engine_ids)))
+
+    def stop(self, message: str = "the server is shutting down") -> None:
+        """End every live request with a StreamError and stop the engine thread."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._send(_Stop(message))
+
+    def stop_threadsafe(self, message: str = "the server is shutting down") -> None:
+        """`stop` from a signal handler or another thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.stop, message)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, batch: list[tuple[RequestStream, ChoiceDelta | StreamError]]) -> None:
+        for stream, item in batch:
+            stream.put(item)
+
+    def _resolve(self, future: asyncio.Future, result=None, error: BaseException | None = None
+                 ) -> None:
+        if future.done():  # the handler went away meanwhile; its ids get aborted anyway
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._drain_commands():
+                    return
+                self._step_or_wait()
+            except Exception:  # a bug must not take the server down
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(StreamError("internal error in the engine step", 500))
+
+    def _step_or_wait(self) -> None:
+        engine = self.engine
+        if not engine.has_unfinished():
+            self.stats = engine.stats()
+            self._wake.wait()
+            self._wake.clear()
+            return
+        outputs = engine.step()
+        self.num_steps += 1
+        batch = [item for out in outputs if (item := self._route(out)) is not None]
+        self.stats = engine.stats()
+        if batch:
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _drain_commands(self) -> bool:
+        """Apply queued commands; False once told to stop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if isinstance(command, _Add):
+                self._apply_add(command)
+            elif isinstance(command, _Abort):
+                for req_id in command.engine_ids:
+                    if self._routes.pop(req_id, None) is not None:
+                        self.engine.abort(req_id)
+            else:
+                self._fail_all(StreamError(command.message, 503))
+                self._fail_pending_adds(command.message)
+                return False
+
+    def _apply_add(self, command: _Add) -> None:
+        engine = self.engine
+        stream = command.stream
+        added: list[str] = []
+        try:
+            prepared = [self._prepare(p) for p in command.prompts]
+            per_prompt = len(command.params) // len(prepared)
+            for i, (req_id, params) in enumerate(zip(stream.engine_ids, command.params)):
+                prompt = prepared[i // per_prompt]
+                engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
+                                   params, request_id=req_id)
+                added.append(req_id)
+                self._routes[req_id] = _Route(stream, i, params.logprobs)
+        except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
+            for req_id in added:
+                self._routes.pop(req_id, None)
+                engine.abort(req_id)
+            self._loop.call_soon_threadsafe(self._resolve, command.done, None, e)
+            return
+        self._loop.call_soon_threadsafe(self._resolve, command.done, prepared)
+
+    def _prepare(self, prompt: PromptInput) -> PreparedPrompt:
+        if isinstance(prompt, ChatPrompt):
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise ValueError(f"model {self.engine.source.name} has no tokenizer, so it "
+                                 "has no chat template; use /v1/completions with token ids")
+            return PreparedPrompt(None, tokenizer.apply_chat_template(list(prompt.messages)))
+        text, ids = self.engine.tokenize_prompt(prompt)
+        return PreparedPrompt(text, ids)
+
+    def _route(self, out: RequestOutput) -> tuple[RequestStream, ChoiceDelta] | None:
+        route = self._routes.get(out.request_id)
+        if route is None:  # aborted since the step was scheduled
+            return None
+        completion = out.outputs[0]
+        logprobs = None
+        if route.num_logprobs is not None and completion.logprobs is not None:
+            new = completion.logprobs[route.logprobs_sent:]
+            route.logprobs_sent += len(new)
+            logprobs = tuple(self._token_logprob(entry, route.num_logprobs) for entry in new)
+        if out.finished:
+            del self._routes[out.request_id]
+        return route.stream, ChoiceDelta(
+            index=route.index,
+            text=completion.delta_text,
+            num_new_tokens=len(completion.delta_token_ids),
+            num_output_tokens=len(completion.token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    def _token_logprob(self, entry: dict[int, float], k: int) -> TokenLogprob:
+        # The engine's entry: the sampled token first, then the top-k others.
+        sampled, lp = next(iter(entry.items()))
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        return TokenLogprob(self._token_text(sampled), sampled, lp,
+                            tuple((self._token_text(t), t, v) for t, v in top))
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token_id}"
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _fail_all(self, error: StreamError) -> None:
+        streams = {}
+        routes, self._routes = self._routes, {}
+        for req_id, route in routes.items():
+            streams[id(route.stream)] = route.stream
+            with contextlib.suppress(Exception):  # after a failed step, free what we can
+                self.engine.abort(req_id)
+        with contextlib.suppress(Exception):
+            self.stats = self.engine.stats()
+        if streams:
+            self._loop.call_soon_threadsafe(self._deliver, [(s, error) for s in streams.values()])
+
+    def _fail_pending_adds(self, message: str) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._loop.call_soon_threadsafe(self._resolve, command.done, None,
+                                                EngineUnavailable(message))

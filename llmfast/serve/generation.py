@@ -1,0 +1,136 @@
+"""One completion or chat request through the engine: queue it, then stream SSE chunks or
+collect the whole response. Whatever way the HTTP request ends early (client gone,
+shutdown, error), its engine requests are aborted on the spot, which frees their KV blocks
+before the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmfast.serve.engine_loop import (
+    AsyncEngine,
+    EngineUnavailable,
+    PreparedPrompt,
+    RequestStream,
+    StreamError,
+)
+from llmfast.serve.errors import APIError, error_body
+from llmfast.serve.metrics import RequestTracker, ServerMetrics
+from llmfast.serve.responses import Kind, ResponseBuilder
+from llmfast.serve.sampling import EngineInputs
+from llmfast.serve.sse import DONE, event
+
+# HTTP status for a response nobody will read (nginx's "client closed request").
+CLIENT_CLOSED = 499
+
+
+async def run_generation(request: Request, front: AsyncEngine, metrics: ServerMetrics,
+                         kind: Kind, model: str, inputs: EngineInputs, *, stream: bool,
+                         include_usage: bool, echo: bool = False, want_logprobs: bool = False,
+                         ) -> Response:
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    rs = RequestStream(f"{prefix}-{uuid.uuid4().hex}", len(inputs.params))
+    prepared = await _submit(front, rs, inputs, kind)
+    metrics.prompt_tokens.inc(sum(len(p.token_ids) for p in prepared))
+    builder = ResponseBuilder(kind, rs.request_id, model, prepared, inputs.n, echo=echo,
+                              want_logprobs=want_logprobs)
+    tracker = metrics.tracker(len(inputs.params))
+    if stream:
+        return StreamingResponse(
+            _events(front, metrics, rs, builder, tracker, include_usage),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        done = await _until_disconnect(request, _collect(rs, builder, tracker))
+    finally:
+        if not builder.done:
+            front.abort(rs.engine_ids)
+            metrics.aborted.inc()
+    if not done:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(builder.response())
+
+
+async def _submit(front: AsyncEngine, rs: RequestStream, inputs: EngineInputs, kind: Kind
+                  ) -> list[PreparedPrompt]:
+    try:
+        return await front.add(rs, inputs.prompts, inputs.params)
+    except EngineUnavailable as e:
+        raise APIError(str(e), 503) from None
+    except ValueError as e:  # RequestRejected, TokenizerError, a prompt the engine refuses
+        raise APIError(_one_line(e), 400, "prompt" if kind == "completion" else "messages"
+                       ) from None
+    except BaseException:
+        front.abort(rs.engine_ids)  # cancelled while queued: the add may still happen
+        raise
+
+
+async def _collect(rs: RequestStream, builder: ResponseBuilder, tracker: RequestTracker
+                   ) -> None:
+    while not builder.done:
+        item = await rs.get()
+        if isinstance(item, StreamError):
+            raise APIError(item.message, item.status)
+        tracker.on_delta(item)
+        builder.add_text(item)
+
+
+async def _until_disconnect(request: Request, work) -> bool:
+    """Run `work`; False if the client disconnected first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():  # the client left: let the collector unwind
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+    task.result()  # re-raises an APIError from the stream
+    return True
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(front: AsyncEngine, metrics: ServerMetrics, rs: RequestStream,
+                  builder: ResponseBuilder, tracker: RequestTracker,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """SSE text. Deltas that queued up while the client was being written to go out in
+    one write. Cancelled when the client disconnects; the finally aborts."""
+    try:
+        head = "".join(event(c) for c in builder.first_chunks())
+        if head:
+            yield head
+        while not builder.done:
+            item = await rs.get()
+            parts = []
+            while item is not None:
+                if isinstance(item, StreamError):
+                    yield "".join(parts) + event(error_body(item.message, item.status)) + DONE
+                    return
+                tracker.on_delta(item)
+                parts.append(event(builder.chunk(item)))
+                item = None if builder.done else rs.get_nowait()
+            yield "".join(parts)
+        yield (event(builder.usage_chunk()) if include_usage else "") + DONE
+    finally:
+        if not builder.done:
+            front.abort(rs.engine_ids)
+            metrics.aborted.inc()
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

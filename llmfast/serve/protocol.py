@@ -1,0 +1,96 @@
+"""Request bodies of the OpenAI API, as strict pydantic models with OpenAI's field names.
+
+Strict: a number where a string belongs (or "5" where a number belongs) is a 400, as on
+OpenAI's own API; unknown fields are refused rather than silently ignored. Value ranges
+are checked once, by `SamplingParams`, when the request becomes engine requests. Besides
+OpenAI's fields the models take vLLM's common extras (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids), which the `openai` client passes via extra_body.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+# What a union-typed field accepts, for the 400 message when a value fits none of them.
+UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields completions and chat share."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None  # accepted, unused
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None  # refused unless equal to n
+    suffix: str | None = None  # refused
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # json_object / json_schema need guided decoding: refused
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None  # refused unless empty
+    tool_choice: str | None = None  # only "none"
+    parallel_tool_calls: bool | None = None

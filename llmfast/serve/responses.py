@@ -1,0 +1,177 @@
+"""OpenAI response JSON from engine deltas: whole responses, streaming chunks, usage and
+both logprobs formats (completions: tokens / token_logprobs / top_logprobs / text_offset;
+chat: content[{token, logprob, bytes, top_logprobs}])."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llmfast.serve.engine_loop import ChoiceDelta, PreparedPrompt, TokenLogprob
+
+Kind = Literal["completion", "chat"]
+
+
+@dataclass
+class _Choice:
+    prompt: PreparedPrompt
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0  # chars of text so far (completions' text_offset)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ResponseBuilder:
+    """One HTTP request's response: feed it deltas, ask for chunks or the whole body."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str,
+                 prompts: list[PreparedPrompt], n: int, echo: bool = False,
+                 want_logprobs: bool = False) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.n = n
+        self.echo = echo
+        self.want_logprobs = want_logprobs
+        self.choices = [_Choice(prompts[i // n]) for i in range(len(prompts) * n)]
+        self.num_finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.choices)
+
+    def add(self, delta: ChoiceDelta) -> _Choice:
+        choice = self.choices[delta.index]
+        choice.num_output_tokens = delta.num_output_tokens
+        choice.num_cached_tokens = delta.num_cached_tokens
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None and choice.finish_reason is None:
+            choice.finish_reason = _finish_reason(delta.finish_reason)
+            choice.stop_reason = delta.stop_reason
+            self.num_finished += 1
+        return choice
+
+    # ---------------------------------------------------------------- usage
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(c.num_output_tokens for c in self.choices)
+        cached = sum(self.choices[i * self.n].num_cached_tokens for i in range(len(self.prompts)))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---------------------------------------------------------------- whole response
+
+    def add_text(self, delta: ChoiceDelta) -> None:
+        """Non-streaming: keep the delta's text too."""
+        choice = self.add(delta)
+        if delta.text:
+            choice.text.append(delta.text)
+
+    def response(self) -> dict:
+        if self.kind == "completion":
+            choices = [self._completion_choice(i, c) for i, c in enumerate(self.choices)]
+            obj = "text_completion"
+        else:
+            choices = [self._chat_choice(i, c) for i, c in enumerate(self.choices)]
+            obj = "chat.completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _completion_choice(self, index: int, c: _Choice) -> dict:
+        head = (c.prompt.text or "") if self.echo else ""
+        return {"index": index, "text": head + "".join(c.text),
+                "logprobs": _completion_logprobs(c.logprobs, len(head)) if self.want_logprobs
+                else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def _chat_choice(self, index: int, c: _Choice) -> dict:
+        return {"index": index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": _chat_logprobs(c.logprobs) if self.want_logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    # ---------------------------------------------------------------- streaming chunks
+
+    def first_chunks(self) -> list[dict]:
+        """Chat: the assistant role, once per choice. Completions with echo: the prompt."""
+        if self.kind == "chat":
+            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                    for i in range(len(self.choices))]
+        if self.echo:
+            chunks = []
+            for i, c in enumerate(self.choices):
+                head = c.prompt.text or ""
+                c.text_len = len(head)
+                chunks.append(self._chunk([{"index": i, "text": head, "logprobs": None,
+                                            "finish_reason": None}]))
+            return chunks
+        return []
+
+    def chunk(self, delta: ChoiceDelta) -> dict:
+        """The streaming chunk of one delta (call instead of `add`)."""
+        choice = self.add(delta)
+        finish = choice.finish_reason if delta.finish_reason is not None else None
+        logprobs = None
+        if self.kind == "completion":
+            if self.want_logprobs:
+                logprobs = _completion_logprobs(list(delta.logprobs or ()), choice.text_len)
+            choice.text_len += len(delta.text)
+            body = {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                    "finish_reason": finish}
+        else:
+            if self.want_logprobs:
+                logprobs = _chat_logprobs(list(delta.logprobs or ()))
+            body = {"index": delta.index,
+                    "delta": {"content": delta.text} if delta.text or finish is None else {},
+                    "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            body["stop_reason"] = choice.stop_reason
+        return self._chunk([body])
+
+    def usage_chunk(self) -> dict:
+        return {**self._chunk([]), "usage": self.usage()}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": None}
+
+
+def _finish_reason(reason: str) -> str:
+    # "abort" only reaches a client when the engine ended the request itself.
+    return reason if reason in ("stop", "length") else "abort"
+
+
+def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(e.token)
+        token_logprobs.append(e.logprob)
+        # Keyed by text, as OpenAI's format is: distinct ids can decode alike (e.g. bytes
+        # of one character), and then the likelier keeps the key.
+        alternatives: dict[str, float] = {}
+        for tok, _, lp in e.top:
+            alternatives.setdefault(tok, lp)
+        top.append(alternatives)
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+         "top_logprobs": [{"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+                          for tok, _, lp in e.top]}
+        for e in entries]}

@@ -1,0 +1,114 @@
+"""From an OpenAI request body to engine inputs: prompts and one SamplingParams per choice.
+
+Value ranges are `SamplingParams`' own checks (its message becomes the 400); this file
+adds what only the API knows: n, unsupported fields, prompt shapes, chat messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from llmfast.sampling_params import SamplingParams, SamplingParamsError
+from llmfast.serve.engine_loop import ChatPrompt, PromptInput
+from llmfast.serve.errors import APIError
+from llmfast.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_n: int  # most choices per prompt: what can run in one step (max-num-seqs)
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    prompts: list[PromptInput]
+    params: list[SamplingParams]  # len(prompts) * n, prompt-major
+    n: int
+
+
+def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
+    if req.suffix is not None:
+        raise APIError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of other than n is not supported", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo with logprobs needs prompt logprobs, which are not supported",
+                       param="echo")
+    prompts = _completion_prompts(req.prompt)
+    base = _sampling_params(req, req.max_tokens, req.logprobs, limits)
+    choices = _per_choice(base, req.n)
+    return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n)
+
+
+def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
+    if not req.messages:
+        raise APIError("messages must not be empty", param="messages")
+    if req.tools:
+        raise APIError("tools are not supported", param="tools")
+    if req.tool_choice not in (None, "none"):
+        raise APIError("tool_choice is not supported", param="tool_choice")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    if max_tokens is None:  # OpenAI's default: up to the context length
+        max_tokens = limits.max_model_len
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    messages = tuple({"role": m.role, "content": m.text()} for m in req.messages)
+    base = _sampling_params(req, max_tokens, logprobs, limits)
+    return EngineInputs([ChatPrompt(messages)], _per_choice(base, req.n), req.n)
+
+
+def _completion_prompts(prompt) -> list[PromptInput]:
+    if isinstance(prompt, str):
+        prompts: list[PromptInput] = [prompt]
+    elif prompt and isinstance(prompt[0], list):
+        prompts = [list(p) for p in prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise APIError("prompt must not be empty", param="prompt")
+    return prompts
+
+
+def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                     limits: Limits) -> SamplingParams:
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", param="logit_bias")
+    if not 1 <= req.n <= limits.max_n:
+        raise APIError(f"n must be in [1, {limits.max_n}] (the server's max-num-seqs), "
+                       f"got {req.n}", param="n")
+    given = {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty, "seed": req.seed,
+        "max_tokens": max_tokens, "min_tokens": req.min_tokens,
+    }
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    stop = req.stop
+    try:
+        return SamplingParams(
+            **kwargs,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except SamplingParamsError as e:
+        field = str(e).split(" ", 1)[0]
+        if field == "logprobs" and isinstance(req, ChatCompletionRequest):
+            field = "top_logprobs"
+        raise APIError(str(e), param=field if field in req.model_fields else None) from None
+
+
+def _per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies; with a seed, choice i samples with seed + i so the n choices differ (and
+    each is still reproducible)."""
+    if n == 1 or base.seed is None:
+        return [base] * n
+    return [dataclasses.replace(base, seed=base.seed + i) for i in range(n)]

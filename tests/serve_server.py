@@ -1,0 +1,86 @@
+"""Helpers for the server tests (imported by them; not a pytest conftest): a real
+`llmfast serve` subprocess on a free loopback port, and its /metrics as numbers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def repo_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str  # http://127.0.0.1:PORT
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """`name{labels}` -> value for every sample of /metrics."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(model_dir: Path, log_path: Path, *extra: str, timeout: float = 180.0
+                 ) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmfast", "serve", str(model_dir), "--port", str(port),
+           "--kv-cache-memory", "32MiB", *extra]
+    log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it until it exits
+    proc = subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"llmfast serve exited with {proc.returncode}:\n{server.log()[-3000:]}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    pytest.fail(f"llmfast serve did not become healthy in {timeout} s:\n{server.log()[-3000:]}")

@@ -1,0 +1,273 @@
+"""`llmfast serve` driven by the real `openai` client and httpx: completions, chat,
+streaming, n > 1, stop strings, logprobs, concurrency, a killed client, and greedy text
+equal to `llmfast generate`. One server subprocess for the module (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve_server import repo_env
+
+PROMPTS = ["hello there", "The capital of France is", "Tell me a story", "how are you today?"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(serve_model_dir):
+    from llmfast.tokenizer import load_tokenizer
+
+    return load_tokenizer(serve_model_dir)
+
+
+def _greedy(**kw):
+    return {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}, **kw}
+
+
+def test_models_health(server, model, serve_model_dir):
+    assert model == serve_model_dir.name
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_usage_counts_tokens(client, model, tokenizer):
+    out = client.completions.create(model=model, prompt=PROMPTS[1], **_greedy())
+    assert out.object == "text_completion"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[1]))
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    # Token-id prompts are the same request.
+    ids = tokenizer.encode(PROMPTS[1])
+    by_ids = client.completions.create(model=model, prompt=ids, **_greedy())
+    assert by_ids.choices[0].text == out.choices[0].text
+    # A repeated prompt is served from the prefix cache (blocks of 16 tokens; the
+    # prompt here is shorter than one, so nothing to reuse) - a long one is:
+    long_ids = (ids * 20)[:40]
+    client.completions.create(model=model, prompt=long_ids, **_greedy(max_tokens=1))
+    again = client.completions.create(model=model, prompt=long_ids, **_greedy(max_tokens=1))
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_streaming_equals_whole_response(client, model):
+    whole = client.completions.create(model=model, prompt=PROMPTS[0], **_greedy())
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[0], stream=True,
+                                            stream_options={"include_usage": True},
+                                            **_greedy()))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_and_chat_stream(client, model, tokenizer):
+    messages = [{"role": "system", "content": "you are a test"},
+                {"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model=model, messages=messages, **_greedy())
+    msg = whole.choices[0].message
+    assert whole.object == "chat.completion" and msg.role == "assistant"
+    assert whole.usage.prompt_tokens == len(tokenizer.apply_chat_template(messages))
+    assert whole.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                 **_greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # Text parts are accepted as content and mean the same.
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "hello "},
+                                                       {"type": "text", "text": "there"}]}]
+    same = client.chat.completions.create(model=model, messages=parts, **_greedy())
+    assert same.choices[0].message.content == msg.content
+
+
+def test_echo(client, model):
+    plain = client.completions.create(model=model, prompt=PROMPTS[2], **_greedy())
+    echoed = client.completions.create(model=model, prompt=PROMPTS[2], echo=True, **_greedy())
+    assert echoed.choices[0].text == PROMPTS[2] + plain.choices[0].text
+
+
+def test_n_and_prompt_lists(client, model):
+    greedy = client.completions.create(model=model, prompt=PROMPTS[:2], n=2, **_greedy())
+    assert [c.index for c in greedy.choices] == [0, 1, 2, 3]
+    assert greedy.choices[0].text == greedy.choices[1].text  # greedy: the same twice
+    assert greedy.choices[2].text == greedy.choices[3].text
+    assert greedy.choices[0].text != greedy.choices[2].text
+    assert greedy.usage.completion_tokens == 4 * 12
+    single = client.completions.create(model=model, prompt=PROMPTS[1], **_greedy())
+    assert greedy.choices[2].text == single.choices[0].text
+    # Sampled with a seed: n different samples, reproducible as a whole.
+    kw = {"temperature": 1.0, "max_tokens": 12, "seed": 7, "extra_body": {"ignore_eos": True}}
+    a = client.completions.create(model=model, prompt=PROMPTS[0], n=3, **kw)
+    b = client.completions.create(model=model, prompt=PROMPTS[0], n=3, **kw)
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices]
+    assert len(set(texts)) == 3
+    # Streaming n > 1: every choice gets its own chunks and its own finish.
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], n=3, stream=True, **kw))
+    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].finish_reason}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+
+
+def test_stop_strings(client, model):
+    full = client.completions.create(model=model, prompt=PROMPTS[3], **_greedy(max_tokens=24))
+    text = full.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert len(stop) == 2
+    cut = text[: text.index(stop)]
+    out = client.completions.create(model=model, prompt=PROMPTS[3], stop=[stop, "never seen"],
+                                    **_greedy(max_tokens=24))
+    assert out.choices[0].text == cut
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[3], stop=stop,
+                                            stream=True, **_greedy(max_tokens=24)))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+
+
+def test_logprobs(client, model):
+    out = client.completions.create(model=model, prompt=PROMPTS[0], logprobs=3, **_greedy())
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the argmax
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = list(client.completions.create(model=model, prompt=PROMPTS[0], logprobs=3,
+                                              stream=True, **_greedy()))
+    assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(lp.token_logprobs, abs=1e-5)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                          logprobs=True, top_logprobs=2, **_greedy())
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_concurrent_streams_batch_and_finish(server, client, model):
+    """32 streaming clients at once: each gets all its tokens and the text it gets alone
+    (greedy), and the engine ran them in shared steps."""
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+    alone = [client.completions.create(model=model, prompt=p, **_greedy(max_tokens=10))
+             .choices[0].text for p in prompts[:4]]
+    aclient = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0,
+                                 timeout=120)
+
+    async def one(prompt):
+        stream = await aclient.completions.create(
+            model=model, prompt=prompt, stream=True, stream_options={"include_usage": True},
+            **_greedy(max_tokens=10))
+        text, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+            if chunk.usage:
+                usage = chunk.usage
+        return "".join(text), usage
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    steps_before = server.metrics()["llmfast_engine_steps_total"]
+    results = asyncio.run(main())
+    steps = server.metrics()["llmfast_engine_steps_total"] - steps_before
+    assert all(usage.completion_tokens == 10 for _, usage in results)
+    assert [text for text, _ in results[:4]] == alone
+    # One at a time would take 32 * 10 steps; shared steps make it far fewer.
+    assert steps <= 32 * 10 / 4, f"{steps} steps for 320 tokens: requests rarely shared a step"
+
+
+_STREAMER = textwrap.dedent("""
+    import sys, httpx
+    body = {"prompt": "hello there", "max_tokens": 1900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                print("chunk", flush=True)
+""")
+
+
+def test_killed_client_frees_its_blocks(server):
+    before = server.metrics()
+    proc = subprocess.Popen([sys.executable, "-c", _STREAMER, server.base_url],
+                            stdout=subprocess.PIPE, text=True, env=repo_env())
+    try:
+        for _ in range(5):
+            assert proc.stdout.readline() == "chunk\n"
+        during = server.metrics()
+        assert during["llmfast_num_requests_running"] == 1
+        assert during["llmfast_kv_cache_usage_ratio"] > 0
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = server.metrics()
+        if after["llmfast_num_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert after["llmfast_num_requests_running"] == 0
+    assert after["llmfast_kv_cache_usage_ratio"] == 0
+    assert after["llmfast_request_aborted_total"] == before["llmfast_request_aborted_total"] + 1
+    generated = after["llmfast_generation_tokens_total"] - before["llmfast_generation_tokens_total"]
+    assert 5 <= generated < 1900  # aborted long before its max_tokens
+    # And the server goes on serving.
+    r = httpx.post(server.base_url + "/v1/completions",
+                   json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_greedy_text_equals_llmfast_generate(client, model, serve_model_dir):
+    prompts = PROMPTS[:3]
+    cmd = [sys.executable, "-m", "llmfast", "generate", "--model", str(serve_model_dir),
+           "--json", "--max-tokens", "16", "--temperature", "0", "--kv-cache-memory", "32MiB",
+           *prompts]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=repo_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    expected = [row["text"] for row in json.loads(done.stdout)]
+    served = [client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=16
+    ).choices[0].message.content for p in prompts]
+    assert served == expected
+
+
+def test_load_generator_counts_every_request(server):
+    """scripts/bench_serve.py's runner: all requests complete with their token counts and
+    the latency summaries cover them (no timing is asserted)."""
+    from llmfast.bench.serving import format_result, run_serve_bench
+    from llmfast.bench.workload import random_requests
+
+    requests = random_requests(6, 24, 5, vocab_size=300, seed=1)
+    result = asyncio.run(run_serve_bench(server.base_url + "/v1", requests, request_rate=50.0,
+                                         max_concurrency=4))
+    assert (result.completed, result.failed) == (6, 0)
+    assert result.ttft.count == 6 and result.e2e.count == 6 and result.tpot.count == 6
+    assert result.output_tokens_per_s == pytest.approx(30 / result.duration_s)
+    assert 0 < result.ttft.median <= result.e2e.median
+    assert "| TTFT |" in format_result(result)

@@ -1,0 +1,102 @@
+"""Bad input to `llmfast serve`: every case is a 4xx with an OpenAI error body (never a
+500, never a traceback), and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+# (route, raw body or JSON object, status, param)
+CASES = {
+    "malformed json": (COMPLETIONS, b'{"prompt": "hi", "max_tokens": ', 400, None),
+    "not an object": (COMPLETIONS, b'["hi"]', 400, None),
+    "no prompt": (COMPLETIONS, {"max_tokens": 4}, 400, "prompt"),
+    "prompt wrong type": (COMPLETIONS, {"prompt": 5}, 400, "prompt"),
+    "prompt mixed list": (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt"),
+    "empty prompt": (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    "empty token list": (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    "token id out of vocab": (COMPLETIONS, {"prompt": [1, 10**6]}, 400, "prompt"),
+    "temperature wrong type": (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, 400,
+                               "temperature"),
+    "max_tokens as string": (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}, 400,
+                             "max_tokens"),
+    "max_tokens zero": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens negative": (CHAT, {"messages": HI, "max_tokens": -3}, 400, "max_tokens"),
+    "top_p out of range": (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    "negative temperature": (CHAT, {"messages": HI, "temperature": -1}, 400, "temperature"),
+    "logprobs too many": (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    "top_logprobs without logprobs": (CHAT, {"messages": HI, "top_logprobs": 2}, 400,
+                                      "top_logprobs"),
+    "unknown field": (COMPLETIONS, {"prompt": "hi", "temprature": 0.5}, 400, "temprature"),
+    "unknown model": (COMPLETIONS, {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    "n too large": (COMPLETIONS, {"prompt": "hi", "n": 1000}, 400, "n"),
+    "n zero": (CHAT, {"messages": HI, "n": 0}, 400, "n"),
+    "prompt longer than the context": (COMPLETIONS, {"prompt": [5] * 3000}, 400, "prompt"),
+    "empty messages": (CHAT, {"messages": []}, 400, "messages"),
+    "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+                     "messages"),
+    "message without content type": (CHAT, {"messages": [{"role": "user", "content": 3}]}, 400,
+                                     "messages"),
+    "image content": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    "tools": (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
+    "json mode": (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, 400,
+                  "response_format"),
+    "logit_bias": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    "echo with logprobs": (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400,
+                           "echo"),
+    "stream not a bool": (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    "stop wrong type": (COMPLETIONS, {"prompt": "hi", "stop": 7}, 400, "stop"),
+    "empty stop string": (COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop"),
+}
+
+
+def _post(server, route, body):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    return httpx.post(server.base_url + route, timeout=30,
+                      headers={"Content-Type": "application/json"}, **kwargs)
+
+
+def _assert_error_body(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert "\n" not in error["message"] and "Traceback" not in error["message"]
+    return error
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request(server, case):
+    route, body, status, param = CASES[case]
+    error = _assert_error_body(_post(server, route, body), status)
+    assert error["param"] == param
+
+
+def test_oversized_body_is_413(server):
+    big = {"prompt": "x" * (9 << 20)}  # the server's default limit is 8 MiB
+    _assert_error_body(_post(server, COMPLETIONS, big), 413)
+
+
+def test_unknown_route_and_method(server):
+    _assert_error_body(httpx.get(server.base_url + "/v1/engines"), 404)
+    _assert_error_body(httpx.get(server.base_url + COMPLETIONS), 405)
+
+
+def test_openai_client_raises_and_server_keeps_serving(server):
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=HI)
+    out = client.completions.create(model=model, prompt="hi", max_tokens=3,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    assert "Traceback" not in server.log()
