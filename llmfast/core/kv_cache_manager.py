@@ -173,8 +173,12 @@ class KVCacheManager:
             stats.num_queries += 1
             stats.queries += len(request.all_token_ids)
             stats.hits += num_hit * bs
-        if self.enable_caching and num_computed // bs > self.num_cached_blocks[rid]:
-            self._cache_full_blocks(request, req_blocks, num_computed // bs)
+        if self.enable_caching:
+            # Only blocks whose token values are all known: a placeholder (a token still in
+            # flight, see Request) must never be hashed.
+            num_full = min(num_computed, len(request.all_token_ids)) // bs
+            if num_full > self.num_cached_blocks[rid]:
+                self._cache_full_blocks(request, req_blocks, num_full)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -188,7 +192,8 @@ class KVCacheManager:
         if blocks is None:
             return
         if self.enable_caching:
-            num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+            num_known = min(request.num_computed_tokens, len(request.all_token_ids))
+            num_full = min(num_known // self.block_size, len(blocks))
             if num_full > self.num_cached_blocks[rid]:
                 self._cache_full_blocks(request, blocks, num_full)
         del self.num_cached_blocks[rid]

@@ -3,6 +3,12 @@
 `num_computed_tokens` catches up to `num_tokens` (prompt plus generated tokens); there is no
 prefill or decode phase. The scheduler advances it when it schedules tokens, so between
 `schedule()` and `update()` it already counts the tokens in flight.
+
+A step that reaches the end of a request's tokens samples one more, whose value the host
+learns only when that step's output is collected. Until then it is a *placeholder*
+(`num_output_placeholders`): with async scheduling the next step is scheduled before the
+value arrives, and a decode in it computes the placeholder's position (the runner fills
+the value in on the device). `all_token_ids` only ever holds known values.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ class Request:
         "stop_token_set",
         "max_tokens",
         "min_tokens",
+        "num_output_placeholders",
+        "first_step",
     )
 
     def __init__(
@@ -100,10 +108,21 @@ class Request:
         self.stop_token_set = frozenset(stop)
         self.max_tokens = sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens
+        # Sampled tokens scheduled but not yet known (see the module doc): 0 or 1 in the
+        # synchronous loop, up to 2 with one step in flight.
+        self.num_output_placeholders = 0
+        # Index of the first scheduler step that may hold this request (set by the
+        # scheduler on add): an output of an earlier step for the same id belongs to an
+        # earlier request that used the id, and is dropped.
+        self.first_step = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -10,6 +10,13 @@ full blocks usually come back as prefix-cache hits).
 
 The engine calls, per step: `schedule()` -> runner -> `update()` -> (engine's stop-string
 check) `finish_requests()`. Aborts and additions happen between steps.
+
+With async scheduling the engine schedules step N+1 before `update()` has seen step N's
+tokens. A request that samples in a step holds a placeholder for that token
+(`Request.num_output_placeholders`) until the value arrives, so a decode in N+1 counts
+N's token as there to compute. Stop conditions apply when values arrive, one step late:
+a token sampled for a request that has finished since is dropped. A request whose last
+allowed token (max_tokens) is a placeholder is not scheduled again.
 """
 
 from __future__ import annotations
@@ -86,12 +93,14 @@ class Scheduler:
         # Ids the runner holds state for that finished or were aborted since last step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls so far; SchedulerOutput.step_index
 
     # ---- requests in and out -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         self._check_fits(request)
         request.status = RequestStatus.WAITING
+        request.first_step = self.num_steps
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -198,7 +207,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - num_computed
+            num_placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + num_placeholders
+            num_new = num_tokens - num_computed
+            if num_placeholders and (
+                len(request.output_token_ids) + num_placeholders >= request.max_tokens
+            ):
+                num_new = 0  # its last token is in flight: it finishes when that arrives
             if num_new > budget:
                 num_new = budget
             if num_new > max_computed - num_computed:
@@ -222,6 +237,8 @@ class Scheduler:
             cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
             cached_computed.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
+            if num_computed + num_new == num_tokens:  # reaches the end: samples a token
+                request.num_output_placeholders = num_placeholders + 1
             budget -= num_new
             i += 1
 
@@ -230,6 +247,7 @@ class Scheduler:
             budget = self._schedule_waiting(budget, num_scheduled_tokens, new_reqs)
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        self.num_steps += 1
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -237,6 +255,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             preempted_req_ids=preempted_ids,
+            step_index=self.num_steps - 1,
         )
 
     def _schedule_waiting(
@@ -246,8 +265,12 @@ class Scheduler:
         waiting, running = self.waiting, self.running
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             request = waiting[0]
+            if request.num_output_placeholders:
+                # Preempted with its last token in flight: the runner must get it whole.
+                break
             computed_blocks, num_cached = kv.get_computed_blocks(request)
-            num_new = len(request.all_token_ids) - num_cached
+            num_tokens = len(request.all_token_ids)
+            num_new = num_tokens - num_cached
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
@@ -270,29 +293,41 @@ class Scheduler:
                 )
             )
             request.num_computed_tokens = num_cached + num_new
+            if num_cached + num_new == num_tokens:
+                request.num_output_placeholders = 1
             budget -= num_new
         return budget
 
     def update(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        With one step in flight `scheduler_output` may be older than the last schedule:
+        its tokens fill placeholders. A request preempted since still takes its token (it
+        was computed from the right inputs); one finished or aborted since does not.
+        """
         requests = self.requests
         max_model_len = self.max_model_len
+        step_index = scheduler_output.step_index
         all_logprobs = model_runner_output.logprobs
         updates: list[RequestUpdate] = []
-        finished: list[Request] = []
+        finished: list[tuple[Request, RequestStatus]] = []
         for idx, (rid, sampled) in enumerate(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
         ):
+            # A prefill chunk short of the prompt's end samples nothing.
+            if not sampled:
+                continue
             request = requests.get(rid)
-            # Gone (aborted since schedule) or a prefill chunk short of the prompt's end:
-            # its sample, if the runner made one, means nothing.
-            if not sampled or request is None or request.status is not _RUNNING:
+            # Gone (finished or aborted since schedule), or a later request reusing the id.
+            if request is None or request.first_step > step_index:
                 continue
+            # One sampling step fills one placeholder, however many tokens it yields.
+            if request.num_output_placeholders < 1:
+                raise RuntimeError(f"request {rid}: a token arrived that was never scheduled")
+            request.num_output_placeholders -= 1
             all_ids = request.all_token_ids
-            if request.num_computed_tokens < len(all_ids):
-                continue
             out_ids = request.output_token_ids
             status = None
             num_accepted = 0
@@ -315,14 +350,21 @@ class Scheduler:
             if status is None:
                 updates.append(RequestUpdate(rid, new_ids, None, logprobs))
                 continue
-            request.status = status
             updates.append(RequestUpdate(rid, new_ids, status.finish_reason, logprobs))
-            finished.append(request)
+            finished.append((request, status))
         if finished:
             free = self.kv_cache_manager.free
-            for request in finished:
-                free(request)
-                del requests[request.request_id]
-                self.finished_req_ids.add(request.request_id)
-            self.running = [r for r in self.running if r.status is _RUNNING]
+            stopped_running = False
+            for request, status in finished:
+                rid = request.request_id
+                if request.status is _RUNNING:
+                    free(request)
+                    self.finished_req_ids.add(rid)
+                    stopped_running = True
+                else:  # preempted while its last token was in flight: holds no blocks
+                    self.waiting.remove(request)
+                request.status = status
+                del requests[rid]
+            if stopped_running:
+                self.running = [r for r in self.running if r.status is _RUNNING]
         return updates

@@ -44,6 +44,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Ids preempted this step (their runner state goes too; they come back as new).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Which schedule() call made this (0, 1, ...): tells a late output's request apart
+    # from a later one that reuses its id.
+    step_index: int = 0
 
     @property
     def is_empty(self) -> bool:
