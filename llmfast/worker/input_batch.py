@@ -3,6 +3,10 @@
 Allocated once from `max_num_reqs` and `max_model_len`. A request keeps its row while
 it runs; `condense()` moves tail rows into holes so the used rows are `0..num_reqs-1`
 and every per-step computation is a slice of these arrays.
+
+A row's last token may be a placeholder (`PLACEHOLDER_TOKEN_ID`): sampled by the step
+just launched, its value still on the device. `pending_src[row]` is the row's index in
+that step's sampled ids, which the next step's inputs gather from on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.block_table import BlockTable
 from llmfast.worker.sampler import seed_to_int64
 from llmfast.sampling_params import SamplingParams
+
+# Written where a sampled token's value is not known on the host yet; never a valid id,
+# so a placeholder that reached the model unfilled fails loudly instead of passing.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -68,6 +76,8 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # Index in the last launched step's sampled ids of the row's placeholder, or -1.
+        self.pending_src = np.full(max_num_reqs, -1, dtype=np.int64)
 
         self.sampling = {
             name: CpuGpuBuffer(max_num_reqs, dtype=tdtype, device=device)
@@ -105,6 +115,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = n_prompt
         self.num_tokens[row] = n_total
         self.num_computed_tokens[row] = state.num_computed_tokens
+        self.pending_src[row] = -1
 
         params = state.sampling_params
         self.sampling_params[row] = params
@@ -131,6 +142,7 @@ class InputBatch:
             return None
         self.req_ids[row] = None
         self.sampling_params[row] = None
+        self.pending_src[row] = -1
         self.block_table.clear_row(row)
         self._free_rows.append(row)
         return row
@@ -157,8 +169,10 @@ class InputBatch:
         assert req_id is not None
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                    self.pending_src):
             arr[dst] = arr[src]
+        self.pending_src[src] = -1
         for buf in self.sampling.values():
             buf.np[dst] = buf.np[src]
         self.block_table.move_row(src, dst)

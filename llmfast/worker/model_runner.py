@@ -4,6 +4,12 @@
 The runner keeps its own per-request state, so each step applies only the
 SchedulerOutput's increments, then prepares inputs with vectorised numpy into
 persistent buffers and copies each to the device once.
+
+`execute_async` launches a step and returns at once with a `PendingStep`; `collect`
+reads its sampled ids later (`execute` does both). Nothing between them waits for the
+device: the sampled ids stay there, and the next step's input ids (and penalty token ids)
+take a row's not-yet-known last token from them by a device-side gather/scatter, so the
+host can prepare step N+1 while the device still runs step N.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
-from llmfast.worker.input_batch import CachedRequestState, InputBatch
+from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID, CachedRequestState, InputBatch
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
 from llmfast.worker.kv_cache_sizing import (
     available_host_memory,
@@ -33,7 +39,8 @@ from llmfast.worker.kv_cache_sizing import (
 from llmfast.models.loader import ModelSource, build_model
 from llmfast.nvtx_ranges import nvtx_range
 from llmfast.worker.sampler import Sampler
-from llmfast.worker.sampling_metadata import build_sampling_metadata
+from llmfast.worker.sampling_metadata import SamplingStaging, build_sampling_metadata
+from llmfast.worker.step_output import OutputCopier, PendingStep
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -75,6 +82,18 @@ class ModelRunner:
         self.seq_lens = buf(self.max_num_reqs, dtype=torch.int32)
         self.logits_indices = buf(self.max_num_reqs, dtype=torch.int64)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+        # Placeholder fill: input_ids[dst[i]] = previous step's sampled ids[src[i]].
+        self.placeholder_dst = buf(self.max_num_reqs, dtype=torch.int64)
+        self.placeholder_src = buf(self.max_num_reqs, dtype=torch.int64)
+        self.sampling_staging = SamplingStaging(self.device)
+        self.output_copier = OutputCopier(self.max_num_reqs, self.device)
+        # The last launched step's sampled ids [num_reqs then], on the device.
+        self._prev_sampled: torch.Tensor | None = None
+        # CUDA: recorded after a step's host-to-device copies; the next step waits on it
+        # before rewriting the pinned buffers those copies read (in steady state they
+        # finished long ago: they ran before the previous forward).
+        self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._inputs_copy_queued = False
 
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
@@ -292,61 +311,137 @@ class ModelRunner:
             seq_lens=self.seq_lens.copy_to_gpu(n),
         )
         self.input_ids.copy_to_gpu(num_padded)
+        self._fill_placeholders(num_sched, cu, computed)
         self.positions.copy_to_gpu(num_padded)
         self.logits_indices.copy_to_gpu(n)
         batch.num_computed_tokens[:n] = seq_lens
         return md, num_padded, num_sched, sampling_rows
 
+    def _fill_placeholders(self, num_sched: np.ndarray, cu: np.ndarray,
+                           computed: np.ndarray) -> None:
+        """On the device, write the previous step's sampled ids into this step's input ids
+        where a row computes its placeholder (the host holds PLACEHOLDER_TOKEN_ID there).
+
+        Worked example: num_scheduled [1, 3, 1], num_computed [9, 0, 4], num_tokens
+        [10, 20, 5] (placeholders at columns 9 and 4 of rows 0 and 2), pending_src
+        [2, -1, 0]: rows 0 and 2 compute their last token, at token index
+        (cu - num_sched) + column - num_computed = [0 + 9 - 9, 4 + 4 - 4] = [0, 4], so
+        input_ids[[0, 4]] = prev_sampled[[2, 0]].
+        """
+        batch = self.input_batch
+        n = len(num_sched)
+        pending = batch.pending_src[:n]
+        rows = np.flatnonzero((pending >= 0) & (num_sched > 0))
+        if not len(rows) or self._prev_sampled is None:
+            return
+        cols = batch.num_tokens[rows].astype(np.int64) - 1
+        offset = cols - computed[rows]
+        if ((offset < 0) | (offset >= num_sched[rows])).any():
+            raise RuntimeError("a placeholder outside its row's scheduled tokens")
+        k = len(rows)
+        self.placeholder_dst.np[:k] = (cu - num_sched)[rows] + offset
+        self.placeholder_src.np[:k] = pending[rows]
+        self.input_ids.gpu.index_copy_(
+            0, self.placeholder_dst.copy_to_gpu(k),
+            self._prev_sampled.index_select(0, self.placeholder_src.copy_to_gpu(k)))
+
     def padded_num_tokens(self, num_tokens: int) -> int:
         """The token count the step runs at (CUDA-graph sizes pad; eager does not)."""
         return self.compiled.padded_num_tokens(num_tokens)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids (the synchronous loop)."""
+        pending = self.execute_async(out)
+        if pending is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self.collect(pending)
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput) -> PendingStep | None:
+        """Apply `out`, launch its forward and sampler, queue the copy of the sampled ids
+        to the host; None if nothing was scheduled. Never waits for the device, except
+        (CUDA) for the previous step's input copies, before rewriting their sources."""
         with nvtx_range("prepare_inputs"):
+            if self._inputs_copy_queued:
+                self._inputs_copied.synchronize()
+                self._inputs_copy_queued = False
             self._update_states(out)
             batch = self.input_batch
             n = batch.num_reqs
             if out.total_num_scheduled_tokens == 0 or n == 0:
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+                return None
             md, num_padded, num_sched, sampling_rows = self._prepare_inputs(out)
+            metadata = build_sampling_metadata(batch, n, self.vocab_size, self.eos_token_ids,
+                                               self.sampling_staging, self._prev_sampled)
+            if self._inputs_copied is not None:
+                self._inputs_copied.record()
+                self._inputs_copy_queued = True
+            step = self._record_placeholders(num_sched, sampling_rows,
+                                             metadata.max_num_logprobs is not None)
         with nvtx_range(f"forward[{num_padded}]"):
             hidden = self.forward_fn(
                 self.input_ids.gpu[:num_padded], self.positions.gpu[:num_padded], md)
         with nvtx_range("sample"):
             logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
-            metadata = build_sampling_metadata(batch, n, self.vocab_size, self.eos_token_ids)
             sampler_out = self.sampler(logits, metadata)
-            sampled = sampler_out.sampled_token_ids.cpu().numpy()  # the step's one sync
-        return self._collect(out, sampled, sampler_out, num_sched, sampling_rows)
+            sampled = sampler_out.sampled_token_ids  # [n], stays on the device
+            self._prev_sampled = sampled
+            step["sampled_host"], step["logprobs_host"], step["event"] = \
+                self.output_copier.copy(sampled, sampler_out.logprobs)
+        return PendingStep(sampled_device=sampled, **step)
 
-    def _collect(self, out: SchedulerOutput, sampled: np.ndarray, sampler_out,
-                 num_sched: np.ndarray, sampling_rows: np.ndarray) -> ModelRunnerOutput:
+    def _record_placeholders(self, num_sched: np.ndarray, sampling_rows: np.ndarray,
+                             want_logprobs: bool) -> dict:
+        """Give each sampling row a placeholder token (value unknown until collected) and
+        note what `collect` needs to read this step's outputs."""
         batch = self.input_batch
-        n = batch.num_reqs
-        # Append each sampling row's token to its row of the batch, vectorised.
-        if len(sampling_rows):
-            counts = batch.num_tokens[sampling_rows]
-            batch.token_ids[sampling_rows, counts] = sampled[sampling_rows]
-            batch.num_tokens[sampling_rows] = counts + 1
+        n = len(num_sched)
+        rows = np.flatnonzero(num_sched > 0)
+        rows_list = rows.tolist()
         samples = np.zeros(n, dtype=bool)
         samples[sampling_rows] = True
-        sampled_list, samples_list = sampled.tolist(), samples.tolist()
-        rows = np.flatnonzero(num_sched > 0).tolist()  # rows scheduled this step
-        req_ids = [batch.req_ids[r] for r in rows]
-        tokens = [[sampled_list[r]] if samples_list[r] else [] for r in rows]
-        logprobs = None
-        if sampler_out.logprobs is not None:
-            logprobs = self._collect_logprobs(sampler_out.logprobs, rows, samples_list)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens, logprobs=logprobs)
+        cols = batch.num_tokens[sampling_rows]
+        batch.token_ids[sampling_rows, cols] = PLACEHOLDER_TOKEN_ID
+        batch.num_tokens[sampling_rows] = cols + 1
+        batch.pending_src[:n] = -1
+        batch.pending_src[sampling_rows] = sampling_rows
+        req_ids = [batch.req_ids[r] for r in rows_list]
+        params = batch.sampling_params
+        return dict(
+            req_ids=req_ids,
+            samples=samples[rows].tolist(),
+            rows=rows_list,
+            sampling_states=[self.requests[batch.req_ids[r]] for r in sampling_rows.tolist()],
+            placeholder_cols=cols.tolist(),
+            num_logprobs=[params[r].logprobs for r in rows_list] if want_logprobs else None,
+        )
 
-    def _collect_logprobs(self, lp, rows: list[int], samples: list[bool]):
-        sampled_lp = lp.sampled_logprobs.cpu().numpy()
-        top_ids, top_lps = lp.topk_ids.cpu().numpy(), lp.topk_logprobs.cpu().numpy()
+    def collect(self, step: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids; write them into the batch rows that
+        still hold their placeholders; return them per scheduled request."""
+        sampled = step.wait().tolist()
+        requests = self.requests
+        batch = self.input_batch
+        index, token_ids = batch.req_id_to_index, batch.token_ids
+        sampling_rows = [r for r, s in zip(step.rows, step.samples) if s]
+        for state, col, r in zip(step.sampling_states, step.placeholder_cols, sampling_rows):
+            if requests.get(state.req_id) is state:  # still here, not a reused id
+                token_ids[index[state.req_id], col] = sampled[r]
+        tokens = [[sampled[r]] if s else [] for r, s in zip(step.rows, step.samples)]
+        logprobs = None
+        if step.logprobs_host is not None:
+            logprobs = self._collect_logprobs(step)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=tokens,
+                                 logprobs=logprobs)
+
+    @staticmethod
+    def _collect_logprobs(step: PendingStep):
+        lp = step.logprobs_host
+        sampled_lp = lp.sampled_logprobs.numpy()
+        top_ids, top_lps = lp.topk_ids.numpy(), lp.topk_logprobs.numpy()
         result: list[list[tuple[float, dict[int, float]]]] = []
-        for r in rows:
-            want = self.input_batch.sampling_params[r].logprobs
-            if not samples[r] or want is None:
+        for r, sampled_here, want in zip(step.rows, step.samples, step.num_logprobs):
+            if not sampled_here or want is None:
                 result.append([])
                 continue
             top = {int(i): float(v) for i, v in zip(top_ids[r, :want], top_lps[r, :want])}

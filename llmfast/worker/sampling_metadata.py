@@ -2,6 +2,12 @@
 
 The per-request sampling arrays live in the batch (numpy + device copies); each step
 copies the first `num_reqs` rows once and derives the host-side skip flags with numpy.
+Arrays whose size varies by step (token ids for penalties, stop ids, step counters) go
+through pinned staging buffers: no host sync anywhere.
+
+With one step in flight the host does not know the token each row sampled last step (a
+placeholder, -1, in `batch.token_ids`). The penalties' output ids get it on the device,
+from the previous step's sampled ids, like the model's input ids do (see ModelRunner).
 """
 
 from __future__ import annotations
@@ -9,18 +15,34 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from llmfast.sampling_params import GREEDY_TEMPERATURE
+from llmfast.worker.buffers import StagingBuffer
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.sampler import SamplingMetadata, seed_to_int64
-from llmfast.sampling_params import GREEDY_TEMPERATURE
+
+
+class SamplingStaging:
+    """The staging buffers `build_sampling_metadata` writes, one per varying array."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.step = StagingBuffer(torch.int64, device)
+        self.prompt_ids = StagingBuffer(torch.int64, device)
+        self.output_ids = StagingBuffer(torch.int64, device)
+        self.stop_ids = StagingBuffer(torch.int64, device)
+        self.pending_flat = StagingBuffer(torch.int64, device)
+        self.pending_src = StagingBuffer(torch.int64, device)
 
 
 def build_sampling_metadata(
-    batch: InputBatch, n: int, vocab_size: int, eos_token_ids: tuple[int, ...]
+    batch: InputBatch, n: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+    staging: SamplingStaging, prev_sampled: torch.Tensor | None = None,
 ) -> SamplingMetadata:
+    """`prev_sampled`: the previous step's sampled ids (device), indexed by
+    `batch.pending_src`, for rows whose last token is still a placeholder."""
     s = {name: buf.np[:n] for name, buf in batch.sampling.items()}
     dev = {name: buf.copy_to_gpu(n) for name, buf in batch.sampling.items()}
+    # Output tokens so far, placeholders included (their count is known, their value not).
     steps_np = (batch.num_tokens[:n] - batch.num_prompt_tokens[:n]).astype(np.int64)
-    device = batch.device
 
     greedy = s["temperature"] < GREEDY_TEMPERATURE
     no_penalties = bool(
@@ -38,7 +60,7 @@ def build_sampling_metadata(
         ]
     prompt_ids = output_ids = None
     if not no_penalties:
-        prompt_ids, output_ids = _padded_token_ids(batch, n, vocab_size, device)
+        prompt_ids, output_ids = _padded_token_ids(batch, n, vocab_size, staging, prev_sampled)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
         temperature=dev["temperature"],
@@ -50,11 +72,12 @@ def build_sampling_metadata(
         frequency_penalty=dev["frequency_penalty"],
         seeds=dev["seed"],
         has_seed=dev["has_seed"],
-        step=torch.from_numpy(steps_np).to(device, non_blocking=True),
+        step=staging.step.stage(steps_np),
         min_tokens=dev["min_tokens"],
         prompt_token_ids=prompt_ids,
         output_token_ids=output_ids,
-        stop_token_ids=None if stop_lists is None else _pad_lists(stop_lists, vocab_size, device),
+        stop_token_ids=None if stop_lists is None else _pad_lists(stop_lists, vocab_size,
+                                                                  staging.stop_ids),
         all_greedy=bool(greedy.all()),
         all_random=not bool(greedy.any()),
         no_penalties=no_penalties,
@@ -68,8 +91,17 @@ def build_sampling_metadata(
     )
 
 
-def _padded_token_ids(batch: InputBatch, n: int, vocab_size: int, device: torch.device):
-    """Prompt and output ids per row, padded with `vocab_size` (an id no token has)."""
+def _padded_token_ids(batch: InputBatch, n: int, vocab_size: int, staging: SamplingStaging,
+                      prev_sampled: torch.Tensor | None):
+    """Prompt and output ids per row, padded with `vocab_size` (an id no token has).
+
+    Worked example, vocab 100, rows with num_prompt [2, 1] and num_tokens [4, 2], row 0's
+    last token a placeholder sampled last step at index 3 of `prev_sampled`:
+        token_ids  = [[5 6 7 -1], [8 9 . .]]
+        prompt     = [[5 6], [8 100]]
+        output     = [[100 100 7 -1], [100 9 100 100]]  (width 4, absolute columns)
+        pending    = flat index 0 * 4 + 3 = 3, filled on the device with prev_sampled[3]
+    """
     num_prompt = batch.num_prompt_tokens[:n, None]
     num_tokens = batch.num_tokens[:n, None]
     width = int(num_tokens.max(initial=1))
@@ -77,16 +109,23 @@ def _padded_token_ids(batch: InputBatch, n: int, vocab_size: int, device: torch.
     cols = np.arange(width)[None, :]
     prompt = np.where(cols < num_prompt, ids, vocab_size)[:, : int(num_prompt.max(initial=1))]
     output = np.where((cols >= num_prompt) & (cols < num_tokens), ids, vocab_size)
-    return (torch.from_numpy(prompt).to(device, non_blocking=True),
-            torch.from_numpy(np.ascontiguousarray(output)).to(device, non_blocking=True))
+    output_dev = staging.output_ids.stage(output)
+    pending_rows = np.flatnonzero(batch.pending_src[:n] >= 0)
+    if prev_sampled is not None and len(pending_rows):
+        flat = pending_rows * width + batch.num_tokens[pending_rows] - 1
+        src = batch.pending_src[pending_rows]
+        output_dev.view(-1).index_copy_(
+            0, staging.pending_flat.stage(flat),
+            prev_sampled.index_select(0, staging.pending_src.stage(src)))
+    return staging.prompt_ids.stage(prompt), output_dev
 
 
-def _pad_lists(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+def _pad_lists(rows: list[list[int]], pad: int, staging: StagingBuffer) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     arr = np.full((len(rows), width), pad, dtype=np.int64)
     for i, r in enumerate(rows):
         arr[i, : len(r)] = r
-    return torch.from_numpy(arr).to(device)
+    return staging.stage(arr)
 
 
-__all__ = ["build_sampling_metadata", "seed_to_int64"]
+__all__ = ["SamplingStaging", "build_sampling_metadata", "seed_to_int64"]

@@ -1,0 +1,83 @@
+"""A launched step's sampled ids on their way to the host, without stalling the device.
+
+`OutputCopier.copy` queues one non-blocking device-to-host copy of the step's sampled ids
+(and logprobs, when asked) on a side stream, into pinned memory, and records an event.
+The host waits on that event only in `PendingStep.wait`, when it needs the values to
+emit outputs; meanwhile it may schedule and launch the next step. Two pinned buffers
+alternate: step N+1's copy is queued before the host reads step N's buffer.
+
+On a CPU device the "copy" is a plain copy of values that already exist (the forward ran
+synchronously), so the same code path runs, with nothing to wait for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmfast.worker.sampler import LogprobsTensors
+
+
+@dataclass
+class PendingStep:
+    """What the host must remember of a launched step to read its outputs later: the
+    batch rows change (and requests come and go) before that happens."""
+
+    req_ids: list[str]  # scheduled rows, in row order
+    samples: list[bool]  # per scheduled row: whether it sampled
+    sampled_host: torch.Tensor  # [num_rows] int64 on the host (pinned on CUDA); per row
+    logprobs_host: LogprobsTensors | None  # per row, when any row asked for logprobs
+    num_logprobs: list[int | None] | None  # per scheduled row: top-n asked for
+    rows: list[int]  # the scheduled rows' indices at launch (index sampled_host)
+    # Runner state of each sampling row and the column its placeholder sits in, to write
+    # the value into the batch row once known (the state object tells a reused id apart).
+    sampling_states: list[object]
+    placeholder_cols: list[int]
+    event: torch.cuda.Event | None
+    sampled_device: torch.Tensor  # kept alive until the copy is read
+
+    def wait(self) -> np.ndarray:
+        """Block until the copy has landed; the sampled ids per row at launch."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.sampled_host.numpy()
+
+
+class OutputCopier:
+    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda)
+                      for _ in range(2)]
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
+        self._next = 0
+
+    def copy(self, sampled: torch.Tensor, logprobs: LogprobsTensors | None
+             ) -> tuple[torch.Tensor, LogprobsTensors | None, torch.cuda.Event | None]:
+        """Queue the copy of `sampled` [n] (and `logprobs`) to the host; returns the host
+        tensors (valid once the event has completed) and the event."""
+        slot = self._next
+        self._next ^= 1
+        host = self._host[slot][: sampled.shape[0]]
+        if self._stream is None:
+            host.copy_(sampled)
+            return host, logprobs, None
+        # The side stream starts after the sampler's kernels, without the host waiting.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(sampled, non_blocking=True)
+            logprobs_host = None
+            if logprobs is not None:  # .to(cpu, non_blocking) lands in pinned memory
+                logprobs_host = LogprobsTensors(
+                    *(t.to("cpu", non_blocking=True) for t in logprobs))
+                for t in logprobs:
+                    t.record_stream(self._stream)
+            event = self._events[slot]
+            event.record(self._stream)
+        # The sampler's output is used on the side stream: its memory must not be reused
+        # by the main stream's allocations until the copy is done.
+        sampled.record_stream(self._stream)
+        return host, logprobs_host, event
