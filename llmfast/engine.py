@@ -2,6 +2,12 @@
 
 Each `step()` schedules, runs the model once, applies the sampled tokens, detokenises
 incrementally and checks stop strings (which the scheduler cannot see).
+
+With async scheduling `step()` is a two-stage pipeline with one step in flight: it
+schedules and launches step N+1, then waits for step N's sampled ids and turns them into
+outputs while the device runs N+1. Tokens therefore come out one `step()` call after the
+step that computed them, and stop conditions apply one step late: whatever the in-flight
+step computed for a request that has stopped since is dropped by the scheduler.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.nvtx_ranges import nvtx_range
 from llmfast.core.request import Request, RequestRejected
 from llmfast.worker.model_runner import ModelRunner
+from llmfast.worker.step_output import PendingStep
+from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.value_checks import int_list
 from llmfast.core.scheduler import Scheduler
@@ -78,6 +86,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self.async_scheduling = config.scheduler.async_scheduling
+        # The launched step whose outputs the next step() reads (async scheduling only).
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         # What exists now (weights' modules, tokenizer, torch and transformers internals:
         # ~400k objects) lives as long as the engine. Left in the collector's oldest
         # generation, every full collection rescans it: a 150 ms stall in the middle of
@@ -171,7 +182,18 @@ class LLMEngine:
             if tracked is not None and tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
                 tracked.num_cached_tokens = new.num_computed_tokens
-        runner_out = self.runner.execute(sched_out)
+        pending = self.runner.execute_async(sched_out)
+        if self.async_scheduling:
+            # Read the step launched by the previous call while this one runs.
+            done, self._in_flight = self._in_flight, (
+                None if pending is None else (sched_out, pending))
+            if done is None:
+                return []
+            sched_out, pending = done
+        elif pending is None:
+            return []
+        with nvtx_range("wait_output"):
+            runner_out = self.runner.collect(pending)
         with nvtx_range("update"):
             updates = self.scheduler.update(sched_out, runner_out)
         with nvtx_range("detokenize"):

@@ -59,6 +59,10 @@ class EngineArgs:
     compile: bool | None = None  # None: on for CUDA, off for CPU
     cuda_graphs: bool = True
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # One step in flight (the host prepares step N+1 while the device runs step N).
+    # None: on for CUDA; off for CPU, where the forward runs on the host thread and
+    # nothing overlaps (profiles/async-cpu.md).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         check_engine_args(self)
@@ -108,6 +112,8 @@ class EngineArgs:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
+                async_scheduling=(device.type == "cuda") if self.async_scheduling is None
+                else self.async_scheduling,
             ),
             compile=CompileConfig(
                 enforce_eager=enforce_eager,

@@ -129,6 +129,10 @@ _ENGINE_FLAGS: dict[str, tuple[Any, Any, Any]] = {
                                   help="Run compiled without replaying CUDA graphs."), False),
     "cuda_graph_sizes": (str | None, _opt(
         "--cuda-graph-sizes", help="Padded sizes to capture: 1,2,4,8 or 8..256:8."), None),
+    "async_scheduling": (bool | None, _opt(
+        "--async-scheduling/--no-async-scheduling",
+        help="Schedule and prepare step N+1 while the device runs step N.  [default: on "
+             "for CUDA, off for CPU]"), None),
     "no_prefix_caching": (bool, _opt("--no-prefix-caching",
                                      help="Do not reuse KV blocks of shared prefixes."), False),
     "debug": (bool, _opt("--debug", help="Debug logging; tracebacks on errors."), False),
@@ -140,7 +144,8 @@ def _engine_options(values: dict[str, Any]) -> EngineOptions:
 
     kwargs: dict[str, Any] = {}
     for name in ("dtype", "device", "seed", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "block_size", "gpu_memory_utilization", "compile"):
+                 "max_model_len", "block_size", "gpu_memory_utilization", "compile",
+                 "async_scheduling"):
         if values[name] is not None:
             kwargs[name] = values[name]
     if values["kv_cache_memory"] is not None:
@@ -318,6 +323,8 @@ def engine_argv(opts: EngineOptions) -> list[str]:
         argv.append("--enforce-eager")
     if "compile" in kw:
         argv.append("--compile" if kw["compile"] else "--no-compile")
+    if "async_scheduling" in kw:
+        argv.append("--async-scheduling" if kw["async_scheduling"] else "--no-async-scheduling")
     if kw.get("cuda_graphs") is False:
         argv.append("--no-cuda-graphs")
     if "cuda_graph_sizes" in kw:
