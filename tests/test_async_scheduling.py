@@ -1,0 +1,208 @@
+"""Async scheduling (one step in flight) against the synchronous loop on the same engine
+settings: identical greedy and seeded outputs under staggered arrivals, stop tokens,
+max_tokens, min_tokens, penalties, logprobs, aborts mid-flight, preemption on a tiny KV
+cache and prefix-cache hits; nothing computed past a stop is streamed or counted; every
+KV block is free at the end. On CPU the forward runs synchronously, but the pipeline is
+the same code: the host schedules step N+1 before it has read step N's tokens, and the
+device fills them in (a wrong fill would change the outputs or fail on the placeholder).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from llmfast import LLM, SamplingParams
+from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID
+from tests.conftest_cli import make_chat_model
+
+
+def _engine(async_scheduling: bool, **kw):
+    args = dict(device="cpu", max_model_len=96, block_size=4, num_gpu_blocks_override=48,
+                max_num_batched_tokens=40, max_num_seqs=12, seed=0)
+    args.update(kw)
+    return LLM("random:tiny", async_scheduling=async_scheduling, **args).engine
+
+
+def _workload(seed: int):
+    """(arrival step, prompt, params, abort after this many emitted tokens or None)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(12)] for _ in range(3)]
+    items = []
+    for i in range(28):
+        prompt = rng.choice(prefixes)[: rng.randrange(0, 13)] + [
+            rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))]
+        kind = i % 4
+        params = SamplingParams(
+            temperature=0.0 if kind < 2 else 0.8,
+            seed=None if kind < 2 else 1000 + i,
+            top_k=0 if kind < 3 else 20,
+            repetition_penalty=1.0 if kind != 1 else 1.3,
+            frequency_penalty=0.0 if kind != 2 else 0.4,
+            max_tokens=rng.randrange(1, 24),
+            min_tokens=2 if kind == 3 else 0,
+            # Frequent ids of random:tiny: some requests stop early, at different steps.
+            stop_token_ids=tuple(rng.randrange(3, 500) for _ in range(40)) if i % 3 else (),
+            logprobs=2 if i % 5 == 0 else None,
+        )
+        abort_after = rng.randrange(1, 6) if i % 7 == 3 else None
+        items.append((rng.randrange(0, 20), prompt, params, abort_after))
+    return items
+
+
+def _run(engine, items):
+    """Drive the engine step by step; returns per request: (token ids, finish reason,
+    streamed token ids, logprobs, number of token timestamps)."""
+    by_step = defaultdict(list)
+    for i, item in enumerate(items):
+        by_step[item[0]].append(i)
+    ids: dict[str, int] = {}
+    streamed: dict[int, list[int]] = defaultdict(list)
+    results: dict[int, tuple] = {}
+    step = 0
+    while step < 20 or engine.has_unfinished():
+        for i in by_step.get(step, []):
+            _, prompt, params, _ = items[i]
+            ids[engine.add_request({"prompt_token_ids": prompt}, params)] = i
+        for out in engine.step():
+            i = ids[out.request_id]
+            comp = out.outputs[0]
+            assert i not in results, "an output after the request finished"
+            streamed[i] += comp.delta_token_ids
+            abort_after = items[i][3]
+            if out.finished:
+                results[i] = (list(comp.token_ids), comp.finish_reason, comp.logprobs,
+                              len(out.metrics.token_times))
+            elif abort_after is not None and len(comp.token_ids) >= abort_after:
+                engine.abort(out.request_id)
+                results[i] = (list(comp.token_ids), "abort", comp.logprobs,
+                              len(out.metrics.token_times))
+        step += 1
+        assert step < 2000, "no progress"
+    return results, streamed
+
+
+@pytest.fixture(scope="module")
+def runs():
+    items = _workload(0)
+    out = {}
+    for mode in (False, True):
+        engine = _engine(mode)
+        results, streamed = _run(engine, items)
+        out[mode] = (engine, results, streamed)
+    return items, out
+
+
+def test_async_outputs_equal_sync(runs):
+    items, out = runs
+    sync, async_ = out[False][1], out[True][1]
+    assert len(sync) == len(items) == len(async_)
+    for i, (tokens, reason, logprobs, num_times) in sync.items():
+        assert (tokens, reason, num_times) == (async_[i][0], async_[i][1], async_[i][3]), i
+        if logprobs is not None:  # batch composition differs: float rounding may too
+            other = async_[i][2]
+            assert [d.keys() for d in logprobs] == [d.keys() for d in other]
+            for a, b in zip(logprobs, other):
+                assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
+    reasons = {r[1] for r in sync.values()}
+    assert reasons == {"stop", "length", "abort"}  # the workload exercises all three
+
+
+def test_async_workload_preempts_and_hits_prefix_cache(runs):
+    _, out = runs
+    for mode in (False, True):
+        stats = out[mode][0].stats()
+        assert stats.num_preemptions > 0, mode
+        assert stats.prefix_cache_hits > 0, mode
+
+
+def test_nothing_past_a_stop_is_streamed_or_counted(runs):
+    items, out = runs
+    for mode in (False, True):
+        _, results, streamed = out[mode]
+        for i, (tokens, reason, logprobs, num_times) in results.items():
+            params = items[i][2]
+            assert streamed[i] == tokens  # streamed exactly what the final output holds
+            assert num_times == len(tokens)  # one timestamp per kept token
+            assert len(tokens) <= params.max_tokens
+            if logprobs is not None:
+                assert len(logprobs) == len(tokens)
+            if reason == "stop":
+                assert tokens[-1] in params.stop_token_ids
+            stops = [t for t in tokens[params.min_tokens:-1] if t in params.stop_token_ids]
+            assert not stops, "a token after a stop token"
+
+
+def test_all_blocks_free_and_runner_empty_at_the_end(runs):
+    _, out = runs
+    for mode in (False, True):
+        engine = out[mode][0]
+        manager = engine.scheduler.kv_cache_manager
+        assert manager.get_num_free_blocks() == manager.num_usable_blocks
+        assert not engine.scheduler.requests and not engine._tracked
+        engine.step()  # hands the last finished ids to the runner
+        engine.step()
+        assert engine.runner.input_batch.num_reqs == 0 and not engine.runner.requests
+
+
+def test_host_prepares_the_next_step_before_reading_tokens():
+    """The pipeline is real: step N+1 is launched before step N's ids are read, and its
+    decode inputs hold placeholders on the host (the device fills them)."""
+    engine = _engine(True, num_gpu_blocks_override=None)
+    runner = engine.runner
+    events: list[str] = []
+    placeholders_at_launch: list[int] = []
+    launch, collect = runner.execute_async, runner.collect
+
+    def traced_launch(out):
+        batch = runner.input_batch
+        n = batch.num_reqs
+        placeholders_at_launch.append(
+            int((batch.token_ids[:n][range(n), batch.num_tokens[:n] - 1]
+                 == PLACEHOLDER_TOKEN_ID).sum()) if n else 0)
+        pending = launch(out)
+        events.append("launch" if pending is not None else "empty")
+        return pending
+
+    def traced_collect(pending):
+        events.append("collect")
+        return collect(pending)
+
+    runner.execute_async, runner.collect = traced_launch, traced_collect
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": [5 + i] * 7},
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs.append(len(engine.step()))
+    assert outputs[0] == 0  # the first call launches and returns before any token
+    assert events[:4] == ["launch", "launch", "collect", "launch"]
+    assert max(placeholders_at_launch) == 3  # all three decode from device-filled ids
+
+
+def test_stop_strings_one_step_late(tmp_path):
+    path = make_chat_model(tmp_path / "model")
+    got = {}
+    for mode in (False, True):
+        llm = LLM(str(path), device="cpu", max_model_len=256, block_size=8,
+                  async_scheduling=mode)
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        full = llm.generate("hello there", greedy)[0].outputs[0]
+        stop = full.text[6:9]
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+        deltas, last = [], None
+        for out in llm.stream("hello there", params):
+            deltas.append(out.outputs[0].delta_text)
+            last = out
+        comp = last.outputs[0]
+        assert comp.text == "".join(deltas) == full.text[: full.text.index(stop)]
+        assert comp.finish_reason == "stop" and comp.stop_reason == stop
+        # The token that completed the stop string is the last one kept.
+        assert comp.token_ids == full.token_ids[: len(comp.token_ids)]
+        assert len(comp.token_ids) < len(full.token_ids)
+        manager = llm.engine.scheduler.kv_cache_manager
+        assert manager.get_num_free_blocks() == manager.num_usable_blocks
+        got[mode] = (comp.text, comp.token_ids)
+    assert got[False] == got[True]
