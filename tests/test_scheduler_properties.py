@@ -105,7 +105,8 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(sched.running) <= sched.max_num_seqs
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING
-        assert r.num_computed_tokens <= r.num_tokens
+        # With one step in flight a request may compute its placeholder's position.
+        assert r.num_computed_tokens <= r.num_tokens_with_placeholders
         assert r.num_computed_tokens <= sched.max_model_len - 1
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -144,13 +145,15 @@ ops_strategy = st.lists(
     chunked=st.booleans(),
     seed=st.integers(0, 2**16),
     ops=ops_strategy,
+    async_scheduling=st.booleans(),
 )
 def test_random_workloads(
-    block_size, num_blocks, budget, max_num_seqs, max_model_len, prefix_caching, chunked, seed, ops
+    block_size, num_blocks, budget, max_num_seqs, max_model_len, prefix_caching, chunked, seed, ops,
+    async_scheduling,
 ):
     run_workload(
         block_size, num_blocks, budget, max_num_seqs, max_model_len, prefix_caching, chunked,
-        seed, ops,
+        seed, ops, async_scheduling,
     )
 
 
@@ -161,8 +164,10 @@ def test_random_workloads(
     max_num_seqs=st.integers(2, 8),
     prefix_caching=st.booleans(),
     seed=st.integers(0, 2**32),
+    async_scheduling=st.booleans(),
 )
-def test_heavy_random_workloads(num_blocks, budget, max_num_seqs, prefix_caching, seed):
+def test_heavy_random_workloads(num_blocks, budget, max_num_seqs, prefix_caching, seed,
+                                async_scheduling):
     """Many requests on a small cache: shared prefixes, long outputs, preemptions.
 
     The operation list comes from a seeded generator rather than hypothesis
@@ -188,12 +193,17 @@ def test_heavy_random_workloads(num_blocks, budget, max_num_seqs, prefix_caching
             ops.append(("step", rng.randrange(1, 6)))
         else:
             ops.append(("abort", rng.randrange(20)))
-    run_workload(8, num_blocks, budget, max_num_seqs, 96, prefix_caching, True, seed, ops)
+    run_workload(8, num_blocks, budget, max_num_seqs, 96, prefix_caching, True, seed, ops,
+                 async_scheduling)
 
 
 def run_workload(
-    block_size, num_blocks, budget, max_num_seqs, max_model_len, prefix_caching, chunked, seed, ops
+    block_size, num_blocks, budget, max_num_seqs, max_model_len, prefix_caching, chunked, seed, ops,
+    async_scheduling=False,
 ):
+    """With `async_scheduling` each step's outputs reach `update()` one schedule later, as
+    in the engine's pipeline: the fake runner (the device) knows its sampled tokens at
+    once, the scheduler only through placeholders until then."""
     if not chunked:
         budget = max(budget, max_model_len)
     sched = Scheduler(
@@ -212,17 +222,34 @@ def run_workload(
     reasons: dict[str, str] = {}
     counter = itertools.count()
 
+    in_flight = []
+
     def step():
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= budget
-        for u in sched.update(out, runner.execute(out)):
+        result = runner.execute(out)
+        if async_scheduling:  # as LLMEngine.step: read the previous step, keep this one
+            done = in_flight.pop() if in_flight else None
+            if out.total_num_scheduled_tokens:
+                in_flight.append((out, result))
+            if done is None:
+                check_invariants(sched)
+                return
+        else:
+            done = (out, result)
+        done, runner_out = done
+        for u in sched.update(done, runner_out):
             outputs[u.req_id] += u.new_token_ids
             if u.finish_reason is not None:
                 reasons[u.req_id] = u.finish_reason
         check_invariants(sched)
         for rid, st_ in runner.state.items():
             if rid in sched.requests:
-                assert st_["tokens"] == sched.requests[rid].all_token_ids
+                req = sched.requests[rid]
+                known = req.all_token_ids
+                assert st_["tokens"][: len(known)] == known
+                # The tokens the scheduler has not seen yet are its placeholders.
+                assert len(st_["tokens"]) - len(known) <= req.num_output_placeholders
 
     for op in ops:
         if op[0] == "add":
@@ -261,7 +288,7 @@ def run_workload(
                 check_invariants(sched)
 
     for _ in range(5000):
-        if not sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and not in_flight:
             break
         step()
     assert not sched.has_unfinished_requests()

@@ -72,7 +72,10 @@ class KVCacheManager:
                 block_hash.parent = parent
             return block_hash
         bs = self.block_size
-        block_hash = BlockHash(parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]))
+        tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+        if len(tokens) != bs:  # a placeholder's value is unknown: it must never be hashed
+            raise RuntimeError(f"request {request.request_id}: block {i} is not all known")
+        block_hash = BlockHash(parent, tokens)
         hashes.append(block_hash)
         return block_hash
 
