@@ -28,10 +28,11 @@ def _random_params(rng: random.Random) -> SamplingParams:
     )
 
 
-def _run(num_requests: int, seed: int) -> None:
+def _run(num_requests: int, seed: int, async_scheduling: bool = False) -> None:
     rng = random.Random(seed)
     llm = LLM("random:tiny", device="cpu", max_model_len=96, block_size=4,
-              num_gpu_blocks_override=60, max_num_batched_tokens=48, max_num_seqs=16, seed=seed)
+              num_gpu_blocks_override=60, max_num_batched_tokens=48, max_num_seqs=16, seed=seed,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     live: set[str] = set()
     finished: dict[str, str] = {}
@@ -75,7 +76,13 @@ def test_stress_small():
     _run(num_requests=200, seed=0)
 
 
+def test_stress_small_async():
+    """One step in flight: aborts and stops land while the next step runs."""
+    _run(num_requests=80, seed=1, async_scheduling=True)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(1, 6))
-def test_stress_large(seed):
-    _run(num_requests=2000, seed=seed)
+def test_stress_large(seed, async_scheduling):
+    _run(num_requests=2000, seed=seed, async_scheduling=async_scheduling)
