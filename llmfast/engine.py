@@ -89,6 +89,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose outputs the next step() reads (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self.phase_timer = None  # a PhaseTimer while profiling (set_phase_timer)
         # What exists now (weights' modules, tokenizer, torch and transformers internals:
         # ~400k objects) lives as long as the engine. Left in the collector's oldest
         # generation, every full collection rescans it: a 150 ms stall in the middle of
@@ -171,10 +172,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def set_phase_timer(self, timer) -> None:
+        """Time every phase of the following steps (llmfast.phase_timing); None: stop."""
+        self.phase_timer = self.runner.phase_timer = timer
+
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
-        with nvtx_range("schedule"):
+        with nvtx_range("schedule", self.phase_timer):
             sched_out = self.scheduler.schedule()
         now = time.monotonic()
         for new in sched_out.scheduled_new_reqs:
@@ -192,11 +197,11 @@ class LLMEngine:
             sched_out, pending = done
         elif pending is None:
             return []
-        with nvtx_range("wait_output"):
+        with nvtx_range("wait_output", self.phase_timer):
             runner_out = self.runner.collect(pending)
-        with nvtx_range("update"):
+        with nvtx_range("update", self.phase_timer):
             updates = self.scheduler.update(sched_out, runner_out)
-        with nvtx_range("detokenize"):
+        with nvtx_range("detokenize", self.phase_timer):
             return self._process_updates(updates)
 
     def _process_updates(self, updates) -> list[RequestOutput]:

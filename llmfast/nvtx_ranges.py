@@ -24,14 +24,18 @@ def _nvtx_enabled() -> bool:
 
 
 class _Range:
-    __slots__ = ("_annotate", "_record", "name")
+    __slots__ = ("_annotate", "_record", "_timer", "_token", "name")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, timer=None) -> None:
         self.name = name
         self._record = None
         self._annotate = None
+        self._timer = timer
+        self._token = None
 
     def __enter__(self) -> None:
+        if self._timer is not None:
+            self._token = self._timer.begin(self.name)
         if torch.autograd._profiler_enabled():
             self._record = torch.profiler.record_function(self.name)
             self._record.__enter__()
@@ -44,8 +48,11 @@ class _Range:
             self._annotate.__exit__(*exc)
         if self._record is not None:
             self._record.__exit__(*exc)
+        if self._token is not None:
+            self._timer.end(self._token)
 
 
-def nvtx_range(name: str) -> _Range:
-    """`with nvtx_range("schedule"): ...`"""
-    return _Range(name)
+def nvtx_range(name: str, timer=None) -> _Range:
+    """`with nvtx_range("schedule"): ...`; with a `PhaseTimer` (llmfast.phase_timing),
+    the range is also timed on the host and, on CUDA, on the device."""
+    return _Range(name, timer)

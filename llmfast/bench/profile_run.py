@@ -3,7 +3,10 @@ by Nsight Systems (the process re-runs itself under `nsys profile`) or by the to
 profiler (a Chrome/Perfetto JSON trace plus a markdown table of the top ops).
 
 Both traces carry the engine's phase ranges from `llmfast.nvtx_ranges.nvtx_range`:
-schedule, prepare_inputs, forward[<padded size>], sample, update, detokenize.
+schedule, prepare_inputs, forward[<padded size>], sample, wait_output, update,
+detokenize. The phase table itself comes from a `PhaseTimer` (host clock and CUDA events,
+llmfast.phase_timing), not from the profiler: under CUDA graphs the profiler sees the
+forward's launches, not its device time.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update", "detokenize")
+PHASES = ("schedule", "prepare_inputs", "forward", "sample", "wait_output", "update",
+          "detokenize")
 NSYS_TRACE = "trace"  # nsys adds .nsys-rep
 TORCH_TRACE = "trace.json"
 TOP_OPS = "top_ops.md"
@@ -131,7 +135,23 @@ class TorchProfile:
     result: Any  # what the workload returned
 
 
-def torch_profile(workload: Callable[[], Any], out_dir: Path, cuda: bool) -> TorchProfile:
+def timed_workload(engine, workload: Callable[[], Any]):
+    """Run `workload` with a PhaseTimer on the engine: (its result, per-phase stats)."""
+    from llmfast.phase_timing import PhaseTimer
+
+    timer = PhaseTimer(engine.config.device)
+    engine.set_phase_timer(timer)
+    try:
+        result = workload()
+    finally:
+        engine.set_phase_timer(None)
+    return result, timer.summary()
+
+
+def torch_profile(workload: Callable[[], Any], out_dir: Path, cuda: bool,
+                  phases_md: Callable[[], str] | None = None) -> TorchProfile:
+    """`phases_md`, called after the run, gives the phase table for top_ops.md (else the
+    profiler's own wall time of each phase range)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -145,7 +165,8 @@ def torch_profile(workload: Callable[[], Any], out_dir: Path, cuda: bool) -> Tor
     averages = prof.key_averages()
     phases = phase_totals(averages)
     top = out_dir / TOP_OPS
-    top.write_text("## Engine phases\n\n" + phases_markdown(phases)
+    table = phases_md() if phases_md is not None else phases_markdown(phases)
+    top.write_text("## Engine phases\n\n" + table
                    + "\n## Top ops\n\n" + top_ops_markdown(averages, cuda))
     return TorchProfile(trace, top, phases, result)
 

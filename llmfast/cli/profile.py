@@ -101,7 +101,8 @@ def _profile_in_process(opts: EngineOptions, sizes: list[int], steps: int, conte
     import dataclasses
 
     from llmfast.bench import environment_info, warm_up
-    from llmfast.bench.profile_run import run_decode_workload, torch_profile
+    from llmfast.bench.profile_run import run_decode_workload, timed_workload, torch_profile
+    from llmfast.phase_timing import phases_markdown
 
     from llmfast.cli.bench import sweep_overrides
 
@@ -110,35 +111,46 @@ def _profile_in_process(opts: EngineOptions, sizes: list[int], steps: int, conte
     seed = opts.engine_kwargs.get("seed", 0)
     warm_up(engine)  # outside the trace: first-call costs would dominate it
 
+    stats = {}
+
     def workload():
-        return run_decode_workload(engine, sizes, steps, context, seed)
+        points, stats["phases"] = timed_workload(
+            engine, lambda: run_decode_workload(engine, sizes, steps, context, seed))
+        return points
 
     summary = {"sizes": sizes, "steps": steps, "context": context, "tracer": kind,
                "model": engine.source.name, "environment": environment_info(engine.config.device),
                "startup": dict(getattr(engine.runner, "startup_times", {}))}
     if kind == "torch":
         with err.status("profiling with the torch profiler ..."):
-            traced = torch_profile(workload, out_dir, engine.config.device.startswith("cuda"))
-        points, summary["phases"] = traced.result, traced.phases
+            traced = torch_profile(workload, out_dir, engine.config.device.startswith("cuda"),
+                                   phases_md=lambda: phases_markdown(stats["phases"]))
+        points = traced.result
     else:  # under nsys: the NVTX ranges are the trace
         points = workload()
+    summary["async_scheduling"] = engine.async_scheduling
+    summary["phases"] = {name: s.as_dict() for name, s in stats["phases"].items()}
     summary["sweep"] = [dataclasses.asdict(p) for p in points]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    con.print(_phase_table(stats["phases"], engine.async_scheduling))
     if kind == "torch":
-        con.print(_phase_table(traced.phases))
         con.print(f"trace:   {traced.trace}  (open it at https://ui.perfetto.dev or "
                   "chrome://tracing)", markup=False)
         con.print(f"top ops: {traced.top_ops}", markup=False)
     con.print(f"summary: {out_dir / 'summary.json'}", markup=False)
 
 
-def _phase_table(phases: dict[str, dict[str, float]]):
+def _phase_table(phases, async_scheduling: bool):
     from rich.table import Table
 
-    table = Table(title="engine phases (torch profiler, CPU wall time)")
-    for col in ("phase", "calls", "total ms", "ms per call"):
+    from llmfast.phase_timing import PHASE_COLUMNS, phases_table_rows
+
+    mode = "async scheduling" if async_scheduling else "synchronous loop"
+    table = Table(title=f"engine phases ({mode}; device time from CUDA events)",
+                  caption="host overlapped: the share of the phase's host time spent while "
+                          "the device computed a forward or a sample")
+    for col in PHASE_COLUMNS:
         table.add_column(col, justify="left" if col == "phase" else "right")
-    for name, p in phases.items():
-        table.add_row(name, str(p["count"]), f"{p['total_ms']:.2f}",
-                      f"{p['total_ms'] / max(p['count'], 1):.3f}")
+    for row in phases_table_rows(phases):
+        table.add_row(*row)
     return table

@@ -94,6 +94,7 @@ class ModelRunner:
         # finished long ago: they ran before the previous forward).
         self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._inputs_copy_queued = False
+        self.phase_timer = None  # a PhaseTimer while profiling (LLMEngine.set_phase_timer)
 
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
@@ -361,7 +362,7 @@ class ModelRunner:
         """Apply `out`, launch its forward and sampler, queue the copy of the sampled ids
         to the host; None if nothing was scheduled. Never waits for the device, except
         (CUDA) for the previous step's input copies, before rewriting their sources."""
-        with nvtx_range("prepare_inputs"):
+        with nvtx_range("prepare_inputs", self.phase_timer):
             if self._inputs_copy_queued:
                 self._inputs_copied.synchronize()
                 self._inputs_copy_queued = False
@@ -378,10 +379,10 @@ class ModelRunner:
                 self._inputs_copy_queued = True
             step = self._record_placeholders(num_sched, sampling_rows,
                                              metadata.max_num_logprobs is not None)
-        with nvtx_range(f"forward[{num_padded}]"):
+        with nvtx_range(f"forward[{num_padded}]", self.phase_timer):
             hidden = self.forward_fn(
                 self.input_ids.gpu[:num_padded], self.positions.gpu[:num_padded], md)
-        with nvtx_range("sample"):
+        with nvtx_range("sample", self.phase_timer):
             logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
             sampler_out = self.sampler(logits, metadata)
             sampled = sampler_out.sampled_token_ids  # [n], stays on the device
