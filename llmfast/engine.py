@@ -197,12 +197,26 @@ class LLMEngine:
             sched_out, pending = done
         elif pending is None:
             return []
+        return self._finish_step(sched_out, pending)
+
+    def _finish_step(self, sched_out: SchedulerOutput, pending: PendingStep
+                     ) -> list[RequestOutput]:
         with nvtx_range("wait_output", self.phase_timer):
             runner_out = self.runner.collect(pending)
         with nvtx_range("update", self.phase_timer):
             updates = self.scheduler.update(sched_out, runner_out)
         with nvtx_range("detokenize", self.phase_timer):
             return self._process_updates(updates)
+
+    def set_async_scheduling(self, enabled: bool) -> list[RequestOutput]:
+        """Switch between the pipelined and the synchronous loop between steps (benchmarks
+        compare both on one engine); returns the outputs of a step still in flight."""
+        outputs: list[RequestOutput] = []
+        if not enabled and self._in_flight is not None:
+            done, self._in_flight = self._in_flight, None
+            outputs = self._finish_step(*done)
+        self.async_scheduling = enabled
+        return outputs
 
     def _process_updates(self, updates) -> list[RequestOutput]:
         now = time.monotonic()

@@ -81,6 +81,17 @@ class PhaseTimer:
         return (self._ref_host + ref.elapsed_time(start_event) / 1e3,
                 self._ref_host + ref.elapsed_time(end_event) / 1e3)
 
+    def per_call_ms(self, name: str, device: bool = True) -> list[float]:
+        """Each call's time of a phase: device span on CUDA (device phases), else host."""
+        if self.cuda and device:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) for n, _, _, start, end in self._records
+                    if n == name]
+        return [(end - start) * 1e3 for n, start, end, _, _ in self._records if n == name]
+
+    def clear(self) -> None:
+        self._records.clear()
+
     def summary(self) -> dict[str, PhaseStats]:
         """Per phase, in first-seen order. Synchronises the device (call it after the run)."""
         if self.cuda:

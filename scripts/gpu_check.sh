@@ -18,10 +18,14 @@
 #   serve       llmfast serve on random:llama-3.2-1b, load-tested at rates 4, 16, 64, inf
 #   defaults    offline throughput at step budgets 2048 / 8192 / 16384 tokens, to confirm
 #               the CUDA defaults (512 seqs / 8192 tokens, engine_args.DEFAULT_STEP_LIMITS)
+#   async       scripts/bench_async.py: end-to-end decode step vs the model step alone,
+#               sync vs async scheduling on one engine (issue 16's bar)
+#   profile     llmfast profile, sync then async: host vs device ms per phase, overlap
 # One device call may run 600 s at most, and the steps' limits add up to more: split
 # them, e.g. GPU_CHECK_STEPS=tests; "kernels modes"; "load startup"; "sweep throughput";
-# defaults (cold caches each time on a fresh machine: Triton and Inductor compile from
-# scratch).
+# "async profile"; defaults (cold caches each time on a fresh machine: Triton and
+# Inductor compile from scratch). The async tests alone: pytest -m gpu
+# tests/test_async_gpu.py tests/test_sampling.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/llmfast_gpu_check}
@@ -92,6 +96,15 @@ for step in $STEPS; do
                     --input-len 256 --output-len 128 --vocab-size 32000 \
                     --request-rate 4,16,64,inf --json "$0/serve.json"
                 rc=$?; kill -TERM $pid; wait $pid; exit $rc' "$OUT" ;;
+        async)  # issue 16's bar: end-to-end step / model step, sync vs async, one run
+            run_step async 330 python3 scripts/bench_async.py --model random:llama-3.2-1b \
+                --dtype bfloat16 --sizes 1,64,256 --json "$OUT/async.json" ;;
+        profile)  # the phase table: host vs device ms per phase, overlapped host time
+            run_step profile 260 bash -c "python3 -m llmfast profile --model random:llama-3.2-1b \
+                --sizes 1,64 --steps 16 --tracer torch --no-async-scheduling \
+                --out '$OUT/profile-sync' && python3 -m llmfast profile \
+                --model random:llama-3.2-1b --sizes 1,64 --steps 16 --tracer torch \
+                --async-scheduling --out '$OUT/profile-async'" ;;
         *) echo "unknown step $step" ;;
     esac
 done
@@ -119,6 +132,15 @@ fi
 if [[ -f "$OUT/serve.log" ]]; then
     echo "--- serve (llmfast serve under load, ms):"
     tail -n 7 "$OUT/serve.log"
+fi
+if [[ -f "$OUT/async.log" ]]; then
+    echo "--- async scheduling (ms per decode step; bar: async / model <= 1.10 at 1 and 64,"
+    echo "    <= 1.05 at 256):"
+    grep -E '^\|' "$OUT/async.log"
+fi
+if [[ -f "$OUT/profile.log" ]]; then
+    echo "--- profile phase tables (sync, then async): $OUT/profile-*/top_ops.md"
+    grep -h -A 10 '^## Engine phases' "$OUT"/profile-*/top_ops.md
 fi
 if [[ -f "$OUT/modes.log" ]]; then
     echo "--- modes (decode step latency, ms; x = speed-up over eager):"

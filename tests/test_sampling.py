@@ -322,22 +322,27 @@ def test_forward_traces_as_one_graph():
 
 @pytest.mark.gpu
 def test_cuda_no_sync_and_seeded_tokens_match_cpu():
+    """The sampler itself never syncs. Its inputs are built first, outside the check:
+    `from_params` makes them with torch.tensor(list, device="cuda"), which does sync (the
+    engine fills them from pinned buffers instead, checked in tests/test_async_gpu.py)."""
+    vocab_size, n = 32000, 16
+    logits = rand_logits(n, vocab_size, seed=11)
+    params = [SP(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                 frequency_penalty=0.2, seed=100 + r, logprobs=2, min_tokens=r % 3)
+              for r in range(n)]
+    kw = dict(steps=list(range(n)), prompt_token_ids=[[1, 2, 3]] * n,
+              output_token_ids=[[4, 5]] * n, eos_token_id=2)
+    md_cpu = make_md(params, vocab_size, **kw)
+    md_gpu = make_md(params, vocab_size, device="cuda", **kw)
+    logits_gpu = logits.cuda()
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        vocab_size, n = 32000, 16
-        logits = rand_logits(n, vocab_size, seed=11)
-        params = [SP(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                     frequency_penalty=0.2, seed=100 + r, logprobs=2) for r in range(n)]
-        kw = dict(steps=list(range(n)), prompt_token_ids=[[1, 2, 3]] * n,
-                  output_token_ids=[[4, 5]] * n)
-        md_cpu = make_md(params, vocab_size, **kw)
-        md_gpu = make_md(params, vocab_size, device="cuda", **kw)
-        res = Sampler()(logits.cuda(), md_gpu)
-        torch.cuda.set_sync_debug_mode(0)
-        cpu_ids = Sampler()(logits, md_cpu).sampled_token_ids
-        assert torch.equal(res.sampled_token_ids.cpu(), cpu_ids)
+        res = Sampler()(logits_gpu, md_gpu)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    cpu_ids = Sampler()(logits, md_cpu).sampled_token_ids
+    assert torch.equal(res.sampled_token_ids.cpu(), cpu_ids)
 
 
 # ---- SamplingParams validation -----------------------------------------------------
