@@ -20,17 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmfast.config import EngineConfig
+from llmfast.core.request import Request, RequestRejected
+from llmfast.core.scheduler import Scheduler
+from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.engine_args import EngineArgs
 from llmfast.models.loader import ModelSource
-from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.nvtx_ranges import nvtx_range
-from llmfast.core.request import Request, RequestRejected
-from llmfast.worker.model_runner import ModelRunner
-from llmfast.worker.step_output import PendingStep
-from llmfast.core.scheduler_output import SchedulerOutput
+from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.value_checks import int_list
-from llmfast.core.scheduler import Scheduler
+from llmfast.worker.model_runner import ModelRunner
+from llmfast.worker.step_output import PendingStep
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ MODES = [pytest.param(True, id="eager"), pytest.param(False, id="graphs")]
 
 
 def _gpu_llm(enforce_eager: bool, async_scheduling: bool = True, **kw):
-    args = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
-                max_num_batched_tokens=512, seed=0, enforce_eager=enforce_eager,
-                async_scheduling=async_scheduling)
+    args = {"device": "cuda", "dtype": "float32", "max_model_len": 256, "max_num_seqs": 16,
+            "max_num_batched_tokens": 512, "seed": 0, "enforce_eager": enforce_eager,
+            "async_scheduling": async_scheduling}
     args.update(kw)
     return LLM("random:tiny", **args)
 

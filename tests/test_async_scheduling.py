@@ -20,8 +20,9 @@ from tests.conftest_cli import make_chat_model
 
 
 def _engine(async_scheduling: bool, **kw):
-    args = dict(device="cpu", max_model_len=96, block_size=4, num_gpu_blocks_override=48,
-                max_num_batched_tokens=40, max_num_seqs=12, seed=0)
+    args = {"device": "cpu", "max_model_len": 96, "block_size": 4,
+            "num_gpu_blocks_override": 48, "max_num_batched_tokens": 40, "max_num_seqs": 12,
+            "seed": 0}
     args.update(kw)
     return LLM("random:tiny", async_scheduling=async_scheduling, **args).engine
 

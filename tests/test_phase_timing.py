@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from llmfast.phase_timing import PhaseTimer, _intersection, _merge, phases_markdown
@@ -12,7 +13,7 @@ def test_overlap_of_host_intervals_with_device_busy_intervals_matches_a_naive_co
     for _ in range(200):
         busy = [(a, a + rng.randrange(1, 20)) for a in (rng.randrange(0, 100) for _ in range(6))]
         merged = _merge([(float(a), float(b)) for a, b in busy])
-        assert all(b < c for (_, b), (c, _) in zip(merged, merged[1:]))  # disjoint, sorted
+        assert all(b < c for (_, b), (c, _) in itertools.pairwise(merged))  # disjoint, sorted
         start = rng.randrange(0, 110)
         end = start + rng.randrange(0, 30)
         # Naive: unit cells [t, t + 1) inside both the host interval and some busy one.

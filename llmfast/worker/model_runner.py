@@ -22,11 +22,14 @@ import numpy as np
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
-from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
-from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID, CachedRequestState, InputBatch
+from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
+from llmfast.models.loader import ModelSource, build_model
+from llmfast.nvtx_ranges import nvtx_range
+from llmfast.worker.buffers import CpuGpuBuffer
+from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID, CachedRequestState, InputBatch
 from llmfast.worker.kv_cache_sizing import (
     available_host_memory,
     check_fits_one_request,
@@ -36,12 +39,9 @@ from llmfast.worker.kv_cache_sizing import (
     num_cpu_blocks,
     num_gpu_blocks,
 )
-from llmfast.models.loader import ModelSource, build_model
-from llmfast.nvtx_ranges import nvtx_range
 from llmfast.worker.sampler import Sampler
 from llmfast.worker.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.step_output import OutputCopier, PendingStep
-from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -408,14 +408,15 @@ class ModelRunner:
         batch.pending_src[sampling_rows] = sampling_rows
         req_ids = [batch.req_ids[r] for r in rows_list]
         params = batch.sampling_params
-        return dict(
-            req_ids=req_ids,
-            samples=samples[rows].tolist(),
-            rows=rows_list,
-            sampling_states=[self.requests[batch.req_ids[r]] for r in sampling_rows.tolist()],
-            placeholder_cols=cols.tolist(),
-            num_logprobs=[params[r].logprobs for r in rows_list] if want_logprobs else None,
-        )
+        return {
+            "req_ids": req_ids,
+            "samples": samples[rows].tolist(),
+            "rows": rows_list,
+            "sampling_states": [self.requests[batch.req_ids[r]]
+                                for r in sampling_rows.tolist()],
+            "placeholder_cols": cols.tolist(),
+            "num_logprobs": [params[r].logprobs for r in rows_list] if want_logprobs else None,
+        }
 
     def collect(self, step: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids; write them into the batch rows that
