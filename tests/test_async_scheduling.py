@@ -207,3 +207,12 @@ def test_stop_strings_one_step_late(tmp_path):
         assert manager.get_num_free_blocks() == manager.num_usable_blocks
         got[mode] = (comp.text, comp.token_ids)
     assert got[False] == got[True]
+
+
+def test_async_scheduling_defaults_off_on_cpu_and_can_be_forced():
+    from llmfast.engine_args import EngineArgs
+
+    default, _ = EngineArgs(model="random:tiny", device="cpu").create_engine_config()
+    forced, _ = EngineArgs(model="random:tiny", device="cpu",
+                           async_scheduling=True).create_engine_config()
+    assert not default.scheduler.async_scheduling and forced.scheduler.async_scheduling
