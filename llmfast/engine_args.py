@@ -133,7 +133,8 @@ class EngineArgs:
 # name -> smallest value; None allowed where the field's default is None.
 _INT_ARGS = {"seed": 0, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
              "block_size": 1, "kv_cache_memory": 1, "num_gpu_blocks_override": 2}
-_BOOL_ARGS = ("enable_prefix_caching", "enforce_eager", "compile", "cuda_graphs")
+_BOOL_ARGS = ("enable_prefix_caching", "enforce_eager", "compile", "cuda_graphs",
+              "async_scheduling")
 
 
 def check_engine_args(args: EngineArgs) -> None:

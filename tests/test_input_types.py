@@ -81,6 +81,7 @@ def test_wrong_typed_sampling_params(kwargs, words):
     ({"num_gpu_blocks_override": 1}, "num-gpu-blocks-override must be an integer >= 2"),
     ({"compile": "yes"}, "compile must be True or False"),
     ({"enforce_eager": 1}, "enforce-eager must be True or False"),
+    ({"async_scheduling": "on"}, "async-scheduling must be True or False"),
     ({"gpu_memory_utilization": "0.5"}, "gpu-memory-utilization must be a number"),
     ({"cuda_graph_sizes": [1, 2.5]}, "cuda-graph-sizes must be positive integers"),
     ({"device": 0}, "device must be a string"),
