@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
-from llmfast.models.llama import LlamaForCausalLM
+from llmfast.models.decoder import DecoderForCausalLM
 
 
-def shuffled_blocks(model: LlamaForCausalLM, num_seqs: int, max_len: int, block_size: int,
+def shuffled_blocks(model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int,
                     seed: int, device: torch.device | str = "cpu"):
     """Zeroed KV caches bound to `model`, and a [num_seqs, blocks_per_seq] int32 block
     table giving each sequence a shuffled (non-contiguous) set of blocks; block 0 stays
@@ -67,7 +67,7 @@ def step_inputs(chunks: dict[int, list[int]], lens: list[int], block_table: torc
 class PagedSequences:
     """A few sequences, each owning a shuffled (non-contiguous) set of cache blocks."""
 
-    def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
+    def __init__(self, model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
                  seed: int = 0) -> None:
         self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed)
         self.block_size = block_size
