@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfast.kernels.cpu_linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
-from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.config import ModelConfig
+from llmfast.kernels.cpu_linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
+from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.models.rope import RotaryEmbedding
 
 

@@ -36,7 +36,7 @@ class Family:
     def options(self, attention_bias: bool) -> dict[str, bool]:
         """The ModelConfig options this family implies."""
         bias = self.reads_attention_bias and attention_bias
-        return dict(qkv_bias=self.qkv_bias_always or bias, o_bias=bias, qk_norm=self.qk_norm)
+        return {"qkv_bias": self.qkv_bias_always or bias, "o_bias": bias, "qk_norm": self.qk_norm}
 
 
 FAMILIES = (
@@ -163,7 +163,8 @@ def _sliding_window(cfg: dict[str, Any], family: Family, num_layers: int) -> int
 def hf_dict_from_model_config(c: ModelConfig) -> dict[str, Any]:
     """An HF-style `config.json` dict (transformers 4 and 5 both read it)."""
     family = BY_ARCHITECTURE[c.architecture]
-    if family.options(c.o_bias) != dict(qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm):
+    options = {"qkv_bias": c.qkv_bias, "o_bias": c.o_bias, "qk_norm": c.qk_norm}
+    if family.options(c.o_bias) != options:
         raise ConfigError(f"{c.architecture} cannot express these options in config.json")
     eos: int | list[int] | None
     eos = list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0]
