@@ -118,6 +118,11 @@ def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
         raise ConfigError("per-layer-type rope parameters are not supported")
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    factor = rope.get("factor")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if rope_type not in ("llama3", "yarn"):  # linear, or refused by RopeScaling
+        return theta, RopeScaling(rope_type, float(factor if factor is not None else 1.0))
     # As transformers does: a top-level value wins, else the rope dict's, else the
     # model's own context length.
     original = int(
@@ -125,25 +130,26 @@ def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
         or rope.get("original_max_position_embeddings")
         or max_positions
     )
-    factor = rope.get("factor")
-    if rope_type == "yarn":
-        if rope.get("mscale") and rope.get("mscale_all_dim") and "attention_factor" not in rope:
-            raise ConfigError("yarn rope scaling with mscale (DeepSeek-style) is not supported")
-        if factor is None:
-            factor = max_positions / original
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(factor if factor is not None else 1.0),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=original,
+        )
+    if rope.get("mscale") and rope.get("mscale_all_dim") and "attention_factor" not in rope:
+        raise ConfigError("yarn rope scaling with mscale (DeepSeek-style) is not supported")
     attention_factor = rope.get("attention_factor")
-    scaling = RopeScaling(
-        rope_type=rope_type,
-        factor=float(factor if factor is not None else 1.0),
-        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+    return theta, RopeScaling(
+        "yarn",
+        float(factor if factor is not None else max_positions / original),
         original_max_position_embeddings=original,
         beta_fast=float(rope.get("beta_fast") or 32.0),
         beta_slow=float(rope.get("beta_slow") or 1.0),
         attention_factor=None if attention_factor is None else float(attention_factor),
         truncate=bool(rope.get("truncate", True)),
     )
-    return theta, scaling
 
 
 def _sliding_window(cfg: dict[str, Any], family: Family, num_layers: int) -> int | None:

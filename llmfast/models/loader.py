@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.decoder import DecoderForCausalLM
+from llmfast.models.families import family_config
 from llmfast.models.load_progress import ByteProgress
 from llmfast.models.safetensors_reader import (
     SafetensorsFile,
@@ -34,6 +35,7 @@ from llmfast.models.validate import (
     is_ignorable,
     safetensors_shapes,
 )
+from llmfast.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,34 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
         rope_scaling=_llama3(8.0), max_position_embeddings=131072, bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
     ),
+    "qwen2.5-0.5b": family_config(
+        "Qwen2ForCausalLM",
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        head_dim=64, intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=32768,
+        bos_token_id=151643, eos_token_ids=(151645, 151643),
+    ),
+    "qwen3-0.6b": family_config(
+        "Qwen3ForCausalLM",
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_ids=(151645, 151643),
+    ),
+    "qwen3-8b": family_config(
+        "Qwen3ForCausalLM",
+        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+    ),
+    # Mistral-7B v0.3's shapes: no sliding window since v0.2, 32768 tokens.
+    "mistral-7b": family_config(
+        "MistralForCausalLM",
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=32768, rope_theta=1000000.0,
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
+    ),
 }
 
 
@@ -98,6 +128,15 @@ class ModelSource:
     @property
     def name(self) -> str:
         return self.spec if self.path is None else self.path.name
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The directory's tokenizer, or the one a random preset carries (see
+        models/preset_tokenizer.py); raises TokenizerError for a weights-only directory."""
+        if self.path is None:
+            from llmfast.models.preset_tokenizer import preset_tokenizer
+
+            return preset_tokenizer(self.config.vocab_size)
+        return load_tokenizer(self.path)
 
 
 def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSource:
