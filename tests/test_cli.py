@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmfast.cli.main import app
+from tests.checkpoints import make_hf_checkpoint
 from tests.conftest_cli import make_chat_model
 
 TINY = ["--model", "random:tiny", "--device", "cpu"]
@@ -327,12 +328,10 @@ def test_pull_offline_is_one_line(monkeypatch):
     (["generate", "hi", "--model", "random:tiny", "--device", "cuda"], "no cuda gpu"),
     (["generate", "hi", "--model", "random:nope", "--device", "cpu"], "unknown random preset"),
     (["generate", "hi", "--model", "/nonexistent/model", "--device", "cpu"], "does not exist"),
-    (["generate", "hi", *TINY], "no tokenizer"),
     (["generate", *TINY], "no prompts"),
     (["generate", "hi", *TINY, "--dtype", "int3"], "dtype"),
     (["generate", "hi", *TINY, "--block-size", "7"], "block size"),
     (["generate", "hi", *TINY, "--kv-cache-memory", "1KiB"], "kv cache"),
-    (["chat", *TINY], "no tokenizer"),
     (["chat", *TINY, "--temperature", "-2"], "temperature"),
     (["bench", *TINY, "--no-such-flag"], "no such option"),
     (["frobnicate"], "no such command"),
@@ -348,6 +347,13 @@ def test_generate_file_not_utf8(tmp_path, chat_model):
                                  "--device", "cpu"), "not valid utf-8")
     assert_one_line_error(invoke("generate", "--file", str(tmp_path / "missing.txt"),
                                  "--model", str(chat_model), "--device", "cpu"), "missing.txt")
+
+
+def test_weights_only_directory_cannot_take_text(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "weights-only")
+    for command in (["generate", "hi"], ["chat"]):
+        result = invoke(*command, "--model", str(path), "--device", "cpu")
+        assert_one_line_error(result, "no tokenizer files")
 
 
 def test_kv_cache_too_small_for_one_request():
