@@ -160,3 +160,32 @@ def test_sliding_window_is_never_silently_full_attention(tmp_path):
     llm = LLM(str(path), device="cpu", block_size=4)
     assert llm.engine.config.scheduler.max_model_len == 32
     assert LLM(str(path), device="cpu", max_model_len=24, block_size=4)
+
+
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM"])
+def test_random_weights_map_to_the_hf_family(architecture):
+    """`bench --baseline hf` on a random preset: HF's model of the same family, given
+    llmfast's random weights, computes the same logits (checks the unfused mapping, biases
+    and q/k norms included, and the preset's config.json)."""
+    import torch
+
+    from llmfast.bench.hf import hf_model_from_llmfast
+    from llmfast.models.families import family_config
+    from llmfast.models.loader import ModelSource, build_model
+    from tests.paged import PagedSequences
+
+    config = family_config(
+        architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=300,
+        tie_word_embeddings=architecture == "Qwen2ForCausalLM", max_position_embeddings=64)
+    ours = build_model(ModelSource("random:test", None, config), torch.float32, "cpu", seed=3)
+    with torch.no_grad():  # random weights give norms of 1 and biases of ~0.02: make them show
+        for name, p in ours.named_parameters():
+            p.mul_(torch.empty_like(p).uniform_(0.5, 1.5)) if "norm" in name else p.mul_(5.0)
+    hf = hf_model_from_llmfast(ours, config).eval()
+    prompt = list(range(7, 27))
+    got = PagedSequences(ours, num_seqs=1, max_len=32).step({0: prompt})
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
