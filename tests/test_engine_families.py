@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import _check, _hf_greedy, _llm, _workload
+from tests.test_engine import _check, _llm, _workload, greedy_oracle
 
 FAMILIES = ("mistral", "qwen2", "qwen3")
 
@@ -24,16 +24,7 @@ def family_env(tmp_path_factory):
             # Qwen2 ties its embeddings, as Qwen2.5-0.5B does; the others do not.
             path = make_hf_checkpoint(tmp_path_factory.mktemp(family) / "ckpt", family=family,
                                       tie=family == "qwen2")
-            hf = load_hf_model(path)
-            cache = {}
-
-            def oracle(prompt, n):
-                key = (tuple(prompt), n)
-                if key not in cache:
-                    cache[key] = _hf_greedy(hf, prompt, n)
-                return cache[key]
-
-            envs[family] = (path, oracle)
+            envs[family] = (path, greedy_oracle(load_hf_model(path)))
         return envs[family]
 
     return get

@@ -13,7 +13,7 @@ import torch
 from llmfast import LLM, SamplingParams
 from tests.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.test_engine import _params, _workload
-from tests.test_engine_gpu import MODES
+from tests.test_engine_gpu import MODES, hf_greedy_on_gpu
 from tests.test_families import assert_bf16_logits_close
 
 pytestmark = [
@@ -36,19 +36,8 @@ def family_env(tmp_path_factory):
                 tmp_path_factory.mktemp(f"gpu-{family}") / "ckpt", family=family,
                 hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                 tie=family == "qwen2")
-            hf = load_hf_model(path).cuda()
             prompts, lengths = _workload(12, shared_prefix=20)
-            tokens = []
-            with torch.inference_mode():
-                for p, n in zip(prompts, lengths):
-                    ids = torch.tensor([p], device="cuda")
-                    out = []
-                    for _ in range(n):
-                        token = int(hf(ids).logits[0, -1].argmax())
-                        out.append(token)
-                        ids = torch.cat([ids, torch.tensor([[token]], device="cuda")], dim=1)
-                    tokens.append(out)
-            del hf
+            tokens = hf_greedy_on_gpu(load_hf_model(path).cuda(), prompts, lengths)
             envs[family] = (path, prompts, lengths, tokens)
         return envs[family]
 
