@@ -144,12 +144,12 @@ class ModelConfig:
         """The max-model-len to run with: `requested`, or the model's positions capped at
         `default_cap`. A sliding-window model runs only where the window covers the whole
         sequence (full attention is then the same thing): the default is clamped to the
-        window, with a note in the log, and a larger request is refused."""
+        window, with a warning in the log, and a larger request is refused."""
         limit = self.max_position_embeddings
         if requested is None:
             length = min(limit, default_cap)
             if self.sliding_window is not None and length > self.sliding_window:
-                logger.info(
+                logger.warning(
                     "max-model-len clamped to %d, the model's sliding window (llmfast does "
                     "not implement sliding-window attention)", self.sliding_window,
                 )
