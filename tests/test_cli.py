@@ -10,7 +10,6 @@ import pytest
 from typer.testing import CliRunner
 
 from llmfast.cli.main import app
-from tests.checkpoints import make_hf_checkpoint
 from tests.conftest_cli import make_chat_model
 
 TINY = ["--model", "random:tiny", "--device", "cpu"]
@@ -347,13 +346,6 @@ def test_generate_file_not_utf8(tmp_path, chat_model):
                                  "--device", "cpu"), "not valid utf-8")
     assert_one_line_error(invoke("generate", "--file", str(tmp_path / "missing.txt"),
                                  "--model", str(chat_model), "--device", "cpu"), "missing.txt")
-
-
-def test_weights_only_directory_cannot_take_text(tmp_path):
-    path = make_hf_checkpoint(tmp_path / "weights-only")
-    for command in (["generate", "hi"], ["chat"]):
-        result = invoke(*command, "--model", str(path), "--device", "cpu")
-        assert_one_line_error(result, "no tokenizer files")
 
 
 def test_kv_cache_too_small_for_one_request():

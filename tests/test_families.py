@@ -136,7 +136,6 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize(("change", "fragment"), [
-    ({"hidden_act": "gelu"}, "gelu"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7,
                        "mscale_all_dim": 0.7, "original_max_position_embeddings": 4096}},

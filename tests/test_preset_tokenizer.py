@@ -59,6 +59,12 @@ def test_default_model_tokenizer_when_cached_and_fitting(cached_default):
     assert preset_tokenizer(vocab_size=cached_default - 1).name == BYTE_TOKENIZER_NAME
 
 
+def test_broken_default_tokenizer_falls_back(cached_default, empty_cache):
+    target = empty_cache / "models" / DEFAULT_MODEL_NAME
+    (target / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')
+    assert resolve_model("random:tiny").load_tokenizer().name == BYTE_TOKENIZER_NAME
+
+
 def test_chat_and_generate_on_a_random_preset(empty_cache):
     runner = CliRunner()
     common = ["--model", "random:tiny", "--device", "cpu", "--temperature", "0",

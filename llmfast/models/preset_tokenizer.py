@@ -15,7 +15,7 @@ import functools
 import logging
 from pathlib import Path
 
-from llmfast.tokenizer import Tokenizer, load_tokenizer
+from llmfast.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +35,23 @@ def preset_tokenizer(vocab_size: int, cache: Path | None = None) -> Tokenizer:
 
     default_dir = cached_default_model(cache)
     if default_dir is not None:
-        tokenizer = load_tokenizer(default_dir)
-        if tokenizer.vocab_size <= vocab_size:
-            logger.info("random weights with the tokenizer of %s", default_dir.name)
-            return tokenizer
-        logger.info(
-            "the default model's tokenizer (%d tokens) exceeds the preset's vocabulary (%d); "
-            "using the built-in byte-level one", tokenizer.vocab_size, vocab_size,
-        )
+        try:
+            tokenizer = load_tokenizer(default_dir)
+        except TokenizerError as e:
+            logger.warning("%s; using the built-in byte-level tokenizer", e)
+        else:
+            if tokenizer.vocab_size <= vocab_size:
+                logger.info("random weights with the tokenizer of %s", default_dir.name)
+                return tokenizer
+            logger.info(
+                "the default model's tokenizer (%d tokens) exceeds the preset's vocabulary "
+                "(%d); using the built-in byte-level one", tokenizer.vocab_size, vocab_size,
+            )
     tokenizer = byte_level_tokenizer()
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"a vocabulary of {vocab_size} cannot hold even the byte tokenizer")
+        raise TokenizerError(
+            f"a vocabulary of {vocab_size} cannot hold even the byte-level tokenizer"
+        )
     return tokenizer
 
 
