@@ -1,4 +1,4 @@
-"""llmfast: a small, fast inference engine for Llama-family models."""
+"""llmfast: a small, fast inference engine for Llama, Mistral and Qwen models."""
 
 from llmfast.llm import LLM
 from llmfast.outputs import CompletionOutput, RequestOutput

@@ -7,14 +7,22 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -49,13 +57,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `rope_type` is "default", "linear" or "llama3"."""
+    """RoPE frequency scaling: "default", "linear", "llama3" (Llama 3.1) or "yarn" (the
+    long-context extension Qwen2.5 and Qwen3 document)."""
 
     rope_type: str = "default"
     factor: float = 1.0
+    # llama3: the band of wavelengths interpolated between scaled and kept frequencies.
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: rotation counts bounding the ramp from extrapolated to interpolated
+    # dimensions, and the cos/sin scale (None: 0.1 * ln(factor) + 1, as the paper says).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -84,6 +100,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # the checkpoint's dtype, as written in config.json
+    # What sets the families apart (see models/families.py for which family has what):
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # a bias on the attention output projection (Llama attention_bias)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    # Attention over the last `sliding_window` tokens only (Mistral v0.1). llmfast's
+    # attention is always full, which equals the window as long as no sequence is longer:
+    # see `resolve_max_model_len`.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -105,6 +130,43 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a "
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(unsupported_architecture_message(self.architecture))
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ConfigError(
+                f"model config: sliding_window must be a positive integer, got "
+                f"{self.sliding_window!r}"
+            )
+
+    def resolve_max_model_len(self, requested: int | None, default_cap: int) -> int:
+        """The max-model-len to run with: `requested`, or the model's positions capped at
+        `default_cap`. A sliding-window model runs only where the window covers the whole
+        sequence (full attention is then the same thing): the default is clamped to the
+        window, with a warning in the log, and a larger request is refused."""
+        limit = self.max_position_embeddings
+        if requested is None:
+            length = min(limit, default_cap)
+            if self.sliding_window is not None and length > self.sliding_window:
+                logger.warning(
+                    "max-model-len clamped to %d, the model's sliding window (llmfast does "
+                    "not implement sliding-window attention)", self.sliding_window,
+                )
+                length = self.sliding_window
+            return length
+        if requested > limit:
+            raise ConfigError(f"max-model-len {requested} exceeds the model's {limit} positions")
+        self.check_fits_window(requested)
+        return requested
+
+    def check_fits_window(self, max_model_len: int) -> None:
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise ConfigError(
+                f"the model uses sliding-window attention over {self.sliding_window} tokens, "
+                f"which llmfast does not implement; max-model-len {max_model_len} must be "
+                f"<= {self.sliding_window}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -117,55 +179,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from the dict of an HF `config.json` (transformers 4.x or 5.x)."""
-        archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        if model_type != "llama" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            found = ", ".join(archs) or model_type or "nothing"
-            raise ConfigError(
-                f"unsupported architecture {found}; llmfast runs Llama-family models "
-                "(LlamaForCausalLM)"
-            )
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-            if key not in cfg:
-                raise ConfigError(f"config.json lacks {key!r}")
-        num_heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        # transformers 5 writes rope settings as `rope_parameters` (theta included);
-        # transformers 4 as `rope_theta` plus an optional `rope_scaling` dict.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = RopeScaling(
-            rope_type=rope_type,
-            factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                rope.get("original_max_position_embeddings", 8192)
-            ),
-        )
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ConfigError("Llama variants with attention or MLP biases are not supported")
-        return cls(
-            hidden_size=hidden,
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            intermediate_size=cfg.get("intermediate_size", 4 * hidden),
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        )
+        from llmfast.models.families import model_config_from_hf
+
+        return model_config_from_hf(cfg)
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
@@ -182,41 +198,13 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """An HF-style `config.json` dict (transformers 4 and 5 both read it)."""
-        rope: dict[str, Any] | None = None
-        if self.rope_scaling.rope_type != "default":
-            rope = {
-                "rope_type": self.rope_scaling.rope_type,
-                "factor": self.rope_scaling.factor,
-                "low_freq_factor": self.rope_scaling.low_freq_factor,
-                "high_freq_factor": self.rope_scaling.high_freq_factor,
-                "original_max_position_embeddings": (
-                    self.rope_scaling.original_max_position_embeddings
-                ),
-            }
-        eos: int | list[int] | None
-        eos = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": rope,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": self.torch_dtype,
-        }
+        from llmfast.models.families import hf_dict_from_model_config
+
+        return hf_dict_from_model_config(self)
+
+
+def unsupported_architecture_message(found: str) -> str:
+    return f"unsupported architecture {found}; llmfast runs " + ", ".join(SUPPORTED_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -298,6 +286,11 @@ class EngineConfig:
     device: str
     dtype: str
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # However the config was put together: never full attention where the model
+        # wants a window (see `ModelConfig.resolve_max_model_len`).
+        self.model.check_fits_window(self.scheduler.max_model_len)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,6 +28,7 @@ from llmfast.models.loader import ModelSource
 from llmfast.nvtx_ranges import nvtx_range
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.sampling_params import SamplingParams
+from llmfast.tokenizer import TokenizerError, has_tokenizer_files
 from llmfast.value_checks import int_list
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.worker.step_output import PendingStep
@@ -66,15 +67,14 @@ class LLMEngine:
         self.tokenizer = None
         # Why there is no tokenizer although the model ships one (it failed to load).
         self.tokenizer_error: str | None = None
-        if source.path is not None:
-            from llmfast.tokenizer import TokenizerError, has_tokenizer_files, load_tokenizer
-
-            if has_tokenizer_files(source.path):  # else weights only: runs on token ids
-                try:
-                    self.tokenizer = load_tokenizer(source.path)
-                except TokenizerError as e:
-                    self.tokenizer_error = str(e)
-                    logger.info("%s; only token-id prompts will work", e)
+        # Random presets carry one (models/preset_tokenizer.py); a weights-only
+        # directory has none and runs on token ids.
+        if source.path is None or has_tokenizer_files(source.path):
+            try:
+                self.tokenizer = source.load_tokenizer()
+            except TokenizerError as e:
+                self.tokenizer_error = str(e)
+                logger.info("%s; only token-id prompts will work", e)
         eos = tuple(source.config.eos_token_ids)
         if self.tokenizer is not None:
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
@@ -123,9 +123,6 @@ class LLMEngine:
         """Why this engine cannot take text: the tokenizer failed to load, or there is none."""
         if self.tokenizer_error is not None:
             return self.tokenizer_error
-        if self.source.is_random:
-            return (f"model {self.source.name} has no tokenizer (random: presets are for "
-                    "bench and profile)")
         return f"model {self.source.name} has no tokenizer files"
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,

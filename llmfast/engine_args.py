@@ -86,12 +86,10 @@ class EngineArgs:
         if device.type == "cuda" and self.block_size not in (16, 32, 64):
             raise ConfigError(f"on CUDA the block size must be 16, 32 or 64; got {self.block_size}")
         source = resolve_model(self.model, progress=progress)
-        model_max = source.config.max_position_embeddings
-        max_model_len = self.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
-        if max_model_len > model_max:
-            raise ConfigError(
-                f"max-model-len {max_model_len} exceeds the model's {model_max} positions"
-            )
+        # Capped by the model's positions and, for a sliding-window model, its window.
+        max_model_len = source.config.resolve_max_model_len(
+            self.max_model_len, DEFAULT_MAX_MODEL_LEN
+        )
         default_seqs, default_tokens = default_step_limits(device)
         max_num_seqs = default_seqs if self.max_num_seqs is None else self.max_num_seqs
         max_num_batched_tokens = (default_tokens if self.max_num_batched_tokens is None

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from llmfast.bench.hf import hf_state_dict_from_llmfast
-from llmfast.models.llama import LlamaForCausalLM
+from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.loader import build_model, resolve_model, weight_bytes
 
 READ_CHUNK = 64 << 20
@@ -45,7 +45,7 @@ def old_random_init(source, dtype, device, max_positions: int, seed: int) -> flo
     """The former path: build, then fill each parameter from a CPU float32 generator."""
     t0 = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(source.config, max_positions=max_positions)
+        model = DecoderForCausalLM(source.config, max_positions=max_positions)
     model = model.to_empty(device=device).to(dtype)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():

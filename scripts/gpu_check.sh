@@ -21,10 +21,14 @@
 #   async       scripts/bench_async.py: end-to-end decode step vs the model step alone,
 #               sync vs async scheduling on one engine (issue 16's bar)
 #   profile     llmfast profile, sync then async: host vs device ms per phase, overlap
+#   families    tests/test_families_gpu.py: Llama, Mistral, Qwen2, Qwen3 vs HF in every
+#               mode (eager, compiled, CUDA graphs), bf16 logits, random Qwen presets chat
+#   presets     one bf16 CUDA-graph decode row (batch 1 and 64, context 512) per family's
+#               random preset; GPU_CHECK_PRESETS picks some (default: all five, ~550 s)
 # One device call may run 600 s at most, and the steps' limits add up to more: split
 # them, e.g. GPU_CHECK_STEPS=tests; "kernels modes"; "load startup"; "sweep throughput";
-# "async profile"; defaults (cold caches each time on a fresh machine: Triton and
-# Inductor compile from scratch). The async tests alone: pytest -m gpu
+# "async profile"; defaults; families; presets (cold caches each time on a fresh machine:
+# Triton and Inductor compile from scratch). The async tests alone: pytest -m gpu
 # tests/test_async_gpu.py tests/test_sampling.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +37,7 @@ mkdir -p "$OUT"
 # The compile cache stays out of $OUT (it is large and need not come back).
 export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 STEPS=${GPU_CHECK_STEPS:-tests kernels modes}
+PRESETS=${GPU_CHECK_PRESETS:-qwen2.5-0.5b qwen3-0.6b mistral-7b qwen3-8b llama-3.1-8b}
 declare -A STATUS
 
 run_step() {  # name, seconds, command...
@@ -54,7 +59,17 @@ run_step() {  # name, seconds, command...
 for step in $STEPS; do
     case $step in
         tests)
-            run_step tests 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rs --durations=10 ;;
+            run_step tests 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rs --durations=10 \
+                --ignore=tests/test_families_gpu.py ;;
+        families)
+            run_step families 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rs \
+                --durations=10 tests/test_families_gpu.py ;;
+        presets)
+            for preset in $PRESETS; do
+                run_step "preset-$preset" 110 python3 -m llmfast bench --model "random:$preset" \
+                    --dtype bfloat16 --max-model-len 1024 --sizes 1,64 --context 512 \
+                    --modes graphs --cuda-graph-sizes 1,64 --json "$OUT/preset-$preset.json"
+            done ;;
         kernels)
             if [[ -f scripts/bench_kernels.py ]]; then
                 run_step kernels 240 python3 scripts/bench_kernels.py --json "$OUT/kernels.json"
@@ -113,7 +128,11 @@ echo
 echo "================ llmfast gpu_check summary ================"
 head -n 3 "$OUT/device.txt"
 for step in $STEPS; do
-    if [[ $step == defaults ]]; then
+    if [[ $step == presets ]]; then
+        for preset in $PRESETS; do
+            printf '%-16s %s\n' "preset-$preset" "${STATUS[preset-$preset]:-not run}"
+        done
+    elif [[ $step == defaults ]]; then
         for budget in 2048 8192 16384; do
             printf '%-16s %s\n' "defaults_$budget" "${STATUS[defaults_$budget]:-not run}"
         done
@@ -162,3 +181,18 @@ for budget in 2048 8192 16384; do
         grep -E '│ llmfast ' "$OUT/defaults_$budget.log" | tail -n 1
     fi
 done
+if [[ -f "$OUT/families.log" ]]; then
+    echo "--- families:"
+    grep -E '^(FAILED|ERROR)|passed|failed|skipped|error' "$OUT/families.log" | tail -n 10
+fi
+if compgen -G "$OUT/preset-*.json" > /dev/null; then
+    echo "--- presets (bf16, CUDA graphs, context 512; step ms p50, decode tok/s, load s):"
+    python3 - "$OUT"/preset-*.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    run = json.load(open(path))["runs"]["graphs"]
+    rows = "  ".join(f"b{r['batch_size']}: {r['step_latency']['median'] * 1e3:.2f} ms "
+                     f"{r['decode_tokens_per_s']:.0f} tok/s" for r in run["sweep"])
+    print(f"{run['model']:<22} {rows}  load {run['startup'].get('load', float('nan')):.1f} s")
+PY
+fi

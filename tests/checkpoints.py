@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints written by transformers itself (the oracle's format)."""
+"""Tiny random checkpoints of each family, written by transformers itself (the oracle's
+format)."""
 
 from __future__ import annotations
 
@@ -20,25 +21,37 @@ TINY = dict(
 )
 
 
+# model_type -> what its tiny config sets beyond TINY. Qwen3's default head_dim is 128,
+# not hidden / heads, so every family names it.
+FAMILIES = {
+    "llama": {"head_dim": 16},
+    "mistral": {"head_dim": 16, "sliding_window": 4096},
+    "qwen2": {"head_dim": 16},
+    "qwen3": {"head_dim": 16},
+}
+
+
 def make_hf_checkpoint(
     path: Path,
     *,
+    family: str = "llama",
     tie: bool = False,
     sharded: bool = False,
     rope_scaling: dict | None = None,
     seed: int = 0,
     **overrides,
 ) -> Path:
-    """Write a random LlamaForCausalLM with transformers' `save_pretrained` (safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Write a random model of `family` (an HF model_type) with transformers'
+    `save_pretrained` (safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {**TINY, **overrides, "tie_word_embeddings": tie}
+    kwargs = {**TINY, **FAMILIES[family], **overrides, "tie_word_embeddings": tie}
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
         kwargs["rope_theta"] = rope_scaling.get("rope_theta", 500000.0)
-    config = LlamaConfig(**kwargs)
+    config = AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    model = AutoModelForCausalLM.from_config(config).float()
     # transformers initialises norms to 1; randomise them so a missed norm weight shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -52,6 +65,6 @@ def make_hf_checkpoint(
 
 
 def load_hf_model(path: Path):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

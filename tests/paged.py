@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
-from llmfast.models.llama import LlamaForCausalLM
+from llmfast.models.decoder import DecoderForCausalLM
 
 
-def shuffled_blocks(model: LlamaForCausalLM, num_seqs: int, max_len: int, block_size: int,
+def shuffled_blocks(model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int,
                     seed: int, device: torch.device | str = "cpu"):
     """Zeroed KV caches bound to `model`, and a [num_seqs, blocks_per_seq] int32 block
     table giving each sequence a shuffled (non-contiguous) set of blocks; block 0 stays
@@ -67,9 +67,11 @@ def step_inputs(chunks: dict[int, list[int]], lens: list[int], block_table: torc
 class PagedSequences:
     """A few sequences, each owning a shuffled (non-contiguous) set of cache blocks."""
 
-    def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
-                 seed: int = 0) -> None:
-        self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed)
+    def __init__(self, model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
+                 seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed,
+                                                        device)
+        self.device = device
         self.block_size = block_size
         self.lens = [0] * num_seqs
         self.model = model
@@ -78,12 +80,14 @@ class PagedSequences:
         """Feed `chunks` (seq index -> new token ids); returns the logits of every new
         token, [total_new_tokens, vocab], in the order given."""
         s = step_inputs(chunks, self.lens, self.block_table, self.block_size)
+        dev = self.device
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(s.slots, dtype=torch.int64),
-            block_table=self.block_table[s.rows],
-            query_start_loc=torch.tensor(s.query_start_loc, dtype=torch.int32),
-            seq_lens=torch.tensor(s.seq_lens, dtype=torch.int32),
+            slot_mapping=torch.tensor(s.slots, dtype=torch.int64, device=dev),
+            block_table=self.block_table[s.rows].to(dev),
+            query_start_loc=torch.tensor(s.query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(s.seq_lens, dtype=torch.int32, device=dev),
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(s.ids), torch.tensor(s.positions), md)
+            ids = torch.tensor(s.ids, device=dev)
+            hidden = self.model(ids, torch.tensor(s.positions, device=dev), md)
             return self.model.compute_logits(hidden)

@@ -14,14 +14,14 @@ from collections.abc import Callable
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
-from llmfast.models.llama import LlamaForCausalLM
+from llmfast.models.decoder import DecoderForCausalLM
 from tests.paged import shuffled_blocks, step_inputs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
 class StaticBatch:
-    def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int,
+    def __init__(self, model: DecoderForCausalLM, num_seqs: int, max_len: int,
                  max_num_tokens: int, block_size: int = 16, seed: int = 0) -> None:
         param = next(model.parameters())
         device = param.device

@@ -19,10 +19,11 @@ def test_dir_without_config(tmp_path):
     assert_one_line_error(_gen(tmp_path), "config.json")
 
 
-def test_non_llama_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"],
-                                                      "model_type": "mistral"}))
-    assert_one_line_error(_gen(tmp_path), "MistralForCausalLM")
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GemmaForCausalLM"],
+                                                      "model_type": "gemma"}))
+    line = assert_one_line_error(_gen(tmp_path), "GemmaForCausalLM")
+    assert "Qwen3ForCausalLM" in line  # the supported ones are named
 
 
 def test_truncated_safetensors(tmp_path):

@@ -46,9 +46,8 @@ def _workload(seed: int, shared_prefix: int = 0):
     return prompts, lengths
 
 
-@pytest.fixture(scope="module")
-def oracle(ckpt):
-    hf = load_hf_model(ckpt)
+def greedy_oracle(hf):
+    """(prompt, n) -> HF's greedy continuation, each computed once."""
     cache = {}
 
     def expected(prompt, n):
@@ -58,6 +57,11 @@ def oracle(ckpt):
         return cache[key]
 
     return expected
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt):
+    return greedy_oracle(load_hf_model(ckpt))
 
 
 def _params(lengths):

@@ -31,10 +31,8 @@ def ckpt(tmp_path_factory):
                               num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 
-@pytest.fixture(scope="module")
-def expected(ckpt):
-    hf = load_hf_model(ckpt).cuda()
-    prompts, lengths = _workload(7)
+def hf_greedy_on_gpu(hf, prompts, lengths) -> list[list[int]]:
+    """HF's greedy continuation of each prompt alone (no KV cache: the plainest path)."""
     out = []
     with torch.inference_mode():
         for p, n in zip(prompts, lengths):
@@ -45,7 +43,13 @@ def expected(ckpt):
                 tokens.append(token)
                 ids = torch.cat([ids, torch.tensor([[token]], device="cuda")], dim=1)
             out.append(tokens)
-    return prompts, lengths, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    prompts, lengths = _workload(7)
+    return prompts, lengths, hf_greedy_on_gpu(load_hf_model(ckpt).cuda(), prompts, lengths)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -58,11 +58,6 @@ def test_weights_only_dir_says_there_is_none(chat_model, tmp_path):
     assert "random:" not in line
 
 
-def test_random_preset_says_presets_are_for_bench():
-    assert_one_line_error(invoke("chat", "--model", "random:tiny", "--device", "cpu", input="hi\n"),
-                          "random: presets are for bench")
-
-
 def _check_kv_message(message: str) -> None:
     assert "cannot allocate the KV cache" in message
     assert "102400.00 GiB asked" in message and "GiB available on cpu" in message

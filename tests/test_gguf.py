@@ -42,6 +42,8 @@ GGUF_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 PROBE_IDS = [[5, 17, 200, 3, 99, 41, 7, 300]]
 
@@ -53,12 +55,13 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def tiny_llama(vocab_size: int, tie: bool, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama"):
+    """A tiny random HF model of `family` (an HF model_type; Llama unless told)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**TINY, vocab_size=vocab_size, tie_word_embeddings=tie)
-    model = LlamaForCausalLM(config).float().eval()
+    config = AutoConfig.for_model(family, **TINY, vocab_size=vocab_size, tie_word_embeddings=tie)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             # Norms too: a norm weight that is dropped or misplaced must show.
@@ -74,12 +77,13 @@ def gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+    module, kind = rest.rsplit(".", 1)  # kind: weight or bias
+    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
 def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama") -> Path:
-    """A llama GGUF as llama.cpp writes it: permuted Q/K, optional `quant` for matrices
-    (the embedding then gets F16, to cover a third tensor type)."""
+    """A GGUF as llama.cpp writes it: for arch llama permuted Q/K, optional `quant` for
+    matrices (the embedding then gets F16, to cover a third tensor type)."""
     import gguf
 
     cfg = model.config
@@ -110,9 +114,9 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.numpy().astype(np.float32)
-        if ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in name:
             data = llamacpp_permute(data, cfg.num_attention_heads)
-        elif ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_key_value_heads)
         if quant is not None and data.ndim == 2:
             qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
@@ -211,10 +215,10 @@ def test_unpermute_inverts_llamacpp_permute():
         assert torch.equal(unpermute_qk(permuted, heads), w)
 
 
-def test_non_llama_refused(tmp_path, bpe):
+def test_other_architectures_refused(tmp_path, bpe):
     path = write_llama_gguf(tmp_path / "q.gguf", tiny_llama(bpe.get_vocab_size(), True), bpe,
-                            arch="qwen2")
-    with pytest.raises(GGUFError, match="'qwen2'.*only 'llama'"):
+                            arch="phi3")
+    with pytest.raises(GGUFError, match="'phi3'.*converts 'llama', 'qwen2', 'qwen3'"):
         convert_gguf_to_hf_dir(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -2,7 +2,7 @@
 user who already has transformers would run it (left-padded batches, greedy).
 
 A model directory is loaded with `AutoModelForCausalLM.from_pretrained`; a `random:`
-preset has no directory, so an HF `LlamaForCausalLM` is built from its config and
+preset has no directory, so the HF model of its family is built from its config and
 llmfast's own random weights are copied in (unfused), which makes both engines compute
 the same function.
 """
@@ -28,11 +28,11 @@ def hf_state_dict_from_llmfast(model, config) -> dict[str, torch.Tensor]:
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     state = {}
     for name, tensor in model.state_dict().items():
-        if name.endswith("self_attn.qkv_proj.weight"):
-            prefix = name.removesuffix("qkv_proj.weight")
-            state[prefix + "q_proj.weight"] = tensor[:q]
-            state[prefix + "k_proj.weight"] = tensor[q: q + kv]
-            state[prefix + "v_proj.weight"] = tensor[q + kv:]
+        if ".self_attn.qkv_proj." in name:  # weight, and bias for Qwen2
+            prefix, kind = name.rsplit("qkv_proj.", 1)
+            state[f"{prefix}q_proj.{kind}"] = tensor[:q]
+            state[f"{prefix}k_proj.{kind}"] = tensor[q: q + kv]
+            state[f"{prefix}v_proj.{kind}"] = tensor[q + kv:]
         elif name.endswith("mlp.gate_up_proj.weight"):
             prefix = name.removesuffix("gate_up_proj.weight")
             state[prefix + "gate_proj.weight"] = tensor[:inter]
@@ -45,7 +45,7 @@ def hf_state_dict_from_llmfast(model, config) -> dict[str, torch.Tensor]:
 def load_hf_model(engine):
     """The HF model for the engine's weights, in its dtype and on its device."""
     try:
-        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise BenchError(f"--baseline hf needs transformers: {e}") from None
     dtype = engine.config.torch_dtype
@@ -54,24 +54,33 @@ def load_hf_model(engine):
     if source.path is not None:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
     else:
-        hf_cfg = {k: v for k, v in source.config.to_hf_dict().items()
-                  if k not in ("architectures", "model_type", "torch_dtype")}
-        with torch.device("meta"):
-            model = LlamaForCausalLM(LlamaConfig(**hf_cfg))
-        model = model.to_empty(device="cpu")
-        state = hf_state_dict_from_llmfast(engine.runner.model, source.config)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        # Only non-persistent buffers may be left (RoPE inv_freq), recomputed below.
-        if unexpected or any("rotary" not in m for m in missing):
-            raise BenchError(f"cannot map llmfast weights to HF: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
-        if source.config.tie_word_embeddings:
-            model.tie_weights()
-        rotary = model.model.rotary_emb
-        with torch.device("cpu"):
-            fresh = type(rotary)(config=model.config)
-        model.model.rotary_emb = fresh
+        model = hf_model_from_llmfast(engine.runner.model, source.config)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def hf_model_from_llmfast(model, config):
+    """The HF model of `config`'s family holding `model`'s weights (on the CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = config.to_hf_dict()
+    model_type = hf_cfg.pop("model_type")
+    for key in ("architectures", "torch_dtype"):
+        hf_cfg.pop(key)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **hf_cfg))
+    hf = hf.to_empty(device="cpu")
+    state = hf_state_dict_from_llmfast(model, config)
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    # Only non-persistent buffers may be left (RoPE inv_freq), recomputed below.
+    if unexpected or any("rotary" not in m for m in missing):
+        raise BenchError(f"cannot map llmfast weights to HF: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        hf.tie_weights()
+    rotary = hf.model.rotary_emb
+    with torch.device("cpu"):
+        hf.model.rotary_emb = type(rotary)(config=hf.config)
+    return hf
 
 
 def run_hf_baseline(model, requests: Sequence[BenchRequest], batch_size: int | None = None,

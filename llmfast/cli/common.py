@@ -96,8 +96,9 @@ def _opt(*decls: str, help: str, **kwargs: Any) -> Any:
 _ENGINE_FLAGS: dict[str, tuple[Any, Any, Any]] = {
     "model": (str | None, _opt(
         "--model", "-m",
-        help="A local HF Llama directory, a .gguf file, random:PRESET (tiny, smollm2-135m, "
-             "llama-3.2-1b, ...) or 'default'.  [default: SmolLM2-135M-Instruct, fetched once]"),
+        help="A local HF directory (Llama, Mistral, Qwen2/2.5, Qwen3), a .gguf file, "
+             "random:PRESET (tiny, llama-3.2-1b, qwen3-0.6b, ...) or 'default'.  "
+             "[default: SmolLM2-135M-Instruct, fetched once]"),
         None),
     "dtype": (str | None, _opt(
         "--dtype",

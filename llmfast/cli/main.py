@@ -51,7 +51,7 @@ def build_app() -> typer.Typer:
     app = typer.Typer(
         name="llmfast",
         cls=_OneLineErrorGroup,
-        help="A small, fast LLM inference engine for Llama-family models.",
+        help="A small, fast LLM inference engine for Llama, Mistral and Qwen models.",
         no_args_is_help=True,
         add_completion=False,
         rich_markup_mode="markdown",

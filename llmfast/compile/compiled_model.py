@@ -61,7 +61,7 @@ def _private_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     """`model(...)` behind a code object of its own.
 
     Dynamo keeps compiled code, and its recompile limit (8), per code object. Compiling
-    `model` itself would share `LlamaForCausalLM.forward`'s code between every
+    `model` itself would share `DecoderForCausalLM.forward`'s code between every
     CompiledModel in the process (tests, benchmarks), so the ninth would fail; a
     private copy of the code also frees its cache with this object.
 

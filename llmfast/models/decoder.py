@@ -1,4 +1,7 @@
-"""Llama in plain torch: fused qkv and gate_up projections, GQA, RoPE, RMSNorm.
+"""The decoder of every family llmfast runs (Llama, Mistral, Qwen2/2.5, Qwen3), in plain
+torch: fused qkv and gate_up projections, GQA, RoPE, RMSNorm. The families differ only by
+`ModelConfig` options: q/k/v and o_proj biases, per-head q/k RMSNorm, tied embeddings,
+rope scaling (models/families.py says which family has which).
 
 Inputs are flat over the step's tokens (no batch dimension): requests are told apart
 only by the attention metadata. Attention goes through `torch.ops.llmfast.unified_attention`,
@@ -7,16 +10,15 @@ which also writes the new tokens' keys and values into the paged KV cache.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfast.attention_metadata import AttentionMetadata
+from llmfast.config import ModelConfig
 from llmfast.kernels.cpu_linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
-from llmfast.attention_metadata import AttentionMetadata
-from llmfast.config import ModelConfig, RopeScaling
+from llmfast.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -32,52 +34,7 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling.rope_type == "linear":
-        inv_freq = inv_freq / scaling.factor
-    elif scaling.rope_type == "llama3":
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between
-        # interpolated smoothly (Llama 3.1's scheme).
-        old_len = scaling.original_max_position_embeddings
-        low_wavelen = old_len / scaling.low_freq_factor
-        high_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        inv_freq = torch.where(
-            wavelen > low_wavelen,
-            inv_freq / scaling.factor,
-            torch.where(wavelen < high_wavelen, inv_freq, interpolated),
-        )
-    return inv_freq.float()
-
-
-class RotaryEmbedding(nn.Module):
-    """Non-interleaved RoPE (HF's rotate_half layout) from a precomputed cos/sin table."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # [max_positions, head_dim]: cos of both halves, then sin of both halves.
-        self.register_buffer(
-            "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False
-        )
-        self.head_dim = head_dim
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [num_tokens, heads, head_dim] by each token's position. The caller
-        passes queries and keys together (one pass instead of two)."""
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class LlamaAttention(nn.Module):
+class Attention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -85,10 +42,15 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # Qwen3: each query and key head RMS-normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
-        # Set by `LlamaForCausalLM.bind_kv_caches`; views into the runner's cache tensor.
+        # Set by `DecoderForCausalLM.bind_kv_caches`; views into the runner's cache tensor.
         # [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -99,7 +61,11 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Queries and keys are adjacent columns: rotate them as one [T, heads + kv_heads, d].
-        qk = self.rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = self.rotary(positions, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
@@ -126,7 +92,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(-1, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -138,13 +104,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = Attention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = MLP(config)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
@@ -153,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -161,7 +127,7 @@ class LlamaModel(nn.Module):
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -174,11 +140,11 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
+        self.model = DecoderModel(config, max_positions or config.max_position_embeddings)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size, bias=False,
             max_split_tokens=MAX_SPLIT_TOKENS_LM_HEAD,
@@ -196,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden_size] selected hidden states -> [n, vocab_size] float32 logits."""
         return self.lm_head(hidden).float()
 
-    def attention_layers(self) -> list[LlamaAttention]:
+    def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -1,0 +1,220 @@
+"""The model families llmfast runs, and how an HF `config.json` describes each.
+
+All families share one decoder (models/decoder.py); a family only sets named options on
+`ModelConfig`:
+
+    architecture        q/k/v bias       o_proj bias      q/k norm   sliding window
+    LlamaForCausalLM    attention_bias   attention_bias   -          -
+    MistralForCausalLM  -                -                -          sliding_window
+    Qwen2ForCausalLM    always           -                -          use_sliding_window
+    Qwen3ForCausalLM    attention_bias   attention_bias   always     use_sliding_window
+
+Rope scaling (linear, llama3, yarn) and tied embeddings are read the same way for all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmfast.config import ConfigError, ModelConfig, RopeScaling, unsupported_architecture_message
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str
+    model_type: str
+    qkv_bias_always: bool = False  # Qwen2: q/k/v biases whatever the config says
+    reads_attention_bias: bool = False  # `attention_bias`: biases on q, k, v and o_proj
+    qk_norm: bool = False
+    reads_sliding_window: bool = False
+    # Qwen: `sliding_window` applies only with `use_sliding_window`, and only to the
+    # layers from `max_window_layers` on.
+    window_needs_flag: bool = False
+    default_head_dim: int | None = None  # when config.json has none (else hidden / heads)
+
+    def options(self, attention_bias: bool) -> dict[str, bool]:
+        """The ModelConfig options this family implies."""
+        bias = self.reads_attention_bias and attention_bias
+        return {"qkv_bias": self.qkv_bias_always or bias, "o_bias": bias, "qk_norm": self.qk_norm}
+
+
+FAMILIES = (
+    Family("LlamaForCausalLM", "llama", reads_attention_bias=True),
+    Family("MistralForCausalLM", "mistral", reads_sliding_window=True),
+    Family(
+        "Qwen2ForCausalLM", "qwen2", qkv_bias_always=True, reads_sliding_window=True,
+        window_needs_flag=True,
+    ),
+    Family(
+        "Qwen3ForCausalLM", "qwen3", reads_attention_bias=True, qk_norm=True,
+        reads_sliding_window=True, window_needs_flag=True, default_head_dim=128,
+    ),
+)
+BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
+BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
+
+
+def family_config(architecture: str, *, attention_bias: bool = False, **fields: Any) -> ModelConfig:
+    """A ModelConfig with the family's options filled in (the random presets use this)."""
+    family = BY_ARCHITECTURE[architecture]
+    return ModelConfig(architecture=architecture, **family.options(attention_bias), **fields)
+
+
+def family_of(cfg: dict[str, Any]) -> Family:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in BY_ARCHITECTURE:
+            return BY_ARCHITECTURE[arch]
+    model_type = cfg.get("model_type")
+    if model_type in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[model_type]
+    raise ConfigError(unsupported_architecture_message(", ".join(archs) or model_type or "none"))
+
+
+def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from the dict of an HF `config.json` (transformers 4.x or 5.x)."""
+    family = family_of(cfg)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in cfg:
+            raise ConfigError(f"config.json lacks {key!r}")
+    if cfg.get("mlp_bias"):
+        raise ConfigError("models with MLP biases are not supported")
+    num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    num_layers = cfg["num_hidden_layers"]
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    rope_theta, scaling = _rope(cfg, max_positions)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or family.default_head_dim or hidden // num_heads,
+        intermediate_size=cfg.get("intermediate_size", 4 * hidden),
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_positions,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        architecture=family.architecture,
+        sliding_window=_sliding_window(cfg, family, num_layers),
+        **family.options(bool(cfg.get("attention_bias"))),
+    )
+
+
+def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
+    # transformers 5 writes rope settings as `rope_parameters` (theta included);
+    # transformers 4 as `rope_theta` plus an optional `rope_scaling` dict.
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ConfigError("per-layer-type rope parameters are not supported")
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    factor = rope.get("factor")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if rope_type not in ("llama3", "yarn"):  # linear, or refused by RopeScaling
+        return theta, RopeScaling(rope_type, float(factor if factor is not None else 1.0))
+    # As transformers does: a top-level value wins, else the rope dict's, else the
+    # model's own context length.
+    original = int(
+        cfg.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or max_positions
+    )
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(factor if factor is not None else 1.0),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=original,
+        )
+    if rope.get("mscale") and rope.get("mscale_all_dim") and "attention_factor" not in rope:
+        raise ConfigError("yarn rope scaling with mscale (DeepSeek-style) is not supported")
+    attention_factor = rope.get("attention_factor")
+    return theta, RopeScaling(
+        "yarn",
+        float(factor if factor is not None else max_positions / original),
+        original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _sliding_window(cfg: dict[str, Any], family: Family, num_layers: int) -> int | None:
+    """The window if any layer uses one (llmfast then only runs lengths it covers)."""
+    window = cfg.get("sliding_window")
+    if window is None or not family.reads_sliding_window:
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:  # transformers 5 writes which layers slide
+        return window if "sliding_attention" in layer_types else None
+    if family.window_needs_flag:
+        sliding_layers = num_layers - cfg.get("max_window_layers", num_layers)
+        return window if cfg.get("use_sliding_window") and sliding_layers > 0 else None
+    return window
+
+
+def hf_dict_from_model_config(c: ModelConfig) -> dict[str, Any]:
+    """An HF-style `config.json` dict (transformers 4 and 5 both read it)."""
+    family = BY_ARCHITECTURE[c.architecture]
+    options = {"qkv_bias": c.qkv_bias, "o_bias": c.o_bias, "qk_norm": c.qk_norm}
+    if family.options(c.o_bias) != options:
+        raise ConfigError(f"{c.architecture} cannot express these options in config.json")
+    eos: int | list[int] | None
+    eos = list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0]
+    out: dict[str, Any] = {
+        "architectures": [c.architecture],
+        "model_type": family.model_type,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": _rope_dict(c.rope_scaling),
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "max_position_embeddings": c.max_position_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos,
+        "hidden_act": "silu",
+        "torch_dtype": c.torch_dtype,
+    }
+    if family.reads_attention_bias:
+        out["attention_bias"] = c.o_bias
+    if family.model_type == "llama":
+        out["mlp_bias"] = False
+    if family.reads_sliding_window:
+        out["sliding_window"] = c.sliding_window
+        if family.window_needs_flag:
+            out["use_sliding_window"] = c.sliding_window is not None
+            out["max_window_layers"] = 0 if c.sliding_window is not None else c.num_hidden_layers
+    return out
+
+
+def _rope_dict(s: RopeScaling) -> dict[str, Any] | None:
+    if s.rope_type == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": s.rope_type, "factor": s.factor}
+    if s.rope_type in ("llama3", "yarn"):
+        out["original_max_position_embeddings"] = s.original_max_position_embeddings
+    if s.rope_type == "llama3":
+        out.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+    if s.rope_type == "yarn":
+        out.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate)
+        if s.attention_factor is not None:
+            out["attention_factor"] = s.attention_factor
+    return out
+

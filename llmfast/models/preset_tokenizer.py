@@ -1,0 +1,90 @@
+"""The tokenizer a `random:` preset carries, so that chat, generate and serve run on it.
+
+Random weights come without a tokenizer. A preset borrows the default model's (SmolLM2's
+byte-level BPE with a ChatML template, 49152 tokens) when that model is already in the
+cache and its tokens fit in the preset's vocabulary. Otherwise it gets a byte-level
+tokenizer built here in memory: one token per byte plus ChatML's three special tokens,
+259 in all. Every preset's vocabulary holds that, and it needs no download, so a machine
+without network can chat with a random model too. A random model samples from its whole
+vocabulary; ids the tokenizer lacks decode to nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+from llmfast.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+BYTE_TOKENIZER_NAME = "byte-level ChatML (built in)"
+CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def preset_tokenizer(vocab_size: int, cache: Path | None = None) -> Tokenizer:
+    """The default model's tokenizer if it is cached and fits `vocab_size`, else the
+    built-in byte-level one."""
+    from llmfast.models.default_model import cached_default_model
+
+    default_dir = cached_default_model(cache)
+    if default_dir is not None:
+        try:
+            tokenizer = load_tokenizer(default_dir)
+        except TokenizerError as e:
+            logger.warning("%s; using the built-in byte-level tokenizer", e)
+        else:
+            if tokenizer.vocab_size <= vocab_size:
+                logger.info("random weights with the tokenizer of %s", default_dir.name)
+                return tokenizer
+            logger.info(
+                "the default model's tokenizer (%d tokens) exceeds the preset's vocabulary "
+                "(%d); using the built-in byte-level one", tokenizer.vocab_size, vocab_size,
+            )
+    tokenizer = byte_level_tokenizer()
+    if tokenizer.vocab_size > vocab_size:
+        raise TokenizerError(
+            f"a vocabulary of {vocab_size} cannot hold even the byte-level tokenizer"
+        )
+    return tokenizer
+
+
+@functools.cache
+def byte_level_tokenizer() -> Tokenizer:
+    """Bytes 0-255 as tokens 0-255 (GPT-2's printable stand-ins for each byte), no merges,
+    and the ChatML special tokens after them."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in enumerate(_byte_stand_ins())}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(list(CHATML_SPECIAL_TOKENS))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    hf.chat_template = CHATML_TEMPLATE
+    return Tokenizer(hf, (int(hf.eos_token_id),), BYTE_TOKENIZER_NAME)
+
+
+def _byte_stand_ins() -> list[str]:
+    """The character byte-level BPE writes for each byte value (index = byte): printable
+    Latin-1 bytes stand for themselves, the other 68 map to chr(256), chr(257), ... in order.
+    E.g. byte 0x21 "!" -> "!", byte 0x20 (space) -> chr(256 + 32) = "Ġ"."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            out.append(chr(byte))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out

@@ -1,0 +1,92 @@
+"""Random presets carry a tokenizer: the cached default model's when it fits, else the
+built-in byte-level ChatML one; chat and generate run on them (no download anywhere)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from llmfast.cli.main import app
+from llmfast.models.default_model import DEFAULT_MODEL_NAME, cached_default_model
+from llmfast.models.gguf import CONVERSION_VERSION, MARKER_NAME
+from llmfast.models.loader import RANDOM_PRESETS, resolve_model
+from llmfast.models.preset_tokenizer import BYTE_TOKENIZER_NAME, preset_tokenizer
+from tests.conftest_cli import save_tiny_tokenizer
+
+TEXT = "Grüße, 世界! <|im_start|> tabs\tand\nnewlines"
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def cached_default(empty_cache):
+    """A finished default-model conversion in the cache (its tokenizer is what matters)."""
+    target = empty_cache / "models" / DEFAULT_MODEL_NAME
+    size = save_tiny_tokenizer(target)
+    (target / MARKER_NAME).write_text(json.dumps({"format_version": CONVERSION_VERSION}))
+    assert cached_default_model() == target
+    return size
+
+
+def test_byte_level_tokenizer_without_the_default_model(empty_cache):
+    assert cached_default_model() is None
+    for preset in RANDOM_PRESETS:
+        tokenizer = resolve_model(f"random:{preset}").load_tokenizer()
+        assert tokenizer.name == BYTE_TOKENIZER_NAME
+        assert tokenizer.vocab_size == 259 <= RANDOM_PRESETS[preset].vocab_size
+    ids = tokenizer.encode(TEXT)
+    assert ids[:3] == list("Grü".encode()[:3])  # one token per byte
+    assert tokenizer.decode(ids, skip_special_tokens=False) == TEXT
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tokenizer.decode(chat, skip_special_tokens=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.eos_token_ids == (tokenizer.hf.convert_tokens_to_ids("<|im_end|>"),)
+    # A random model samples ids past the tokenizer: they decode to nothing.
+    assert tokenizer.decode([104, 100_000, 105]) == "hi"
+    assert not empty_cache.exists()  # nothing written
+
+
+def test_default_model_tokenizer_when_cached_and_fitting(cached_default):
+    tokenizer = resolve_model("random:tiny").load_tokenizer()
+    assert tokenizer.name == DEFAULT_MODEL_NAME and tokenizer.vocab_size == cached_default
+    # A vocabulary too small for it gets the byte-level one instead.
+    assert preset_tokenizer(vocab_size=cached_default - 1).name == BYTE_TOKENIZER_NAME
+
+
+def test_broken_default_tokenizer_falls_back(cached_default, empty_cache):
+    target = empty_cache / "models" / DEFAULT_MODEL_NAME
+    (target / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')
+    assert resolve_model("random:tiny").load_tokenizer().name == BYTE_TOKENIZER_NAME
+
+
+def test_chat_and_generate_on_a_random_preset(empty_cache):
+    runner = CliRunner()
+    common = ["--model", "random:tiny", "--device", "cpu", "--temperature", "0",
+              "--max-tokens", "5", "--ignore-eos"]
+    chat = runner.invoke(app, ["chat", *common], input=b"hello there\n")
+    assert chat.exit_code == 0, chat.output
+    out = runner.invoke(app, ["generate", "hello", *common, "--json"])
+    assert out.exit_code == 0, out.output
+    (record,) = json.loads(out.stdout)
+    assert len(record["token_ids"]) == 5
+    # The text is the byte tokenizer's decoding of the sampled ids.
+    tokenizer = resolve_model("random:tiny").load_tokenizer()
+    assert record["text"] == tokenizer.decode(record["token_ids"])
+
+
+@pytest.mark.slow
+def test_chat_on_qwen3_preset_cpu(empty_cache):
+    """Real size (0.6B parameters, 2.4 GB in fp32): a turn of chat on CPU."""
+    from llmfast import LLM
+    from llmfast.cli.chat_session import ChatSession, ChatSettings
+
+    llm = LLM("random:qwen3-0.6b", device="cpu", max_model_len=128)
+    session = ChatSession(llm, ChatSettings(temperature=0.0, max_tokens=4, ignore_eos=True))
+    result = session.reply("hello", lambda delta: None)
+    assert result.num_output_tokens == 4
