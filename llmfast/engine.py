@@ -10,7 +10,6 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmfast.config import EngineConfig
@@ -23,10 +22,10 @@ from llmfast.worker.model_runner import ModelRunner
 from llmfast.sampling_params import SamplingParams
 from llmfast.value_checks import int_list
 from llmfast.core.scheduler import Scheduler
+from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str, float | None], None]
 Prompt = str | list[int] | dict
 
 

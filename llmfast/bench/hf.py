@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from llmfast.bench.sizes import BenchError
 from llmfast.bench.throughput import ThroughputResult, throughput_result
-from llmfast.bench.workload import BenchProgress, BenchRequest
+from llmfast.bench.workload import BenchError, BenchRequest
+from llmfast.progress import CountProgress
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def load_hf_model(engine):
 
 def run_hf_baseline(model, requests: Sequence[BenchRequest], batch_size: int | None = None,
                     pad_token_id: int = 0,
-                    progress: BenchProgress | None = None) -> ThroughputResult:
+                    progress: CountProgress | None = None) -> ThroughputResult:
     """Greedy `generate` over left-padded batches of `batch_size` (None: all at once).
 
     Requests are grouped by output length (sorted), each batch generating exactly its
@@ -130,7 +130,7 @@ def hf_batch_candidates(num_requests: int) -> list[int]:
 
 def tune_hf_batch_size(model, requests: Sequence[BenchRequest], candidates: Sequence[int],
                        pad_token_id: int = 0,
-                       progress: BenchProgress | None = None) -> tuple[int, dict[int, float | None]]:
+                       progress: CountProgress | None = None) -> tuple[int, dict[int, float | None]]:
     """The batch size at which `generate` gives the most output tokens/s: one batch of
     the first `b` requests per candidate (ascending), stopping at the first that runs
     out of memory or is slower than the one before. Returns (best, {size: tok/s or

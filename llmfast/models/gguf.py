@@ -23,7 +23,6 @@ import re
 import secrets
 import shutil
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,10 @@ import numpy as np
 import torch
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
+from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str, float | None], None]
 
 # Bump when the output of a conversion changes, so cached directories are rebuilt.
 CONVERSION_VERSION = 1

@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +34,10 @@ from llmfast.models.validate import (
     is_ignorable,
     safetensors_shapes,
 )
+from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str, float | None], None]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 

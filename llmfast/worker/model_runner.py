@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -35,10 +34,10 @@ from llmfast.nvtx_ranges import nvtx_range
 from llmfast.worker.sampler import Sampler
 from llmfast.worker.sampling_metadata import build_sampling_metadata
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str, float | None], None]
 
 
 class ModelRunner:
