@@ -17,7 +17,7 @@ from llmfast.engine_args import EngineArgs
 from llmfast.models.loader import ModelSource
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.nvtx_ranges import nvtx_range
-from llmfast.core.request import Request, RequestRejected
+from llmfast.core.request import Request, RequestRejected, check_prompt_length
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.sampling_params import SamplingParams
 from llmfast.value_checks import int_list
@@ -138,14 +138,7 @@ class LLMEngine:
         return req_id
 
     def _validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise RequestRejected("the prompt is empty")
-        max_len = self.config.scheduler.max_model_len
-        if len(ids) >= max_len:
-            raise RequestRejected(
-                f"the prompt has {len(ids)} tokens; max-model-len {max_len} leaves no room "
-                "to generate (raise --max-model-len or shorten the prompt)"
-            )
+        check_prompt_length(len(ids), self.config.scheduler.max_model_len)
         vocab = self.config.model.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")

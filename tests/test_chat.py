@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmfast.cli.main import app
 from llmfast.cli.chat_session import ChatCommandError, ChatSession, ChatSettings
-from tests.conftest_cli import make_chat_model
+from llmfast.cli.main import app
+from tests.helpers.chat_model import make_chat_model
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = ["--temperature", "0", "--device", "cpu"]

@@ -7,28 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from llmfast.cli.main import app
-from tests.conftest_cli import make_chat_model
+from tests.helpers.chat_model import make_chat_model
+from tests.helpers.cli import assert_one_line_error, invoke
 
 TINY = ["--model", "random:tiny", "--device", "cpu"]
 NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
-
-
-def invoke(*args: str, input: bytes | str | None = None):
-    # Wide enough that Rich never shortens a flag name in --help.
-    return CliRunner().invoke(app, list(args), input=input, env={"COLUMNS": "160"})
-
-
-def assert_one_line_error(result, fragment: str = "") -> str:
-    assert result.exit_code != 0, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    assert "Traceback" not in result.output
-    assert fragment.lower() in lines[0].lower(), lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

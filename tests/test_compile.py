@@ -26,8 +26,8 @@ from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
 from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
 from llmfast.kernels.ops import unified_attention_impl
 from llmfast.models.loader import build_model, resolve_model
-from tests.paged import PagedSequences
-from tests.static_batch import StaticBatch
+from tests.helpers.paged import PagedSequences
+from tests.helpers.static_batch import StaticBatch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -168,7 +168,7 @@ _SECOND_START = textwrap.dedent("""
     from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
     from llmfast.models.loader import build_model, resolve_model
-    from tests.paged import PagedSequences
+    from tests.helpers.paged import PagedSequences
 
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
     cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)

@@ -16,10 +16,10 @@ from llmfast.cli.main import app
 from llmfast.config import ConfigError
 from llmfast.engine_args import EngineArgs, engine_flags
 from llmfast.flag_values import FlagValueError, parse_bytes, parse_sizes
+from tests.helpers.cli import assert_one_line_error, invoke
 
 # Commands that build no engine; any other command must take the engine flags.
 NO_ENGINE = {"pull"}
-WIDE = {"COLUMNS": "200"}  # Rich never shortens a flag name at this width
 
 
 def _panel_flags(help_text: str, panel: str = "Engine") -> set[str]:
@@ -48,15 +48,15 @@ def test_every_engine_command_shows_exactly_the_engine_args_fields():
     engine_commands = [c for c in _commands() if c not in NO_ENGINE]
     assert {"chat", "generate", "bench", "profile"} <= set(engine_commands)
     for command in engine_commands:
-        result = CliRunner().invoke(app, [command, "--help"], env=WIDE)
+        result = invoke(command, "--help")
         assert result.exit_code == 0, result.output
         assert _panel_flags(result.stdout) == expected, command
-    pull = CliRunner().invoke(app, ["pull", "--help"], env=WIDE).stdout
+    pull = invoke("pull", "--help").stdout
     assert "--max-num-seqs" not in pull
 
 
 def test_help_shows_field_defaults_and_size_syntax():
-    text = CliRunner().invoke(app, ["generate", "--help"], env=WIDE).stdout
+    text = invoke("generate", "--help").stdout
     assert "[default: 256]" in text  # max_num_seqs, from the field
     assert "1..8 = 1,2,4,8" in text  # --cuda-graph-sizes explains a..b
 
@@ -117,11 +117,9 @@ def test_cuda_graph_sizes_read_like_bench_sizes(spec, expected):
     (["--kv-cache-memory", "lots"], "512MiB"),
 ])
 def test_bad_flag_values_are_usage_errors(argv, fragment):
-    result = CliRunner().invoke(app, ["generate", "hi", *argv])
-    assert result.exit_code == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert argv[0] in lines[0] and fragment in lines[0]
+    result = invoke("generate", "hi", *argv)
+    line = assert_one_line_error(result, fragment)
+    assert result.exit_code == 2 and argv[0] in line
 
 
 def test_llm_keywords_are_the_fields():

@@ -30,6 +30,7 @@ from rich.progress import (
 )
 
 from llmfast.engine_args import engine_flags
+from llmfast.errors import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             KVCacheOutOfMemory, DefaultModelError, ValueError, OSError)
 
 
-def one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 def print_error(message: str) -> None:
     # markup=False: a message may contain [brackets] (paths, token lists).
     stderr_console().print(f"error: {message}", markup=False, soft_wrap=True, style="red")
@@ -166,7 +162,7 @@ def cli_errors(debug: bool) -> Iterator[None]:
     except _user_errors() as e:
         if debug:
             traceback.print_exc()
-        print_error(one_line(e))
+        print_error(one_line(e, max_chars=None))
         raise typer.Exit(1) from None
     except Exception as e:  # noqa: BLE001 - the last line of defence before a traceback
         if debug:
@@ -175,7 +171,7 @@ def cli_errors(debug: bool) -> Iterator[None]:
             print_error("out of device memory; lower --max-num-seqs, --max-num-batched-tokens "
                         "or --gpu-memory-utilization, or use a smaller model")
             raise typer.Exit(1) from None
-        print_error(f"internal error: {type(e).__name__}: {one_line(e)}"
+        print_error(f"internal error: {type(e).__name__}: {one_line(e, max_chars=None)}"
                     + ("" if debug else " (run with --debug for the traceback)"))
         raise typer.Exit(1) from None
 

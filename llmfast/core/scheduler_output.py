@@ -45,10 +45,6 @@ class SchedulerOutput:
     # Ids preempted this step (their runner state goes too; they come back as new).
     preempted_req_ids: set[str] = field(default_factory=set)
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 @dataclass
 class ModelRunnerOutput:

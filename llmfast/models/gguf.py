@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
+from llmfast.errors import one_line
 from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -162,14 +163,8 @@ def _open(path: Path) -> Any:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # a parser of untrusted bytes: any failure means a bad file
         raise GGUFError(
-            f"{path.name} is not a readable GGUF file (truncated or corrupt?): {_one_line(e)}"
+            f"{path.name} is not a readable GGUF file (truncated or corrupt?): {one_line(e)}"
         ) from None
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    detail = text[0] if text else type(error).__name__
-    return detail[:200]
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -179,7 +174,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     try:
         return field.contents()
     except Exception as e:
-        raise GGUFError(f"GGUF metadata {key} is unreadable: {_one_line(e)}") from None
+        raise GGUFError(f"GGUF metadata {key} is unreadable: {one_line(e)}") from None
 
 
 def _model_config(reader: Any, name: str) -> ModelConfig:
@@ -363,7 +358,7 @@ def _dequantize_all(
                 "package cannot dequantise"
             ) from None
         except Exception as e:
-            raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {_one_line(e)}") from None
+            raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {one_line(e)}") from None
         # A copy: the reader's arrays are read-only views of the memory-mapped file.
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
         if t.gguf_name.endswith(".attn_q.weight"):
@@ -398,7 +393,7 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out_dir: Path) -> None:
         )
     except Exception as e:
         raise GGUFError(
-            f"{gguf_path.name}: transformers cannot build its tokenizer: {_one_line(e)}"
+            f"{gguf_path.name}: transformers cannot build its tokenizer: {one_line(e)}"
         ) from None
     if _field(reader, "tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
         from tokenizers import pre_tokenizers
