@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from llmfast.outputs import CompletionOutput, RequestOutput
 from llmfast.sampling_params import SamplingParams
+from llmfast.version import __version__
 
 if TYPE_CHECKING:
     from llmfast.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
