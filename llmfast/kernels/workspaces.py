@@ -39,19 +39,15 @@ class SplitWorkspaces:
     """Partials by shape for the KV cache `kv_cache` (any view of its storage): the
     `max_shapes` most recently used shapes are kept."""
 
-    # cache storage -> its owner's workspaces, held weakly.
-    _by_cache: weakref.WeakValueDictionary[tuple[str, int], SplitWorkspaces] = \
-        weakref.WeakValueDictionary()
-
     def __init__(self, kv_cache: torch.Tensor, max_shapes: int = 16) -> None:
         self.max_shapes = max_shapes
         self._partials: OrderedDict[tuple[int, ...], Partials] = OrderedDict()
-        SplitWorkspaces._by_cache[_storage_key(kv_cache)] = self
+        _OWNERS[_storage_key(kv_cache)] = self
 
     @classmethod
     def of(cls, cache: torch.Tensor) -> SplitWorkspaces | None:
         """The workspaces of the runner that owns `cache`, if one does."""
-        return cls._by_cache.get(_storage_key(cache))
+        return _OWNERS.get(_storage_key(cache))
 
     def get(self, device: torch.device, *shape: int) -> Partials:
         """Partials for (num_splits, num_tokens, num_heads, head_dim_p)."""
@@ -66,3 +62,8 @@ class SplitWorkspaces:
 
     def __len__(self) -> int:
         return len(self._partials)
+
+
+# KV-cache storage -> its owner's workspaces, held weakly: an index, not an owner.
+_OWNERS: weakref.WeakValueDictionary[tuple[str, int], SplitWorkspaces] = \
+    weakref.WeakValueDictionary()
