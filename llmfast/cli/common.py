@@ -31,6 +31,8 @@ from rich.progress import (
 
 from llmfast.engine_args import engine_flags
 from llmfast.errors import one_line
+from llmfast.progress import CountProgress
+from llmfast.progress import Progress as StageProgress
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +135,11 @@ def engine_command(func: Callable[..., Any]) -> Callable[..., Any]:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user: shown as one line."""
     from llmfast.config import ConfigError
-    from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
+    from llmfast.core.request import RequestRejected
     from llmfast.models.default_model import DefaultModelError
     from llmfast.models.loader import LoadError
-    from llmfast.core.request import RequestRejected
     from llmfast.sampling_params import SamplingParamsError
+    from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
 
     return (ConfigError, LoadError, RequestRejected, SamplingParamsError, KVCacheTooSmall,
             KVCacheOutOfMemory, DefaultModelError, ValueError, OSError)
@@ -203,7 +205,7 @@ def make_progress(console: Console | None = None) -> Progress:
 
 
 @contextlib.contextmanager
-def stage_progress(console: Console | None = None) -> Iterator[Callable[[str, float | None], None]]:
+def stage_progress(console: Console | None = None) -> Iterator[StageProgress]:
     """A `progress(stage, fraction)` callback for start-up and the model fetch: one bar whose
     label is the current stage; a fraction of None shows an indeterminate bar."""
     with make_progress(console) as bar:
@@ -220,7 +222,7 @@ def stage_progress(console: Console | None = None) -> Iterator[Callable[[str, fl
 
 @contextlib.contextmanager
 def count_progress(description: str, console: Console | None = None
-                   ) -> Iterator[Callable[[int, int], None]]:
+                   ) -> Iterator[CountProgress]:
     """A `progress(done, total)` callback for runners and LLM.generate."""
     with make_progress(console) as bar:
         task = bar.add_task(description, total=None)
