@@ -17,7 +17,7 @@ import torch
 
 from llmfast import LLM, SamplingParams
 from llmfast.gc_freeze import active_holds, gc_frozen, hold_gc_freeze
-from llmfast.kernels.workspaces import SplitWorkspaces
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,8 @@ def test_deleting_an_llm_frees_it_and_its_gc_hold():
     runner = llm.engine.runner
     owned = [llm.engine, runner, runner.model, runner.kv_cache, runner.attention_workspaces]
     refs = [weakref.ref(obj) for obj in owned]
-    assert SplitWorkspaces.of(runner.kv_cache) is runner.attention_workspaces
+    assert AttentionWorkspaces.of(runner.kv_cache) is runner.attention_workspaces
+    assert runner.attention_workspaces.num_plans > 0  # the CPU attention's step plans
     del llm, out, runner, owned
     gc.collect()
     alive = [r() for r in refs if r() is not None]
@@ -75,7 +76,7 @@ def test_deleting_an_llm_gives_its_gpu_memory_back():
               gpu_memory_utilization=0.2)
     prompts = [{"prompt_token_ids": list(range(3, 3 + 600 + i))} for i in range(4)]
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert len(llm.engine.runner.attention_workspaces) > 0  # decode used split partials
+    assert llm.engine.runner.attention_workspaces.num_partials > 0  # decode split the keys
     assert torch.cuda.memory_allocated() - before > 2**30
     del llm
     gc.collect()
@@ -88,7 +89,7 @@ _KERNEL_CHILD = """
 import gc, weakref
 import torch
 from llmfast.kernels import attention, ops
-from llmfast.kernels.workspaces import SplitWorkspaces
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 def case(seed):
     g = torch.Generator().manual_seed(seed)
@@ -108,13 +109,13 @@ def run(q, k_cache, v_cache, table, qsl, lens):
 
 args = case(0)
 alone = run(*args)  # nobody owns this cache: fresh partials
-owner = SplitWorkspaces(args[1])
+owner = AttentionWorkspaces([args[1]])
 first = run(*args)
-assert len(owner) == 1, len(owner)
-partials = owner.get(torch.device("cpu"), 2, 2, 2, 16)  # the shape the calls used
-assert len(owner) == 1, "the calls did not use the owner's partials"
+assert owner.num_partials == 1, owner.num_partials
+partials = owner.partials(torch.device("cpu"), 2, 2, 2, 16)  # the shape the calls used
+assert owner.num_partials == 1, "the calls did not use the owner's partials"
 again = run(*args)
-assert len(owner) == 1
+assert owner.num_partials == 1
 assert torch.equal(alone, first) and torch.equal(first, again)
 expected = torch.empty(args[0].shape, dtype=torch.float64)
 ops.paged_attention_reference(*(a.double() if a.is_floating_point() else a for a in args),
@@ -124,7 +125,7 @@ refs = [weakref.ref(t) for t in partials]
 del owner, partials
 gc.collect()
 assert all(r() is None for r in refs), "partials outlived their owner"
-assert SplitWorkspaces.of(args[1]) is None
+assert AttentionWorkspaces.of(args[1]) is None
 print("ok")
 """
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
+from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.llama import LlamaForCausalLM
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -43,6 +44,8 @@ class StaticBatch:
         param = next(model.parameters())
         device = param.device
         self.caches, table = shuffled_blocks(model, num_seqs, max_len, block_size, seed, device)
+        # The attention's scratch for these caches, reused across layers and steps.
+        self.workspaces = AttentionWorkspaces(k for k, _ in self.caches)
         self.block_table = table.to(device)
         self.model = model
         self.device = device

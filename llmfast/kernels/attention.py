@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
-from llmfast.kernels.workspaces import SplitWorkspaces, new_partials
+from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 
 __all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "unified_attention"]
 
@@ -309,8 +309,8 @@ def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):
     # than aliasing memory eager calls keep using.
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return new_partials(device, *key)
-    owner = SplitWorkspaces.of(k_cache)
-    return owner.get(device, *key) if owner is not None else new_partials(device, *key)
+    owner = AttentionWorkspaces.of(k_cache)
+    return owner.partials(device, *key) if owner is not None else new_partials(device, *key)
 
 
 def unified_attention(

@@ -1,22 +1,27 @@
-"""Scratch memory the Triton attention reuses between calls, owned by the model runner
-whose KV cache it attends over, and freed with that runner.
+"""Scratch memory the attention kernels reuse between calls, owned by whoever owns the KV
+cache they attend over (the model runner), and freed with it.
 
-The split-KV kernel writes per-split partials (accumulator, running max, running sum)
-that the merge kernel folds; allocating them per call would cost an allocation per
-layer per step, so they are kept by shape. The runner makes one `SplitWorkspaces` for
-its KV cache and holds it; the kernel finds it from the cache it is given
-(`SplitWorkspaces.of`, through an index that holds owners weakly, so the index itself
-keeps nothing alive). A cache nobody owns (tests, kernel benchmarks, the scratch cache
-of memory profiling) gets fresh buffers each call.
+- The Triton split-KV kernel writes per-split partials (accumulator, running max,
+  running sum) that the merge kernel folds; they are kept by shape.
+- The CPU attention builds a plan per step (gather indices, masks and gather buffers)
+  that every layer of the step shares; the most recent plans are kept.
+
+Allocating either per call would cost an allocation per layer per step. The runner makes
+one `AttentionWorkspaces` for its KV cache and holds it; a kernel finds it from the cache
+it is given (`AttentionWorkspaces.of`, through an index that holds owners weakly, so the
+index itself keeps nothing alive). A cache nobody owns gets fresh scratch each call.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
 # [num_splits, num_tokens, num_heads, head_dim_p] f32, and max / sum [num_splits,
 # num_tokens, num_heads] f32 each.
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -31,39 +36,55 @@ def new_partials(device: torch.device, num_splits: int, num_tokens: int, num_hea
 
 
 def _storage_key(cache: torch.Tensor) -> tuple[str, int]:
-    # Every layer's k and v caches are views of one runner tensor: one storage, one key.
+    # The runner's layers' k and v caches are views of one tensor: one storage, one key.
     return str(cache.device), cache.untyped_storage().data_ptr()
 
 
-class SplitWorkspaces:
-    """Partials by shape for the KV cache `kv_cache` (any view of its storage): the
-    `max_shapes` most recently used shapes are kept."""
+def _lru(entries: OrderedDict[Any, T], key: Hashable, make: Callable[[], T], limit: int) -> T:
+    value = entries.get(key)
+    if value is None:
+        value = entries[key] = make()
+        if len(entries) > limit:
+            entries.popitem(last=False)
+    else:
+        entries.move_to_end(key)
+    return value
 
-    def __init__(self, kv_cache: torch.Tensor, max_shapes: int = 16) -> None:
-        self.max_shapes = max_shapes
+
+class AttentionWorkspaces:
+    """The scratch of the attention calls over `caches` (tensors or views of them)."""
+
+    def __init__(self, caches: Iterable[torch.Tensor], max_shapes: int = 16,
+                 max_plans: int = 2) -> None:
+        self.max_shapes, self.max_plans = max_shapes, max_plans
         self._partials: OrderedDict[tuple[int, ...], Partials] = OrderedDict()
-        _OWNERS[_storage_key(kv_cache)] = self
+        self._plans: OrderedDict[Hashable, Any] = OrderedDict()
+        for cache in caches:
+            _OWNERS[_storage_key(cache)] = self
 
     @classmethod
-    def of(cls, cache: torch.Tensor) -> SplitWorkspaces | None:
-        """The workspaces of the runner that owns `cache`, if one does."""
+    def of(cls, cache: torch.Tensor) -> AttentionWorkspaces | None:
+        """The workspaces of whoever owns `cache`, if anyone does."""
         return _OWNERS.get(_storage_key(cache))
 
-    def get(self, device: torch.device, *shape: int) -> Partials:
-        """Partials for (num_splits, num_tokens, num_heads, head_dim_p)."""
-        partials = self._partials.get(shape)
-        if partials is None:
-            partials = self._partials[shape] = new_partials(device, *shape)
-            if len(self._partials) > self.max_shapes:
-                self._partials.popitem(last=False)
-        else:
-            self._partials.move_to_end(shape)
-        return partials
+    def partials(self, device: torch.device, *shape: int) -> Partials:
+        """Split partials for (num_splits, num_tokens, num_heads, head_dim_p)."""
+        return _lru(self._partials, shape, lambda: new_partials(device, *shape),
+                    self.max_shapes)
 
-    def __len__(self) -> int:
+    def cpu_plan(self, key: Hashable, build: Callable[[], T]) -> T:
+        """The CPU attention's plan for `key` (the step's metadata), built once."""
+        return _lru(self._plans, key, build, self.max_plans)
+
+    @property
+    def num_partials(self) -> int:
         return len(self._partials)
+
+    @property
+    def num_plans(self) -> int:
+        return len(self._plans)
 
 
 # KV-cache storage -> its owner's workspaces, held weakly: an index, not an owner.
-_OWNERS: weakref.WeakValueDictionary[tuple[str, int], SplitWorkspaces] = \
+_OWNERS: weakref.WeakValueDictionary[tuple[str, int], AttentionWorkspaces] = \
     weakref.WeakValueDictionary()

@@ -20,7 +20,7 @@ from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
-from llmfast.kernels.workspaces import SplitWorkspaces
+from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.worker.kv_cache_sizing import (
     available_host_memory,
     check_fits_one_request,
@@ -130,8 +130,8 @@ class ModelRunner:
         # of a big CPU tensor was measured ~50x slower than reading written ones.
         self.kv_cache = kv_cache.fill_(0)
         self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
-        # The attention's split partials for this cache: freed with the runner.
-        self.attention_workspaces = SplitWorkspaces(self.kv_cache)
+        # The attention kernels' scratch for this cache: freed with the runner.
+        self.attention_workspaces = AttentionWorkspaces([self.kv_cache])
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,

@@ -11,6 +11,7 @@ import torch
 
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.bench.static_batch import shuffled_blocks
+from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.llama import LlamaForCausalLM
 
 
@@ -54,6 +55,7 @@ class PagedSequences:
     def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
                  seed: int = 0) -> None:
         self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed)
+        self.workspaces = AttentionWorkspaces(k for k, _ in self.caches)  # as a runner's
         self.block_size = block_size
         self.lens = [0] * num_seqs
         self.model = model
