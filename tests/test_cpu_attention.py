@@ -85,7 +85,7 @@ def test_layers_sharing_a_plan_reuse_one_workspace_per_cache_shape():
 
 
 def test_plans_and_their_buffers_die_with_the_owner():
-    q, kc, vc, table, qsl, seq_lens, total = _case(4, [1, 2], [10, 30])
+    q, kc, vc, table, qsl, seq_lens, _ = _case(4, [1, 2], [10, 30])
     owner = AttentionWorkspaces([kc])
     out = torch.empty_like(q)
     cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.3, out)
