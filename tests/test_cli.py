@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.chat_model import make_chat_model
-from tests.helpers.cli import assert_one_line_error, invoke
+from tests.helpers.cli import TINY, assert_one_line_error, invoke
 
-TINY = ["--model", "random:tiny", "--device", "cpu"]
 NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
 
 

@@ -86,7 +86,7 @@ def test_threads_and_streams_share_one_engine_on_gpu(ckpt, expected):
     prompts, lengths, tokens = expected
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_model_len=128, block_size=16,
               max_num_batched_tokens=256, gpu_memory_utilization=0.3, **MODES["graphs"])
-    params = _params(lengths)
+    params = greedy_params(lengths)
     halves = [range(len(prompts) // 2), range(len(prompts) // 2, len(prompts))]
     got: dict[int, list] = {}
 

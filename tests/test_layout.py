@@ -30,7 +30,8 @@ FORBIDDEN = {
 }
 # The shared vocabulary at the root imports nothing but itself.
 VOCABULARY = {"config", "sampling_params", "outputs", "attention_metadata", "paths",
-              "nvtx_ranges", "progress", "flag_values", "errors", "version"}
+              "nvtx_ranges", "progress", "flag_values", "errors", "version", "value_checks",
+              "host_memory"}
 
 
 def _modules() -> dict[str, Path]:

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
+from llmfast.host_memory import available_host_memory
 from llmfast.models.llama import LlamaForCausalLM
 from llmfast.models.load_progress import ByteProgress
 from llmfast.models.safetensors_reader import (
@@ -352,8 +353,6 @@ def _available_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu":
-        from llmfast.worker.kv_cache_sizing import available_host_memory
-
         return available_host_memory()
     return None
 

@@ -6,6 +6,8 @@ from typer.testing import CliRunner
 
 from llmfast.cli.main import app
 
+TINY = ["--model", "random:tiny", "--device", "cpu"]  # random weights, no tokenizer
+
 
 def invoke(*args: str, input: bytes | str | None = None):
     # Wide enough that Rich never shortens a flag name in --help.
