@@ -19,7 +19,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llmfast"
 
-MAX_FLOORS = 8
+# "About 8": the longest chain is 9 (__main__ -> cli/ -> bench/ -> llm -> engine -> worker/
+# -> core/ -> sampling_params -> value_checks); a new floor must be argued for here.
+MAX_FLOORS = 9
 # unit -> units it must never import (directly or through a lazy import).
 FORBIDDEN = {
     "core/": {"worker/", "engine", "llm", "engine_args", "cli/", "serve/", "bench/", "models/",
