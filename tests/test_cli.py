@@ -295,8 +295,7 @@ def test_debug_shows_traceback():
 def test_sweep_overrides_raise_unset_limits_only():
     from llmfast.bench import BenchError
     from llmfast.cli.bench import parse_exec_modes
-    from llmfast.cli.common import sweep_overrides
-    from llmfast.cli.common import EngineOptions
+    from llmfast.cli.common import EngineOptions, sweep_overrides
 
     unset = EngineOptions(model=None, debug=False)
     assert sweep_overrides([1, 512], unset) == {"max_num_seqs": 512,

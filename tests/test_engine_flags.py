@@ -57,7 +57,7 @@ def test_every_engine_command_shows_exactly_the_engine_args_fields():
 
 def test_help_shows_field_defaults_and_size_syntax():
     text = invoke("generate", "--help").stdout
-    assert "[default: 256]" in text  # max_num_seqs, from the field
+    assert "[default: 0.9]" in text  # gpu_memory_utilization, from the field
     assert "1..8 = 1,2,4,8" in text  # --cuda-graph-sizes explains a..b
 
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+
 import torch
 
 from llmfast.progress import Progress
