@@ -20,7 +20,7 @@ def _unfreeze_gc():
 @pytest.fixture(scope="session")
 def serve_model_dir(tmp_path_factory):
     """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template."""
-    from tests.conftest_cli import make_chat_model
+    from tests.helpers.chat_model import make_chat_model
 
     return make_chat_model(tmp_path_factory.mktemp("serve") / "tiny")
 
