@@ -1,8 +1,26 @@
-"""llmfast: a small, fast inference engine for Llama, Mistral and Qwen models."""
+"""llmfast: a small, fast inference engine for Llama, Mistral and Qwen models.
 
-from llmfast.llm import LLM
+`LLM` (and with it torch) is imported on first use, so importing a light part of the
+package (`llmfast.core`, the CLI's `--help`) does not pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from llmfast.outputs import CompletionOutput, RequestOutput
 from llmfast.sampling_params import SamplingParams
+from llmfast.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from llmfast.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from llmfast.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'llmfast' has no attribute {name!r}")

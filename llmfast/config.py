@@ -6,13 +6,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a dtype is made, so the host side stays light
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +24,14 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
@@ -41,10 +40,12 @@ class ConfigError(ValueError):
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[str(name).lower().removeprefix("torch.")]
+        return getattr(torch, _DTYPES[str(name).lower().removeprefix("torch.")])
     except KeyError:
         raise ConfigError(
             f"unknown dtype {name!r}; choose one of float32, float16, bfloat16"
@@ -175,32 +176,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from the dict of an HF `config.json` (transformers 4.x or 5.x)."""
-        from llmfast.models.families import model_config_from_hf
-
-        return model_config_from_hf(cfg)
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        try:
-            cfg = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path} not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{path} does not hold a JSON object")
-        return cls.from_hf_dict(cfg)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """An HF-style `config.json` dict (transformers 4 and 5 both read it)."""
-        from llmfast.models.families import hf_dict_from_model_config
-
-        return hf_dict_from_model_config(self)
 
 
 def unsupported_architecture_message(found: str) -> str:

@@ -1,12 +1,29 @@
-"""Engine arguments: the CLI's engine flags with underscores, resolved into an EngineConfig."""
+"""Engine arguments: one frozen dataclass whose fields are the engine flags of every
+`llmfast` command and the keywords of `LLM(...)`, resolved into an `EngineConfig`.
+
+To add an engine flag, add one field with `engine_flag` metadata, e.g.
+
+    async_scheduling: bool = engine_flag(False, "Schedule step N+1 while step N runs.")
+
+and read it in `create_engine_config`. Nothing else changes: every command that builds an
+engine gets `--async-scheduling/--no-async-scheduling` in its Engine panel (a bool field
+gets an on/off pair; `flags=` names them otherwise), `LLM(async_scheduling=True)` works,
+and `--help` shows the help text with the field's default. A field whose value is not a
+plain str/int/float/bool gives `parse=`, a function from the typed text to the value
+(e.g. `parse_bytes` for `--kv-cache-memory 2GiB`); `LLM(...)` applies it to strings too.
+Values are checked against the field's type (and `minimum=` for an int) when EngineArgs
+is made, so `LLM(seed=-1)` fails like `--seed -1`.
+"""
 
 from __future__ import annotations
 
+import functools
 import re
+import types
+import typing
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-
-import torch
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from llmfast.config import (
     DEFAULT_CUDA_GRAPH_SIZES,
@@ -18,10 +35,14 @@ from llmfast.config import (
     dtype_name,
     parse_dtype,
 )
-from llmfast.models.loader import ModelSource, resolve_model
+from llmfast.flag_values import SIZES_HELP, parse_bytes, parse_sizes
+from llmfast.progress import Progress
 from llmfast.value_checks import describe, is_int, is_number
 
-Progress = Callable[[str, float | None], None]
+if TYPE_CHECKING:
+    import torch
+
+    from llmfast.models.loader import ModelSource
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -41,43 +62,82 @@ def default_step_limits(device: torch.device) -> tuple[int, int]:
     return DEFAULT_STEP_LIMITS.get(device.type, DEFAULT_STEP_LIMITS["cpu"])
 
 
+def engine_flag(default: Any, help: str, *, flags: tuple[str, ...] = (),
+                parse: Callable[[str], Any] | None = None, minimum: int | None = None) -> Any:
+    """A dataclass field that is also an engine flag. `flags`: the option's names
+    (default `--field-name`, or `--field-name/--no-field-name` for a bool); `parse`: reads
+    the flag's text into the field's value; `minimum`: the smallest int allowed. A help
+    text without `[default: ...]` gets the field's default appended."""
+    return field(default=default, metadata={"help": help, "flags": flags, "parse": parse,
+                                            "minimum": minimum})
+
+
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = None  # None: the default model
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # cuda if available, else cpu
-    seed: int = 0
-    max_num_seqs: int | None = None  # None: 256 on CPU, 512 on CUDA
-    max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on CUDA
-    max_model_len: int | None = None  # None: the model's, capped at 8192
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes (CPU)
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # no compile, no CUDA graphs
-    compile: bool | None = None  # None: on for CUDA, off for CPU
-    cuda_graphs: bool = True
-    cuda_graph_sizes: tuple[int, ...] | None = None
+    model: str | None = engine_flag(
+        None, "A local HF directory (Llama, Mistral, Qwen2/2.5, Qwen3), a .gguf file, "
+              "random:PRESET (tiny, llama-3.2-1b, qwen3-0.6b, ...) or 'default'.  "
+              "[default: SmolLM2-135M-Instruct, fetched once]",
+        flags=("--model", "-m"))
+    dtype: str = engine_flag(
+        "auto", "float32, bfloat16 or float16.  [default: float32 on CPU, bfloat16 on CUDA]")
+    device: str = engine_flag("auto", "auto, cpu, cuda or cuda:N.")
+    seed: int = engine_flag(0, "Seed of the engine's random state (random weights, sampling).",
+                            minimum=0)
+    max_num_seqs: int | None = engine_flag(
+        None, "Most requests in one step.  [default: 256 on CPU, 512 on CUDA]", minimum=1)
+    max_num_batched_tokens: int | None = engine_flag(
+        None, "Token budget of one step.  [default: 2048 on CPU, 8192 on CUDA]", minimum=1)
+    max_model_len: int | None = engine_flag(
+        None, "Longest sequence (prompt + output).  [default: the model's, at most 8192]",
+        minimum=1)
+    block_size: int = engine_flag(16, "Tokens per KV-cache block.", minimum=1)
+    kv_cache_memory: int | None = engine_flag(
+        None, "KV-cache size on CPU, e.g. 512MiB, 2GiB or bytes.  [default: from the model "
+              "size and free memory]", parse=parse_bytes, minimum=1)
+    gpu_memory_utilization: float = engine_flag(
+        0.9, "Fraction of GPU memory llmfast may use, in (0, 1].")
+    num_gpu_blocks_override: int | None = engine_flag(
+        None, "Exactly this many KV-cache blocks (tests, tight-memory experiments).  "
+              "[default: from memory]", minimum=2)
+    enable_prefix_caching: bool = engine_flag(
+        True, "Reuse the KV blocks of shared prompt prefixes.",
+        flags=("--prefix-caching/--no-prefix-caching",))
+    enforce_eager: bool = engine_flag(False, "Plain PyTorch: no torch.compile, no CUDA graphs.")
+    compile: bool | None = engine_flag(None, "torch.compile the model.  [default: on for CUDA]")
+    cuda_graphs: bool = engine_flag(True, "Replay CUDA graphs when compiled (CUDA only).")
+    cuda_graph_sizes: tuple[int, ...] | None = engine_flag(
+        None, f"Padded token counts to capture graphs for: {SIZES_HELP}.  [default: 1,2,4, "
+              "8..256:8, 256..512:16]",
+        parse=functools.partial(parse_sizes, flag="--cuda-graph-sizes"))
     # One step in flight (the host prepares step N+1 while the device runs step N).
-    # None: on for CUDA; off for CPU, where the forward runs on the host thread and
-    # nothing overlaps (profiles/async-cpu.md).
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = engine_flag(
+        None, "Prepare step N+1 on the host while the device runs step N.  [default: on for "
+              "CUDA; off for CPU, where nothing overlaps (profiles/async-cpu.md)]")
 
     def __post_init__(self) -> None:
         check_engine_args(self)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> EngineArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """`LLM(...)`'s keywords: field names; a string for a field with a parser is read
+        as its flag would be (`kv_cache_memory="2GiB"`, `cuda_graph_sizes="1..64"`)."""
+        flags = {flag.name: flag for flag in engine_flags()}
+        unknown = sorted(set(kwargs) - set(flags))
         if unknown:
             raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+        for name, value in kwargs.items():
+            if isinstance(value, str) and flags[name].parse is not None:
+                kwargs[name] = flags[name].parse(value)
         return cls(**kwargs)
 
     def create_engine_config(
         self, progress: Progress | None = None
     ) -> tuple[EngineConfig, ModelSource]:
+        import torch
+
+        from llmfast.models.loader import resolve_model
+
         device = resolve_device(self.device)
         dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) \
             if self.dtype == "auto" else parse_dtype(self.dtype)
@@ -128,35 +188,30 @@ class EngineArgs:
         return config, source
 
 
-# name -> smallest value; None allowed where the field's default is None.
-_INT_ARGS = {"seed": 0, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
-             "block_size": 1, "kv_cache_memory": 1, "num_gpu_blocks_override": 2}
-_BOOL_ARGS = ("enable_prefix_caching", "enforce_eager", "compile", "cuda_graphs",
-              "async_scheduling")
+# ---------------------------------------------------------------------- checks
 
 
 def check_engine_args(args: EngineArgs) -> None:
-    """Types and lower bounds, before anything is resolved or loaded: `LLM(seed=-1)` and
-    `LLM(max_model_len=0)` fail as `--seed -1` and `--max-model-len 0` do."""
-    for name, low in _INT_ARGS.items():
-        value = getattr(args, name)
-        if value is None and getattr(EngineArgs, name) is None:
+    """Types and lower bounds, read from the fields (type, `minimum=`), before anything is
+    resolved or loaded: `LLM(seed=-1)` and `LLM(max_model_len=0)` fail as `--seed -1`
+    and `--max-model-len 0` do."""
+    hints = typing.get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        value = getattr(args, f.name)
+        if value is None and f.default is None:
             continue
-        if not is_int(value) or value < low:
-            kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+        kind, low = _plain_type(hints[f.name]), f.metadata.get("minimum")
+        if kind is bool and not isinstance(value, bool):
+            raise ConfigError(f"{_flag(f.name)} must be True or False, got {describe(value)}")
+        if kind is int and (not is_int(value) or (low is not None and value < low)):
+            what = {0: "a non-negative integer", 1: "a positive integer"}.get(
                 low, f"an integer >= {low}")
-            raise ConfigError(f"{_flag(name)} must be {kind}, got {describe(value)}")
-    for name in _BOOL_ARGS:
-        value = getattr(args, name)
-        optional = value is None and getattr(EngineArgs, name) is None
-        if not isinstance(value, bool) and not optional:
-            raise ConfigError(f"{_flag(name)} must be True or False, got {describe(value)}")
-    if not is_number(args.gpu_memory_utilization):
-        raise ConfigError(f"gpu-memory-utilization must be a number, got "
-                          f"{describe(args.gpu_memory_utilization)}")
+            raise ConfigError(f"{_flag(f.name)} must be {what}, got {describe(value)}")
+        if kind is float and not is_number(value):
+            raise ConfigError(f"{_flag(f.name)} must be a number, got {describe(value)}")
     for name in ("dtype", "device"):
         value = getattr(args, name)
-        if not isinstance(value, str) and not (name == "dtype" and isinstance(value, torch.dtype)):
+        if not isinstance(value, str) and not (name == "dtype" and _is_torch_dtype(value)):
             raise ConfigError(f"{name} must be a string, got {describe(value)}")
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
@@ -166,14 +221,89 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ConfigError(f"cuda-graph-sizes must be positive integers, got {sizes!r:.60}")
 
 
+def _is_torch_dtype(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.dtype)
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
+
+# ---------------------------------------------------------------------- flags from fields
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One `EngineArgs` field as a command-line option (what the CLI builds from)."""
+
+    name: str  # the field
+    decls: tuple[str, ...]  # Typer declarations: ("--model", "-m") or ("--compile/--no-compile",)
+    help: str
+    value_type: type  # what the option's text is converted to before `parse`
+    parse: Callable[[str], Any] | None
+    default: Any  # the field's default
+
+    @property
+    def is_bool(self) -> bool:
+        return self.value_type is bool
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every spelling on the command line: --compile, --no-compile; --model, -m."""
+        return tuple(name for decl in self.decls for name in decl.split("/"))
+
+    def to_argv(self, value: Any) -> list[str]:
+        """The arguments that set this field to `value` (the inverse of parsing)."""
+        if self.is_bool:
+            on, off = self.decls[0].split("/")
+            return [on if value else off]
+        if isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        return [self.decls[0], str(value)]
+
+
+@functools.cache
+def engine_flags() -> tuple[EngineFlag, ...]:
+    """The engine flags, in field order (the order of `--help`)."""
+    hints = typing.get_type_hints(EngineArgs)
+    flags = []
+    for f in fields(EngineArgs):
+        meta = f.metadata
+        value_type = _plain_type(hints[f.name])
+        if meta["parse"] is not None:
+            value_type = str
+        elif value_type not in (str, int, float, bool):
+            raise TypeError(f"EngineArgs.{f.name}: a {value_type} field needs parse=")
+        option = "--" + f.name.replace("_", "-")
+        if value_type is bool:
+            option += "/--no-" + f.name.replace("_", "-")
+        decls = meta["flags"] or (option,)
+        help_text = meta["help"]
+        if "[default:" not in help_text and f.default is not MISSING:
+            shown = ("on" if f.default else "off") if value_type is bool else f.default
+            help_text += f"  [default: {shown}]"
+        flags.append(EngineFlag(f.name, decls, help_text, value_type, meta["parse"], f.default))
+    return tuple(flags)
+
+
+def _plain_type(hint: Any) -> Any:
+    """`int | None` -> int; `tuple[int, ...] | None` -> tuple[int, ...]."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+    return hint
+
+
+# ---------------------------------------------------------------------- devices
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not _DEVICE_RE.match(name):

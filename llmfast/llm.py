@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from llmfast.engine import LLMEngine, Prompt
 from llmfast.engine_args import EngineArgs
 from llmfast.output_router import OutputRouter, RequestStream
 from llmfast.outputs import RequestOutput
+from llmfast.progress import CountProgress
 from llmfast.sampling_params import SamplingParams
-
-# Called as (finished requests, total requests) after each engine step.
-GenerateProgress = Callable[[int, int], None]
 
 
 class LLM:
-    """An engine with a batch API. Engine args are the CLI's engine flags with underscores:
-    dtype, device, seed, max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-    kv_cache_memory, gpu_memory_utilization, enforce_eager, compile, cuda_graphs, ...
+    """An engine with a batch API. The keywords are the fields of `EngineArgs` (the CLI's
+    engine flags with underscores: dtype, device, seed, max_num_seqs, kv_cache_memory,
+    enforce_eager, ...); a string for a size or byte field reads as its flag would
+    (`kv_cache_memory="2GiB"`, `cuda_graph_sizes="1..64"`).
 
     One `LLM` serves any number of callers: `generate` calls and open `stream`s, from one
     thread or several, all batch together in the same engine. Engine steps are serialised
@@ -40,7 +39,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        progress: GenerateProgress | bool | None = None,
+        progress: CountProgress | bool | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion, batched; outputs come back in input order.
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Self
 
 from llmfast.outputs import RequestOutput
+from llmfast.progress import CountProgress
 
 
 class OutputRouter:
@@ -112,7 +113,7 @@ class OutputRouter:
         return out
 
     def collect(self, req_ids: Sequence[str],
-                on_step: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+                on_step: CountProgress | None = None) -> list[RequestOutput]:
         """Run the requests to completion; their final outputs, in order."""
         final: dict[str, RequestOutput] = {}
         pending = list(req_ids)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llmfast.config import ConfigError
+from llmfast.errors import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Tokenizer:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as e:  # jinja errors, incl. the template's own raise_exception()
-            raise TokenizerError(f"the chat template failed: {_one_line(e)}") from None
+            raise TokenizerError(f"the chat template failed: {one_line(e)}") from None
 
     def apply_chat_template(
         self,
@@ -111,7 +112,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
             str(model_dir), trust_remote_code=False, local_files_only=True
         )
     except Exception as e:
-        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {_one_line(e)}") from None
+        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {one_line(e)}") from None
     return Tokenizer(hf, _eos_token_ids(hf, model_dir), model_dir.name)
 
 
@@ -137,11 +138,6 @@ def _check_messages(messages: list[dict[str, str]]) -> None:
             m.get("content"), str
         ):
             raise TokenizerError(f"a chat message needs string 'role' and 'content': {m!r:.80}")
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return (lines[0] if lines else type(error).__name__)[:200]
 
 
 class _Decoder(Protocol):

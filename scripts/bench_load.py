@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from llmfast.bench.hf import hf_state_dict_from_llmfast
 from llmfast.models.decoder import DecoderForCausalLM
+from llmfast.models.families import hf_dict_from_model_config
 from llmfast.models.loader import build_model, resolve_model, weight_bytes
 
 READ_CHUNK = 64 << 20
@@ -152,7 +153,7 @@ def main() -> None:
         file = tmp / "model.safetensors"
         save_file(state, file, metadata={"format": "pt"})
         del state
-        (tmp / "config.json").write_text(json.dumps(source.config.to_hf_dict()))
+        (tmp / "config.json").write_text(json.dumps(hf_dict_from_model_config(source.config)))
         files = [file]
         result["file_bytes"] = sum(f.stat().st_size for f in files)
         for cache in ("cold", "warm"):

@@ -8,7 +8,7 @@ for any mode that keeps these kernels: eager / linears bounds what compiling the
 
 One decode step = B requests with one new token each at context length L: the model
 forward over B tokens plus the lm_head on the B rows, then a device sync. Inputs sit
-in persistent buffers (tests/static_batch.py), as in the runner. Medians over --iters.
+in persistent buffers (llmfast/bench/static_batch.py), as in the runner. Medians over --iters.
 
     python scripts/bench_modes.py --model random:smollm2-135m --batch-sizes 1
     python scripts/bench_modes.py --model random:llama-3.2-1b --dtype bfloat16 --json out.json
@@ -28,11 +28,11 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
+from llmfast.bench.static_batch import StaticBatch
 from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, parse_dtype
 from llmfast.kernels.cpu_linear import prepack_linears
 from llmfast.models.loader import build_model, resolve_model
-from tests.static_batch import StaticBatch
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,7 +68,7 @@ def decode_batch(static: StaticBatch, batch: int, context_len: int) -> None:
 
 def make_step(static: StaticBatch, forward, batch: int, num_padded: int):
     def step() -> None:
-        hidden = static._run(forward, num_padded, batch)
+        hidden = static.run(forward, num_padded, batch)
         with torch.inference_mode():
             static.model.compute_logits(hidden[:batch])
 

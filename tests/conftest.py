@@ -9,9 +9,10 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _unfreeze_gc():
-    """Engines freeze the garbage collector's view of everything alive at start-up (see
-    `LLMEngine.__init__`); a test process builds hundreds of engines, so hand their
-    objects back to the collector after each test or cyclic garbage would pile up."""
+    """An engine holds a GC freeze of everything alive at its start-up while it lives
+    (`llmfast.gc_freeze`); module-scoped engines live across many tests, and each new
+    engine freezes whatever the tests left alive, so hand everything back to the
+    collector after each test or cyclic garbage would pile up."""
     yield
     gc.unfreeze()
 
@@ -19,7 +20,7 @@ def _unfreeze_gc():
 @pytest.fixture(scope="session")
 def serve_model_dir(tmp_path_factory):
     """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template."""
-    from tests.conftest_cli import make_chat_model
+    from tests.helpers.chat_model import make_chat_model
 
     return make_chat_model(tmp_path_factory.mktemp("serve") / "tiny")
 

@@ -16,7 +16,7 @@ import pytest
 
 from llmfast import LLM, SamplingParams
 from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID
-from tests.conftest_cli import make_chat_model
+from tests.helpers.chat_model import make_chat_model
 
 
 def _engine(async_scheduling: bool, **kw):

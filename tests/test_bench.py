@@ -1,4 +1,4 @@
-"""The benchmark library: size specs, statistics, workloads and the runners on a tiny
+"""The benchmark library: statistics, workloads and the runners on a tiny
 random model (CPU)."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from llmfast.bench import (
     BenchError,
     bench_params,
-    parse_sizes,
     poisson_arrivals,
     random_requests,
     request_latencies,
@@ -33,47 +32,6 @@ def llm():
     from llmfast import LLM
 
     return LLM("random:tiny", device="cpu", max_model_len=256, seed=0)
-
-
-# ---------------------------------------------------------------------- sizes
-
-
-@pytest.mark.parametrize("spec, expected", [
-    ("1..512", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]),
-    ("1..8", [1, 2, 4, 8]),
-    ("3..20", [3, 6, 12]),
-    ("8..32:8", [8, 16, 24, 32]),
-    ("1,8,64", [1, 8, 64]),
-    ("64, 1 ,8,8", [1, 8, 64]),
-    ("1,2,8..32:8", [1, 2, 8, 16, 24, 32]),
-    ("7", [7]),
-    ("5..5", [5]),
-])
-def test_parse_sizes(spec, expected):
-    assert parse_sizes(spec) == expected
-
-
-@pytest.mark.parametrize("spec, fragment", [
-    ("0..8", ">= 1"),
-    ("8..1", "backwards"),
-    ("a..b", "cannot parse"),
-    ("1..100000", "above the limit"),
-    ("1..10000000000000:1", "above the limit"),
-    ("", "empty"),
-    ("1,,2", "cannot parse"),
-    ("0", ">= 1"),
-    ("1..8:0", "step"),
-    ("-1..8", "cannot parse"),
-    ("1.5", "cannot parse"),
-])
-def test_parse_sizes_errors(spec, fragment):
-    with pytest.raises(BenchError, match=fragment):
-        parse_sizes(spec)
-
-
-def test_parse_sizes_custom_limit():
-    with pytest.raises(BenchError, match="limit 8"):
-        parse_sizes("1..16", limit=8)
 
 
 # ---------------------------------------------------------------------- statistics

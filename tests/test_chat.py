@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmfast.cli.main import app
 from llmfast.cli.chat_session import ChatCommandError, ChatSession, ChatSettings
-from tests.conftest_cli import make_chat_model
+from llmfast.cli.main import app
+from tests.helpers.chat_model import make_chat_model
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = ["--temperature", "0", "--device", "cpu"]
@@ -129,12 +129,19 @@ def test_piped_bad_command_continues_then_exits_1(chat_model):
     assert result.stdout.count("\n\n") == 1  # the message after the errors was answered
 
 
-def test_piped_non_utf8_exits_with_one_line(chat_model):
-    result = run_chat(chat_model, b"hi\n\xff\xfe oops\nnever answered\n", "--max-tokens", "2")
-    assert result.exit_code == 1
+@pytest.mark.parametrize("bad", [
+    b"\xff\xfe oops",  # not UTF-8 at all
+    b"caf\xe9 au lait",  # Latin-1
+    b"ends mid-character \xe2\x82",  # a truncated euro sign
+])
+def test_piped_non_utf8_line_is_reported_and_skipped(chat_model, bad):
+    result = run_chat(chat_model, b"hi\r\n" + bad + b"\nhello there\n", "--max-tokens", "2")
+    assert result.exit_code == 1, result.output  # after answering the rest
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: line 2 of the input is not valid UTF-8"]
-    assert result.stdout.count("\n\n") == 1
+    assert len(errors) == 1 and errors[0].startswith("error: line 2 of the input is not valid "
+                                                     "UTF-8 (byte "), errors
+    assert errors[0].endswith("; skipped")
+    assert result.stdout.count("\n\n") == 2  # lines 1 and 3 answered
     assert "Traceback" not in result.output
 
 

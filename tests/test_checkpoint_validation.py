@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from llmfast.models.loader import LoadError, build_model, resolve_model
 from llmfast.models.validate import check_weights_fit
-from tests.checkpoints import make_hf_checkpoint
+from tests.helpers.checkpoints import make_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def _load_error(path: Path) -> str:
 
 
 def _logits(model, ids=(5, 17, 99)) -> torch.Tensor:
-    from tests.paged import PagedSequences
+    from tests.helpers.paged import PagedSequences
 
     return PagedSequences(model, num_seqs=1, max_len=16).step({0: list(ids)})
 

@@ -7,28 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from llmfast.cli.main import app
-from tests.conftest_cli import make_chat_model
+from tests.helpers.chat_model import make_chat_model
+from tests.helpers.cli import TINY, assert_one_line_error, invoke
 
-TINY = ["--model", "random:tiny", "--device", "cpu"]
 NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
-
-
-def invoke(*args: str, input: bytes | str | None = None):
-    # Wide enough that Rich never shortens a flag name in --help.
-    return CliRunner().invoke(app, list(args), input=input, env={"COLUMNS": "160"})
-
-
-def assert_one_line_error(result, fragment: str = "") -> str:
-    assert result.exit_code != 0, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    assert "Traceback" not in result.output
-    assert fragment.lower() in lines[0].lower(), lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -58,60 +41,6 @@ def test_top_level_help_lists_commands():
     for command in ("chat", "generate", "bench", "profile", "pull"):
         assert command in result.stdout
     assert "llmfast pull" in invoke("pull", "--help").stdout
-
-
-# ---------------------------------------------------------------------- option parsing
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1048576", 2**20), ("1.5GB", 1_500_000_000),
-    ("64k", 64 * 1024), ("8 MiB", 8 * 2**20), ("100b", 100),
-])
-def test_parse_bytes(text, expected):
-    from llmfast.cli.common import parse_bytes
-
-    assert parse_bytes(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "abc", "5 parsecs", "-1MiB", "0", "1.5.2GB"])
-def test_parse_bytes_rejects(text):
-    import typer
-
-    from llmfast.cli.common import parse_bytes
-
-    with pytest.raises(typer.BadParameter):
-        parse_bytes(text)
-
-
-def test_engine_flags_round_trip():
-    """engine_argv (used to re-run under nsys) reproduces the parsed flags."""
-    from llmfast.cli.common import _ENGINE_FLAGS, _engine_options, engine_argv
-
-    defaults = {name: default for name, (_, _, default) in _ENGINE_FLAGS.items()}
-    values = {**defaults, "model": "random:tiny", "dtype": "bfloat16", "device": "cpu",
-              "seed": 3, "max_num_seqs": 7, "kv_cache_memory": "1MiB", "compile": False,
-              "enforce_eager": True, "no_cuda_graphs": True, "cuda_graph_sizes": "1..8",
-              "no_prefix_caching": True, "async_scheduling": True, "debug": True}
-    opts = _engine_options(values)
-    assert opts.engine_kwargs == {
-        "dtype": "bfloat16", "device": "cpu", "seed": 3, "max_num_seqs": 7,
-        "kv_cache_memory": 2**20, "compile": False, "enforce_eager": True,
-        "cuda_graphs": False, "cuda_graph_sizes": (1, 2, 4, 8), "enable_prefix_caching": False,
-        "async_scheduling": True}
-    argv = engine_argv(opts)
-    parsed = {}
-
-    def capture(*, opts):
-        parsed["opts"] = opts
-
-    import typer
-
-    from llmfast.cli.common import engine_command
-
-    probe = typer.Typer()
-    probe.command()(engine_command(capture))
-    assert CliRunner().invoke(probe, argv).exit_code == 0
-    assert parsed["opts"] == opts
 
 
 # ---------------------------------------------------------------------- generate
@@ -363,8 +292,8 @@ def test_debug_shows_traceback():
 
 def test_sweep_overrides_raise_unset_limits_only():
     from llmfast.bench import BenchError
-    from llmfast.cli.bench import parse_exec_modes, sweep_overrides
-    from llmfast.cli.common import EngineOptions
+    from llmfast.cli.bench import parse_exec_modes
+    from llmfast.cli.common import EngineOptions, sweep_overrides
 
     unset = EngineOptions(model=None, debug=False)
     assert sweep_overrides([1, 512], unset) == {"max_num_seqs": 512,

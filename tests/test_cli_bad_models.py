@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tests.checkpoints import make_hf_checkpoint
-from tests.conftest_cli import make_chat_model
-from tests.test_cli import assert_one_line_error, invoke
+from tests.helpers.chat_model import make_chat_model
+from tests.helpers.checkpoints import make_hf_checkpoint
+from tests.helpers.cli import assert_one_line_error, invoke
 
 
 def _gen(model, *extra):

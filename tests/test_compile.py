@@ -22,12 +22,12 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
 from llmfast.compile.backend import resolve_splitting_ops
 from llmfast.compile.cache import compile_cache_key
-from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig, ConfigError
-from llmfast.graphs.sizes import capture_sizes, pad_num_tokens, parse_sizes
+from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
+from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
 from llmfast.kernels.ops import unified_attention_impl
 from llmfast.models.loader import build_model, resolve_model
-from tests.paged import PagedSequences
-from tests.static_batch import StaticBatch
+from tests.helpers.paged import PagedSequences
+from tests.helpers.static_batch import StaticBatch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -91,16 +91,6 @@ def test_default_capture_sizes():
     assert 248 in DEFAULT_CUDA_GRAPH_SIZES and 256 in DEFAULT_CUDA_GRAPH_SIZES
     assert capture_sizes(100) == (1, 2, 4) + tuple(range(8, 97, 8))
     assert capture_sizes(2048)[-1] == 512
-
-
-def test_parse_sizes():
-    assert parse_sizes("1,2,4,8") == (1, 2, 4, 8)
-    assert parse_sizes("1..5") == (1, 2, 3, 4, 5)
-    assert parse_sizes("8..32:8, 1") == (1, 8, 16, 24, 32)
-    assert parse_sizes("none") == ()
-    for bad in ("a", "4..2", "1..8:0", "-1"):
-        with pytest.raises(ConfigError):
-            parse_sizes(bad)
 
 
 def test_pad_num_tokens():
@@ -178,7 +168,7 @@ _SECOND_START = textwrap.dedent("""
     from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
     from llmfast.models.loader import build_model, resolve_model
-    from tests.paged import PagedSequences
+    from tests.helpers.paged import PagedSequences
 
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
     cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from llmfast.kernels import cpu_attention
 from llmfast.kernels.ops import paged_attention_reference
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
 def _case(seed: int, q_lens: list[int], ctx_lens: list[int], num_heads=6, num_kv=2, hd=16,
@@ -35,8 +39,7 @@ def test_mixed_batch_matches_reference(seed, monkeypatch):
     paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
                               0.25, expected, compute_dtype=torch.float64)
     # Force several decode chunks too.
-    monkeypatch.setattr(cpu_attention, "_MAX_GATHER_ELEMENTS", 2000)
-    cpu_attention._build_plan.cache_clear()
+    monkeypatch.setattr(cpu_attention, "_MAX_GATHER_ELEMENTS", 2000)  # (no owner: no memo)
     # Poison every cache slot past each request's context with stale finite garbage (the
     # runner zero-fills the cache, so stale slots are finite): it must not leak in.
     for r, n in enumerate(ctx):
@@ -64,18 +67,31 @@ def test_layers_sharing_a_plan_reuse_one_workspace_per_cache_shape():
     # Two caches with the same row size (2 x 16 vs 4 x 8 elements per slot) share the
     # step's plan: each must get gather buffers of its own shape, and every call (as
     # every layer of a step) must equal the reference though the buffers are reused.
-    cpu_attention._build_plan.cache_clear()
     q_lens, ctx = [1, 3, 1], [9, 20, 33]
-    shared_table = None
-    for num_kv, hd, seed in [(2, 16, 5), (4, 8, 6), (2, 16, 7)]:
-        q, kc, vc, table, qsl, seq_lens, total = _case(seed, q_lens, ctx, num_heads=8,
-                                                       num_kv=num_kv, hd=hd)
-        shared_table = table if shared_table is None else shared_table
-        table = shared_table
+    cases = [_case(seed, q_lens, ctx, num_heads=8, num_kv=num_kv, hd=hd)
+             for num_kv, hd, seed in [(2, 16, 5), (4, 8, 6), (2, 16, 7)]]
+    owner = AttentionWorkspaces(case[1] for case in cases)  # as a runner owns its cache
+    table = cases[0][3]
+    for q, kc, vc, _, qsl, seq_lens, total in cases:
         expected = torch.empty(q.shape, dtype=torch.float64)
         paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
                                   0.3, expected, compute_dtype=torch.float64)
         out = torch.full_like(q, float("nan"))
         cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.3, out)
         torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)
-    assert cpu_attention._build_plan.cache_info().hits >= 1  # the plan was shared
+    assert owner.num_plans == 1  # the plan was shared
+    (plan,) = owner._plans.values()
+    assert len(plan.workspace) == 2  # gather buffers of each cache shape
+
+
+def test_plans_and_their_buffers_die_with_the_owner():
+    q, kc, vc, table, qsl, seq_lens, _ = _case(4, [1, 2], [10, 30])
+    owner = AttentionWorkspaces([kc])
+    out = torch.empty_like(q)
+    cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.3, out)
+    (plan,) = owner._plans.values()
+    refs = [weakref.ref(plan)] + [weakref.ref(buf) for buf in plan.workspace.values()]
+    del owner, plan
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert AttentionWorkspaces.of(kc) is None

@@ -17,8 +17,8 @@ import pytest
 import llmfast.models.default_model as dm
 from llmfast.models.gguf import MARKER_NAME, is_converted
 from llmfast.paths import cache_dir
-from tests.test_gguf import tiny_llama, write_llama_gguf
-from tests.test_tokenizer import train_byte_level_bpe
+from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
+from tests.helpers.tokenizers import train_byte_level_bpe
 
 FAILING_PIP = [
     sys.executable,
@@ -246,13 +246,13 @@ def test_real_default_model_answers_paris():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmfast.config import ModelConfig
+    from llmfast.models.families import model_config_from_json
     from llmfast.tokenizer import IncrementalDetokenizer, load_tokenizer
 
     start = time.perf_counter()
     path = dm.ensure_default_model(lambda stage, fraction: None)
     prepared = time.perf_counter() - start
-    config = ModelConfig.from_json(path / "config.json")
+    config = model_config_from_json(path / "config.json")
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
 

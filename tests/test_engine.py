@@ -4,17 +4,15 @@ alone, under chunked prefill, preemption, prefix caching and staggered arrivals.
 from __future__ import annotations
 
 import gc
-import random
 
 import pytest
 import torch
 
 from llmfast import LLM, SamplingParams
+from llmfast.core.request import Request, RequestRejected
 from llmfast.kernels.cpu_linear import Linear
-from llmfast.core.request import RequestRejected
-from tests.checkpoints import load_hf_model, make_hf_checkpoint
-
-NUM_PROMPTS = 16
+from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.workloads import NUM_PROMPTS, greedy_params, random_workload
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +35,6 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _workload(seed: int, shared_prefix: int = 0):
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, 256) for _ in range(shared_prefix)]
-    prompts = [prefix + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 40))]
-               for _ in range(NUM_PROMPTS)]
-    lengths = [rng.randrange(1, 12) for _ in range(NUM_PROMPTS)]
-    return prompts, lengths
-
-
 def greedy_oracle(hf):
     """(prompt, n) -> HF's greedy continuation, each computed once."""
     cache = {}
@@ -64,12 +53,8 @@ def oracle(ckpt):
     return greedy_oracle(load_hf_model(ckpt))
 
 
-def _params(lengths):
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-
-
 def _check(llm, prompts, lengths, oracle):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(lengths))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(lengths))
     for p, n, out in zip(prompts, lengths, outs):
         assert out.prompt_token_ids == p
         assert out.outputs[0].finish_reason == "length"
@@ -84,7 +69,7 @@ def _llm(ckpt, **kw):
 
 
 def test_batched_greedy_matches_hf(ckpt, oracle):
-    prompts, lengths = _workload(0)
+    prompts, lengths = random_workload(0)
     llm = _llm(ckpt)
     # Eager CPU runs the oneDNN-prepacked projections (and the row split at 1-2 rows).
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
@@ -93,19 +78,19 @@ def test_batched_greedy_matches_hf(ckpt, oracle):
 
 
 def test_chunked_prefill_budget_8(ckpt, oracle):
-    prompts, lengths = _workload(1)
+    prompts, lengths = random_workload(1)
     _check(_llm(ckpt, max_num_batched_tokens=8, max_num_seqs=8), prompts, lengths, oracle)
 
 
 def test_preemption_under_tiny_cache(ckpt, oracle):
-    prompts, lengths = _workload(2)
+    prompts, lengths = random_workload(2)
     llm = _llm(ckpt, num_gpu_blocks_override=40, max_model_len=64)
     _check(llm, prompts, lengths, oracle)
     assert llm.engine.stats().num_preemptions > 0
 
 
 def test_shared_prefix_hits(ckpt, oracle):
-    prompts, lengths = _workload(3, shared_prefix=20)
+    prompts, lengths = random_workload(3, shared_prefix=20)
     llm = _llm(ckpt, max_num_batched_tokens=64)
     outs = _check(llm, prompts, lengths, oracle)
     stats = llm.engine.stats()
@@ -118,10 +103,10 @@ def test_shared_prefix_hits(ckpt, oracle):
 
 
 def test_requests_added_while_others_run(ckpt, oracle):
-    prompts, lengths = _workload(4)
+    prompts, lengths = random_workload(4)
     llm = _llm(ckpt, max_num_batched_tokens=32)
     engine = llm.engine
-    params = _params(lengths)
+    params = greedy_params(lengths)
     pending = list(range(NUM_PROMPTS))
     ids: dict[str, int] = {}
     results: dict[int, list[int]] = {}
@@ -141,9 +126,9 @@ def test_requests_added_while_others_run(ckpt, oracle):
 
 
 def test_all_blocks_free_after_run(ckpt):
-    prompts, lengths = _workload(5)
+    prompts, lengths = random_workload(5)
     llm = _llm(ckpt, num_gpu_blocks_override=40, max_model_len=64)
-    llm.generate([{"prompt_token_ids": p} for p in prompts], _params(lengths))
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(lengths))
     assert llm.engine.stats().kv_cache_usage == 0.0
 
 
@@ -160,6 +145,16 @@ def test_prompt_too_long_is_rejected(ckpt):
     with pytest.raises(RequestRejected) as e:
         llm.generate({"prompt_token_ids": list(range(3, 40))})
     assert "max-model-len" in str(e.value) and "\n" not in str(e.value)
+    # The scheduler, asked directly, rejects it in the same words.
+    with pytest.raises(RequestRejected) as direct:
+        llm.engine.scheduler.add_request(
+            Request("direct", list(range(3, 40)), SamplingParams(), eos_token_ids=()))
+    assert str(direct.value) == str(e.value)
+    with pytest.raises(RequestRejected) as empty:
+        llm.generate({"prompt_token_ids": []})
+    with pytest.raises(RequestRejected) as direct:
+        llm.engine.scheduler.add_request(Request("empty", [], SamplingParams(), eos_token_ids=()))
+    assert str(direct.value) == str(empty.value) == "the prompt is empty"
     # The engine is still usable afterwards.
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3))
     assert len(out[0].outputs[0].token_ids) <= 3
@@ -180,7 +175,7 @@ def test_seeded_sampling_reproducible_across_batches(ckpt):
 def test_compiled_engine_matches_hf(ckpt, oracle, budget):
     """The same equivalence through the piecewise-compiled model (Inductor on CPU), with
     one Dynamo graph for every batch shape the run produces."""
-    prompts, lengths = _workload(6)
+    prompts, lengths = random_workload(6)
     llm = _llm(ckpt, compile=True, max_num_batched_tokens=budget, max_num_seqs=8)
     _check(llm, prompts, lengths, oracle)
     assert llm.engine.runner.compiled.stats.num_dynamo_graphs == 1

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import _check, _llm, _workload, greedy_oracle
+from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.workloads import random_workload as _workload
+from tests.test_engine import _check, _llm, greedy_oracle
 
 FAMILIES = ("mistral", "qwen2", "qwen3")
 

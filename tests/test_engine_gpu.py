@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llmfast import LLM, SamplingParams
-from tests.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import _params, _workload
+from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.workloads import greedy_params, random_workload
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +48,7 @@ def hf_greedy_on_gpu(hf, prompts, lengths) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(ckpt):
-    prompts, lengths = _workload(7)
+    prompts, lengths = random_workload(7)
     return prompts, lengths, hf_greedy_on_gpu(load_hf_model(ckpt).cuda(), prompts, lengths)
 
 
@@ -57,7 +57,7 @@ def test_engine_matches_hf_on_gpu(ckpt, expected, mode):
     prompts, lengths, tokens = expected
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_model_len=128, block_size=16,
               max_num_batched_tokens=256, gpu_memory_utilization=0.3, **MODES[mode])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(lengths))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(lengths))
     for out, want in zip(outs, tokens):
         assert out.outputs[0].token_ids == want
     if mode == "graphs":
@@ -70,7 +70,7 @@ def test_chunked_prefill_and_preemption_on_gpu(ckpt, expected):
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_model_len=64, block_size=16,
               max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=12,
               compile=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(lengths))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(lengths))
     assert [o.outputs[0].token_ids for o in outs] == tokens
 
 
@@ -90,7 +90,7 @@ def test_threads_and_streams_share_one_engine_on_gpu(ckpt, expected):
     prompts, lengths, tokens = expected
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_model_len=128, block_size=16,
               max_num_batched_tokens=256, gpu_memory_utilization=0.3, **MODES["graphs"])
-    params = _params(lengths)
+    params = greedy_params(lengths)
     halves = [range(len(prompts) // 2), range(len(prompts) // 2, len(prompts))]
     got: dict[int, list] = {}
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from llmfast import LLM, SamplingParams
-from tests.conftest_cli import make_chat_model
+from tests.helpers.chat_model import make_chat_model
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from llmfast import LLM
 from llmfast.core.request import RequestRejected
 from llmfast.worker import model_runner
 from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory
-from tests.conftest_cli import make_chat_model
-from tests.test_cli import assert_one_line_error, invoke
+from tests.helpers.chat_model import make_chat_model
+from tests.helpers.cli import assert_one_line_error, invoke
 
 
 @pytest.fixture(scope="module")

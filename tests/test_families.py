@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from llmfast.config import ConfigError, ModelConfig
+from llmfast.config import ConfigError
 from llmfast.models.families import hf_dict_from_model_config, model_config_from_hf
 from llmfast.models.loader import RANDOM_PRESETS, LoadError, resolve_model
-from tests.checkpoints import make_hf_checkpoint
+from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.test_model import _check_prefill_then_decode
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
@@ -96,7 +96,7 @@ def test_presets_round_trip_through_config_json(preset):
 
     config = RANDOM_PRESETS[preset]
     hf_dict = hf_dict_from_model_config(config)
-    assert ModelConfig.from_hf_dict(hf_dict) == config
+    assert model_config_from_hf(hf_dict) == config
     hf = AutoConfig.for_model(hf_dict["model_type"], **{
         k: v for k, v in hf_dict.items() if k != "model_type"})
     assert hf.head_dim == config.head_dim
@@ -174,7 +174,7 @@ def test_random_weights_map_to_the_hf_family(architecture):
     from llmfast.bench.hf import hf_model_from_llmfast
     from llmfast.models.families import family_config
     from llmfast.models.loader import ModelSource, build_model
-    from tests.paged import PagedSequences
+    from tests.helpers.paged import PagedSequences
 
     config = family_config(
         architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -209,8 +209,8 @@ def test_bf16_logits_close_to_hf_fp32(tmp_path, family):
     import torch
 
     from llmfast.models.loader import build_model
-    from tests.checkpoints import load_hf_model
-    from tests.paged import PagedSequences
+    from tests.helpers.checkpoints import load_hf_model
+    from tests.helpers.paged import PagedSequences
 
     path = make_hf_checkpoint(tmp_path / "ckpt", family=family)
     ours = build_model(resolve_model(str(path)), torch.bfloat16, "cpu", max_positions=128)

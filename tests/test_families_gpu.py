@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from llmfast import LLM, SamplingParams
-from tests.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import _params, _workload
+from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.workloads import greedy_params as _params
+from tests.helpers.workloads import random_workload as _workload
 from tests.test_engine_gpu import MODES, hf_greedy_on_gpu
 from tests.test_families import assert_bf16_logits_close
 
@@ -66,7 +67,7 @@ def test_engine_matches_hf_on_gpu(family_env, family, mode):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_logits_close_to_hf_fp32_on_gpu(family_env, family):
     from llmfast.models.loader import build_model, resolve_model
-    from tests.paged import PagedSequences
+    from tests.helpers.paged import PagedSequences
 
     path, prompts, _, _ = family_env(family)
     ours = build_model(resolve_model(str(path)), torch.bfloat16, "cuda", max_positions=128)

@@ -3,7 +3,6 @@ against the HF model the GGUF was written from (tiny files written here, no hub)
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,119 +17,10 @@ from llmfast.models.gguf import (
     is_converted,
     unpermute_qk,
 )
-from tests.test_tokenizer import CHATML, MIXED_TEXT, SPECIALS, train_byte_level_bpe
+from tests.helpers.gguf_files import llamacpp_permute, tiny_llama, write_llama_gguf
+from tests.helpers.tokenizers import MIXED_TEXT, train_byte_level_bpe
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-)
-# HF → GGUF names, as llama.cpp's converter writes them.
-GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-}
 PROBE_IDS = [[5, 17, 200, 3, 99, 41, 7, 300]]
-
-
-def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
-    )
-
-
-def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama"):
-    """A tiny random HF model of `family` (an HF model_type; Llama unless told)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **TINY, vocab_size=vocab_size, tie_word_embeddings=tie)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Norms too: a norm weight that is dropped or misplaced must show.
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
-    return model
-
-
-def gguf_name(hf: str) -> str:
-    if hf == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf == "model.norm.weight":
-        return "output_norm.weight"
-    if hf == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, rest = hf.split(".", 3)
-    module, kind = rest.rsplit(".", 1)  # kind: weight or bias
-    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
-
-
-def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama") -> Path:
-    """A GGUF as llama.cpp writes it: for arch llama permuted Q/K, optional `quant` for
-    matrices (the embedding then gets F16, to cover a third tensor type)."""
-    import gguf
-
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    vocab = tokenizer.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(vocab["<|im_start|>"])
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    w.add_chat_template(CHATML)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        data = tensor.numpy().astype(np.float32)
-        if arch == "llama" and ".q_proj." in name:
-            data = llamacpp_permute(data, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            data = llamacpp_permute(data, cfg.num_key_value_heads)
-        if quant is not None and data.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
-            if "embed" in name:
-                w.add_tensor(gguf_name(name), data.astype(np.float16))
-            else:
-                w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name(name), data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +82,10 @@ def test_logits_match(case):
 
 
 def test_config_and_tokenizer(case, bpe):
-    from llmfast.config import ModelConfig
+    from llmfast.models.families import model_config_from_json
     from llmfast.tokenizer import load_tokenizer
 
-    config = ModelConfig.from_json(case["out"] / "config.json")
+    config = model_config_from_json(case["out"] / "config.json")
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
     assert config.vocab_size == bpe.get_vocab_size()
     assert config.tie_word_embeddings == case["tie"]

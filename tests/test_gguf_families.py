@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from llmfast import LLM, SamplingParams
-from llmfast.config import ModelConfig
+from llmfast.models.families import model_config_from_json
 from llmfast.models.gguf import convert_gguf_to_hf_dir
 from tests.test_engine import _hf_greedy
-from tests.test_gguf import hf_gguf_model, tiny_llama, write_llama_gguf
-from tests.test_tokenizer import MIXED_TEXT, train_byte_level_bpe
+from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
+from tests.test_gguf import hf_gguf_model
+from tests.helpers.tokenizers import MIXED_TEXT, train_byte_level_bpe
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_weights_bit_exact(case):
 def test_config_and_tokenizer(case, bpe):
     from llmfast.tokenizer import load_tokenizer
 
-    config = ModelConfig.from_json(case["out"] / "config.json")
+    config = model_config_from_json(case["out"] / "config.json")
     family = case["family"]
     assert config.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
         family]

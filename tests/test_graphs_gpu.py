@@ -14,7 +14,7 @@ import torch
 from llmfast.compile import CompiledModel
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
 from llmfast.models.loader import build_model, resolve_model
-from tests.static_batch import StaticBatch
+from tests.helpers.static_batch import StaticBatch
 
 pytestmark = [
     pytest.mark.gpu,

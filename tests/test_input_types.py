@@ -11,7 +11,7 @@ from llmfast.config import ConfigError
 from llmfast.core.request import RequestRejected
 from llmfast.engine_args import EngineArgs
 from llmfast.sampling_params import SamplingParamsError
-from tests.test_cli import TINY, assert_one_line_error, invoke
+from tests.helpers.cli import TINY, assert_one_line_error, invoke
 
 
 @pytest.fixture(scope="module")

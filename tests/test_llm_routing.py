@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from llmfast import LLM, SamplingParams
-from tests.checkpoints import make_hf_checkpoint
+from tests.helpers.checkpoints import make_hf_checkpoint
 
 PROMPTS = [[3 + i, 10 + 2 * i, 40 + 3 * i, 7] for i in range(8)]
 LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6]

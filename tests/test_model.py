@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llmfast.models.loader import LoadError, ModelSource, build_model, resolve_model
-from tests.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.paged import PagedSequences
+from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.paged import PagedSequences
 
 ATOL = 1e-4
 

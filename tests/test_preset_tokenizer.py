@@ -13,7 +13,7 @@ from llmfast.models.default_model import DEFAULT_MODEL_NAME, cached_default_mode
 from llmfast.models.gguf import CONVERSION_VERSION, MARKER_NAME
 from llmfast.models.loader import RANDOM_PRESETS, resolve_model
 from llmfast.models.preset_tokenizer import BYTE_TOKENIZER_NAME, preset_tokenizer
-from tests.conftest_cli import save_tiny_tokenizer
+from tests.helpers.chat_model import save_tiny_tokenizer
 
 TEXT = "Grüße, 世界! <|im_start|> tabs\tand\nnewlines"
 

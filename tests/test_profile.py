@@ -11,15 +11,13 @@ import stat
 import sys
 from pathlib import Path
 
-from typer.testing import CliRunner
-
-from llmfast.cli.main import app
 from llmfast.bench.profile_run import (
     default_profile_dir,
     model_label,
     nsys_command,
     nsys_stats_command,
 )
+from tests.helpers.cli import invoke
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "random:tiny", "--device", "cpu", "--sizes", "1,4", "--steps", "3",
@@ -27,8 +25,6 @@ TINY = ["--model", "random:tiny", "--device", "cpu", "--sizes", "1,4", "--steps"
 PHASES = ("schedule", "prepare_inputs", "sample", "update", "detokenize")
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
 
 
 def test_profile_dir_names():

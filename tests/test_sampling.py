@@ -8,20 +8,16 @@ import math
 import pytest
 import torch
 
-from llmfast.worker.sampler import (
-    Sampler,
-    SamplingMetadata,
-    SamplingParams,
-    apply_penalties,
-    seed_to_int64,
-    seeded_exponential,
-)
+from llmfast.sampling_params import SamplingParams
+from llmfast.worker.sampler import Sampler, apply_penalties, seed_to_int64, seeded_exponential
+from llmfast.worker.sampling_metadata import SamplingMetadata
+from tests.helpers.sampling import metadata_from_params
 
 SP = SamplingParams
 
 
 def make_md(params, vocab_size, **kw) -> SamplingMetadata:
-    return SamplingMetadata.from_params(params, vocab_size=vocab_size, **kw)
+    return metadata_from_params(params, vocab_size=vocab_size, **kw)
 
 
 def sample(logits, params, **kw):

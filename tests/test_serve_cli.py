@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from tests.test_cli import TINY, assert_one_line_error, invoke
+from tests.helpers.cli import TINY, assert_one_line_error, invoke
 
 
 def test_serve_help():

@@ -10,52 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmfast.tokenizer import IncrementalDetokenizer, TokenizerError, load_tokenizer
-
-CORPUS = [
-    "Hello world, this is a small test of the tokenizer.",
-    "The capital of France is Paris. The capital of Italy is Rome.",
-    "Emoji: 😀 🎉 👍🏽 🇫🇷 and more emoji 😀😀 in a row.",
-    "中文字符 你好世界 日本語のテキスト 한국어",
-    "naïve café résumé — “quotes” and ½ fractions",
-    "numbers 12345 67890 and symbols !@#$%^&*()",
-]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-MIXED_TEXT = "Hi 😀 there, 你好世界! 👍🏽 naïve 🇫🇷 done."
-
-
-def train_byte_level_bpe(vocab_size: int = 420):
-    """A GPT-2-style byte-level BPE (a `tokenizers.Tokenizer`); deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 3, trainer)
-    return tok
-
-
-def save_hf_tokenizer(tok, path: Path, chat_template: str | None = CHATML) -> Path:
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<|endoftext|>"
-    )
-    if chat_template is not None:
-        hf.chat_template = chat_template
-    path.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(str(path))
-    return path
+from tests.helpers.tokenizers import MIXED_TEXT, save_hf_tokenizer, train_byte_level_bpe
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from llmfast.models.safetensors_reader import (
     SafetensorsFormatError,
     TensorReader,
 )
-from tests.checkpoints import make_hf_checkpoint
+from tests.helpers.checkpoints import make_hf_checkpoint
 
 MAX_POSITIONS = 64  # keeps the RoPE table (fp32, made at build) far below any weight
 

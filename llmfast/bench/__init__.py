@@ -1,14 +1,15 @@
-"""Benchmarks as a library: size specs, workloads, percentile maths, and the sweep,
-throughput and latency runners. Results are plain dataclasses; `llmfast bench` only
+"""Benchmarks as a library: workloads, percentile maths, and the sweep, throughput and
+latency runners. Results are plain dataclasses; `llmfast bench` only
 formats them (and the tests call these directly).
 
 Definitions follow vLLM's `bench`: TTFT from a request's arrival to its first token,
 TPOT = (e2e - ttft) / (output_len - 1), ITL = the gaps between consecutive tokens.
 
-Where each part lives: `sizes` (size specs, BenchError), `stats` (Summary, summarize),
-`workload` (requests, sampling params, warm-up, BenchProgress), `sweep`, `throughput`
-and `latency` (the runners), `environment` (versions and hardware), `bandwidth` (the
-HBM weight-streaming limit), `startup` (cold and warm start in fresh processes). The HF transformers
+Where each part lives: `stats` (Summary, summarize), `workload` (requests, sampling
+params, warm-up, BenchError), `sweep`, `throughput` and `latency` (the runners),
+`environment` (versions and hardware), `bandwidth` (the HBM weight-streaming limit),
+`startup` (cold and warm start in fresh processes); size specs (`--sizes 1..512`) are
+read by `llmfast.flag_values.parse_sizes`. The HF transformers
 baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported here.
 """
 
@@ -20,7 +21,6 @@ from llmfast.bench.latency import (
     request_latencies,
     run_latency,
 )
-from llmfast.bench.sizes import MAX_BENCH_SIZE, BenchError, parse_sizes
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.sweep import (
     NotPureDecode,
@@ -33,7 +33,7 @@ from llmfast.bench.sweep import (
 )
 from llmfast.bench.throughput import ThroughputResult, run_throughput, throughput_result
 from llmfast.bench.workload import (
-    BenchProgress,
+    BenchError,
     BenchRequest,
     bench_params,
     check_fits,
@@ -44,9 +44,7 @@ from llmfast.bench.workload import (
 )
 
 __all__ = [
-    "MAX_BENCH_SIZE",
     "BenchError",
-    "BenchProgress",
     "BenchRequest",
     "LatencyResult",
     "NotPureDecode",
@@ -59,7 +57,6 @@ __all__ = [
     "check_fits",
     "check_request_rate",
     "environment_info",
-    "parse_sizes",
     "poisson_arrivals",
     "random_lengths",
     "random_requests",

@@ -9,7 +9,7 @@ def environment_info(device: str) -> dict:
     """Versions and hardware, so a JSON result says where it came from."""
     import torch
 
-    import llmfast
+    from llmfast.version import __version__
 
     try:
         import transformers
@@ -20,7 +20,7 @@ def environment_info(device: str) -> dict:
         "device": device,
         "torch": torch.__version__,
         "transformers": hf_version,
-        "llmfast": llmfast.__version__,
+        "llmfast": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": _cpu_name(),

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from llmfast.bench.sizes import BenchError
 from llmfast.bench.throughput import ThroughputResult, throughput_result
-from llmfast.bench.workload import BenchProgress, BenchRequest
+from llmfast.bench.workload import BenchError, BenchRequest
+from llmfast.models.families import hf_dict_from_model_config
+from llmfast.progress import CountProgress
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def hf_model_from_llmfast(model, config):
     """The HF model of `config`'s family holding `model`'s weights (on the CPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = config.to_hf_dict()
+    hf_cfg = hf_dict_from_model_config(config)
     model_type = hf_cfg.pop("model_type")
     for key in ("architectures", "torch_dtype"):
         hf_cfg.pop(key)
@@ -85,7 +86,7 @@ def hf_model_from_llmfast(model, config):
 
 def run_hf_baseline(model, requests: Sequence[BenchRequest], batch_size: int | None = None,
                     pad_token_id: int = 0,
-                    progress: BenchProgress | None = None) -> ThroughputResult:
+                    progress: CountProgress | None = None) -> ThroughputResult:
     """Greedy `generate` over left-padded batches of `batch_size` (None: all at once).
 
     Requests are grouped by output length (sorted), each batch generating exactly its
@@ -139,7 +140,7 @@ def hf_batch_candidates(num_requests: int) -> list[int]:
 
 def tune_hf_batch_size(model, requests: Sequence[BenchRequest], candidates: Sequence[int],
                        pad_token_id: int = 0,
-                       progress: BenchProgress | None = None) -> tuple[int, dict[int, float | None]]:
+                       progress: CountProgress | None = None) -> tuple[int, dict[int, float | None]]:
     """The batch size at which `generate` gives the most output tokens/s: one batch of
     the first `b` requests per candidate (ascending), stopping at the first that runs
     out of memory or is slower than the one before. Returns (best, {size: tok/s or

@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmfast.bench.sizes import BenchError
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import (
-    BenchProgress,
+    BenchError,
     BenchRequest,
     bench_params,
     check_fits,
     warm_up,
 )
+from llmfast.progress import CountProgress
 
 
 @dataclass
@@ -73,7 +73,7 @@ def request_latencies(metrics, arrival: float, output_len: int) -> dict:
 
 
 def run_latency(engine, requests: Sequence[BenchRequest], request_rate: float, seed: int = 0,
-                progress: BenchProgress | None = None) -> LatencyResult:
+                progress: CountProgress | None = None) -> LatencyResult:
     """Requests arrive at Poisson times; the step loop adds each once its time has come."""
     check_fits(requests, engine.config.scheduler.max_model_len)
     check_request_rate(request_rate, len(requests))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmfast.bench.sizes import BenchError
+from llmfast.bench.workload import BenchError
 
 # The runner's stages, in start-up order (ModelRunner.startup_times' keys).
 STARTUP_STAGES = ("load", "profile", "compile", "capture", "kv_cache")

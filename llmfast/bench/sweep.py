@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmfast.bench.bandwidth import DeviceBandwidth, decode_weight_bytes, device_bandwidth
-from llmfast.bench.sizes import BenchError
 from llmfast.bench.stats import Summary, summarize
-from llmfast.bench.workload import BenchProgress, bench_params, warm_up
+from llmfast.bench.workload import BenchError, bench_params, warm_up
+from llmfast.progress import CountProgress
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def run_sweep_point(engine, batch_size: int, context_len: int, steps: int,
 
 
 def run_sweep(engine, sizes: Sequence[int], context_len: int, steps: int, seed: int = 0,
-              progress: BenchProgress | None = None) -> SweepResult:
+              progress: CountProgress | None = None) -> SweepResult:
     sched = engine.config.scheduler
     if max(sizes) > sched.max_num_seqs:
         raise BenchError(f"size {max(sizes)} is above --max-num-seqs {sched.max_num_seqs}")

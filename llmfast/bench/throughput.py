@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmfast.bench.workload import (
-    BenchProgress,
     BenchRequest,
     bench_params,
     check_fits,
     warm_up,
 )
+from llmfast.progress import CountProgress
 
 
 @dataclass
@@ -38,7 +38,7 @@ def throughput_result(requests: Sequence[BenchRequest], output_tokens: int,
 
 
 def run_throughput(engine, requests: Sequence[BenchRequest],
-                   progress: BenchProgress | None = None) -> ThroughputResult:
+                   progress: CountProgress | None = None) -> ThroughputResult:
     """All requests at once, stepped to completion (an offline batch job)."""
     check_fits(requests, engine.config.scheduler.max_model_len)
     warm_up(engine)

@@ -1,19 +1,19 @@
 """Workloads and what every runner shares: BenchRequest, random and shared-prefix
 prompts, greedy fixed-length sampling params, the warm-up request, the fit check, and
-the BenchProgress callback type."""
+BenchError, the one-line user-facing error every benchmark raises."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from llmfast.bench.sizes import BenchError
 from llmfast.sampling_params import SamplingParams
 
-# Called as (done, total) while a runner makes progress.
-BenchProgress = Callable[[int, int], None]
+
+class BenchError(ValueError):
+    """A benchmark that cannot run as asked; the message is one user-facing line."""
 
 
 @dataclass(frozen=True)

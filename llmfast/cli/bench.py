@@ -17,8 +17,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llmfast.bench import BenchError, parse_sizes
-from llmfast.cli.common import EngineOptions, count_progress, load_llm, stderr_console
+from llmfast.bench import BenchError
+from llmfast.cli.common import (
+    EngineOptions,
+    count_progress,
+    load_llm,
+    stderr_console,
+    sweep_overrides,
+)
+from llmfast.flag_values import SIZES_HELP, parse_sizes
 
 BENCH_EXAMPLES = """\
 **Examples**
@@ -33,7 +40,7 @@ BENCH_EXAMPLES = """\
 
 * `llmfast bench --model random:llama-3.2-1b --startup`  (cold and warm start-up, two fresh processes)
 
-Sizes: `1..512` doubles from 1 to 512, `8..64:8` steps by 8, `1,8,64` lists.
+Sizes: `1..512` doubles from 1 to 512 (1, 2, 4, ..., 512), `8..64:8` steps by 8, `1,8,64` lists.
 """
 
 
@@ -63,8 +70,8 @@ def bench(
         "--mode", help="sweep: decode latency per batch size; throughput: an offline batch; "
                        "latency: requests arriving over time.  [default: sweep, none with "
                        "--startup]", show_default=False)] = None,
-    sizes: Annotated[str, typer.Option("--sizes", help="Sweep batch sizes: 1..512, 8..64:8 "
-                                       "or 1,8,64.")] = "1..64",
+    sizes: Annotated[str, typer.Option("--sizes", help=f"Sweep batch sizes: {SIZES_HELP}."
+                                       )] = "1..64",
     context: Annotated[int, typer.Option("--context", help="Sweep: prompt tokens per "
                                          "request.")] = 128,
     steps: Annotated[int, typer.Option("--steps", help="Sweep: timed decode steps per "
@@ -213,18 +220,6 @@ def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:
         if resolve_device(opts.engine_kwargs.get("device", "auto")).type != "cuda":
             raise BenchError("mode graphs needs a CUDA device (CUDA graphs do not exist on CPU)")
     return list(dict.fromkeys(names))
-
-
-def sweep_overrides(sizes: list[int], opts: EngineOptions) -> dict[str, int]:
-    """Room for the largest batch in one step (`sweep_engine_limits`): raise the engine
-    limits the user did not set; a limit the user set below the largest size is an error."""
-    from llmfast.bench import sweep_engine_limits
-    from llmfast.engine_args import default_step_limits, resolve_device
-
-    kw = opts.engine_kwargs
-    defaults = default_step_limits(resolve_device(kw.get("device", "auto")))
-    return sweep_engine_limits(max(sizes), kw.get("max_num_seqs"),
-                               kw.get("max_num_batched_tokens"), defaults)
 
 
 # ---------------------------------------------------------------------- runs

@@ -6,10 +6,9 @@ is aborted, the turn dropped from the history); Ctrl-C or Ctrl-D at the prompt e
 
 Piped (stdin not a terminal): one message or /command per line; each reply is written
 plainly to stdout followed by an empty line; stats and command acknowledgements go to
-stderr. A line that is not UTF-8 ends the run with exit 1 (a script must not go on with
-a conversation it did not mean to have); interactively it is reported and skipped. A
-turn or command that fails is reported and the run goes on, but exits 1 at the end, so
-that a script sees that not every line was answered.
+stderr. A line that is not UTF-8 (one `error:` line says which line and byte), or a turn
+or command that fails, is reported and the run goes on, but exits 1 at the end, so that
+a script sees that not every line was answered. End of input (Ctrl-D) ends the chat.
 """
 
 from __future__ import annotations
@@ -93,9 +92,11 @@ def _piped_lines(session: ChatSession, err: Console) -> int:
     for number, raw in enumerate(sys.stdin.buffer, start=1):
         try:
             line = raw.decode("utf-8").rstrip("\r\n")
-        except UnicodeDecodeError:
-            print_error(f"line {number} of the input is not valid UTF-8")
-            raise typer.Exit(1) from None
+        except UnicodeDecodeError as e:
+            print_error(f"line {number} of the input is not valid UTF-8 (byte {e.start + 1}); "
+                        "skipped")
+            failed += 1
+            continue
         if not line.strip():
             continue
         if line.strip() in EXIT_COMMANDS:

@@ -2,8 +2,9 @@
 `error: ...` on stderr, a traceback only under --debug), logging, and the start-up
 progress bar.
 
-The engine flags are declared once and appended to each command's signature by
-`engine_command`, so every command takes them without repeating thirty lines of options.
+The engine flags are the fields of `EngineArgs` (see engine_args.py to add one);
+`engine_command` appends them to each command's signature, so every command that builds
+an engine takes the same flags.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import contextlib
 import functools
 import inspect
 import logging
-import re
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -29,6 +29,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from llmfast.engine_args import engine_flags
+from llmfast.errors import one_line
+from llmfast.progress import CountProgress
+from llmfast.progress import Progress as StageProgress
+
 logger = logging.getLogger(__name__)
 
 ENGINE_PANEL = "Engine"
@@ -36,28 +41,6 @@ ENGINE_PANEL = "Engine"
 
 def stderr_console() -> Console:
     return Console(stderr=True, highlight=False)
-
-
-# ---------------------------------------------------------------------- parsing
-
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
-    """`512MiB`, `2GiB`, `1.5GB`, `512M` (binary), or plain bytes."""
-    match = _BYTES.match(text)
-    unit = (match[2] or "").lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise typer.BadParameter(
-            f"cannot read {text!r} as a size; use e.g. 512MiB, 2GiB or a number of bytes",
-            param_hint=f"'{flag}'")
-    value = int(float(match[1]) * _UNITS[unit])
-    if value <= 0:
-        raise typer.BadParameter(f"the size must be > 0, got {text!r}", param_hint=f"'{flag}'")
-    return value
 
 
 # ---------------------------------------------------------------------- sampling flags
@@ -88,81 +71,42 @@ class EngineOptions:
         return {**self.engine_kwargs, **kwargs}
 
 
-def _opt(*decls: str, help: str, **kwargs: Any) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=ENGINE_PANEL, **kwargs)
+_PREFIX = "engine__"  # the engine flags' parameter names; keeps them apart from a command's
 
 
-# name -> (type, Option, default). Order is the order in --help.
-_ENGINE_FLAGS: dict[str, tuple[Any, Any, Any]] = {
-    "model": (str | None, _opt(
-        "--model", "-m",
-        help="A local HF directory (Llama, Mistral, Qwen2/2.5, Qwen3), a .gguf file, "
-             "random:PRESET (tiny, llama-3.2-1b, qwen3-0.6b, ...) or 'default'.  "
-             "[default: SmolLM2-135M-Instruct, fetched once]"),
-        None),
-    "dtype": (str | None, _opt(
-        "--dtype",
-        help="float32, bfloat16 or float16.  [default: float32 on CPU, bfloat16 on CUDA]"),
-        None),
-    "device": (str | None, _opt("--device", help="auto, cpu, cuda or cuda:N.  [default: auto]"),
-               None),
-    "seed": (int | None, _opt("--seed", help="Seed of the engine's random state (random "
-                                             "weights, sampling).  [default: 0]"), None),
-    "max_num_seqs": (int | None, _opt(
-        "--max-num-seqs", help="Most requests in one step.  [default: 256 on CPU, 512 on CUDA]"),
-        None),
-    "max_num_batched_tokens": (int | None, _opt(
-        "--max-num-batched-tokens",
-        help="Token budget of one step.  [default: 2048 on CPU, 8192 on CUDA]"), None),
-    "max_model_len": (int | None, _opt(
-        "--max-model-len", help="Longest sequence (prompt + output). [default: the model's, "
-                                "at most 8192]"), None),
-    "block_size": (int | None, _opt("--block-size", help="Tokens per KV-cache block."), None),
-    "kv_cache_memory": (str | None, _opt(
-        "--kv-cache-memory", help="KV-cache size on CPU, e.g. 512MiB, 2GiB or bytes."), None),
-    "gpu_memory_utilization": (float | None, _opt(
-        "--gpu-memory-utilization", help="Fraction of GPU memory llmfast may use (0, 1]."), None),
-    "enforce_eager": (bool, _opt("--enforce-eager",
-                                 help="Plain PyTorch: no torch.compile, no CUDA graphs."), False),
-    "compile": (bool | None, _opt(
-        "--compile/--no-compile", help="torch.compile the model.  [default: on for CUDA]"), None),
-    "no_cuda_graphs": (bool, _opt("--no-cuda-graphs",
-                                  help="Run compiled without replaying CUDA graphs."), False),
-    "cuda_graph_sizes": (str | None, _opt(
-        "--cuda-graph-sizes", help="Padded sizes to capture: 1,2,4,8 or 8..256:8."), None),
-    "async_scheduling": (bool | None, _opt(
-        "--async-scheduling/--no-async-scheduling",
-        help="Schedule and prepare step N+1 while the device runs step N.  [default: on "
-             "for CUDA, off for CPU]"), None),
-    "no_prefix_caching": (bool, _opt("--no-prefix-caching",
-                                     help="Do not reuse KV blocks of shared prefixes."), False),
-    "debug": (bool, _opt("--debug", help="Debug logging; tracebacks on errors."), False),
-}
+def _engine_parameters() -> list[inspect.Parameter]:
+    """One keyword parameter per EngineArgs field, plus --debug; all default to None (or
+    off), so only the flags the user gave reach `engine_kwargs`."""
+    params = [
+        inspect.Parameter(
+            _PREFIX + flag.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+            annotation=Annotated[flag.value_type | None, typer.Option(
+                *flag.decls, help=flag.help, rich_help_panel=ENGINE_PANEL, show_default=False)])
+        for flag in engine_flags()
+    ]
+    params.append(inspect.Parameter(
+        _PREFIX + "debug", inspect.Parameter.KEYWORD_ONLY, default=False,
+        annotation=Annotated[bool, typer.Option(
+            "--debug", help="Debug logging; tracebacks on errors.", rich_help_panel=ENGINE_PANEL)]))
+    return params
 
 
 def _engine_options(values: dict[str, Any]) -> EngineOptions:
-    from llmfast.bench import parse_sizes
-
+    """EngineOptions from the engine parameters' values (field name -> value or None)."""
     kwargs: dict[str, Any] = {}
-    for name in ("dtype", "device", "seed", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "block_size", "gpu_memory_utilization", "compile",
-                 "async_scheduling"):
-        if values[name] is not None:
-            kwargs[name] = values[name]
-    if values["kv_cache_memory"] is not None:
-        kwargs["kv_cache_memory"] = parse_bytes(values["kv_cache_memory"])
-    if values["enforce_eager"]:
-        kwargs["enforce_eager"] = True
-    if values["no_cuda_graphs"]:
-        kwargs["cuda_graphs"] = False
-    if values["no_prefix_caching"]:
-        kwargs["enable_prefix_caching"] = False
-    if values["cuda_graph_sizes"] is not None:
-        kwargs["cuda_graph_sizes"] = tuple(parse_sizes(values["cuda_graph_sizes"],
-                                                       flag="--cuda-graph-sizes"))
-    model = values["model"]
+    for flag in engine_flags():
+        value = values.get(flag.name)
+        if value is None:
+            continue
+        if flag.parse is not None:
+            try:
+                value = flag.parse(value)
+            except ValueError as e:
+                raise typer.BadParameter(str(e), param_hint=f"'{flag.decls[0]}'") from None
+        kwargs[flag.name] = value
+    model = kwargs.pop("model", None)
     return EngineOptions(model=None if model in (None, "", "default") else model,
-                         debug=values["debug"], engine_kwargs=kwargs)
+                         debug=bool(values.get("debug")), engine_kwargs=kwargs)
 
 
 def engine_command(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -170,21 +114,18 @@ def engine_command(func: Callable[..., Any]) -> Callable[..., Any]:
     it inside the error boundary with logging set up."""
     sig = inspect.signature(func, eval_str=True)
     own = [p for p in sig.parameters.values() if p.name != "opts"]
-    extra = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                          annotation=Annotated[kind, option])
-        for name, (kind, option, default) in _ENGINE_FLAGS.items()
-    ]
 
     @functools.wraps(func)
     def wrapper(**kwargs: Any) -> Any:
-        debug = bool(kwargs.get("debug"))
+        engine_values = {name.removeprefix(_PREFIX): kwargs.pop(name)
+                         for name in list(kwargs) if name.startswith(_PREFIX)}
+        debug = bool(engine_values.get("debug"))
         setup_logging(debug)
         with cli_errors(debug):
-            opts = _engine_options({name: kwargs.pop(name) for name in _ENGINE_FLAGS})
-            return func(opts=opts, **kwargs)
+            return func(opts=_engine_options(engine_values), **kwargs)
 
-    wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+    wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=own + _engine_parameters())
     return wrapper
 
 
@@ -194,19 +135,14 @@ def engine_command(func: Callable[..., Any]) -> Callable[..., Any]:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user: shown as one line."""
     from llmfast.config import ConfigError
-    from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
+    from llmfast.core.request import RequestRejected
     from llmfast.models.default_model import DefaultModelError
     from llmfast.models.loader import LoadError
-    from llmfast.core.request import RequestRejected
     from llmfast.sampling_params import SamplingParamsError
+    from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
 
     return (ConfigError, LoadError, RequestRejected, SamplingParamsError, KVCacheTooSmall,
             KVCacheOutOfMemory, DefaultModelError, ValueError, OSError)
-
-
-def one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def print_error(message: str) -> None:
@@ -228,7 +164,7 @@ def cli_errors(debug: bool) -> Iterator[None]:
     except _user_errors() as e:
         if debug:
             traceback.print_exc()
-        print_error(one_line(e))
+        print_error(one_line(e, max_chars=None))
         raise typer.Exit(1) from None
     except Exception as e:  # noqa: BLE001 - the last line of defence before a traceback
         if debug:
@@ -237,7 +173,7 @@ def cli_errors(debug: bool) -> Iterator[None]:
             print_error("out of device memory; lower --max-num-seqs, --max-num-batched-tokens "
                         "or --gpu-memory-utilization, or use a smaller model")
             raise typer.Exit(1) from None
-        print_error(f"internal error: {type(e).__name__}: {one_line(e)}"
+        print_error(f"internal error: {type(e).__name__}: {one_line(e, max_chars=None)}"
                     + ("" if debug else " (run with --debug for the traceback)"))
         raise typer.Exit(1) from None
 
@@ -269,7 +205,7 @@ def make_progress(console: Console | None = None) -> Progress:
 
 
 @contextlib.contextmanager
-def stage_progress(console: Console | None = None) -> Iterator[Callable[[str, float | None], None]]:
+def stage_progress(console: Console | None = None) -> Iterator[StageProgress]:
     """A `progress(stage, fraction)` callback for start-up and the model fetch: one bar whose
     label is the current stage; a fraction of None shows an indeterminate bar."""
     with make_progress(console) as bar:
@@ -286,7 +222,7 @@ def stage_progress(console: Console | None = None) -> Iterator[Callable[[str, fl
 
 @contextlib.contextmanager
 def count_progress(description: str, console: Console | None = None
-                   ) -> Iterator[Callable[[int, int], None]]:
+                   ) -> Iterator[CountProgress]:
     """A `progress(done, total)` callback for runners and LLM.generate."""
     with make_progress(console) as bar:
         task = bar.add_task(description, total=None)
@@ -299,6 +235,18 @@ def load_llm(opts: EngineOptions, console: Console | None = None, **overrides: A
 
     with stage_progress(console) as report:
         return LLM(opts.model, progress=report, **opts.with_overrides(**overrides))
+
+
+def sweep_overrides(sizes: Sequence[int], opts: EngineOptions) -> dict[str, int]:
+    """Room for the largest batch in one step (`sweep_engine_limits`): raise the engine
+    limits the user did not set; a limit the user set below the largest size is an error."""
+    from llmfast.bench import sweep_engine_limits
+    from llmfast.engine_args import default_step_limits, resolve_device
+
+    kw = opts.engine_kwargs
+    defaults = default_step_limits(resolve_device(kw.get("device", "auto")))
+    return sweep_engine_limits(max(sizes), kw.get("max_num_seqs"),
+                               kw.get("max_num_batched_tokens"), defaults)
 
 
 def engine_stats(engine) -> dict[str, Any]:
@@ -315,23 +263,9 @@ def engine_argv(opts: EngineOptions) -> list[str]:
     """The engine flags that reproduce `opts` on another command line (a re-run of this
     process, e.g. under nsys)."""
     argv = ["--model", opts.model] if opts.model else []
-    kw = opts.engine_kwargs
-    for name in ("dtype", "device", "seed", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization"):
-        if name in kw:
-            argv += ["--" + name.replace("_", "-"), str(kw[name])]
-    if kw.get("enforce_eager"):
-        argv.append("--enforce-eager")
-    if "compile" in kw:
-        argv.append("--compile" if kw["compile"] else "--no-compile")
-    if "async_scheduling" in kw:
-        argv.append("--async-scheduling" if kw["async_scheduling"] else "--no-async-scheduling")
-    if kw.get("cuda_graphs") is False:
-        argv.append("--no-cuda-graphs")
-    if "cuda_graph_sizes" in kw:
-        argv += ["--cuda-graph-sizes", ",".join(map(str, kw["cuda_graph_sizes"]))]
-    if kw.get("enable_prefix_caching") is False:
-        argv.append("--no-prefix-caching")
+    for flag in engine_flags():
+        if flag.name in opts.engine_kwargs:
+            argv += flag.to_argv(opts.engine_kwargs[flag.name])
     if opts.debug:
         argv.append("--debug")
     return argv

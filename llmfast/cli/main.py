@@ -1,6 +1,6 @@
 """The `llmfast` command: chat, generate, bench, profile, serve, pull.
 
-This module only assembles the Typer app; each command lives in its own `cli_*` module.
+This module only assembles the Typer app; each command lives in its own module here.
 All parse and usage errors, like the commands' own errors, come out as one line
 `error: ...` on stderr with a non-zero exit (2 for usage errors, 1 otherwise).
 """

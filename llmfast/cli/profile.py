@@ -14,7 +14,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from llmfast.cli.common import EngineOptions, engine_argv, load_llm, stderr_console
+from llmfast.cli.common import (
+    EngineOptions,
+    engine_argv,
+    load_llm,
+    stderr_console,
+    sweep_overrides,
+)
+from llmfast.flag_values import SIZES_HELP, parse_sizes
 
 PROFILE_EXAMPLES = """\
 **Examples**
@@ -45,8 +52,8 @@ class Tracer(str, enum.Enum):
 def profile(
     *,
     opts: EngineOptions,
-    sizes: Annotated[str, typer.Option("--sizes", help="Batch sizes to profile: 1,8 or "
-                                       "1..64.")] = "1,8",
+    sizes: Annotated[str, typer.Option("--sizes", help="Batch sizes to profile: "
+                                       f"{SIZES_HELP}.")] = "1,8",
     steps: Annotated[int, typer.Option("--steps", help="Decode steps per size.")] = 8,
     context: Annotated[int, typer.Option("--context", help="Prompt tokens per request.")] = 64,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory.  "
@@ -57,7 +64,7 @@ def profile(
                                            "nsys).")] = Tracer.auto,
 ) -> None:
     """Profile a short decode workload (nsys or torch profiler) with the engine's phases."""
-    from llmfast.bench import BenchError, parse_sizes
+    from llmfast.bench import BenchError
     from llmfast.bench.profile_run import default_profile_dir, prepare_profile_dir
 
     size_list = parse_sizes(sizes)
@@ -96,15 +103,13 @@ def _profile_with_nsys(nsys: str, out_dir: Path, inner: list[str], con: Console,
         con.print(f"summary:     {result.stats}  (nsys stats)", markup=False)
 
 
-def _profile_in_process(opts: EngineOptions, sizes: list[int], steps: int, context: int,
+def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int, context: int,
                         out_dir: Path, kind: str, con: Console, err: Console) -> None:
     import dataclasses
 
     from llmfast.bench import environment_info, warm_up
     from llmfast.bench.profile_run import run_decode_workload, timed_workload, torch_profile
     from llmfast.phase_timing import phases_markdown
-
-    from llmfast.cli.bench import sweep_overrides
 
     llm = load_llm(opts, err, **sweep_overrides(sizes, opts))
     engine = llm.engine

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from llmfast.cli.common import EngineOptions, load_llm, parse_bytes, stderr_console
+from llmfast.cli.common import EngineOptions, load_llm, stderr_console
+from llmfast.flag_values import FlagValueError, parse_bytes
 
 SERVE_EXAMPLES = """\
 **Examples**
@@ -51,7 +52,10 @@ def serve(
         opts = dataclasses.replace(opts, model=None if model_arg == "default" else model_arg)
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"must be in [0, 65535], got {port}", param_hint="'--port'")
-    max_body = parse_bytes(max_body_size, flag="--max-body-size")
+    try:
+        max_body = parse_bytes(max_body_size)
+    except FlagValueError as e:
+        raise typer.BadParameter(str(e), param_hint="'--max-body-size'") from None
     sock = bind(host, port)  # before the slow start: a taken port fails at once
     err = stderr_console()
     llm = load_llm(opts, err)

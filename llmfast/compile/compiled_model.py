@@ -21,7 +21,6 @@ their sizes), so they may be captured before it is allocated.
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import itertools
 import logging
@@ -37,6 +36,7 @@ from llmfast.compile.backend import PiecewiseBackend
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key
 from llmfast.compile.stats import CompileStats
 from llmfast.config import CompileConfig
+from llmfast.gc_freeze import hold_gc_freeze
 from llmfast.graphs.piecewise import CudaGraphCapturer, EmulatedGraphCapturer, GraphCaptureState
 from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
 
@@ -206,8 +206,7 @@ class CompiledModel:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         # Capture allocates many small Python objects; freeze the existing ones so the
         # collector does not rescan the whole heap while we capture hundreds of graphs.
-        gc.collect()
-        gc.freeze()
+        release_gc = hold_gc_freeze()
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for size in sizes:  # largest first: smaller sizes reuse its pool memory
@@ -215,7 +214,7 @@ class CompiledModel:
                     with state.capturing(size):
                         run_dummy(size)
         finally:
-            gc.unfreeze()
+            release_gc()
             if stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
         graph_bytes = max(free_before - self._free_device_memory(on_cuda), 0)

@@ -23,6 +23,19 @@ class RequestRejected(ValueError):
     """A request that can never run (e.g. its prompt cannot fit); the message is one line."""
 
 
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """Reject a prompt that can never run: an empty one, or one that leaves no room for a
+    generated token (num_tokens + 1 must be <= max_model_len). The engine and the
+    scheduler both ask here, so a bad prompt reads the same wherever it is caught."""
+    if num_tokens == 0:
+        raise RequestRejected("the prompt is empty")
+    if num_tokens >= max_model_len:
+        raise RequestRejected(
+            f"the prompt has {num_tokens} tokens; max-model-len {max_model_len} leaves no "
+            "room to generate (raise --max-model-len or shorten the prompt)"
+        )
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1

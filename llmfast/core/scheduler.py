@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from llmfast.core.kv_cache_manager import KVCacheManager
 from llmfast.config import CacheConfig, SchedulerConfig
-from llmfast.core.request import Request, RequestRejected, RequestStatus
+from llmfast.core.request import Request, RequestRejected, RequestStatus, check_prompt_length
 from llmfast.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -109,21 +109,13 @@ class Scheduler:
         n = len(request.all_token_ids)
         if rid in self.requests:
             raise RequestRejected(f"request {rid!r}: a request with this id is already running")
-        if n == 0:
-            raise RequestRejected(f"request {rid!r}: the prompt is empty")
-        # The prompt needs room for at least one generated token: n + 1 <= max length.
-        max_len = self.scheduler_config.max_model_len
-        if n >= max_len:
-            raise RequestRejected(
-                f"request {rid!r}: prompt of {n} tokens leaves no room to generate "
-                f"within max-model-len {max_len}"
-            )
+        check_prompt_length(n, self.scheduler_config.max_model_len)
         bs = self.block_size
         usable = self.kv_cache_manager.num_usable_blocks
         if (n + 1 + bs - 1) // bs > usable:
             raise RequestRejected(
-                f"request {rid!r}: prompt of {n} tokens needs {(n + bs) // bs} KV-cache blocks "
-                f"of {bs} tokens, the cache has {usable}"
+                f"the prompt has {n} tokens; with room for one more it needs "
+                f"{(n + bs) // bs} KV-cache blocks of {bs} tokens, the cache has {usable}"
             )
 
     def finish_requests(self, req_ids: str | Iterable[str], reason: str | RequestStatus) -> None:

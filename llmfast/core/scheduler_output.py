@@ -48,10 +48,6 @@ class SchedulerOutput:
     # from a later one that reuses its id.
     step_index: int = 0
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 @dataclass
 class ModelRunnerOutput:

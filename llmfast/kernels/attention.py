@@ -18,7 +18,6 @@ Design
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import triton
 import triton.language as tl
 
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
+from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 
 __all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "unified_attention"]
 
@@ -302,25 +302,15 @@ def select_config(
     return AttentionConfig(max(1, 128 // group_p), 64, 1, num_warps=num_warps, num_stages=3)
 
 
-@functools.lru_cache(maxsize=16)
-def _cached_workspace(device, num_splits, num_tokens, num_heads, head_dim_p):
-    return _new_workspace(device, num_splits, num_tokens, num_heads, head_dim_p)
-
-
-def _new_workspace(device, num_splits, num_tokens, num_heads, head_dim_p):
-    f32 = dict(dtype=torch.float32, device=device)
-    acc = torch.empty(num_splits, num_tokens, num_heads, head_dim_p, **f32)
-    stats = torch.empty(2, num_splits, num_tokens, num_heads, **f32)
-    return acc, stats[0], stats[1]
-
-
-def _workspace(device: torch.device, *key: int):
-    # Partials are reused across calls of the same shape. While a CUDA graph is being
-    # captured a fresh buffer is taken instead, so it comes from (and stays in) the
-    # graph's private pool rather than aliasing memory eager calls keep using.
+def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):
+    # Partials are reused across calls of the same shape, from the workspaces of the
+    # runner that owns the cache. While a CUDA graph is being captured a fresh buffer is
+    # taken instead, so it comes from (and stays in) the graph's private pool rather
+    # than aliasing memory eager calls keep using.
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _new_workspace(device, *key)
-    return _cached_workspace(device, *key)
+        return new_partials(device, *key)
+    owner = AttentionWorkspaces.of(k_cache)
+    return owner.partials(device, *key) if owner is not None else new_partials(device, *key)
 
 
 def unified_attention(
@@ -359,7 +349,7 @@ def unified_attention(
 
     if splits > 1:
         key = (splits, num_tokens, num_heads, head_dim_p)
-        part_acc, part_max, part_sum = _workspace(q.device, *key)
+        part_acc, part_max, part_sum = _workspace(q.device, k_cache, *key)
     else:
         part_acc = part_max = part_sum = out  # unused; any pointer of the right device
     num_tiles = num_tokens // bq + num_reqs

@@ -4,7 +4,8 @@ The reference implementation loops over requests in Python, which at 30 layers a
 dozens of decoding requests costs more than the matmuls. Here:
 - the step's *plan* (which rows decode, their gather indices and masks) depends only on
   the attention metadata, which is the same for every layer of a step, so it is built
-  once and memoised on the metadata's bytes (a few KiB; hashing them costs microseconds);
+  once and memoised on the metadata's bytes (a few KiB; hashing them costs microseconds)
+  by the cache owner's `AttentionWorkspaces`, which frees it with the cache;
 - all single-token (decode) rows are served by one gather and one SDPA call per chunk,
   the GQA group folded into SDPA's query-length axis;
 - prefill chunks use SDPA with an explicit causal mask and `enable_gqa`.
@@ -16,12 +17,13 @@ zero-fills the cache at allocation (0 * NaN would otherwise leak into the output
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 # Upper bound on gathered key elements per decode chunk (keeps temporaries ~64 MiB fp32).
 _MAX_GATHER_ELEMENTS = 1 << 24
@@ -77,21 +79,17 @@ def paged_attention_cpu(
 ) -> None:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     table = np.ascontiguousarray(block_table.numpy())
-    plan = _build_plan(
-        query_start_loc.numpy().tobytes(),
-        seq_lens.numpy().tobytes(),
-        table.tobytes(),
-        table.shape,
-        block_size,
-        num_kv_heads * head_dim,
-    )
+    key = (query_start_loc.numpy().tobytes(), seq_lens.numpy().tobytes(), table.tobytes(),
+           table.shape, block_size, num_kv_heads * head_dim)
+    owner = AttentionWorkspaces.of(k_cache)
+    plan = (owner.cpu_plan(key, lambda: _build_plan(*key)) if owner is not None
+            else _build_plan(*key))
     for chunk in plan.decode:
         _decode(q, k_cache, v_cache, chunk, scale, out, plan)
     for row in plan.prefill:
         _prefill(q, k_cache, v_cache, row, scale, out, plan)
 
 
-@functools.lru_cache(maxsize=2)
 def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
                 table_shape: tuple[int, int], block_size: int, row_elements: int) -> _Plan:
     starts = np.frombuffer(qsl_bytes, dtype=np.int32).astype(np.int64)

@@ -24,8 +24,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmfast.models.gguf import GGUFError, Progress, convert_gguf_to_hf_dir, is_converted
+from llmfast.models.gguf import GGUFError, convert_gguf_to_hf_dir, is_converted
 from llmfast.paths import cache_dir
+from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
 

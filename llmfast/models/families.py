@@ -14,7 +14,9 @@ Rope scaling (linear, llama3, yarn) and tied embeddings are read the same way fo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling, unsupported_architecture_message
@@ -218,3 +220,16 @@ def _rope_dict(s: RopeScaling) -> dict[str, Any] | None:
             out["attention_factor"] = s.attention_factor
     return out
 
+
+def model_config_from_json(path: str | Path) -> ModelConfig:
+    """Read an HF `config.json` file into a ModelConfig."""
+    path = Path(path)
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return model_config_from_hf(cfg)

@@ -28,7 +28,6 @@ import re
 import secrets
 import shutil
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,12 @@ import numpy as np
 import torch
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
-from llmfast.models.families import family_config
+from llmfast.models.families import family_config, hf_dict_from_model_config
+from llmfast.errors import one_line
+from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str, float | None], None]
 
 # Bump when the output of a conversion changes, so cached directories are rebuilt.
 CONVERSION_VERSION = 1
@@ -115,7 +115,7 @@ def convert_gguf_to_hf_dir(
 
         save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del state_dict
-        _write_json(tmp / "config.json", config.to_hf_dict())
+        _write_json(tmp / "config.json", hf_dict_from_model_config(config))
         _write_json(tmp / "generation_config.json", _generation_config(reader, config))
         report("converting the tokenizer", None)
         _write_tokenizer(reader, gguf_path, tmp)
@@ -177,14 +177,8 @@ def _open(path: Path) -> Any:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # a parser of untrusted bytes: any failure means a bad file
         raise GGUFError(
-            f"{path.name} is not a readable GGUF file (truncated or corrupt?): {_one_line(e)}"
+            f"{path.name} is not a readable GGUF file (truncated or corrupt?): {one_line(e)}"
         ) from None
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    detail = text[0] if text else type(error).__name__
-    return detail[:200]
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -194,7 +188,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     try:
         return field.contents()
     except Exception as e:
-        raise GGUFError(f"GGUF metadata {key} is unreadable: {_one_line(e)}") from None
+        raise GGUFError(f"GGUF metadata {key} is unreadable: {one_line(e)}") from None
 
 
 def _model_config(reader: Any, name: str) -> ModelConfig:
@@ -405,7 +399,7 @@ def _dequantize_all(
                 "package cannot dequantise"
             ) from None
         except Exception as e:
-            raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {_one_line(e)}") from None
+            raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {one_line(e)}") from None
         # A copy: the reader's arrays are read-only views of the memory-mapped file.
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
         # Only llama's converter permutes Q and K (weights and biases alike).
@@ -441,7 +435,7 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out_dir: Path) -> None:
         )
     except Exception as e:
         raise GGUFError(
-            f"{gguf_path.name}: transformers cannot build its tokenizer: {_one_line(e)}"
+            f"{gguf_path.name}: transformers cannot build its tokenizer: {one_line(e)}"
         ) from None
     if _field(reader, "tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
         from tokenizers import pre_tokenizers

@@ -5,11 +5,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
-Progress = Callable[[str, float | None], None]
+from llmfast.progress import Progress
 
 
 class ByteProgress:

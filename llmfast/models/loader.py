@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,8 @@ from safetensors import SafetensorError
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.decoder import DecoderForCausalLM
-from llmfast.models.families import family_config
+from llmfast.models.families import family_config, model_config_from_json
+from llmfast.host_memory import available_host_memory
 from llmfast.models.load_progress import ByteProgress
 from llmfast.models.safetensors_reader import (
     SafetensorsFile,
@@ -36,10 +37,10 @@ from llmfast.models.validate import (
     safetensors_shapes,
 )
 from llmfast.tokenizer import Tokenizer, load_tokenizer
+from llmfast.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-Progress = Callable[[str, float | None], None]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -187,7 +188,7 @@ def _read_config(model_dir: Path) -> ModelConfig:
     if not config_path.is_file():
         raise LoadError(f"{model_dir} has no config.json; it is not an HF model directory")
     try:
-        config = ModelConfig.from_json(config_path)
+        config = model_config_from_json(config_path)
         check_hf_config(json.loads(config_path.read_text()))
         check_model_size(config)  # before anything is built from it
     except ConfigError as e:
@@ -391,8 +392,6 @@ def _available_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu":
-        from llmfast.worker.kv_cache_sizing import available_host_memory
-
         return available_host_memory()
     return None
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmfast.errors import one_line
 from llmfast.serve.engine_loop import (
     AsyncEngine,
     EngineUnavailable,
@@ -63,7 +64,7 @@ async def _submit(front: AsyncEngine, rs: RequestStream, inputs: EngineInputs, k
     except EngineUnavailable as e:
         raise APIError(str(e), 503) from None
     except ValueError as e:  # RequestRejected, TokenizerError, a prompt the engine refuses
-        raise APIError(_one_line(e), 400, "prompt" if kind == "completion" else "messages"
+        raise APIError(one_line(e, max_chars=None), 400, "prompt" if kind == "completion" else "messages"
                        ) from None
     except BaseException:
         front.abort(rs.engine_ids)  # cancelled while queued: the add may still happen
@@ -129,8 +130,3 @@ async def _events(front: AsyncEngine, metrics: ServerMetrics, rs: RequestStream,
         if not builder.done:
             front.abort(rs.engine_ids)
             metrics.aborted.inc()
-
-
-def _one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__

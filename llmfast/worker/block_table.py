@@ -60,10 +60,6 @@ class BlockTable:
         self.num_blocks[dst] = n
         self.clear_row(src)
 
-    def swap_rows(self, a: int, b: int) -> None:
-        self.table.np[[a, b]] = self.table.np[[b, a]]
-        self.num_blocks[[a, b]] = self.num_blocks[[b, a]]
-
     def compute_slot_mapping(
         self, req_indices: np.ndarray, positions: np.ndarray, num_padded_tokens: int
     ) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from llmfast.config import CacheConfig, ModelConfig
+from llmfast.host_memory import available_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +54,6 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> i
     """Bytes of one block across all layers, keys and values."""
     per_token = 2 * model.num_hidden_layers * model.kv_size * dtype.itemsize
     return per_token * block_size
-
-
-def available_host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def num_cpu_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,8 +25,10 @@ from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
+from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.loader import ModelSource, build_model
 from llmfast.nvtx_ranges import nvtx_range
+from llmfast.progress import Progress
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID, CachedRequestState, InputBatch
 from llmfast.worker.kv_cache_sizing import (
@@ -44,8 +45,6 @@ from llmfast.worker.sampling_metadata import SamplingStaging, build_sampling_met
 from llmfast.worker.step_output import OutputCopier, PendingStep
 
 logger = logging.getLogger(__name__)
-
-Progress = Callable[[str, float | None], None]
 
 
 class ModelRunner:
@@ -150,6 +149,8 @@ class ModelRunner:
         # of a big CPU tensor was measured ~50x slower than reading written ones.
         self.kv_cache = kv_cache.fill_(0)
         self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
+        # The attention kernels' scratch for this cache: freed with the runner.
+        self.attention_workspaces = AttentionWorkspaces([self.kv_cache])
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,

@@ -11,12 +11,13 @@ hash of (seed, step, token id), so their tokens do not depend on the rest of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from llmfast.sampling_params import GREEDY_TEMPERATURE, SamplingParams, SamplingParamsError
+from llmfast.worker.sampling_metadata import SamplingMetadata
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -80,117 +81,6 @@ def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int
     z = _mix64(row_key[:, None] + idx[None, :] * _GOLDEN)  # [num_reqs, vocab_size]
     u = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
     return -torch.log1p(-u)  # 1 - u is exact, so q = 0 only when u = 0
-
-
-@dataclass
-class SamplingMetadata:
-    """Per-request sampling state for one step, one row per request.
-
-    Device tensors are straight copies of per-request numpy arrays: the `[n]` ones are a
-    slice of `max_num_seqs`-long arrays, the `[n, k]` id tensors are padded with any id
-    >= vocab_size (vocab_size is the natural choice; ids are clamped, so larger is fine).
-    Host fields are recomputed by the batch when its set of requests changes; the
-    sampler trusts them to skip work and never reads a device value to decide anything.
-    A row whose stage is off must hold the neutral value (temperature 1 or 0 for greedy,
-    top_k 0, top_p 1, min_p 0, penalties 1 / 0 / 0, min_tokens 0).
-    """
-
-    temperature: torch.Tensor  # [n] f32; < GREEDY_TEMPERATURE means greedy
-    top_k: torch.Tensor  # [n] int32; 0 = off
-    top_p: torch.Tensor  # [n] f32; 1 = off
-    min_p: torch.Tensor  # [n] f32; 0 = off
-    repetition_penalty: torch.Tensor  # [n] f32; 1 = off
-    presence_penalty: torch.Tensor  # [n] f32; 0 = off
-    frequency_penalty: torch.Tensor  # [n] f32; 0 = off
-    seeds: torch.Tensor  # [n] int64 (seed_to_int64); ignored where has_seed is False
-    has_seed: torch.Tensor  # [n] bool
-    step: torch.Tensor  # [n] int64: output tokens generated so far
-    min_tokens: torch.Tensor  # [n] int64; stop ids are banned while step < min_tokens
-    # Penalty inputs; None allowed when no_penalties.
-    prompt_token_ids: torch.Tensor | None  # [n, max_prompt_len] int64, padded
-    output_token_ids: torch.Tensor | None  # [n, max_output_len] int64, padded
-    # EOS (unless ignore_eos) + stop_token_ids per row; None allowed when no_min_tokens.
-    stop_token_ids: torch.Tensor | None  # [n, max_num_stop_ids] int64, padded
-    # Host-side flags.
-    all_greedy: bool
-    all_random: bool
-    no_penalties: bool
-    no_top_k: bool
-    no_top_p: bool
-    no_min_p: bool
-    no_min_tokens: bool  # no row has step < min_tokens
-    no_seeds: bool  # no row has a seed
-    max_top_k: int  # max top_k over the batch (0 if no_top_k)
-    max_num_logprobs: int | None  # None: no row wants logprobs
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        *,
-        vocab_size: int,
-        steps: Sequence[int] | None = None,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        output_token_ids: Sequence[Sequence[int]] | None = None,
-        eos_token_id: int | None = None,
-        device: torch.device | str = "cpu",
-    ) -> SamplingMetadata:
-        """Build metadata from request objects: the reference for how InputBatch fills it.
-
-        Slow (Python lists); the engine's batch keeps these arrays persistently instead.
-        """
-        n = len(params)
-        steps = list(steps) if steps is not None else [0] * n
-        prompts = [list(p) for p in prompt_token_ids] if prompt_token_ids else [[]] * n
-        outputs = [list(o) for o in output_token_ids] if output_token_ids else [[]] * n
-
-        def f32(vals: list) -> torch.Tensor:
-            return torch.tensor(vals, dtype=torch.float32, device=device)
-
-        def i64(vals: list) -> torch.Tensor:
-            return torch.tensor(vals, dtype=torch.int64, device=device)
-
-        def padded(rows: list[list[int]]) -> torch.Tensor:
-            width = max((len(r) for r in rows), default=0)
-            return i64([r + [vocab_size] * (width - len(r)) for r in rows]).view(n, width)
-
-        stops = [
-            list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and
-                                      not p.ignore_eos else [])
-            for p in params
-        ]
-        no_penalties = all(
-            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 for p in params
-        )
-        no_min_tokens = all(s >= p.min_tokens or not st for p, s, st in zip(params, steps, stops))
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=f32([p.temperature for p in params]),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
-            top_p=f32([p.top_p for p in params]),
-            min_p=f32([p.min_p for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            seeds=i64([seed_to_int64(p.seed or 0) for p in params]),
-            has_seed=torch.tensor([p.seed is not None for p in params], device=device),
-            step=i64(steps),
-            min_tokens=i64([p.min_tokens for p in params]),
-            prompt_token_ids=None if no_penalties else padded(prompts),
-            output_token_ids=None if no_penalties else padded(outputs),
-            stop_token_ids=None if no_min_tokens else padded(stops),
-            all_greedy=all(p.greedy for p in params),
-            all_random=not any(p.greedy for p in params),
-            no_penalties=no_penalties,
-            no_top_k=all(p.top_k == 0 for p in params),
-            no_top_p=all(p.top_p == 1.0 for p in params),
-            no_min_p=all(p.min_p == 0.0 for p in params),
-            no_min_tokens=no_min_tokens,
-            no_seeds=all(p.seed is None for p in params),
-            max_top_k=max((p.top_k for p in params), default=0),
-            max_num_logprobs=max(logprobs) if logprobs else None,
-        )
 
 
 class LogprobsTensors(NamedTuple):

@@ -1,4 +1,5 @@
-"""Fill the sampler's `SamplingMetadata` from the persistent input batch, vectorised.
+"""`SamplingMetadata`, the sampler's per-step input, and its builder from the persistent
+input batch, vectorised.
 
 The per-request sampling arrays live in the batch (numpy + device copies); each step
 copies the first `num_reqs` rows once and derives the host-side skip flags with numpy.
@@ -12,13 +13,59 @@ from the previous step's sampled ids, like the model's input ids do (see ModelRu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from llmfast.sampling_params import GREEDY_TEMPERATURE
 from llmfast.worker.buffers import StagingBuffer
-from llmfast.worker.input_batch import InputBatch
-from llmfast.worker.sampler import SamplingMetadata, seed_to_int64
+
+if TYPE_CHECKING:
+    from llmfast.worker.input_batch import InputBatch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-request sampling state for one step, one row per request.
+
+    Device tensors are straight copies of per-request numpy arrays: the `[n]` ones are a
+    slice of `max_num_seqs`-long arrays, the `[n, k]` id tensors are padded with any id
+    >= vocab_size (vocab_size is the natural choice; ids are clamped, so larger is fine).
+    Host fields are recomputed by the batch when its set of requests changes; the
+    sampler trusts them to skip work and never reads a device value to decide anything.
+    A row whose stage is off must hold the neutral value (temperature 1 or 0 for greedy,
+    top_k 0, top_p 1, min_p 0, penalties 1 / 0 / 0, min_tokens 0).
+    """
+
+    temperature: torch.Tensor  # [n] f32; < GREEDY_TEMPERATURE means greedy
+    top_k: torch.Tensor  # [n] int32; 0 = off
+    top_p: torch.Tensor  # [n] f32; 1 = off
+    min_p: torch.Tensor  # [n] f32; 0 = off
+    repetition_penalty: torch.Tensor  # [n] f32; 1 = off
+    presence_penalty: torch.Tensor  # [n] f32; 0 = off
+    frequency_penalty: torch.Tensor  # [n] f32; 0 = off
+    seeds: torch.Tensor  # [n] int64 (seed_to_int64); ignored where has_seed is False
+    has_seed: torch.Tensor  # [n] bool
+    step: torch.Tensor  # [n] int64: output tokens generated so far
+    min_tokens: torch.Tensor  # [n] int64; stop ids are banned while step < min_tokens
+    # Penalty inputs; None allowed when no_penalties.
+    prompt_token_ids: torch.Tensor | None  # [n, max_prompt_len] int64, padded
+    output_token_ids: torch.Tensor | None  # [n, max_output_len] int64, padded
+    # EOS (unless ignore_eos) + stop_token_ids per row; None allowed when no_min_tokens.
+    stop_token_ids: torch.Tensor | None  # [n, max_num_stop_ids] int64, padded
+    # Host-side flags.
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    no_min_tokens: bool  # no row has step < min_tokens
+    no_seeds: bool  # no row has a seed
+    max_top_k: int  # max top_k over the batch (0 if no_top_k)
+    max_num_logprobs: int | None  # None: no row wants logprobs
 
 
 class SamplingStaging:
@@ -128,4 +175,4 @@ def _pad_lists(rows: list[list[int]], pad: int, staging: StagingBuffer) -> torch
     return staging.stage(arr)
 
 
-__all__ = ["SamplingStaging", "build_sampling_metadata", "seed_to_int64"]
+__all__ = ["SamplingMetadata", "SamplingStaging", "build_sampling_metadata"]

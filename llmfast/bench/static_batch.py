@@ -1,10 +1,10 @@
-"""A runner-like harness over persistent (static-address) input buffers, padded to a
-graph size: what CUDA-graph replay needs, without the engine. Used by the compile and
-graph tests and by scripts/bench_modes.py.
+"""Persistent (static-address) input buffers over a paged KV cache, padded to a graph
+size: what CUDA-graph replay needs, without the engine. For model-level benchmarks
+(scripts/bench_modes.py) and, with a step function on top, the compile and graph tests.
 
-Like `tests/paged.py`, each sequence owns a shuffled set of cache blocks (block 0 is
-reserved); unlike it, a step writes its inputs into fixed buffers and pads them to
-`padded_num_tokens(n)` with token 0, position 0 and slot -1 (no KV write).
+Each sequence owns a shuffled (non-contiguous) set of cache blocks; block 0 stays
+reserved, as in the engine. Padding tokens are token 0, position 0 and slot -1 (no KV
+write).
 """
 
 from __future__ import annotations
@@ -14,10 +14,28 @@ from collections.abc import Callable
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
+from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.decoder import DecoderForCausalLM
-from tests.paged import shuffled_blocks, step_inputs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def shuffled_blocks(model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int,
+                    seed: int, device: torch.device | str = "cpu"):
+    """Zeroed KV caches bound to `model`, and a [num_seqs, blocks_per_seq] int32 block
+    table giving each sequence a shuffled (non-contiguous) set of blocks; block 0 stays
+    reserved, as in the engine."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    blocks_per_seq = -(-max_len // block_size)
+    num_blocks = 1 + num_seqs * blocks_per_seq
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device),
+               torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(cfg.num_hidden_layers)]
+    model.bind_kv_caches(caches)
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    return caches, perm.view(num_seqs, blocks_per_seq).to(torch.int32)
 
 
 class StaticBatch:
@@ -26,6 +44,8 @@ class StaticBatch:
         param = next(model.parameters())
         device = param.device
         self.caches, table = shuffled_blocks(model, num_seqs, max_len, block_size, seed, device)
+        # The attention's scratch for these caches, reused across layers and steps.
+        self.workspaces = AttentionWorkspaces(k for k, _ in self.caches)
         self.block_table = table.to(device)
         self.model = model
         self.device = device
@@ -40,7 +60,9 @@ class StaticBatch:
         self.query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
 
-    def _run(self, forward: Forward, num_padded: int, num_reqs: int) -> torch.Tensor:
+    def run(self, forward: Forward, num_padded: int, num_reqs: int) -> torch.Tensor:
+        """`forward` over the first `num_padded` tokens and `num_reqs` requests of the
+        buffers, as they are filled now."""
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_padded],
             block_table=self.table[:num_reqs],
@@ -49,28 +71,6 @@ class StaticBatch:
         )
         with torch.inference_mode():
             return forward(self.input_ids[:num_padded], self.positions[:num_padded], md)
-
-    def step(self, chunks: dict[int, list[int]], forward: Forward,
-             pad: Callable[[int], int] = lambda n: n) -> torch.Tensor:
-        """Feed `chunks` (seq -> new token ids) through `forward`; returns the logits of
-        every new token (float32, [total_new_tokens, vocab]), in the order given."""
-        st = step_inputs(chunks, self.lens, self.block_table, self.block_size)
-        n, num_reqs = len(st.ids), len(st.rows)
-        num_padded = pad(n)
-        assert num_padded <= self.max_num_tokens
-        dev = self.device
-        self.input_ids[:n].copy_(torch.tensor(st.ids, device=dev))
-        self.input_ids[n:num_padded] = 0
-        self.positions[:n].copy_(torch.tensor(st.positions, device=dev))
-        self.positions[n:num_padded] = 0
-        self.slot_mapping[:n].copy_(torch.tensor(st.slots, device=dev))
-        self.slot_mapping[n:num_padded] = -1
-        self.table[:num_reqs].copy_(self.block_table[st.rows])
-        self.query_start_loc[: num_reqs + 1].copy_(torch.tensor(st.query_start_loc, device=dev))
-        self.seq_lens[:num_reqs].copy_(torch.tensor(st.seq_lens, device=dev))
-        hidden = self._run(forward, num_padded, num_reqs)
-        with torch.inference_mode():
-            return self.model.compute_logits(hidden[:n])
 
     def dummy_runner(self, forward: Forward) -> Callable[[int], None]:
         """`run_dummy(n)` for `CompiledModel.capture`: n padding tokens (slot -1) plus one
@@ -83,6 +83,6 @@ class StaticBatch:
             self.table[:1].copy_(self.block_table[:1])
             self.query_start_loc[:2] = torch.tensor([0, 1], dtype=torch.int32)
             self.seq_lens[:1] = 1
-            self._run(forward, num_tokens, 1)
+            self.run(forward, num_tokens, 1)
 
         return run_dummy

@@ -1,6 +1,7 @@
 """Run an llmfast model step by step over a paged KV cache, without the engine: the
-model-level oracle harness for comparing with HF transformers. `tests/static_batch.py`
-shares its block layout and step arithmetic (`shuffled_blocks`, `step_inputs`)."""
+model-level oracle harness for comparing with HF transformers. The block layout
+(`shuffled_blocks`) is the static batch's; `tests/helpers/static_batch.py` shares the step
+arithmetic (`step_inputs`)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
+from llmfast.bench.static_batch import shuffled_blocks
+from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.decoder import DecoderForCausalLM
-
-
-def shuffled_blocks(model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int,
-                    seed: int, device: torch.device | str = "cpu"):
-    """Zeroed KV caches bound to `model`, and a [num_seqs, blocks_per_seq] int32 block
-    table giving each sequence a shuffled (non-contiguous) set of blocks; block 0 stays
-    reserved, as in the engine."""
-    cfg = model.config
-    dtype = next(model.parameters()).dtype
-    blocks_per_seq = -(-max_len // block_size)
-    num_blocks = 1 + num_seqs * blocks_per_seq
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device),
-               torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(cfg.num_hidden_layers)]
-    model.bind_kv_caches(caches)
-    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
-    return caches, perm.view(num_seqs, blocks_per_seq).to(torch.int32)
 
 
 @dataclass
@@ -72,6 +57,7 @@ class PagedSequences:
         self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed,
                                                         device)
         self.device = device
+        self.workspaces = AttentionWorkspaces(k for k, _ in self.caches)  # as a runner's
         self.block_size = block_size
         self.lens = [0] * num_seqs
         self.model = model
