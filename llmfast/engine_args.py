@@ -13,9 +13,11 @@ from llmfast.config import (
     CacheConfig,
     CompileConfig,
     ConfigError,
+    CudaGraphMode,
     EngineConfig,
     SchedulerConfig,
     dtype_name,
+    parse_cuda_graph_mode,
     parse_dtype,
 )
 from llmfast.models.loader import ModelSource, resolve_model
@@ -57,7 +59,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no compile, no CUDA graphs
     compile: bool | None = None  # None: on for CUDA, off for CPU
-    cuda_graphs: bool = True
+    cuda_graphs: bool = True  # False: cuda_graph_mode "none" (--no-cuda-graphs)
+    # none, piecewise, full_decode or full_and_piecewise (graphs/dispatch.py).
+    # None: full_and_piecewise on CUDA; graphs are always off on CPU and when eager.
+    cuda_graph_mode: str | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +99,9 @@ class EngineArgs:
                                   else self.max_num_batched_tokens)
         use_compile = (device.type == "cuda") if self.compile is None else self.compile
         enforce_eager = self.enforce_eager or not use_compile
+        graph_mode = parse_cuda_graph_mode(self.cuda_graph_mode or "full_and_piecewise")
+        if not self.cuda_graphs or device.type != "cuda" or enforce_eager:
+            graph_mode = CudaGraphMode.NONE
         config = EngineConfig(
             model_path=str(source.path) if source.path else source.spec,
             model=source.config,
@@ -111,7 +119,7 @@ class EngineArgs:
             ),
             compile=CompileConfig(
                 enforce_eager=enforce_eager,
-                use_cuda_graphs=self.cuda_graphs and device.type == "cuda" and not enforce_eager,
+                cuda_graph_mode=graph_mode,
                 cuda_graph_sizes=tuple(
                     s for s in (self.cuda_graph_sizes or DEFAULT_CUDA_GRAPH_SIZES)
                     if s <= max_num_batched_tokens

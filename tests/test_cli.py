@@ -91,12 +91,13 @@ def test_engine_flags_round_trip():
     values = {**defaults, "model": "random:tiny", "dtype": "bfloat16", "device": "cpu",
               "seed": 3, "max_num_seqs": 7, "kv_cache_memory": "1MiB", "compile": False,
               "enforce_eager": True, "no_cuda_graphs": True, "cuda_graph_sizes": "1..8",
-              "no_prefix_caching": True, "debug": True}
+              "cuda_graph_mode": "full_decode", "no_prefix_caching": True, "debug": True}
     opts = _engine_options(values)
     assert opts.engine_kwargs == {
         "dtype": "bfloat16", "device": "cpu", "seed": 3, "max_num_seqs": 7,
         "kv_cache_memory": 2**20, "compile": False, "enforce_eager": True,
-        "cuda_graphs": False, "cuda_graph_sizes": (1, 2, 4, 8), "enable_prefix_caching": False}
+        "cuda_graphs": False, "cuda_graph_sizes": (1, 2, 4, 8), "cuda_graph_mode": "full_decode",
+        "enable_prefix_caching": False}
     argv = engine_argv(opts)
     parsed = {}
 

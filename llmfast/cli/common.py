@@ -126,7 +126,13 @@ _ENGINE_FLAGS: dict[str, tuple[Any, Any, Any]] = {
     "compile": (bool | None, _opt(
         "--compile/--no-compile", help="torch.compile the model.  [default: on for CUDA]"), None),
     "no_cuda_graphs": (bool, _opt("--no-cuda-graphs",
-                                  help="Run compiled without replaying CUDA graphs."), False),
+                                  help="Run compiled without replaying CUDA graphs "
+                                       "(= --cuda-graph-mode none)."), False),
+    "cuda_graph_mode": (str | None, _opt(
+        "--cuda-graph-mode",
+        help="none, piecewise, full_decode or full_and_piecewise: full graphs of the whole "
+             "forward for pure-decode steps, piecewise graphs for the others.  [default: "
+             "full_and_piecewise on CUDA; off on CPU]"), None),
     "cuda_graph_sizes": (str | None, _opt(
         "--cuda-graph-sizes", help="Padded sizes to capture: 1,2,4,8 or 8..256:8."), None),
     "no_prefix_caching": (bool, _opt("--no-prefix-caching",
@@ -137,6 +143,7 @@ _ENGINE_FLAGS: dict[str, tuple[Any, Any, Any]] = {
 
 def _engine_options(values: dict[str, Any]) -> EngineOptions:
     from llmfast.bench import parse_sizes
+    from llmfast.config import parse_cuda_graph_mode
 
     kwargs: dict[str, Any] = {}
     for name in ("dtype", "device", "seed", "max_num_seqs", "max_num_batched_tokens",
@@ -149,6 +156,8 @@ def _engine_options(values: dict[str, Any]) -> EngineOptions:
         kwargs["enforce_eager"] = True
     if values["no_cuda_graphs"]:
         kwargs["cuda_graphs"] = False
+    if values["cuda_graph_mode"] is not None:
+        kwargs["cuda_graph_mode"] = parse_cuda_graph_mode(values["cuda_graph_mode"]).value
     if values["no_prefix_caching"]:
         kwargs["enable_prefix_caching"] = False
     if values["cuda_graph_sizes"] is not None:
@@ -320,6 +329,8 @@ def engine_argv(opts: EngineOptions) -> list[str]:
         argv.append("--compile" if kw["compile"] else "--no-compile")
     if kw.get("cuda_graphs") is False:
         argv.append("--no-cuda-graphs")
+    if "cuda_graph_mode" in kw:
+        argv += ["--cuda-graph-mode", str(kw["cuda_graph_mode"])]
     if "cuda_graph_sizes" in kw:
         argv += ["--cuda-graph-sizes", ",".join(map(str, kw["cuda_graph_sizes"]))]
     if kw.get("enable_prefix_caching") is False:
