@@ -126,8 +126,6 @@ def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode
 
 
 @pytest.mark.slow  # ~30 s on 2 cores; the GPU suite checks the same on real graphs
-
-
 def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
     prompts, lengths, arrivals = _workload(seed=1)
     params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=n, seed=100 + i,
