@@ -223,6 +223,31 @@ def check_split_decode(dtype: str, num_splits: int):
     check_step(b, _dtype(dtype), num_splits=num_splits)
 
 
+def check_full_graph_decode(dtype: str, contexts: list[int], padded: int,
+                            max_model_len: int):
+    """A full CUDA graph's decode launch: `padded` request rows of which the last hold
+    no query token (seq_len 0), a block table as wide as max_model_len, and the split
+    count the heuristic picks for that width on an H100-sized GPU (132 SMs), however
+    short the live contexts. Every block no live key lives in, and every table entry
+    past a row's context, names a NaN block: reading one poisons the output."""
+    attention._num_sms = lambda device: 132
+    n = len(contexts)
+    b = make_batch([(c, 1) for c in contexts], num_heads=8, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype=_dtype(dtype), pad_tokens=padded - n,
+                   pad_reqs=padded - n)
+    table, num_blocks = b["block_table"], b["k_cache"].shape[0]
+    poison = sorted(set(range(1, num_blocks)) - set(table.flatten().tolist()))[0]
+    wide = torch.full((padded, max_model_len // 16), poison, dtype=torch.int32)
+    for r, c in enumerate(contexts):
+        used = math.ceil((c + 1) / 16)
+        wide[r, :used] = table[r, :used]
+    b["block_table"] = wide
+    cfg = attention.select_config(padded, padded, 8, 2, 64, 16, wide.shape[1],
+                                  _dtype(dtype), 132)
+    assert cfg.num_splits >= 4, cfg  # splits sized for max_model_len, not the live context
+    check_step(b, _dtype(dtype))
+
+
 def check_reshape_and_cache_strided():
     # k/v as views of a fused qkv projection and caches as views of one [2, ...] tensor.
     torch.manual_seed(0)
@@ -281,6 +306,16 @@ def test_mixed_batch_matches_reference(interpreter, dtype, group, head_dim, bloc
 @pytest.mark.parametrize("dtype, num_splits", [("float32", 4), ("bfloat16", 8)])
 def test_split_kv_decode(interpreter, dtype, num_splits):
     interpreter("check_split_decode", dtype=dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype, contexts, padded", [
+    ("float32", [5, 40, 0], 4),  # contexts far shorter than one split's share
+    ("bfloat16", [300, 17, 1, 64, 2], 8),
+])
+def test_full_graph_decode_with_padding_rows_and_max_len_splits(interpreter, dtype, contexts,
+                                                                 padded):
+    interpreter("check_full_graph_decode", dtype=dtype, contexts=contexts, padded=padded,
+                max_model_len=4096)
 
 
 def test_split_kv_mixed_batch(interpreter):
