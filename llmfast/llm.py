@@ -17,7 +17,8 @@ GenerateProgress = Callable[[int, int], None]
 class LLM:
     """An engine with a batch API. Engine args are the CLI's engine flags with underscores:
     dtype, device, seed, max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-    kv_cache_memory, gpu_memory_utilization, enforce_eager, compile, cuda_graphs, ...
+    kv_cache_memory, gpu_memory_utilization, enforce_eager, compile, cuda_graphs,
+    cuda_graph_mode, ...
 
     One `LLM` serves any number of callers: `generate` calls and open `stream`s, from one
     thread or several, all batch together in the same engine. Engine steps are serialised
