@@ -169,6 +169,15 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
             fixed_graph_us=time_us(graph_replay(fixed), args.iters, flush),
         )
         result["fixed_max_abs_diff"] = max_diff(fixed)
+        if args.sweep_splits:
+            # Issue 17's split table: each power-of-two split count, graph-replayed.
+            sweep = {}
+            for splits in (1, 2, 4, 8, 16, 32, 64):
+                def forced(splits=splits):
+                    attention.unified_attention(q_flat, k_cache, v_cache, block_table, qsl,
+                                                seq_lens, scale, out, num_splits=splits)
+                sweep[splits] = time_us(graph_replay(forced), args.iters, flush)
+            result["split_sweep_graph_us"] = sweep
     return result
 
 
@@ -186,6 +195,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192,
                         help="width of the full graph's block table (fixed-launch rows)")
     parser.add_argument("--json", type=Path, help="write all results here")
+    parser.add_argument("--sweep-splits", type=Path,
+                        help="time every split count per decode shape; best per (batch, "
+                             "context) to this JSON (for a profiles/ split table)")
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -268,6 +280,22 @@ def main() -> None:
             f"| {r['sdpa_tflops']:.1f} | {r['sdpa_us'] / r['ours_us']:.2f}x "
             f"| {r['max_abs_diff']:.2g} |"
         )
+    if args.sweep_splits:
+        best = [dict(batch=r["batch"], ctx=r["ctx"], heuristic=r["splits"],
+                     best=min(r["split_sweep_graph_us"], key=r["split_sweep_graph_us"].get),
+                     graph_us=r["split_sweep_graph_us"]) for r in decode]
+        lines += ["", "KV-split sweep (graph-replayed µs per split count):", "",
+                  "| batch | context | heuristic | best | " + " | ".join(
+                      f"{s} splits" for s in best[0]["graph_us"]) + " |",
+                  "|---:|---:|---:|---:|" + "---:|" * len(best[0]["graph_us"])]
+        for b in best:
+            lines.append(f"| {b['batch']} | {b['ctx']} | {b['heuristic']} | {b['best']} | "
+                         + " | ".join(f"{v:.1f}" for v in b["graph_us"].values()) + " |")
+        args.sweep_splits.write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(0), torch=torch.__version__,
+            num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+            dtype=args.dtype, heads=heads, kv_heads=kv_heads, head_dim=hd,
+            block_size=args.block_size, table=best), indent=2))
     table = "\n".join(lines)
     print(table)
     if args.markdown:

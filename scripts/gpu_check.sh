@@ -66,7 +66,7 @@ for step in $STEPS; do
         kernels)
             if [[ -f scripts/bench_kernels.py ]]; then
                 run_step kernels 240 python3 scripts/bench_kernels.py --json "$OUT/kernels.json" \
-                --markdown "$OUT/kernels.md"
+                --markdown "$OUT/kernels.md" --sweep-splits "$OUT/splits.json"
             else
                 STATUS[kernels]="skipped (no scripts/bench_kernels.py)"
             fi ;;
