@@ -145,8 +145,11 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def splits_for(width: int) -> int:
-        return attention.select_config(batch * num_new, batch, heads, kv_heads, hd,
-                                       args.block_size, width, dtype, num_sms).num_splits
+        # What unified_attention picks: the measured table for this GPU if any, else
+        # the heuristic.
+        return attention.select_config(
+            batch * num_new, batch, heads, kv_heads, hd, args.block_size, width, dtype,
+            num_sms, attention._device_split_table(torch.device("cuda", 0))).num_splits
 
     result = dict(batch=batch, ctx=ctx, num_new=num_new, splits=splits_for(block_table.shape[1]),
                   ours_us=ours_us, sdpa_us=sdpa_us, max_abs_diff=max_diff(ours))
@@ -281,15 +284,15 @@ def main() -> None:
             f"| {r['max_abs_diff']:.2g} |"
         )
     if args.sweep_splits:
-        best = [dict(batch=r["batch"], ctx=r["ctx"], heuristic=r["splits"],
+        best = [dict(batch=r["batch"], ctx=r["ctx"], chosen=r["splits"],
                      best=min(r["split_sweep_graph_us"], key=r["split_sweep_graph_us"].get),
                      graph_us=r["split_sweep_graph_us"]) for r in decode]
         lines += ["", "KV-split sweep (graph-replayed µs per split count):", "",
-                  "| batch | context | heuristic | best | " + " | ".join(
+                  "| batch | context | chosen now | best | " + " | ".join(
                       f"{s} splits" for s in best[0]["graph_us"]) + " |",
                   "|---:|---:|---:|---:|" + "---:|" * len(best[0]["graph_us"])]
         for b in best:
-            lines.append(f"| {b['batch']} | {b['ctx']} | {b['heuristic']} | {b['best']} | "
+            lines.append(f"| {b['batch']} | {b['ctx']} | {b['chosen']} | {b['best']} | "
                          + " | ".join(f"{v:.1f}" for v in b["graph_us"].values()) + " |")
         args.sweep_splits.write_text(json.dumps(dict(
             device=torch.cuda.get_device_name(0), torch=torch.__version__,

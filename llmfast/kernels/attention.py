@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
+from llmfast.kernels.split_table import SplitTable, split_table_for
 
 __all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "unified_attention"]
 
@@ -252,6 +253,13 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: only forced splits are worth their cost there
 
 
+@functools.lru_cache(maxsize=8)
+def _device_split_table(device: torch.device) -> SplitTable | None:
+    if device.type != "cuda":
+        return None
+    return split_table_for(torch.cuda.get_device_name(device))
+
+
 def select_config(
     num_tokens: int,
     num_reqs: int,
@@ -262,8 +270,12 @@ def select_config(
     max_blocks_per_req: int,
     dtype: torch.dtype,
     num_sms: int,
+    split_table: SplitTable | None = None,
 ) -> AttentionConfig:
-    """Tile sizes and split count from host-known shapes only (same for a padded batch)."""
+    """Tile sizes and split count from host-known shapes only (same for a padded batch).
+
+    The split count of a decode comes from `split_table` (measured on this GPU model,
+    kernels/split_table.py) when it holds this shape, else from the SM count."""
     group_p = next_pow2(num_heads // num_kv_heads)
     wide = dtype == torch.float32 or head_dim > 128  # smaller tiles, more warps: no spills
     if num_tokens <= 2 * num_reqs:
@@ -271,6 +283,12 @@ def select_config(
         # padding the group up to it costs no extra K/V traffic.
         block_q = max(1, 16 // group_p)
         block_n = 32 if wide else 64
+        num_warps = 8 if wide else 4
+        dtype_name = str(dtype).removeprefix("torch.")
+        if split_table is not None and split_table.matches(num_heads, num_kv_heads, head_dim,
+                                                           dtype_name, block_size):
+            splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
+            return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
         programs = num_reqs * num_kv_heads
         max_kv_tiles = triton.cdiv(max_blocks_per_req * block_size, block_n)
         splits = 1
@@ -284,7 +302,7 @@ def select_config(
             and 4 * 2 * splits <= max_kv_tiles
         ):
             splits *= 2
-        return AttentionConfig(block_q, block_n, splits, num_warps=8 if wide else 4, num_stages=3)
+        return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
     # Prefill-like: compute bound, 128 rows x 64 keys per step (wgmma-sized on Hopper).
     if wide:
         # fp32 (ieee dots run on FMA units) or head_dim > 128: 32 x 16 tiles and 8 warps
@@ -341,7 +359,7 @@ def unified_attention(
     group = num_heads // num_kv_heads
     cfg = select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-        block_table.shape[1], q.dtype, _num_sms(q.device),
+        block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_table(q.device),
     )
     splits = next_pow2(num_splits) if num_splits is not None else cfg.num_splits
     bq = block_q if block_q is not None else cfg.block_q
