@@ -3,7 +3,8 @@ by Nsight Systems (the process re-runs itself under `nsys profile`) or by the to
 profiler (a Chrome/Perfetto JSON trace plus a markdown table of the top ops).
 
 Both traces carry the engine's phase ranges from `llmfast.nvtx_ranges.nvtx_range`:
-schedule, prepare_inputs, forward[<padded size>], sample, update, detokenize.
+schedule, prepare_inputs, forward[<padded size>] (or forward[<size> full graph]), sample,
+update, detokenize.
 """
 
 from __future__ import annotations

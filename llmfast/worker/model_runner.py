@@ -358,7 +358,7 @@ class ModelRunner:
             num_padded = step.descriptor.num_tokens
         if step.runner is RunnerKind.FULL:
             # One token per row, in row order: the graph's logits rows are the rows'.
-            with nvtx_range(f"full_graph[{num_padded}]"):
+            with nvtx_range(f"forward[{num_padded} full graph]"):
                 logits = self.compiled.replay_full(num_padded,
                                                    self._full_inputs(num_padded))[:n]
         else:
