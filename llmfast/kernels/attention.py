@@ -92,7 +92,7 @@ def _attend_kv_tiles(
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     num_reqs, num_tokens, scale_log2,
     stride_qt, stride_qh, stride_qd,
@@ -103,7 +103,7 @@ def _unified_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -203,6 +203,52 @@ def _unified_attention_kernel(
             acc,
             mask=row_valid[:, None],
         )
+        if FUSED_MERGE:
+            # The last of the tile's NUM_SPLITS programs to finish merges them: one
+            # launch instead of two. The barrier makes every thread's partial stores
+            # precede the (gpu-scope, acq_rel) arrival; the last arrival's acquire makes
+            # all splits' partials visible, read past L1 (.cg). It resets the counter
+            # for the next launch or graph replay. Surplus tiles returned above in all
+            # their splits alike, so every counter touched reaches NUM_SPLITS.
+            tl.debug_barrier()
+            counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head,
+                            row_valid, offs_d, d_valid, num_tokens, stride_ot, stride_oh,
+                            stride_od, NUM_HEADS, HEAD_DIM_P, NUM_SPLITS)
+
+
+@triton.jit
+def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, row_valid,
+                offs_d, d_valid, num_tokens, stride_ot, stride_oh, stride_od,
+                NUM_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max_s m_s), for one tile's
+    rows (empty splits hold m = -1e30, l = 0, acc = 0: weight 0)."""
+    m_max = tl.full(token.shape, -1.0e30, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = (s * num_tokens + token) * NUM_HEADS + head
+        m_s = tl.load(part_max_ptr + row, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
+    l_sum = tl.zeros(token.shape, dtype=tl.float32)
+    acc = tl.zeros([token.shape[0], HEAD_DIM_P], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = (s * num_tokens + token) * NUM_HEADS + head
+        m_s = tl.load(part_max_ptr + row, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+        w = tl.math.exp2(m_s - m_max)
+        l_s = tl.load(part_sum_ptr + row, mask=row_valid, other=0.0, cache_modifier=".cg")
+        l_sum += w * l_s
+        part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
+                       mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * part
+    l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
+        (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
@@ -333,6 +379,20 @@ def _workspace(device: torch.device, *key: int):
     return _cached_workspace(device, *key)
 
 
+@functools.lru_cache(maxsize=16)
+def _cached_arrivals(device, n):
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def _arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """Per-(tile, kv head) arrival counters of the fused merge: zero between launches
+    (the last arrival resets its counter). Under capture a fresh zeroed buffer: its
+    memset is part of the graph, so every replay starts from zero whatever ran before."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    return _cached_arrivals(device, n)
+
+
 def unified_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -345,11 +405,14 @@ def unified_attention(
     *,
     num_splits: int | None = None,
     block_q: int | None = None,
+    fused_merge: bool = True,
 ) -> None:
     """Causal paged attention for every query row up to query_start_loc[-1] into `out`.
 
     `num_splits` / `block_q` override the heuristic (tests); `num_splits` is rounded up
-    to a power of two. Rows past query_start_loc[num_reqs] are left unwritten.
+    to a power of two. Rows past query_start_loc[num_reqs] are left unwritten. With KV
+    splits, `fused_merge` merges them in the same launch (the last split of each tile);
+    False: a second kernel does (the previous design, kept for comparison).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -373,22 +436,24 @@ def unified_attention(
     else:
         part_acc = part_max = part_sum = out  # unused; any pointer of the right device
     num_tiles = num_tokens // bq + num_reqs
+    fused = splits > 1 and fused_merge
+    arrivals = _arrivals(q.device, num_tiles * num_kv_heads) if fused else out
     check_launchable(_unified_attention_kernel, q)
     _unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
         block_table, query_start_loc, seq_lens,
         num_reqs, num_tokens, scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
+        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
         # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
         UPCAST=not isinstance(_unified_attention_kernel, triton.runtime.JITFunction),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc,
             num_reqs, num_tokens, *out.stride(),
