@@ -163,6 +163,8 @@ def check_engine_args(args: EngineArgs) -> None:
             raise ConfigError(f"{name} must be a string, got {describe(value)}")
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
+    if args.cuda_graph_mode is not None:
+        parse_cuda_graph_mode(args.cuda_graph_mode)  # an unknown name fails here, early
     sizes = args.cuda_graph_sizes
     if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
             is_int(s) and s > 0 for s in sizes)):
