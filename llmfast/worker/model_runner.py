@@ -97,7 +97,9 @@ class ModelRunner:
 
         Order on CUDA: profile the largest forward on a scratch cache -> compile and
         capture on that scratch cache (the piecewise graphs never touch the KV cache, so
-        rebinding it later needs no recapture) -> size the KV cache from what is left.
+        rebinding it later needs no recapture) -> size the KV cache from what is left
+        (graph memory of both kinds known) -> capture the full graphs again on the real
+        cache (they read it; the dropped ones' pool memory is reused).
         """
         cfg = self.config
         model_cfg = self.model.config
