@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a dtype is made, so the host side stays light
     import torch
@@ -37,6 +38,37 @@ _DTYPES = {
 
 class ConfigError(ValueError):
     """A configuration that llmfast cannot run; the message is one user-facing line."""
+
+
+class CudaGraphMode(str, Enum):
+    """Which CUDA graphs a step may replay (vLLM's names).
+
+    none: compiled (or eager) forwards only. piecewise: the compiled pieces between the
+    attention calls, attention eager. full_decode: one graph of the whole forward for
+    uniform-decode steps, nothing for the others. full_and_piecewise: full graphs for
+    uniform decode, piecewise for steps with prefill tokens.
+    """
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL_DECODE = "full_decode"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @property
+    def has_full(self) -> bool:
+        return self in (CudaGraphMode.FULL_DECODE, CudaGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE)
+
+
+def parse_cuda_graph_mode(name: str | CudaGraphMode) -> CudaGraphMode:
+    try:
+        return CudaGraphMode(name)
+    except ValueError:
+        choices = ", ".join(m.value for m in CudaGraphMode)
+        raise ConfigError(f"unknown cuda graph mode {name!r}; use one of {choices}") from None
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -235,14 +267,23 @@ DEFAULT_CUDA_GRAPH_SIZES: tuple[int, ...] = (
 class CompileConfig:
     # "eager": plain PyTorch; "compile": torch.compile with the piecewise backend.
     enforce_eager: bool = False
-    use_cuda_graphs: bool = True
+    # Ignored under enforce_eager; the engine turns it to NONE off CUDA.
+    cuda_graph_mode: CudaGraphMode = CudaGraphMode.FULL_AND_PIECEWISE
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_SIZES
     splitting_ops: tuple[str, ...] = ("llmfast::unified_attention",)
     use_compile_cache: bool = True
     # Debug mode: assert that CUDA-graph inputs never move.
     check_static_addresses: bool = False
+    # Tests: a CPU stand-in with CUDA-graph semantics (capture, static addresses,
+    # padding, dispatch) instead of real graphs; no speed-up.
+    emulate_cuda_graphs: bool = False
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return not self.enforce_eager and self.cuda_graph_mode != CudaGraphMode.NONE
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cuda_graph_mode", parse_cuda_graph_mode(self.cuda_graph_mode))
         if any(s <= 0 for s in self.cuda_graph_sizes):
             raise ConfigError("cuda graph sizes must be positive")
         if tuple(sorted(set(self.cuda_graph_sizes))) != self.cuda_graph_sizes:

@@ -30,9 +30,11 @@ from llmfast.config import (
     CacheConfig,
     CompileConfig,
     ConfigError,
+    CudaGraphMode,
     EngineConfig,
     SchedulerConfig,
     dtype_name,
+    parse_cuda_graph_mode,
     parse_dtype,
 )
 from llmfast.flag_values import SIZES_HELP, parse_bytes, parse_sizes
@@ -106,6 +108,10 @@ class EngineArgs:
     enforce_eager: bool = engine_flag(False, "Plain PyTorch: no torch.compile, no CUDA graphs.")
     compile: bool | None = engine_flag(None, "torch.compile the model.  [default: on for CUDA]")
     cuda_graphs: bool = engine_flag(True, "Replay CUDA graphs when compiled (CUDA only).")
+    cuda_graph_mode: str | None = engine_flag(
+        None, "none, piecewise, full_decode or full_and_piecewise: full graphs of the whole "
+              "forward for uniform-decode steps, piecewise graphs for the rest.  [default: "
+              "full_and_piecewise on CUDA; graphs are off on CPU and when eager]")
     cuda_graph_sizes: tuple[int, ...] | None = engine_flag(
         None, f"Padded token counts to capture graphs for: {SIZES_HELP}.  [default: 1,2,4, "
               "8..256:8, 256..512:16]",
@@ -156,6 +162,9 @@ class EngineArgs:
                                   else self.max_num_batched_tokens)
         use_compile = (device.type == "cuda") if self.compile is None else self.compile
         enforce_eager = self.enforce_eager or not use_compile
+        graph_mode = parse_cuda_graph_mode(self.cuda_graph_mode or "full_and_piecewise")
+        if not self.cuda_graphs or device.type != "cuda" or enforce_eager:
+            graph_mode = CudaGraphMode.NONE
         config = EngineConfig(
             model_path=str(source.path) if source.path else source.spec,
             model=source.config,
@@ -175,7 +184,7 @@ class EngineArgs:
             ),
             compile=CompileConfig(
                 enforce_eager=enforce_eager,
-                use_cuda_graphs=self.cuda_graphs and device.type == "cuda" and not enforce_eager,
+                cuda_graph_mode=graph_mode,
                 cuda_graph_sizes=tuple(
                     s for s in (self.cuda_graph_sizes or DEFAULT_CUDA_GRAPH_SIZES)
                     if s <= max_num_batched_tokens
@@ -215,6 +224,8 @@ def check_engine_args(args: EngineArgs) -> None:
             raise ConfigError(f"{name} must be a string, got {describe(value)}")
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
+    if args.cuda_graph_mode is not None:
+        parse_cuda_graph_mode(args.cuda_graph_mode)  # an unknown name fails here, early
     sizes = args.cuda_graph_sizes
     if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
             is_int(s) and s > 0 for s in sizes)):

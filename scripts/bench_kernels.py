@@ -11,6 +11,13 @@ difference between the two outputs. A device-to-device copy gives the bandwidth 
 (bytes read + written / time). Times are medians of CUDA-event timings, with L2 flushed
 before every timed call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
 block_size 16. Prints markdown tables (for profiles/kernels.md).
+
+Decode rows also show: the same call replayed from a CUDA graph (what a full-graph
+decode step pays), the host time of one eager launch (wall clock per call of a burst of
+launches, no sync between), and the *fixed* launch a full CUDA graph uses: the split
+count chosen from a block table as wide as --max-model-len instead of the live context
+(eager and graph-replayed), i.e. what fixing the launch per captured size costs at short
+and long contexts.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +54,29 @@ def time_us(fn, iters: int, flush: torch.Tensor) -> float:
         events.append((start, end))
     torch.cuda.synchronize()
     return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def graph_replay(fn):
+    """fn captured into a CUDA graph (after a warm-up call); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def host_launch_us(fn, calls: int = 200) -> float:
+    """Host wall-clock microseconds per call of `calls` back-to-back launches."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / calls * 1e6
 
 
 def copy_bandwidth(flush: torch.Tensor, iters: int) -> float:
@@ -107,15 +138,59 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
 
     ours_us = time_us(ours, args.iters, flush)
     sdpa_us = time_us(sdpa, args.iters, flush)
-    ours()
-    ours_bhld = out.view(batch, num_new, heads, hd).transpose(1, 2)
-    diff = (ours_bhld.float() - sdpa().float()).abs().max()
-    cfg = attention.select_config(
-        batch * num_new, batch, heads, kv_heads, hd, args.block_size, block_table.shape[1],
-        dtype, torch.cuda.get_device_properties(0).multi_processor_count,
-    )
-    return dict(batch=batch, ctx=ctx, num_new=num_new, splits=cfg.num_splits,
-                ours_us=ours_us, sdpa_us=sdpa_us, max_abs_diff=diff.item())
+    want = sdpa().float()
+
+    def max_diff(fn) -> float:
+        out.fill_(float("nan"))
+        fn()
+        return (out.view(batch, num_new, heads, hd).transpose(1, 2).float() - want).abs().max().item()
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def splits_for(width: int) -> int:
+        # What unified_attention picks: the measured table for this GPU if any, else
+        # the heuristic.
+        return attention.select_config(
+            batch * num_new, batch, heads, kv_heads, hd, args.block_size, width, dtype,
+            num_sms, attention._device_split_table(torch.device("cuda", 0))).num_splits
+
+    result = dict(batch=batch, ctx=ctx, num_new=num_new, splits=splits_for(block_table.shape[1]),
+                  ours_us=ours_us, sdpa_us=sdpa_us, max_abs_diff=max_diff(ours))
+    if num_new == 1:
+        result["graph_us"] = time_us(graph_replay(ours), args.iters, flush)
+
+        def two_kernel():  # splits merged by a second kernel, as before issue 17
+            attention.unified_attention(q_flat, k_cache, v_cache, block_table, qsl, seq_lens,
+                                        scale, out, fused_merge=False)
+
+        result["two_kernel_us"] = time_us(two_kernel, args.iters, flush)
+        result["launch_host_us"] = host_launch_us(ours)
+        # The full graph's launch: splits from a table max_model_len wide (zeros past
+        # the live blocks: never read).
+        width = -(-args.max_model_len // args.block_size)
+        wide = torch.zeros(batch, max(width, block_table.shape[1]), dtype=torch.int32,
+                           device="cuda")
+        wide[:, : block_table.shape[1]] = block_table
+
+        def fixed():
+            attention.unified_attention(q_flat, k_cache, v_cache, wide, qsl, seq_lens, scale, out)
+
+        result.update(
+            fixed_splits=splits_for(wide.shape[1]),
+            fixed_us=time_us(fixed, args.iters, flush),
+            fixed_graph_us=time_us(graph_replay(fixed), args.iters, flush),
+        )
+        result["fixed_max_abs_diff"] = max_diff(fixed)
+        if args.sweep_splits:
+            # Issue 17's split table: each power-of-two split count, graph-replayed.
+            sweep = {}
+            for splits in (1, 2, 4, 8, 16, 32, 64):
+                def forced(splits=splits):
+                    attention.unified_attention(q_flat, k_cache, v_cache, block_table, qsl,
+                                                seq_lens, scale, out, num_splits=splits)
+                sweep[splits] = time_us(graph_replay(forced), args.iters, flush)
+            result["split_sweep_graph_us"] = sweep
+    return result
 
 
 def main() -> None:
@@ -129,7 +204,12 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--max-model-len", type=int, default=8192,
+                        help="width of the full graph's block table (fixed-launch rows)")
     parser.add_argument("--json", type=Path, help="write all results here")
+    parser.add_argument("--sweep-splits", type=Path,
+                        help="time every split count per decode shape; best per (batch, "
+                             "context) to this JSON (for a profiles/ split table)")
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -167,15 +247,38 @@ def main() -> None:
         "Decode (1 query token per request; GB/s = K/V bytes read / time):",
         "",
         "| batch | context | splits | llmfast µs | llmfast GB/s | % of copy BW | SDPA µs "
-        "| SDPA GB/s | llmfast / SDPA speed | max abs diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| SDPA GB/s | llmfast / SDPA speed | graph µs | graph / SDPA | % BW graph "
+        "| host µs/launch | max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in decode:
+        kv_bytes = r["ours_gbs"] * r["ours_us"] * 1e3
         lines.append(
             f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['ours_us']:.1f} "
             f"| {r['ours_gbs']:.0f} "
             f"| {100 * r['ours_gbs'] / copy_gbs:.0f}% | {r['sdpa_us']:.1f} | {r['sdpa_gbs']:.0f} "
-            f"| {r['sdpa_us'] / r['ours_us']:.2f}x | {r['max_abs_diff']:.2g} |"
+            f"| {r['sdpa_us'] / r['ours_us']:.2f}x | {r['graph_us']:.1f} "
+            f"| {r['sdpa_us'] / r['graph_us']:.2f}x "
+            f"| {100 * kv_bytes / r['graph_us'] / 1e3 / copy_gbs:.0f}% "
+            f"| {r['launch_host_us']:.1f} | {r['max_abs_diff']:.2g} |"
+        )
+    lines += [
+        "",
+        f"Decode with the full graph's fixed launch (splits from a {args.max_model_len}-token "
+        "block table, not the live context):",
+        "",
+        "| batch | context | live splits | fixed splits | live µs | live 2-kernel merge µs "
+        "| fixed µs | fixed / live | live graph µs | fixed graph µs | fixed graph / SDPA "
+        "| max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in decode:
+        lines.append(
+            f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['fixed_splits']} "
+            f"| {r['ours_us']:.1f} | {r['two_kernel_us']:.1f} | {r['fixed_us']:.1f} "
+            f"| {r['fixed_us'] / r['ours_us']:.2f}x "
+            f"| {r['graph_us']:.1f} | {r['fixed_graph_us']:.1f} "
+            f"| {r['sdpa_us'] / r['fixed_graph_us']:.2f}x | {r['fixed_max_abs_diff']:.2g} |"
         )
     lines += [
         "",
@@ -191,6 +294,22 @@ def main() -> None:
             f"| {r['sdpa_tflops']:.1f} | {r['sdpa_us'] / r['ours_us']:.2f}x "
             f"| {r['max_abs_diff']:.2g} |"
         )
+    if args.sweep_splits:
+        best = [dict(batch=r["batch"], ctx=r["ctx"], chosen=r["splits"],
+                     best=min(r["split_sweep_graph_us"], key=r["split_sweep_graph_us"].get),
+                     graph_us=r["split_sweep_graph_us"]) for r in decode]
+        lines += ["", "KV-split sweep (graph-replayed µs per split count):", "",
+                  "| batch | context | chosen now | best | " + " | ".join(
+                      f"{s} splits" for s in best[0]["graph_us"]) + " |",
+                  "|---:|---:|---:|---:|" + "---:|" * len(best[0]["graph_us"])]
+        for b in best:
+            lines.append(f"| {b['batch']} | {b['ctx']} | {b['chosen']} | {b['best']} | "
+                         + " | ".join(f"{v:.1f}" for v in b["graph_us"].values()) + " |")
+        args.sweep_splits.write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(0), torch=torch.__version__,
+            num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+            dtype=args.dtype, heads=heads, kv_heads=kv_heads, head_dim=hd,
+            block_size=args.block_size, table=best), indent=2))
     table = "\n".join(lines)
     print(table)
     if args.markdown:

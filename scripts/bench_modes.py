@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Decode step latency per execution mode, side by side: eager, compiled (piecewise
-torch.compile), graphs (compiled + piecewise CUDA graphs; CUDA only), and `linears`:
+torch.compile), graphs (compiled + piecewise CUDA graphs; CUDA only), full (one CUDA
+graph of the whole forward and lm_head, attention included, padded to a capture size;
+on CPU an emulated graph, for testing the script only), and `linears`:
 only the model's projections and lm_head, each called once on B rows as the eager
 model calls them. A decode step streams every weight once, so `linears` is a floor
 for any mode that keeps these kernels: eager / linears bounds what compiling the rest
@@ -12,6 +14,9 @@ in persistent buffers (llmfast/bench/static_batch.py), as in the runner. Medians
 
     python scripts/bench_modes.py --model random:smollm2-135m --batch-sizes 1
     python scripts/bench_modes.py --model random:llama-3.2-1b --dtype bfloat16 --json out.json
+
+Targets for `full` on the H100 (issue 15): <= 1.25x `linears` at B=1, <= 1.3x at B=64,
+>= 6x eager at B=1; the table prints those ratios.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from llmfast.bench.static_batch import StaticBatch
+from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
-from llmfast.config import CompileConfig, parse_dtype
+from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
 from llmfast.kernels.cpu_linear import prepack_linears
 from llmfast.models.loader import build_model, resolve_model
 
@@ -41,7 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--batch-sizes", default=None, help="default: 1,8,64,256,512 (CUDA), 1,8 (CPU)")
-    p.add_argument("--modes", default=None, help="default: eager,compiled,graphs (CUDA), eager,compiled (CPU); also: linears")
+    p.add_argument("--modes", default=None,
+                   help="default: eager,compiled,graphs,full,linears (CUDA), eager,compiled "
+                        "(CPU); any of eager, compiled, graphs, full, linears")
     p.add_argument("--context-len", type=int, default=128, help="context per request")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default 50 CUDA, 10 CPU)")
     p.add_argument("--warmup", type=int, default=3)
@@ -71,6 +79,48 @@ def make_step(static: StaticBatch, forward, batch: int, num_padded: int):
         hidden = static.run(forward, num_padded, batch)
         with torch.inference_mode():
             static.model.compute_logits(hidden[:batch])
+
+    return step
+
+
+def full_forward_of(static: StaticBatch, cm: CompiledModel):
+    """`CompiledModel.FullForward` over the harness's persistent buffers."""
+
+    def full_forward(size: int, dummy: bool):
+        ids, positions = static.input_ids[:size], static.positions[:size]
+        md = AttentionMetadata(static.slot_mapping[:size], static.table[:size],
+                               static.query_start_loc[: size + 1], static.seq_lens[:size])
+        if dummy:
+            ids.zero_()
+            positions.zero_()
+            md.slot_mapping.fill_(-1)
+            md.query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
+            md.seq_lens.fill_(1)
+
+        def fn() -> torch.Tensor:
+            return static.model.compute_logits(cm(ids, positions, md))
+
+        return fn, [ids, positions, *md.__dict__.values()]
+
+    return full_forward
+
+
+def make_full_step(static: StaticBatch, cm: CompiledModel, batch: int):
+    """Pad the decode batch to the full graph's size as the runner does (rows with no
+    query token, seq_len 0, slot -1) and replay the one graph."""
+    size = cm.padded_num_tokens(batch, uniform_decode=True)
+    if size not in cm.dispatcher.full_sizes:
+        raise SystemExit(f"no full graph for batch {batch}")
+    static.input_ids[batch:size] = 0
+    static.positions[batch:size] = 0
+    static.slot_mapping[batch:size] = -1
+    static.query_start_loc[batch + 1 : size + 1] = batch
+    static.seq_lens[batch:size] = 0
+    inputs = full_forward_of(static, cm)(size, False)[1]
+
+    def step() -> None:
+        with torch.inference_mode():  # (the CPU emulation re-runs the forward)
+            cm.replay_full(size, inputs)
 
     return step
 
@@ -115,7 +165,11 @@ def main() -> None:
     on_cuda = device.type == "cuda"
     dtype = parse_dtype(args.dtype or ("bfloat16" if on_cuda else "float32"))
     batches = [int(b) for b in (args.batch_sizes or ("1,8,64,256,512" if on_cuda else "1,8")).split(",")]
-    modes = (args.modes or ("eager,compiled,graphs" if on_cuda else "eager,compiled")).split(",")
+    modes = (args.modes or ("eager,compiled,graphs,full,linears" if on_cuda
+                            else "eager,compiled")).split(",")
+    unknown = set(modes) - {"eager", "compiled", "graphs", "full", "linears"}
+    if unknown:
+        sys.exit(f"unknown mode(s) {', '.join(sorted(unknown))}")
     if "graphs" in modes and not on_cuda:
         sys.exit("mode 'graphs' needs CUDA")
     iters = args.iters or (50 if on_cuda else 10)
@@ -129,24 +183,35 @@ def main() -> None:
     static = StaticBatch(model, max_batch, args.context_len, max_num_tokens=max_batch,
                          block_size=args.block_size)
     forwards = {}
+    full_cm = None
     info: dict[str, object] = {}
+    graph_mode = {"compiled": CudaGraphMode.NONE, "graphs": CudaGraphMode.PIECEWISE,
+                  "full": CudaGraphMode.FULL_DECODE}
     for mode in modes:
         if mode == "linears":
             continue
         if mode == "eager":
             forwards[mode] = (model, lambda n: n)
             continue
-        config = CompileConfig(use_cuda_graphs=mode == "graphs",
+        config = CompileConfig(cuda_graph_mode=graph_mode[mode],
                                cuda_graph_sizes=tuple(sorted(set(batches))))
-        cm = CompiledModel(model, config, device, max_num_tokens=max_batch)
-        graph_bytes = cm.capture(static.dummy_runner(cm))
-        forwards[mode] = (cm, cm.padded_num_tokens)
+        cm = CompiledModel(model, config, device, max_num_tokens=max_batch,
+                           max_num_reqs=max_batch,
+                           graph_impl="emulated" if mode == "full" and not on_cuda else "auto")
+        if mode == "full":
+            graph_bytes = cm.capture(static.dummy_runner(cm), full_forward_of(static, cm))
+            full_cm = cm
+        else:
+            graph_bytes = cm.capture(static.dummy_runner(cm))
+            forwards[mode] = (cm, cm.padded_num_tokens)
         info[mode] = {"stats": cm.stats.summary(), "graph_bytes": graph_bytes}
         print(f"[{mode}] {cm.stats.summary()}", flush=True)
     results: dict[str, dict[int, float]] = {mode: {} for mode in modes}
     for b in batches:
         decode_batch(static, b, args.context_len)
         steps = {mode: make_step(static, fwd, b, pad(b)) for mode, (fwd, pad) in forwards.items()}
+        if full_cm is not None:
+            steps["full"] = make_full_step(static, full_cm, b)
         if "linears" in modes:
             steps["linears"] = make_linears_step(model, b, device, dtype)
         steps = {mode: steps[mode] for mode in modes}
@@ -159,6 +224,9 @@ def main() -> None:
         # eager / linears: the most any mode keeping these projections could gain.
         header += " " + " ".join(f"{('bound' if m == 'linears' else m) + ' x':>12}"
                                  for m in modes if m != "eager")
+    floor = "full" in modes and "linears" in modes
+    if floor:  # the issue-15 bar: full / linears <= 1.25 (B=1), 1.3 (B=64)
+        header += f" {'full/linears':>13}"
     print(f"\ndecode step latency, {args.model} {str(dtype).removeprefix('torch.')} on "
           f"{torch.cuda.get_device_name(device) if on_cuda else 'cpu'}, context {args.context_len}, "
           f"median of {iters}, {torch.get_num_threads()} CPU threads")
@@ -168,6 +236,8 @@ def main() -> None:
         if "eager" in modes:
             row += " " + " ".join(f"{results['eager'][b] / results[m][b]:>12.2f}"
                                   for m in modes if m != "eager")
+        if floor:
+            row += f" {results['full'][b] / results['linears'][b]:>13.2f}"
         print(row)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

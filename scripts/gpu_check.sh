@@ -9,7 +9,15 @@
 #     || exit; bash scripts/gpu_check.sh
 #
 # Each step has its own time limit so that one hang still leaves the summary.
-# Steps: GPU_CHECK_STEPS="tests kernels modes" (the default), or any of
+# Steps: GPU_CHECK_STEPS="tests full kernels modes" (the default), or any of
+#   tests       every gpu-marked test except the full-graph file
+#   full        tests/test_full_graphs_gpu.py: every CUDA-graph mode vs HF at batch
+#               1/3/17/256, seeded sampling, the 1B start-up report (issue 15)
+#   kernels     scripts/bench_kernels.py: vs SDPA, % of copy bandwidth, eager and
+#               graph-replayed, host cost per launch, fixed (max_model_len) split
+#               counts, the KV-split sweep (splits.json, issue 17)
+#   modes       scripts/bench_modes.py: eager, compiled, graphs, full, linears; the
+#               full/linears column is issue 15's bar (<= 1.25 at B=1, <= 1.3 at B=64)
 #   load        scripts/bench_load.py: random init before/after, safetensors load vs the
 #               disk's read speed of the same file (random:llama-3.2-1b shapes, bf16)
 #   startup     llmfast bench --startup: cold and warm start in two fresh processes
@@ -26,17 +34,17 @@
 #   presets     one bf16 CUDA-graph decode row (batch 1 and 64, context 512) per family's
 #               random preset; GPU_CHECK_PRESETS picks some (default: all five, ~550 s)
 # One device call may run 600 s at most, and the steps' limits add up to more: split
-# them, e.g. GPU_CHECK_STEPS=tests; "kernels modes"; "load startup"; "sweep throughput";
-# "async profile"; defaults; families; presets (cold caches each time on a fresh machine:
-# Triton and Inductor compile from scratch). The async tests alone: pytest -m gpu
-# tests/test_async_gpu.py tests/test_sampling.py.
+# them, e.g. GPU_CHECK_STEPS=tests; "full kernels"; modes; "load startup";
+# "sweep throughput"; "async profile"; defaults; families; presets (cold caches each time
+# on a fresh machine: Triton and Inductor compile from scratch). The async tests alone:
+# pytest -m gpu tests/test_async_gpu.py tests/test_sampling.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/llmfast_gpu_check}
 mkdir -p "$OUT"
 # The compile cache stays out of $OUT (it is large and need not come back).
 export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
-STEPS=${GPU_CHECK_STEPS:-tests kernels modes}
+STEPS=${GPU_CHECK_STEPS:-tests full kernels modes}
 PRESETS=${GPU_CHECK_PRESETS:-qwen2.5-0.5b qwen3-0.6b mistral-7b qwen3-8b llama-3.1-8b}
 declare -A STATUS
 
@@ -60,7 +68,7 @@ for step in $STEPS; do
     case $step in
         tests)
             run_step tests 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rs --durations=10 \
-                --ignore=tests/test_families_gpu.py ;;
+                --ignore=tests/test_families_gpu.py --ignore=tests/test_full_graphs_gpu.py ;;
         families)
             run_step families 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rs \
                 --durations=10 tests/test_families_gpu.py ;;
@@ -70,15 +78,19 @@ for step in $STEPS; do
                     --dtype bfloat16 --max-model-len 1024 --sizes 1,64 --context 512 \
                     --modes graphs --cuda-graph-sizes 1,64 --json "$OUT/preset-$preset.json"
             done ;;
+        full)
+            run_step full 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider -rs \
+                --durations=10 tests/test_full_graphs_gpu.py ;;
         kernels)
             if [[ -f scripts/bench_kernels.py ]]; then
-                run_step kernels 240 python3 scripts/bench_kernels.py --json "$OUT/kernels.json"
+                run_step kernels 240 python3 scripts/bench_kernels.py --json "$OUT/kernels.json" \
+                --markdown "$OUT/kernels.md" --sweep-splits "$OUT/splits.json"
             else
                 STATUS[kernels]="skipped (no scripts/bench_kernels.py)"
             fi ;;
         modes)
-            run_step modes 330 python3 scripts/bench_modes.py --model random:llama-3.2-1b \
-                --dtype bfloat16 --json "$OUT/modes.json" ;;
+            run_step modes 560 python3 scripts/bench_modes.py --model random:llama-3.2-1b \
+                --dtype bfloat16 --batch-sizes 1,8,64,256 --json "$OUT/modes.json" ;;
         load)
             run_step load 150 python3 scripts/bench_load.py --preset llama-3.2-1b \
                 --dtype bfloat16 --device cuda --repeats 2 --json "$OUT/load.json" ;;
@@ -140,13 +152,15 @@ for step in $STEPS; do
         printf '%-16s %s\n' "$step" "${STATUS[$step]:-not run}"
     fi
 done
-if [[ -f "$OUT/tests.log" ]]; then
-    echo "--- tests:"
-    grep -E '^(FAILED|ERROR)|passed|failed|skipped|error' "$OUT/tests.log" | tail -n 15
-fi
+for log in tests full; do
+    if [[ -f "$OUT/$log.log" ]]; then
+        echo "--- $log:"
+        grep -E '^(FAILED|ERROR)|passed|failed|skipped|error|full graphs' "$OUT/$log.log" | tail -n 15
+    fi
+done
 if [[ -f "$OUT/kernels.json" ]]; then
     echo "--- kernels: see $OUT/kernels.log / kernels.json"
-    tail -n 12 "$OUT/kernels.log"
+    tail -n 16 "$OUT/kernels.log"
 fi
 if [[ -f "$OUT/serve.log" ]]; then
     echo "--- serve (llmfast serve under load, ms):"

@@ -25,6 +25,7 @@ import torch
 import triton
 
 from llmfast.kernels import attention, kv_write, ops
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 CHILD_TIMEOUT_S = 600
@@ -214,13 +215,49 @@ def check_mixed(dtype, group, head_dim, block_size, block_q=None, num_splits=Non
     check_step(b, _dtype(dtype), block_q=block_q, num_splits=num_splits)
 
 
-def check_split_decode(dtype: str, num_splits: int):
+def check_split_decode(dtype: str, num_splits: int, fused_merge: bool = True):
     # Contexts shorter than one split's share leave some splits empty (merge weight 0).
     b = make_batch(
         [(150, 1), (3, 1), (70, 1)], num_heads=8, num_kv_heads=2, head_dim=64,
         block_size=16, dtype=_dtype(dtype), pad_tokens=1,
     )
-    check_step(b, _dtype(dtype), num_splits=num_splits)
+    check_step(b, _dtype(dtype), num_splits=num_splits, fused_merge=fused_merge)
+    if fused_merge:  # the last arrivals reset their counters: zero for the next launch
+        k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+        owner = AttentionWorkspaces([k_cache])  # as a runner's: its counters persist
+        attention.unified_attention(
+            b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
+            b["scale"], torch.empty_like(b["q"]), num_splits=num_splits, fused_merge=True)
+        cfg = attention.select_config(4, 3, 8, 2, 64, 16, b["block_table"].shape[1],
+                                      _dtype(dtype), attention._num_sms(b["q"].device))
+        counters = owner.arrivals(b["q"].device, (4 // cfg.block_q + 3) * 2)
+        assert owner.num_arrival_buffers == 1  # the launch used (and left) these counters
+        assert counters.numel() and not counters.any(), counters
+
+
+def check_full_graph_decode(dtype: str, contexts: list[int], padded: int,
+                            max_model_len: int):
+    """A full CUDA graph's decode launch: `padded` request rows of which the last hold
+    no query token (seq_len 0), a block table as wide as max_model_len, and the split
+    count the heuristic picks for that width on an H100-sized GPU (132 SMs), however
+    short the live contexts. Every block no live key lives in, and every table entry
+    past a row's context, names a NaN block: reading one poisons the output."""
+    attention._num_sms = lambda device: 132
+    n = len(contexts)
+    b = make_batch([(c, 1) for c in contexts], num_heads=8, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype=_dtype(dtype), pad_tokens=padded - n,
+                   pad_reqs=padded - n)
+    table, num_blocks = b["block_table"], b["k_cache"].shape[0]
+    poison = sorted(set(range(1, num_blocks)) - set(table.flatten().tolist()))[0]
+    wide = torch.full((padded, max_model_len // 16), poison, dtype=torch.int32)
+    for r, c in enumerate(contexts):
+        used = math.ceil((c + 1) / 16)
+        wide[r, :used] = table[r, :used]
+    b["block_table"] = wide
+    cfg = attention.select_config(padded, padded, 8, 2, 64, 16, wide.shape[1],
+                                  _dtype(dtype), 132)
+    assert cfg.num_splits >= 4, cfg  # splits sized for max_model_len, not the live context
+    check_step(b, _dtype(dtype))
 
 
 def check_reshape_and_cache_strided():
@@ -278,9 +315,21 @@ def test_mixed_batch_matches_reference(interpreter, dtype, group, head_dim, bloc
     )
 
 
-@pytest.mark.parametrize("dtype, num_splits", [("float32", 4), ("bfloat16", 8)])
-def test_split_kv_decode(interpreter, dtype, num_splits):
-    interpreter("check_split_decode", dtype=dtype, num_splits=num_splits)
+@pytest.mark.parametrize("dtype, num_splits, fused_merge",
+                         [("float32", 4, True), ("bfloat16", 8, True), ("float32", 4, False)])
+def test_split_kv_decode(interpreter, dtype, num_splits, fused_merge):
+    interpreter("check_split_decode", dtype=dtype, num_splits=num_splits,
+                fused_merge=fused_merge)
+
+
+@pytest.mark.parametrize("dtype, contexts, padded", [
+    ("float32", [5, 40, 0], 4),  # contexts far shorter than one split's share
+    ("bfloat16", [300, 17, 1, 64, 2], 8),
+])
+def test_full_graph_decode_with_padding_rows_and_max_len_splits(interpreter, dtype, contexts,
+                                                                 padded):
+    interpreter("check_full_graph_decode", dtype=dtype, contexts=contexts, padded=padded,
+                max_model_len=4096)
 
 
 def test_split_kv_mixed_batch(interpreter):
@@ -410,15 +459,16 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     monkeypatch.setattr(jit_function, "run", compile_only)
     monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
     monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
-    batches = [  # (num_tokens, num_reqs, num_splits): decode with and without splits, prefill
-        (8, 8, 8), (64, 64, 1), (512, 2, 1),
+    batches = [  # (num_tokens, num_reqs, num_splits, fused_merge): decode with splits
+        # (merged in the launch, or by the second kernel), without, prefill
+        (8, 8, 8, True), (8, 8, 8, False), (64, 64, 1, True), (512, 2, 1, True),
     ]
     previous = driver._active  # `driver.active` would try to create a real driver
     driver.set_active(_FakeHopperDriver())
     try:
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
             monkeypatch.setattr(torch.Tensor, name, _no_host_read(name))
-        for num_tokens, num_reqs, num_splits in batches:
+        for num_tokens, num_reqs, num_splits, fused_merge in batches:
             q = torch.empty(num_tokens, 32, 128, dtype=torch.bfloat16)
             k = torch.empty(num_tokens, 8, 128, dtype=torch.bfloat16)
             k_cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
@@ -428,13 +478,14 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
             slots = torch.empty(num_tokens, dtype=torch.int64)
             attention.reshape_and_cache(k, k, k_cache, k_cache, slots)
             attention.unified_attention(
-                q, k_cache, k_cache, block_table, qsl, seq_lens, 0.1, q, num_splits=num_splits
+                q, k_cache, k_cache, block_table, qsl, seq_lens, 0.1, q, num_splits=num_splits,
+                fused_merge=fused_merge,
             )
     finally:
         monkeypatch.undo()
         driver._active = previous
     names = [name for name, _ in compiled]
-    assert names.count("_unified_attention_kernel") == 3 and "_merge_splits_kernel" in names
+    assert names.count("_unified_attention_kernel") == 4 and "_merge_splits_kernel" in names
     for name, kernel in compiled:
         assert "cubin" in kernel.asm, name
         assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)

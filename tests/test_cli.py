@@ -31,8 +31,14 @@ def test_help_has_examples_and_engine_flags(command):
     for flag in ("--model", "--dtype", "--device", "--debug", "--max-num-seqs",
                  "--max-num-batched-tokens", "--max-model-len", "--block-size",
                  "--enforce-eager", "--kv-cache-memory", "--gpu-memory-utilization",
-                 "--compile", "--no-cuda-graphs", "--cuda-graph-sizes", "--seed"):
+                 "--compile", "--no-cuda-graphs", "--cuda-graph-mode", "--cuda-graph-sizes",
+                 "--seed"):
         assert flag in text, flag
+
+
+def test_bad_cuda_graph_mode_is_one_line_error():
+    result = invoke("generate", *TINY, "--cuda-graph-mode", "full", "hi")
+    assert_one_line_error(result, "unknown cuda graph mode 'full'; use one of none, piecewise")
 
 
 def test_top_level_help_lists_commands():

@@ -3,7 +3,8 @@ by Nsight Systems (the process re-runs itself under `nsys profile`) or by the to
 profiler (a Chrome/Perfetto JSON trace plus a markdown table of the top ops).
 
 Both traces carry the engine's phase ranges from `llmfast.nvtx_ranges.nvtx_range`:
-schedule, prepare_inputs, forward[<padded size>], sample, wait_output, update,
+schedule, prepare_inputs, forward[<padded size>] (or forward[<size> full graph]), sample,
+wait_output, update,
 detokenize. The phase table itself comes from a `PhaseTimer` (host clock and CUDA events,
 llmfast.phase_timing), not from the profiler: under CUDA graphs the profiler sees the
 forward's launches, not its device time.

@@ -231,6 +231,11 @@ def _start(opts: EngineOptions, name: str, overrides: dict[str, Any], err: Conso
     run = {"exec_mode": name, "model": engine.source.name,
            "engine_config": dataclasses.asdict(engine.config),
            "startup": dict(getattr(engine.runner, "startup_times", {}))}
+    compiled = getattr(engine.runner, "compiled", None)
+    if compiled is not None and not compiled.eager:
+        # CUDA graphs of each kind, their capture time and memory (compile/stats.py).
+        run["compile_stats"] = dataclasses.asdict(compiled.stats)
+        run["compile_summary"] = compiled.stats.summary()
     return run, llm
 
 

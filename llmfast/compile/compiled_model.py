@@ -1,14 +1,17 @@
 """`CompiledModel`: what the runner calls instead of `model.forward`.
 
-    compiled = CompiledModel(model, config.compile, device, max_num_tokens)
-    n_pad = compiled.padded_num_tokens(n)          # pad the step to a graph size
-    hidden = compiled(input_ids[:n_pad], positions[:n_pad], attn_metadata)
-    graph_bytes = compiled.capture(run_dummy)     # compile now; capture CUDA graphs
+    compiled = CompiledModel(model, config.compile, device, max_num_tokens, max_num_reqs=R)
+    step = compiled.dispatcher.dispatch(n, num_reqs, uniform_decode)  # which graph, padding
+    hidden = compiled(input_ids[:n_pad], positions[:n_pad], attn_metadata)  # not FULL
+    logits = compiled.replay_full(n_pad, inputs)                           # FULL
+    graph_bytes = compiled.capture(run_dummy, full_forward)  # compile now; capture graphs
     compiled.stats                                 # pieces, times, cache hits, graphs
 
 Modes, from `CompileConfig` and the device: eager (`enforce_eager`: the model as is);
 compiled (torch.compile with the piecewise backend; CPU, or CUDA without graphs);
-compiled + piecewise CUDA graphs (CUDA with `use_cuda_graphs`).
+compiled + CUDA graphs of the `cuda_graph_mode`'s kinds: piecewise graphs of the
+compiled pieces (attention eager between them) and/or full graphs of the whole forward
+for uniform-decode steps (see graphs/dispatch.py for which step uses which).
 
 The token dimension of the inputs, the request dimension of the metadata and the block
 dimension of the KV caches are marked unbacked before the first call, so one graph
@@ -35,10 +38,18 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile.backend import PiecewiseBackend
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key
 from llmfast.compile.stats import CompileStats
-from llmfast.config import CompileConfig
-from llmfast.gc_freeze import hold_gc_freeze
+from llmfast.config import CompileConfig, CudaGraphMode
+from llmfast.graphs.capture_context import graph_capture
+from llmfast.graphs.dispatch import GraphDispatcher
+from llmfast.graphs.full import FullGraphRunner
 from llmfast.graphs.piecewise import CudaGraphCapturer, EmulatedGraphCapturer, GraphCaptureState
-from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
+from llmfast.graphs.sizes import capture_sizes
+
+# `full_forward(size, dummy)` -> (fn, inputs): a closure running the whole forward and
+# lm_head at `size` tokens/request rows from the runner's persistent buffers, and those
+# buffers (for the static-address check). With dummy=True it first fills the buffers
+# with a harmless decode batch (slot -1: no KV write).
+FullForward = Callable[[int, bool], tuple[Callable[[], torch.Tensor], list[torch.Tensor]]]
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +97,8 @@ def _private_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
 
 class CompiledModel:
     """graph_impl: "auto" (CUDA graphs on CUDA when enabled), "emulated" (the CPU
-    stand-in, for tests) or "off". piece_compiler: "inductor" or "eager" (tests)."""
+    stand-in, for tests) or "off". piece_compiler: "inductor" or "eager" (tests).
+    max_num_reqs bounds the full graphs' sizes (default: max_num_tokens)."""
 
     def __init__(
         self,
@@ -95,6 +107,7 @@ class CompiledModel:
         device: torch.device | str,
         max_num_tokens: int,
         *,
+        max_num_reqs: int | None = None,
         graph_impl: str = "auto",
         piece_compiler: str = "inductor",
     ) -> None:
@@ -106,13 +119,17 @@ class CompiledModel:
         self.eager = config.enforce_eager
         self._marked = False
         self._graph_state: GraphCaptureState | None = None
+        self.full_graphs: FullGraphRunner | None = None
         self.capture_sizes: tuple[int, ...] = ()
+        self.dispatcher = GraphDispatcher(CudaGraphMode.NONE, (), 0)
         if self.eager:
             self._forward: Callable[..., torch.Tensor] = model
             return
 
         if graph_impl == "auto":
             graph_impl = "cuda" if self.device.type == "cuda" and config.use_cuda_graphs else "off"
+        if not config.use_cuda_graphs:
+            graph_impl = "off"
         if graph_impl == "cuda":
             capturer: Any = CudaGraphCapturer(self.device)
         elif graph_impl == "emulated":
@@ -121,9 +138,17 @@ class CompiledModel:
             capturer = None
         else:
             raise ValueError(f"graph_impl must be auto, cuda, emulated or off, not {graph_impl!r}")
+        mode = config.cuda_graph_mode if capturer is not None else CudaGraphMode.NONE
         if capturer is not None:
             self._graph_state = GraphCaptureState(capturer, config.check_static_addresses)
             self.capture_sizes = capture_sizes(max_num_tokens, config.cuda_graph_sizes)
+            if mode.has_full:
+                self.full_graphs = FullGraphRunner(capturer, config.check_static_addresses)
+        self.dispatcher = GraphDispatcher(mode, self.capture_sizes,
+                                          max_num_reqs if max_num_reqs is not None
+                                          else max_num_tokens)
+        wrap = (self._graph_state.wrap
+                if self._graph_state is not None and mode.has_piecewise else None)
 
         cache_dir = None
         if config.use_compile_cache:
@@ -135,7 +160,7 @@ class CompiledModel:
             self.stats,
             cache_dir=cache_dir,
             piece_compiler=piece_compiler,
-            wrap_piece=self._graph_state.wrap if self._graph_state is not None else None,
+            wrap_piece=wrap,
         )
         self._forward = torch.compile(
             _private_forward(model), backend=self.backend, fullgraph=True
@@ -143,10 +168,17 @@ class CompiledModel:
 
     # ------------------------------------------------------------------ per step
 
-    def padded_num_tokens(self, num_tokens: int) -> int:
+    def padded_num_tokens(self, num_tokens: int, uniform_decode: bool = False) -> int:
         """The token count a step of `num_tokens` runs at: the smallest CUDA-graph size
         that fits, else `num_tokens` (eager, CPU, or larger than every graph)."""
-        return pad_num_tokens(num_tokens, self.capture_sizes)
+        return self.dispatcher.padded_num_tokens(num_tokens, uniform_decode)
+
+    def replay_full(self, num_tokens: int, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Replay the full graph of `num_tokens` (a dispatched FULL size); returns its
+        logits [num_tokens, vocab], valid until the next replay of any graph."""
+        assert self.full_graphs is not None and self._graph_state is not None
+        with self._graph_state.whole_forward():  # for the CPU emulation's re-run
+            return self.full_graphs.replay(num_tokens, inputs)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -177,13 +209,15 @@ class CompiledModel:
 
     # ------------------------------------------------------------------ start-up
 
-    def capture(self, run_dummy: Callable[[int], None]) -> int:
+    def capture(self, run_dummy: Callable[[int], None],
+                full_forward: FullForward | None = None) -> int:
         """Compile now (not at the first request) and capture the CUDA graphs.
 
         `run_dummy(n)` must run one forward through this object at `n` tokens from the
         runner's persistent buffers, with dummy metadata whose slot_mapping is all -1
-        (no KV write). Returns the device memory the graphs took, in bytes (0 without
-        graphs), to be reserved when sizing the KV cache.
+        (no KV write); `full_forward` (see `FullForward`) is needed for full graphs.
+        Returns the device memory the graphs took, in bytes (0 without graphs), to be
+        reserved when sizing the KV cache.
         """
         if self.eager:
             return 0
@@ -191,41 +225,90 @@ class CompiledModel:
             if self._graph_state is None or not self.capture_sizes:
                 run_dummy(min(self.max_num_tokens, 8))  # triggers the compile
                 return 0
-            return self._capture_graphs(run_dummy)
+            return self._capture_graphs(run_dummy, full_forward)
 
-    def _capture_graphs(self, run_dummy: Callable[[int], None]) -> int:
+    def _capture_graphs(self, run_dummy: Callable[[int], None],
+                        full_forward: FullForward | None) -> int:
         assert self._graph_state is not None
         state = self._graph_state
         on_cuda = isinstance(state.capturer, CudaGraphCapturer)
-        sizes = sorted(self.capture_sizes, reverse=True)
+        piecewise_sizes = self.dispatcher.piecewise_sizes
+        full_sizes = self.dispatcher.full_sizes if self.full_graphs is not None else ()
+        if full_sizes and full_forward is None:
+            # A caller without the runner's buffers (tests, benchmarks of the pieces):
+            # piecewise graphs only, and no step dispatched to a full graph.
+            logger.info("no full_forward given: capturing piecewise graphs only")
+            self.full_graphs, full_sizes = None, ()
+            mode = self.config.cuda_graph_mode
+            self.dispatcher = GraphDispatcher(
+                CudaGraphMode.PIECEWISE if mode.has_piecewise else CudaGraphMode.NONE,
+                self.capture_sizes, 0)
+            if not piecewise_sizes:
+                run_dummy(min(self.max_num_tokens, 8))  # triggers the compile
+                return 0
+        sizes = sorted(set(piecewise_sizes) | set(full_sizes), reverse=True)
         run_dummy(sizes[0])  # compile before measuring memory
         free_before = self._free_device_memory(on_cuda)
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device) if on_cuda else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Capture allocates many small Python objects; freeze the existing ones so the
-        # collector does not rescan the whole heap while we capture hundreds of graphs.
-        release_gc = hold_gc_freeze()
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for size in sizes:  # largest first: smaller sizes reuse its pool memory
+        with self._capture_stream(on_cuda), graph_capture("cuda graph capture"):
+            # Largest first, both kinds into the one pool: smaller sizes reuse the
+            # memory the larger ones' activations held during their capture.
+            for size in sizes:
+                if size in piecewise_sizes:
                     run_dummy(size)  # warm-up at this size
                     with state.capturing(size):
                         run_dummy(size)
-        finally:
-            release_gc()
-            if stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
+                if size in full_sizes:
+                    self._capture_full(size, full_forward, warm_up=True)
         graph_bytes = max(free_before - self._free_device_memory(on_cuda), 0)
         stats = self.stats
-        stats.captured_sizes = tuple(sorted(sizes))
+        stats.captured_sizes = tuple(sorted(piecewise_sizes))
+        stats.full_graph_sizes = tuple(sorted(full_sizes))
         stats.num_cuda_graphs = state.num_graphs
         stats.capture_time_s = time.perf_counter() - start
         stats.graph_memory_bytes = graph_bytes
-        logger.info("captured %d graphs at %d sizes in %.1f s, %.0f MiB", state.num_graphs,
-                    len(sizes), stats.capture_time_s, graph_bytes / 2**20)
+        logger.info("captured %d piecewise graphs at %d sizes and %d full graphs in %.1f s, "
+                    "%.0f MiB", state.num_graphs, len(piecewise_sizes), len(full_sizes),
+                    stats.capture_time_s, graph_bytes / 2**20)
         return graph_bytes
+
+    def recapture_full(self, full_forward: FullForward) -> None:
+        """Capture the full graphs again, e.g. after binding the real KV cache: they
+        read the caches at their capture-time addresses. The dropped graphs' memory
+        returns to the shared pool first, so the new ones take no more than measured."""
+        if self.full_graphs is None or not self.full_graphs.graphs:
+            return
+        sizes = sorted(self.full_graphs.sizes, reverse=True)
+        self.full_graphs.clear()
+        on_cuda = isinstance(self._graph_state.capturer, CudaGraphCapturer)
+        start = time.perf_counter()
+        with torch.inference_mode(), self._capture_stream(on_cuda), \
+                graph_capture("full cuda graph recapture"):
+            for size in sizes:
+                self._capture_full(size, full_forward, warm_up=False)
+        self.stats.capture_time_s += time.perf_counter() - start
+
+    def _capture_full(self, size: int, full_forward: FullForward, warm_up: bool) -> None:
+        assert self.full_graphs is not None and self._graph_state is not None
+        fn, inputs = full_forward(size, True)
+        with self._graph_state.whole_forward():
+            if warm_up:  # Triton compiles the decode-shaped attention launch here
+                fn()
+            self.full_graphs.capture(size, fn, inputs)
+
+    @contextlib.contextmanager
+    def _capture_stream(self, on_cuda: bool):
+        """Capture needs a side stream; the default stream waits for it afterwards."""
+        if not on_cuda:
+            yield
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _free_device_memory(self, on_cuda: bool) -> int:
         if not on_cuda:

@@ -17,7 +17,8 @@ class CompileStats:
     cache_hits: int = 0  # FX-graph + AOTAutograd cache hits while compiling
     cache_misses: int = 0
     captured_sizes: tuple[int, ...] = ()  # token counts with CUDA graphs, ascending
-    num_cuda_graphs: int = 0  # pieces x sizes
+    num_cuda_graphs: int = 0  # piecewise graphs: pieces x sizes
+    full_graph_sizes: tuple[int, ...] = ()  # uniform-decode sizes with a full graph
     capture_time_s: float = 0.0
     graph_memory_bytes: int = 0  # device memory taken by capture (pool + graph objects)
 
@@ -28,9 +29,10 @@ class CompileStats:
             f"compiled in {self.compile_time_s:.1f} s "
             f"(cache hits {self.cache_hits}, misses {self.cache_misses})"
         )
-        if self.captured_sizes:
+        if self.captured_sizes or self.full_graph_sizes:
             line += (
-                f"; {self.num_cuda_graphs} CUDA graphs at {len(self.captured_sizes)} sizes "
+                f"; {self.num_cuda_graphs} piecewise CUDA graphs at "
+                f"{len(self.captured_sizes)} sizes, {len(self.full_graph_sizes)} full graphs, "
                 f"in {self.capture_time_s:.1f} s, {self.graph_memory_bytes / 2**20:.0f} MiB"
             )
         return line

@@ -156,6 +156,9 @@ class GraphCaptureState:
         self.capturer = capturer
         self.check_static_addresses = check_static_addresses
         self.capturing_size: int | None = None
+        # Set while a whole forward runs inside a full graph's warm-up, capture or (CPU
+        # emulated) replay: the pieces then run directly, neither replaying nor capturing.
+        self.in_full_graph = False
         self.num_graphs = 0
         self.num_replays = 0
         self.runners: list[PiecewiseGraphRunner] = []
@@ -172,6 +175,14 @@ class GraphCaptureState:
         if missing:
             raise RuntimeError(f"pieces {missing} were not captured at size {num_tokens}: "
                                "the dummy forward did not run at that size")
+
+    @contextlib.contextmanager
+    def whole_forward(self) -> Iterator[None]:
+        previous, self.in_full_graph = self.in_full_graph, True
+        try:
+            yield
+        finally:
+            self.in_full_graph = previous
 
     def wrap(self, index: int, fn: Callable[..., Any], fake_args: Sequence[Any],
              piece: fx.GraphModule | None = None) -> Callable[..., Any]:
@@ -209,7 +220,7 @@ class PiecewiseGraphRunner:
         return state
 
     def __call__(self, *args: Any) -> Any:
-        if self.token_index is None:
+        if self.token_index is None or self.state.in_full_graph:
             return self.fn(*args)
         num_tokens = args[self.token_index].shape[0]
         graph = self.graphs.get(num_tokens)

@@ -18,14 +18,16 @@ Design
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from llmfast.kernels.attention_config import AttentionConfig, select_config
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
+from llmfast.kernels.split_table import SplitTable, split_table_for
 
 __all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "unified_attention"]
 
@@ -91,7 +93,7 @@ def _attend_kv_tiles(
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     num_reqs, num_tokens, scale_log2,
     stride_qt, stride_qh, stride_qd,
@@ -102,7 +104,7 @@ def _unified_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -202,6 +204,52 @@ def _unified_attention_kernel(
             acc,
             mask=row_valid[:, None],
         )
+        if FUSED_MERGE:
+            # The last of the tile's NUM_SPLITS programs to finish merges them: one
+            # launch instead of two. The barrier makes every thread's partial stores
+            # precede the (gpu-scope, acq_rel) arrival; the last arrival's acquire makes
+            # all splits' partials visible, read past L1 (.cg). It resets the counter
+            # for the next launch or graph replay. Surplus tiles returned above in all
+            # their splits alike, so every counter touched reaches NUM_SPLITS.
+            tl.debug_barrier()
+            counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head,
+                            row_valid, offs_d, d_valid, num_tokens, stride_ot, stride_oh,
+                            stride_od, NUM_HEADS, HEAD_DIM_P, NUM_SPLITS)
+
+
+@triton.jit
+def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, row_valid,
+                offs_d, d_valid, num_tokens, stride_ot, stride_oh, stride_od,
+                NUM_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max_s m_s), for one tile's
+    rows (empty splits hold m = -1e30, l = 0, acc = 0: weight 0)."""
+    m_max = tl.full(token.shape, -1.0e30, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = (s * num_tokens + token) * NUM_HEADS + head
+        m_s = tl.load(part_max_ptr + row, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
+    l_sum = tl.zeros(token.shape, dtype=tl.float32)
+    acc = tl.zeros([token.shape[0], HEAD_DIM_P], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = (s * num_tokens + token) * NUM_HEADS + head
+        m_s = tl.load(part_max_ptr + row, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+        w = tl.math.exp2(m_s - m_max)
+        l_s = tl.load(part_sum_ptr + row, mask=row_valid, other=0.0, cache_modifier=".cg")
+        l_sum += w * l_s
+        part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
+                       mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * part
+    l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
+        (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
@@ -209,49 +257,32 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
     num_reqs, num_tokens,
     stride_ot, stride_oh, stride_od,
-    NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
-    # One program per token merges the splits of all its heads: out = sum_s w_s acc_s /
-    # sum_s w_s l_s with w_s = 2^(m_s - max_s m_s). Empty splits hold m = -1e30, l = 0,
-    # so their weight underflows to 0.
+    # One program per (token, head) merges that head's splits at once:
+    # out = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max_s m_s). Empty splits
+    # hold m = -1e30, l = 0, acc = 0, so their weight underflows to 0. (One program per
+    # token, looping over heads and splits, was a single CTA at batch 1: measured ~8 us
+    # on an H100 for 512 KB of partials.)
     token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):  # padding row: no partials
         return
-    heads = tl.arange(0, HEADS_P)
+    splits = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    h_valid = heads < NUM_HEADS
-    m_max = tl.full([HEADS_P], -1.0e30, dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        row = (s * num_tokens + token) * NUM_HEADS + heads
-        m_max = tl.maximum(m_max, tl.load(part_max_ptr + row, mask=h_valid, other=-1.0e30))
-    acc = tl.zeros([HEADS_P, HEAD_DIM_P], dtype=tl.float32)
-    l_sum = tl.zeros([HEADS_P], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        row = (s * num_tokens + token) * NUM_HEADS + heads  # [HEADS_P]
-        w = tl.math.exp2(tl.load(part_max_ptr + row, mask=h_valid, other=-1.0e30) - m_max)
-        l_sum += w * tl.load(part_sum_ptr + row, mask=h_valid, other=0.0)
-        part = tl.load(
-            part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
-            mask=h_valid[:, None],
-            other=0.0,
-        )  # [HEADS_P, HEAD_DIM_P]
-        acc += w[:, None] * part
-    l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
+    row = (splits * num_tokens + token) * NUM_HEADS + head  # [NUM_SPLITS]
+    m = tl.load(part_max_ptr + row)
+    w = tl.math.exp2(m - tl.max(m, axis=0))
+    l_sum = tl.sum(w * tl.load(part_sum_ptr + row), axis=0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :])  # [S, D_P]
+    o = tl.sum(w[:, None] * acc, axis=0)
+    o = o / tl.where(l_sum > 0.0, l_sum, 1.0)
     tl.store(
-        out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty),
-        mask=h_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
+        out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
     )
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    block_q: int  # query tokens per tile; rows per tile = block_q * next_pow2(group)
-    block_n: int  # keys per inner-loop step
-    num_splits: int  # kv splits (flash-decoding) when > 1
-    num_warps: int
-    num_stages: int
 
 
 def _num_sms(device: torch.device) -> int:
@@ -260,46 +291,11 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: only forced splits are worth their cost there
 
 
-def select_config(
-    num_tokens: int,
-    num_reqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    max_blocks_per_req: int,
-    dtype: torch.dtype,
-    num_sms: int,
-) -> AttentionConfig:
-    """Tile sizes and split count from host-known shapes only (same for a padded batch)."""
-    group_p = next_pow2(num_heads // num_kv_heads)
-    wide = dtype == torch.float32 or head_dim > 128  # smaller tiles, more warps: no spills
-    if num_tokens <= 2 * num_reqs:
-        # Decode-like: ~1 token per request, memory bound. 16 rows is tl.dot's minimum;
-        # padding the group up to it costs no extra K/V traffic.
-        block_q = max(1, 16 // group_p)
-        block_n = 32 if wide else 64
-        programs = num_reqs * num_kv_heads
-        max_kv_tiles = triton.cdiv(max_blocks_per_req * block_size, block_n)
-        splits = 1
-        # Double the splits while the grid stays within ~2 programs per SM and every
-        # split still gets >= 4 key tiles of the longest possible context (the partials
-        # and the merge are not free). Batch 1, 8 KV heads, a block table 8192 keys wide,
-        # 132 SMs: 32 splits of 256 keys each.
-        while (
-            splits < 64
-            and 2 * splits * programs <= 2 * num_sms
-            and 4 * 2 * splits <= max_kv_tiles
-        ):
-            splits *= 2
-        return AttentionConfig(block_q, block_n, splits, num_warps=8 if wide else 4, num_stages=3)
-    # Prefill-like: compute bound, 128 rows x 64 keys per step (wgmma-sized on Hopper).
-    if wide:
-        # fp32 (ieee dots run on FMA units) or head_dim > 128: 32 x 16 tiles and 8 warps
-        # keep ptxas free of spills on sm_90 (checked offline); fp32 speed is secondary.
-        return AttentionConfig(max(1, 32 // group_p), 16, 1, num_warps=8, num_stages=2)
-    num_warps = 8 if head_dim > 64 else 4
-    return AttentionConfig(max(1, 128 // group_p), 64, 1, num_warps=num_warps, num_stages=3)
+@functools.lru_cache(maxsize=8)
+def _device_split_table(device: torch.device) -> SplitTable | None:
+    if device.type != "cuda":
+        return None
+    return split_table_for(torch.cuda.get_device_name(device))
 
 
 def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):
@@ -311,6 +307,18 @@ def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):
         return new_partials(device, *key)
     owner = AttentionWorkspaces.of(k_cache)
     return owner.partials(device, *key) if owner is not None else new_partials(device, *key)
+
+
+def _arrivals(device: torch.device, k_cache: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-(tile, kv head) arrival counters of the fused merge: zero between launches
+    (the last arrival resets its counter). Under capture a fresh zeroed buffer: its
+    memset is part of the graph, so every replay starts from zero whatever ran before."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    owner = AttentionWorkspaces.of(k_cache)  # the runner's, freed with it
+    if owner is None:
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    return owner.arrivals(device, n)
 
 
 def unified_attention(
@@ -325,11 +333,14 @@ def unified_attention(
     *,
     num_splits: int | None = None,
     block_q: int | None = None,
+    fused_merge: bool = True,
 ) -> None:
     """Causal paged attention for every query row up to query_start_loc[-1] into `out`.
 
     `num_splits` / `block_q` override the heuristic (tests); `num_splits` is rounded up
-    to a power of two. Rows past query_start_loc[num_reqs] are left unwritten.
+    to a power of two. Rows past query_start_loc[num_reqs] are left unwritten. With KV
+    splits, `fused_merge` merges them in the same launch (the last split of each tile);
+    False: a second kernel does (the previous design, kept for comparison).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -339,7 +350,7 @@ def unified_attention(
     group = num_heads // num_kv_heads
     cfg = select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-        block_table.shape[1], q.dtype, _num_sms(q.device),
+        block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_table(q.device),
     )
     splits = next_pow2(num_splits) if num_splits is not None else cfg.num_splits
     bq = block_q if block_q is not None else cfg.block_q
@@ -353,26 +364,27 @@ def unified_attention(
     else:
         part_acc = part_max = part_sum = out  # unused; any pointer of the right device
     num_tiles = num_tokens // bq + num_reqs
+    fused = splits > 1 and fused_merge
+    arrivals = _arrivals(q.device, k_cache, num_tiles * num_kv_heads) if fused else out
     check_launchable(_unified_attention_kernel, q)
     _unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
         block_table, query_start_loc, seq_lens,
         num_reqs, num_tokens, scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
+        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
         # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
         UPCAST=not isinstance(_unified_attention_kernel, triton.runtime.JITFunction),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _merge_splits_kernel[(num_tokens,)](
+    if splits > 1 and not fused:
+        _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc,
             num_reqs, num_tokens, *out.stride(),
-            NUM_HEADS=num_heads, HEADS_P=next_pow2(num_heads),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits,
-            num_warps=8 if num_heads * head_dim_p > 4096 else 4,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+            NUM_SPLITS=splits, num_warps=4 if splits * head_dim_p > 2048 else 2,
         )

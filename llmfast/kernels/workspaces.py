@@ -61,6 +61,7 @@ class AttentionWorkspaces:
         self.max_shapes, self.max_plans = max_shapes, max_plans
         self._partials: OrderedDict[tuple[int, ...], Partials] = OrderedDict()
         self._plans: OrderedDict[Hashable, Any] = OrderedDict()
+        self._arrivals: OrderedDict[int, torch.Tensor] = OrderedDict()
         for cache in caches:
             _OWNERS[_storage_key(cache)] = self
 
@@ -74,6 +75,11 @@ class AttentionWorkspaces:
         return _lru(self._partials, shape, lambda: new_partials(device, *shape),
                     self.max_shapes)
 
+    def arrivals(self, device: torch.device, n: int) -> torch.Tensor:
+        """The fused merge's `n` int32 arrival counters (zero between launches)."""
+        return _lru(self._arrivals, n,
+                    lambda: torch.zeros(n, dtype=torch.int32, device=device), self.max_shapes)
+
     def cpu_plan(self, key: Hashable, build: Callable[[], T]) -> T:
         """The CPU attention's plan for `key` (the step's metadata), built once."""
         return _lru(self._plans, key, build, self.max_plans)
@@ -81,6 +87,10 @@ class AttentionWorkspaces:
     @property
     def num_partials(self) -> int:
         return len(self._partials)
+
+    @property
+    def num_arrival_buffers(self) -> int:
+        return len(self._arrivals)
 
     @property
     def num_plans(self) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
+from llmfast.graphs.dispatch import RunnerKind, StepDispatch, is_uniform_decode
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -100,8 +101,10 @@ class ModelRunner:
                                       self.max_num_tokens, self.block_size, self.device)
         self.sampler = Sampler()
         # Eager passthrough under enforce_eager; else piecewise compile (+ CUDA graphs).
-        self.compiled = CompiledModel(self.model, config.compile, self.device,
-                                      self.max_num_tokens)
+        self.compiled = CompiledModel(
+            self.model, config.compile, self.device, self.max_num_tokens,
+            max_num_reqs=self.max_num_reqs,
+            graph_impl="emulated" if config.compile.emulate_cuda_graphs else "auto")
         self.forward_fn = self.compiled
         self.num_blocks = 0
 
@@ -113,7 +116,9 @@ class ModelRunner:
 
         Order on CUDA: profile the largest forward on a scratch cache -> compile and
         capture on that scratch cache (the piecewise graphs never touch the KV cache, so
-        rebinding it later needs no recapture) -> size the KV cache from what is left.
+        rebinding it later needs no recapture) -> size the KV cache from what is left
+        (graph memory of both kinds known) -> capture the full graphs again on the real
+        cache (they read it; the dropped ones' pool memory is reused).
         """
         cfg = self.config
         model_cfg = self.model.config
@@ -153,6 +158,10 @@ class ModelRunner:
         self.attention_workspaces = AttentionWorkspaces([self.kv_cache])
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0
+        if captured and self.compiled.full_graphs is not None:
+            # Full graphs read the KV cache: capture them again on the real one.
+            self.compiled.recapture_full(self._full_forward)
+            self.startup_times["capture"] = self.compiled.stats.capture_time_s
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * block_bytes / 2**20)
         if not captured:
@@ -166,13 +175,13 @@ class ModelRunner:
             progress("compiling" + (" and capturing CUDA graphs"
                                     if self.compiled.capture_sizes else ""), None)
         t0 = time.perf_counter()
-        graph_bytes = self.compiled.capture(self._dummy_run)
+        graph_bytes = self.compiled.capture(self._dummy_run, self._full_forward)
         stats = self.compiled.stats
         # The whole first call, not only the backend's share (stats.compile_time_s):
         # Dynamo's tracing of the model comes before the backend and is most of a warm
         # start's compile.
         self.startup_times["compile"] = time.perf_counter() - t0 - stats.capture_time_s
-        if stats.captured_sizes:
+        if stats.captured_sizes or stats.full_graph_sizes:
             self.startup_times["capture"] = stats.capture_time_s
         logger.info("compile: %s", stats.summary())
         return graph_bytes
@@ -190,6 +199,37 @@ class ModelRunner:
         md = AttentionMetadata(slots[:num_tokens], self.input_batch.block_table.table.gpu[:1],
                                self.query_start_loc.gpu[:2], self.seq_lens.gpu[:1])
         self.forward_fn(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens], md)
+
+    def _full_inputs(self, size: int) -> list[torch.Tensor]:
+        """What a full graph of `size` reads: the persistent buffers' first `size`
+        tokens / request rows and the KV caches (see graphs/full.py)."""
+        table = self.input_batch.block_table
+        caches = [t for layer in self.model.attention_layers()
+                  for t in (layer.k_cache, layer.v_cache)]
+        return [self.input_ids.gpu[:size], self.positions.gpu[:size],
+                table.slot_mapping.gpu[:size], table.table.gpu[:size],
+                self.query_start_loc.gpu[: size + 1], self.seq_lens.gpu[:size], *caches]
+
+    def _full_forward(self, size: int, dummy: bool):
+        """(fn, inputs) for a full graph of `size` uniform-decode rows: fn runs the
+        compiled forward and lm_head on the buffers (`CompiledModel.FullForward`). The
+        dummy batch: `size` one-token requests at position 0, slot -1 (nothing written),
+        each reading one slot of the block its table row names."""
+        inputs = self._full_inputs(size)
+        ids, positions, slots, table, query_start_loc, seq_lens = inputs[:6]
+        if dummy:
+            ids.zero_()
+            positions.zero_()
+            slots.fill_(-1)
+            query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
+            seq_lens.fill_(1)
+        md = AttentionMetadata(slots, table, query_start_loc, seq_lens)
+        compiled, model = self.compiled, self.model
+
+        def fn() -> torch.Tensor:
+            return model.compute_logits(compiled(ids, positions, md))
+
+        return fn, inputs
 
     def _profile_peak_memory(self) -> int:
         """Run the largest forward once on a throwaway cache; return peak bytes in use."""
@@ -268,11 +308,13 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[AttentionMetadata, int, np.ndarray, np.ndarray]:
+    ) -> tuple[AttentionMetadata, StepDispatch, np.ndarray, np.ndarray]:
         """Fill the persistent buffers for this step.
 
-        Returns (attention metadata, padded num_tokens, tokens scheduled per row, rows
-        that sample).
+        Returns (attention metadata, which runner and padding, tokens scheduled per
+        row, rows that sample). Under a full graph the metadata has one request row per
+        padded token: rows past the live ones hold no query token (query_start_loc
+        repeats the total, seq_len 0), so the attention programs of those rows exit.
         Worked example, num_scheduled [2, 5, 3], num_computed [10, 0, 7]:
             req_indices     = [0 0 1 1 1 1 1 2 2 2]
             query_start_loc = [0 2 7 10]
@@ -286,7 +328,8 @@ class ModelRunner:
             (out.num_scheduled_tokens.get(r, 0) for r in batch.req_ids[:n]), np.int64, n)
         cu = np.cumsum(num_sched)
         num_tokens = int(cu[-1])
-        num_padded = self.padded_num_tokens(num_tokens)
+        dispatch = self.compiled.dispatcher.dispatch(num_tokens, n, is_uniform_decode(num_sched))
+        num_padded, num_rows = dispatch.descriptor.num_tokens, dispatch.num_reqs
         req_indices = np.repeat(self._arange[:n], num_sched)
         offsets = self._arange[:num_tokens] - np.repeat(cu - num_sched, num_sched)
         computed = batch.num_computed_tokens[:n]
@@ -299,8 +342,10 @@ class ModelRunner:
         self.input_ids.np[num_tokens:num_padded] = 0
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : n + 1] = cu
+        self.query_start_loc.np[n + 1 : num_rows + 1] = num_tokens
         seq_lens = computed + num_sched
         self.seq_lens.np[:n] = seq_lens
+        self.seq_lens.np[n:num_rows] = 0
         self.logits_indices.np[:n] = np.maximum(cu - 1, 0)
         batch.block_table.compute_slot_mapping(req_indices, positions, num_padded)
         # A row samples when this step reaches the end of its known tokens.
@@ -308,16 +353,18 @@ class ModelRunner:
 
         md = AttentionMetadata(
             slot_mapping=batch.block_table.slot_mapping.copy_to_gpu(num_padded),
-            block_table=batch.block_table.table.copy_to_gpu(n),
-            query_start_loc=self.query_start_loc.copy_to_gpu(n + 1),
-            seq_lens=self.seq_lens.copy_to_gpu(n),
+            # Rows n.. of a full graph's table are not copied: no program reads them.
+            block_table=batch.block_table.table.gpu[:num_rows],
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
         )
+        batch.block_table.table.copy_to_gpu(n)
         self.input_ids.copy_to_gpu(num_padded)
         self._fill_placeholders(num_sched, cu, computed)
         self.positions.copy_to_gpu(num_padded)
         self.logits_indices.copy_to_gpu(n)
         batch.num_computed_tokens[:n] = seq_lens
-        return md, num_padded, num_sched, sampling_rows
+        return md, dispatch, num_sched, sampling_rows
 
     def _fill_placeholders(self, num_sched: np.ndarray, cu: np.ndarray,
                            computed: np.ndarray) -> None:
@@ -347,9 +394,9 @@ class ModelRunner:
             0, self.placeholder_dst.copy_to_gpu(k),
             self._prev_sampled.index_select(0, self.placeholder_src.copy_to_gpu(k)))
 
-    def padded_num_tokens(self, num_tokens: int) -> int:
+    def padded_num_tokens(self, num_tokens: int, uniform_decode: bool = False) -> int:
         """The token count the step runs at (CUDA-graph sizes pad; eager does not)."""
-        return self.compiled.padded_num_tokens(num_tokens)
+        return self.compiled.padded_num_tokens(num_tokens, uniform_decode)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids (the synchronous loop)."""
@@ -372,7 +419,8 @@ class ModelRunner:
             n = batch.num_reqs
             if out.total_num_scheduled_tokens == 0 or n == 0:
                 return None
-            md, num_padded, num_sched, sampling_rows = self._prepare_inputs(out)
+            md, dispatch, num_sched, sampling_rows = self._prepare_inputs(out)
+            num_padded = dispatch.descriptor.num_tokens
             metadata = build_sampling_metadata(batch, n, self.vocab_size, self.eos_token_ids,
                                                self.sampling_staging, self._prev_sampled)
             if self._inputs_copied is not None:
@@ -380,11 +428,19 @@ class ModelRunner:
                 self._inputs_copy_queued = True
             step = self._record_placeholders(num_sched, sampling_rows,
                                              metadata.max_num_logprobs is not None)
-        with nvtx_range(f"forward[{num_padded}]", self.phase_timer):
-            hidden = self.forward_fn(
-                self.input_ids.gpu[:num_padded], self.positions.gpu[:num_padded], md)
+        if dispatch.runner is RunnerKind.FULL:
+            # One token per row, in row order: the graph's logits rows are the rows'.
+            with nvtx_range(f"forward[{num_padded} full graph]", self.phase_timer):
+                logits = self.compiled.replay_full(num_padded,
+                                                   self._full_inputs(num_padded))[:n]
+        else:
+            with nvtx_range(f"forward[{num_padded}]", self.phase_timer):
+                hidden = self.forward_fn(
+                    self.input_ids.gpu[:num_padded], self.positions.gpu[:num_padded], md)
+            logits = None
         with nvtx_range("sample", self.phase_timer):
-            logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
+            if logits is None:
+                logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
             sampler_out = self.sampler(logits, metadata)
             sampled = sampler_out.sampled_token_ids  # [n], stays on the device
             self._prev_sampled = sampled

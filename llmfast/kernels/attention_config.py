@@ -1,0 +1,76 @@
+"""Launch configuration of the unified attention kernel: tile sizes, warps, stages and
+the number of KV splits, from host-known shapes only (the same for a padded batch, so
+a CUDA graph captured at one padded size keeps its launch whatever the live lengths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from llmfast.kernels.kv_write import next_pow2
+from llmfast.kernels.split_table import SplitTable
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_q: int  # query tokens per tile; rows per tile = block_q * next_pow2(group)
+    block_n: int  # keys per inner-loop step
+    num_splits: int  # kv splits (flash-decoding) when > 1
+    num_warps: int
+    num_stages: int
+
+
+
+def select_config(
+    num_tokens: int,
+    num_reqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks_per_req: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    split_table: SplitTable | None = None,
+) -> AttentionConfig:
+    """Tile sizes and split count from host-known shapes only (same for a padded batch).
+
+    The split count of a decode comes from `split_table` (measured on this GPU model,
+    kernels/split_table.py) when it holds this shape, else from the SM count."""
+    group_p = next_pow2(num_heads // num_kv_heads)
+    wide = dtype == torch.float32 or head_dim > 128  # smaller tiles, more warps: no spills
+    if num_tokens <= 2 * num_reqs:
+        # Decode-like: ~1 token per request, memory bound. 16 rows is tl.dot's minimum;
+        # padding the group up to it costs no extra K/V traffic.
+        block_q = max(1, 16 // group_p)
+        block_n = 32 if wide else 64
+        num_warps = 8 if wide else 4
+        dtype_name = str(dtype).removeprefix("torch.")
+        if split_table is not None and split_table.matches(num_heads, num_kv_heads, head_dim,
+                                                           dtype_name, block_size):
+            splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
+            return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
+        programs = num_reqs * num_kv_heads
+        max_kv_tiles = triton.cdiv(max_blocks_per_req * block_size, block_n)
+        splits = 1
+        # Double the splits while the grid stays within ~2 programs per SM and every
+        # split still gets >= 4 key tiles of the longest possible context (the partials
+        # and the merge are not free). Batch 1, 8 KV heads, a block table 8192 keys wide,
+        # 132 SMs: 32 splits of 256 keys each.
+        while (
+            splits < 64
+            and 2 * splits * programs <= 2 * num_sms
+            and 4 * 2 * splits <= max_kv_tiles
+        ):
+            splits *= 2
+        return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
+    # Prefill-like: compute bound, 128 rows x 64 keys per step (wgmma-sized on Hopper).
+    if wide:
+        # fp32 (ieee dots run on FMA units) or head_dim > 128: 32 x 16 tiles and 8 warps
+        # keep ptxas free of spills on sm_90 (checked offline); fp32 speed is secondary.
+        return AttentionConfig(max(1, 32 // group_p), 16, 1, num_warps=8, num_stages=2)
+    num_warps = 8 if head_dim > 64 else 4
+    return AttentionConfig(max(1, 128 // group_p), 64, 1, num_warps=num_warps, num_stages=3)

@@ -1,0 +1,142 @@
+"""The full-graph path on CPU, with the emulated CUDA graphs (capture runs the forward
+once; replay re-runs it on the capture-time buffers and copies into the captured
+outputs, like a real graph; inputs checked for static addresses on every replay).
+
+Exercised through the real engine: uniform-decode steps dispatch to full graphs padded
+with zero-token rows, steps with prefill tokens to piecewise graphs (or none), and
+greedy tokens equal HF transformers on the same weights while requests finish and join
+between replays and contexts cross KV-block boundaries. Seeded sampling gives the same
+tokens in every mode. The GPU versions: tests/test_full_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from llmfast import SamplingParams
+from llmfast.config import CudaGraphMode
+from llmfast.engine import LLMEngine
+from llmfast.engine_args import EngineArgs
+from tests.checkpoints import make_hf_checkpoint
+from tests.test_engine import oracle  # noqa: F401  (fixture)
+
+MAX_SEQS = 6
+SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("full_graphs") / "ckpt", vocab_size=256)
+
+
+def _engine(ckpt, mode: CudaGraphMode) -> LLMEngine:
+    args = EngineArgs(model=str(ckpt), device="cpu", max_model_len=96, block_size=4,
+                      seed=0, compile=mode is not None, max_num_seqs=MAX_SEQS,
+                      max_num_batched_tokens=32, cuda_graph_sizes=SIZES)
+    config, source = args.create_engine_config()
+    if mode is not None:
+        config = dataclasses.replace(config, compile=dataclasses.replace(
+            config.compile, cuda_graph_mode=mode, emulate_cuda_graphs=True,
+            check_static_addresses=True))
+    return LLMEngine(config, source)
+
+
+def _workload(seed: int = 0):
+    """10 prompts (1-30 tokens) generating 3-24 tokens; 6 run at once, so requests
+    finish and others join mid-decode; with block size 4 every context crosses
+    several block boundaries while decoding."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 31))] for _ in range(10)]
+    lengths = [rng.randrange(3, 25) for _ in range(10)]
+    arrivals = [0, 0, 0, 0, 2, 5, 9, 14, 20, 27]  # step at which each request arrives
+    return prompts, lengths, arrivals
+
+
+def _run(engine: LLMEngine, prompts, params, arrivals) -> list[list[int]]:
+    ids: dict[str, int] = {}
+    tokens: dict[int, list[int]] = {}
+    step = 0
+    while len(tokens) < len(prompts):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                ids[engine.add_request({"prompt_token_ids": prompts[i]}, params[i],
+                                       stream=False)] = i
+        for out in engine.step():
+            if out.finished:
+                tokens[ids[out.request_id]] = list(out.outputs[0].token_ids)
+        step += 1
+        assert step < 1000
+    return [tokens[i] for i in range(len(prompts))]
+
+
+class _ReplaySpy:
+    """Records the persistent buffers every full-graph replay reads (then replays)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        runner = engine.runner
+        self.runner, self.replay = runner, runner.compiled.replay_full
+        self.calls: list[dict] = []
+        runner.compiled.replay_full = self
+
+    def __call__(self, size, inputs):
+        r = self.runner
+        self.calls.append(dict(
+            size=size, n=r.input_batch.num_reqs,
+            query_start_loc=r.query_start_loc.np[: size + 1].copy(),
+            seq_lens=r.seq_lens.np[:size].copy(),
+            slots=r.input_batch.block_table.slot_mapping.np[:size].copy()))
+        return self.replay(size, inputs)
+
+
+@pytest.mark.parametrize("mode", [
+    CudaGraphMode.FULL_AND_PIECEWISE,
+    # ~20 s more; its only extra path, prefill steps compiled without graphs, is the
+    # dispatch rule's (test_graph_dispatch.py) and the plain compiled mode's.
+    pytest.param(CudaGraphMode.FULL_DECODE, marks=pytest.mark.slow),
+])
+def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode):  # noqa: F811
+    prompts, lengths, arrivals = _workload()
+    engine = _engine(ckpt, mode)
+    compiled = engine.runner.compiled
+    assert compiled.stats.full_graph_sizes == (1, 2, 4)  # sizes <= max_num_seqs 6
+    piecewise_graphs = compiled.stats.num_cuda_graphs
+    assert (piecewise_graphs > 0) == mode.has_piecewise
+    spy = _ReplaySpy(engine)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = _run(engine, prompts, params, arrivals)
+    for p, n, tokens in zip(prompts, lengths, got):
+        assert tokens == oracle(p, n)
+    # Full graphs ran, at padded sizes too, and their padding rows were harmless:
+    # no query token (query_start_loc repeats n), seq_len 0, slot -1 (no KV write).
+    assert spy.calls and {c["size"] for c in spy.calls} == {1, 2, 4}
+    padded = [c for c in spy.calls if c["n"] < c["size"]]
+    assert padded, "no full-graph step needed padding"
+    for c in spy.calls:
+        n, size = c["n"], c["size"]
+        assert np.array_equal(c["query_start_loc"], np.minimum(np.arange(size + 1), n))
+        assert (c["seq_lens"][n:] == 0).all() and (c["seq_lens"][:n] > 0).all()
+        assert (c["slots"][n:] == -1).all() and (c["slots"][:n] >= 0).all()
+    replays = compiled._graph_state.num_replays
+    assert (replays > 0) == mode.has_piecewise  # steps with prefill tokens
+    assert compiled.full_graphs.num_replays == len(spy.calls)
+    # A tensor that is not the persistent buffer, at a captured size: caught.
+    inputs = engine.runner._full_inputs(2)
+    inputs[3] = inputs[3].clone()  # the block table
+    with pytest.raises(AssertionError, match="full CUDA graph input moved"):
+        spy.replay(2, inputs)
+
+
+@pytest.mark.slow  # ~30 s on 2 cores; the GPU suite checks the same on real graphs
+def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
+    prompts, lengths, arrivals = _workload(seed=1)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=n, seed=100 + i,
+                             ignore_eos=True) for i, n in enumerate(lengths)]
+    results = {}
+    for mode in (CudaGraphMode.NONE, CudaGraphMode.FULL_AND_PIECEWISE):
+        results[mode] = _run(_engine(ckpt, mode), prompts, params, arrivals)
+    assert results[CudaGraphMode.FULL_AND_PIECEWISE] == results[CudaGraphMode.NONE]
+

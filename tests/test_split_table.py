@@ -1,0 +1,66 @@
+"""The measured KV-split table: parsing what bench_kernels --sweep-splits writes, the
+lookup rule against a naive scan, and select_config using it only for its own shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmfast.kernels import attention
+from llmfast.kernels.split_table import parse_table, split_table_for, table_path
+
+BATCHES, CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192)
+
+
+def _sweep_json(best) -> dict:
+    """The file bench_kernels.py --sweep-splits writes (graph_us trimmed)."""
+    return dict(device="NVIDIA H100 80GB HBM3", torch="2.11", num_sms=132, dtype="bfloat16",
+                heads=32, kv_heads=8, head_dim=128, block_size=16,
+                table=[dict(batch=b, ctx=c, chosen=1, best=best(b, c), graph_us={"1": 1.0})
+                       for b in BATCHES for c in CONTEXTS])
+
+
+def _best(batch: int, ctx: int) -> int:
+    return max(1, min(32, ctx // (64 * batch)))  # some power of two per cell
+
+
+def test_lookup_takes_the_next_measured_row_up():
+    table = parse_table(json.loads(json.dumps(_sweep_json(_best))))
+    for num_reqs in (1, 2, 3, 8, 9, 64, 100, 256, 300, 1000):
+        for context in (16, 512, 513, 3000, 4096, 8192, 10_000, 131_072):
+            batch = next((b for b in BATCHES if b >= num_reqs), BATCHES[-1])
+            ctx = next((c for c in CONTEXTS if c >= context), CONTEXTS[-1])
+            assert table.lookup(num_reqs, context) == _best(batch, ctx), (num_reqs, context)
+    assert table.lookup(3, 4096) == _best(8, 8192)  # the module doc's example
+
+
+def test_bad_tables_are_refused():
+    data = _sweep_json(lambda b, c: 3)
+    with pytest.raises(ValueError, match="power-of-two"):
+        parse_table(data)
+
+
+def test_select_config_uses_the_table_only_for_its_shape():
+    table = parse_table(_sweep_json(lambda b, c: 2 if b == 1 else 1))
+
+    def cfg(num_reqs, heads=32, kv_heads=8, dtype=torch.bfloat16, width=512):
+        return attention.select_config(num_reqs, num_reqs, heads, kv_heads, 128, 16, width,
+                                       dtype, 132, table)
+
+    assert cfg(1).num_splits == 2  # the heuristic would pick 16 at batch 1, 8k keys
+    assert attention.select_config(1, 1, 32, 8, 128, 16, 512, torch.bfloat16, 132).num_splits > 2
+    assert cfg(8).num_splits == 1
+    # Another shape or dtype than measured: the heuristic's choice.
+    for heads, dtype in ((16, torch.bfloat16), (32, torch.float16)):
+        assert cfg(1, heads=heads, dtype=dtype).num_splits == attention.select_config(
+            1, 1, heads, 8, 128, 16, 512, dtype, 132).num_splits > 2
+    # Prefill never splits, table or not.
+    assert attention.select_config(2048, 1, 32, 8, 128, 16, 512, torch.bfloat16, 132,
+                                   table).num_splits == 1
+
+
+def test_tables_are_found_by_gpu_name():
+    assert table_path("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.json"
+    assert split_table_for("no such GPU") is None
