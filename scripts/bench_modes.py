@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from llmfast.bench.static_batch import StaticBatch
 from llmfast.attention_metadata import AttentionMetadata
+from llmfast.bench.static_batch import StaticBatch
 from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
 from llmfast.kernels.cpu_linear import prepack_linears

@@ -21,7 +21,7 @@ from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.engine import LLMEngine
 from llmfast.engine_args import EngineArgs
-from tests.checkpoints import make_hf_checkpoint
+from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.test_engine import oracle  # noqa: F401  (fixture)
 
 MAX_SEQS = 6

@@ -21,7 +21,7 @@ from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.engine import LLMEngine
 from llmfast.engine_args import EngineArgs
-from tests.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.test_full_graphs import _run
 
 pytestmark = [

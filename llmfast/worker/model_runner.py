@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from llmfast.attention_metadata import AttentionMetadata
-from llmfast.graphs.dispatch import RunnerKind, StepDispatch, is_uniform_decode
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmfast.graphs.dispatch import RunnerKind, StepDispatch, is_uniform_decode
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.loader import ModelSource, build_model
