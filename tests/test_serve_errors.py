@@ -33,7 +33,7 @@ CASES = {
     "top_logprobs without logprobs": (CHAT, {"messages": HI, "top_logprobs": 2}, 400,
                                       "top_logprobs"),
     "unknown field": (COMPLETIONS, {"prompt": "hi", "temprature": 0.5}, 400, "temprature"),
-    "unknown model": (COMPLETIONS, {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    "unknown model": (COMPLETIONS, {"prompt": "hi", "model": "gpt-17"}, 400, "model"),
     "n too large": (COMPLETIONS, {"prompt": "hi", "n": 1000}, 400, "n"),
     "n zero": (CHAT, {"messages": HI, "n": 0}, 400, "n"),
     "prompt longer than the context": (COMPLETIONS, {"prompt": [5] * 3000}, 400, "prompt"),
@@ -94,8 +94,9 @@ def test_openai_client_raises_and_server_keeps_serving(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="hi", max_tokens=0)
     assert info.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="nope", messages=HI)
+    assert info.value.body["code"] == "model_not_found"
     out = client.completions.create(model=model, prompt="hi", max_tokens=3,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3

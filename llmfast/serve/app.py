@@ -67,9 +67,10 @@ def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
                            code="invalid_api_key")
 
     def check_model(model: str | None) -> None:
+        # 400 as the issue asks (OpenAI itself answers 404); the code still says which.
         if model is not None and model not in names:
             raise APIError(f"the model {model!r} does not exist; this server serves "
-                           f"{config.model_name!r}", 404, "model", "model_not_found")
+                           f"{config.model_name!r}", 400, "model", "model_not_found")
 
     @app.get("/health")
     async def health() -> Response:
