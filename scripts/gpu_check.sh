@@ -152,7 +152,7 @@ for step in $STEPS; do
         printf '%-16s %s\n' "$step" "${STATUS[$step]:-not run}"
     fi
 done
-for log in tests full; do
+for log in tests full families; do  # pytest steps: their verdict lines
     if [[ -f "$OUT/$log.log" ]]; then
         echo "--- $log:"
         grep -E '^(FAILED|ERROR)|passed|failed|skipped|error|full graphs' "$OUT/$log.log" | tail -n 15
@@ -195,10 +195,6 @@ for budget in 2048 8192 16384; do
         grep -E '│ llmfast ' "$OUT/defaults_$budget.log" | tail -n 1
     fi
 done
-if [[ -f "$OUT/families.log" ]]; then
-    echo "--- families:"
-    grep -E '^(FAILED|ERROR)|passed|failed|skipped|error' "$OUT/families.log" | tail -n 10
-fi
 if compgen -G "$OUT/preset-*.json" > /dev/null; then
     echo "--- presets (bf16, CUDA graphs, context 512; step ms p50, decode tok/s, load s):"
     python3 - "$OUT"/preset-*.json <<'PY'
