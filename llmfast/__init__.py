@@ -15,7 +15,7 @@ from llmfast.version import __version__
 if TYPE_CHECKING:
     from llmfast.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -290,6 +290,32 @@ class CompileConfig:
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(self.cuda_graph_sizes))))
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices: tensor parallelism over
+    `tensor_parallel_size` ranks, run by the executor backend named here ("uni": one
+    device in this process; "mp": one worker process per rank on this node; "ray": Ray
+    actors, on the cluster at `ray_address` or a local one)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("the tensor-parallel size must be at least 1")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"unknown executor backend {self.distributed_executor_backend!r}; choose "
+                f"one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError("the uni executor runs one rank; use --distributed-executor-"
+                              "backend mp or ray for --tensor-parallel-size above 1")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved: the model path is a local directory."""
@@ -302,6 +328,7 @@ class EngineConfig:
     device: str
     dtype: str
     seed: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         # However the config was put together: never full attention where the model

@@ -23,14 +23,14 @@ from llmfast.core.request import Request, RequestRejected, check_prompt_length
 from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.engine_args import EngineArgs
-from llmfast.gc_freeze import hold_gc_freeze
 from llmfast.models.loader import ModelSource
-from llmfast.nvtx_ranges import nvtx_range
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmfast.progress import Progress
+from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.sampling_params import SamplingParams
 from llmfast.tokenizer import TokenizerError, has_tokenizer_files
-from llmfast.value_checks import int_list
+from llmfast.utils.gc_freeze import hold_gc_freeze
+from llmfast.utils.progress import Progress
+from llmfast.utils.value_checks import int_list
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.worker.step_output import PendingStep
 
@@ -161,7 +161,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def set_phase_timer(self, timer) -> None:
-        """Time every phase of the following steps (llmfast.phase_timing); None: stop."""
+        """Time every phase of the following steps (llmfast.profiling.phase_timing); None: stop."""
         self.phase_timer = self.runner.phase_timer = timer
 
     # ------------------------------------------------------------------ step

@@ -32,14 +32,15 @@ from llmfast.config import (
     ConfigError,
     CudaGraphMode,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     dtype_name,
     parse_cuda_graph_mode,
     parse_dtype,
 )
-from llmfast.flag_values import SIZES_HELP, parse_bytes, parse_sizes
-from llmfast.progress import Progress
-from llmfast.value_checks import describe, is_int, is_number
+from llmfast.utils.flag_values import SIZES_HELP, parse_bytes, parse_sizes
+from llmfast.utils.progress import Progress
+from llmfast.utils.value_checks import describe, is_int, is_number
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +122,16 @@ class EngineArgs:
         None, "Prepare step N+1 on the host while the device runs step N.  [default: on for "
               "CUDA; off for CPU, where nothing overlaps (profiles/async-cpu.md)]")
 
+    tensor_parallel_size: int = engine_flag(
+        1, "Split the model over this many devices (tensor parallelism).", minimum=1,
+        flags=("--tensor-parallel-size", "-tp"))
+    distributed_executor_backend: str | None = engine_flag(
+        None, "uni (one device, this process), mp (one process per rank on this node) or "
+              "ray (Ray actors).  [default: uni for one rank, mp for more]")
+    ray_address: str | None = engine_flag(
+        None, "Address of an existing Ray cluster for the ray backend.  [default: start a "
+              "local one]")
+
     def __post_init__(self) -> None:
         check_engine_args(self)
 
@@ -193,6 +204,12 @@ class EngineArgs:
             device=str(device),
             dtype=dtype_name(dtype),
             seed=self.seed,
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend
+                or ("uni" if self.tensor_parallel_size == 1 else "mp"),
+                ray_address=self.ray_address,
+            ),
         )
         return config, source
 
@@ -226,6 +243,9 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
     if args.cuda_graph_mode is not None:
         parse_cuda_graph_mode(args.cuda_graph_mode)  # an unknown name fails here, early
+    # An unknown backend, or uni with several ranks, fails here too.
+    ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend or (
+        "uni" if args.tensor_parallel_size == 1 else "mp"), args.ray_address)
     sizes = args.cuda_graph_sizes
     if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
             is_int(s) and s > 0 for s in sizes)):

@@ -8,8 +8,8 @@ from llmfast.engine import LLMEngine, Prompt
 from llmfast.engine_args import EngineArgs
 from llmfast.output_router import OutputRouter, RequestStream
 from llmfast.outputs import RequestOutput
-from llmfast.progress import CountProgress
 from llmfast.sampling_params import SamplingParams
+from llmfast.utils.progress import CountProgress
 
 
 class LLM:

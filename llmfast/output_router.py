@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Self
 
 from llmfast.outputs import RequestOutput
-from llmfast.progress import CountProgress
+from llmfast.utils.progress import CountProgress
 
 
 class OutputRouter:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmfast.value_checks import describe, int_list, is_int, is_number
+from llmfast.utils.value_checks import describe, int_list, is_int, is_number
 
 # Rows with temperature below this are sampled greedily.
 GREEDY_TEMPERATURE = 1e-5

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llmfast.config import ConfigError
-from llmfast.errors import one_line
+from llmfast.utils.errors import one_line
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 
 from llmfast import LLM
 from llmfast.bench import run_sweep_point, warm_up
-from llmfast.phase_timing import PhaseTimer
+from llmfast.profiling.phase_timing import PhaseTimer
 
 
 def model_step_ms(engine, size: int, context: int, steps: int) -> float:

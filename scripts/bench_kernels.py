@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.kernels import attention  # noqa: E402
+from llmfast.kernels import attention
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 L2_FLUSH_BYTES = 256 << 20

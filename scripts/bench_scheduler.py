@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.config import CacheConfig, SchedulerConfig  # noqa: E402
-from llmfast.core.request import Request  # noqa: E402
-from llmfast.sampling_params import SamplingParams  # noqa: E402
-from llmfast.core.scheduler import Scheduler  # noqa: E402
-from llmfast.core.scheduler_output import ModelRunnerOutput  # noqa: E402
+from llmfast.config import CacheConfig, SchedulerConfig
+from llmfast.core.request import Request
+from llmfast.core.scheduler import Scheduler
+from llmfast.core.scheduler_output import ModelRunnerOutput
+from llmfast.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(autouse=True)
 def _unfreeze_gc():
     """An engine holds a GC freeze of everything alive at its start-up while it lives
-    (`llmfast.gc_freeze`); module-scoped engines live across many tests, and each new
+    (`llmfast.utils.gc_freeze`); module-scoped engines live across many tests, and each new
     engine freezes whatever the tests left alive, so hand everything back to the
     collector after each test or cyclic garbage would pile up."""
     yield

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmfast import LLM, SamplingParams
-from llmfast.phase_timing import PhaseTimer
+from llmfast.profiling.phase_timing import PhaseTimer
 from llmfast.worker.step_output import PendingStep
 from tests.test_async_scheduling import _run, _workload
 

@@ -15,7 +15,7 @@ from llmfast.cli.common import EngineOptions, engine_argv, engine_command
 from llmfast.cli.main import app
 from llmfast.config import ConfigError
 from llmfast.engine_args import EngineArgs, engine_flags
-from llmfast.flag_values import FlagValueError, parse_bytes, parse_sizes
+from llmfast.utils.flag_values import FlagValueError, parse_bytes, parse_sizes
 from tests.helpers.cli import assert_one_line_error, invoke
 
 # Commands that build no engine; any other command must take the engine flags.

@@ -11,10 +11,10 @@ import torch
 from llmfast import LLM, SamplingParams
 from llmfast.models.families import model_config_from_json
 from llmfast.models.gguf import convert_gguf_to_hf_dir
-from tests.test_engine import _hf_greedy
 from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
-from tests.test_gguf import hf_gguf_model
 from tests.helpers.tokenizers import MIXED_TEXT, train_byte_level_bpe
+from tests.test_engine import _hf_greedy
+from tests.test_gguf import hf_gguf_model
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import torch
 
+from llmfast.sampling_params import SamplingParams
 from llmfast.worker.block_table import PAD_SLOT_ID, BlockTable
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
-from llmfast.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -25,7 +25,7 @@ def test_slot_mapping_design_example():
     req_indices = np.repeat(np.arange(3), num_sched)
     positions = np.concatenate([np.arange(n) for n in num_sched])
     table.compute_slot_mapping(req_indices, positions, 32)
-    expected = list(range(0, 4)) + list(range(80, 97)) + list(range(176, 180))
+    expected = list(range(4)) + list(range(80, 97)) + list(range(176, 180))
     assert table.slot_mapping.np[:25].tolist() == expected
     assert (table.slot_mapping.np[25:32] == PAD_SLOT_ID).all()
 

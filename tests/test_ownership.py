@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from llmfast import LLM, SamplingParams
-from llmfast.gc_freeze import active_holds, gc_frozen, hold_gc_freeze
 from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.utils.gc_freeze import active_holds, gc_frozen, hold_gc_freeze
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from llmfast.phase_timing import PhaseTimer, _intersection, _merge, phases_markdown
+from llmfast.profiling.phase_timing import PhaseTimer, _intersection, _merge, phases_markdown
 
 
 def test_overlap_of_host_intervals_with_device_busy_intervals_matches_a_naive_count():

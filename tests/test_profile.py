@@ -134,13 +134,12 @@ def test_profile_bad_sizes_and_missing_nsys(tmp_path, monkeypatch):
 def test_nvtx_range_shows_in_torch_profiler_trace_only_while_profiling():
     import torch
 
-    from llmfast.nvtx_ranges import nvtx_range
+    from llmfast.profiling.nvtx_ranges import nvtx_range
 
     with nvtx_range("outside-any-profiler"):
         torch.ones(2).sum()
-    with torch.profiler.profile() as prof:
-        with nvtx_range("llmfast-test-range"):
-            torch.ones(2).sum()
+    with torch.profiler.profile() as prof, nvtx_range("llmfast-test-range"):
+        torch.ones(2).sum()
     names = {event.name for event in prof.events()}
     assert "llmfast-test-range" in names
     assert "outside-any-profiler" not in names

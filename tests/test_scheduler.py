@@ -6,9 +6,9 @@ import pytest
 
 from llmfast.config import CacheConfig, SchedulerConfig
 from llmfast.core.request import Request, RequestRejected, RequestStatus
-from llmfast.sampling_params import SamplingParams
 from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import ModelRunnerOutput
+from llmfast.sampling_params import SamplingParams
 
 BS = 8
 EOS = 2

@@ -9,7 +9,7 @@ Where each part lives: `stats` (Summary, summarize), `workload` (requests, sampl
 params, warm-up, BenchError), `sweep`, `throughput` and `latency` (the runners),
 `environment` (versions and hardware), `bandwidth` (the HBM weight-streaming limit),
 `startup` (cold and warm start in fresh processes); size specs (`--sizes 1..512`) are
-read by `llmfast.flag_values.parse_sizes`. The HF transformers
+read by `llmfast.utils.flag_values.parse_sizes`. The HF transformers
 baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported here.
 """
 

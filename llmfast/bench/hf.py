@@ -18,7 +18,7 @@ import torch
 from llmfast.bench.throughput import ThroughputResult, throughput_result
 from llmfast.bench.workload import BenchError, BenchRequest
 from llmfast.models.families import hf_dict_from_model_config
-from llmfast.progress import CountProgress
+from llmfast.utils.progress import CountProgress
 
 logger = logging.getLogger(__name__)
 

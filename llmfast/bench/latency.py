@@ -18,7 +18,7 @@ from llmfast.bench.workload import (
     check_fits,
     warm_up,
 )
-from llmfast.progress import CountProgress
+from llmfast.utils.progress import CountProgress
 
 
 @dataclass

@@ -2,11 +2,11 @@
 by Nsight Systems (the process re-runs itself under `nsys profile`) or by the torch
 profiler (a Chrome/Perfetto JSON trace plus a markdown table of the top ops).
 
-Both traces carry the engine's phase ranges from `llmfast.nvtx_ranges.nvtx_range`:
+Both traces carry the engine's phase ranges from `llmfast.profiling.nvtx_ranges.nvtx_range`:
 schedule, prepare_inputs, forward[<padded size>] (or forward[<size> full graph]), sample,
 wait_output, update,
 detokenize. The phase table itself comes from a `PhaseTimer` (host clock and CUDA events,
-llmfast.phase_timing), not from the profiler: under CUDA graphs the profiler sees the
+llmfast.profiling.phase_timing), not from the profiler: under CUDA graphs the profiler sees the
 forward's launches, not its device time.
 """
 
@@ -138,7 +138,7 @@ class TorchProfile:
 
 def timed_workload(engine, workload: Callable[[], Any]):
     """Run `workload` with a PhaseTimer on the engine: (its result, per-phase stats)."""
-    from llmfast.phase_timing import PhaseTimer
+    from llmfast.profiling.phase_timing import PhaseTimer
 
     timer = PhaseTimer(engine.config.device)
     engine.set_phase_timer(timer)

@@ -23,7 +23,7 @@ import numpy as np
 from llmfast.bench.bandwidth import DeviceBandwidth, decode_weight_bytes, device_bandwidth
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import BenchError, bench_params, warm_up
-from llmfast.progress import CountProgress
+from llmfast.utils.progress import CountProgress
 
 logger = logging.getLogger(__name__)
 

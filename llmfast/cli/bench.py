@@ -25,7 +25,7 @@ from llmfast.cli.common import (
     stderr_console,
     sweep_overrides,
 )
-from llmfast.flag_values import SIZES_HELP, parse_sizes
+from llmfast.utils.flag_values import SIZES_HELP, parse_sizes
 
 BENCH_EXAMPLES = """\
 **Examples**

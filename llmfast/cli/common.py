@@ -30,9 +30,9 @@ from rich.progress import (
 )
 
 from llmfast.engine_args import engine_flags
-from llmfast.errors import one_line
-from llmfast.progress import CountProgress
-from llmfast.progress import Progress as StageProgress
+from llmfast.utils.errors import one_line
+from llmfast.utils.progress import CountProgress
+from llmfast.utils.progress import Progress as StageProgress
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from llmfast.cli.common import (
     stderr_console,
     sweep_overrides,
 )
-from llmfast.flag_values import SIZES_HELP, parse_sizes
+from llmfast.utils.flag_values import SIZES_HELP, parse_sizes
 
 PROFILE_EXAMPLES = """\
 **Examples**
@@ -109,7 +109,7 @@ def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int,
 
     from llmfast.bench import environment_info, warm_up
     from llmfast.bench.profile_run import run_decode_workload, timed_workload, torch_profile
-    from llmfast.phase_timing import phases_markdown
+    from llmfast.profiling.phase_timing import phases_markdown
 
     llm = load_llm(opts, err, **sweep_overrides(sizes, opts))
     engine = llm.engine
@@ -148,7 +148,7 @@ def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int,
 def _phase_table(phases, async_scheduling: bool):
     from rich.table import Table
 
-    from llmfast.phase_timing import PHASE_COLUMNS, phases_table_rows
+    from llmfast.profiling.phase_timing import PHASE_COLUMNS, phases_table_rows
 
     mode = "async scheduling" if async_scheduling else "synchronous loop"
     table = Table(title=f"engine phases ({mode}; device time from CUDA events)",

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from llmfast.cli.common import EngineOptions, load_llm, stderr_console
-from llmfast.flag_values import FlagValueError, parse_bytes
+from llmfast.utils.flag_values import FlagValueError, parse_bytes
 
 SERVE_EXAMPLES = """\
 **Examples**

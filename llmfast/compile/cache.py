@@ -1,5 +1,5 @@
 """The compile cache: one directory per (model config, dtype, device type, torch and
-triton versions, llmfast's own source), under `llmfast.paths.cache_dir() / "compile"`.
+triton versions, llmfast's own source), under `llmfast.utils.paths.cache_dir() / "compile"`.
 
 We do not serialise compiled code ourselves. Inductor already has an on-disk FX-graph
 cache (and AOTAutograd a cache on top) keyed by the graph, its input shapes and the
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from llmfast.config import CompileConfig, ModelConfig, dtype_name
-from llmfast.paths import cache_dir
+from llmfast.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ class BlockHash:
     finds one, so the chain comparison stops at the first `is` match.
     """
 
-    __slots__ = ("value", "token_ids", "parent")
+    __slots__ = ("parent", "token_ids", "value")
 
     def __init__(self, parent: BlockHash | None, token_ids: tuple[int, ...]) -> None:
         self.parent = parent
@@ -61,7 +61,7 @@ class BlockHash:
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+    __slots__ = ("block_hash", "block_id", "next_free_block", "prev_free_block", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

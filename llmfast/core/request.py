@@ -70,23 +70,23 @@ class Request:
     """
 
     __slots__ = (
-        "request_id",
-        "prompt_token_ids",
-        "sampling_params",
-        "eos_token_ids",
-        "arrival_time",
-        "output_token_ids",
         "all_token_ids",
-        "num_prompt_tokens",
-        "num_computed_tokens",
-        "status",
-        "num_preemptions",
+        "arrival_time",
         "block_hashes",
-        "stop_token_set",
+        "eos_token_ids",
+        "first_step",
         "max_tokens",
         "min_tokens",
+        "num_computed_tokens",
         "num_output_placeholders",
-        "first_step",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_token_set",
     )
 
     def __init__(

@@ -26,8 +26,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmfast.core.kv_cache_manager import KVCacheManager
 from llmfast.config import CacheConfig, SchedulerConfig
+from llmfast.core.kv_cache_manager import KVCacheManager
 from llmfast.core.request import Request, RequestRejected, RequestStatus, check_prompt_length
 from llmfast.core.scheduler_output import (
     CachedRequestData,
@@ -206,10 +206,8 @@ class Scheduler:
                 len(request.output_token_ids) + num_placeholders >= request.max_tokens
             ):
                 num_new = 0  # its last token is in flight: it finishes when that arrives
-            if num_new > budget:
-                num_new = budget
-            if num_new > max_computed - num_computed:
-                num_new = max_computed - num_computed
+            num_new = min(num_new, budget)
+            num_new = min(num_new, max_computed - num_computed)
             if num_new <= 0:
                 i += 1
                 continue

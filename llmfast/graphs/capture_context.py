@@ -2,7 +2,7 @@
 
 Capture allocates many small Python objects (graph handles, weak output views); with
 the heap frozen the collector does not rescan it for every one of hundreds of graphs.
-The freeze is a counted hold (llmfast.gc_freeze), so an engine's own hold and this one
+The freeze is a counted hold (llmfast.utils.gc_freeze), so an engine's own hold and this one
 compose: the heap is unfrozen only when the last hold ends.
 """
 
@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from llmfast.gc_freeze import gc_frozen
+from llmfast.utils.gc_freeze import gc_frozen
 
 logger = logging.getLogger(__name__)
 

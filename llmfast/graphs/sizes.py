@@ -3,7 +3,7 @@
 A graph replays a fixed shape, so a step of `n` tokens runs at the smallest captured
 size `>= n` (the extra tokens are padding: slot -1, never written to the KV cache).
 Steps larger than the largest size run the compiled model without graphs.
-`--cuda-graph-sizes` is read by `llmfast.flag_values.parse_sizes`, like every size list.
+`--cuda-graph-sizes` is read by `llmfast.utils.flag_values.parse_sizes`, like every size list.
 """
 
 from __future__ import annotations

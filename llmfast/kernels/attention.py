@@ -26,8 +26,8 @@ import triton.language as tl
 
 from llmfast.kernels.attention_config import AttentionConfig, select_config
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
-from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 from llmfast.kernels.split_table import SplitTable, split_table_for
+from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 
 __all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "unified_attention"]
 

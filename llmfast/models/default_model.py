@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmfast.models.gguf import GGUFError, convert_gguf_to_hf_dir, is_converted
-from llmfast.paths import cache_dir
-from llmfast.progress import Progress
+from llmfast.utils.paths import cache_dir
+from llmfast.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ import torch
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.families import family_config, hf_dict_from_model_config
-from llmfast.errors import one_line
-from llmfast.progress import Progress
+from llmfast.utils.errors import one_line
+from llmfast.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from llmfast.progress import Progress
+from llmfast.utils.progress import Progress
 
 
 class ByteProgress:

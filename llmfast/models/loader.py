@@ -21,7 +21,6 @@ from safetensors import SafetensorError
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.families import family_config, model_config_from_json
-from llmfast.host_memory import available_host_memory
 from llmfast.models.load_progress import ByteProgress
 from llmfast.models.safetensors_reader import (
     SafetensorsFile,
@@ -37,7 +36,8 @@ from llmfast.models.validate import (
     safetensors_shapes,
 )
 from llmfast.tokenizer import Tokenizer, load_tokenizer
-from llmfast.progress import Progress
+from llmfast.utils.host_memory import available_host_memory
+from llmfast.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
 

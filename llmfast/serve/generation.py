@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from llmfast.errors import one_line
 from llmfast.serve.engine_loop import (
     AsyncEngine,
     EngineUnavailable,
@@ -26,6 +25,7 @@ from llmfast.serve.metrics import RequestTracker, ServerMetrics
 from llmfast.serve.responses import Kind, ResponseBuilder
 from llmfast.serve.sampling import EngineInputs
 from llmfast.serve.sse import DONE, event
+from llmfast.utils.errors import one_line
 
 # HTTP status for a response nobody will read (nginx's "client closed request").
 CLIENT_CLOSED = 499

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from llmfast.config import CacheConfig, ModelConfig
-from llmfast.host_memory import available_host_memory
+from llmfast.utils.host_memory import available_host_memory
 
 logger = logging.getLogger(__name__)
 

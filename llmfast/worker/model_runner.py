@@ -24,12 +24,13 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmfast.distributed import TensorParallelGroup
 from llmfast.graphs.dispatch import RunnerKind, StepDispatch, is_uniform_decode
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.loader import ModelSource, build_model
-from llmfast.nvtx_ranges import nvtx_range
-from llmfast.progress import Progress
+from llmfast.profiling.nvtx_ranges import nvtx_range
+from llmfast.utils.progress import Progress
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID, CachedRequestState, InputBatch
 from llmfast.worker.kv_cache_sizing import (
@@ -41,6 +42,7 @@ from llmfast.worker.kv_cache_sizing import (
     num_cpu_blocks,
     num_gpu_blocks,
 )
+from llmfast.worker.memory_profile import profile_peak_memory
 from llmfast.worker.sampler import Sampler
 from llmfast.worker.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.step_output import OutputCopier, PendingStep
@@ -50,8 +52,11 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource,
-                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None,
+                 tp_group: TensorParallelGroup | None = None) -> None:
         self.config = config
+        # This rank's place in tensor parallelism (one rank: no communication).
+        self.tp_group = tp_group or TensorParallelGroup.single()
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.eos_token_ids = eos_token_ids
@@ -127,7 +132,8 @@ class ModelRunner:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
             t0 = time.perf_counter()
-            peak = self._profile_peak_memory()
+            peak = profile_peak_memory(self.model, self.max_num_tokens, self.max_num_reqs,
+                                       self.block_size, self.dtype, self.device)
             self.startup_times["profile"] = time.perf_counter() - t0
             graph_bytes = self._compile_and_capture(progress)
             captured = True
@@ -230,51 +236,6 @@ class ModelRunner:
             return model.compute_logits(compiled(ids, positions, md))
 
         return fn, inputs
-
-    def _profile_peak_memory(self) -> int:
-        """Run the largest forward once on a throwaway cache; return peak bytes in use."""
-        cfg = self.model.config
-        num_tokens = self.max_num_tokens
-        num_reqs = min(self.max_num_reqs, num_tokens)
-        tokens_per_req = -(-num_tokens // num_reqs)  # ceil
-        blocks_per_req = -(-tokens_per_req // self.block_size)
-        num_blocks = num_reqs * blocks_per_req + 1
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        scratch = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device))
-                   for _ in range(cfg.num_hidden_layers)]
-        self.model.bind_kv_caches(scratch)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        per_req = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
-        per_req[: num_tokens % num_reqs] += 1
-        cu = np.concatenate([[0], np.cumsum(per_req)])
-        req_idx = np.repeat(np.arange(num_reqs), per_req)
-        positions = np.arange(num_tokens) - cu[req_idx]
-        table = torch.arange(1, num_blocks, dtype=torch.int32, device=self.device)
-        md = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            block_table=table.view(num_reqs, blocks_per_req),
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(per_req, dtype=torch.int32, device=self.device),
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model(ids, torch.tensor(positions, device=self.device), md)
-            self.model.compute_logits(hidden[: self.max_num_reqs])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - sum(
-            2 * k.numel() * k.element_size() for k, _ in scratch)
-        # The model still holds the scratch caches: bind one-block ones instead (the
-        # capture's dummy forwards read block 0 alone), so that the scratch memory is
-        # free again before the real cache is sized and allocated beside it.
-        one_block = (1, *shape[1:])
-        self.model.bind_kv_caches(
-            [(torch.zeros(one_block, dtype=self.dtype, device=self.device),
-              torch.zeros(one_block, dtype=self.dtype, device=self.device))
-             for _ in range(cfg.num_hidden_layers)])
-        del scratch
-        torch.cuda.empty_cache()
-        return peak
 
     # ------------------------------------------------------------------ per step
 

@@ -53,6 +53,6 @@ class _Range:
 
 
 def nvtx_range(name: str, timer=None) -> _Range:
-    """`with nvtx_range("schedule"): ...`; with a `PhaseTimer` (llmfast.phase_timing),
+    """`with nvtx_range("schedule"): ...`; with a `PhaseTimer` (llmfast.profiling.phase_timing),
     the range is also timed on the host and, on CUDA, on the device."""
     return _Range(name, timer)

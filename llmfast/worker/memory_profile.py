@@ -1,0 +1,61 @@
+"""The forward's peak memory on CUDA, measured before the KV cache is sized.
+
+The largest step the scheduler can produce (max_num_batched_tokens tokens over up to
+max_num_seqs requests) runs once on a throwaway KV cache; what it allocated beyond that
+cache is what the KV cache must leave free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmfast.attention_metadata import AttentionMetadata
+from llmfast.models.decoder import DecoderForCausalLM
+
+
+def profile_peak_memory(model: DecoderForCausalLM, max_num_tokens: int, max_num_reqs: int,
+                        block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Run the largest forward once on a throwaway cache; return peak bytes in use."""
+    cfg = model.config
+    num_tokens = max_num_tokens
+    num_reqs = min(max_num_reqs, num_tokens)
+    tokens_per_req = -(-num_tokens // num_reqs)  # ceil
+    blocks_per_req = -(-tokens_per_req // block_size)
+    num_blocks = num_reqs * blocks_per_req + 1
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    scratch = [(torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device))
+               for _ in range(cfg.num_hidden_layers)]
+    model.bind_kv_caches(scratch)
+    torch.cuda.reset_peak_memory_stats(device)
+    per_req = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+    per_req[: num_tokens % num_reqs] += 1
+    cu = np.concatenate([[0], np.cumsum(per_req)])
+    req_idx = np.repeat(np.arange(num_reqs), per_req)
+    positions = np.arange(num_tokens) - cu[req_idx]
+    table = torch.arange(1, num_blocks, dtype=torch.int32, device=device)
+    md = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_table=table.view(num_reqs, blocks_per_req),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(per_req, dtype=torch.int32, device=device),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        hidden = model(ids, torch.tensor(positions, device=device), md)
+        model.compute_logits(hidden[: max_num_reqs])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - sum(
+        2 * k.numel() * k.element_size() for k, _ in scratch)
+    # The model still holds the scratch caches: bind one-block ones instead (the
+    # capture's dummy forwards read block 0 alone), so that the scratch memory is
+    # free again before the real cache is sized and allocated beside it.
+    one_block = (1, *shape[1:])
+    model.bind_kv_caches(
+        [(torch.zeros(one_block, dtype=dtype, device=device),
+          torch.zeros(one_block, dtype=dtype, device=device))
+         for _ in range(cfg.num_hidden_layers)])
+    del scratch
+    torch.cuda.empty_cache()
+    return peak
