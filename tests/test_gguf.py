@@ -12,11 +12,11 @@ import torch
 
 from llmfast.models.gguf import (
     GGUFError,
-    _llama3_from_freqs,
     convert_gguf_to_hf_dir,
     is_converted,
     unpermute_qk,
 )
+from llmfast.models.gguf_metadata import _llama3_from_freqs
 from tests.helpers.gguf_files import llamacpp_permute, tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import MIXED_TEXT, train_byte_level_bpe
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -35,8 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmfast.config import ConfigError, ModelConfig, RopeScaling
-from llmfast.models.families import family_config, hf_dict_from_model_config
+from llmfast.config import ModelConfig
+from llmfast.models.families import hf_dict_from_model_config
+from llmfast.models.gguf_metadata import (
+    GGUFError,
+    model_config_from_gguf,
+    open_reader,
+    read_field,
+)
 from llmfast.utils.errors import one_line
 from llmfast.utils.progress import Progress
 
@@ -45,12 +50,6 @@ logger = logging.getLogger(__name__)
 
 # Bump when the output of a conversion changes, so cached directories are rebuilt.
 CONVERSION_VERSION = 1
-# general.architecture -> the HF architecture its conversion becomes.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 MARKER_NAME = "llmfast-gguf.json"
 
 _LAYER_TENSORS = {
@@ -81,10 +80,6 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
 
 
-class GGUFError(ConfigError):
-    """A GGUF file llmfast cannot convert; the message is one user-facing line."""
-
-
 @dataclass(frozen=True)
 class _Tensor:
     gguf_name: str
@@ -101,8 +96,8 @@ def convert_gguf_to_hf_dir(
     if out_dir.exists():
         raise GGUFError(f"cannot convert {gguf_path.name}: {out_dir} already exists")
     report(f"reading {gguf_path.name}", None)
-    reader = _open(gguf_path)
-    config = _model_config(reader, gguf_path.name)
+    reader = open_reader(gguf_path)
+    config = model_config_from_gguf(reader, gguf_path.name)
     tensors = _plan_tensors(reader, config, gguf_path.name)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -166,151 +161,6 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         .reshape(weight.shape)
         .contiguous()
     )
-
-
-def _open(path: Path) -> Any:
-    import gguf
-
-    if not path.is_file():
-        raise GGUFError(f"GGUF file {path} not found")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # a parser of untrusted bytes: any failure means a bad file
-        raise GGUFError(
-            f"{path.name} is not a readable GGUF file (truncated or corrupt?): {one_line(e)}"
-        ) from None
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    try:
-        return field.contents()
-    except Exception as e:
-        raise GGUFError(f"GGUF metadata {key} is unreadable: {one_line(e)}") from None
-
-
-def _model_config(reader: Any, name: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise GGUFError(
-            f"{name} holds a {arch or 'unlabelled'!r} model (general.architecture); "
-            f"llmfast converts {', '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUF files"
-        )
-    if (_field(reader, f"{arch}.expert_count") or 0) > 0:
-        raise GGUFError(f"{name} is a mixture-of-experts {arch} (Mixtral-style); not supported")
-
-    def required(key: str) -> Any:
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise GGUFError(f"{name} lacks the metadata {arch}.{key}")
-        return value
-
-    hidden = int(required("embedding_length"))
-    num_heads = int(required("attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length") or hidden // max(num_heads, 1))
-    value_dim = int(_field(reader, f"{arch}.attention.value_length") or head_dim)
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count") or head_dim)
-    if value_dim != head_dim or rope_dim != head_dim:
-        raise GGUFError(
-            f"{name}: key/value/rope dimensions {head_dim}/{value_dim}/{rope_dim} differ; "
-            "llmfast needs one head_dim with full rotary embedding"
-        )
-    tensor_names = {t.name: t for t in reader.tensors}
-    embed = tensor_names.get("token_embd.weight")
-    if embed is None:
-        raise GGUFError(f"{name} has no token_embd.weight tensor")
-    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
-    try:
-        return family_config(
-            GGUF_ARCHITECTURES[arch],
-            # Llama's and Qwen3's `attention_bias`: biases on q, k, v and the output.
-            attention_bias="blk.0.attn_output.bias" in tensor_names,
-            hidden_size=hidden,
-            num_hidden_layers=int(required("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(
-                _field(reader, f"{arch}.attention.head_count_kv") or num_heads
-            ),
-            head_dim=head_dim,
-            intermediate_size=int(required("feed_forward_length")),
-            # The embedding's row count is the truth; `{arch}.vocab_size` is often absent.
-            vocab_size=int(embed.shape[-1]),
-            rms_norm_eps=float(
-                _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-            ),
-            rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(reader, arch, tensor_names, rope_theta, head_dim, name),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            max_position_embeddings=int(_field(reader, f"{arch}.context_length") or 2048),
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_stop_ids(reader),
-            torch_dtype="float32",
-        )
-    except ConfigError as e:
-        raise GGUFError(f"{name}: {e}") from None
-
-
-def _stop_ids(reader: Any) -> tuple[int, ...]:
-    # eot / eom are llama.cpp's names for extra end-of-turn tokens (Llama 3's <|eot_id|>).
-    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    ids = [_field(reader, f"tokenizer.ggml.{k}") for k in keys]
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def _rope_scaling(
-    reader: Any, arch: str, tensors: dict[str, Any], theta: float, head_dim: int, name: str
-) -> RopeScaling:
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    if "rope_freqs.weight" in tensors:
-        # llama.cpp stores llama3 scaling as per-frequency divisors, not as parameters.
-        import gguf
-
-        t = tensors["rope_freqs.weight"]
-        freqs = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
-        return _llama3_from_freqs(freqs.reshape(-1), theta, head_dim, name)
-    if kind in ("none", "", None) or factor == 1.0:
-        return RopeScaling()
-    if kind == "linear":
-        return RopeScaling("linear", factor)
-    if kind == "yarn":  # Qwen's long-context setting; the betas are the paper's defaults
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
-        if original is None:
-            raise GGUFError(f"{name} uses yarn rope scaling without its original context")
-        return RopeScaling("yarn", factor, original_max_position_embeddings=int(original))
-    raise GGUFError(
-        f"{name} uses {kind!r} rope scaling; llmfast supports linear, llama3 and yarn"
-    )
-
-
-def _llama3_from_freqs(freqs: np.ndarray, theta: float, head_dim: int, name: str) -> RopeScaling:
-    """Recognise llama3 scaling in `rope_freqs`: its largest divisor is the factor, and the
-    other parameters must be Llama 3's (low 1, high 4, original context 8192), which is
-    checked by recomputing the divisors the way llama.cpp's converter does."""
-    scaling = RopeScaling("llama3", float(freqs.max()), 1.0, 4.0, 8192)
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    old = scaling.original_max_position_embeddings
-    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
-    expected = []
-    for f in inv_freq:
-        wavelen = 2 * math.pi / f
-        if wavelen < high_wavelen:
-            expected.append(1.0)
-        elif wavelen > low_wavelen:
-            expected.append(scaling.factor)
-        else:
-            smooth = (old / wavelen - scaling.low_freq_factor) / (
-                scaling.high_freq_factor - scaling.low_freq_factor
-            )
-            expected.append(1.0 / ((1 - smooth) / scaling.factor + smooth))
-    if freqs.shape != (head_dim // 2,) or not np.allclose(freqs, expected, rtol=1e-3):
-        raise GGUFError(
-            f"{name}: rope_freqs do not match llama3 scaling with Llama 3's parameters; "
-            "convert the HF checkpoint instead"
-        )
-    return scaling
 
 
 def _plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[_Tensor]:
@@ -416,7 +266,7 @@ def _generation_config(reader: Any, config: ModelConfig) -> dict[str, Any]:
     eos = list(config.eos_token_ids)
     out: dict[str, Any] = {"bos_token_id": config.bos_token_id}
     out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    pad = read_field(reader, "tokenizer.ggml.padding_token_id")
     if pad is not None:
         out["pad_token_id"] = int(pad)
     return out
@@ -437,7 +287,7 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out_dir: Path) -> None:
         raise GGUFError(
             f"{gguf_path.name}: transformers cannot build its tokenizer: {one_line(e)}"
         ) from None
-    if _field(reader, "tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+    if read_field(reader, "tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
         from tokenizers import pre_tokenizers
 
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
