@@ -145,3 +145,78 @@ def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
         results[mode] = _run(_engine(ckpt, mode), prompts, params, arrivals)
     assert results[CudaGraphMode.FULL_AND_PIECEWISE] == results[CudaGraphMode.NONE]
 
+
+
+def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream():
+    """The CUDA start-up order, on CPU with emulated graphs: compile and capture on a
+    one-block scratch cache, bind the real cache (views of one tensor, as the runner
+    allocates it), capture the full graphs again. No recompile (a recompile inside a
+    real capture fails); the largest size runs once uncaptured before its recapture;
+    every capture uses the one side stream; replays read the real cache."""
+    import torch
+
+    from llmfast.attention_metadata import AttentionMetadata
+    from llmfast.compile import CompiledModel
+    from llmfast.config import CompileConfig
+    from tests.test_compile import tiny_model
+
+    model = tiny_model()
+    cfg = model.config
+    sizes, blocks, bs = (1, 2, 4), 9, 4
+    one_block = (1, bs, cfg.num_key_value_heads, cfg.head_dim)
+    model.bind_kv_caches([(torch.zeros(one_block), torch.zeros(one_block))
+                          for _ in range(cfg.num_hidden_layers)])
+    ids, positions = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    slots = torch.full((8,), -1, dtype=torch.int64)
+    table = torch.zeros(4, 3, dtype=torch.int32)  # zeros: block 0, all the scratch has
+    qsl, seq_lens = torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    cm = CompiledModel(model, CompileConfig(cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+                                            cuda_graph_sizes=sizes,
+                                            check_static_addresses=True),
+                       "cpu", max_num_tokens=8, max_num_reqs=4, graph_impl="emulated",
+                       piece_compiler="eager")
+
+    def run_dummy(n: int) -> None:
+        qsl[:2] = torch.tensor([0, 1], dtype=torch.int32)
+        seq_lens[:1] = 1
+        with torch.inference_mode():
+            cm(ids[:n], positions[:n], AttentionMetadata(slots[:n], table[:1], qsl[:2],
+                                                         seq_lens[:1]))
+
+    calls: dict[int, int] = {}
+
+    def full_forward(size: int, dummy: bool):
+        md = AttentionMetadata(slots[:size], table[:size], qsl[: size + 1], seq_lens[:size])
+        if dummy:
+            ids.zero_(), positions.zero_(), slots.fill_(-1), seq_lens.fill_(1)
+            qsl[: size + 1] = torch.arange(size + 1, dtype=torch.int32)
+
+        def fn():
+            calls[size] = calls.get(size, 0) + 1
+            return model.compute_logits(cm(ids[:size], positions[:size], md))
+
+        caches = [t for layer in model.attention_layers() for t in (layer.k_cache,
+                                                                     layer.v_cache)]
+        return fn, [ids[:size], positions[:size], *md.__dict__.values(), *caches]
+
+    cm.capture(run_dummy, full_forward)
+    assert cm.stats.full_graph_sizes == sizes and cm._capture_stream.num_uses == 1
+    real = torch.randn(cfg.num_hidden_layers, 2, blocks, *one_block[1:])
+    model.bind_kv_caches([(layer[0], layer[1]) for layer in real])
+    calls.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        cm.recapture_full(full_forward)
+    assert calls == {4: 2, 2: 1, 1: 1}  # the emulated capture runs fn once per size
+    assert cm._capture_stream.num_uses == 2 and cm.stats.num_dynamo_graphs == 1
+    # A decode of 3 requests padded to 4, reading real (random) cache blocks 1..8.
+    ids[:4] = torch.tensor([5, 6, 7, 0])
+    positions[:4] = torch.tensor([6, 2, 9, 0])
+    table.copy_(torch.tensor([[3, 1, 2], [4, 0, 0], [5, 6, 7], [0, 0, 0]]))
+    qsl.copy_(torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32))
+    seq_lens.copy_(torch.tensor([7, 3, 10, 0], dtype=torch.int32))
+    slots[:4] = -1  # nothing written: the eager forward below reads the same cache
+    md = AttentionMetadata(slots[:4], table[:4], qsl, seq_lens)
+    with torch.inference_mode():
+        got = cm.replay_full(4, full_forward(4, False)[1])[:3].clone()
+        want = model.compute_logits(model(ids[:4], positions[:4], md))[:3]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

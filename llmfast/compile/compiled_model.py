@@ -23,7 +23,6 @@ their sizes), so they may be captured before it is allocated.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import logging
@@ -39,7 +38,7 @@ from llmfast.compile.backend import PiecewiseBackend
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key
 from llmfast.compile.stats import CompileStats
 from llmfast.config import CompileConfig, CudaGraphMode
-from llmfast.graphs.capture_context import graph_capture
+from llmfast.graphs.capture_context import CaptureStream, graph_capture
 from llmfast.graphs.dispatch import GraphDispatcher
 from llmfast.graphs.full import FullGraphRunner
 from llmfast.graphs.piecewise import CudaGraphCapturer, EmulatedGraphCapturer, GraphCaptureState
@@ -122,6 +121,8 @@ class CompiledModel:
         self.full_graphs: FullGraphRunner | None = None
         self.capture_sizes: tuple[int, ...] = ()
         self.dispatcher = GraphDispatcher(CudaGraphMode.NONE, (), 0)
+        # One side stream for every capture, the full graphs' recapture included.
+        self._capture_stream = CaptureStream(self.device)
         if self.eager:
             self._forward: Callable[..., torch.Tensor] = model
             return
@@ -250,7 +251,7 @@ class CompiledModel:
         run_dummy(sizes[0])  # compile before measuring memory
         free_before = self._free_device_memory(on_cuda)
         start = time.perf_counter()
-        with self._capture_stream(on_cuda), graph_capture("cuda graph capture"):
+        with self._capture_stream.current(), graph_capture("cuda graph capture"):
             # Largest first, both kinds into the one pool: smaller sizes reuse the
             # memory the larger ones' activations held during their capture.
             for size in sizes:
@@ -275,17 +276,21 @@ class CompiledModel:
     def recapture_full(self, full_forward: FullForward) -> None:
         """Capture the full graphs again, e.g. after binding the real KV cache: they
         read the caches at their capture-time addresses. The dropped graphs' memory
-        returns to the shared pool first, so the new ones take no more than measured."""
+        returns to the shared pool first, so the new ones take no more than measured.
+
+        The largest size runs once uncaptured first, on the new cache: should anything
+        differ for it (a Dynamo guard, a Triton specialisation), the recompile happens
+        there and not inside a capture, where it would fail. Every size ran before at
+        the first capture, so one warm-up suffices."""
         if self.full_graphs is None or not self.full_graphs.graphs:
             return
         sizes = sorted(self.full_graphs.sizes, reverse=True)
         self.full_graphs.clear()
-        on_cuda = isinstance(self._graph_state.capturer, CudaGraphCapturer)
         start = time.perf_counter()
-        with torch.inference_mode(), self._capture_stream(on_cuda), \
+        with torch.inference_mode(), self._capture_stream.current(), \
                 graph_capture("full cuda graph recapture"):
             for size in sizes:
-                self._capture_full(size, full_forward, warm_up=False)
+                self._capture_full(size, full_forward, warm_up=size == sizes[0])
         self.stats.capture_time_s += time.perf_counter() - start
 
     def _capture_full(self, size: int, full_forward: FullForward, warm_up: bool) -> None:
@@ -295,20 +300,6 @@ class CompiledModel:
             if warm_up:  # Triton compiles the decode-shaped attention launch here
                 fn()
             self.full_graphs.capture(size, fn, inputs)
-
-    @contextlib.contextmanager
-    def _capture_stream(self, on_cuda: bool):
-        """Capture needs a side stream; the default stream waits for it afterwards."""
-        if not on_cuda:
-            yield
-            return
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                yield
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _free_device_memory(self, on_cuda: bool) -> int:
         if not on_cuda:

@@ -58,7 +58,9 @@ class StagingBuffer:
     def stage(self, array: np.ndarray) -> torch.Tensor:
         """The device copy of `array` (same shape), valid until the next `stage`."""
         numel = array.size
-        if numel > self.cpu.numel():
+        # `not self.cpu.numel()`: before the first growth `.gpu` is the empty CPU tensor,
+        # so an empty first array would come back on the CPU, not the device.
+        if numel > self.cpu.numel() or not self.cpu.numel():
             self._grow(numel)
         self._np[:numel] = array.reshape(-1)
         if self.gpu is not self.cpu:
