@@ -41,6 +41,8 @@ def main(argv: list[str]) -> None:
         "first_token_epoch": first_token,
         "compile_cache_hits": stats.cache_hits,
         "compile_cache_misses": stats.cache_misses,
+        # Graphs of each kind, capture time and memory (empty in eager mode).
+        "compile_summary": "" if engine.runner.compiled.eager else stats.summary(),
         "device": engine.config.device,
         "engine_config": dataclasses.asdict(engine.config),
     }, default=str))

@@ -470,7 +470,10 @@ def startup_table(report: dict) -> Table:
         style="bold")
     table.caption = (f"compile cache hits/misses: cold {cold['compile_cache_hits']}/"
                      f"{cold['compile_cache_misses']}, warm {warm['compile_cache_hits']}/"
-                     f"{warm['compile_cache_misses']}; device {cold['device']}")
+                     f"{warm['compile_cache_misses']}; device {cold['device']}"
+                     + "".join(f"\n{name}: {run['compile_summary']}"
+                               for name, run in (("cold", cold), ("warm", warm))
+                               if run.get("compile_summary")))
     return table
 
 

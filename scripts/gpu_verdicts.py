@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""PASS/FAIL lines for one step of scripts/gpu_check.sh, against the open issues' bars,
+from what the step left under $OUT (its JSON, or its pytest log).
+
+    python3 scripts/gpu_verdicts.py modes /tmp/llmfast_gpu_check
+    python3 scripts/gpu_verdicts.py --dry-run startup /tmp/llmfast_gpu_check_dry
+
+Every line starts with PASS, FAIL, INFO or MISSING (the step left nothing to judge),
+then the issue and what was compared: `PASS #15 modes: B=1 full / linears = 1.18 (bar
+<= 1.25)`. With --dry-run (gpu_check.sh's CPU rehearsal) PASS/FAIL become DRY-PASS /
+DRY-FAIL: the figures are CPU ones and only show that the parsing works.
+A step without bars (kernels, serve, defaults, presets, families) prints nothing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+Line = tuple[str, str]  # (verdict, text)
+
+
+def check(ok: bool, text: str) -> Line:
+    return ("PASS" if ok else "FAIL", text)
+
+
+def _load(out: Path, name: str) -> dict | None:
+    path = out / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _ratio_line(issue: str, label: str, value: float | None, bar: float,
+                at_most: bool = True) -> Line:
+    sign = "<=" if at_most else ">="
+    if value is None:
+        return ("MISSING", f"{issue} {label}: not measured (bar {sign} {bar:g})")
+    ok = value <= bar if at_most else value >= bar
+    return check(ok, f"{issue} {label} = {value:.2f} (bar {sign} {bar:g})")
+
+
+# ---------------------------------------------------------------------- JSON steps
+
+
+def modes(out: Path) -> Iterator[Line]:
+    """#15: full <= 1.25x linears at B=1, <= 1.3x at B=64; full >= 6x eager at B=1."""
+    data = _load(out, "modes.json")
+    if data is None:
+        yield ("MISSING", "#15 modes: no modes.json")
+        return
+    lat = data["latency_ms"]
+
+    def ms(mode: str, batch: int) -> float | None:
+        return lat.get(mode, {}).get(str(batch))
+
+    for batch, bar in ((1, 1.25), (64, 1.3)):
+        full, floor = ms("full", batch), ms("linears", batch)
+        value = full / floor if full and floor else None
+        yield _ratio_line("#15", f"modes: B={batch} full / linears", value, bar)
+    full, eager = ms("full", 1), ms("eager", 1)
+    yield _ratio_line("#15", "modes: B=1 eager / full (speed-up)",
+                      eager / full if full and eager else None, 6.0, at_most=False)
+    for batch in sorted({int(b) for r in lat.values() for b in r}):
+        row = ", ".join(f"{m} {lat[m][str(batch)]:.3f}" for m in lat if str(batch) in lat[m])
+        yield ("INFO", f"#15 modes: B={batch} ms: {row}")
+
+
+def async_bench(out: Path) -> Iterator[Line]:
+    """#16: end-to-end async step <= 1.10x the model step at 1 and 64, <= 1.05x at 256."""
+    data = _load(out, "async.json")
+    if data is None:
+        yield ("MISSING", "#16 async: no async.json")
+        return
+    bars = {1: 1.10, 64: 1.10, 256: 1.05}
+    for row in data["rows"]:
+        batch, model = row["batch"], row["model_step_ms"]
+        bar = bars.get(batch)
+        if bar is not None:
+            yield _ratio_line("#16", f"async: B={batch} async step / model step",
+                              row["async_ms"] / model, bar)
+        yield ("INFO", f"#16 async: B={batch} model {model:.2f} ms, sync {row['sync_ms']:.2f}"
+                       f" ms, async {row['async_ms']:.2f} ms (async / sync "
+                       f"{row['async_ms'] / row['sync_ms']:.3f})")
+
+
+def load(out: Path) -> Iterator[Line]:
+    """#18: random 1B init <= 2 s; safetensors load >= 50 % of the disk's read speed."""
+    data = _load(out, "load.json")
+    if data is None:
+        yield ("MISSING", "#18 load: no load.json")
+        return
+    yield _ratio_line("#18", f"load: random init of {data['preset']} (s)",
+                      data.get("random_init_new_s"), 2.0)
+    for cache in ("cold", "warm"):
+        share = data.get(f"{cache}_load_vs_read")
+        line = _ratio_line("#18", f"load: safetensors {cache} load / disk read speed",
+                           share, 0.5, at_most=False)
+        yield line if cache == "cold" else ("INFO", line[1])
+
+
+def startup(out: Path) -> Iterator[Line]:
+    """#18: time to first token warm <= 10 s, cold <= 25 s; #15: capture <= 10 s."""
+    data = _load(out, "startup.json")
+    if data is None or "startup" not in data:
+        yield ("MISSING", "#18 startup: no startup.json")
+        return
+    report = data["startup"]
+    for run, bar in (("warm", 10.0), ("cold", 25.0)):
+        yield _ratio_line("#18", f"startup: {run} time to first token (s)",
+                          report[run]["time_to_first_token_s"], bar)
+    for run in ("cold", "warm"):
+        stages = report[run]["stages"]
+        yield _ratio_line("#15", f"startup: {run} capture of the default sizes (s)",
+                          stages.get("capture"), 10.0)
+        summary = report[run].get("compile_summary")
+        yield ("INFO", f"#18 startup: {run} stages "
+                       + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items())
+                       + (f"; {summary}" if summary else ""))
+
+
+def sweep(out: Path) -> Iterator[Line]:
+    """#18: every reported row is pure decode; tok/s per row; % of HBM on CUDA."""
+    data = _load(out, "sweep.json")
+    if data is None:
+        yield ("MISSING", "#18 sweep: no sweep.json")
+        return
+    for name, run in data["runs"].items():
+        points = run.get("sweep", [])
+        impure = [p["batch_size"] for p in points if not p["all_decode"]]
+        yield check(bool(points) and not impure,
+                    f"#18 sweep ({name}): {len(points)} rows, all pure decode"
+                    + (f" except batch {impure}" if impure else ""))
+        for skip in run.get("sweep_skipped", []):
+            yield ("INFO", f"#18 sweep ({name}): batch {skip['batch_size']} skipped: "
+                           f"{skip['reason']}")
+        on_cuda = str(run["engine_config"]["device"]).startswith("cuda")
+        if on_cuda:
+            missing = [p["batch_size"] for p in points if p.get("hbm_fraction") is None]
+            yield check(not missing, f"#18 sweep ({name}): % of HBM bandwidth on every row"
+                        + (f" (missing at {missing})" if missing else ""))
+        for p in points:
+            hbm = p.get("hbm_fraction")
+            yield ("INFO", f"#18 sweep ({name}): B={p['batch_size']} "
+                           f"{p['step_latency']['median'] * 1e3:.2f} ms, "
+                           f"{p['decode_tokens_per_s']:.0f} tok/s"
+                           + (f", {100 * hbm:.0f}% of HBM" if hbm is not None else ""))
+
+
+def throughput(out: Path) -> Iterator[Line]:
+    """#18: offline output tok/s >= 10x HF generate (HF batch size tuned, stated)."""
+    data = _load(out, "throughput.json")
+    if data is None:
+        yield ("MISSING", "#18 throughput: no throughput.json")
+        return
+    run = data["runs"]["default"]
+    yield _ratio_line("#18", "throughput: llmfast / HF generate, output tok/s",
+                      run.get("speedup_vs_hf"), 10.0, at_most=False)
+    if "throughput" in run:
+        t = run["throughput"]
+        hf = run.get("baseline_hf", {})
+        yield ("INFO", f"#18 throughput: llmfast {t['output_tokens_per_s']:.0f} output / "
+                       f"{t['total_tokens_per_s']:.0f} total tok/s; HF at batch "
+                       f"{run.get('hf_batch_size')}: {hf.get('output_tokens_per_s', 0):.0f} / "
+                       f"{hf.get('total_tokens_per_s', 0):.0f}; total speed-up "
+                       f"{run.get('total_speedup_vs_hf', float('nan')):.2f}")
+
+
+def profile(out: Path) -> Iterator[Line]:
+    """#16: the phase table has device time under CUDA graphs, and overlap when async."""
+    for mode in ("sync", "async"):
+        data = _load(out / f"profile-{mode}", "summary.json")
+        if data is None:
+            yield ("MISSING", f"#16 profile ({mode}): no profile-{mode}/summary.json")
+            continue
+        phases = data.get("phases", {})
+        forward = phases.get("forward", {})
+        device_ms = forward.get("device_ms")
+        yield check(bool(device_ms) and device_ms > 0,
+                    f"#16 profile ({mode}): forward device time {device_ms} ms in total "
+                    "(CUDA events; was 0.00 under CUDA graphs)")
+        rows = []
+        for name, p in phases.items():
+            calls = max(p["count"], 1)
+            dev = "-" if p.get("device_ms") is None else f"{p['device_ms'] / calls:.3f}"
+            overlap = ("-" if p.get("overlap_ms") is None
+                       else f"{100 * p['overlap_ms'] / max(p['host_ms'], 1e-9):.0f}%")
+            rows.append(f"{name} host {p['host_ms'] / calls:.3f} dev {dev} ovl {overlap}")
+        yield ("INFO", f"#16 profile ({mode}) per call ms: " + "; ".join(rows))
+
+
+# ---------------------------------------------------------------------- pytest steps
+
+_PYTEST_KEY_TESTS = {
+    "full": ("#15", ("test_greedy_tokens_identical_in_every_mode_and_equal_hf",
+                     "test_seeded_sampling_identical_in_every_mode",
+                     "test_capture_counts_per_mode",
+                     "test_default_sizes_both_kinds_capture_on_llama_1b")),
+    "async_tests": ("#16", ("test_steady_state_steps_never_sync",
+                            "test_async_outputs_equal_sync_on_cuda",
+                            "test_phase_timer_shows_device_time_under_cuda_graphs",
+                            "test_cuda_no_sync_and_seeded_tokens_match_cpu")),
+    "tests": ("all", ()),
+    "families": ("#19", ()),
+}
+_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)")
+_TOTALS = re.compile(r"=+ (.*\d+ (?:passed|failed|error|errors|skipped).*) in [\d.]+s")
+_CAPTURE = re.compile(r"llama-3\.2-1b default mode: .*?(\d+) piecewise CUDA graphs at (\d+) "
+                      r"sizes, (\d+) full graphs, in ([\d.]+) s, (\d+) MiB")
+
+
+def pytest_step(step: str, out: Path) -> Iterator[Line]:
+    log = out / f"{step}.log"
+    issue, key_tests = _PYTEST_KEY_TESTS[step]
+    if not log.is_file():
+        yield ("MISSING", f"{issue} {step}: no {step}.log")
+        return
+    text = log.read_text(errors="replace")
+    outcomes: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = _OUTCOME.match(line)
+        if m:
+            outcomes.setdefault(m.group(1), []).append(m.group(2))
+    totals = _TOTALS.findall(text)
+    if not totals:
+        yield ("FAIL", f"{issue} {step}: pytest printed no result line (crashed or timed out)")
+    else:
+        bad = outcomes.get("FAILED", []) + outcomes.get("ERROR", [])
+        yield check(not bad and "failed" not in totals[-1] and "error" not in totals[-1],
+                    f"{issue} {step}: {totals[-1]}")
+        for test_id in bad:
+            yield ("FAIL", f"{issue} {step}: {test_id}")
+    for name in key_tests:
+        ids = [t for outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED")
+               for t in outcomes.get(outcome, []) if name in t]
+        if not ids:
+            yield ("MISSING", f"{issue} {step}: {name} did not run")
+            continue
+        passed = [t for t in outcomes.get("PASSED", []) if name in t]
+        yield check(len(passed) == len(ids), f"{issue} {step}: {name}: {len(passed)}/"
+                                              f"{len(ids)} passed")
+    m = _CAPTURE.search(text)
+    if m:
+        pieces, sizes, full, secs, mib = m.groups()
+        yield check(float(secs) <= 10.0, f"#15 {step}: 1B capture of the default sizes "
+                                         f"{secs} s (bar <= 10): {pieces} piecewise graphs "
+                                         f"at {sizes} sizes, {full} full graphs, {mib} MiB")
+
+
+def pytest_collected(step: str, out: Path) -> Iterator[Line]:
+    """Dry run (--collect-only): the files import and the key tests are there."""
+    log = out / f"{step}.log"
+    issue, key_tests = _PYTEST_KEY_TESTS[step]
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    m = re.search(r"(\d+/)?\d+ tests? collected( \(\d+ deselected\))?", text)
+    yield check(m is not None and "error" not in text.lower().split("collected")[-1],
+                f"{issue} {step}: " + (m.group(0) if m else "collection failed"))
+    for name in key_tests:
+        yield check(f"::{name}" in text, f"{issue} {step}: {name} collected")
+
+
+STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
+    "modes": modes, "async": async_bench, "load": load, "startup": startup, "sweep": sweep,
+    "throughput": throughput, "profile": profile,
+    **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
+}
+
+
+def verdicts(step: str, out: Path, dry_run: bool = False) -> list[str]:
+    """The step's lines; [] for a step without bars."""
+    judge = STEPS.get(step)
+    if judge is None:
+        return []
+    if dry_run and step in _PYTEST_KEY_TESTS:
+        judge = lambda out: pytest_collected(step, out)  # noqa: E731
+    try:
+        lines = list(judge(out))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        lines = [("FAIL", f"{step}: cannot read its results ({type(e).__name__}: {e})")]
+    if dry_run:
+        lines = [(f"DRY-{v}" if v in ("PASS", "FAIL") else v, t) for v, t in lines]
+    return [f"{v:<8} {t}" for v, t in lines]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("step")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    for line in verdicts(args.step, args.out, args.dry_run):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
