@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from llmfast.bench.serving import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
-from llmfast.cli.common import parse_bytes
+from llmfast.utils.flag_values import parse_bytes
 
 
 def _rates(text: str) -> list[float]:

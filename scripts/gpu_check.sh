@@ -246,17 +246,18 @@ if [[ -f "$OUT/verdicts.txt" ]]; then
     echo "--- verdicts of this call: $OUT/verdicts.txt"
     grep -E '^(PASS|FAIL|MISSING|SKIPPED|DRY-PASS|DRY-FAIL) ' "$OUT/verdicts.txt" | tail -n 60
 fi
-for budget in $BUDGETS; do
+ran() { [[ " $(echo $STEPS) " == *" $1 "* ]]; }
+ran defaults && for budget in $BUDGETS; do
     if [[ -f "$OUT/defaults_$budget.log" ]]; then
         echo "--- defaults, budget $budget tokens:"
         grep -E '│ llmfast ' "$OUT/defaults_$budget.log" | tail -n 1
     fi
 done
-if [[ -f "$OUT/serve.log" ]]; then
+if ran serve && [[ -f "$OUT/serve.log" ]]; then
     echo "--- serve (llmfast serve under load, ms):"
     tail -n 7 "$OUT/serve.log"
 fi
-if compgen -G "$OUT/preset-*.json" > /dev/null; then
+if ran presets && compgen -G "$OUT/preset-*.json" > /dev/null; then
     echo "--- presets (step ms p50, decode tok/s, load s):"
     python3 - "$OUT"/preset-*.json <<'PY'
 import json, sys
@@ -267,7 +268,9 @@ for path in sys.argv[1:]:
     print(f"{run['model']:<22} {rows}  load {run['startup'].get('load', float('nan')):.1f} s")
 PY
 fi
-if [[ -f "$OUT/kernels.json" ]]; then
+if ran kernels && [[ -f "$OUT/kernels.json" ]]; then
     echo "--- kernels: see $OUT/kernels.log / kernels.md"
     tail -n 16 "$OUT/kernels.log"
 fi
+# Non-zero when any step failed or missed a bar (the verdict lines say which).
+! grep -q -E '^(FAIL|MISSING) ' "$OUT/verdicts.txt" 2>/dev/null

@@ -23,6 +23,10 @@ from pathlib import Path
 Line = tuple[str, str]  # (verdict, text)
 
 
+def info(text: str) -> Line:
+    return ("INFO", text)
+
+
 def check(ok: bool, text: str) -> Line:
     return ("PASS" if ok else "FAIL", text)
 
@@ -69,7 +73,7 @@ def modes(out: Path) -> Iterator[Line]:
                       eager / full if full and eager else None, 6.0, at_most=False)
     for batch in sorted({int(b) for r in lat.values() for b in r}):
         row = ", ".join(f"{m} {lat[m][str(batch)]:.3f}" for m in lat if str(batch) in lat[m])
-        yield ("INFO", f"#15 modes: B={batch} ms: {row}")
+        yield info(f"#15 modes: B={batch} ms: {row}")
 
 
 def async_bench(out: Path) -> Iterator[Line]:
@@ -85,7 +89,7 @@ def async_bench(out: Path) -> Iterator[Line]:
         if bar is not None:
             yield _ratio_line("#16", f"async: B={batch} async step / model step",
                               row["async_ms"] / model, bar)
-        yield ("INFO", f"#16 async: B={batch} model {model:.2f} ms, sync {row['sync_ms']:.2f}"
+        yield info(f"#16 async: B={batch} model {model:.2f} ms, sync {row['sync_ms']:.2f}"
                        f" ms, async {row['async_ms']:.2f} ms (async / sync "
                        f"{row['async_ms'] / row['sync_ms']:.3f})")
 
@@ -102,7 +106,7 @@ def load(out: Path) -> Iterator[Line]:
         share = data.get(f"{cache}_load_vs_read")
         line = _ratio_line("#18", f"load: safetensors {cache} load / disk read speed",
                            share, 0.5, at_most=False)
-        yield line if cache == "cold" else ("INFO", line[1])
+        yield line if cache == "cold" else info(line[1])
 
 
 def startup(out: Path) -> Iterator[Line]:
@@ -120,7 +124,7 @@ def startup(out: Path) -> Iterator[Line]:
         yield _ratio_line("#15", f"startup: {run} capture of the default sizes (s)",
                           stages.get("capture"), 10.0)
         summary = report[run].get("compile_summary")
-        yield ("INFO", f"#18 startup: {run} stages "
+        yield info(f"#18 startup: {run} stages "
                        + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items())
                        + (f"; {summary}" if summary else ""))
 
@@ -138,7 +142,7 @@ def sweep(out: Path) -> Iterator[Line]:
                     f"#18 sweep ({name}): {len(points)} rows, all pure decode"
                     + (f" except batch {impure}" if impure else ""))
         for skip in run.get("sweep_skipped", []):
-            yield ("INFO", f"#18 sweep ({name}): batch {skip['batch_size']} skipped: "
+            yield info(f"#18 sweep ({name}): batch {skip['batch_size']} skipped: "
                            f"{skip['reason']}")
         on_cuda = str(run["engine_config"]["device"]).startswith("cuda")
         if on_cuda:
@@ -147,7 +151,7 @@ def sweep(out: Path) -> Iterator[Line]:
                         + (f" (missing at {missing})" if missing else ""))
         for p in points:
             hbm = p.get("hbm_fraction")
-            yield ("INFO", f"#18 sweep ({name}): B={p['batch_size']} "
+            yield info(f"#18 sweep ({name}): B={p['batch_size']} "
                            f"{p['step_latency']['median'] * 1e3:.2f} ms, "
                            f"{p['decode_tokens_per_s']:.0f} tok/s"
                            + (f", {100 * hbm:.0f}% of HBM" if hbm is not None else ""))
@@ -165,7 +169,7 @@ def throughput(out: Path) -> Iterator[Line]:
     if "throughput" in run:
         t = run["throughput"]
         hf = run.get("baseline_hf", {})
-        yield ("INFO", f"#18 throughput: llmfast {t['output_tokens_per_s']:.0f} output / "
+        yield info(f"#18 throughput: llmfast {t['output_tokens_per_s']:.0f} output / "
                        f"{t['total_tokens_per_s']:.0f} total tok/s; HF at batch "
                        f"{run.get('hf_batch_size')}: {hf.get('output_tokens_per_s', 0):.0f} / "
                        f"{hf.get('total_tokens_per_s', 0):.0f}; total speed-up "
@@ -192,7 +196,7 @@ def profile(out: Path) -> Iterator[Line]:
             overlap = ("-" if p.get("overlap_ms") is None
                        else f"{100 * p['overlap_ms'] / max(p['host_ms'], 1e-9):.0f}%")
             rows.append(f"{name} host {p['host_ms'] / calls:.3f} dev {dev} ovl {overlap}")
-        yield ("INFO", f"#16 profile ({mode}) per call ms: " + "; ".join(rows))
+        yield info(f"#16 profile ({mode}) per call ms: " + "; ".join(rows))
 
 
 # ---------------------------------------------------------------------- pytest steps
@@ -278,7 +282,8 @@ def verdicts(step: str, out: Path, dry_run: bool = False) -> list[str]:
     if judge is None:
         return []
     if dry_run and step in _PYTEST_KEY_TESTS:
-        judge = lambda out: pytest_collected(step, out)  # noqa: E731
+        def judge(out: Path) -> Iterator[Line]:
+            return pytest_collected(step, out)
     try:
         lines = list(judge(out))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:

@@ -1,0 +1,156 @@
+"""scripts/gpu_check.sh and its verdicts (scripts/gpu_verdicts.py), on the CPU: the bars
+of issues 15, 16 and 18 judged from results shaped like the steps' own, every script
+importable, and (slow) the script's dry run of its quickest steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from gpu_verdicts import verdicts
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def _lines(step: str, out: Path, dry_run: bool = False) -> dict[str, str]:
+    """The step's verdict lines keyed by their text (after the verdict word)."""
+    result = {}
+    for line in verdicts(step, out, dry_run):
+        word, text = line.split(None, 1)
+        result[text] = word
+    return result
+
+
+def _find(lines: dict[str, str], fragment: str) -> str:
+    matches = [v for t, v in lines.items() if fragment in t]
+    assert len(matches) == 1, (fragment, lines)
+    return matches[0]
+
+
+def test_modes_bars_of_issue_15(tmp_path):
+    lat = {"eager": {"1": 12.0, "64": 13.0}, "full": {"1": 1.9, "64": 2.0},
+           "linears": {"1": 1.5, "64": 1.5}}
+    _write(tmp_path / "modes.json", {"latency_ms": lat})
+    lines = _lines("modes", tmp_path)
+    assert _find(lines, "B=1 full / linears = 1.27") == "FAIL"  # bar 1.25
+    assert _find(lines, "B=64 full / linears = 1.33") == "FAIL"  # bar 1.3
+    assert _find(lines, "B=1 eager / full (speed-up) = 6.32") == "PASS"
+    lat["full"] = {"1": 1.8, "64": 1.9}
+    _write(tmp_path / "modes.json", {"latency_ms": lat})
+    lines = _lines("modes", tmp_path)
+    assert _find(lines, "B=1 full / linears") == "PASS"
+    assert _find(lines, "B=64 full / linears") == "PASS"
+    assert _find(lines, "B=1 eager / full") == "PASS"
+
+
+def test_async_bars_of_issue_16(tmp_path):
+    rows = [{"batch": 1, "model_step_ms": 1.0, "sync_ms": 2.0, "async_ms": 1.09},
+            {"batch": 64, "model_step_ms": 2.0, "sync_ms": 3.0, "async_ms": 2.3},
+            {"batch": 256, "model_step_ms": 6.0, "sync_ms": 7.0, "async_ms": 6.2}]
+    _write(tmp_path / "async.json", {"rows": rows})
+    lines = _lines("async", tmp_path)
+    assert _find(lines, "B=1 async step / model step") == "PASS"
+    assert _find(lines, "B=64 async step / model step = 1.15") == "FAIL"
+    assert _find(lines, "B=256 async step / model step = 1.03") == "PASS"  # bar 1.05
+
+
+def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
+    _write(tmp_path / "load.json", {"preset": "llama-3.2-1b", "random_init_new_s": 2.4,
+                                    "cold_load_vs_read": 0.55, "warm_load_vs_read": 0.3})
+    lines = _lines("load", tmp_path)
+    assert _find(lines, "random init of llama-3.2-1b (s) = 2.40") == "FAIL"
+    assert _find(lines, "cold load / disk read speed = 0.55") == "PASS"
+    assert _find(lines, "warm load") == "INFO"
+
+    def run(ttft, capture):
+        return {"time_to_first_token_s": ttft, "stages": {"load": 0.5, "capture": capture},
+                "compile_summary": "17 pieces; 1139 piecewise CUDA graphs at 67 sizes"}
+    _write(tmp_path / "startup.json",
+           {"startup": {"cold": run(24.0, 11.0), "warm": run(10.5, 4.0)}})
+    lines = _lines("startup", tmp_path)
+    assert _find(lines, "cold time to first token (s) = 24.00") == "PASS"
+    assert _find(lines, "warm time to first token (s) = 10.50") == "FAIL"
+    assert _find(lines, "cold capture of the default sizes (s) = 11.00") == "FAIL"
+    assert _find(lines, "warm capture") == "PASS"
+    assert _find(lines, "warm stages load 0.50 s, capture 4.00 s; 17 pieces") == "INFO"
+
+    _write(tmp_path / "throughput.json", {"runs": {"default": {
+        "speedup_vs_hf": 10.4, "total_speedup_vs_hf": 9.0, "hf_batch_size": 64,
+        "throughput": {"output_tokens_per_s": 16000.0, "total_tokens_per_s": 48000.0},
+        "baseline_hf": {"output_tokens_per_s": 1540.0, "total_tokens_per_s": 5300.0}}}})
+    lines = _lines("throughput", tmp_path)
+    assert _find(lines, "output tok/s = 10.40") == "PASS"
+    assert _find(lines, "HF at batch 64: 1540 / 5300") == "INFO"
+
+    point = {"batch_size": 1, "all_decode": True, "hbm_fraction": 0.6,
+             "step_latency": {"median": 0.0012}, "decode_tokens_per_s": 830.0}
+    config = {"device": "cuda"}
+    _write(tmp_path / "sweep.json", {"runs": {"default": {
+        "engine_config": config, "sweep_skipped": [],
+        "sweep": [point, {**point, "batch_size": 512, "all_decode": False,
+                          "hbm_fraction": None}]}}})
+    lines = _lines("sweep", tmp_path)
+    assert _find(lines, "all pure decode except batch [512]") == "FAIL"
+    assert _find(lines, "% of HBM bandwidth on every row (missing at [512])") == "FAIL"
+    assert _find(lines, "B=1 1.20 ms, 830 tok/s, 60% of HBM") == "INFO"
+
+
+def test_missing_results_and_pytest_logs(tmp_path):
+    assert _find(_lines("modes", tmp_path), "no modes.json") == "MISSING"
+    (tmp_path / "full.log").write_text(
+        "PASSED tests/test_full_graphs_gpu.py::test_capture_counts_per_mode\n"
+        "FAILED tests/test_full_graphs_gpu.py::test_greedy_tokens_identical_in_every_mode_"
+        "and_equal_hf[17] - AssertionError\n"
+        "PASSED tests/test_full_graphs_gpu.py::test_greedy_tokens_identical_in_every_mode_"
+        "and_equal_hf[1]\n"
+        "llama-3.2-1b default mode: 17 pieces around 16 attention calls (0 sharing another's"
+        " code), compiled in 7.0 s (cache hits 0, misses 4); 1139 piecewise CUDA graphs at "
+        "67 sizes, 51 full graphs, in 8.4 s, 412 MiB; start-up {}\n"
+        "==== 1 failed, 2 passed in 200.01s ====\n")
+    lines = _lines("full", tmp_path)
+    assert _find(lines, "1 failed, 2 passed") == "FAIL"
+    assert _find(lines, "test_greedy_tokens_identical_in_every_mode_and_equal_hf: 1/2") == "FAIL"
+    assert _find(lines, "test_capture_counts_per_mode: 1/1 passed") == "PASS"
+    assert _find(lines, "test_seeded_sampling_identical_in_every_mode did not run") == "MISSING"
+    assert _find(lines, "capture of the default sizes 8.4 s (bar <= 10): 1139 piecewise") \
+        == "PASS"
+    (tmp_path / "async_tests.log").write_text("Traceback ...\nKilled\n")
+    assert _find(_lines("async_tests", tmp_path), "no result line") == "FAIL"
+    assert verdicts("serve", tmp_path) == []  # no bars
+
+
+def test_every_script_imports():
+    """A script whose import broke (a moved function) fails at once on the GPU machine."""
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # top level only: main() runs under __main__
+
+
+@pytest.mark.slow  # ~40 s: two pytest collections and a flag check
+def test_dry_run_of_the_quick_steps(tmp_path):
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path),
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full", "async_tests",
+                           "kernels"], env=env, capture_output=True, check=False, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    text = (tmp_path / "verdicts.txt").read_text()
+    assert "DRY-PASS #15 full: test_default_sizes_both_kinds_capture_on_llama_1b" in text
+    assert "DRY-PASS #16 async_tests: test_steady_state_steps_never_sync collected" in text
+    # A budget too small for a step skips it, with a line saying so.
+    env["GPU_CHECK_BUDGET_S"] = "5"
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full"], env=env,
+                          capture_output=True, check=False, text=True, timeout=120)
+    assert "SKIPPED  full: not enough time left" in proc.stdout
