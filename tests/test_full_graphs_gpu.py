@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from llmfast import SamplingParams
-from llmfast.config import CudaGraphMode
+from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CudaGraphMode
 from llmfast.engine import LLMEngine
 from llmfast.engine_args import EngineArgs
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
@@ -134,7 +134,11 @@ def test_default_sizes_both_kinds_capture_on_llama_1b():
     runner = llm.engine.runner
     stats = runner.compiled.stats
     print(f"\nllama-3.2-1b default mode: {stats.summary()}; start-up {runner.startup_times}")
-    assert stats.full_graph_sizes and stats.full_graph_sizes[-1] == 256
+    # Full graphs at every default size up to max_num_seqs (512 on CUDA by default).
+    assert stats.full_graph_sizes == tuple(s for s in DEFAULT_CUDA_GRAPH_SIZES
+                                           if s <= runner.max_num_reqs)
+    assert stats.captured_sizes == tuple(s for s in DEFAULT_CUDA_GRAPH_SIZES
+                                         if s <= runner.max_num_tokens)
     assert stats.num_cuda_graphs == len(stats.captured_sizes) * stats.num_pieces
     out = llm.generate([{"prompt_token_ids": list(range(10, 60 + i))} for i in range(8)],
                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
