@@ -2,7 +2,8 @@
 # The one script a GPU session runs (see /work/shared/DEVICE.md): GPU tests and the
 # benchmarks of the open issues. Everything goes under $OUT; after each step its
 # PASS/FAIL lines against the issues' bars (scripts/gpu_verdicts.py) are printed and
-# appended to $OUT/verdicts.txt, and a summary comes last. The caller has installed the
+# appended to $OUT/verdicts.txt, and a summary comes last, with $OUT/report.md (device
+# lines, exact commands, verdicts and tables: what profiles/ asks for). The caller has installed the
 # .whl preamble and exported PYTHONPATH, e.g. (device tool, carry [".whl"]):
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -272,5 +273,9 @@ if ran kernels && [[ -f "$OUT/kernels.json" ]]; then
     echo "--- kernels: see $OUT/kernels.log / kernels.md"
     tail -n 16 "$OUT/kernels.log"
 fi
-# Non-zero when any step failed or missed a bar (the verdict lines say which).
-! grep -q -E '^(FAIL|MISSING) ' "$OUT/verdicts.txt" 2>/dev/null
+python3 scripts/gpu_report.py "$OUT" > "$OUT/report.md" \
+    && echo "--- $OUT/report.md: commands, outcomes, verdicts and tables (for profiles/)"
+# Non-zero when any step failed or missed a bar (the verdict lines say which); in a dry
+# run only when a step itself failed (CPU figures miss the bars by design).
+if [[ $DRY == 1 ]]; then failed='^FAIL '; else failed='^(FAIL|MISSING) '; fi
+! grep -q -E "$failed" "$OUT/verdicts.txt" 2>/dev/null

@@ -16,6 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
+from gpu_report import report
 from gpu_verdicts import verdicts
 
 
@@ -129,6 +130,28 @@ def test_missing_results_and_pytest_logs(tmp_path):
     (tmp_path / "async_tests.log").write_text("Traceback ...\nKilled\n")
     assert _find(_lines("async_tests", tmp_path), "no result line") == "FAIL"
     assert verdicts("serve", tmp_path) == []  # no bars
+
+
+def test_report_has_each_steps_command_outcome_verdicts_and_table(tmp_path):
+    (tmp_path / "device.txt").write_text("GPU 0: NVIDIA H100 80GB HBM3 (UUID: x)\n"
+                                         "torch 2.11.0 cuda 13.0 triton 3.6.0\n")
+    (tmp_path / "steps.log").write_text(
+        "=== modes (limit 560 s): python3 scripts/bench_modes.py --model m --json o.json\n"
+        "=== modes: ok in 250 s\n"
+        "=== async: SKIPPED: needs ~120 s, 30 s left in this call\n")
+    (tmp_path / "verdicts.txt").write_text(
+        "PASS     #15 modes: B=1 full / linears = 1.20 (bar <= 1.25)\n"
+        "FAIL     #16 async: B=1 async step / model step = 1.2 (bar <= 1.1)\n")
+    (tmp_path / "modes.log").write_text("[full] compiled\ndecode step latency, m\n"
+                                        "batch eager ms\n     1 9.0\n")
+    text = report(tmp_path)
+    modes = text.split("## modes: ok in 250 s")[1].split("## async")[0]
+    assert "NVIDIA H100 80GB HBM3" in text
+    assert "python3 scripts/bench_modes.py --model m --json o.json" in modes
+    assert "- PASS     #15 modes: B=1 full / linears" in modes and "#16" not in modes
+    assert "decode step latency, m\nbatch eager ms\n     1 9.0" in modes
+    assert "## async: SKIPPED: needs ~120 s" in text
+    assert "- FAIL     #16 async: B=1" in text.split("## async")[1]
 
 
 def test_every_script_imports():
