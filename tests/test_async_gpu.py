@@ -106,6 +106,7 @@ def test_phase_timer_shows_device_time_under_cuda_graphs():
         forward = stats[mode]["forward"]
         assert forward.calls == 10 and forward.device_ms > 0
         assert stats[mode]["sample"].device_ms > 0
-    # The synchronous loop updates only after the device finished: nothing to overlap.
+    # The synchronous loop updates only after the device finished: nothing to overlap
+    # (20 us a call of slack: device times reach the host clock through one reference).
     sync_update = stats[False]["update"]
-    assert sync_update.overlap_ms <= 0.2 * sync_update.host_ms + 0.05
+    assert sync_update.overlap_ms <= 0.2 * sync_update.host_ms + 0.02 * sync_update.calls

@@ -122,7 +122,7 @@ def test_bench_sweep_writes_json_and_png(tmp_path):
 
 STARTUP_RUN_KEYS = {"stages", "import_s", "engine_s", "first_step_s", "time_to_first_token_s",
                     "process_s", "compile_cache_hits", "compile_cache_misses", "cache_files",
-                    "device", "engine_config"}
+                    "device", "compile_summary", "engine_config"}
 
 
 def _check_startup_report(result, out_json) -> dict:
@@ -155,6 +155,7 @@ def test_bench_startup_cold_and_warm_eager(tmp_path):
     for which in ("cold", "warm"):  # eager: nothing compiled, nothing cached
         assert "compile" not in startup[which]["stages"]
         assert startup[which]["compile_cache_hits"] == startup[which]["compile_cache_misses"] == 0
+        assert startup[which]["compile_summary"] == ""
     assert out_png.stat().st_size > 0
 
 
@@ -168,6 +169,8 @@ def test_bench_startup_warm_start_reuses_the_compile_cache(tmp_path):
     assert warm["compile_cache_misses"] == 0 and warm["compile_cache_hits"] > 0
     assert cold["cache_files"] > 0 and warm["cache_files"] >= cold["cache_files"]
     assert "compile" in cold["stages"] and "compile" in warm["stages"]
+    # What was compiled, in the JSON and under the table (graphs too, on CUDA).
+    assert "pieces around" in cold["compile_summary"] and "pieces around" in result.stdout
 
 
 def test_bench_throughput_with_hf_baseline(tmp_path):
