@@ -146,7 +146,7 @@ run_step() {  # name, estimate s, limit s, command...
 {
     if [[ $DRY == 1 ]]; then echo "DRY RUN on the CPU: $(uname -n)"; else nvidia-smi -L; fi
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-    echo "steps: $STEPS; budget $BUDGET s; git $(git rev-parse --short HEAD 2>/dev/null)"
+    echo "steps: $STEPS; budget $BUDGET s; commit ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 } 2>&1 | tee "$OUT/device.txt"
 
 for step in $STEPS; do
@@ -214,7 +214,8 @@ for step in $STEPS; do
                     --port 8011 > "$out/serve-server.log" 2>&1 &
                 pid=$!
                 for _ in $(seq 300); do
-                    curl -sf localhost:8011/health >/dev/null && break
+                    python3 -c "import urllib.request as u; u.urlopen(\"http://127.0.0.1:8011/health\", timeout=2)" \
+                        2>/dev/null && break
                     kill -0 $pid 2>/dev/null || { echo "server died"; tail "$out/serve-server.log"; exit 1; }
                     sleep 1
                 done
