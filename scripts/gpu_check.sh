@@ -12,7 +12,7 @@
 #
 # Steps: arguments, else GPU_CHECK_STEPS, else "full async_tests". Each has a time
 # limit, and an estimate (warm machine, cold compile caches) used to keep one call
-# within GPU_CHECK_BUDGET_S (default 570; one device call may run 600 s): a step that
+# within GPU_CHECK_BUDGET_S (default 560; one device call may run 600 s): a step that
 # would not fit in what is left is skipped with a SKIPPED line (run it in the next
 # call). A step that fails or times out does not stop the later ones.
 #
@@ -62,7 +62,7 @@ if [[ $DRY == 1 ]]; then
     BUDGET=${GPU_CHECK_BUDGET_S:-100000}
 else
     OUT=${OUT:-/tmp/llmfast_gpu_check}
-    BUDGET=${GPU_CHECK_BUDGET_S:-570}
+    BUDGET=${GPU_CHECK_BUDGET_S:-560}
 fi
 mkdir -p "$OUT"
 # The compile cache stays out of $OUT (it is large and need not come back).
@@ -92,7 +92,9 @@ if [[ $DRY == 1 ]]; then  # the same commands, CPU-sized
     PRESETS="tiny"
 else
     MODEL=random:llama-3.2-1b DTYPE=bfloat16 DEV=()
-    PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider -rA --durations=10)
+    # -v: one line per test as it ends, so a step cut off by its time limit still shows
+    # which tests passed; -rA: the summary (and passed tests' output) at the end.
+    PYTEST=(python3 -m pytest -m gpu -v -p no:cacheprovider -rA --durations=10)
     MODES_ARGS=(--batch-sizes 1,8,64,256)
     ASYNC_ARGS=(--sizes 1,64,256)
     PROFILE_ARGS=(--sizes 1,64 --steps 16)

@@ -219,6 +219,32 @@ _CAPTURE = re.compile(r"llama-3\.2-1b default mode: .*?(\d+) piecewise CUDA grap
                       r"sizes, (\d+) full graphs, in ([\d.]+) s, (\d+) MiB")
 
 
+_VERBOSE_ID = re.compile(r"^(tests/\S+::\S+)")
+_VERBOSE_OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED)(?:\s+\[\s*\d+%\])?\s*$")
+
+
+def _outcomes(text: str) -> dict[str, str]:
+    """Test id -> outcome, from pytest -v's progress lines (`id PASSED [ 14%]`; with -s
+    the test's prints come between the id and the outcome) and the -rA summary
+    (`PASSED id`), which wins when present: a run cut off by its time limit has only
+    the former."""
+    result: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        m = _VERBOSE_ID.match(line)
+        if m:
+            current = m.group(1)
+        m = _VERBOSE_OUTCOME.search(line)
+        if m and current is not None:
+            result[current] = m.group(1)
+            current = None
+    for line in text.splitlines():
+        m = _OUTCOME.match(line)
+        if m and "::" in m.group(2):
+            result[m.group(2)] = m.group(1)
+    return result
+
+
 def pytest_step(step: str, out: Path) -> Iterator[Line]:
     log = out / f"{step}.log"
     issue, key_tests = _PYTEST_KEY_TESTS[step]
@@ -226,11 +252,10 @@ def pytest_step(step: str, out: Path) -> Iterator[Line]:
         yield ("MISSING", f"{issue} {step}: no {step}.log")
         return
     text = log.read_text(errors="replace")
+    by_test = _outcomes(text)
     outcomes: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        m = _OUTCOME.match(line)
-        if m:
-            outcomes.setdefault(m.group(1), []).append(m.group(2))
+    for test_id, outcome in by_test.items():
+        outcomes.setdefault(outcome, []).append(test_id)
     totals = _TOTALS.findall(text)
     if not totals:
         yield ("FAIL", f"{issue} {step}: pytest printed no result line (crashed or timed out)")
@@ -244,7 +269,7 @@ def pytest_step(step: str, out: Path) -> Iterator[Line]:
         ids = [t for outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED")
                for t in outcomes.get(outcome, []) if name in t]
         if not ids:
-            yield ("MISSING", f"{issue} {step}: {name} did not run")
+            yield ("MISSING", f"{issue} {step}: {name} did not run or finish")
             continue
         passed = [t for t in outcomes.get("PASSED", []) if name in t]
         yield check(len(passed) == len(ids), f"{issue} {step}: {name}: {len(passed)}/"

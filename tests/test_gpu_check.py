@@ -127,6 +127,21 @@ def test_missing_results_and_pytest_logs(tmp_path):
     assert _find(lines, "test_seeded_sampling_identical_in_every_mode did not run") == "MISSING"
     assert _find(lines, "capture of the default sizes 8.4 s (bar <= 10): 1139 piecewise") \
         == "PASS"
+    # Cut off by the time limit: only pytest -v's progress lines (with -s, the test's
+    # prints between the id and the outcome), no summary.
+    (tmp_path / "full.log").write_text(
+        "tests/test_full_graphs_gpu.py::test_capture_counts_per_mode \n"
+        "none: 3 pieces around 2 attention calls\n"
+        "PASSED [ 14%]\n"
+        "tests/test_full_graphs_gpu.py::test_seeded_sampling_identical_in_every_mode "
+        "FAILED [ 28%]\n"
+        "tests/test_full_graphs_gpu.py::test_default_sizes_both_kinds_capture_on_llama_1b \n")
+    lines = _lines("full", tmp_path)
+    assert _find(lines, "no result line") == "FAIL"
+    assert _find(lines, "test_capture_counts_per_mode: 1/1 passed") == "PASS"
+    assert _find(lines, "test_seeded_sampling_identical_in_every_mode: 0/1") == "FAIL"
+    assert _find(lines, "test_default_sizes_both_kinds_capture_on_llama_1b did not") \
+        == "MISSING"
     (tmp_path / "async_tests.log").write_text("Traceback ...\nKilled\n")
     assert _find(_lines("async_tests", tmp_path), "no result line") == "FAIL"
     assert verdicts("serve", tmp_path) == []  # no bars
