@@ -201,6 +201,25 @@ class ModelConfig:
                 f"<= {self.sliding_window}"
             )
 
+    def check_tensor_parallel(self, world_size: int) -> None:
+        """Refuse a tensor-parallel size that does not split this model evenly: query
+        heads and MLP columns divide by it; KV heads divide by it, or (fewer KV heads
+        than ranks) it is a multiple of them, each KV head then replicated."""
+        if world_size == 1:
+            return
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        size = f"tensor-parallel size {world_size}"
+        if heads % world_size:
+            raise ConfigError(f"{size} does not divide the model's {heads} attention heads")
+        if kv >= world_size and kv % world_size:
+            raise ConfigError(f"{size} does not divide the model's {kv} KV heads")
+        if kv < world_size and world_size % kv:
+            raise ConfigError(f"{size} is not a multiple of the model's {kv} KV heads (with "
+                              "fewer KV heads than ranks, each is replicated)")
+        if self.intermediate_size % world_size:
+            raise ConfigError(f"{size} does not divide the model's intermediate size "
+                              f"{self.intermediate_size}")
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
@@ -334,6 +353,7 @@ class EngineConfig:
         # However the config was put together: never full attention where the model
         # wants a window (see `ModelConfig.resolve_max_model_len`).
         self.model.check_fits_window(self.scheduler.max_model_len)
+        self.model.check_tensor_parallel(self.parallel.tensor_parallel_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,12 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmfast.models.loader import (
-    RANDOM_WEIGHT_STD,
-    build_model,
-    resolve_model,
-    weight_bytes,
-)
+from llmfast.models.loader import build_model, resolve_model, weight_bytes
+from llmfast.models.random_weights import RANDOM_WEIGHT_STD
 from llmfast.models.safetensors_reader import (
     SafetensorsFile,
     SafetensorsFormatError,

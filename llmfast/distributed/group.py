@@ -29,6 +29,17 @@ class TensorParallelGroup:
     def is_first_rank(self) -> bool:
         return self.rank == 0
 
+    @property
+    def group_name(self) -> str:
+        """The process group's name in torch's registry: what the functional
+        collectives that compiled graphs record take (a string, a graph constant)."""
+        return self.process_group.group_name
+
+    @property
+    def first_rank_global(self) -> int:
+        """The global rank of this group's rank 0 (torch.distributed's `src`)."""
+        return dist.get_global_rank(self.process_group, 0)
+
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str,
                          device: torch.device, timeout_s: float = 600.0

@@ -16,9 +16,16 @@ from torch import nn
 
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.config import ModelConfig
+from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu_linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
+from llmfast.models.parallel_layers import (
+    gather_logits,
+    row_parallel_linear,
+    vocab_parallel_embedding,
+)
 from llmfast.models.rope import RotaryEmbedding
+from llmfast.models.sharding import rank_model_config, vocab_shard
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +42,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """`config`: this rank's view (its heads; see models/sharding.py)."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -45,7 +55,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, config.o_bias, tp)
         # Qwen3: each query and key head RMS-normalised over head_dim before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -93,11 +103,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size,
+                                             False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -105,12 +116,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
@@ -120,14 +132,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    """`config`: this rank's view (see `DecoderForCausalLM`)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        vocab_start, _, vocab_rows = vocab_shard(config.vocab_size, tp)
+        self.embed_tokens = vocab_parallel_embedding(vocab_rows, config.hidden_size,
+                                                     vocab_start, tp)
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -141,12 +158,21 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    """`tp`: this rank's place in tensor parallelism (default: one rank). The layers are
+    built from `rank_config`, the per-rank view of `config` (this rank's heads, KV heads
+    and MLP columns: also what its KV cache holds); the embedding and lm_head hold this
+    rank's vocabulary rows. See models/sharding.py."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions or config.max_position_embeddings)
+        self.tp = tp or TensorParallelGroup.single()
+        self.rank_config = rank_model_config(config, self.tp.world_size)
+        self.model = DecoderModel(self.rank_config,
+                                  max_positions or config.max_position_embeddings, self.tp)
         self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, bias=False,
+            config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False,
             max_split_tokens=MAX_SPLIT_TOKENS_LM_HEAD,
         )
         if config.tie_word_embeddings:
@@ -160,7 +186,10 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] selected hidden states -> [n, vocab_size] float32 logits."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)  # [n, vocab rows of this rank]
+        if self.tp.world_size > 1:
+            logits = gather_logits(logits, self.config.vocab_size, self.tp)
+        return logits.float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -19,14 +19,19 @@ import torch
 from safetensors import SafetensorError
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
+from llmfast.distributed import TensorParallelGroup
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.families import family_config, model_config_from_json
 from llmfast.models.load_progress import ByteProgress
+from llmfast.models.loader_target import target
+from llmfast.models.random_weights import init_random_weights
 from llmfast.models.safetensors_reader import (
     SafetensorsFile,
     SafetensorsFormatError,
+    TensorEntry,
     TensorReader,
 )
+from llmfast.models.sharding import checkpoint_slice
 from llmfast.models.validate import (
     check_checkpoint,
     check_hf_config,
@@ -216,51 +221,17 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(
-    model: DecoderForCausalLM, name: str, params: dict[str, torch.nn.Parameter] | None = None
-) -> tuple[torch.Tensor, slice | None] | None:
-    """Where an HF tensor goes: (parameter, row slice within it) or None to skip.
-    `params`: `model.named_parameters(remove_duplicate=False)` as a dict, built once by a
-    caller that looks up many names.
-
-    q/k/v rows (weights and biases alike) stack into qkv_proj as
-    [q_size | kv_size | kv_size]; gate/up rows into gate_up_proj as [intermediate | intermediate].
-    """
-    cfg = model.config
-    if params is None:
-        params = dict(model.named_parameters(remove_duplicate=False))
-    if name in params:
-        return params[name], None
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    parts = name.rsplit(".", 2)  # e.g. "model.layers.3.self_attn", "q_proj", "weight"
-    if len(parts) != 3:
-        return None
-    prefix, proj, kind = parts  # kind: "weight" or "bias" (Qwen2's q/k/v)
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    fused = {
-        "q_proj": ("qkv_proj", slice(0, q)),
-        "k_proj": ("qkv_proj", slice(q, q + kv)),
-        "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
-        "gate_proj": ("gate_up_proj", slice(0, inter)),
-        "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
-    }
-    if proj not in fused:
-        return None
-    fused_name, rows = fused[proj]
-    param = params.get(f"{prefix}.{fused_name}.{kind}")
-    return (param, rows) if param is not None else None
-
-
 def load_safetensors_weights(
     model: DecoderForCausalLM, model_dir: Path, progress: Progress | None = None
-) -> None:
+) -> int:
     """Stream every checkpoint tensor into its (possibly fused) parameter, checking that
     each parameter row is written exactly once.
 
     Each tensor's bytes are read from the file straight into its parameter (CPU) or
     through two pinned chunks onto the device (CUDA), cast there when the checkpoint's
     dtype differs (`safetensors_reader`); no CPU copy of the model exists at any point.
+    A tensor-parallel rank reads only its slice of each tensor (models/sharding.py).
+    Returns the bytes read from the files.
     """
     params = dict(model.named_parameters())  # a tied head appears once
     all_params = dict(model.named_parameters(remove_duplicate=False))
@@ -277,19 +248,21 @@ def load_safetensors_weights(
                 raise LoadError(f"cannot read {file.path}: {e}") from None
             try:
                 for name, entry in file.entries.items():
-                    target = (None if is_ignorable(name, model.config)
-                              else _target(model, name, all_params))
-                    if target is None:
+                    found = (None if is_ignorable(name, model.config)
+                             else target(model, name, all_params))
+                    if found is None:
                         logger.debug("skipping checkpoint tensor %s", name)
                         continue
-                    param, rows = target
+                    param, rows = found
+                    shard = checkpoint_slice(name, model.config, model.tp)
+                    rows = _rows_filled(param, rows, shard, rows_written)
                     dest = param.data if rows is None else param.data[rows]
-                    if entry.shape != tuple(dest.shape):
+                    if _shard_shape(entry, shard) != tuple(dest.shape):
                         raise LoadError(
                             f"{file.path.name}: {name} has shape {entry.shape}, the config "
                             f"implies {tuple(dest.shape)}"
                         )
-                    reader.read(fd, entry, dest)
+                    reader.read(fd, entry, dest, shard)
                     rows_written[id(param)] += dest.shape[0]
                     meter.add(entry.nbytes)
             except SafetensorsFormatError as e:
@@ -307,6 +280,27 @@ def load_safetensors_weights(
             f"{model_dir}: checkpoint lacks weights for {len(missing)} parameters, "
             f"e.g. {missing[0]}"
         )
+    return reader.bytes_read
+
+
+def _rows_filled(param: torch.Tensor, rows: slice | None, shard,
+                 rows_written: dict[int, int]) -> slice | None:
+    """The rows of `param` a (sliced) tensor fills: a vocabulary slice shorter than the
+    rank's rows (the last rank's) fills the first ones; the rest are zero padding,
+    zeroed and counted as written here."""
+    if rows is not None or shard is None or shard.dim != 0 or shard.size == param.shape[0]:
+        return rows
+    param.data[shard.size:].zero_()
+    rows_written[id(param)] += param.shape[0] - shard.size
+    return slice(0, shard.size)
+
+
+def _shard_shape(entry: TensorEntry, shard) -> tuple[int, ...]:
+    if shard is None:
+        return entry.shape
+    shape = list(entry.shape)
+    shape[shard.dim] = shard.size
+    return tuple(shape)
 
 
 def _open_safetensors(path: Path) -> SafetensorsFile:
@@ -316,32 +310,6 @@ def _open_safetensors(path: Path) -> SafetensorsFile:
         raise LoadError(f"{path} is corrupt or truncated: {e}") from None
     except OSError as e:
         raise LoadError(f"cannot read {path}: {e}") from None
-
-
-RANDOM_WEIGHT_STD = 0.02
-
-
-def init_random_weights(model: DecoderForCausalLM, seed: int,
-                        progress: Progress | None = None) -> None:
-    """Seeded random weights with sane scales (std 0.02, unit norms), for benchmarks.
-
-    Each parameter is filled in place, in its own dtype, by a generator on its own device:
-    no float32 or CPU copy is made (on a GPU this takes milliseconds where a CPU pass
-    over 1B float32 values took ~20 s). The values depend on the seed and on the device
-    kind (CPU and CUDA generators differ), so they are reproducible per (seed, device).
-    """
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    named = list(model.named_parameters())  # a tied head appears once
-    meter = ByteProgress("initialising random weights",
-                         sum(p.numel() * p.element_size() for _, p in named), progress, device)
-    for name, param in named:
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        else:
-            param.data.normal_(0.0, RANDOM_WEIGHT_STD, generator=generator)
-        meter.add(param.numel() * param.element_size())
-    meter.finish()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -372,14 +340,17 @@ def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
             cls.reset_parameters = method  # type: ignore[method-assign]
 
 
-def _check_before_allocating(model: DecoderForCausalLM, source: ModelSource,
-                             dtype: torch.dtype, device: torch.device) -> None:
+def _check_before_allocating(model: DecoderForCausalLM, rank_model: DecoderForCausalLM,
+                             source: ModelSource, dtype: torch.dtype,
+                             device: torch.device) -> None:
+    """`model`: the whole model on meta (what the checkpoint holds); `rank_model`: this
+    rank's part of it (what must fit), the same object for one rank."""
     where = source.spec if source.path is None else str(source.path)
     try:
-        check_weights_fit(model, dtype, device, _available_memory(device))
+        check_weights_fit(rank_model, dtype, device, _available_memory(device))
         if source.path is not None:
             shapes = safetensors_shapes(_safetensors_files(source.path))
-            check_checkpoint(model, shapes, lambda name: _target(model, name))
+            check_checkpoint(model, shapes, lambda name: target(model, name))
     except ConfigError as e:
         raise LoadError(f"{where}: {e}") from None
     except SafetensorError as e:
@@ -403,18 +374,26 @@ def build_model(
     max_positions: int | None = None,
     seed: int = 0,
     progress: Progress | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> DecoderForCausalLM:
     """Check the checkpoint against the config on a meta-device model, then allocate
     the model directly on `device` in `dtype` (`_allocate_as`: each parameter once,
     uninitialised) and write its weights in place: seeded random values for a preset,
-    the checkpoint's for a directory."""
+    the checkpoint's for a directory. `tp`: build and load this rank's shard only."""
     device = torch.device(device)
+    tp = tp or TensorParallelGroup.single()
+    try:
+        source.config.check_tensor_parallel(tp.world_size)
+    except ConfigError as e:
+        raise LoadError(f"{source.spec}: {e}") from None
     with _allocate_as(torch.device("meta"), dtype):
         shapes = DecoderForCausalLM(source.config, max_positions=max_positions)
-    _check_before_allocating(shapes, source, dtype, device)
-    del shapes
+        rank_shapes = shapes if tp.world_size == 1 else DecoderForCausalLM(
+            source.config, max_positions=max_positions, tp=tp)
+    _check_before_allocating(shapes, rank_shapes, source, dtype, device)
+    del shapes, rank_shapes
     with _allocate_as(device, dtype):
-        model = DecoderForCausalLM(source.config, max_positions=max_positions)
+        model = DecoderForCausalLM(source.config, max_positions=max_positions, tp=tp)
     if source.path is None:
         init_random_weights(model, seed, progress)
     else:

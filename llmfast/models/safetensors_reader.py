@@ -11,6 +11,9 @@ VM (profiles/startup-cpu.md). For a CUDA destination the bytes go through two pi
 staging buffers in turn: the file read of one chunk overlaps the host-to-device copy of
 the previous one, and a checkpoint dtype that differs from the parameter's is cast on
 the device. Never more than two chunks of the model are on the host at once.
+
+A tensor-parallel rank reads only its slice of a tensor (`ByteRuns`): a row slice is one
+byte range, a column slice one range per row; nothing else of the tensor is read.
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import torch
+
+if TYPE_CHECKING:
+    from llmfast.models.sharding import ShardSlice
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -100,6 +107,49 @@ def _entry(name: str, info: object, start: int, data_bytes: int) -> TensorEntry:
     return TensorEntry(name, dtype, shape, start + begin, end - begin)
 
 
+@dataclass(frozen=True)
+class ByteRuns:
+    """Where a (slice of a) tensor's bytes lie in the file: `count` runs of `run_bytes`,
+    the i-th at `first + i * stride`, in the order the destination holds them."""
+
+    first: int
+    run_bytes: int
+    stride: int
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.run_bytes * self.count
+
+    def pieces(self, begin: int, end: int) -> Iterator[tuple[int, int, int]]:
+        """(file offset, destination offset, bytes) covering destination bytes
+        [begin, end). Worked example, runs of 8 bytes with stride 32 from 100,
+        begin 4, end 20: (104, 4, 4), (132, 8, 8), (164, 16, 4)."""
+        pos = begin
+        while pos < end:
+            run, within = divmod(pos, self.run_bytes)
+            n = min(self.run_bytes - within, end - pos)
+            yield self.first + run * self.stride + within, pos, n
+            pos += n
+
+
+def byte_runs(entry: TensorEntry, shard: ShardSlice | None = None) -> ByteRuns:
+    """The bytes of `entry`, or of its `shard` (rows: dim 0, columns of a 2-D tensor:
+    dim 1). Worked example, a [4, 6] float32 tensor at offset 0, columns 2..4: runs of
+    12 bytes at 8, 32, 56, 80 (row stride 24)."""
+    if shard is None:
+        return ByteRuns(entry.offset, entry.nbytes, entry.nbytes, 1)
+    row_bytes = entry.nbytes // entry.shape[0]
+    if shard.dim == 0:
+        size = shard.size * row_bytes
+        return ByteRuns(entry.offset + shard.start * row_bytes, size, size, 1)
+    if shard.dim != 1 or len(entry.shape) != 2:
+        raise ValueError(f"{entry.name}: cannot slice dim {shard.dim} of {entry.shape}")
+    itemsize = entry.dtype.itemsize
+    return ByteRuns(entry.offset + shard.start * itemsize, shard.size * itemsize, row_bytes,
+                    entry.shape[0])
+
+
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
@@ -131,6 +181,7 @@ class TensorReader:
         self._pinned: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event] = []
         self._turn = 0
+        self.bytes_read = 0  # from files, by this reader
 
     def __enter__(self) -> Self:
         return self
@@ -144,26 +195,36 @@ class TensorReader:
         self._staging = None
         self._pinned, self._events = [], []
 
-    def read(self, fd: int, entry: TensorEntry, dest: torch.Tensor) -> None:
-        """Fill `dest` (contiguous, same number of elements) with the entry's values,
-        cast to dest's dtype."""
-        assert dest.is_contiguous() and dest.numel() * entry.dtype.itemsize == entry.nbytes
+    def read(self, fd: int, entry: TensorEntry, dest: torch.Tensor,
+             shard: ShardSlice | None = None) -> None:
+        """Fill `dest` (contiguous, as many elements as the entry or its `shard`) with
+        the entry's values (or the shard's), cast to dest's dtype."""
+        runs = byte_runs(entry, shard)
+        assert dest.is_contiguous() and dest.numel() * entry.dtype.itemsize == runs.nbytes
         if self.staged:
-            self._read_staged(fd, entry, dest)
+            self._read_staged(fd, entry, runs, dest)
         else:
-            self._read_cpu(fd, entry, dest)
+            self._read_cpu(fd, entry, runs, dest)
 
-    def _read_cpu(self, fd: int, entry: TensorEntry, dest: torch.Tensor) -> None:
+    def _read_runs(self, fd: int, runs: ByteRuns, view: memoryview, begin: int) -> None:
+        """Destination bytes [begin, begin + len(view)) into `view`."""
+        for offset, at, n in runs.pieces(begin, begin + len(view)):
+            _pread_into(fd, view[at - begin: at - begin + n], offset)
+        self.bytes_read += len(view)
+
+    def _read_cpu(self, fd: int, entry: TensorEntry, runs: ByteRuns,
+                  dest: torch.Tensor) -> None:
         if dest.dtype == entry.dtype:
-            _pread_into(fd, _byte_view(dest), entry.offset)
+            self._read_runs(fd, runs, _byte_view(dest), 0)
             return
-        if self._staging is None or self._staging.numel() < entry.nbytes:
-            self._staging = torch.empty(entry.nbytes, dtype=torch.uint8)
-        raw = self._staging[: entry.nbytes]
-        _pread_into(fd, _byte_view(raw), entry.offset)
+        if self._staging is None or self._staging.numel() < runs.nbytes:
+            self._staging = torch.empty(runs.nbytes, dtype=torch.uint8)
+        raw = self._staging[: runs.nbytes]
+        self._read_runs(fd, runs, _byte_view(raw), 0)
         dest.copy_(raw.view(entry.dtype).view(dest.shape))
 
-    def _read_staged(self, fd: int, entry: TensorEntry, dest: torch.Tensor) -> None:
+    def _read_staged(self, fd: int, entry: TensorEntry, runs: ByteRuns,
+                     dest: torch.Tensor) -> None:
         on_cuda = dest.device.type == "cuda"
         if not self._pinned:
             self._pinned = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=on_cuda)
@@ -185,7 +246,7 @@ class TensorReader:
             if on_cuda:
                 self._events[turn].synchronize()  # its previous copy has left the buffer
             pinned = self._pinned[turn][:nbytes]
-            _pread_into(fd, _byte_view(pinned), entry.offset + first * itemsize)
+            self._read_runs(fd, runs, _byte_view(pinned), first * itemsize)
             src = pinned.view(entry.dtype)
             if dest.dtype == entry.dtype:
                 flat[first:last].copy_(src, non_blocking=on_cuda)

@@ -17,7 +17,7 @@ from llmfast.models.decoder import DecoderForCausalLM
 def profile_peak_memory(model: DecoderForCausalLM, max_num_tokens: int, max_num_reqs: int,
                         block_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """Run the largest forward once on a throwaway cache; return peak bytes in use."""
-    cfg = model.config
+    cfg = model.rank_config  # this rank's KV heads
     num_tokens = max_num_tokens
     num_reqs = min(max_num_reqs, num_tokens)
     tokens_per_req = -(-num_tokens // num_reqs)  # ceil

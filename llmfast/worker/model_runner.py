@@ -24,7 +24,7 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from llmfast.distributed import TensorParallelGroup
+from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind, StepDispatch, is_uniform_decode
 from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.workspaces import AttentionWorkspaces
@@ -46,6 +46,7 @@ from llmfast.worker.memory_profile import profile_peak_memory
 from llmfast.worker.sampler import Sampler
 from llmfast.worker.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.step_output import OutputCopier, PendingStep
+from llmfast.worker.tp_sampling import sample_on_first_rank
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(source, self.dtype, self.device,
                                  max_positions=self.max_model_len, seed=config.seed,
-                                 progress=progress)
+                                 progress=progress, tp=self.tp_group)
         if self.device.type == "cpu" and config.compile.enforce_eager:
             # A second, blocked copy of the weights: at most a quarter of the RAM.
             ram = physical_memory_bytes()
@@ -126,7 +127,7 @@ class ModelRunner:
         cache (they read it; the dropped ones' pool memory is reused).
         """
         cfg = self.config
-        model_cfg = self.model.config
+        model_cfg = self.model.rank_config  # this rank's KV heads
         captured = False
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
@@ -141,6 +142,8 @@ class ModelRunner:
                                         peak + graph_bytes)
         else:
             num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.dtype)
+        # Every rank's cache holds the blocks the one scheduler hands out: the fewest.
+        num_blocks = min_across_ranks(num_blocks, self.tp_group, self.device)
         t0 = time.perf_counter()
         block_bytes = kv_block_bytes(model_cfg, self.block_size, self.dtype)
         check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
@@ -402,7 +405,9 @@ class ModelRunner:
         with nvtx_range("sample", self.phase_timer):
             if logits is None:
                 logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
-            sampler_out = self.sampler(logits, metadata)
+            sampler_out = (self.sampler(logits, metadata) if self.tp_group.world_size == 1
+                           else sample_on_first_rank(self.sampler, logits, metadata,
+                                                     self.tp_group))
             sampled = sampler_out.sampled_token_ids  # [n], stays on the device
             self._prev_sampled = sampled
             step["sampled_host"], step["logprobs_host"], step["event"] = \
