@@ -25,7 +25,7 @@ def shuffled_blocks(model: DecoderForCausalLM, num_seqs: int, max_len: int, bloc
     """Zeroed KV caches bound to `model`, and a [num_seqs, blocks_per_seq] int32 block
     table giving each sequence a shuffled (non-contiguous) set of blocks; block 0 stays
     reserved, as in the engine."""
-    cfg = model.config
+    cfg = model.rank_config  # this rank's KV heads (all of them for one rank)
     dtype = next(model.parameters()).dtype
     blocks_per_seq = -(-max_len // block_size)
     num_blocks = 1 + num_seqs * blocks_per_seq

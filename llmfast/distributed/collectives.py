@@ -27,6 +27,10 @@ def all_reduce(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
     return x
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_last_dim(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
     """[n, k] on each rank -> [n, world_size * k], rank r's columns at [r * k, (r + 1) * k).
 
@@ -42,7 +46,7 @@ def all_gather_last_dim(x: torch.Tensor, group: TensorParallelGroup) -> torch.Te
         stacked = fc.all_gather_tensor(x.contiguous(), 0, group.group_name)
     else:
         stacked = x.new_empty(world * n, k)  # [world_size * n, k]
-        dist.all_gather_into_tensor(stacked, x.contiguous(), group=group.process_group)
+        _all_gather_single(stacked, x.contiguous(), group=group.process_group)
     return stacked.view(world, n, k).permute(1, 0, 2).reshape(n, world * k)
 
 

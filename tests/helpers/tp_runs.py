@@ -1,0 +1,88 @@
+"""What a tensor-parallel rank runs in the tests (`tests/helpers/ranks.py` spawns them;
+with `TensorParallelGroup.single()` the same functions give the TP=1 reference).
+
+- `model_logits`: the model alone, a prefill and a decode step over a paged cache;
+- `runner_tokens`: the real `ModelRunner` fed as the executor feeds it: rank 0's
+  scheduler makes each step's SchedulerOutput, every rank receives the same one
+  (broadcast), executes it, and rank 0's sampled ids go back to the scheduler.
+Results are plain numpy / lists (pickled by value between processes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llmfast.distributed import TensorParallelGroup
+from tests.helpers.paged import PagedSequences
+
+
+def model_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
+                 next_ids: list[int]) -> np.ndarray:
+    """[prefill tokens + one decode token per prompt, vocab] float32 logits."""
+    from llmfast.models.loader import build_model, resolve_model
+
+    model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=64, seed=0,
+                        tp=group)
+    seqs = PagedSequences(model, len(prompts), max_len=32, block_size=4)
+    prefill = seqs.step(dict(enumerate(prompts)))
+    decode = seqs.step({i: [t] for i, t in enumerate(next_ids)})
+    return torch.cat([prefill, decode]).numpy()
+
+
+def engine_config(spec: str, world_size: int, compiled: bool = False,
+                  async_scheduling: bool = False):
+    from llmfast.engine_args import EngineArgs
+
+    args = EngineArgs(model=spec, device="cpu", dtype="float32", max_num_seqs=8,
+                      max_num_batched_tokens=64, max_model_len=128, block_size=4,
+                      num_gpu_blocks_override=96, enforce_eager=not compiled,
+                      compile=compiled, async_scheduling=async_scheduling,
+                      tensor_parallel_size=world_size,
+                      distributed_executor_backend="mp" if world_size > 1 else "uni")
+    return args.create_engine_config()
+
+
+def _broadcast(obj, group: TensorParallelGroup):
+    if group.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=group.first_rank_global, group=group.process_group)
+    return box[0]
+
+
+def runner_tokens(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
+                  max_tokens: int, compiled: bool = False,
+                  async_scheduling: bool = False) -> dict[str, list[int]] | None:
+    """Greedy output ids per request (rank 0; None on the others). The budget (64
+    tokens) chunks long prompts, so steps mix prefill chunks and decodes."""
+    from llmfast.core.request import Request
+    from llmfast.core.scheduler import Scheduler
+    from llmfast.sampling_params import SamplingParams
+    from llmfast.worker.model_runner import ModelRunner
+
+    config, source = engine_config(spec, group.world_size, compiled, async_scheduling)
+    runner = ModelRunner(config, source, tp_group=group)
+    num_blocks = runner.initialize()
+    scheduler = requests = None
+    if group.is_first_rank:
+        scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        requests = [Request(str(i), p, params) for i, p in enumerate(prompts)]
+        for r in requests:
+            scheduler.add_request(r)
+    in_flight = None
+    while _broadcast(scheduler is None or scheduler.has_unfinished_requests(), group):
+        out = _broadcast(scheduler.schedule() if scheduler else None, group)
+        pending = runner.execute_async(out)
+        step = None if pending is None else (out, pending)
+        if async_scheduling:  # collect the previous step while this one runs
+            step, in_flight = in_flight, step
+        if step is not None:
+            runner_out = runner.collect(step[1])
+            if scheduler is not None:
+                scheduler.update(step[0], runner_out)
+    if requests is None:
+        return None
+    return {r.request_id: list(r.output_token_ids) for r in requests}
