@@ -53,7 +53,8 @@ class PagedSequences:
     """A few sequences, each owning a shuffled (non-contiguous) set of cache blocks."""
 
     def __init__(self, model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
-                 seed: int = 0, device: torch.device | str = "cpu") -> None:
+                 seed: int = 0, device: torch.device | str = "cpu", forward=None) -> None:
+        """`forward`: called instead of `model` (e.g. its `CompiledModel`)."""
         self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed,
                                                         device)
         self.device = device
@@ -61,6 +62,7 @@ class PagedSequences:
         self.block_size = block_size
         self.lens = [0] * num_seqs
         self.model = model
+        self.forward = forward or model
 
     def step(self, chunks: dict[int, list[int]]) -> torch.Tensor:
         """Feed `chunks` (seq index -> new token ids); returns the logits of every new
@@ -75,5 +77,5 @@ class PagedSequences:
         )
         with torch.inference_mode():
             ids = torch.tensor(s.ids, device=dev)
-            hidden = self.model(ids, torch.tensor(s.positions, device=dev), md)
+            hidden = self.forward(ids, torch.tensor(s.positions, device=dev), md)
             return self.model.compute_logits(hidden)

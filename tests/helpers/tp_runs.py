@@ -10,6 +10,8 @@ Results are plain numpy / lists (pickled by value between processes).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -23,9 +25,9 @@ def model_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]]
     """[prefill tokens + one decode token per prompt, vocab] float32 logits."""
     from llmfast.models.loader import build_model, resolve_model
 
-    model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=64, seed=0,
+    model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=128, seed=0,
                         tp=group)
-    seqs = PagedSequences(model, len(prompts), max_len=32, block_size=4)
+    seqs = PagedSequences(model, len(prompts), max_len=96, block_size=4)
     prefill = seqs.step(dict(enumerate(prompts)))
     decode = seqs.step({i: [t] for i, t in enumerate(next_ids)})
     return torch.cat([prefill, decode]).numpy()
@@ -53,10 +55,13 @@ def _broadcast(obj, group: TensorParallelGroup):
 
 
 def runner_tokens(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
-                  max_tokens: int, compiled: bool = False,
-                  async_scheduling: bool = False) -> dict[str, list[int]] | None:
+                  max_tokens: int, compiled: bool = False, async_scheduling: bool = False,
+                  compile_cache: str | None = None) -> dict[str, list[int]] | None:
     """Greedy output ids per request (rank 0; None on the others). The budget (64
-    tokens) chunks long prompts, so steps mix prefill chunks and decodes."""
+    tokens) chunks long prompts, so steps mix prefill chunks and decodes.
+    `compile_cache`: LLMFAST_CACHE for this process (compiled runs)."""
+    if compile_cache is not None:
+        os.environ["LLMFAST_CACHE"] = compile_cache
     from llmfast.core.request import Request
     from llmfast.core.scheduler import Scheduler
     from llmfast.sampling_params import SamplingParams
@@ -86,3 +91,27 @@ def runner_tokens(group: TensorParallelGroup, spec: str, prompts: list[list[int]
     if requests is None:
         return None
     return {r.request_id: list(r.output_token_ids) for r in requests}
+
+
+def compiled_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
+                    next_ids: list[int]) -> np.ndarray:
+    """`model_logits` through torch.compile with the piecewise backend, its pieces run
+    as FX code (no Inductor): Dynamo's trace of the collectives and the split."""
+    from llmfast.compile import CompiledModel
+    from llmfast.config import CompileConfig
+    from llmfast.models.loader import build_model, resolve_model
+
+    model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=128, seed=0,
+                        tp=group)
+    compiled = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu", 256,
+                             piece_compiler="eager")
+    seqs = PagedSequences(model, len(prompts), max_len=96, block_size=4, forward=compiled)
+    prefill = seqs.step(dict(enumerate(prompts)))
+    decode = seqs.step({i: [t] for i, t in enumerate(next_ids)})
+    assert compiled.stats.num_dynamo_graphs == 1
+    return torch.cat([prefill, decode]).numpy()
+
+
+def run_cases(group: TensorParallelGroup, cases: list[tuple[str, tuple]]) -> list:
+    """Several of the functions above in one process (a rank's start-up is the cost)."""
+    return [globals()[name](group, *args) for name, args in cases]

@@ -1,0 +1,203 @@
+"""Tensor parallelism on CPU (gloo): TP=2 computes what TP=1 computes.
+
+Spawned pairs of ranks (`tests/helpers/ranks.py`) run the model and the real
+`ModelRunner` driven as the executor drives it; TP=1 in this process is the oracle
+(logits to float32 rounding, greedy tokens identical). Loading is checked without a
+process group: a rank's model is built and filled by itself, and each parameter must
+be the slice of the TP=1 parameter that an independent reading of the Megatron split
+(`expected_shard` below, written from the head and column ranges, not from
+llmfast/models/sharding.py) says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from llmfast.config import ConfigError
+from llmfast.distributed import TensorParallelGroup
+from llmfast.models.loader import (
+    LoadError,
+    ModelSource,
+    build_model,
+    load_safetensors_weights,
+    resolve_model,
+)
+from tests.helpers.checkpoints import make_hf_checkpoint
+from tests.helpers.ranks import run_ranks
+from tests.helpers.tp_runs import model_logits, run_cases, runner_tokens
+
+SINGLE = TensorParallelGroup.single()
+PROMPTS = [list(range(5, 75)), [20, 21, 22], [7, 9, 11, 13, 15, 17]]  # 70: two chunks
+NEXT_IDS = [3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {
+        # q/k/v and o biases; 251 rows split 126 + 125 (one padding row on rank 1).
+        "llama": make_hf_checkpoint(root / "llama", family="llama", attention_bias=True,
+                                    vocab_size=251),
+        # One KV head for two ranks (replicated); qkv biases; tied embeddings.
+        "qwen2": make_hf_checkpoint(root / "qwen2", family="qwen2", num_key_value_heads=1,
+                                    tie=True),
+        # Per-head q/k norms.
+        "qwen3": make_hf_checkpoint(root / "qwen3", family="qwen3"),
+    }
+
+
+# ----------------------------------------------------------------- the oracle of the split
+
+
+def expected_shard(name: str, full: torch.Tensor, cfg, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of TP=1's parameter `name`, from the split's definition."""
+    d, heads, kv, inter = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.intermediate_size
+    q_heads = range(rank * heads // world, (rank + 1) * heads // world)
+    # The KV heads those query heads read (one, replicated, if there are fewer than ranks).
+    kv_heads = sorted({h * kv // heads for h in q_heads})
+    if ".qkv_proj." in name:
+        q_rows = [h * d + i for h in q_heads for i in range(d)]
+        k_rows = [heads * d + h * d + i for h in kv_heads for i in range(d)]
+        v_rows = [(heads + kv) * d + h * d + i for h in kv_heads for i in range(d)]
+        return full[q_rows + k_rows + v_rows]
+    if ".gate_up_proj." in name:
+        cols = range(rank * inter // world, (rank + 1) * inter // world)
+        return full[[*cols, *(inter + c for c in cols)]]
+    if name.endswith("o_proj.weight"):
+        return full[:, [h * d + i for h in q_heads for i in range(d)]]
+    if name.endswith("down_proj.weight"):
+        return full[:, rank * inter // world:(rank + 1) * inter // world]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        per_rank = -(-cfg.vocab_size // world)
+        rows = full[rank * per_rank:(rank + 1) * per_rank]
+        return torch.cat([rows, rows.new_zeros(per_rank - len(rows), rows.shape[1])])
+    return full  # norms, o_proj's bias on rank 0
+
+
+def check_shards(full_model, world: int, build_rank) -> None:
+    full = dict(full_model.named_parameters())
+    for rank in range(world):
+        model = build_rank(TensorParallelGroup(rank=rank, world_size=world))
+        params = dict(model.named_parameters())
+        for name, param in params.items():
+            want = expected_shard(name, full[name], full_model.config, rank, world)
+            assert param.shape == want.shape, (rank, name)
+            torch.testing.assert_close(param, want, rtol=0, atol=0, msg=f"{rank} {name}")
+        # o_proj's bias is added once, by rank 0: the others have none.
+        only_first = {n for n in full if n.endswith("o_proj.bias")} if rank else set()
+        assert set(full) - set(params) == only_first
+
+
+# ----------------------------------------------------------------- loading (one process)
+
+
+@pytest.mark.parametrize("kv_heads,vocab", [(2, 512), (1, 511)])
+def test_random_preset_shards_are_slices_of_tp1_weights(kv_heads, vocab):
+    cfg = replace(resolve_model("random:tiny").config, num_key_value_heads=kv_heads,
+                  vocab_size=vocab)
+    source = ModelSource("random:tiny", None, cfg)
+    full = build_model(source, torch.float32, "cpu", max_positions=16, seed=3)
+    check_shards(full, 2, lambda tp: build_model(source, torch.float32, "cpu",
+                                                 max_positions=16, seed=3, tp=tp))
+
+
+def test_sharded_safetensors_load_reads_only_the_slices(checkpoints):
+    path = checkpoints["llama"]
+    source = resolve_model(str(path))
+    full = build_model(source, torch.float32, "cpu", max_positions=16)
+    full_bytes = load_safetensors_weights(full, path)
+    norms = sum(p.numel() * 4 for n, p in full.named_parameters() if "norm" in n)
+    read = []
+
+    def build_rank(tp):
+        model = build_model(source, torch.float32, "cpu", max_positions=16, tp=tp)
+        read.append(load_safetensors_weights(model, path))  # again, counting the bytes
+        return model
+
+    check_shards(full, 2, build_rank)
+    # Each sharded tensor is read once across the two ranks, the norms by both, the
+    # o_proj biases by rank 0 alone.
+    assert sum(read) == full_bytes + norms
+    assert max(read) < 0.6 * full_bytes
+
+
+def test_bf16_checkpoint_slices_cast_on_read(checkpoints):
+    """A column slice read through the cast path (checkpoint float32, model bf16)."""
+    source = resolve_model(str(checkpoints["qwen3"]))
+    full = build_model(source, torch.bfloat16, "cpu", max_positions=16)
+    check_shards(full, 2, lambda tp: build_model(source, torch.bfloat16, "cpu",
+                                                 max_positions=16, tp=tp))
+
+
+@pytest.mark.parametrize("changes,world,what", [
+    (dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16), 4, "6 attention heads"),
+    (dict(num_attention_heads=6, num_key_value_heads=3, head_dim=16), 2, "3 KV heads"),
+    (dict(num_attention_heads=12, num_key_value_heads=2, head_dim=16), 3,
+     "not a multiple of the model's 2 KV heads"),
+    (dict(intermediate_size=130), 4, "intermediate size 130"),
+])
+def test_uneven_split_is_one_line_config_error(changes, world, what):
+    cfg = replace(resolve_model("random:tiny").config, **changes)
+    with pytest.raises(ConfigError, match=what) as err:
+        cfg.check_tensor_parallel(world)
+    assert "\n" not in str(err.value)
+    with pytest.raises(LoadError, match=what):
+        build_model(ModelSource("random:x", None, cfg), torch.float32, "cpu",
+                    max_positions=16, tp=TensorParallelGroup(rank=0, world_size=world))
+
+
+def test_engine_config_refuses_uneven_tensor_parallel_size():
+    from llmfast.engine_args import EngineArgs
+
+    args = EngineArgs(model="random:tiny", device="cpu", tensor_parallel_size=3,
+                      distributed_executor_backend="mp")
+    with pytest.raises(ConfigError, match="tensor-parallel size 3 does not divide the "
+                                          "model's 4 attention heads"):
+        args.create_engine_config()
+
+
+# ----------------------------------------------------------------- two ranks
+
+
+def test_tp2_matches_tp1(checkpoints):
+    """Logits of a prefill and a decode step, and greedy tokens through the runner
+    (chunked prefill, then decodes; one family with async scheduling), on both ranks."""
+    cases = []
+    for family, path in checkpoints.items():
+        cases.append(("model_logits", (str(path), PROMPTS, NEXT_IDS)))
+        cases.append(("runner_tokens", (str(path), PROMPTS, 5, False, family == "qwen2")))
+    rank_results = run_ranks(run_cases, 2, cases)
+    for i, (name, args) in enumerate(cases):
+        want = run_cases(SINGLE, [(name, args)])[0]
+        got = [r[i] for r in rank_results]
+        if name == "model_logits":
+            for rank_logits in got:
+                np.testing.assert_allclose(rank_logits, want, rtol=0, atol=2e-5,
+                                           err_msg=str(args[0]))
+        else:
+            assert got[0] == want, args[0]
+            assert got[1] is None
+            assert all(len(ids) == 5 for ids in want.values())
+
+
+def test_tp2_compiled_trace_matches_tp1(checkpoints):
+    """torch.compile with the piecewise backend (pieces as FX code): one graph per rank,
+    with the collectives inside it, equal to TP=1 eager."""
+    path = str(checkpoints["llama"])
+    want = model_logits(SINGLE, path, PROMPTS, NEXT_IDS)
+    for got in run_ranks(run_cases, 2, [("compiled_logits", (path, PROMPTS, NEXT_IDS))]):
+        np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_tp2_inductor_runner_matches_tp1(checkpoints, tmp_path):
+    """The runner compiled with Inductor on each rank (~60 s on 2 cores)."""
+    path = str(checkpoints["qwen2"])
+    want = runner_tokens(SINGLE, path, PROMPTS, 5)
+    got = run_ranks(runner_tokens, 2, path, PROMPTS, 5, True, False, str(tmp_path))
+    assert got[0] == want
