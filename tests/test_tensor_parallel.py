@@ -135,11 +135,11 @@ def test_bf16_checkpoint_slices_cast_on_read(checkpoints):
 
 
 @pytest.mark.parametrize("changes,world,what", [
-    (dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16), 4, "6 attention heads"),
-    (dict(num_attention_heads=6, num_key_value_heads=3, head_dim=16), 2, "3 KV heads"),
-    (dict(num_attention_heads=12, num_key_value_heads=2, head_dim=16), 3,
+    ({"num_attention_heads": 6, "num_key_value_heads": 2}, 4, "6 attention heads"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2, "3 KV heads"),
+    ({"num_attention_heads": 12, "num_key_value_heads": 2}, 3,
      "not a multiple of the model's 2 KV heads"),
-    (dict(intermediate_size=130), 4, "intermediate size 130"),
+    ({"intermediate_size": 130}, 4, "intermediate size 130"),
 ])
 def test_uneven_split_is_one_line_config_error(changes, world, what):
     cfg = replace(resolve_model("random:tiny").config, **changes)

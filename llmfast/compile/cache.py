@@ -39,7 +39,8 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../llmfast
 # The sources that decide what gets compiled: the model, its ops and kernels, the
 # backend itself, and the dataclasses they read. Editing the CLI or the scheduler does
 # not invalidate the cache.
-COMPILED_SOURCES = ("models", "kernels", "compile", "graphs", "attention_metadata.py",
+COMPILED_SOURCES = ("models", "kernels", "compile", "graphs", "distributed",
+                    "attention_metadata.py",
                     "config.py")
 
 

@@ -6,6 +6,11 @@ rope scaling (models/families.py says which family has which).
 Inputs are flat over the step's tokens (no batch dimension): requests are told apart
 only by the attention metadata. Attention goes through `torch.ops.llmfast.unified_attention`,
 which also writes the new tokens' keys and values into the paged KV cache.
+
+Tensor parallelism (`tp`, passed down from the runner): each rank builds the layers of
+its shard (models/sharding.py: heads, KV heads, MLP columns, vocabulary rows), and the
+row-parallel projections and the embedding all-reduce (models/parallel_layers.py). One
+rank builds exactly the single-device layers.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int,
         group = init_tensor_parallel(rank, world_size, f"tcp://127.0.0.1:{port}",
                                      torch.device("cpu"), timeout_s=120)
         results.put((rank, "ok", fn(group, *args)))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure goes back to the parent as text
         results.put((rank, "error", traceback.format_exc()))
     finally:
         import torch.distributed as dist
