@@ -62,7 +62,7 @@ class PagedSequences:
         self.block_size = block_size
         self.lens = [0] * num_seqs
         self.model = model
-        self.forward = forward or model
+        self.forward = forward  # None: self.model
 
     def step(self, chunks: dict[int, list[int]]) -> torch.Tensor:
         """Feed `chunks` (seq index -> new token ids); returns the logits of every new
@@ -77,5 +77,5 @@ class PagedSequences:
         )
         with torch.inference_mode():
             ids = torch.tensor(s.ids, device=dev)
-            hidden = self.forward(ids, torch.tensor(s.positions, device=dev), md)
+            hidden = (self.forward or self.model)(ids, torch.tensor(s.positions, device=dev), md)
             return self.model.compute_logits(hidden)
