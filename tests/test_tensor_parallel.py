@@ -201,3 +201,16 @@ def test_tp2_inductor_runner_matches_tp1(checkpoints, tmp_path):
     want = runner_tokens(SINGLE, path, PROMPTS, 5)
     got = run_ranks(runner_tokens, 2, path, PROMPTS, 5, True, False, str(tmp_path))
     assert got[0] == want
+
+
+@pytest.mark.gpu
+def test_tp2_cuda_graphs_match_tp1(checkpoints, tmp_path):
+    """NCCL, compiled, full and piecewise CUDA graphs captured on both ranks, async
+    scheduling: the same greedy tokens as TP=1 on one GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("tensor parallelism on CUDA needs 2 GPUs")
+    path = str(checkpoints["llama"])
+    want = runner_tokens(SINGLE, path, PROMPTS, 5, True, True, str(tmp_path), "cuda")
+    got = run_ranks(runner_tokens, 2, path, PROMPTS, 5, True, True, str(tmp_path), "cuda",
+                    device_type="cuda")
+    assert got[0] == want

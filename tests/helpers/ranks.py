@@ -29,15 +29,17 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int,
-               args: tuple, results: Any) -> None:
+               args: tuple, results: Any, device_type: str) -> None:
     import torch
 
     from llmfast.distributed import init_tensor_parallel
 
-    torch.set_num_threads(1)  # the ranks share the machine's cores
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cpu":
+        torch.set_num_threads(1)  # the ranks share the machine's cores
     try:
-        group = init_tensor_parallel(rank, world_size, f"tcp://127.0.0.1:{port}",
-                                     torch.device("cpu"), timeout_s=120)
+        group = init_tensor_parallel(rank, world_size, f"tcp://127.0.0.1:{port}", device,
+                                     timeout_s=120)
         results.put((rank, "ok", fn(group, *args)))
     except BaseException:  # noqa: BLE001 - any failure goes back to the parent as text
         results.put((rank, "error", traceback.format_exc()))
@@ -53,13 +55,15 @@ PRELOAD = ["torch", "torch._dynamo", "llmfast.models.loader", "llmfast.worker.mo
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout_s: float = 300.0) -> list[Any]:
-    """[fn(group_of_rank_0, *args), fn(group_of_rank_1, *args), ...]."""
+              timeout_s: float = 300.0, device_type: str = "cpu") -> list[Any]:
+    """[fn(group_of_rank_0, *args), fn(group_of_rank_1, *args), ...]. `device_type`
+    "cuda": rank r on cuda:r, NCCL; "cpu": gloo."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results))
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results,
+                                                      device_type))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -34,11 +34,13 @@ def model_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]]
 
 
 def engine_config(spec: str, world_size: int, compiled: bool = False,
-                  async_scheduling: bool = False):
+                  async_scheduling: bool = False, device: str = "cpu"):
     from llmfast.engine_args import EngineArgs
 
-    args = EngineArgs(model=spec, device="cpu", dtype="float32", max_num_seqs=8,
-                      max_num_batched_tokens=64, max_model_len=128, block_size=4,
+    on_cuda = device.startswith("cuda")
+    args = EngineArgs(model=spec, device=device, dtype="float32", max_num_seqs=8,
+                      max_num_batched_tokens=64, max_model_len=128,
+                      block_size=16 if on_cuda else 4,
                       num_gpu_blocks_override=96, enforce_eager=not compiled,
                       compile=compiled, async_scheduling=async_scheduling,
                       tensor_parallel_size=world_size,
@@ -56,10 +58,12 @@ def _broadcast(obj, group: TensorParallelGroup):
 
 def runner_tokens(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
                   max_tokens: int, compiled: bool = False, async_scheduling: bool = False,
-                  compile_cache: str | None = None) -> dict[str, list[int]] | None:
+                  compile_cache: str | None = None,
+                  device_type: str = "cpu") -> dict[str, list[int]] | None:
     """Greedy output ids per request (rank 0; None on the others). The budget (64
     tokens) chunks long prompts, so steps mix prefill chunks and decodes.
-    `compile_cache`: LLMFAST_CACHE for this process (compiled runs)."""
+    `compile_cache`: LLMFAST_CACHE for this process (compiled runs). `device_type`
+    "cuda": rank r on cuda:r (compiled: CUDA graphs of both kinds)."""
     if compile_cache is not None:
         os.environ["LLMFAST_CACHE"] = compile_cache
     from llmfast.core.request import Request
@@ -67,7 +71,8 @@ def runner_tokens(group: TensorParallelGroup, spec: str, prompts: list[list[int]
     from llmfast.sampling_params import SamplingParams
     from llmfast.worker.model_runner import ModelRunner
 
-    config, source = engine_config(spec, group.world_size, compiled, async_scheduling)
+    device = f"cuda:{group.rank}" if device_type == "cuda" else "cpu"
+    config, source = engine_config(spec, group.world_size, compiled, async_scheduling, device)
     runner = ModelRunner(config, source, tp_group=group)
     num_blocks = runner.initialize()
     scheduler = requests = None
