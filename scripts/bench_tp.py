@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import socket
 import statistics
@@ -162,7 +163,9 @@ def _cpu_name() -> str:
 
 def main() -> None:
     args = parse_args()
+    load_before = os.getloadavg()[0]
     tp1, tp2 = _run(1, args), _run(2, args)
+    load = f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     lines = [
         "| step | TP=1 ms | TP=2 ms | TP=2 / TP=1 | TP=2 collectives alone ms | share of TP=2 step |",
         "|---|---:|---:|---:|---:|---:|",
@@ -175,6 +178,7 @@ def main() -> None:
             f"({two['num_collectives']} ops) | {two['comm_ms'] / two['step_ms']:.0%} |")
     table = "\n".join(lines)
     print(table)
+    print(load)
     if args.out is not None:
         command = "python scripts/bench_tp.py " + " ".join(sys.argv[1:])
         args.out.write_text(
@@ -184,7 +188,7 @@ def main() -> None:
             f"Model {args.model}" + (f" cut to {args.layers} layers" if args.layers else "")
             + f", float32, eager; decode context {args.context_len}; medians of "
             f"{args.iters} steps; {args.threads} threads in all (TP=2: "
-            f"{max(args.threads // 2, 1)} per rank, gloo).\n\n{table}\n")
+            f"{max(args.threads // 2, 1)} per rank, gloo); {load}.\n\n{table}\n")
 
 
 if __name__ == "__main__":
