@@ -126,7 +126,32 @@ def test_sharded_safetensors_load_reads_only_the_slices(checkpoints):
     assert max(read) < 0.6 * full_bytes
 
 
-def test_bf16_checkpoint_slices_cast_on_read(checkpoints):
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("dest_dtype", [torch.float32, torch.bfloat16])
+def test_reader_reads_row_and_column_slices(tmp_path, staged, dest_dtype):
+    """Slices through both read paths; 20-byte chunks cut runs (staged: the CUDA path's
+    chunking, run on CPU) and fall mid-run."""
+    from safetensors.torch import save_file
+
+    from llmfast.models.safetensors_reader import SafetensorsFile, TensorReader
+    from llmfast.models.sharding import ShardSlice
+
+    full = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "t.safetensors"
+    save_file({"w": full}, path)
+    entry = SafetensorsFile.open(path).entries["w"]
+    reader = TensorReader(torch.device("cpu"), chunk_bytes=20, staged=staged)
+    with open(path, "rb") as f, reader:
+        for shard in (ShardSlice(0, 1, 3), ShardSlice(1, 2, 4), ShardSlice(1, 6, 1)):
+            want = full.narrow(shard.dim, shard.start, shard.size)
+            dest = torch.full(want.shape, float("nan"), dtype=dest_dtype)
+            before = reader.bytes_read
+            reader.read(f.fileno(), entry, dest, shard)
+            assert torch.equal(dest, want.to(dest_dtype)), shard
+            assert reader.bytes_read - before == want.numel() * 4
+
+
+def test_bf16_model_casts_float32_checkpoint_slices(checkpoints):
     """A column slice read through the cast path (checkpoint float32, model bf16)."""
     source = resolve_model(str(checkpoints["qwen3"]))
     full = build_model(source, torch.bfloat16, "cpu", max_positions=16)

@@ -31,7 +31,7 @@ from llmfast.models.safetensors_reader import (
     TensorEntry,
     TensorReader,
 )
-from llmfast.models.sharding import checkpoint_slice
+from llmfast.models.sharding import ShardSlice, checkpoint_slice
 from llmfast.models.validate import (
     check_checkpoint,
     check_hf_config,
@@ -283,7 +283,7 @@ def load_safetensors_weights(
     return reader.bytes_read
 
 
-def _rows_filled(param: torch.Tensor, rows: slice | None, shard,
+def _rows_filled(param: torch.Tensor, rows: slice | None, shard: ShardSlice | None,
                  rows_written: dict[int, int]) -> slice | None:
     """The rows of `param` a (sliced) tensor fills: a vocabulary slice shorter than the
     rank's rows (the last rank's) fills the first ones; the rest are zero padding,
@@ -295,7 +295,7 @@ def _rows_filled(param: torch.Tensor, rows: slice | None, shard,
     return slice(0, shard.size)
 
 
-def _shard_shape(entry: TensorEntry, shard) -> tuple[int, ...]:
+def _shard_shape(entry: TensorEntry, shard: ShardSlice | None) -> tuple[int, ...]:
     if shard is None:
         return entry.shape
     shape = list(entry.shape)
