@@ -25,6 +25,7 @@ import torch
 import triton
 
 from llmfast.kernels import attention, kv_write, ops
+from llmfast.kernels.offline_target import offline_hopper
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -408,35 +409,6 @@ def test_opcheck_reference_ops(monkeypatch):
     )
 
 
-class _FakeHopperDriver(triton.backends.driver.DriverBase):
-    """Makes triton compile for sm_90 on a machine without a GPU (nothing is launched)."""
-
-    @classmethod
-    def is_active(cls):
-        return True
-
-    def get_current_target(self):
-        return triton.backends.compiler.GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return None
-
-    def get_benchmarker(self):
-        return None
-
-    def map_python_to_cpp_type(self, ty):
-        return ty
-
-
 def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     # The interpreter checks numerics but not that the kernels compile for a GPU; this
     # compiles them (PTX and cubin) for an H100 through the real launch path, with every
@@ -446,8 +418,6 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     jit_function = triton.runtime.JITFunction
     if not isinstance(attention._unified_attention_kernel, jit_function):
         pytest.skip("triton was imported with TRITON_INTERPRET=1")
-    from triton.runtime.driver import driver
-
     compiled = []
     warmup_run = jit_function.run
 
@@ -463,9 +433,7 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
         # (merged in the launch, or by the second kernel), without, prefill
         (8, 8, 8, True), (8, 8, 8, False), (64, 64, 1, True), (512, 2, 1, True),
     ]
-    previous = driver._active  # `driver.active` would try to create a real driver
-    driver.set_active(_FakeHopperDriver())
-    try:
+    with offline_hopper():
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
             monkeypatch.setattr(torch.Tensor, name, _no_host_read(name))
         for num_tokens, num_reqs, num_splits, fused_merge in batches:
@@ -481,9 +449,7 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
                 q, k_cache, k_cache, block_table, qsl, seq_lens, 0.1, q, num_splits=num_splits,
                 fused_merge=fused_merge,
             )
-    finally:
         monkeypatch.undo()
-        driver._active = previous
     names = [name for name, _ in compiled]
     assert names.count("_unified_attention_kernel") == 4 and "_merge_splits_kernel" in names
     for name, kernel in compiled:

@@ -26,6 +26,15 @@ import triton.language as tl
 
 from llmfast.kernels.attention_config import AttentionConfig, select_config
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
+from llmfast.kernels.launch_cache import LaunchCache
+from llmfast.kernels.prefill_measure import median_device_us, synthetic_batch
+from llmfast.kernels.prefill_tuning import (
+    TUNE_MIN_TOKENS,
+    PrefillTileTable,
+    PrefillTiles,
+    ShapeClass,
+    shape_class,
+)
 from llmfast.kernels.split_table import SplitTable, split_table_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 
@@ -285,6 +294,11 @@ def _merge_splits_kernel(
     )
 
 
+# Compiled attention kernels per specialization, launched without Triton's JIT dispatch
+# (kernels/launch_cache.py).
+_ATTENTION_LAUNCHES = LaunchCache(_unified_attention_kernel)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -296,6 +310,28 @@ def _device_split_table(device: torch.device) -> SplitTable | None:
     if device.type != "cuda":
         return None
     return split_table_for(torch.cuda.get_device_name(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _device_tile_table(device: torch.device) -> PrefillTileTable:
+    return PrefillTileTable(torch.cuda.get_device_name(device))
+
+
+def _measure_tiles(device: torch.device, cls: ShapeClass, tiles: PrefillTiles) -> float:
+    """Device µs of one launch with `tiles` on a synthetic batch of class `cls`."""
+    batch = synthetic_batch(cls, device)
+    return median_device_us(lambda: unified_attention(**batch, prefill_tiles=tiles))
+
+
+def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles | None:
+    """Tuned tiles for a prefill-like launch on CUDA (kernels/prefill_tuning.py), or
+    None (the heuristic). Tuning may run here, once per shape class, before a large
+    prefill and never while a CUDA graph is being captured."""
+    cls = shape_class(num_reqs, q.shape[2], group, q.dtype)
+    may_tune = (q.shape[0] >= TUNE_MIN_TOKENS and q.dtype != torch.float32
+                and q.shape[2] <= 128 and not torch.cuda.is_current_stream_capturing())
+    return _device_tile_table(q.device).tiles_for(
+        cls, may_tune, functools.partial(_measure_tiles, q.device, cls))
 
 
 def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):
@@ -334,6 +370,7 @@ def unified_attention(
     num_splits: int | None = None,
     block_q: int | None = None,
     fused_merge: bool = True,
+    prefill_tiles: PrefillTiles | None = None,
 ) -> None:
     """Causal paged attention for every query row up to query_start_loc[-1] into `out`.
 
@@ -341,6 +378,7 @@ def unified_attention(
     to a power of two. Rows past query_start_loc[num_reqs] are left unwritten. With KV
     splits, `fused_merge` merges them in the same launch (the last split of each tile);
     False: a second kernel does (the previous design, kept for comparison).
+    `prefill_tiles` overrides the tuned (or heuristic) tiles of a prefill-like batch.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -348,9 +386,12 @@ def unified_attention(
         return
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if prefill_tiles is None and q.is_cuda and num_tokens > 2 * num_reqs:
+        prefill_tiles = _prefill_tiles(q, num_reqs, group)
     cfg = select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_table(q.device),
+        prefill_tiles,
     )
     splits = next_pow2(num_splits) if num_splits is not None else cfg.num_splits
     bq = block_q if block_q is not None else cfg.block_q
@@ -367,19 +408,22 @@ def unified_attention(
     fused = splits > 1 and fused_merge
     arrivals = _arrivals(q.device, k_cache, num_tiles * num_kv_heads) if fused else out
     check_launchable(_unified_attention_kernel, q)
-    _unified_attention_kernel[(num_tiles, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
-        block_table, query_start_loc, seq_lens,
-        num_reqs, num_tokens, scale * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        block_table.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
-        # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
-        UPCAST=not isinstance(_unified_attention_kernel, triton.runtime.JITFunction),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
+    upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _ATTENTION_LAUNCHES.launch(
+        (num_tiles, num_kv_heads, splits),
+        (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
+         block_table, query_start_loc, seq_lens,
+         num_reqs, num_tokens, scale * _LOG2E,
+         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+         block_table.stride(0)),
+        (cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast, dot_precision),
+        dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
+             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
+             BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
+             UPCAST=upcast, DOT_PRECISION=dot_precision,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     if splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](

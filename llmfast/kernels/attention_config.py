@@ -11,6 +11,7 @@ import torch
 import triton
 
 from llmfast.kernels.kv_write import next_pow2
+from llmfast.kernels.prefill_tuning import PrefillTiles, heuristic_tiles
 from llmfast.kernels.split_table import SplitTable
 
 
@@ -21,7 +22,6 @@ class AttentionConfig:
     num_splits: int  # kv splits (flash-decoding) when > 1
     num_warps: int
     num_stages: int
-
 
 
 def select_config(
@@ -35,11 +35,14 @@ def select_config(
     dtype: torch.dtype,
     num_sms: int,
     split_table: SplitTable | None = None,
+    prefill_tiles: PrefillTiles | None = None,
 ) -> AttentionConfig:
     """Tile sizes and split count from host-known shapes only (same for a padded batch).
 
     The split count of a decode comes from `split_table` (measured on this GPU model,
-    kernels/split_table.py) when it holds this shape, else from the SM count."""
+    kernels/split_table.py) when it holds this shape, else from the SM count. A
+    prefill-like batch takes `prefill_tiles` (tuned for this GPU model and shape class,
+    kernels/prefill_tuning.py) when given, else the fixed heuristic."""
     group_p = next_pow2(num_heads // num_kv_heads)
     wide = dtype == torch.float32 or head_dim > 128  # smaller tiles, more warps: no spills
     if num_tokens <= 2 * num_reqs:
@@ -67,10 +70,8 @@ def select_config(
         ):
             splits *= 2
         return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
-    # Prefill-like: compute bound, 128 rows x 64 keys per step (wgmma-sized on Hopper).
-    if wide:
-        # fp32 (ieee dots run on FMA units) or head_dim > 128: 32 x 16 tiles and 8 warps
-        # keep ptxas free of spills on sm_90 (checked offline); fp32 speed is secondary.
-        return AttentionConfig(max(1, 32 // group_p), 16, 1, num_warps=8, num_stages=2)
-    num_warps = 8 if head_dim > 64 else 4
-    return AttentionConfig(max(1, 128 // group_p), 64, 1, num_warps=num_warps, num_stages=3)
+    # Prefill-like: compute bound. One launch whatever the mix (chunks and decodes), no
+    # splits: the grid has a program per query tile already.
+    tiles = prefill_tiles or heuristic_tiles(head_dim, dtype)
+    return AttentionConfig(max(1, tiles.block_m // group_p), tiles.block_n, 1,
+                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)

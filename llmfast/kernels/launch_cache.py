@@ -1,0 +1,131 @@
+"""A cheaper launch path for Triton kernels: compiled kernel per specialization, bound once.
+
+`kernel[grid](*args, **constexprs)` goes through Triton's JIT dispatch on every call: it
+re-binds the keyword arguments, parses the compile options, builds a cache key string,
+checks the kernel's globals and builds launch metadata for the (usually empty) launch
+hooks. The attention launch does that with ~40 arguments per layer per step.
+
+`LaunchCache` does it once per *specialization* and then calls the compiled kernel's
+launcher directly. A specialization is everything Triton compiles differently for:
+the constexpr values and compile options (given by the caller as a hashable tuple), and
+per runtime argument what Triton's JIT specializes on. That last part is reproduced here
+as a key that is at least as fine as Triton's (a finer key only costs an extra entry):
+- tensors: dtype and whether the address is 16-byte aligned;
+- ints: == 1, divisible by 16, and whether it fits in int32 (Triton picks i32/i64/u64);
+- floats: nothing (always fp32 scalars).
+
+The launcher itself (`CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
+packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`, every parameter of the
+kernel in order, constexprs included) has the same signature in Triton 3.6 and 3.7. When
+anything differs from that contract (an interpreted kernel, a compiled kernel without
+those attributes, launch hooks registered by a profiler, pre-run hooks), every call takes
+the ordinary JIT path instead: slower, never wrong. `LLMFAST_TRITON_FAST_LAUNCH=0` forces
+the JIT path (for A/B timing).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import triton
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def fast_launch_enabled() -> bool:
+    return os.environ.get("LLMFAST_TRITON_FAST_LAUNCH", "1") != "0"
+
+
+def specialization_key(args: Sequence[Any]) -> tuple | None:
+    """What Triton's JIT would specialize on for these runtime arguments (or finer);
+    None when an argument is of a kind this key does not model (then: the JIT path).
+
+    E.g. (tensor at 0x...40 of bf16, 4096, 1, 17) -> ((bf16, True), (False, True, True),
+    (True, False, True), (False, False, True))."""
+    key = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, bool):  # before int: bool is an int subclass
+            key.append(arg)
+        elif isinstance(arg, int):
+            key.append((arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX))
+        elif isinstance(arg, float):
+            key.append(float)
+        else:
+            return None
+    return tuple(key)
+
+
+def _hooks_registered() -> bool:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return True  # an unknown Triton: do not bypass whatever it does
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # HookChain: empty is off
+            return True
+    return False
+
+
+def _launcher_of(compiled: Any):
+    """compiled.run when it looks like the launcher contract above, else None."""
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return None
+    try:
+        return compiled.run  # loads the module on first use (may raise without a GPU)
+    except Exception:  # noqa: BLE001 - any failure here means: use the JIT path
+        return None
+
+
+class LaunchCache:
+    """kernel launches keyed by specialization; see the module docstring.
+
+    `launch(grid, args, const_key, constexprs)`: `args` are the kernel's runtime
+    parameters in order (they come first in the signature: all constexprs after them),
+    `constexprs` the constexpr parameters and compile options as keywords (num_warps,
+    num_stages), `const_key` a hashable stand-in for `constexprs` the caller already has
+    (e.g. its frozen config plus the shape constants), so no dict is hashed per call.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled_launches = 0  # misses: JIT path taken and its kernel remembered
+        self.fast_launches = 0
+        names = [p.name for p in getattr(kernel, "params", [])]
+        self._param_names = names
+        # (device, const_key, spec) -> (launcher, compiled, constexpr values in order)
+        self._entries: dict[Hashable, tuple] = {}
+        self._interpreted = not isinstance(kernel, triton.runtime.JITFunction)
+
+    def launch(self, grid: tuple[int, int, int], args: Sequence[Any], const_key: Hashable,
+               constexprs: dict[str, Any]) -> None:
+        if (self._interpreted or not fast_launch_enabled()
+                or getattr(self.kernel, "pre_run_hooks", True)):
+            self.kernel[grid](*args, **constexprs)
+            return
+        spec = specialization_key(args)
+        if spec is None or _hooks_registered():
+            self.kernel[grid](*args, **constexprs)
+            return
+        from triton.runtime.driver import driver  # the active driver, as the JIT uses
+
+        device = driver.active.get_current_device()
+        key = (device, const_key, spec)
+        entry = self._entries.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **constexprs)
+            self.compiled_launches += 1
+            launcher = _launcher_of(compiled)
+            if launcher is not None:
+                tail = tuple(constexprs[n] for n in self._param_names[len(args):])
+                self._entries[key] = (launcher, compiled.function, compiled.packed_metadata,
+                                      tail)
+            return
+        launcher, function, packed_metadata, tail = entry
+        stream = driver.active.get_current_stream(device)
+        launcher(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None,
+                 *args, *tail)
+        self.fast_launches += 1

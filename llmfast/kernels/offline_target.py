@@ -1,0 +1,75 @@
+"""Triton's real compile and launch path for an H100 on a machine without a GPU.
+
+Two uses, both on CPU: checking that the kernels compile for sm_90 (PTX, cubin, shared
+memory within the H100's limit) and timing the *host* side of a launch, i.e. everything
+Triton and llmfast do in Python before the driver call. `offline_hopper()` makes Triton
+target sm_90 through a stand-in driver; with `record_launches` the compiled kernels'
+launchers are replaced by a recorder (nothing is loaded onto a device): each launch
+appends its arguments to the returned list, which stands in for the C launcher.
+
+No kernel runs; the interpreter (TRITON_INTERPRET=1) checks the numerics instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import triton
+from triton.compiler import CompiledKernel
+
+
+class HopperStandInDriver(triton.backends.driver.DriverBase):
+    """Makes Triton compile for sm_90 on a machine without a GPU."""
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def get_current_target(self):
+        return triton.backends.compiler.GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return None
+
+    def get_benchmarker(self):
+        return None
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+
+@contextlib.contextmanager
+def offline_hopper(record_launches: bool = False) -> Iterator[list[tuple]]:
+    """Within: Triton compiles for sm_90; with `record_launches`, launches are recorded
+    (the list yielded) instead of failing for want of a device."""
+    from triton.runtime.driver import driver
+
+    launches: list[tuple] = []
+    init_handles = CompiledKernel._init_handles
+
+    def stand_in_handles(self):
+        if self.module is not None:
+            return
+        self.module, self.function = "offline", id(self)  # any non-null handle
+        self._run = lambda *args: launches.append(args)
+
+    previous = driver._active  # `driver.active` would try to create a real driver
+    driver.set_active(HopperStandInDriver())
+    if record_launches:
+        CompiledKernel._init_handles = stand_in_handles
+    try:
+        yield launches
+    finally:
+        CompiledKernel._init_handles = init_handles
+        driver._active = previous
