@@ -26,6 +26,7 @@ import triton
 
 from llmfast.kernels import attention, kv_write, ops
 from llmfast.kernels.offline_target import offline_hopper
+from llmfast.kernels.prefill_tuning import PrefillTiles
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -261,6 +262,39 @@ def check_full_graph_decode(dtype: str, contexts: list[int], padded: int,
     check_step(b, _dtype(dtype))
 
 
+# Prefill chunks ending one before, at and one past a tile edge (16 keys, 16 rows), over
+# no prefix and over a prefix of one and of two key tiles minus one, plus a decode.
+TILE_EDGES = [(0, 15), (0, 17), (16, 16), (31, 2), (40, 1)]
+
+
+def check_tile_boundaries(dtype, group, head_dim, block_m, block_n):
+    b = make_batch(TILE_EDGES, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                   block_size=16, dtype=_dtype(dtype), pad_tokens=2)
+    check_step(b, _dtype(dtype), prefill_tiles=PrefillTiles(block_m, block_n, 4, 2))
+
+
+def check_causal_skip(dtype, group, ctx, num_new, cut, block_m, block_n):
+    """Keys past a query tile's last causal position are never read: after the KV write,
+    every key at position >= ctx + cut (a tile edge) is NaN; rows before `cut` must still
+    match the reference (a loop that ran past its tile's bound, masking instead of
+    stopping, would multiply the NaN values by 0 and return NaN), rows after must not."""
+    b = make_batch([(ctx, num_new)], num_heads=2 * group, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype=_dtype(dtype))
+    ref = reference_out(b)
+    k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+    attention.reshape_and_cache(b["k"], b["v"], k_cache, v_cache, b["slot_mapping"])
+    pos = torch.arange(ctx + cut, ctx + num_new)
+    slots = b["block_table"][0, pos // 16].long() * 16 + pos % 16
+    for cache in (k_cache, v_cache):
+        cache.view(-1, 2, 64)[slots] = float("nan")
+    out = torch.full_like(b["q"], float("nan"))
+    attention.unified_attention(
+        b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
+        b["scale"], out, prefill_tiles=PrefillTiles(block_m, block_n, 4, 2))
+    assert_rel_close(out[:cut], ref[:cut], TOL[_dtype(dtype)])
+    assert not torch.isfinite(out[cut:]).any()  # the poison is there for whoever reads it
+
+
 def check_reshape_and_cache_strided():
     # k/v as views of a fused qkv projection and caches as views of one [2, ...] tensor.
     torch.manual_seed(0)
@@ -339,6 +373,28 @@ def test_split_kv_mixed_batch(interpreter):
         "check_mixed", dtype="float16", group=4, head_dim=64, block_size=16,
         block_q=4, num_splits=2,
     )
+
+
+@pytest.mark.parametrize("dtype, group, head_dim, block_m, block_n", [
+    ("float32", 1, 64, 16, 16),
+    ("bfloat16", 2, 128, 16, 32),
+    ("float16", 4, 64, 32, 16),
+    ("float32", 8, 128, 16, 16),
+])
+def test_tile_boundaries_and_gqa_groups(interpreter, dtype, group, head_dim, block_m, block_n):
+    interpreter("check_tile_boundaries", dtype=dtype, group=group, head_dim=head_dim,
+                block_m=block_m, block_n=block_n)
+
+
+@pytest.mark.parametrize("group, ctx, num_new, cut, block_m, block_n", [
+    (1, 0, 40, 16, 16, 16),  # the first tile stops at its own diagonal
+    (2, 8, 24, 8, 16, 16),  # over a cached prefix, the diagonal inside a key tile
+    (4, 0, 33, 16, 32, 32),  # 8-token tiles, 32-key steps: the bound mid-step
+])
+def test_causal_tiles_past_the_diagonal_are_not_read(interpreter, group, ctx, num_new, cut,
+                                                     block_m, block_n):
+    interpreter("check_causal_skip", dtype="float32", group=group, ctx=ctx, num_new=num_new,
+                cut=cut, block_m=block_m, block_n=block_n)
 
 
 def test_reshape_and_cache_strided_inputs(interpreter):
