@@ -69,7 +69,7 @@ def test_cached_launch_passes_what_the_jit_launch_passes(recorded, monkeypatch, 
     assert cache.compiled_launches == 1 and cache.fast_launches == 0
     call(inputs, **kw)  # hit: the launcher directly
     assert cache.compiled_launches == 1 and cache.fast_launches == 1
-    monkeypatch.setenv("LLMFAST_TRITON_FAST_LAUNCH", "0")
+    monkeypatch.setattr(cache, "enabled", False)
     call(inputs, **kw)  # the JIT path again, for comparison
     assert len(recorded) == 3  # one launch per call: no merge kernel, mixed or not
     jit, fast, jit_again = recorded
@@ -88,7 +88,7 @@ def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
         call(inputs)
     assert cache.compiled_launches == 3 and cache.fast_launches == 1
     fast = list(recorded)
-    monkeypatch.setenv("LLMFAST_TRITON_FAST_LAUNCH", "0")
+    monkeypatch.setattr(cache, "enabled", False)
     for inputs in variants:
         call(inputs)
     jit = recorded[len(fast):]
@@ -100,7 +100,8 @@ def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
 
 def test_specialization_key():
     t = torch.empty(8, dtype=torch.float16)
-    key = launch_cache.specialization_key((t, t[1:], 1, 16, 17, 2**40, 0.5))
-    assert key == ((torch.float16, True), (torch.float16, False), (True, False, True),
-                   (False, True, True), (False, False, True), (False, True, False), float)
-    assert launch_cache.specialization_key((t, "text")) is None  # unmodelled: JIT path
+    key = launch_cache.specialization_key((t, t[1:]), (1, 16, 17, 2**40, 0.5))
+    assert key == ((torch.float16, torch.float16), (True, False), (
+        (True, False, True), (False, True, True), (False, False, True), (False, True, False),
+        float))
+    assert launch_cache.specialization_key((t,), ("text",)) is None  # unmodelled: JIT path

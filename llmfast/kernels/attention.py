@@ -414,8 +414,8 @@ def unified_attention(
     _ATTENTION_LAUNCHES.launch(
         (num_tiles, num_kv_heads, splits),
         (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
-         block_table, query_start_loc, seq_lens,
-         num_reqs, num_tokens, scale * _LOG2E,
+         block_table, query_start_loc, seq_lens),
+        (num_reqs, num_tokens, scale * _LOG2E,
          *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
          block_table.stride(0)),
         (cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast, dot_precision),

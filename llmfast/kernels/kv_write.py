@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmfast.kernels.launch_cache import LaunchCache
+
 
 def check_launchable(kernel, tensor: torch.Tensor) -> None:
     """Fail clearly when CPU tensors meet compiled (not interpreted) kernels.
@@ -85,11 +87,17 @@ def reshape_and_cache(
         return
     block_size = k_cache.shape[1]
     check_launchable(_reshape_and_cache_kernel, k)
-    _reshape_and_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEADS_P=next_pow2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_P=next_pow2(head_dim),
-        BLOCK_SIZE=block_size,
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 2,
+    num_warps = 4 if num_kv_heads * head_dim >= 1024 else 2
+    _KV_WRITE_LAUNCHES.launch(
+        (num_tokens, 1, 1),
+        (k, v, k_cache, v_cache, slot_mapping),
+        (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()),
+        (num_kv_heads, head_dim, block_size, num_warps),
+        dict(NUM_KV_HEADS=num_kv_heads, HEADS_P=next_pow2(num_kv_heads),
+             HEAD_DIM=head_dim, HEAD_DIM_P=next_pow2(head_dim), BLOCK_SIZE=block_size,
+             num_warps=num_warps),
     )
+
+
+# Compiled KV-write kernels per specialization (kernels/launch_cache.py).
+_KV_WRITE_LAUNCHES = LaunchCache(_reshape_and_cache_kernel)

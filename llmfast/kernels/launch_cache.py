@@ -19,8 +19,8 @@ packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`, every paramete
 kernel in order, constexprs included) has the same signature in Triton 3.6 and 3.7. When
 anything differs from that contract (an interpreted kernel, a compiled kernel without
 those attributes, launch hooks registered by a profiler, pre-run hooks), every call takes
-the ordinary JIT path instead: slower, never wrong. `LLMFAST_TRITON_FAST_LAUNCH=0` forces
-the JIT path (for A/B timing).
+the ordinary JIT path instead: slower, never wrong. `LLMFAST_TRITON_FAST_LAUNCH=0` (read
+at the first launch) or `cache.enabled = False` forces the JIT path (for A/B timing).
 """
 
 from __future__ import annotations
@@ -39,25 +39,24 @@ def fast_launch_enabled() -> bool:
     return os.environ.get("LLMFAST_TRITON_FAST_LAUNCH", "1") != "0"
 
 
-def specialization_key(args: Sequence[Any]) -> tuple | None:
+def specialization_key(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) -> tuple | None:
     """What Triton's JIT would specialize on for these runtime arguments (or finer);
-    None when an argument is of a kind this key does not model (then: the JIT path).
+    None when a scalar is of a kind this key does not model (then: the JIT path).
 
-    E.g. (tensor at 0x...40 of bf16, 4096, 1, 17) -> ((bf16, True), (False, True, True),
-    (True, False, True), (False, False, True))."""
+    E.g. tensors (bf16 at 0x...40, bf16 at 0x...42), scalars (4096, 1, 17, 0.5) ->
+    ((bf16, bf16), (True, False), ((False, True, True), (True, False, True),
+    (False, False, True), float))."""
     key = []
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif isinstance(arg, bool):  # before int: bool is an int subclass
-            key.append(arg)
-        elif isinstance(arg, int):
-            key.append((arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX))
-        elif isinstance(arg, float):
+    for s in scalars:
+        kind = type(s)
+        if kind is int or kind is bool:
+            key.append((s == 1, s % 16 == 0, _INT32_MIN <= s <= _INT32_MAX))
+        elif kind is float:
             key.append(float)
         else:
             return None
-    return tuple(key)
+    return (tuple([t.dtype for t in tensors]),
+            tuple([t.data_ptr() % 16 == 0 for t in tensors]), tuple(key))
 
 
 def _hooks_registered() -> bool:
@@ -83,8 +82,8 @@ def _launcher_of(compiled: Any):
 class LaunchCache:
     """kernel launches keyed by specialization; see the module docstring.
 
-    `launch(grid, args, const_key, constexprs)`: `args` are the kernel's runtime
-    parameters in order (they come first in the signature: all constexprs after them),
+    `launch(grid, tensors, scalars, const_key, constexprs)`: the kernel's runtime
+    parameters in order, tensors first, then scalars (all constexprs after them),
     `constexprs` the constexpr parameters and compile options as keywords (num_warps,
     num_stages), `const_key` a hashable stand-in for `constexprs` the caller already has
     (e.g. its frozen config plus the shape constants), so no dict is hashed per call.
@@ -99,14 +98,19 @@ class LaunchCache:
         # (device, const_key, spec) -> (launcher, compiled, constexpr values in order)
         self._entries: dict[Hashable, tuple] = {}
         self._interpreted = not isinstance(kernel, triton.runtime.JITFunction)
+        self.enabled: bool | None = None  # from the environment at the first launch
 
-    def launch(self, grid: tuple[int, int, int], args: Sequence[Any], const_key: Hashable,
-               constexprs: dict[str, Any]) -> None:
-        if (self._interpreted or not fast_launch_enabled()
+    def launch(self, grid: tuple[int, int, int], tensors: tuple[torch.Tensor, ...],
+               scalars: tuple[Any, ...], const_key: Hashable, constexprs: dict[str, Any]
+               ) -> None:
+        args = tensors + scalars
+        if self.enabled is None:
+            self.enabled = fast_launch_enabled()
+        if (self._interpreted or not self.enabled
                 or getattr(self.kernel, "pre_run_hooks", True)):
             self.kernel[grid](*args, **constexprs)
             return
-        spec = specialization_key(args)
+        spec = specialization_key(tensors, scalars)
         if spec is None or _hooks_registered():
             self.kernel[grid](*args, **constexprs)
             return
