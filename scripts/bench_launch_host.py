@@ -30,9 +30,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.kernels import attention, kv_write  # noqa: E402
-from llmfast.kernels.offline_target import offline_hopper  # noqa: E402
-from llmfast.kernels.workspaces import AttentionWorkspaces  # noqa: E402
+from llmfast.kernels import attention, kv_write
+from llmfast.kernels.offline_target import offline_hopper
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
 def per_call_us(fn, calls: int, repeats: int, launches: list) -> tuple[float, float]:
@@ -98,9 +98,9 @@ def main() -> None:
     assert attention._ATTENTION_LAUNCHES.fast_launches > 0  # the cached path did run
 
     lines = [
-        f"Host µs per call up to the C launcher (CPU: {platform.processor() or 'unknown'}, "
-        f"{os.cpu_count()} cores; torch {torch.__version__}, triton {triton.__version__}; "
-        f"median of {args.repeats} x {args.calls} calls, the two paths alternating):",
+        (f"Host µs per call up to the C launcher (CPU: {platform.processor() or 'unknown'}, "
+         f"{os.cpu_count()} cores; torch {torch.__version__}, triton {triton.__version__}; "
+         f"median of {args.repeats} x {args.calls} calls, the two paths alternating):"),
         "",
         "| call | Triton JIT launch µs | cached launch µs | saved µs |",
         "|---|---:|---:|---:|",
