@@ -4,17 +4,18 @@
 
 Decode: batch 1/8/64/256 x context 512/2048/8192, one query token per request over a
 paged cache with shuffled blocks; reports achieved bandwidth on the K/V bytes read.
-Prefill: one request of 512/2048/8192 new tokens, causal; reports TFLOP/s counting the
-causal half (2 * T^2 * heads * head_dim). Beside each: torch's scaled_dot_product_attention
-on the same values laid out contiguously (GQA via enable_gqa), and the largest
-difference between the two outputs. A device-to-device copy gives the bandwidth ceiling
+Beside each: torch's scaled_dot_product_attention on the same values laid out
+contiguously (GQA via enable_gqa), and the largest difference between the two outputs.
+Prefill (2k/4k/8k causal, vs SDPA's FlashAttention backend, TFLOP/s), mixed batches (one
+launch vs its two parts) and the prefill tile tuning that runs first (--tune): see
+bench_kernels_prefill.py. A device-to-device copy gives the bandwidth ceiling
 (bytes read + written / time). Times are medians of CUDA-event timings, with L2 flushed
 before every timed call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
 block_size 16. Prints markdown tables (for profiles/kernels.md).
 
 Decode rows also show: the same call replayed from a CUDA graph (what a full-graph
 decode step pays), the host time of one eager launch (wall clock per call of a burst of
-launches, no sync between), and the *fixed* launch a full CUDA graph uses: the split
+launches, no sync between; the cached launch path and Triton's JIT dispatch), and the *fixed* launch a full CUDA graph uses: the split
 count chosen from a block table as wide as --max-model-len instead of the live context
 (eager and graph-replayed), i.e. what fixing the launch per captured size costs at short
 and long contexts.
@@ -24,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,75 +33,26 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_kernels_lib import (
+    L2_FLUSH_BYTES,
+    copy_bandwidth,
+    graph_replay,
+    host_launch_us,
+    paged_copy,
+    time_us,
+)
+from bench_kernels_prefill import (
+    mixed_lines,
+    prefill_lines,
+    run_mixed,
+    run_prefill,
+    tune,
+    tuned_table_note,
+    tuning_lines,
+)
+
 from llmfast.kernels import attention
 from llmfast.kernels.workspaces import AttentionWorkspaces
-
-L2_FLUSH_BYTES = 256 << 20
-
-
-def time_us(fn, iters: int, flush: torch.Tensor) -> float:
-    """Median microseconds of fn() between CUDA events, L2 flushed before each call."""
-    for _ in range(3):
-        fn()
-    events = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def graph_replay(fn):
-    """fn captured into a CUDA graph (after a warm-up call); returns the replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay
-
-
-def host_launch_us(fn, calls: int = 200) -> float:
-    """Host wall-clock microseconds per call of `calls` back-to-back launches."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / calls * 1e6
-
-
-def copy_bandwidth(flush: torch.Tensor, iters: int) -> float:
-    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), iters, flush)
-    return 2 * src.numel() / us / 1e3
-
-
-def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator):
-    """k, v [B, L, kv_heads, hd] -> k_cache, v_cache [num_blocks, block_size, kv_heads, hd]
-    and block_table [B, blocks per request], each request's blocks scattered over a
-    shuffled pool."""
-    batch, length = k.shape[:2]
-    blocks_per_req = -(-length // block_size)
-    perm = torch.randperm(batch * blocks_per_req, generator=gen, device="cuda")
-    block_table = perm.view(batch, blocks_per_req).to(torch.int32)
-    pos = torch.arange(length, device="cuda")
-    slots = block_table[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
-    caches = []
-    for x in (k, v):
-        cache = torch.empty(perm.numel(), block_size, *x.shape[2:], dtype=x.dtype, device="cuda")
-        cache.view(-1, *x.shape[2:])[slots.view(-1)] = x.reshape(-1, *x.shape[2:])
-        caches.append(cache)
-    return caches[0], caches[1], block_table
 
 
 def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
@@ -165,6 +115,9 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
 
         result["two_kernel_us"] = time_us(two_kernel, args.iters, flush)
         result["launch_host_us"] = host_launch_us(ours)
+        attention._ATTENTION_LAUNCHES.enabled = False  # Triton's JIT dispatch, for comparison
+        result["launch_host_jit_us"] = host_launch_us(ours)
+        attention._ATTENTION_LAUNCHES.enabled = True
         # The full graph's launch: splits from a table max_model_len wide (zeros past
         # the live blocks: never read).
         width = -(-args.max_model_len // args.block_size)
@@ -202,7 +155,14 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--mixed", nargs="*", default=["2048,2048,64,2048", "512,3584,32,4096"],
+                        help="mixed batches CHUNK,PREFIX,DECODES,DECODE_CONTEXT")
+    parser.add_argument("--tune", choices=["auto", "force", "off"], default="auto",
+                        help="prefill tile tuning of the bench's shape classes first: force "
+                             "re-tunes, auto only tunes classes without tiles")
+    parser.add_argument("--tuned-table", type=Path,
+                        help="copy the tuned prefill tile table here (to ship it)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--max-model-len", type=int, default=8192,
                         help="width of the full graph's block table (fixed-launch rows)")
@@ -215,6 +175,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (none found); nothing was measured.")
 
+    tuning = None
+    if args.tune != "off":
+        tuning = tune(args, torch.device("cuda", 0))
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     copy_gbs = copy_bandwidth(flush, args.iters)
@@ -231,10 +194,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     prefill = []
     for tokens in args.prefill_tokens:
-        r = run_case(1, tokens, tokens, args, flush, gen)
-        flops = 2 * tokens * tokens * heads * hd  # causal half of 4 * T^2 * H * D
-        r.update(ours_tflops=flops / r["ours_us"] / 1e6, sdpa_tflops=flops / r["sdpa_us"] / 1e6)
-        prefill.append(r)
+        prefill.append(run_prefill(tokens, args, flush, gen))
+        torch.cuda.empty_cache()
+    mixed = []
+    for spec in args.mixed:
+        chunk, prefix, decodes, ctx = (int(x) for x in spec.split(","))
+        mixed.append(run_mixed(chunk, prefix, decodes, ctx, args, flush, gen))
         torch.cuda.empty_cache()
 
     device = torch.cuda.get_device_name(0)
@@ -248,8 +213,8 @@ def main() -> None:
         "",
         "| batch | context | splits | llmfast µs | llmfast GB/s | % of copy BW | SDPA µs "
         "| SDPA GB/s | llmfast / SDPA speed | graph µs | graph / SDPA | % BW graph "
-        "| host µs/launch | max abs diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| host µs/launch | host µs, Triton JIT launch | max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in decode:
         kv_bytes = r["ours_gbs"] * r["ours_us"] * 1e3
@@ -260,7 +225,8 @@ def main() -> None:
             f"| {r['sdpa_us'] / r['ours_us']:.2f}x | {r['graph_us']:.1f} "
             f"| {r['sdpa_us'] / r['graph_us']:.2f}x "
             f"| {100 * kv_bytes / r['graph_us'] / 1e3 / copy_gbs:.0f}% "
-            f"| {r['launch_host_us']:.1f} | {r['max_abs_diff']:.2g} |"
+            f"| {r['launch_host_us']:.1f} | {r['launch_host_jit_us']:.1f} "
+            f"| {r['max_abs_diff']:.2g} |"
         )
     lines += [
         "",
@@ -280,20 +246,9 @@ def main() -> None:
             f"| {r['graph_us']:.1f} | {r['fixed_graph_us']:.1f} "
             f"| {r['sdpa_us'] / r['fixed_graph_us']:.2f}x | {r['fixed_max_abs_diff']:.2g} |"
         )
-    lines += [
-        "",
-        "Prefill (one request, causal; TFLOP/s on 2 * T^2 * heads * head_dim):",
-        "",
-        "| tokens | llmfast µs | llmfast TFLOP/s | SDPA µs | SDPA TFLOP/s | llmfast / SDPA speed "
-        "| max abs diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in prefill:
-        lines.append(
-            f"| {r['ctx']} | {r['ours_us']:.1f} | {r['ours_tflops']:.1f} | {r['sdpa_us']:.1f} "
-            f"| {r['sdpa_tflops']:.1f} | {r['sdpa_us'] / r['ours_us']:.2f}x "
-            f"| {r['max_abs_diff']:.2g} |"
-        )
+    lines += prefill_lines(prefill) + mixed_lines(mixed)
+    if tuning is not None:
+        lines += tuning_lines(tuning) + tuned_table_note(args.tuned_table)
     if args.sweep_splits:
         best = [dict(batch=r["batch"], ctx=r["ctx"], chosen=r["splits"],
                      best=min(r["split_sweep_graph_us"], key=r["split_sweep_graph_us"].get),
@@ -318,7 +273,7 @@ def main() -> None:
         args.json.write_text(json.dumps(dict(
             device=device, torch=torch.__version__,
             config={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            copy_gbs=copy_gbs, decode=decode, prefill=prefill,
+            copy_gbs=copy_gbs, decode=decode, prefill=prefill, mixed=mixed, tuning=tuning,
         ), indent=2, default=str))
 
 

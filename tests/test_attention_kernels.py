@@ -24,9 +24,9 @@ import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention, kv_write, ops
+from llmfast.kernels import attention, kv_write, ops, prefill_measure
 from llmfast.kernels.offline_target import offline_hopper
-from llmfast.kernels.prefill_tuning import PrefillTiles
+from llmfast.kernels.prefill_tuning import PrefillTiles, ShapeClass
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -295,6 +295,21 @@ def check_causal_skip(dtype, group, ctx, num_new, cut, block_m, block_n):
     assert not torch.isfinite(out[cut:]).any()  # the poison is there for whoever reads it
 
 
+def check_tuner_batch(kind: str):
+    """The tuner's synthetic batch (kernels/prefill_measure.py, shrunk) is a valid step:
+    the kernel with a candidate's tiles matches the reference on it."""
+    prefill_measure.CAUSAL_TOKENS, prefill_measure.MIXED_CHUNK = 40, 24
+    prefill_measure.MIXED_DECODES, prefill_measure.KV_HEADS = 3, 2
+    b = prefill_measure.synthetic_batch(ShapeClass(32, 2, "float32", kind), torch.device("cpu"))
+    ref = torch.zeros(b["q"].shape, dtype=torch.float64)
+    ops.paged_attention_reference(b["q"], b["k_cache"], b["v_cache"], b["block_table"],
+                                  b["query_start_loc"], b["seq_lens"], b["scale"], ref,
+                                  compute_dtype=torch.float64)
+    attention.unified_attention(**b, prefill_tiles=PrefillTiles(16, 32, 4, 2))
+    assert b["q"].shape[0] == (40 if kind == "causal" else 27)
+    assert_rel_close(b["out"], ref, TOL[torch.float32])
+
+
 def check_reshape_and_cache_strided():
     # k/v as views of a fused qkv projection and caches as views of one [2, ...] tensor.
     torch.manual_seed(0)
@@ -395,6 +410,11 @@ def test_causal_tiles_past_the_diagonal_are_not_read(interpreter, group, ctx, nu
                                                      block_m, block_n):
     interpreter("check_causal_skip", dtype="float32", group=group, ctx=ctx, num_new=num_new,
                 cut=cut, block_m=block_m, block_n=block_n)
+
+
+@pytest.mark.parametrize("kind", ["causal", "mixed"])
+def test_tuner_synthetic_batch(interpreter, kind):
+    interpreter("check_tuner_batch", kind=kind)
 
 
 def test_reshape_and_cache_strided_inputs(interpreter):

@@ -9,6 +9,7 @@ of the op, which fails at capture if anything in the launch path syncs with the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import random
 
@@ -178,3 +179,81 @@ def test_fused_split_merge_matches_two_kernel_merge_every_launch(num_reqs, num_s
         assert torch.isfinite(out[:n]).all(), f"launch {i}: a tile was never merged"
         torch.testing.assert_close(out[:n].float(), two_kernel[:n].float(), atol=2e-2, rtol=0)
     H.assert_rel_close(out[:n], ref, H.TOL[torch.bfloat16])
+
+
+# ----------------------------------------------------------------------------- issue 17:
+# tuned prefill tiles, the cached launch path
+
+
+@pytest.fixture(autouse=True)
+def no_tuning_unless_asked(monkeypatch):
+    # Long prefills above would tune their shape class on first use (and keep it in the
+    # user's cache): the tests pin the tiles source to tables and heuristic instead.
+    monkeypatch.setenv("LLMFAST_ATTENTION_TUNING", "off")
+
+
+@pytest.mark.parametrize("kind", ["causal", "mixed"])
+def test_every_tile_candidate_is_correct(kind):
+    from triton.runtime.errors import OutOfResources
+
+    from llmfast.kernels.prefill_tuning import CANDIDATES
+
+    reqs = [(0, 1100)] if kind == "causal" else [(700, 400), (0, 33)] + decodes(
+        12, 2048, random.Random(5))
+    b = batch(reqs, pad_tokens=3)
+    ran = 0
+    for tiles in CANDIDATES:
+        try:
+            check(b, torch.bfloat16, prefill_tiles=tiles)
+            ran += 1
+        except OutOfResources:  # the tuner skips these too
+            pass
+    assert ran >= len(CANDIDATES) // 2
+
+
+def test_prefill_tuned_once_and_read_back(tmp_path, monkeypatch):
+    from llmfast.kernels import prefill_tuning
+    from llmfast.kernels.prefill_tuning import PrefillTiles
+
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    monkeypatch.setenv("LLMFAST_ATTENTION_TUNING", "auto")
+    monkeypatch.setattr(prefill_tuning, "SHIPPED_DIR", tmp_path / "none")
+    monkeypatch.setattr(prefill_tuning, "CANDIDATES", (
+        PrefillTiles(128, 64, 8, 3), PrefillTiles(64, 64, 4, 3),
+        PrefillTiles(128, 128, 8, 8),  # 8 stages of 64 KB: past the shared memory, skipped
+    ))
+    attention._device_tile_table.cache_clear()
+    try:
+        b = batch([(0, 2048)])
+        check(b, torch.bfloat16)  # tunes hd128-g4-bfloat16-causal first
+        table = attention._device_tile_table(torch.device("cuda", 0))
+        assert table.tunings == 1
+        path = prefill_tuning.tuned_table_path(torch.cuda.get_device_name(0))
+        saved = json.loads(path.read_text())["tiles"]["hd128-g4-bfloat16-causal"]
+        assert len(saved["timings_us"]) == 2, saved  # the oversized candidate failed
+        attention._device_tile_table.cache_clear()  # "the next start"
+        check(b, torch.bfloat16)
+        assert attention._device_tile_table(torch.device("cuda", 0)).tunings == 0
+    finally:
+        attention._device_tile_table.cache_clear()
+
+
+def test_cached_launch_matches_jit_launch_bitwise():
+    b = batch(decodes(3, 2048, random.Random(6)), pad_tokens=1)
+    k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+    attention.reshape_and_cache(b["k"], b["v"], k_cache, v_cache, b["slot_mapping"])
+    args = (b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
+            b["scale"])
+    launches = attention._ATTENTION_LAUNCHES
+    outs = []
+    for enabled in (False, True, True):
+        launches.enabled = enabled
+        out = torch.full_like(b["q"], float("nan"))
+        before = launches.fast_launches
+        attention.unified_attention(*args, out, num_splits=8)
+        outs.append(out)
+    launches.enabled = True
+    assert launches.fast_launches == before + 1  # the last call took the cached path
+    torch.cuda.synchronize()
+    H.assert_same_bits(outs[1], outs[0])
+    H.assert_same_bits(outs[2], outs[0])

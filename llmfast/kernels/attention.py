@@ -25,7 +25,8 @@ from llmfast.kernels.prefill_tuning import (
 from llmfast.kernels.split_table import SplitTable, split_table_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 
-__all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "unified_attention"]
+__all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "tune_prefill_tiles",
+           "unified_attention"]
 
 _LOG2E = 1.4426950408889634
 
@@ -68,6 +69,16 @@ def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles |
                 and q.shape[2] <= 128 and not torch.cuda.is_current_stream_capturing())
     return _device_tile_table(q.device).tiles_for(
         cls, may_tune, functools.partial(_measure_tiles, q.device, cls))
+
+
+def tune_prefill_tiles(device: torch.device, cls: ShapeClass, force: bool = False
+                       ) -> PrefillTiles | None:
+    """Tune `cls` on this GPU now (unless its tiles are known and not `force`d) and keep
+    the result in the on-disk table; None when no candidate ran (the heuristic stays)."""
+    table = _device_tile_table(device)
+    if not force and (found := table.lookup(cls)) is not None:
+        return found
+    return table.tune(cls, functools.partial(_measure_tiles, device, cls))
 
 
 def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):

@@ -1,0 +1,99 @@
+"""Timing helpers shared by scripts/bench_kernels.py and bench_kernels_prefill.py (CUDA)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20
+
+
+def time_us(fn, iters: int, flush: torch.Tensor) -> float:
+    """Median microseconds of fn() between CUDA events, L2 flushed before each call."""
+    for _ in range(3):
+        fn()
+    events = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def graph_replay(fn):
+    """fn captured into a CUDA graph (after a warm-up call); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def host_launch_us(fn, calls: int = 200) -> float:
+    """Host wall-clock microseconds per call of `calls` back-to-back launches."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def copy_bandwidth(flush: torch.Tensor, iters: int) -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), iters, flush)
+    return 2 * src.numel() / us / 1e3
+
+
+def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Generator):
+    """k, v [B, L, kv_heads, hd] -> k_cache, v_cache [num_blocks, block_size, kv_heads, hd]
+    and block_table [B, blocks per request], each request's blocks scattered over a
+    shuffled pool."""
+    batch, length = k.shape[:2]
+    blocks_per_req = -(-length // block_size)
+    perm = torch.randperm(batch * blocks_per_req, generator=gen, device="cuda")
+    block_table = perm.view(batch, blocks_per_req).to(torch.int32)
+    pos = torch.arange(length, device="cuda")
+    slots = block_table[:, pos // block_size].long() * block_size + pos % block_size  # [B, L]
+    caches = []
+    for x in (k, v):
+        cache = torch.empty(perm.numel(), block_size, *x.shape[2:], dtype=x.dtype, device="cuda")
+        cache.view(-1, *x.shape[2:])[slots.view(-1)] = x.reshape(-1, *x.shape[2:])
+        caches.append(cache)
+    return caches[0], caches[1], block_table
+
+
+def sdpa_flash(q_s, k_s, v_s, causal: bool, scale: float):
+    """(fn, variant): torch SDPA pinned to its FlashAttention backend on [B, heads, L, D]
+    tensors. Flash with enable_gqa when this torch accepts it; else K/V expanded to every
+    query head beforehand (outside the timing; flash then reads group x more K/V, which
+    a compute-bound prefill barely notices)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(k, v, gqa):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q_s, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=gqa)
+
+    try:
+        run(k_s, v_s, True)
+        return (lambda: run(k_s, v_s, True)), "flash, enable_gqa"
+    except RuntimeError:
+        group = q_s.shape[1] // k_s.shape[1]
+        k_x = k_s.repeat_interleave(group, dim=1)
+        v_x = v_s.repeat_interleave(group, dim=1)
+        run(k_x, v_x, False)
+        return (lambda: run(k_x, v_x, False)), "flash, K/V expanded to all heads"
