@@ -184,14 +184,6 @@ def main() -> None:
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     heads, kv_heads, hd = args.num_heads, args.num_kv_heads, args.head_dim
 
-    decode = []
-    for batch in args.batches:
-        for ctx in args.contexts:
-            r = run_case(batch, ctx, 1, args, flush, gen)
-            kv_bytes = 2 * batch * ctx * kv_heads * hd * elem
-            r.update(ours_gbs=kv_bytes / r["ours_us"] / 1e3, sdpa_gbs=kv_bytes / r["sdpa_us"] / 1e3)
-            decode.append(r)
-            torch.cuda.empty_cache()
     prefill = []
     for tokens in args.prefill_tokens:
         prefill.append(run_prefill(tokens, args, flush, gen))
@@ -201,6 +193,20 @@ def main() -> None:
         chunk, prefix, decodes, ctx = (int(x) for x in spec.split(","))
         mixed.append(run_mixed(chunk, prefix, decodes, ctx, args, flush, gen))
         torch.cuda.empty_cache()
+    # Printed now as well: a step cut short by its time limit still shows these.
+    early = prefill_lines(prefill) + mixed_lines(mixed)
+    if tuning is not None:
+        early += tuning_lines(tuning)
+    print("\n".join(early), flush=True)
+
+    decode = []
+    for batch in args.batches:
+        for ctx in args.contexts:
+            r = run_case(batch, ctx, 1, args, flush, gen)
+            kv_bytes = 2 * batch * ctx * kv_heads * hd * elem
+            r.update(ours_gbs=kv_bytes / r["ours_us"] / 1e3, sdpa_gbs=kv_bytes / r["sdpa_us"] / 1e3)
+            decode.append(r)
+            torch.cuda.empty_cache()
 
     device = torch.cuda.get_device_name(0)
     lines = [

@@ -39,14 +39,19 @@
 #   throughput    220/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
 #                            tok/s)
 #   tests         250/560    every other gpu-marked test
-#   kernels       180/240    scripts/bench_kernels.py (#17; its own helper's step)
+#   kernels       330/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
+#                            2k-8k causal; decode >= 1.0x SDPA at B=1..8; max abs diff
+#                            <= 4e-3): prefill tiles tuned first (2 classes x 10
+#                            candidates; prefill_tiles.json is the table to ship), decode
+#                            (eager, graph, host us per launch cached vs Triton JIT, split
+#                            sweep: splits.json), prefill 2k/4k/8k, mixed vs its parts
 #   families      300/560    tests/test_families_gpu.py (#19)
 #   defaults      300/330    throughput at step budgets 2048 / 8192 / 16384 tokens
 #   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
 #
 # A 30-minute device session, five calls: "full async_tests"; "modes"; "async profile";
-# "load startup sweep"; "throughput" (then "tests kernels" if time is left). Compile
+# "load startup sweep"; "throughput" (then "tests", "kernels": one call each). Compile
 # caches persist between calls while the machine stays warm (LLMFAST_CACHE below).
 #
 # Dry run, on CPU, here: GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh [steps|all]
@@ -168,12 +173,13 @@ for step in $STEPS; do
                 STATUS[kernels]="skipped (no scripts/bench_kernels.py)"
             elif [[ $DRY == 1 ]]; then  # only that its flags exist
                 run_step kernels 10 60 bash -c 'h=$(python3 scripts/bench_kernels.py --help) \
-                    || exit 1; for f in --json --markdown --sweep-splits; do \
+                    || exit 1; for f in --json --markdown --sweep-splits --tune \
+                    --tuned-table --prefill-tokens --mixed; do \
                     grep -q -- "$f" <<<"$h" || { echo "no $f"; exit 1; }; done; echo flags ok'
             else
-                run_step kernels 180 240 python3 scripts/bench_kernels.py --json \
-                    "$OUT/kernels.json" --markdown "$OUT/kernels.md" \
-                    --sweep-splits "$OUT/splits.json"
+                run_step kernels 330 540 python3 scripts/bench_kernels.py --tune force \
+                    --tuned-table "$OUT/prefill_tiles.json" --json "$OUT/kernels.json" \
+                    --markdown "$OUT/kernels.md" --sweep-splits "$OUT/splits.json"
             fi ;;
         modes)
             run_step modes 300 560 python3 scripts/bench_modes.py --model "$MODEL" \
@@ -273,8 +279,8 @@ for path in sys.argv[1:]:
 PY
 fi
 if ran kernels && [[ -f "$OUT/kernels.json" ]]; then
-    echo "--- kernels: see $OUT/kernels.log / kernels.md"
-    tail -n 16 "$OUT/kernels.log"
+    echo "--- kernels: see $OUT/kernels.log / kernels.md (prefill, mixed, tuning first):"
+    grep -A 30 '^Prefill (one request' "$OUT/kernels.log" | head -n 30
 fi
 python3 scripts/gpu_report.py "$OUT" > "$OUT/report.md" \
     && echo "--- $OUT/report.md: commands, outcomes, verdicts and tables (for profiles/)"

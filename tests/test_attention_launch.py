@@ -105,3 +105,32 @@ def test_specialization_key():
         (True, False, True), (False, True, True), (False, False, True), (False, True, False),
         float))
     assert launch_cache.specialization_key((t,), ("text",)) is None  # unmodelled: JIT path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_tile_candidate_fits_an_h100(monkeypatch, head_dim):
+    # The tuner skips candidates that fail, but a search space of mostly failing ones
+    # would tune nothing: each compiles for sm_90 within the H100's shared memory.
+    from llmfast.kernels.prefill_tuning import CANDIDATES
+
+    compiled = []
+    run = triton.runtime.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        compiled.append(run(self, *args, grid=grid, warmup=True, **kwargs))
+
+    monkeypatch.setattr(triton.runtime.JITFunction, "run", compile_only)
+    monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
+    with offline_hopper():
+        for tiles in CANDIDATES:
+            q = torch.empty(2048, 32, head_dim, dtype=torch.bfloat16)
+            k_cache = torch.empty(4, 16, 8, head_dim, dtype=torch.bfloat16)
+            table = torch.empty(1, 128, dtype=torch.int32)
+            attention.unified_attention(q, k_cache, k_cache, table,
+                                        torch.empty(2, dtype=torch.int32),
+                                        torch.empty(1, dtype=torch.int32), 0.1, q,
+                                        prefill_tiles=tiles)
+    assert len(compiled) == len(CANDIDATES)
+    for tiles, kernel in zip(CANDIDATES, compiled):
+        assert kernel.metadata.shared <= 227 * 1024, (tiles, kernel.metadata.shared)
