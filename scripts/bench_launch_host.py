@@ -12,11 +12,15 @@ splits merged in the launch, one launch) and a 512-token prefill. Figures: media
 --repeats of the mean µs per call of --calls back-to-back calls.
 
     PYTHONPATH=$PWD python scripts/bench_launch_host.py [--markdown FILE] [--json FILE]
+
+`--baseline DIR` times the same calls with the llmfast found in DIR instead (e.g. a
+`git archive` of an older commit, before the cached launch existed): one column.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -28,33 +32,46 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+BASELINE = sys.argv[sys.argv.index("--baseline") + 1] if "--baseline" in sys.argv else None
+sys.path.insert(0, BASELINE or str(REPO))
 
 from llmfast.kernels import attention, kv_write
-from llmfast.kernels.offline_target import offline_hopper
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
-def per_call_us(fn, calls: int, repeats: int, launches: list) -> tuple[float, float]:
+def _offline_hopper():
+    """This checkout's offline_target (a baseline tree may predate it)."""
+    spec = importlib.util.spec_from_file_location(
+        "_offline_target", REPO / "llmfast" / "kernels" / "offline_target.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.offline_hopper
+
+
+def per_call_us(fn, calls: int, repeats: int, launches: list, both: bool = True
+                ) -> tuple[float, float]:
     """(JIT, cached) µs per call; the two alternate batch by batch, so both see the same
-    share of a busy machine."""
-    samples: dict[bool, list[float]] = {False: [], True: []}
-    for fast in (False, True):
+    share of a busy machine. both=False: as the code stands (no toggle), twice the same."""
+    modes = (False, True) if both else (None,)
+    samples: dict[bool | None, list[float]] = {m: [] for m in modes}
+    for fast in modes:
         set_fast_launch(fast)
         fn()  # compile (JIT) / remember the compiled kernel (cached)
     for _ in range(repeats):
-        for fast in (False, True):
+        for fast in modes:
             set_fast_launch(fast)
             launches.clear()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             samples[fast].append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples[False]), statistics.median(samples[True])
+    return statistics.median(samples[modes[0]]), statistics.median(samples[modes[-1]])
 
 
-def set_fast_launch(on: bool) -> None:
-    attention._ATTENTION_LAUNCHES.enabled = kv_write._KV_WRITE_LAUNCHES.enabled = on
+def set_fast_launch(on: bool | None) -> None:
+    if on is not None:
+        attention._ATTENTION_LAUNCHES.enabled = kv_write._KV_WRITE_LAUNCHES.enabled = on
 
 
 def main() -> None:
@@ -63,6 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--baseline", help="a tree holding an older llmfast (see above)")
     args = parser.parse_args()
     if torch.cuda.is_available() or not isinstance(attention._unified_attention_kernel,
                                                    triton.runtime.JITFunction):
@@ -91,7 +109,32 @@ def main() -> None:
     cases["KV write, 1 token"] = lambda: attention.reshape_and_cache(k, k, k_cache, k_cache,
                                                                      slots)
     rows = []
-    with offline_hopper(record_launches=True) as launches:
+    if args.baseline:
+        with _offline_hopper()(record_launches=True) as launches:
+            for name, fn in cases.items():
+                rows.append(dict(case=name, baseline_us=per_call_us(
+                    fn, args.calls, args.repeats, launches, both=False)[0]))
+        print(f"Host µs per call, llmfast from {args.baseline} (median of {args.repeats} x "
+              f"{args.calls} calls):\n")
+        print("\n".join(f"- {r['case']}: {r['baseline_us']:.1f}" for r in rows))
+        return
+    with _offline_hopper()(record_launches=True) as launches:
+        # The launch alone, arguments built once: LaunchCache.launch vs kernel[grid](...).
+        seen = []
+        launch = attention._ATTENTION_LAUNCHES.launch
+        attention._ATTENTION_LAUNCHES.launch = lambda *a: seen.append(a) or launch(*a)
+        cases["attention, decode B=1"]()
+        attention._ATTENTION_LAUNCHES.launch = launch
+        grid, tensors, scalars, const_key, constexprs, fixed = seen[0]
+        kernel = attention._unified_attention_kernel
+
+        def launch_only():
+            if attention._ATTENTION_LAUNCHES.enabled:
+                launch(grid, tensors, scalars, const_key, constexprs, fixed)
+            else:  # what unified_attention did before the cached path
+                kernel[grid](*tensors, *scalars, *fixed, **constexprs)
+
+        cases["attention launch only (decode B=1 arguments)"] = launch_only
         for name, fn in cases.items():
             jit, fast = per_call_us(fn, args.calls, args.repeats, launches)
             rows.append(dict(case=name, jit_us=jit, cached_us=fast))

@@ -6,6 +6,7 @@ tiles), workspaces, and the cached launch of the Triton kernels in attention_ker
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -13,7 +14,7 @@ import triton
 from llmfast.kernels.attention_config import AttentionConfig, select_config
 from llmfast.kernels.attention_kernels import _merge_splits_kernel, _unified_attention_kernel
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
-from llmfast.kernels.launch_cache import LaunchCache
+from llmfast.kernels.launch_cache import LaunchCache, specialization_key
 from llmfast.kernels.prefill_measure import median_device_us, synthetic_batch
 from llmfast.kernels.prefill_tuning import (
     TUNE_MIN_TOKENS,
@@ -36,6 +37,7 @@ _LOG2E = 1.4426950408889634
 _ATTENTION_LAUNCHES = LaunchCache(_unified_attention_kernel)
 
 
+@functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -127,14 +129,65 @@ def unified_attention(
     False: a second kernel does (the previous design, kept for comparison).
     `prefill_tiles` overrides the tuned (or heuristic) tiles of a prefill-like batch.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens = q.shape[0]
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
+    if prefill_tiles is None and q.is_cuda and num_tokens > 2 * num_reqs:
+        prefill_tiles = _prefill_tiles(q, num_reqs, q.shape[1] // k_cache.shape[2])
+    # Everything the launch derives from shapes, computed once per shape (a step's
+    # layers, and every step of a padded size, share it).
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+           v_cache.stride(), out.stride(), block_table.shape, block_table.stride(0),
+           num_reqs, num_splits, block_q, fused_merge, prefill_tiles, _num_sms(q.device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(q, k_cache, v_cache, block_table, out, num_reqs,
+                                   num_splits, block_q, fused_merge, prefill_tiles)
+    if plan.splits > 1:
+        part_acc, part_max, part_sum = _workspace(q.device, k_cache, *plan.partials_shape)
+    else:
+        part_acc = part_max = part_sum = out  # unused; any pointer of the right device
+    arrivals = _arrivals(q.device, k_cache, plan.num_arrivals) if plan.fused else out
+    check_launchable(_unified_attention_kernel, q)
+    _ATTENTION_LAUNCHES.launch(
+        plan.grid,
+        (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
+         block_table, query_start_loc, seq_lens),
+        (num_reqs, num_tokens, scale * _LOG2E),
+        plan.const_key, plan.constexprs, plan.strides,
+    )
+    if plan.splits > 1 and not plan.fused:
+        _merge_splits_kernel[(num_tokens, q.shape[1])](
+            out, part_acc, part_max, part_sum, query_start_loc,
+            num_reqs, num_tokens, *out.stride(), **plan.merge_constexprs,
+        )
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    grid: tuple[int, int, int]
+    splits: int
+    fused: bool
+    partials_shape: tuple[int, int, int, int]  # (splits, num_tokens, num_heads, head_dim_p)
+    num_arrivals: int  # fused-merge counters: one per (query tile, kv head)
+    strides: tuple[int, ...]  # q, k_cache, v_cache, out, block_table rows
+    const_key: tuple  # stands for `constexprs` and the strides in the launch cache's key
+    constexprs: dict
+    merge_constexprs: dict
+
+
+# Launch plans by shape key; a process sees a handful of shapes per model (padded batch
+# sizes x prefill/decode), but tests and benchmarks see many: bounded, oldest dropped.
+_PLANS: dict[tuple, _LaunchPlan] = {}
+_MAX_PLANS = 256
+
+
+def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
+          prefill_tiles) -> _LaunchPlan:
+    num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if prefill_tiles is None and q.is_cuda and num_tokens > 2 * num_reqs:
-        prefill_tiles = _prefill_tiles(q, num_reqs, group)
     cfg = select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_table(q.device),
@@ -145,37 +198,30 @@ def unified_attention(
     if q.is_cuda:  # tl.dot needs >= 16 rows; only the interpreter takes smaller tiles
         bq = max(bq, 16 // next_pow2(group))
     head_dim_p = max(16, next_pow2(head_dim))
-
-    if splits > 1:
-        key = (splits, num_tokens, num_heads, head_dim_p)
-        part_acc, part_max, part_sum = _workspace(q.device, k_cache, *key)
-    else:
-        part_acc = part_max = part_sum = out  # unused; any pointer of the right device
     num_tiles = num_tokens // bq + num_reqs
     fused = splits > 1 and fused_merge
-    arrivals = _arrivals(q.device, k_cache, num_tiles * num_kv_heads) if fused else out
-    check_launchable(_unified_attention_kernel, q)
     # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
     upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _ATTENTION_LAUNCHES.launch(
-        (num_tiles, num_kv_heads, splits),
-        (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
-         block_table, query_start_loc, seq_lens),
-        (num_reqs, num_tokens, scale * _LOG2E,
-         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-         block_table.stride(0)),
-        (cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast, dot_precision),
-        dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
-             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-             BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
-             UPCAST=upcast, DOT_PRECISION=dot_precision,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    if len(_PLANS) >= _MAX_PLANS:
+        del _PLANS[next(iter(_PLANS))]
+    strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+               block_table.stride(0))
+    return _LaunchPlan(
+        grid=(num_tiles, num_kv_heads, splits),
+        splits=splits,
+        fused=fused,
+        partials_shape=(splits, num_tokens, num_heads, head_dim_p),
+        num_arrivals=num_tiles * num_kv_heads,
+        strides=strides,
+        const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast,
+                   dot_precision, specialization_key((), strides)),
+        constexprs=dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
+                        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
+                        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
+                        UPCAST=upcast, DOT_PRECISION=dot_precision,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+                              NUM_SPLITS=splits,
+                              num_warps=4 if splits * head_dim_p > 2048 else 2),
     )
-    if splits > 1 and not fused:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc,
-            num_reqs, num_tokens, *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-            NUM_SPLITS=splits, num_warps=4 if splits * head_dim_p > 2048 else 2,
-        )

@@ -82,8 +82,10 @@ def _launcher_of(compiled: Any):
 class LaunchCache:
     """kernel launches keyed by specialization; see the module docstring.
 
-    `launch(grid, tensors, scalars, const_key, constexprs)`: the kernel's runtime
-    parameters in order, tensors first, then scalars (all constexprs after them),
+    `launch(grid, tensors, scalars, const_key, constexprs, fixed)`: the kernel's runtime
+    parameters in order, tensors first, then scalars, then `fixed` scalars (all
+    constexprs after them); `const_key` must determine the specialization of `fixed`
+    (e.g. strides that are part of the caller's own cache key),
     `constexprs` the constexpr parameters and compile options as keywords (num_warps,
     num_stages), `const_key` a hashable stand-in for `constexprs` the caller already has
     (e.g. its frozen config plus the shape constants), so no dict is hashed per call.
@@ -101,9 +103,9 @@ class LaunchCache:
         self.enabled: bool | None = None  # from the environment at the first launch
 
     def launch(self, grid: tuple[int, int, int], tensors: tuple[torch.Tensor, ...],
-               scalars: tuple[Any, ...], const_key: Hashable, constexprs: dict[str, Any]
-               ) -> None:
-        args = tensors + scalars
+               scalars: tuple[Any, ...], const_key: Hashable, constexprs: dict[str, Any],
+               fixed: tuple[Any, ...] = ()) -> None:
+        args = tensors + scalars + fixed
         if self.enabled is None:
             self.enabled = fast_launch_enabled()
         if (self._interpreted or not self.enabled
