@@ -100,10 +100,10 @@ def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
 
 def test_specialization_key():
     t = torch.empty(8, dtype=torch.float16)
-    key = launch_cache.specialization_key((t, t[1:]), (1, 16, 17, 2**40, 0.5))
+    key = launch_cache.specialization_key((t, t[1:]), (1, 16, 17, 2**40, 2**63, 0.5))
     assert key == ((torch.float16, torch.float16), (True, False), (
-        (True, False, True), (False, True, True), (False, False, True), (False, True, False),
-        float))
+        (True, False, 0), (False, True, 0), (False, False, 0), (False, True, 1),
+        (False, True, 2), float))
     assert launch_cache.specialization_key((t,), ("text",)) is None  # unmodelled: JIT path
 
 

@@ -56,10 +56,17 @@ def _device_tile_table(device: torch.device) -> PrefillTileTable:
     return PrefillTileTable(torch.cuda.get_device_name(device))
 
 
-def _measure_tiles(device: torch.device, cls: ShapeClass, tiles: PrefillTiles) -> float:
-    """Device µs of one launch with `tiles` on a synthetic batch of class `cls`."""
-    batch = synthetic_batch(cls, device)
-    return median_device_us(lambda: unified_attention(**batch, prefill_tiles=tiles))
+def _tile_timer(device: torch.device, cls: ShapeClass):
+    """measure(tiles): device µs of one launch with `tiles` on a synthetic batch of class
+    `cls`, made at the first measurement and shared by the candidates."""
+    batch: dict = {}
+
+    def measure(tiles: PrefillTiles) -> float:
+        if not batch:
+            batch.update(synthetic_batch(cls, device))
+        return median_device_us(lambda: unified_attention(**batch, prefill_tiles=tiles))
+
+    return measure
 
 
 def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles | None:
@@ -70,7 +77,7 @@ def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles |
     may_tune = (q.shape[0] >= TUNE_MIN_TOKENS and q.dtype != torch.float32
                 and q.shape[2] <= 128 and not torch.cuda.is_current_stream_capturing())
     return _device_tile_table(q.device).tiles_for(
-        cls, may_tune, functools.partial(_measure_tiles, q.device, cls))
+        cls, may_tune, _tile_timer(q.device, cls))
 
 
 def tune_prefill_tiles(device: torch.device, cls: ShapeClass, force: bool = False
@@ -80,7 +87,7 @@ def tune_prefill_tiles(device: torch.device, cls: ShapeClass, force: bool = Fals
     table = _device_tile_table(device)
     if not force and (found := table.lookup(cls)) is not None:
         return found
-    return table.tune(cls, functools.partial(_measure_tiles, device, cls))
+    return table.tune(cls, _tile_timer(device, cls))
 
 
 def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):

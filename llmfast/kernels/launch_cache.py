@@ -11,7 +11,7 @@ the constexpr values and compile options (given by the caller as a hashable tupl
 per runtime argument what Triton's JIT specializes on. That last part is reproduced here
 as a key that is at least as fine as Triton's (a finer key only costs an extra entry):
 - tensors: dtype and whether the address is 16-byte aligned;
-- ints: == 1, divisible by 16, and whether it fits in int32 (Triton picks i32/i64/u64);
+- ints: == 1, divisible by 16, and the integer type Triton picks (i32/i64/u64);
 - floats: nothing (always fp32 scalars).
 
 The launcher itself (`CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
@@ -44,13 +44,14 @@ def specialization_key(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) 
     None when a scalar is of a kind this key does not model (then: the JIT path).
 
     E.g. tensors (bf16 at 0x...40, bf16 at 0x...42), scalars (4096, 1, 17, 0.5) ->
-    ((bf16, bf16), (True, False), ((False, True, True), (True, False, True),
-    (False, False, True), float))."""
+    ((bf16, bf16), (True, False), ((False, True, 0), (True, False, 0), (False, False, 0),
+    float))."""
     key = []
     for s in scalars:
         kind = type(s)
         if kind is int or kind is bool:
-            key.append((s == 1, s % 16 == 0, _INT32_MIN <= s <= _INT32_MAX))
+            width = 0 if _INT32_MIN <= s <= _INT32_MAX else 1 if s < 2**63 else 2
+            key.append((s == 1, s % 16 == 0, width))  # width: i32 / i64 / u64
         elif kind is float:
             key.append(float)
         else:
