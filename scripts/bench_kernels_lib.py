@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
+
+from llmfast.kernels.prefill_measure import median_device_us
 
 L2_FLUSH_BYTES = 256 << 20
 
 
 def time_us(fn, iters: int, flush: torch.Tensor) -> float:
     """Median microseconds of fn() between CUDA events, L2 flushed before each call."""
-    for _ in range(3):
-        fn()
-    events = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
+    return median_device_us(fn, iters, warmup=3, before=flush.zero_)
 
 
 def graph_replay(fn):

@@ -56,12 +56,17 @@ def synthetic_batch(cls: ShapeClass, device: torch.device) -> dict:
     )
 
 
-def median_device_us(fn: Callable[[], None], iters: int = 25) -> float:
-    """Median µs of fn() between CUDA events, after one untimed call (the compile)."""
-    fn()
+def median_device_us(fn: Callable[[], None], iters: int = 25, warmup: int = 1,
+                     before: Callable[[], object] | None = None) -> float:
+    """Median µs of fn() between CUDA events, after `warmup` untimed calls (the first
+    compiles); `before` runs ahead of each timed call, outside its events (an L2 flush)."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     events = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
