@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """CPU projections: F.linear (MKL) vs the row split and the oneDNN prepacked weights of
-`llmfast/kernels/cpu_linear.py`.
+`llmfast/kernels/cpu/linear.py`.
 
 Every projection of a model preset (qkv, o, gate_up, down per layer, and lm_head) at a
 few token counts. Each layer gets its own weight copy, as in a real model, so weights
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.kernels.cpu_linear import (
+from llmfast.kernels.cpu.linear import (
     num_row_blocks,
     pack_weight,
     packed_linear,

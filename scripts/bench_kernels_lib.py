@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from llmfast.kernels.prefill_measure import median_device_us
+from llmfast.kernels.tuning.prefill_measure import median_device_us
 
 L2_FLUSH_BYTES = 256 << 20
 

@@ -7,7 +7,7 @@
 - Mixed: one chunk of C tokens over a P-token cached prefix plus D decodes at context L,
   as ONE launch, against the same two parts launched separately (the chunk alone, the
   decodes alone), eager and graph-replayed.
-- Tuning: the prefill tile search of llmfast/kernels/prefill_tuning.py for the bench's
+- Tuning: the prefill tile search of llmfast/kernels/tuning/prefill_tuning.py for the bench's
   shape classes (causal and mixed), its per-candidate times, and the table it wrote.
 """
 
@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from bench_kernels_lib import graph_replay, paged_copy, sdpa_flash, time_us
 
-from llmfast.kernels import attention, prefill_tuning
-from llmfast.kernels.prefill_tuning import ShapeClass, heuristic_tiles
+from llmfast.kernels import attention
+from llmfast.kernels.tuning import prefill_tuning
+from llmfast.kernels.tuning.prefill_tuning import ShapeClass, heuristic_tiles
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
@@ -155,7 +156,7 @@ def mixed_lines(rows: list[dict]) -> list[str]:
 
 def tuning_lines(tuning: dict) -> list[str]:
     lines = ["", f"Prefill tile tuning (table: {tuning['table_path']}; µs per candidate on "
-             "the synthetic batch of llmfast/kernels/prefill_measure.py):", ""]
+             "the synthetic batch of llmfast/kernels/tuning/prefill_measure.py):", ""]
     for key, chosen in tuning["chosen"].items():
         entry = tuning["table"].get("tiles", {}).get(key, {})
         timings = entry.get("timings_us", {})
@@ -168,5 +169,5 @@ def tuning_lines(tuning: dict) -> list[str]:
 def tuned_table_note(path: Path | None) -> list[str]:
     if path is None:
         return []
-    return ["", f"Tuned table copied to {path}: copy it to llmfast/kernels/prefill_tables/"
+    return ["", f"Tuned table copied to {path}: copy it to llmfast/kernels/tuning/prefill_tables/"
             "<gpu slug>.json to ship it as this GPU's default."]

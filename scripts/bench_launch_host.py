@@ -1,6 +1,6 @@
 """Host cost of one attention / KV-write launch on CPU, cached launch path vs Triton's JIT.
 
-No GPU needed: Triton compiles the kernels for sm_90 (llmfast/kernels/offline_target.py)
+No GPU needed: Triton compiles the kernels for sm_90 (llmfast/kernels/launch/offline_target.py)
 and each launch ends in a recorder where the C launcher would be called, so this times
 everything Python does per launch up to that call (llmfast's config selection and
 workspace lookups, then either Triton's JIT dispatch or the cached launcher). The C

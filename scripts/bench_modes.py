@@ -37,7 +37,7 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.bench.static_batch import StaticBatch
 from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
-from llmfast.kernels.cpu_linear import prepack_linears
+from llmfast.kernels.cpu.linear import prepack_linears
 from llmfast.models.loader import build_model, resolve_model
 
 

@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
         all_reduce,
         init_tensor_parallel,
     )
-    from llmfast.kernels.cpu_linear import prepack_linears
+    from llmfast.kernels.cpu.linear import prepack_linears
     from llmfast.models.loader import ModelSource, build_model, resolve_model
 
     torch.set_num_threads(max(args.threads // world, 1))

@@ -24,9 +24,10 @@ import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention, kv_write, ops, prefill_measure
-from llmfast.kernels.offline_target import offline_hopper
-from llmfast.kernels.prefill_tuning import PrefillTiles, ShapeClass
+from llmfast.kernels import attention, kv_write, ops
+from llmfast.kernels.launch.offline_target import offline_hopper
+from llmfast.kernels.tuning import prefill_measure
+from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, ShapeClass
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -196,7 +196,7 @@ def no_tuning_unless_asked(monkeypatch):
 def test_every_tile_candidate_is_correct(kind):
     from triton.runtime.errors import OutOfResources
 
-    from llmfast.kernels.prefill_tuning import CANDIDATES
+    from llmfast.kernels.tuning.prefill_tuning import CANDIDATES
 
     reqs = [(0, 1100)] if kind == "causal" else [(700, 400), (0, 33)] + decodes(
         12, 2048, random.Random(5))
@@ -212,8 +212,8 @@ def test_every_tile_candidate_is_correct(kind):
 
 
 def test_prefill_tuned_once_and_read_back(tmp_path, monkeypatch):
-    from llmfast.kernels import prefill_tuning
-    from llmfast.kernels.prefill_tuning import PrefillTiles
+    from llmfast.kernels.tuning import prefill_tuning
+    from llmfast.kernels.tuning.prefill_tuning import PrefillTiles
 
     monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
     monkeypatch.setenv("LLMFAST_ATTENTION_TUNING", "auto")

@@ -12,8 +12,9 @@ import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention, launch_cache
-from llmfast.kernels.offline_target import offline_hopper
+from llmfast.kernels import attention
+from llmfast.kernels.launch import launch_cache
+from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 pytestmark = pytest.mark.skipif(
@@ -112,7 +113,7 @@ def test_specialization_key():
 def test_every_tile_candidate_fits_an_h100(monkeypatch, head_dim):
     # The tuner skips candidates that fail, but a search space of mostly failing ones
     # would tune nothing: each compiles for sm_90 within the H100's shared memory.
-    from llmfast.kernels.prefill_tuning import CANDIDATES
+    from llmfast.kernels.tuning.prefill_tuning import CANDIDATES
 
     compiled = []
     run = triton.runtime.JITFunction.run

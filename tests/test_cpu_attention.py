@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from llmfast.kernels import cpu_attention
+from llmfast.kernels.cpu import attention as cpu_attention
 from llmfast.kernels.ops import paged_attention_reference
 from llmfast.kernels.workspaces import AttentionWorkspaces
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfast.kernels.cpu_linear import (
+from llmfast.kernels.cpu.linear import (
     MAX_SPLIT_TOKENS,
     MAX_SPLIT_TOKENS_LM_HEAD,
     Linear,

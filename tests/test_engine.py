@@ -10,7 +10,7 @@ import torch
 
 from llmfast import LLM, SamplingParams
 from llmfast.core.request import Request, RequestRejected
-from llmfast.kernels.cpu_linear import Linear
+from llmfast.kernels.cpu.linear import Linear
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.workloads import NUM_PROMPTS, greedy_params, random_workload
 

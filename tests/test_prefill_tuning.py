@@ -10,8 +10,9 @@ import logging
 import pytest
 import torch
 
-from llmfast.kernels import attention_config, prefill_tuning
-from llmfast.kernels.prefill_tuning import (
+from llmfast.kernels import attention_config
+from llmfast.kernels.tuning import prefill_tuning
+from llmfast.kernels.tuning.prefill_tuning import (
     CANDIDATES,
     PrefillTiles,
     PrefillTileTable,

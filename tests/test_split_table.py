@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmfast.kernels import attention
-from llmfast.kernels.split_table import parse_table, split_table_for, table_path
+from llmfast.kernels.tuning.split_table import parse_table, split_table_for, table_path
 
 BATCHES, CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192)
 

@@ -14,16 +14,16 @@ import triton
 from llmfast.kernels.attention_config import AttentionConfig, select_config
 from llmfast.kernels.attention_kernels import _merge_splits_kernel, _unified_attention_kernel
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
-from llmfast.kernels.launch_cache import LaunchCache, specialization_key
-from llmfast.kernels.prefill_measure import median_device_us, synthetic_batch
-from llmfast.kernels.prefill_tuning import (
+from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
+from llmfast.kernels.tuning.prefill_measure import median_device_us, synthetic_batch
+from llmfast.kernels.tuning.prefill_tuning import (
     TUNE_MIN_TOKENS,
     PrefillTiles,
     PrefillTileTable,
     ShapeClass,
     shape_class,
 )
-from llmfast.kernels.split_table import SplitTable, split_table_for
+from llmfast.kernels.tuning.split_table import SplitTable, split_table_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 
 __all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "tune_prefill_tiles",

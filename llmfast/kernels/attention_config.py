@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from llmfast.kernels.kv_write import next_pow2
-from llmfast.kernels.prefill_tuning import PrefillTiles, heuristic_tiles
-from llmfast.kernels.split_table import SplitTable
+from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, heuristic_tiles
+from llmfast.kernels.tuning.split_table import SplitTable
 
 
 @dataclass(frozen=True)

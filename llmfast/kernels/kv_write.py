@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfast.kernels.launch_cache import LaunchCache
+from llmfast.kernels.launch.launch_cache import LaunchCache
 
 
 def check_launchable(kernel, tensor: torch.Tensor) -> None:

@@ -150,7 +150,7 @@ def unified_attention_impl(
             q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
         )
     else:
-        from llmfast.kernels.cpu_attention import paged_attention_cpu
+        from llmfast.kernels.cpu.attention import paged_attention_cpu
 
         reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
         paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out)

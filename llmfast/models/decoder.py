@@ -22,7 +22,7 @@ from torch import nn
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.config import ModelConfig
 from llmfast.distributed import TensorParallelGroup
-from llmfast.kernels.cpu_linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
+from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.models.parallel_layers import (
     gather_logits,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmfast.distributed import TensorParallelGroup, all_gather_last_dim, all_reduce
-from llmfast.kernels.cpu_linear import Linear
+from llmfast.kernels.cpu.linear import Linear
 
 
 class RowParallelLinear(Linear):

@@ -26,7 +26,7 @@ from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind, StepDispatch, is_uniform_decode
-from llmfast.kernels.cpu_linear import physical_memory_bytes, prepack_linears
+from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.loader import ModelSource, build_model
 from llmfast.profiling.nvtx_ranges import nvtx_range

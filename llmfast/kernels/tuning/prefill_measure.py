@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmfast.kernels.prefill_tuning import ShapeClass
+from llmfast.kernels.tuning.prefill_tuning import ShapeClass
 
 CAUSAL_TOKENS = 4096
 MIXED_CHUNK = 1024

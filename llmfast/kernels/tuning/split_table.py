@@ -2,7 +2,7 @@
 
 `scripts/bench_kernels.py --sweep-splits FILE` times every power-of-two split count for
 each decode shape (batch x context, graph-replayed) and writes the best; a copy of that
-file under `llmfast/kernels/split_tables/<gpu name>.json` makes `unified_attention` use
+file under `llmfast/kernels/tuning/split_tables/<gpu name>.json` makes `unified_attention` use
 it on that GPU for the shape it was measured with (heads, KV heads, head dim, dtype,
 block size); anything else keeps the SM-count heuristic of `select_config`.
 

@@ -1,0 +1,1 @@
+"""CPU paths: paged attention in plain torch and prepacked (blocked) linear layers."""
