@@ -17,12 +17,14 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmfast.config import EngineConfig
 from llmfast.core.request import Request, RequestRejected, check_prompt_length
 from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.engine_args import EngineArgs
+from llmfast.executor import Executor, create_executor
 from llmfast.models.loader import ModelSource
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.profiling.nvtx_ranges import nvtx_range
@@ -31,8 +33,9 @@ from llmfast.tokenizer import TokenizerError, has_tokenizer_files
 from llmfast.utils.gc_freeze import hold_gc_freeze
 from llmfast.utils.progress import Progress
 from llmfast.utils.value_checks import int_list
-from llmfast.worker.model_runner import ModelRunner
-from llmfast.worker.step_output import PendingStep
+
+if TYPE_CHECKING:
+    from llmfast.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +82,43 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
         self.eos_token_ids = eos
-        if progress:
-            progress("loading weights", None)
-        self.runner = ModelRunner(config, source, eos_token_ids=eos, progress=progress)
-        num_blocks = self.runner.initialize(progress)
+        # The model runs behind an executor: in this process (uni) or in one worker per
+        # tensor-parallel rank (mp, ray). It is stopped if the rest of start-up fails.
+        self.executor: Executor = create_executor(config, source, eos_token_ids=eos,
+                                                  progress=progress)
+        try:
+            num_blocks = self.executor.initialize(progress)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.async_scheduling = config.scheduler.async_scheduling
-        # The launched step whose outputs the next step() reads (async scheduling only).
-        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # The launched step whose outputs the next step() reads (async scheduling only);
+        # the second item is the executor's handle.
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
         self.phase_timer = None  # a PhaseTimer while profiling (set_phase_timer)
         # What exists now (weights' modules, tokenizer, torch and transformers internals:
         # ~400k objects) lives as long as the engine: keep it out of the collector's
         # scans (150 ms stalls otherwise) until the engine is gone.
         weakref.finalize(self, hold_gc_freeze())
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process model runner (uni backend); with workers (mp, ray) an
+        ExecutorError, since the runners live in other processes."""
+        return self.executor.runner
+
+    @property
+    def startup_times(self) -> dict[str, float]:
+        """Seconds per start-up stage of the model runner (rank 0's with workers)."""
+        return self.executor.startup_times
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (also done when the engine is collected and at
+        exit); the engine runs no step afterwards."""
+        self.executor.shutdown()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: Progress | None = None) -> LLMEngine:
@@ -162,7 +187,8 @@ class LLMEngine:
 
     def set_phase_timer(self, timer) -> None:
         """Time every phase of the following steps (llmfast.profiling.phase_timing); None: stop."""
-        self.phase_timer = self.runner.phase_timer = timer
+        self.phase_timer = timer
+        self.executor.set_phase_timer(timer)
 
     # ------------------------------------------------------------------ step
 
@@ -175,7 +201,7 @@ class LLMEngine:
             if tracked is not None and tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
                 tracked.num_cached_tokens = new.num_computed_tokens
-        pending = self.runner.execute_async(sched_out)
+        pending = self.executor.execute_async(sched_out)
         if self.async_scheduling:
             # Read the step launched by the previous call while this one runs.
             done, self._in_flight = self._in_flight, (
@@ -187,10 +213,10 @@ class LLMEngine:
             return []
         return self._finish_step(sched_out, pending)
 
-    def _finish_step(self, sched_out: SchedulerOutput, pending: PendingStep
+    def _finish_step(self, sched_out: SchedulerOutput, pending: object
                      ) -> list[RequestOutput]:
         with nvtx_range("wait_output", self.phase_timer):
-            runner_out = self.runner.collect(pending)
+            runner_out = self.executor.collect(pending)
         with nvtx_range("update", self.phase_timer):
             updates = self.scheduler.update(sched_out, runner_out)
         with nvtx_range("detokenize", self.phase_timer):

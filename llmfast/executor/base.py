@@ -1,0 +1,79 @@
+"""`Executor`: what the engine sees of the workers that run the model, whatever runs them.
+
+The engine hands each scheduler step to `execute_async`, which launches it on every rank
+and returns a handle at once (None when nothing was scheduled: no token to compute);
+`collect(handle)` waits for that step and returns rank 0's `ModelRunnerOutput` (only
+rank 0 samples for the engine: every rank computes the same tokens). Handles are
+collected in launch order; at most one step is launched and not yet collected when the
+engine schedules the next (async scheduling), so a worker can run step N+1 before the
+engine reads step N.
+
+Backends (`--distributed-executor-backend`): `uni` runs the model runner in this
+process; `mp` runs one worker process per rank on this node; `ray` one Ray actor per
+rank. A backend that loses a worker raises `WorkerDied` / `WorkerFailed` (naming the
+rank) after stopping the rest; `shutdown()` stops every worker and may be called twice.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from llmfast.executor.errors import ExecutorError
+
+if TYPE_CHECKING:
+    from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from llmfast.utils.progress import Progress
+    from llmfast.worker.model_runner import ModelRunner
+
+
+class Executor(ABC):
+    #: The backend's name, as `--distributed-executor-backend` spells it.
+    backend: str = ""
+    world_size: int = 1
+
+    @abstractmethod
+    def initialize(self, progress: Progress | None = None) -> int:
+        """Load the model and allocate the KV cache on every rank (compiling and capturing
+        graphs on the way); returns the number of KV blocks the scheduler may use: the
+        fewest any rank has."""
+
+    @abstractmethod
+    def execute_async(self, sched_out: SchedulerOutput) -> object | None:
+        """Launch one step on every rank; a handle for `collect`, or None when the step
+        computes nothing (the ranks still apply its finished and preempted ids)."""
+
+    @abstractmethod
+    def collect(self, handle: object) -> ModelRunnerOutput:
+        """Wait for a launched step; rank 0's sampled tokens."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise `ExecutorError` if a worker is gone; cheap (no step is run)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent; also runs when the executor is collected and at
+        interpreter exit)."""
+
+    @property
+    @abstractmethod
+    def startup_times(self) -> dict[str, float]:
+        """Seconds per start-up stage (load, kv_cache, compile, capture) of rank 0."""
+
+    def set_phase_timer(self, timer) -> None:
+        """Time the runner's phases of the following steps (None: stop). Only the
+        in-process runner can be timed; other backends time the engine's phases only."""
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process model runner (the `uni` backend only: with workers, the runners
+        live in other processes)."""
+        raise ExecutorError(
+            f"the model runner lives in {self.world_size} worker(s) of the {self.backend} "
+            "executor, not in this process; only --distributed-executor-backend uni has one")
+
+    @property
+    def local_runner(self) -> ModelRunner | None:
+        """The in-process runner, or None when the model runs in workers."""
+        return None

@@ -1,0 +1,203 @@
+"""`MultiprocExecutor`: one worker process per rank on this node (`--distributed-executor-
+backend mp`): torch.distributed with NCCL between GPUs (rank r on cuda:r), gloo on CPU.
+
+Each step is pickled once and the same bytes are written to every worker's socket; a
+COLLECT message (a constant) asks for the oldest launched step's tokens, which rank 0
+alone sends back. The other ranks only ever write to the engine to report an error, so
+the engine reads one reply per step and, while it waits for it, also watches every
+other worker's socket and process: a worker that dies or fails ends the wait at once
+with an error naming its rank, after the remaining workers are stopped. A step that
+takes longer than `execute_timeout_s` is a hang and ends the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
+
+from llmfast.executor import messages
+from llmfast.executor.base import Executor
+from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
+from llmfast.executor.processes import WorkerProcess, stop_workers
+from llmfast.executor.ranks import cpu_threads_per_rank, free_port, rank_devices
+from llmfast.executor.worker import WorkerReady, WorkerSpec
+
+if TYPE_CHECKING:
+    from llmfast.config import EngineConfig
+    from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from llmfast.models.loader import ModelSource
+    from llmfast.utils.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+# Longest a step may take before the engine calls it a hang (a CPU prefill of a full
+# batch of a big model is the slowest legitimate step).
+EXECUTE_TIMEOUT_S = 600.0
+# After SHUTDOWN, how long the workers have to exit by themselves.
+SHUTDOWN_GRACE_S = 5.0
+
+
+class MultiprocExecutor(Executor):
+    backend = "mp"
+
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None,
+                 execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
+        world = config.parallel.tensor_parallel_size
+        self.world_size = world
+        self.execute_timeout_s = execute_timeout_s
+        devices = rank_devices(config.device, world)
+        threads = cpu_threads_per_rank(config.device, world)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        if progress:
+            progress(f"starting {world} worker process{'es' if world > 1 else ''}", None)
+        self._workers: list[WorkerProcess] = []
+        # Stops the workers when the executor is shut down, collected, or at exit.
+        self._finalizer = weakref.finalize(self, _stop, self._workers, SHUTDOWN_GRACE_S)
+        self._failure: ExecutorError | None = None
+        self._ready: list[WorkerReady] = []
+        log_level = logging.getLogger("llmfast").getEffectiveLevel()
+        for rank in range(world):
+            self._workers.append(WorkerProcess(rank, log_level))
+        # The handles `wait` watches, and whose worker each is.
+        self._owner = {w.conn: w for w in self._workers}
+        self._owner.update({w.pidfd: w for w in self._workers if w.pidfd is not None})
+        self._watched = list(self._owner)
+        for w, device in zip(self._workers, devices):
+            spec = WorkerSpec(rank=w.rank, world_size=world,
+                              config=dataclasses.replace(config, device=device),
+                              source=source, eos_token_ids=tuple(eos_token_ids),
+                              init_method=init_method, cpu_threads=threads)
+            self._send(w, messages.encode(messages.SPEC, spec))
+
+    # ------------------------------------------------------------------ start-up
+
+    def initialize(self, progress: Progress | None = None) -> int:
+        if progress:
+            progress(f"loading the model on {self.world_size} rank(s)", None)
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < self.world_size:
+            worker, kind, payload = self._next_message(None)
+            if kind != messages.READY:
+                raise self._fail(ExecutorError(f"worker rank {worker.rank} sent {kind!r} "
+                                               "before it was ready"))
+            ready[worker.rank] = payload
+        self._ready = [ready[r] for r in range(self.world_size)]
+        return min(r.num_blocks for r in self._ready)
+
+    @property
+    def startup_times(self) -> dict[str, float]:
+        return dict(self._ready[0].startup_times) if self._ready else {}
+
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
+    # ------------------------------------------------------------------ steps
+
+    def execute_async(self, sched_out: SchedulerOutput) -> int | None:
+        data = messages.encode(messages.EXECUTE, sched_out)  # once, for every rank
+        for w in self._workers:
+            self._send(w, data)
+        if not sched_out.total_num_scheduled_tokens:
+            return None
+        return sched_out.step_index
+
+    def collect(self, handle: int) -> ModelRunnerOutput:
+        for w in self._workers:
+            self._send(w, messages.COLLECT_MESSAGE)
+        worker, kind, payload = self._next_message(
+            time.monotonic() + self.execute_timeout_s)
+        if kind != messages.OUTPUT or worker.rank != 0:
+            raise self._fail(ExecutorError(
+                f"worker rank {worker.rank} sent {kind!r} where rank 0's tokens were due"))
+        return payload
+
+    def check_health(self) -> None:
+        self._check_usable()
+        for w in self._workers:
+            if w.conn.poll(0) or w.exit_description() is not None:
+                raise self._fail(self._failure_of(w))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, worker: WorkerProcess, data: bytes) -> None:
+        self._check_usable()
+        try:
+            worker.conn.send_bytes(data)
+        except OSError:  # broken pipe: the worker is gone
+            raise self._fail(self._failure_of(worker)) from None
+
+    def _next_message(self, deadline: float | None) -> tuple[WorkerProcess, str, object]:
+        """The next message any worker sends; raises (after stopping the workers) if one
+        died, reported an error, or nothing came before `deadline` (monotonic)."""
+        self._check_usable()
+        while True:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                raise self._fail(ExecutorError(
+                    f"no answer from the workers within {self.execute_timeout_s:.0f} s; "
+                    "a worker hangs"))
+            ready = wait(self._watched, timeout)
+            # A socket first: an error message explains the exit that follows it.
+            for handle in sorted(ready, key=lambda h: isinstance(h, int)):
+                worker = self._owner[handle]
+                if isinstance(handle, int) or not worker.conn.poll(0):
+                    continue  # a process that exited: below, unless its socket has data
+                try:
+                    kind, payload = messages.decode(worker.conn.recv_bytes())
+                except (EOFError, OSError):
+                    raise self._fail(self._failure_of(worker)) from None
+                if kind == messages.ERROR:
+                    raise self._fail(_worker_failed(payload))
+                return worker, kind, payload
+            for handle in ready:
+                raise self._fail(self._failure_of(self._owner[handle]))
+
+    def _failure_of(self, worker: WorkerProcess) -> ExecutorError:
+        """The error to report for a worker that seems gone: the one it sent, else how
+        it died."""
+        try:
+            if worker.conn.poll(0):
+                kind, payload = messages.decode(worker.conn.recv_bytes())
+                if kind == messages.ERROR:
+                    return _worker_failed(payload)
+        except (EOFError, OSError):
+            pass
+        return WorkerDied(worker.rank, worker.wait_exit(2.0))
+
+    def _fail(self, error: ExecutorError) -> ExecutorError:
+        """Stop every worker now (they may be blocked on the one that failed) and
+        remember why: the executor runs nothing more."""
+        if self._failure is None:
+            self._failure = error
+        logger.debug("stopping the workers: %s", error)
+        self._finalizer.detach()
+        _stop(self._workers, grace_s=0.5)
+        return error
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise ExecutorError(f"the engine stopped earlier: {self._failure}")
+        if not self._finalizer.alive:
+            raise ExecutorError("the executor was shut down")
+
+
+def _worker_failed(report: messages.WorkerError) -> WorkerFailed:
+    logger.debug("worker rank %d traceback:\n%s", report.rank, report.traceback)
+    return WorkerFailed(report.rank, report.message, report.during)
+
+
+def _stop(workers: list[WorkerProcess], grace_s: float) -> None:
+    for w in workers:
+        try:
+            w.conn.send_bytes(messages.SHUTDOWN_MESSAGE)
+        except OSError:
+            pass  # gone already
+    stop_workers(workers, grace_s)

@@ -1,0 +1,255 @@
+"""`RayExecutor`: one Ray actor per rank (`--distributed-executor-backend ray`), placed by
+a placement group with one bundle per rank (a GPU each on CUDA, a CPU each on CPU), on
+the cluster at `--ray-address` or on a local one started here.
+
+Each step is pickled once; small steps travel inline with each actor call, a large one
+(prompts of new requests) is put in Ray's object store once and every actor reads it
+from there. The engine waits for every rank's `collect` (Ray reports a dead actor's
+pending call as failed), so a killed actor or a failing rank ends the wait with an error
+naming the rank; the remaining actors are killed. Ray kills an actor when the process
+that created it (the engine) exits, and a local cluster started here is shut down with
+the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+import llmfast
+from llmfast.config import ConfigError
+from llmfast.executor.base import Executor
+from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
+from llmfast.executor.ranks import cpu_threads_per_rank
+from llmfast.executor.worker import WorkerReady, WorkerSpec
+from llmfast.utils.errors import one_line
+
+if TYPE_CHECKING:
+    from llmfast.config import EngineConfig
+    from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from llmfast.models.loader import ModelSource
+    from llmfast.utils.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+EXECUTE_TIMEOUT_S = 600.0
+PLACEMENT_TIMEOUT_S = 60.0
+# Above this many bytes a step goes through the object store once instead of inline with
+# each actor call (Ray's own inline limit is 100 KiB).
+INLINE_STEP_BYTES = 64 * 1024
+# A local cluster's object store: steps are small; Ray's default takes 30% of the RAM.
+LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("the ray executor backend needs Ray: pip install 'llmfast[ray]'"
+                          ) from None
+    return ray
+
+
+class _RayState:
+    """What the finalizer must release: actors, placement group, our Ray connection."""
+
+    def __init__(self) -> None:
+        self.actors: list = []
+        self.placement_group = None
+        self.disconnect = False  # ray.init was ours: ray.shutdown at the end
+
+    def release(self) -> None:
+        try:
+            ray = import_ray()
+            if not ray.is_initialized():
+                return
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            if self.placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.placement_group)
+            if self.disconnect:
+                ray.shutdown()
+        except Exception as e:  # noqa: BLE001 - at exit Ray may be half gone already
+            logger.debug("releasing Ray resources: %s", e)
+        self.actors = []
+
+
+class RayExecutor(Executor):
+    backend = "ray"
+
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None,
+                 execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
+        ray = import_ray()
+        self._ray = ray
+        world = config.parallel.tensor_parallel_size
+        self.world_size = world
+        self.execute_timeout_s = execute_timeout_s
+        self._state = _RayState()
+        self._finalizer = weakref.finalize(self, self._state.release)
+        self._failure: ExecutorError | None = None
+        self._ready: list[WorkerReady] = []
+        cuda = torch.device(config.device).type == "cuda"
+        if progress:
+            progress("connecting to Ray" if config.parallel.ray_address
+                     else "starting a local Ray cluster", None)
+        self._connect(config.parallel.ray_address, world)
+        try:
+            self._place_actors(world, cuda)
+        except BaseException:
+            self._finalizer()
+            raise
+        host, port = ray.get(self._state.actors[0].rendezvous_address.remote())
+        threads = cpu_threads_per_rank(config.device, world)
+        device = "cuda:0" if cuda else config.device  # Ray shows each actor its own GPU
+        import dataclasses
+
+        rank_config = dataclasses.replace(config, device=device)
+        self._start_refs = [
+            actor.start.remote(WorkerSpec(
+                rank=rank, world_size=world, config=rank_config, source=source,
+                eos_token_ids=tuple(eos_token_ids), init_method=f"tcp://{host}:{port}",
+                cpu_threads=threads))
+            for rank, actor in enumerate(self._state.actors)]
+
+    def _connect(self, address: str | None, world: int) -> None:
+        ray = self._ray
+        if ray.is_initialized():
+            return  # the caller's own Ray session: used as it is, left connected
+        kwargs = dict(include_dashboard=False, log_to_driver=False,
+                      logging_level=logging.WARNING)
+        if address is None:
+            # The workers must import this llmfast (a checkout, say, not an installed one).
+            root = str(Path(llmfast.__file__).resolve().parents[1])
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+            kwargs.update(num_cpus=max(os.cpu_count() or 1, world),
+                          object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                          runtime_env={"env_vars": {"PYTHONPATH": path}})
+        try:
+            ray.init(address=address, **kwargs)
+        except Exception as e:  # noqa: BLE001 - Ray's errors for a bad address vary
+            where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+            raise ExecutorError(f"cannot connect to {where}: {one_line(e)}") from None
+        self._state.disconnect = True
+
+    def _place_actors(self, world: int, cuda: bool) -> None:
+        ray = self._ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from llmfast.executor.ray_actor import RayWorkerActor
+
+        bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
+        pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        self._state.placement_group = pg
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ExecutorError(
+                f"Ray could not place {world} workers of {bundle} each within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()}"
+            ) from None
+        actor_class = ray.remote(RayWorkerActor)
+        for rank in range(world):
+            self._state.actors.append(actor_class.options(
+                num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank),
+            ).remote())
+
+    # ------------------------------------------------------------------ start-up
+
+    def initialize(self, progress: Progress | None = None) -> int:
+        if progress:
+            progress(f"loading the model on {self.world_size} Ray worker(s)", None)
+        self._ready = self._gather(self._start_refs, None, "during start-up")
+        self._start_refs = []
+        return min(r.num_blocks for r in self._ready)
+
+    @property
+    def startup_times(self) -> dict[str, float]:
+        return dict(self._ready[0].startup_times) if self._ready else {}
+
+    def worker_pids(self) -> list[int]:
+        """The actors' process ids (on their nodes)."""
+        return self._gather([a.pid.remote() for a in self._state.actors], None, "")
+
+    # ------------------------------------------------------------------ steps
+
+    def execute_async(self, sched_out: SchedulerOutput) -> int | None:
+        self._check_usable()
+        data = pickle.dumps(sched_out, protocol=pickle.HIGHEST_PROTOCOL)  # once
+        arg = self._ray.put(data) if len(data) > INLINE_STEP_BYTES else data
+        for actor in self._state.actors:
+            actor.execute.remote(arg)
+        if not sched_out.total_num_scheduled_tokens:
+            return None
+        return sched_out.step_index
+
+    def collect(self, handle: int) -> ModelRunnerOutput:
+        self._check_usable()
+        refs = [actor.collect.remote() for actor in self._state.actors]
+        return self._gather(refs, time.monotonic() + self.execute_timeout_s, "in a step")[0]
+
+    def check_health(self) -> None:
+        self._check_usable()
+        self._gather([a.pid.remote() for a in self._state.actors],
+                     time.monotonic() + self.execute_timeout_s, "")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _gather(self, refs: list, deadline: float | None, during: str) -> list:
+        """Every rank's result, in rank order; the first failure (a dead actor, an error)
+        raises as soon as it is known, naming its rank."""
+        ray = self._ray
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                raise self._fail(ExecutorError(
+                    f"no answer from the Ray workers within {self.execute_timeout_s:.0f} s; "
+                    "a worker hangs"))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise self._fail(WorkerDied(rank, _actor_death(e))) from None
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None) or e
+                    raise self._fail(WorkerFailed(rank, one_line(cause, max_chars=None),
+                                                  during or "in a step")) from None
+        return results
+
+    def _fail(self, error: ExecutorError) -> ExecutorError:
+        if self._failure is None:
+            self._failure = error
+        logger.debug("stopping the Ray workers: %s", error)
+        self._finalizer()
+        return error
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise ExecutorError(f"the engine stopped earlier: {self._failure}")
+        if not self._finalizer.alive:
+            raise ExecutorError("the executor was shut down")
+
+
+def _actor_death(error: BaseException) -> str:
+    text = one_line(error, max_chars=None)
+    return "Ray actor died" if "died" in text.lower() or not text else f"Ray actor: {text}"

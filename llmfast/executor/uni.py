@@ -1,0 +1,61 @@
+"""`UniExecutor`: one rank, the model runner in this process (the default for one device).
+
+Nothing crosses a process boundary: each call is the runner's own, so the engine's step
+costs what it cost before there were executors (one Python call more)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmfast.executor.base import Executor
+from llmfast.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from llmfast.config import EngineConfig
+    from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from llmfast.models.loader import ModelSource
+    from llmfast.utils.progress import Progress
+    from llmfast.worker.step_output import PendingStep
+
+
+class UniExecutor(Executor):
+    backend = "uni"
+
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None) -> None:
+        if progress:
+            progress("loading weights", None)
+        self._runner = ModelRunner(config, source, eos_token_ids=eos_token_ids,
+                                   progress=progress)
+
+    def initialize(self, progress: Progress | None = None) -> int:
+        return self._runner.initialize(progress)
+
+    # The runner is looked up on every call (not bound once) so that tests and profilers
+    # that wrap the runner's methods see every step.
+    def execute_async(self, sched_out: SchedulerOutput) -> PendingStep | None:
+        return self._runner.execute_async(sched_out)
+
+    def collect(self, handle: PendingStep) -> ModelRunnerOutput:
+        return self._runner.collect(handle)
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    @property
+    def startup_times(self) -> dict[str, float]:
+        return self._runner.startup_times
+
+    def set_phase_timer(self, timer) -> None:
+        self._runner.phase_timer = timer
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self._runner
+
+    @property
+    def local_runner(self) -> ModelRunner:
+        return self._runner
