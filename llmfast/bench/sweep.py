@@ -110,7 +110,7 @@ def _check_room(engine, batch_size: int, context_len: int, num_decode: int) -> N
             f"batch {batch_size} does not fit in one step (max-num-seqs {sched.max_num_seqs}, "
             f"max-num-batched-tokens {sched.max_num_batched_tokens})")
     block_size = engine.config.cache.block_size
-    usable = engine.runner.num_blocks - 1  # block 0 is the null block
+    usable = engine.scheduler.kv_cache_manager.num_usable_blocks
     needed = batch_size * -(-(context_len + num_decode) // block_size)
     if needed > usable:
         raise NotPureDecode(

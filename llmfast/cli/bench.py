@@ -230,8 +230,9 @@ def _start(opts: EngineOptions, name: str, overrides: dict[str, Any], err: Conso
     engine = llm.engine
     run = {"exec_mode": name, "model": engine.source.name,
            "engine_config": dataclasses.asdict(engine.config),
-           "startup": dict(getattr(engine.runner, "startup_times", {}))}
-    compiled = getattr(engine.runner, "compiled", None)
+           "startup": dict(engine.startup_times)}
+    runner = engine.executor.local_runner  # None when the model runs in workers
+    compiled = getattr(runner, "compiled", None)
     if compiled is not None and not compiled.eager:
         # CUDA graphs of each kind, their capture time and memory (compile/stats.py).
         run["compile_stats"] = dataclasses.asdict(compiled.stats)

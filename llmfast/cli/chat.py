@@ -227,7 +227,7 @@ def _stats_report(session: ChatSession) -> str:
     stats = engine_stats(session.llm.engine)
     if stats:
         lines.append("engine: " + ", ".join(f"{k}={_fmt(v)}" for k, v in stats.items()))
-    startup = getattr(session.llm.engine.runner, "startup_times", {})
+    startup = session.llm.engine.startup_times
     if startup:
         lines.append("start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in startup.items()))
     return "\n".join(lines)

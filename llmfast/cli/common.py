@@ -136,13 +136,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions whose message is meant for the user: shown as one line."""
     from llmfast.config import ConfigError
     from llmfast.core.request import RequestRejected
+    from llmfast.executor import ExecutorError
     from llmfast.models.default_model import DefaultModelError
     from llmfast.models.loader import LoadError
     from llmfast.sampling_params import SamplingParamsError
     from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
 
     return (ConfigError, LoadError, RequestRejected, SamplingParamsError, KVCacheTooSmall,
-            KVCacheOutOfMemory, DefaultModelError, ValueError, OSError)
+            KVCacheOutOfMemory, DefaultModelError, ExecutorError, ValueError, OSError)
 
 
 def print_error(message: str) -> None:

@@ -125,7 +125,7 @@ def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int,
 
     summary = {"sizes": sizes, "steps": steps, "context": context, "tracer": kind,
                "model": engine.source.name, "environment": environment_info(engine.config.device),
-               "startup": dict(getattr(engine.runner, "startup_times", {}))}
+               "startup": dict(engine.startup_times)}
     if kind == "torch":
         with err.status("profiling with the torch profiler ..."):
             traced = torch_profile(workload, out_dir, engine.config.device.startswith("cuda"),

@@ -20,11 +20,9 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import llmfast
-
 # The directory that holds this `llmfast` package: the worker must import the same one
 # (a checkout on PYTHONPATH, say, rather than an installed copy).
-_PACKAGE_ROOT = str(Path(llmfast.__file__).resolve().parents[1])
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class WorkerProcess:
@@ -33,7 +31,7 @@ class WorkerProcess:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+            p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         env["LLMFAST_WORKER_LOG_LEVEL"] = str(log_level)
         try:
             self.popen = subprocess.Popen(

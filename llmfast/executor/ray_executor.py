@@ -13,20 +13,20 @@ the executor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
 import time
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-import llmfast
 from llmfast.config import ConfigError
 from llmfast.executor.base import Executor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
+from llmfast.executor.processes import PACKAGE_ROOT
 from llmfast.executor.ranks import cpu_threads_per_rank
 from llmfast.executor.worker import WorkerReady, WorkerSpec
 from llmfast.utils.errors import one_line
@@ -111,8 +111,6 @@ class RayExecutor(Executor):
         host, port = ray.get(self._state.actors[0].rendezvous_address.remote())
         threads = cpu_threads_per_rank(config.device, world)
         device = "cuda:0" if cuda else config.device  # Ray shows each actor its own GPU
-        import dataclasses
-
         rank_config = dataclasses.replace(config, device=device)
         self._start_refs = [
             actor.start.remote(WorkerSpec(
@@ -125,12 +123,12 @@ class RayExecutor(Executor):
         ray = self._ray
         if ray.is_initialized():
             return  # the caller's own Ray session: used as it is, left connected
-        kwargs = dict(include_dashboard=False, log_to_driver=False,
-                      logging_level=logging.WARNING)
+        kwargs: dict = {"include_dashboard": False, "log_to_driver": False,
+                        "logging_level": logging.WARNING}
         if address is None:
             # The workers must import this llmfast (a checkout, say, not an installed one).
-            root = str(Path(llmfast.__file__).resolve().parents[1])
-            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+            path = os.pathsep.join(
+                p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
             kwargs.update(num_cpus=max(os.cpu_count() or 1, world),
                           object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                           runtime_env={"env_vars": {"PYTHONPATH": path}})
