@@ -12,7 +12,6 @@ takes longer than `execute_timeout_s` is a hang and ends the same way.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -23,7 +22,7 @@ from llmfast.executor import messages
 from llmfast.executor.base import Executor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
 from llmfast.executor.processes import WorkerProcess, stop_workers
-from llmfast.executor.ranks import cpu_threads_per_rank, free_port, rank_devices
+from llmfast.executor.ranks import cpu_threads_per_rank, free_port, rank_config, rank_devices
 from llmfast.executor.worker import WorkerReady, WorkerSpec
 
 if TYPE_CHECKING:
@@ -69,7 +68,7 @@ class MultiprocExecutor(Executor):
         self._watched = list(self._owner)
         for w, device in zip(self._workers, devices):
             spec = WorkerSpec(rank=w.rank, world_size=world,
-                              config=dataclasses.replace(config, device=device),
+                              config=rank_config(config, device, world),
                               source=source, eos_token_ids=tuple(eos_token_ids),
                               init_method=init_method, cpu_threads=threads)
             self._send(w, messages.encode(messages.SPEC, spec))

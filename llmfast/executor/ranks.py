@@ -1,13 +1,16 @@
-"""Where the ranks of one node run: a device each, a share of the CPU cores, and a free
-port for torch.distributed's rendezvous."""
+"""Where the ranks of one node run: a device each, a share of the CPU cores (and of the
+host memory for the KV cache), and a free port for torch.distributed's rendezvous."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import torch
 
-from llmfast.config import ConfigError
+from llmfast.config import ConfigError, EngineConfig
+from llmfast.utils.host_memory import available_host_memory
+from llmfast.worker.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def rank_devices(device: str, world_size: int) -> list[str]:
@@ -23,6 +26,18 @@ def rank_devices(device: str, world_size: int) -> list[str]:
             f"--tensor-parallel-size {world_size} needs {world_size} GPUs from cuda:{first}; "
             f"this node has {available}")
     return [f"cuda:{first + rank}" for rank in range(world_size)]
+
+
+def rank_config(config: EngineConfig, device: str, world_size: int) -> EngineConfig:
+    """One rank's engine config: its own device; on CPU, where every rank's KV cache comes
+    out of the same host memory, a share of the default KV budget (so N ranks together
+    take what one process would)."""
+    cache = config.cache
+    if (torch.device(device).type == "cpu" and cache.kv_cache_memory is None
+            and cache.num_gpu_blocks_override is None and world_size > 1):
+        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, available_host_memory() // 4)
+        cache = dataclasses.replace(cache, kv_cache_memory=max(1, budget // world_size))
+    return dataclasses.replace(config, device=device, cache=cache)
 
 
 def cpu_threads_per_rank(device: str, world_size: int) -> int | None:

@@ -13,7 +13,6 @@ the executor.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -27,7 +26,7 @@ from llmfast.config import ConfigError
 from llmfast.executor.base import Executor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
 from llmfast.executor.processes import PACKAGE_ROOT
-from llmfast.executor.ranks import cpu_threads_per_rank
+from llmfast.executor.ranks import cpu_threads_per_rank, rank_config
 from llmfast.executor.worker import WorkerReady, WorkerSpec
 from llmfast.utils.errors import one_line
 
@@ -111,10 +110,10 @@ class RayExecutor(Executor):
         host, port = ray.get(self._state.actors[0].rendezvous_address.remote())
         threads = cpu_threads_per_rank(config.device, world)
         device = "cuda:0" if cuda else config.device  # Ray shows each actor its own GPU
-        rank_config = dataclasses.replace(config, device=device)
+        config_of_rank = rank_config(config, device, world)
         self._start_refs = [
             actor.start.remote(WorkerSpec(
-                rank=rank, world_size=world, config=rank_config, source=source,
+                rank=rank, world_size=world, config=config_of_rank, source=source,
                 eos_token_ids=tuple(eos_token_ids), init_method=f"tcp://{host}:{port}",
                 cpu_threads=threads))
             for rank, actor in enumerate(self._state.actors)]
