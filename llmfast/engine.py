@@ -67,27 +67,13 @@ class LLMEngine:
                  progress: Progress | None = None) -> None:
         self.config = config
         self.source = source
-        self.tokenizer = None
-        # Why there is no tokenizer although the model ships one (it failed to load).
-        self.tokenizer_error: str | None = None
-        # Random presets carry one (models/preset_tokenizer.py); a weights-only
-        # directory has none and runs on token ids.
-        if source.path is None or has_tokenizer_files(source.path):
-            try:
-                self.tokenizer = source.load_tokenizer()
-            except TokenizerError as e:
-                self.tokenizer_error = str(e)
-                logger.info("%s; only token-id prompts will work", e)
-        eos = tuple(source.config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
-        self.eos_token_ids = eos
         # The model runs behind an executor: in this process (uni) or in one worker per
-        # tensor-parallel rank (mp, ray). It is stopped if the rest of start-up fails.
-        self.executor: Executor = create_executor(config, source, eos_token_ids=eos,
-                                                  progress=progress)
+        # tensor-parallel rank (mp, ray). Workers boot while the tokenizer loads; they
+        # are stopped if the rest of start-up fails.
+        self.executor: Executor = create_executor(config, source, progress=progress)
         try:
-            num_blocks = self.executor.initialize(progress)
+            self.eos_token_ids = self._load_tokenizer()
+            num_blocks = self.executor.initialize(self.eos_token_ids, progress)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -103,6 +89,26 @@ class LLMEngine:
         # ~400k objects) lives as long as the engine: keep it out of the collector's
         # scans (150 ms stalls otherwise) until the engine is gone.
         weakref.finalize(self, hold_gc_freeze())
+
+    def _load_tokenizer(self) -> tuple[int, ...]:
+        """Load the tokenizer when the model has one; the end-of-sequence ids of the
+        model's config and of its tokenizer."""
+        source = self.source
+        self.tokenizer = None
+        # Why there is no tokenizer although the model ships one (it failed to load).
+        self.tokenizer_error: str | None = None
+        # Random presets carry one (models/preset_tokenizer.py); a weights-only
+        # directory has none and runs on token ids.
+        if source.path is None or has_tokenizer_files(source.path):
+            try:
+                self.tokenizer = source.load_tokenizer()
+            except TokenizerError as e:
+                self.tokenizer_error = str(e)
+                logger.info("%s; only token-id prompts will work", e)
+        eos = tuple(source.config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
+        return eos
 
     @property
     def runner(self) -> ModelRunner:

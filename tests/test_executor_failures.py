@@ -1,11 +1,9 @@
 """The mp executor when things go wrong: a worker killed mid-run ends the engine within
-seconds with an error naming its rank; a rank that fails to start is a one-line error;
-the engine's process ending (normally, by Ctrl-C or killed outright) or dropping its
+seconds with an error naming its rank; the engine's process ending (normally, by Ctrl-C or killed outright) or dropping its
 `LLM` (tests/test_executor_mp.py) leaves no worker process behind."""
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
@@ -17,7 +15,7 @@ import uuid
 import pytest
 
 from llmfast import LLM, SamplingParams
-from llmfast.executor import ExecutorError, WorkerDied, WorkerFailed
+from llmfast.executor import ExecutorError, WorkerDied
 from tests.helpers.processes import children, wait_until_gone, with_marker
 
 TP2 = {"device": "cpu", "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
@@ -53,19 +51,6 @@ def test_killed_worker_ends_the_engine_naming_its_rank(rank):
     with pytest.raises(ExecutorError, match="stopped earlier: worker rank"):
         engine.step()
     engine.shutdown()  # nothing left to stop: a no-op
-
-
-def test_rank_start_up_failure_is_one_line_and_leaves_no_worker():
-    before = children()
-    with pytest.raises(WorkerFailed) as caught:
-        # One usable block of 4 tokens, max-model-len 256: every rank refuses at start-up.
-        LLM("random:tiny", **{**TP2, "num_gpu_blocks_override": 2})
-    message = str(caught.value)
-    assert "\n" not in message
-    assert message.startswith(f"worker rank {caught.value.rank} failed during start-up: "
-                              "KV cache holds 4 tokens")
-    gc.collect()
-    assert not wait_until_gone(children() - before, 10)
 
 
 _SCRIPT = textwrap.dedent("""

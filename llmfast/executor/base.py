@@ -33,10 +33,12 @@ class Executor(ABC):
     world_size: int = 1
 
     @abstractmethod
-    def initialize(self, progress: Progress | None = None) -> int:
+    def initialize(self, eos_token_ids: tuple[int, ...] = (),
+                   progress: Progress | None = None) -> int:
         """Load the model and allocate the KV cache on every rank (compiling and capturing
         graphs on the way); returns the number of KV blocks the scheduler may use: the
-        fewest any rank has."""
+        fewest any rank has. Constructing the executor only starts the workers (they boot
+        while the engine loads its tokenizer, which decides `eos_token_ids`)."""
 
     @abstractmethod
     def execute_async(self, sched_out: SchedulerOutput) -> object | None:

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 
 def create_executor(config: EngineConfig, source: ModelSource,
-                    eos_token_ids: tuple[int, ...] = (),
                     progress: Progress | None = None) -> Executor:
+    """The executor, its workers starting (`Executor.initialize` loads the model)."""
     backend = config.parallel.distributed_executor_backend
     if backend == "uni":
         from llmfast.executor.uni import UniExecutor as cls
@@ -22,4 +22,4 @@ def create_executor(config: EngineConfig, source: ModelSource,
         from llmfast.executor.multiproc import MultiprocExecutor as cls
     else:  # ParallelConfig admits no other name
         from llmfast.executor.ray_executor import RayExecutor as cls
-    return cls(config, source, eos_token_ids=eos_token_ids, progress=progress)
+    return cls(config, source, progress=progress)

@@ -44,14 +44,13 @@ class MultiprocExecutor(Executor):
     backend = "mp"
 
     def __init__(self, config: EngineConfig, source: ModelSource,
-                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None,
+                 progress: Progress | None = None,
                  execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
         world = config.parallel.tensor_parallel_size
         self.world_size = world
         self.execute_timeout_s = execute_timeout_s
-        devices = rank_devices(config.device, world)
-        threads = cpu_threads_per_rank(config.device, world)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._config, self._source = config, source
+        self._devices = rank_devices(config.device, world)
         if progress:
             progress(f"starting {world} worker process{'es' if world > 1 else ''}", None)
         self._workers: list[WorkerProcess] = []
@@ -66,16 +65,20 @@ class MultiprocExecutor(Executor):
         self._owner = {w.conn: w for w in self._workers}
         self._owner.update({w.pidfd: w for w in self._workers if w.pidfd is not None})
         self._watched = list(self._owner)
-        for w, device in zip(self._workers, devices):
-            spec = WorkerSpec(rank=w.rank, world_size=world,
-                              config=rank_config(config, device, world),
-                              source=source, eos_token_ids=tuple(eos_token_ids),
-                              init_method=init_method, cpu_threads=threads)
-            self._send(w, messages.encode(messages.SPEC, spec))
 
     # ------------------------------------------------------------------ start-up
 
-    def initialize(self, progress: Progress | None = None) -> int:
+    def initialize(self, eos_token_ids: tuple[int, ...] = (),
+                   progress: Progress | None = None) -> int:
+        config, world = self._config, self.world_size
+        threads = cpu_threads_per_rank(config.device, world)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        for w, device in zip(self._workers, self._devices):
+            spec = WorkerSpec(rank=w.rank, world_size=world,
+                              config=rank_config(config, device, world),
+                              source=self._source, eos_token_ids=tuple(eos_token_ids),
+                              init_method=init_method, cpu_threads=threads)
+            self._send(w, messages.encode(messages.SPEC, spec))
         if progress:
             progress(f"loading the model on {self.world_size} rank(s)", None)
         ready: dict[int, WorkerReady] = {}

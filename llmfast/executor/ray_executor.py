@@ -86,8 +86,7 @@ class RayExecutor(Executor):
     backend = "ray"
 
     def __init__(self, config: EngineConfig, source: ModelSource,
-                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None,
-                 execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
+                 progress: Progress | None = None, execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
         ray = import_ray()
         self._ray = ray
         world = config.parallel.tensor_parallel_size
@@ -107,16 +106,7 @@ class RayExecutor(Executor):
         except BaseException:
             self._finalizer()
             raise
-        host, port = ray.get(self._state.actors[0].rendezvous_address.remote())
-        threads = cpu_threads_per_rank(config.device, world)
-        device = "cuda:0" if cuda else config.device  # Ray shows each actor its own GPU
-        config_of_rank = rank_config(config, device, world)
-        self._start_refs = [
-            actor.start.remote(WorkerSpec(
-                rank=rank, world_size=world, config=config_of_rank, source=source,
-                eos_token_ids=tuple(eos_token_ids), init_method=f"tcp://{host}:{port}",
-                cpu_threads=threads))
-            for rank, actor in enumerate(self._state.actors)]
+        self._config, self._source, self._cuda = config, source, cuda
 
     def _connect(self, address: str | None, world: int) -> None:
         ray = self._ray
@@ -165,11 +155,22 @@ class RayExecutor(Executor):
 
     # ------------------------------------------------------------------ start-up
 
-    def initialize(self, progress: Progress | None = None) -> int:
+    def initialize(self, eos_token_ids: tuple[int, ...] = (),
+                   progress: Progress | None = None) -> int:
         if progress:
             progress(f"loading the model on {self.world_size} Ray worker(s)", None)
-        self._ready = self._gather(self._start_refs, None, "during start-up")
-        self._start_refs = []
+        config, world = self._config, self.world_size
+        host, port = self._gather([self._state.actors[0].rendezvous_address.remote()],
+                                  None, "during start-up")[0]
+        threads = cpu_threads_per_rank(config.device, world)
+        device = "cuda:0" if self._cuda else config.device  # Ray shows each actor its GPU
+        config_of_rank = rank_config(config, device, world)
+        refs = [actor.start.remote(WorkerSpec(
+                    rank=rank, world_size=world, config=config_of_rank, source=self._source,
+                    eos_token_ids=tuple(eos_token_ids), init_method=f"tcp://{host}:{port}",
+                    cpu_threads=threads))
+                for rank, actor in enumerate(self._state.actors)]
+        self._ready = self._gather(refs, None, "during start-up")
         return min(r.num_blocks for r in self._ready)
 
     @property

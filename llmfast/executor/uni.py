@@ -22,13 +22,16 @@ class UniExecutor(Executor):
     backend = "uni"
 
     def __init__(self, config: EngineConfig, source: ModelSource,
-                 eos_token_ids: tuple[int, ...] = (), progress: Progress | None = None) -> None:
+                 progress: Progress | None = None) -> None:
+        self._config, self._source = config, source
+        self._runner: ModelRunner | None = None
+
+    def initialize(self, eos_token_ids: tuple[int, ...] = (),
+                   progress: Progress | None = None) -> int:
         if progress:
             progress("loading weights", None)
-        self._runner = ModelRunner(config, source, eos_token_ids=eos_token_ids,
+        self._runner = ModelRunner(self._config, self._source, eos_token_ids=eos_token_ids,
                                    progress=progress)
-
-    def initialize(self, progress: Progress | None = None) -> int:
         return self._runner.initialize(progress)
 
     # The runner is looked up on every call (not bound once) so that tests and profilers
