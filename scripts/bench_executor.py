@@ -1,0 +1,139 @@
+"""The executor's cost per step: the engine's decode step time (median of `engine.step()`,
+synchronous loop) with the model in this process (`uni`) against worker processes (`mp`
+with 1 and 2 tensor-parallel ranks; `ray` on request), per batch size, side by side in one
+run; and the gloo all-reduce that tensor parallelism adds to every layer, timed alone.
+
+`mp` TP=1 runs the same model with the same threads as `uni` in one worker process:
+their difference is the executor's inter-process overhead per step (one pickled step
+written to each worker, one COLLECT, rank 0's tokens back). The engines are all started
+first and measured in turn, `--repeats` rounds, so each sees the same machine state.
+
+    PYTHONPATH=$PWD python scripts/bench_executor.py --model random:tiny --threads 1
+    PYTHONPATH=$PWD python scripts/bench_executor.py --model random:smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from llmfast import LLM
+from llmfast.bench import run_sweep_point, warm_up
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, shapes, calls: int, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    medians = {}
+    for shape in shapes:
+        x = torch.randn(*shape)
+        for _ in range(10):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        medians[shape] = statistics.median(times)
+    if rank == 0:
+        results.put(medians)
+    dist.destroy_process_group()
+
+
+def all_reduce_ms(world: int, shapes: list[tuple[int, int]], calls: int = 200
+                  ) -> dict[tuple[int, int], float]:
+    """Median gloo all-reduce time (ms) of a float32 tensor of each shape, `world` ranks."""
+    from llmfast.executor.ranks import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, world, port, shapes, calls, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    medians = results.get(timeout=300)
+    for p in procs:
+        p.join()
+    return {shape: t * 1e3 for shape, t in medians.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="random:smollm2-135m")
+    ap.add_argument("--configs", default="uni:1,mp:1,mp:2",
+                    help="backend:tensor-parallel-size, comma-separated")
+    ap.add_argument("--sizes", default="1,16")
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of this process; worker ranks split them")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    configs = [(b, int(tp)) for b, tp in (c.split(":") for c in args.configs.split(","))]
+    llms = {}
+    for backend, tp in configs:
+        t0 = time.perf_counter()
+        llms[backend, tp] = LLM(args.model, device="cpu", max_num_seqs=max(sizes),
+                                max_num_batched_tokens=max(256, max(sizes)),
+                                max_model_len=args.context + args.steps + 64,
+                                tensor_parallel_size=tp, distributed_executor_backend=backend,
+                                async_scheduling=False)
+        print(f"# started {backend} TP={tp} in {time.perf_counter() - t0:.1f} s", flush=True)
+        warm_up(llms[backend, tp].engine)
+    step_ms: dict[tuple, list[float]] = {(c, s): [] for c in configs for s in sizes}
+    for rep in range(args.repeats):
+        for size in sizes:
+            for config in configs:
+                point = run_sweep_point(llms[config].engine, size, args.context, args.steps,
+                                        seed=rep)
+                step_ms[config, size] += [t * 1e3 for t in point.step_latencies_s]
+    model_config = llms[configs[0]].engine.config.model
+    hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
+    reduce_ms = all_reduce_ms(2, [(s, hidden) for s in sizes])
+
+    name = platform.processor() or platform.machine()
+    print(f"\n# executor overhead: {args.model}, cpu ({name}, {os.cpu_count()} cores, "
+          f"{torch.get_num_threads()} torch threads in this process), "
+          f"float32, torch {torch.__version__}, context {args.context}, {args.steps} timed "
+          f"decode steps x {args.repeats} rounds, {datetime.date.today()}")
+    head = " | ".join(f"{b} TP={tp} ms/step" for b, tp in configs)
+    print(f"| batch | {head} | mp TP=1 - uni (IPC) ms | all-reduce [batch, {hidden}] ms "
+          f"| x {2 * layers} per step ms |")
+    print("|---:|" + "---:|" * (len(configs) + 3))
+    rows = []
+    for size in sizes:
+        medians = {c: statistics.median(step_ms[c, size]) for c in configs}
+        ipc = (medians[("mp", 1)] - medians[("uni", 1)]
+               if ("mp", 1) in medians and ("uni", 1) in medians else float("nan"))
+        reduce = reduce_ms[(size, hidden)]
+        cells = " | ".join(f"{medians[c]:.2f}" for c in configs)
+        print(f"| {size} | {cells} | {ipc:+.3f} | {reduce:.3f} | {reduce * 2 * layers:.2f} |")
+        rows.append({"batch": size, "step_ms": {f"{b}:{tp}": m for (b, tp), m in medians.items()},
+                     "ipc_ms": ipc, "all_reduce_ms": reduce,
+                     "all_reduces_per_step": 2 * layers})
+    for llm in llms.values():
+        llm.engine.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "torch": torch.__version__, "args": vars(args),
+                       "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
