@@ -72,6 +72,7 @@ def all_reduce_ms(world: int, shapes: list[tuple[int, int]], calls: int = 200
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:smollm2-135m")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--configs", default="uni:1,mp:1,mp:2",
                     help="backend:tensor-parallel-size, comma-separated")
     ap.add_argument("--sizes", default="1,16")
@@ -89,7 +90,7 @@ def main() -> None:
     llms = {}
     for backend, tp in configs:
         t0 = time.perf_counter()
-        llms[backend, tp] = LLM(args.model, device="cpu", max_num_seqs=max(sizes),
+        llms[backend, tp] = LLM(args.model, device=args.device, max_num_seqs=max(sizes),
                                 max_num_batched_tokens=max(256, max(sizes)),
                                 max_model_len=args.context + args.steps + 64,
                                 tensor_parallel_size=tp, distributed_executor_backend=backend,
@@ -105,12 +106,15 @@ def main() -> None:
                 step_ms[config, size] += [t * 1e3 for t in point.step_latencies_s]
     model_config = llms[configs[0]].engine.config.model
     hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
-    reduce_ms = all_reduce_ms(2, [(s, hidden) for s in sizes])
-
-    name = platform.processor() or platform.machine()
-    print(f"\n# executor overhead: {args.model}, cpu ({name}, {os.cpu_count()} cores, "
+    # The CPU (gloo) all-reduce; on CUDA the NCCL one runs inside the TP=2 step.
+    reduce_ms = (all_reduce_ms(2, [(s, hidden) for s in sizes]) if args.device == "cpu"
+                 else {(s, hidden): float("nan") for s in sizes})
+    device = llms[configs[0]].engine.config.device
+    name = (torch.cuda.get_device_name() if device.startswith("cuda")
+            else platform.processor() or platform.machine())
+    print(f"\n# executor overhead: {args.model}, {device} ({name}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} torch threads in this process), "
-          f"float32, torch {torch.__version__}, context {args.context}, {args.steps} timed "
+          f"{llms[configs[0]].engine.config.dtype}, torch {torch.__version__}, context {args.context}, {args.steps} timed "
           f"decode steps x {args.repeats} rounds, {datetime.date.today()}")
     head = " | ".join(f"{b} TP={tp} ms/step" for b, tp in configs)
     print(f"| batch | {head} | mp TP=1 - uni (IPC) ms | all-reduce [batch, {hidden}] ms "
@@ -131,7 +135,8 @@ def main() -> None:
         llm.engine.shutdown()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "torch": torch.__version__, "args": vars(args),
+            json.dump({"model": args.model, "device": device, "device_name": name,
+                   "torch": torch.__version__, "args": vars(args),
                        "rows": rows}, f, indent=2)
 
 
