@@ -16,6 +16,9 @@ rank) after stopping the rest; `shutdown()` stops every worker and may be called
 
 from __future__ import annotations
 
+import logging
+import time
+import weakref
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
     from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from llmfast.utils.progress import Progress
     from llmfast.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(ABC):
@@ -79,3 +84,49 @@ class Executor(ABC):
     def local_runner(self) -> ModelRunner | None:
         """The in-process runner, or None when the model runs in workers."""
         return None
+
+
+class DistributedExecutor(Executor):
+    """An executor whose ranks run in other processes (mp, ray). Once a worker dies or
+    fails, every worker is stopped (the others may be blocked on it in a collective) and
+    the executor refuses further steps, naming the first failure."""
+
+    _failure: ExecutorError | None = None
+    # Longest a step may take before it counts as a hang (a CPU prefill of a full batch
+    # of a big model is the slowest legitimate step).
+    execute_timeout_s: float = 600.0
+    # Stops the workers once (shutdown, garbage collection, interpreter exit); set by
+    # the backend before it starts any worker.
+    _finalizer: weakref.finalize
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _fail(self, error: ExecutorError) -> ExecutorError:
+        """Stop every worker now and remember why; returns `error` to raise."""
+        if self._failure is None:
+            self._failure = error
+        logger.debug("stopping the workers: %s", error)
+        self._stop_after_failure()
+        return error
+
+    def _stop_after_failure(self) -> None:
+        self._finalizer()
+
+    def _time_left(self, deadline: float | None) -> float | None:
+        """Seconds until `deadline` (time.monotonic; None: no limit); past it, the
+        workers are stopped and a hang is raised."""
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise self._fail(ExecutorError(
+                f"no answer from the workers within {self.execute_timeout_s:.0f} s; "
+                "a worker hangs"))
+        return left
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise ExecutorError(f"the engine stopped earlier: {self._failure}")
+        if not self._finalizer.alive:
+            raise ExecutorError("the executor was shut down")

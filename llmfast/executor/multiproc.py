@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from llmfast.executor import messages
-from llmfast.executor.base import Executor
+from llmfast.executor.base import DistributedExecutor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
 from llmfast.executor.processes import WorkerProcess, stop_workers
 from llmfast.executor.ranks import cpu_threads_per_rank, free_port, rank_config, rank_devices
@@ -40,7 +40,7 @@ EXECUTE_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 5.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     backend = "mp"
 
     def __init__(self, config: EngineConfig, source: ModelSource,
@@ -56,7 +56,6 @@ class MultiprocExecutor(Executor):
         self._workers: list[WorkerProcess] = []
         # Stops the workers when the executor is shut down, collected, or at exit.
         self._finalizer = weakref.finalize(self, _stop, self._workers, SHUTDOWN_GRACE_S)
-        self._failure: ExecutorError | None = None
         self._ready: list[WorkerReady] = []
         log_level = logging.getLogger("llmfast").getEffectiveLevel()
         for rank in range(world):
@@ -124,9 +123,6 @@ class MultiprocExecutor(Executor):
             if w.conn.poll(0) or w.exit_description() is not None:
                 raise self._fail(self._failure_of(w))
 
-    def shutdown(self) -> None:
-        self._finalizer()
-
     # ------------------------------------------------------------------ plumbing
 
     def _send(self, worker: WorkerProcess, data: bytes) -> None:
@@ -141,12 +137,7 @@ class MultiprocExecutor(Executor):
         died, reported an error, or nothing came before `deadline` (monotonic)."""
         self._check_usable()
         while True:
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                raise self._fail(ExecutorError(
-                    f"no answer from the workers within {self.execute_timeout_s:.0f} s; "
-                    "a worker hangs"))
-            ready = wait(self._watched, timeout)
+            ready = wait(self._watched, self._time_left(deadline))
             # A socket first: an error message explains the exit that follows it.
             for handle in sorted(ready, key=lambda h: isinstance(h, int)):
                 worker = self._owner[handle]
@@ -174,21 +165,10 @@ class MultiprocExecutor(Executor):
             pass
         return WorkerDied(worker.rank, worker.wait_exit(2.0))
 
-    def _fail(self, error: ExecutorError) -> ExecutorError:
-        """Stop every worker now (they may be blocked on the one that failed) and
-        remember why: the executor runs nothing more."""
-        if self._failure is None:
-            self._failure = error
-        logger.debug("stopping the workers: %s", error)
+    def _stop_after_failure(self) -> None:
+        # Briefly: a worker blocked on the failed one never reads SHUTDOWN.
         self._finalizer.detach()
         _stop(self._workers, grace_s=0.5)
-        return error
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise ExecutorError(f"the engine stopped earlier: {self._failure}")
-        if not self._finalizer.alive:
-            raise ExecutorError("the executor was shut down")
 
 
 def _worker_failed(report: messages.WorkerError) -> WorkerFailed:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmfast.config import ConfigError
-from llmfast.executor.base import Executor
+from llmfast.executor.base import DistributedExecutor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
 from llmfast.executor.processes import PACKAGE_ROOT
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config
@@ -82,7 +82,7 @@ class _RayState:
         self.actors = []
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutor):
     backend = "ray"
 
     def __init__(self, config: EngineConfig, source: ModelSource,
@@ -94,7 +94,6 @@ class RayExecutor(Executor):
         self.execute_timeout_s = execute_timeout_s
         self._state = _RayState()
         self._finalizer = weakref.finalize(self, self._state.release)
-        self._failure: ExecutorError | None = None
         self._ready: list[WorkerReady] = []
         cuda = torch.device(config.device).type == "cuda"
         if progress:
@@ -203,9 +202,6 @@ class RayExecutor(Executor):
         self._gather([a.pid.remote() for a in self._state.actors],
                      time.monotonic() + self.execute_timeout_s, "")
 
-    def shutdown(self) -> None:
-        self._finalizer()
-
     # ------------------------------------------------------------------ plumbing
 
     def _gather(self, refs: list, deadline: float | None, during: str) -> list:
@@ -216,12 +212,8 @@ class RayExecutor(Executor):
         results: list = [None] * len(refs)
         pending = list(refs)
         while pending:
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                raise self._fail(ExecutorError(
-                    f"no answer from the Ray workers within {self.execute_timeout_s:.0f} s; "
-                    "a worker hangs"))
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=self._time_left(deadline))
             for ref in ready:
                 rank = rank_of[ref]
                 try:
@@ -234,18 +226,6 @@ class RayExecutor(Executor):
                                                   during or "in a step")) from None
         return results
 
-    def _fail(self, error: ExecutorError) -> ExecutorError:
-        if self._failure is None:
-            self._failure = error
-        logger.debug("stopping the Ray workers: %s", error)
-        self._finalizer()
-        return error
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise ExecutorError(f"the engine stopped earlier: {self._failure}")
-        if not self._finalizer.alive:
-            raise ExecutorError("the executor was shut down")
 
 
 def _actor_death(error: BaseException) -> str:
