@@ -2,8 +2,8 @@
 starts itself give the greedy tokens of the in-process runner (async scheduling off and
 on, a workload that preempts and hits the prefix cache); an actor killed mid-run ends
 the engine with an error naming its rank, and the engine's failure takes the actors and
-the local cluster down with it. Slow: the cluster, the address of an existing one, and a
-Qwen3 checkpoint."""
+the local cluster down with it. Slow: the same for a Qwen3 checkpoint, and the address of
+an existing cluster."""
 
 from __future__ import annotations
 
