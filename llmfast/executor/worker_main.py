@@ -47,7 +47,7 @@ def serve(conn: Connection) -> int:
     from llmfast.executor.worker import Worker, WorkerSpec
 
     spec: WorkerSpec = messages.decode(conn.recv_bytes())[1]
-    logging.basicConfig(level=spec_log_level(), stream=sys.stderr,
+    logging.basicConfig(level=_log_level(), stream=sys.stderr,
                         format=f"%(levelname)s rank {spec.rank} %(name)s: %(message)s")
     worker = Worker(spec)
     try:
@@ -79,7 +79,7 @@ def serve(conn: Connection) -> int:
         return 1
 
 
-def spec_log_level() -> int:
+def _log_level() -> int:
     return int(os.environ.get("LLMFAST_WORKER_LOG_LEVEL", logging.WARNING))
 
 
