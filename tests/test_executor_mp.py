@@ -1,8 +1,8 @@
 """The mp executor: tensor parallelism over two worker processes (gloo on CPU) gives the
 greedy tokens of the in-process runner, for a Llama and a Qwen3 checkpoint, with async
 scheduling off and on, on a workload that preempts and hits the prefix cache (every KV
-block free at the end). Until the model itself is split across ranks every rank runs the
-whole model; the same test then checks real tensor parallelism."""
+block free at the end). Each rank holds its shards of the model (llmfast/models with
+llmfast/distributed): this checks real tensor parallelism over gloo."""
 
 from __future__ import annotations
 
