@@ -73,7 +73,7 @@ mkdir -p "$OUT"
 # The compile cache stays out of $OUT (it is large and need not come back).
 export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-families defaults serve presets"
+families defaults serve presets executor tp"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full async_tests}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 PRESETS=${GPU_CHECK_PRESETS:-qwen2.5-0.5b qwen3-0.6b mistral-7b qwen3-8b llama-3.1-8b}
@@ -95,6 +95,7 @@ if [[ $DRY == 1 ]]; then  # the same commands, CPU-sized
                 --request-rate 4,inf)
     PRESET_ARGS=(--sizes 1,2 --context 16 --modes eager --steps 4)
     PRESETS="tiny"
+    EXECUTOR_ARGS=(--configs uni:1,mp:1 --sizes 1,2 --steps 8 --repeats 1)
 else
     MODEL=random:llama-3.2-1b DTYPE=bfloat16 DEV=()
     # -v: one line per test as it ends, so a step cut off by its time limit still shows
@@ -115,6 +116,7 @@ else
                 --request-rate 4,16,64,inf)
     PRESET_ARGS=(--max-model-len 1024 --sizes 1,64 --context 512 --modes graphs
                  --cuda-graph-sizes 1,64)
+    EXECUTOR_ARGS=(--device cuda --configs uni:1,mp:1 --sizes 1,64)
 fi
 
 verdict() {  # step name: its PASS/FAIL lines, printed and kept in verdicts.txt
@@ -237,6 +239,12 @@ for step in $STEPS; do
                     --model "random:$preset" --dtype "$DTYPE" "${DEV[@]}" \
                     "${PRESET_ARGS[@]}" --json "$OUT/preset-$preset.json"
             done ;;
+        executor)  # issue 21: engine step uni vs mp with one rank (the executor's IPC per step)
+            run_step executor 150 400 python3 scripts/bench_executor.py --model "$MODEL" \
+                "${DEV[@]}" "${EXECUTOR_ARGS[@]}" --json "$OUT/executor.json" ;;
+        tp)  # issue 21: TP=2 over NCCL with CUDA graphs and async; needs >= 2 GPUs (skips on 1)
+            run_step tp 120 400 "${PYTEST[@]}" -rs tests/test_tensor_parallel.py \
+                tests/test_executor_gpu.py ;;
         *) echo "unknown step $step (steps: $(echo $ALL_STEPS))" | tee -a "$OUT/verdicts.txt"
            STATUS[$step]="unknown step" ;;
     esac
