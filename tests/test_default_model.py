@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import llmfast.models.default_model as dm
-from llmfast.models.gguf import MARKER_NAME, is_converted
+from llmfast.models.formats.gguf import MARKER_NAME, is_converted
 from llmfast.utils.paths import cache_dir
 from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import train_byte_level_bpe

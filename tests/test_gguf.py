@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from llmfast.models.gguf import (
+from llmfast.models.formats.gguf import (
     GGUFError,
     convert_gguf_to_hf_dir,
     is_converted,
     unpermute_qk,
 )
-from llmfast.models.gguf_metadata import _llama3_from_freqs
+from llmfast.models.formats.gguf_metadata import _llama3_from_freqs
 from tests.helpers.gguf_files import llamacpp_permute, tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import MIXED_TEXT, train_byte_level_bpe
 
@@ -133,7 +133,7 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_interrupted_conversion_leaves_no_directory(case, tmp_path, monkeypatch):
-    import llmfast.models.gguf as mod
+    import llmfast.models.formats.gguf as mod
 
     def boom(*args):
         raise KeyboardInterrupt

@@ -10,7 +10,7 @@ import torch
 
 from llmfast import LLM, SamplingParams
 from llmfast.models.families import model_config_from_json
-from llmfast.models.gguf import convert_gguf_to_hf_dir
+from llmfast.models.formats.gguf import convert_gguf_to_hf_dir
 from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import MIXED_TEXT, train_byte_level_bpe
 from tests.test_engine import _hf_greedy

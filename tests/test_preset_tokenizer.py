@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from llmfast.cli.main import app
 from llmfast.models.default_model import DEFAULT_MODEL_NAME, cached_default_model
-from llmfast.models.gguf import CONVERSION_VERSION, MARKER_NAME
+from llmfast.models.formats.gguf import CONVERSION_VERSION, MARKER_NAME
 from llmfast.models.loader import RANDOM_PRESETS, resolve_model
 from llmfast.models.preset_tokenizer import BYTE_TOKENIZER_NAME, preset_tokenizer
 from tests.helpers.chat_model import save_tiny_tokenizer

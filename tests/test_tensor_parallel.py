@@ -133,7 +133,7 @@ def test_reader_reads_row_and_column_slices(tmp_path, staged, dest_dtype):
     chunking, run on CPU) and fall mid-run."""
     from safetensors.torch import save_file
 
-    from llmfast.models.safetensors_reader import SafetensorsFile, TensorReader
+    from llmfast.models.formats.safetensors_reader import SafetensorsFile, TensorReader
     from llmfast.models.sharding import ShardSlice
 
     full = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmfast.models.loader import build_model, resolve_model, weight_bytes
-from llmfast.models.random_weights import RANDOM_WEIGHT_STD
-from llmfast.models.safetensors_reader import (
+from llmfast.models.formats.safetensors_reader import (
     SafetensorsFile,
     SafetensorsFormatError,
     TensorReader,
 )
+from llmfast.models.loader import build_model, resolve_model, weight_bytes
+from llmfast.models.random_weights import RANDOM_WEIGHT_STD
 from tests.helpers.checkpoints import make_hf_checkpoint
 
 MAX_POSITIONS = 64  # keeps the RoPE table (fp32, made at build) far below any weight

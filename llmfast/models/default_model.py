@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmfast.models.gguf import GGUFError, convert_gguf_to_hf_dir, is_converted
+from llmfast.models.formats.gguf import GGUFError, convert_gguf_to_hf_dir, is_converted
 from llmfast.utils.paths import cache_dir
 from llmfast.utils.progress import Progress
 

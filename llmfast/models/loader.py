@@ -22,15 +22,15 @@ from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.distributed import TensorParallelGroup
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.families import family_config, model_config_from_json
-from llmfast.models.load_progress import ByteProgress
-from llmfast.models.loader_target import target
-from llmfast.models.random_weights import init_random_weights
-from llmfast.models.safetensors_reader import (
+from llmfast.models.formats.safetensors_reader import (
     SafetensorsFile,
     SafetensorsFormatError,
     TensorEntry,
     TensorReader,
 )
+from llmfast.models.load_progress import ByteProgress
+from llmfast.models.loader_target import target
+from llmfast.models.random_weights import init_random_weights
 from llmfast.models.sharding import ShardSlice, checkpoint_slice
 from llmfast.models.validate import (
     check_checkpoint,

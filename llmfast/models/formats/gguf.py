@@ -36,7 +36,7 @@ import torch
 
 from llmfast.config import ModelConfig
 from llmfast.models.families import hf_dict_from_model_config
-from llmfast.models.gguf_metadata import (
+from llmfast.models.formats.gguf_metadata import (
     GGUFError,
     model_config_from_gguf,
     open_reader,
