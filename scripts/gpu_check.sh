@@ -72,6 +72,11 @@ fi
 mkdir -p "$OUT"
 # The compile cache stays out of $OUT (it is large and need not come back).
 export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
+# No prefill tile tuning inside the benchmarks (30-60 s, in whichever step first runs a
+# long prefill, and inside the cold start of `startup`): they use a tuned or shipped table
+# when there is one (the kernels step tunes explicitly and leaves its table in
+# $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
+export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 families defaults serve presets executor tp"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full async_tests}; fi
