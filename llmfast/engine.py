@@ -121,6 +121,11 @@ class LLMEngine:
         """Seconds per start-up stage of the model runner (rank 0's with workers)."""
         return self.executor.startup_times
 
+    def check_health(self) -> None:
+        """Raise `ExecutorError` (one line, naming the rank) if a worker is gone; cheap,
+        runs no step (the server's engine thread calls it while idle)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         """Stop the executor's workers (also done when the engine is collected and at
         exit); the engine runs no step afterwards."""

@@ -74,6 +74,9 @@ def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if front.failure is not None:
+            return JSONResponse({"status": "error", "message": front.failure},
+                                status_code=503)
         if not front.running:
             return JSONResponse({"status": "stopping"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmfast.engine import LLMEngine
+from llmfast.executor import ExecutorError
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
 
@@ -75,6 +76,10 @@ class StreamError:
 
     message: str
     status: int
+
+
+# How often an idle engine thread checks that its workers are alive (a no-op in process).
+IDLE_HEALTH_CHECK_S = 1.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -138,6 +143,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Why the engine stopped for good (a worker died or failed); None while it serves.
+        # Written once by the engine thread, read by /health and `add`.
+        self.failure: str | None = None
         # Read by /metrics from the event loop: replaced whole, never mutated.
         self.stats = engine.stats()
         self.num_steps = 0  # engine steps taken (written by the engine thread only)
@@ -158,6 +166,8 @@ class AsyncEngine:
         """Tokenise the prompts and queue `len(params)` engine requests (the choices,
         prompt-major; each prompt has `len(params) // len(prompts)` of them). Raises what
         the engine raises for a bad prompt (RequestRejected, TokenizerError)."""
+        if self.failure is not None:
+            raise EngineUnavailable(f"the engine stopped: {self.failure}")
         if not self.running:
             raise EngineUnavailable("the server is shutting down")
         done = self._loop.create_future()
@@ -211,6 +221,9 @@ class AsyncEngine:
                 if not self._drain_commands():
                     return
                 self._step_or_wait()
+            except ExecutorError as e:  # a worker is gone: no step can run any more
+                self._stop_for_good(str(e))
+                return
             except Exception:  # a bug must not take the server down
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(StreamError("internal error in the engine step", 500))
@@ -219,7 +232,9 @@ class AsyncEngine:
         engine = self.engine
         if not engine.has_unfinished():
             self.stats = engine.stats()
-            self._wake.wait()
+            if not self._wake.wait(IDLE_HEALTH_CHECK_S):
+                # Idle: notice a dead worker now, not at the next request.
+                engine.check_health()
             self._wake.clear()
             return
         outputs = engine.step()
@@ -325,6 +340,15 @@ class AsyncEngine:
             self.stats = self.engine.stats()
         if streams:
             self._loop.call_soon_threadsafe(self._deliver, [(s, error) for s in streams.values()])
+
+    def _stop_for_good(self, reason: str) -> None:
+        """The engine cannot step again: end every live request and every queued add with
+        a 503 naming the cause; /health reports it from now on."""
+        logger.error("the engine stopped: %s", reason)
+        self.failure = reason
+        message = f"the engine stopped: {reason}"
+        self._fail_all(StreamError(message, 503))
+        self._fail_pending_adds(message)
 
     def _fail_pending_adds(self, message: str) -> None:
         while True:
