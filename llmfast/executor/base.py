@@ -91,7 +91,9 @@ class DistributedExecutor(Executor):
     fails, every worker is stopped (the others may be blocked on it in a collective) and
     the executor refuses further steps, naming the first failure."""
 
-    _failure: ExecutorError | None = None
+    # Why the workers were stopped: the message only (the error object's traceback would
+    # keep the engine's frames, and the engine, alive).
+    _failure: str | None = None
     # Longest a step may take before it counts as a hang (a CPU prefill of a full batch
     # of a big model is the slowest legitimate step).
     execute_timeout_s: float = 600.0
@@ -105,7 +107,7 @@ class DistributedExecutor(Executor):
     def _fail(self, error: ExecutorError) -> ExecutorError:
         """Stop every worker now and remember why; returns `error` to raise."""
         if self._failure is None:
-            self._failure = error
+            self._failure = str(error)
         logger.debug("stopping the workers: %s", error)
         self._stop_after_failure()
         return error
