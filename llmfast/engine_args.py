@@ -204,14 +204,19 @@ class EngineArgs:
             device=str(device),
             dtype=dtype_name(dtype),
             seed=self.seed,
-            parallel=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend
-                or ("uni" if self.tensor_parallel_size == 1 else "mp"),
-                ray_address=self.ray_address,
-            ),
+            parallel=self.parallel_config(),
         )
         return config, source
+
+    def parallel_config(self) -> ParallelConfig:
+        """The ranks and their executor; the backend defaults to uni for one rank, mp for
+        more. Raises ConfigError for an unknown backend or uni with several ranks."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend
+            or ("uni" if self.tensor_parallel_size == 1 else "mp"),
+            ray_address=self.ray_address,
+        )
 
 
 # ---------------------------------------------------------------------- checks
@@ -244,8 +249,7 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.cuda_graph_mode is not None:
         parse_cuda_graph_mode(args.cuda_graph_mode)  # an unknown name fails here, early
     # An unknown backend, or uni with several ranks, fails here too.
-    ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend or (
-        "uni" if args.tensor_parallel_size == 1 else "mp"), args.ray_address)
+    args.parallel_config()
     sizes = args.cuda_graph_sizes
     if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
             is_int(s) and s > 0 for s in sizes)):

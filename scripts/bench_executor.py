@@ -54,7 +54,7 @@ def _all_reduce_rank(rank: int, world: int, port: int, shapes, calls: int, resul
 def all_reduce_ms(world: int, shapes: list[tuple[int, int]], calls: int = 200
                   ) -> dict[tuple[int, int], float]:
     """Median gloo all-reduce time (ms) of a float32 tensor of each shape, `world` ranks."""
-    from llmfast.executor.ranks import free_port
+    from llmfast.utils.ports import free_port
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

@@ -27,7 +27,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from llmfast.bench.serving import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
 from llmfast.utils.flag_values import parse_bytes
+from llmfast.utils.ports import free_port
 
 
 def _rates(text: str) -> list[float]:
@@ -148,9 +148,7 @@ def engine_baseline(model: str, flags: list[str], requests, rates, seed: int):
 
 
 def launch(model: str, flags: list[str]):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "llmfast", "serve", "--model", model,
                              "--port", str(port), *flags], env=env)

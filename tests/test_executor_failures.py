@@ -147,8 +147,9 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
             front.stop()
             await asyncio.to_thread(front.join, 10)
             llm.engine.shutdown()
-            # The app's route closures hold the front beyond this test (FastAPI keeps
-            # them); drop the engine from it so that this engine, and its GC hold, go.
+            # The app's route closures hold the front beyond this test (FastAPI's
+            # module-level lru_cache in fastapi.dependencies.models keeps the route
+            # callables); drop the engine from it so that this engine, and its GC hold, go.
             front.engine = None
 
     async def idle() -> None:

@@ -22,8 +22,9 @@ from llmfast.executor import messages
 from llmfast.executor.base import DistributedExecutor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
 from llmfast.executor.processes import WorkerProcess, stop_workers
-from llmfast.executor.ranks import cpu_threads_per_rank, free_port, rank_config, rank_devices
+from llmfast.executor.ranks import cpu_threads_per_rank, rank_config, rank_devices
 from llmfast.executor.worker import WorkerReady, WorkerSpec
+from llmfast.utils.ports import free_port
 
 if TYPE_CHECKING:
     from llmfast.config import EngineConfig

@@ -4,7 +4,6 @@ host memory for the KV cache), and a free port for torch.distributed's rendezvou
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import torch
 
@@ -46,12 +45,3 @@ def cpu_threads_per_rank(device: str, world_size: int) -> int | None:
     if torch.device(device).type != "cpu":
         return None
     return max(1, torch.get_num_threads() // world_size)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free now on `host` (the OS picks it; the rendezvous binds it a moment
-    later, so another process could take it in between: unlikely, and then the start
-    fails loudly rather than hangs)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -13,7 +13,6 @@ are joined (or killed at the timeout), never left behind.
 from __future__ import annotations
 
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -21,11 +20,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from llmfast.utils.ports import free_port
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int,
