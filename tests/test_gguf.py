@@ -97,6 +97,22 @@ def test_config_and_tokenizer(case, bpe):
     assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
 
 
+def test_special_tokens_come_from_the_gguf_ids(case, bpe):
+    """transformers 5.17's GGUF reader names BOS as EOS; the converter pins BOS/EOS to the
+    GGUF's own ids whatever the reader made of them (here: a reader that got both wrong)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from llmfast.models.formats.gguf import _pin_special_tokens
+
+    path = case["gguf"]
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.eos_token = tokenizer.bos_token = "<|endoftext|>"  # what a faulty reader gives
+    _pin_special_tokens(tokenizer, gguf.GGUFReader(str(path)))
+    assert tokenizer.eos_token_id == bpe.token_to_id("<|im_end|>")
+    assert tokenizer.bos_token_id == bpe.token_to_id("<|im_start|>")
+
+
 def test_unpermute_inverts_llamacpp_permute():
     w = torch.randn(6 * 8, 5)
     for heads in (6, 3):

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 # Bump when the output of a conversion changes, so cached directories are rebuilt.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: special tokens from the GGUF ids
 MARKER_NAME = "llmfast-gguf.json"
 
 _LAYER_TENSORS = {
@@ -296,7 +296,28 @@ def _write_tokenizer(reader: Any, gguf_path: Path, out_dir: Path) -> None:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
+    _pin_special_tokens(tokenizer, reader)
     tokenizer.save_pretrained(str(out_dir))
+
+
+# GGUF id field -> the tokenizer's special-token attribute.
+_SPECIAL_TOKEN_FIELDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token",
+    "tokenizer.ggml.eos_token_id": "eos_token",
+    "tokenizer.ggml.unknown_token_id": "unk_token",
+    "tokenizer.ggml.padding_token_id": "pad_token",
+}
+
+
+def _pin_special_tokens(tokenizer: Any, reader: Any) -> None:
+    """Sets BOS/EOS/UNK/PAD from the GGUF's own ids. transformers' GGUF reader is not to
+    be trusted here: 5.17 (the GPU machines' version) names the BOS token as EOS too, so a
+    chat model would stop at <|im_start|> and its end-of-turn would not be EOS."""
+    tokens = read_field(reader, "tokenizer.ggml.tokens") or []
+    for field, attribute in _SPECIAL_TOKEN_FIELDS.items():
+        token_id = read_field(reader, field)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            setattr(tokenizer, attribute, str(tokens[token_id]))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
