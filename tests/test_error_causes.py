@@ -11,7 +11,7 @@ import torch
 
 from llmfast import LLM
 from llmfast.core.request import RequestRejected
-from llmfast.worker import model_runner
+from llmfast.worker import kv_cache_sizing
 from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory
 from tests.helpers.chat_model import make_chat_model
 from tests.helpers.cli import assert_one_line_error, invoke
@@ -73,7 +73,7 @@ def test_kv_cache_larger_than_ram_is_refused_before_allocating():
 def test_kv_cache_allocation_failure_is_named(monkeypatch):
     # Past the RAM check (as when other processes free memory meanwhile): the allocator
     # itself refuses, and that is reported the same way.
-    monkeypatch.setattr(model_runner, "check_kv_cache_fits_host", lambda *a, **k: None)
+    monkeypatch.setattr(kv_cache_sizing, "check_kv_cache_fits_host", lambda *a, **k: None)
     with pytest.raises(KVCacheOutOfMemory) as info:
         LLM("random:tiny", device="cpu", kv_cache_memory=100 << 40)
     _check_kv_message(str(info.value))

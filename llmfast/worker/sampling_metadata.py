@@ -8,7 +8,7 @@ through pinned staging buffers: no host sync anywhere.
 
 With one step in flight the host does not know the token each row sampled last step (a
 placeholder, -1, in `batch.token_ids`). The penalties' output ids get it on the device,
-from the previous step's sampled ids, like the model's input ids do (see ModelRunner).
+from the previous step's sampled ids, like the model's input ids do (see placeholders.py).
 """
 
 from __future__ import annotations

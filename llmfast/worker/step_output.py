@@ -44,6 +44,21 @@ class PendingStep:
             self.event.synchronize()
         return self.sampled_host.numpy()
 
+    def collect_logprobs(self) -> list[list[tuple[float, dict[int, float]]]]:
+        """Per scheduled row: [(sampled token's logprob, {top id: logprob})] where the row
+        sampled and asked for logprobs, else []. Reads the host copy: after `wait`."""
+        lp = self.logprobs_host
+        sampled_lp = lp.sampled_logprobs.numpy()
+        top_ids, top_lps = lp.topk_ids.numpy(), lp.topk_logprobs.numpy()
+        result: list[list[tuple[float, dict[int, float]]]] = []
+        for r, sampled_here, want in zip(self.rows, self.samples, self.num_logprobs):
+            if not sampled_here or want is None:
+                result.append([])
+                continue
+            top = {int(i): float(v) for i, v in zip(top_ids[r, :want], top_lps[r, :want])}
+            result.append([(float(sampled_lp[r]), top)])
+        return result
+
 
 class OutputCopier:
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:

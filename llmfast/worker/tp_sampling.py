@@ -1,8 +1,8 @@
 """Sampling under tensor parallelism: rank 0 samples, every rank gets its ids.
 
-Each rank feeds the sampled ids into its next step on the device (placeholder fill, see
-`ModelRunner._fill_placeholders`), so the ranks must agree on them bit for bit. Random
-rows without a seed draw from each process's own generator, so only one rank samples
+Each rank feeds the sampled ids into its next step on the device (placeholder fill,
+see placeholders.py), so the ranks must agree on them bit for bit. Random rows without
+a seed draw from each process's own generator, so only one rank samples
 and broadcasts its [n] ids, in place, on the device: no host sync (NCCL), and the other
 ranks skip the sampler (their logprobs are never returned).
 """

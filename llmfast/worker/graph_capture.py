@@ -1,0 +1,110 @@
+"""Start-up compile and CUDA-graph capture on the runner's persistent buffers.
+
+`CaptureInputs` gives `CompiledModel.capture` what it runs: a dummy forward at a token
+count (piecewise graphs) and, for the full graphs, a closure over the buffers' first
+`size` rows with the tensors it reads. Replays later read the same buffers, which the
+step's input preparation (step_inputs.py) fills.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmfast.attention_metadata import AttentionMetadata
+from llmfast.compile import CompiledModel
+from llmfast.utils.progress import Progress
+from llmfast.worker.input_batch import InputBatch
+from llmfast.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from llmfast.models.decoder import DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class CaptureInputs:
+    """The dummy runs and full-graph inputs of one runner: its step buffers, its batch's
+    block table, its model and compiled model."""
+
+    def __init__(self, inputs: StepInputs, batch: InputBatch, model: DecoderForCausalLM,
+                 compiled: CompiledModel) -> None:
+        self.inputs = inputs
+        self.batch = batch
+        self.model = model
+        self.compiled = compiled
+
+    def dummy_run(self, num_tokens: int) -> None:
+        """One forward at `num_tokens` from the persistent buffers; slot_mapping all -1,
+        so nothing is written to the KV cache."""
+        inputs = self.inputs
+        slots = self.batch.block_table.slot_mapping.gpu
+        inputs.input_ids.gpu[:num_tokens].zero_()
+        inputs.positions.gpu[:num_tokens].zero_()
+        slots[:num_tokens].fill_(-1)
+        inputs.query_start_loc.gpu[0] = 0
+        inputs.query_start_loc.gpu[1] = 1
+        inputs.seq_lens.gpu[:1].fill_(1)  # one request reading one (null-block) slot
+        md = AttentionMetadata(slots[:num_tokens], self.batch.block_table.table.gpu[:1],
+                               inputs.query_start_loc.gpu[:2], inputs.seq_lens.gpu[:1])
+        # The runner's forward_fn (the compiled model: it is only wrapped later, by
+        # profilers of a started engine).
+        self.compiled(inputs.input_ids.gpu[:num_tokens], inputs.positions.gpu[:num_tokens], md)
+
+    def full_inputs(self, size: int) -> list[torch.Tensor]:
+        """What a full graph of `size` reads: the persistent buffers' first `size`
+        tokens / request rows and the KV caches (see graphs/full.py)."""
+        inputs = self.inputs
+        table = self.batch.block_table
+        caches = [t for layer in self.model.attention_layers()
+                  for t in (layer.k_cache, layer.v_cache)]
+        return [inputs.input_ids.gpu[:size], inputs.positions.gpu[:size],
+                table.slot_mapping.gpu[:size], table.table.gpu[:size],
+                inputs.query_start_loc.gpu[: size + 1], inputs.seq_lens.gpu[:size], *caches]
+
+    def full_forward(self, size: int, dummy: bool):
+        """(fn, inputs) for a full graph of `size` uniform-decode rows: fn runs the
+        compiled forward and lm_head on the buffers (`CompiledModel.FullForward`). The
+        dummy batch: `size` one-token requests at position 0, slot -1 (nothing written),
+        each reading one slot of the block its table row names."""
+        inputs = self.full_inputs(size)
+        ids, positions, slots, table, query_start_loc, seq_lens = inputs[:6]
+        if dummy:
+            ids.zero_()
+            positions.zero_()
+            slots.fill_(-1)
+            query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
+            seq_lens.fill_(1)
+        md = AttentionMetadata(slots, table, query_start_loc, seq_lens)
+        compiled, model = self.compiled, self.model
+
+        def fn() -> torch.Tensor:
+            return model.compute_logits(compiled(ids, positions, md))
+
+        return fn, inputs
+
+
+def compile_and_capture(capture: CaptureInputs, enforce_eager: bool,
+                        progress: Progress | None, startup_times: dict[str, float]) -> int:
+    """Compile (the first call) and capture the CUDA graphs of every size; returns the
+    graphs' device memory in bytes and notes the stages' seconds in `startup_times`."""
+    if enforce_eager:
+        return 0
+    compiled = capture.compiled
+    if progress:
+        progress("compiling" + (" and capturing CUDA graphs"
+                                if compiled.capture_sizes else ""), None)
+    t0 = time.perf_counter()
+    graph_bytes = compiled.capture(capture.dummy_run, capture.full_forward)
+    stats = compiled.stats
+    # The whole first call, not only the backend's share (stats.compile_time_s):
+    # Dynamo's tracing of the model comes before the backend and is most of a warm
+    # start's compile.
+    startup_times["compile"] = time.perf_counter() - t0 - stats.capture_time_s
+    if stats.captured_sizes or stats.full_graph_sizes:
+        startup_times["capture"] = stats.capture_time_s
+    logger.info("compile: %s", stats.summary())
+    return graph_bytes

@@ -1,0 +1,93 @@
+"""`StepInputs`: the persistent buffers the model reads each step, and how a step's
+scheduled tokens fill them: vectorised numpy on the host views, then one copy each to
+the device, padded to the size the step runs at (a CUDA graph's).
+
+The buffers are allocated once; their device tensors' addresses never change, which
+CUDA-graph replay relies on (graph_capture.py captures from the same buffers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmfast.attention_metadata import AttentionMetadata
+from llmfast.core.scheduler_output import SchedulerOutput
+from llmfast.graphs.dispatch import GraphDispatcher, StepDispatch, is_uniform_decode
+from llmfast.worker.buffers import CpuGpuBuffer
+from llmfast.worker.input_batch import InputBatch
+from llmfast.worker.placeholders import PlaceholderFill
+
+
+class StepInputs:
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, device: torch.device) -> None:
+        def buf(*shape: int, dtype: torch.dtype) -> CpuGpuBuffer:
+            return CpuGpuBuffer(*shape, dtype=dtype, device=device)
+
+        self.input_ids = buf(max_num_tokens, dtype=torch.int64)
+        self.positions = buf(max_num_tokens, dtype=torch.int64)
+        self.query_start_loc = buf(max_num_reqs + 1, dtype=torch.int32)
+        self.seq_lens = buf(max_num_reqs, dtype=torch.int32)
+        self.logits_indices = buf(max_num_reqs, dtype=torch.int64)
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
+
+    def prepare(
+        self, out: SchedulerOutput, batch: InputBatch, dispatcher: GraphDispatcher,
+        placeholders: PlaceholderFill,
+    ) -> tuple[AttentionMetadata, StepDispatch, np.ndarray, np.ndarray]:
+        """Fill the persistent buffers for this step.
+
+        Returns (attention metadata, which runner and padding, tokens scheduled per
+        row, rows that sample). Under a full graph the metadata has one request row per
+        padded token: rows past the live ones hold no query token (query_start_loc
+        repeats the total, seq_len 0), so the attention programs of those rows exit.
+        Worked example, num_scheduled [2, 5, 3], num_computed [10, 0, 7]:
+            req_indices     = [0 0 1 1 1 1 1 2 2 2]
+            query_start_loc = [0 2 7 10]
+            offsets         = [0 1 0 1 2 3 4 0 1 2]
+            positions       = [10 11 0 1 2 3 4 7 8 9]
+            logits_indices  = [1 6 9] (each request's last scheduled token)
+        """
+        n = batch.num_reqs
+        num_sched = np.fromiter(
+            (out.num_scheduled_tokens.get(r, 0) for r in batch.req_ids[:n]), np.int64, n)
+        cu = np.cumsum(num_sched)
+        num_tokens = int(cu[-1])
+        dispatch = dispatcher.dispatch(num_tokens, n, is_uniform_decode(num_sched))
+        num_padded, num_rows = dispatch.descriptor.num_tokens, dispatch.num_reqs
+        req_indices = np.repeat(self._arange[:n], num_sched)
+        offsets = self._arange[:num_tokens] - np.repeat(cu - num_sched, num_sched)
+        computed = batch.num_computed_tokens[:n]
+        positions = computed[req_indices] + offsets
+
+        self.positions.np[:num_tokens] = positions
+        self.positions.np[num_tokens:num_padded] = 0
+        flat = req_indices * batch.max_model_len + positions
+        self.input_ids.np[:num_tokens] = batch.token_ids.ravel()[flat]
+        self.input_ids.np[num_tokens:num_padded] = 0
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : n + 1] = cu
+        self.query_start_loc.np[n + 1 : num_rows + 1] = num_tokens
+        seq_lens = computed + num_sched
+        self.seq_lens.np[:n] = seq_lens
+        self.seq_lens.np[n:num_rows] = 0
+        self.logits_indices.np[:n] = np.maximum(cu - 1, 0)
+        batch.block_table.compute_slot_mapping(req_indices, positions, num_padded)
+        # A row samples when this step reaches the end of its known tokens.
+        sampling_rows = np.flatnonzero((num_sched > 0) & (seq_lens >= batch.num_tokens[:n]))
+
+        md = AttentionMetadata(
+            slot_mapping=batch.block_table.slot_mapping.copy_to_gpu(num_padded),
+            # Rows n.. of a full graph's table are not copied: no program reads them.
+            block_table=batch.block_table.table.gpu[:num_rows],
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+        )
+        batch.block_table.table.copy_to_gpu(n)
+        self.input_ids.copy_to_gpu(num_padded)
+        # After the host's input ids reach the device: the fill overwrites placeholders.
+        placeholders.fill(self.input_ids.gpu, batch, num_sched, cu, computed)
+        self.positions.copy_to_gpu(num_padded)
+        self.logits_indices.copy_to_gpu(n)
+        batch.num_computed_tokens[:n] = seq_lens
+        return md, dispatch, num_sched, sampling_rows
