@@ -27,7 +27,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -174,9 +174,15 @@ class CompiledModel:
         that fits, else `num_tokens` (eager, CPU, or larger than every graph)."""
         return self.dispatcher.padded_num_tokens(num_tokens, uniform_decode)
 
-    def replay_full(self, num_tokens: int, inputs: list[torch.Tensor]) -> torch.Tensor:
+    @property
+    def checks_static_addresses(self) -> bool:
+        """Debug mode: replays compare their inputs' addresses with the captured ones."""
+        return self.config.check_static_addresses
+
+    def replay_full(self, num_tokens: int, inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Replay the full graph of `num_tokens` (a dispatched FULL size); returns its
-        logits [num_tokens, vocab], valid until the next replay of any graph."""
+        logits [num_tokens, vocab], valid until the next replay of any graph. `inputs`
+        (what the graph reads) are only looked at when `checks_static_addresses`."""
         assert self.full_graphs is not None and self._graph_state is not None
         with self._graph_state.whole_forward():  # for the CPU emulation's re-run
             return self.full_graphs.replay(num_tokens, inputs)

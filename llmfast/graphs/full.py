@@ -55,9 +55,10 @@ class FullGraphRunner:
         self.graphs[size] = _FullGraph(replay, self.capturer.static_outputs(output),
                                        tuple(t.data_ptr() for t in inputs))
 
-    def replay(self, size: int, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def replay(self, size: int, inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Run the graph of `size` on the buffers' current contents; returns its output
-        (valid until the next replay of any graph)."""
+        (valid until the next replay of any graph). `inputs`: what it reads, checked
+        against the captured addresses in debug mode (else not looked at)."""
         graph = self.graphs[size]
         if self.check_static_addresses:
             for i, (t, captured) in enumerate(zip(inputs, graph.input_addresses, strict=True)):
