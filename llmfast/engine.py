@@ -35,6 +35,7 @@ from llmfast.utils.progress import Progress
 from llmfast.utils.value_checks import int_list
 
 if TYPE_CHECKING:
+    from llmfast.executor.runner_info import RunnerInfo
     from llmfast.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,17 @@ class LLMEngine:
     def startup_times(self) -> dict[str, float]:
         """Seconds per start-up stage of the model runner (rank 0's with workers)."""
         return self.executor.startup_times
+
+    @property
+    def runner_info(self) -> RunnerInfo:
+        """What rank 0's model runner reports (device, weight bytes of its shards, compile
+        stats), whatever the backend: the way to read it with workers."""
+        return self.executor.runner_info
+
+    @property
+    def runner_infos(self) -> tuple[RunnerInfo, ...]:
+        """Every rank's `RunnerInfo`, in rank order."""
+        return self.executor.runner_infos
 
     def check_health(self) -> None:
         """Raise `ExecutorError` (one line, naming the rank) if a worker is gone; cheap,

@@ -24,7 +24,8 @@ from llmfast.bench import (
     summarize,
     sweep_engine_limits,
 )
-from llmfast.bench.bandwidth import decode_weight_bytes, peak_bandwidth
+from llmfast.bench.bandwidth import peak_bandwidth
+from llmfast.models.weight_bytes import decode_weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,8 @@ def test_peak_bandwidth_by_device_name():
 def test_decode_weight_bytes_counts_a_tied_head_once_and_skips_an_untied_embedding():
     from dataclasses import replace
 
-    from llmfast.models.loader import ModelSource, build_model, resolve_model, weight_bytes
+    from llmfast.models.loader import ModelSource, build_model, resolve_model
+    from llmfast.models.weight_bytes import weight_bytes
 
     untied = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=16)
     embed = untied.model.embed_tokens.weight
@@ -276,17 +278,26 @@ def test_tune_hf_batch_size_picks_the_fastest_probe(llm):
 
 
 @pytest.mark.gpu
-def test_sweep_on_cuda_reports_the_hbm_fraction():
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_sweep_on_cuda_reports_the_hbm_fraction(backend):
+    """In process, and with the runner in one mp worker (the copy is then measured by
+    this process on the worker's GPU, by its name)."""
     from llmfast import LLM
+    from tests.helpers.weight_bytes import expected_decode_weight_bytes
 
     llm = LLM("random:smollm2-135m", device="cuda", max_model_len=512, seed=0,
-              gpu_memory_utilization=0.5)
+              gpu_memory_utilization=0.5, distributed_executor_backend=backend)
     result = run_sweep(llm.engine, [1, 8], context_len=32, steps=8)
     bw = result.bandwidth
     assert bw is not None and bw.measured_copy_bytes_per_s > 1e11  # any GPU: > 100 GB/s
+    assert bw.name == torch.cuda.get_device_name(0)
+    # bf16; the smollm2 preset ties its embeddings: the head is read whole.
+    assert result.weight_bytes_per_rank == [
+        expected_decode_weight_bytes(llm.engine.config.model, element_size=2)]
     assert bw.limit_bytes_per_s == (bw.peak_bytes_per_s or bw.measured_copy_bytes_per_s)
     assert [p.batch_size for p in result.points] == [1, 8] and result.skipped == []
     for p in result.points:
         assert p.hbm_fraction == pytest.approx(
             p.weight_bytes / p.step_latency.median / bw.limit_bytes_per_s)
         assert 0 < p.hbm_fraction < 1.5
+    llm.engine.shutdown()  # the worker's GPU memory, for the next tests

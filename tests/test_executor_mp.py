@@ -15,6 +15,7 @@ from llmfast.executor import ExecutorError
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.processes import children, wait_until_gone
 from tests.helpers.tensor_parallel import ENGINE, run_workload
+from tests.helpers.weight_bytes import expected_decode_weight_bytes
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -53,6 +54,21 @@ def test_mp_engine_reports_rank0_startup_and_has_no_local_runner(runs):
     with pytest.raises(ExecutorError, match="2 worker.*mp executor"):
         _ = engine.runner
     engine.executor.check_health()
+
+
+def test_mp_sweep_reads_each_rank_s_shards_through_the_executor(runs):
+    """The sweep's weight bytes are each rank's, as Megatron's split counts them from
+    the config (Qwen3: per-head q/k norms, replicated)."""
+    from llmfast.bench import run_sweep
+
+    engine = runs[2]["llm"].engine
+    config = engine.config.model
+    want = [expected_decode_weight_bytes(config, 2, rank) for rank in range(2)]
+    assert [i.decode_weight_bytes for i in engine.runner_infos] == want
+    result = run_sweep(engine, [1, 2], context_len=8, steps=2)
+    assert [p.batch_size for p in result.points] == [1, 2] and result.skipped == []
+    assert result.weight_bytes_per_rank == want
+    assert all(p.weight_bytes == max(want) for p in result.points)
 
 
 # Last in the module: it drops the shared engine (its family's tests have run by then).

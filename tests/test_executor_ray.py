@@ -17,11 +17,13 @@ import time
 import pytest
 
 from llmfast import LLM, SamplingParams
+from llmfast.bench import run_sweep
 from llmfast.executor import ExecutorError, WorkerDied
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.cli import TINY, invoke
 from tests.helpers.processes import children, wait_until_gone
 from tests.helpers.tensor_parallel import ENGINE, run_workload
+from tests.helpers.weight_bytes import expected_decode_weight_bytes
 
 RAY = {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +48,13 @@ def test_tp2_ray_tokens_equal_uni_then_a_killed_actor_stops_everything(family, t
         assert tokens == want, async_scheduling
         assert preemptions > 0 and prefix_hits > 0
     assert {"join_group", "load", "kv_cache"} <= set(engine.startup_times)
+    # The bench reads each actor's runner through the executor, as with mp workers.
+    want_bytes = [expected_decode_weight_bytes(engine.config.model, 2, r) for r in range(2)]
+    assert [(i.rank, i.decode_weight_bytes) for i in engine.runner_infos] == [
+        (0, want_bytes[0]), (1, want_bytes[1])]
+    sweep = run_sweep(engine, [1, 2], context_len=8, steps=2)
+    assert [p.batch_size for p in sweep.points] == [1, 2] and sweep.skipped == []
+    assert sweep.weight_bytes_per_rank == want_bytes
 
     pids = engine.executor.worker_pids()  # the actors run on this machine
     for i in range(4):

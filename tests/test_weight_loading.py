@@ -18,8 +18,9 @@ from llmfast.models.formats.safetensors_reader import (
     SafetensorsFormatError,
     TensorReader,
 )
-from llmfast.models.loader import build_model, resolve_model, weight_bytes
+from llmfast.models.loader import build_model, resolve_model
 from llmfast.models.random_weights import RANDOM_WEIGHT_STD
+from llmfast.models.weight_bytes import weight_bytes
 from tests.helpers.checkpoints import make_hf_checkpoint
 
 MAX_POSITIONS = 64  # keeps the RoPE table (fp32, made at build) far below any weight

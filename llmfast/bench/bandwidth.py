@@ -78,29 +78,33 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30,
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
     del src, dst
+    torch.cuda.empty_cache()  # the GiB back to the device (beside mp workers: theirs)
     times.sort()
     return 2 * nbytes / times[len(times) // 2]
 
 
-def device_bandwidth(device: torch.device) -> DeviceBandwidth | None:
-    """The bandwidth of a CUDA device (None on CPU, where the sweep reports no limit)."""
-    if device.type != "cuda":
+def device_bandwidth(device: str, device_name: str) -> DeviceBandwidth | None:
+    """The bandwidth of the CUDA device `device` named `device_name`, where a model
+    runner runs (None on CPU, where the sweep reports no limit). The peak comes from
+    the name; the copy is measured here, and only when this process sees `device` under
+    that name: the runner's own process, or its node for `mp` workers and a local Ray
+    cluster (a remote Ray worker's GPU has its peak only)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    try:
-        measured = measure_copy_bandwidth(device)
-    except torch.cuda.OutOfMemoryError:
-        logger.warning("no memory left to measure the copy bandwidth")
-        measured = None
-    return DeviceBandwidth(name, peak_bandwidth(name), measured)
+    measured = None
+    if _visible_as(dev, device_name):
+        try:
+            measured = measure_copy_bandwidth(dev)
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("no memory left to measure the copy bandwidth")
+    else:
+        logger.info("%s is not visible here as %s: no measured copy bandwidth", device,
+                    device_name)
+    return DeviceBandwidth(device_name, peak_bandwidth(device_name), measured)
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Weight bytes one decode step reads: every parameter once, except an untied input
-    embedding, of which a step reads only its batch's rows (a tied one is read whole as
-    the LM head)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    if embed is not model.lm_head.weight:
-        total -= embed.numel() * embed.element_size()
-    return total
+def _visible_as(device: torch.device, name: str) -> bool:
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        return False
+    return torch.cuda.get_device_name(device) == name

@@ -4,7 +4,9 @@ user who already has transformers would run it (left-padded batches, greedy).
 A model directory is loaded with `AutoModelForCausalLM.from_pretrained`; a `random:`
 preset has no directory, so the HF model of its family is built from its config and
 llmfast's own random weights are copied in (unfused), which makes both engines compute
-the same function.
+the same function. When the model runs in workers (mp, ray) its weights are not in this
+process: the preset's weights are drawn again here, whole (the values depend only on the
+preset, the seed and the device kind; tensor-parallel ranks hold slices of the same).
 """
 
 from __future__ import annotations
@@ -55,8 +57,22 @@ def load_hf_model(engine):
     if source.path is not None:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
     else:
-        model = hf_model_from_llmfast(engine.runner.model, source.config)
+        model = hf_model_from_llmfast(llmfast_model(engine), source.config)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def llmfast_model(engine):
+    """The engine's whole model in this process: the in-process runner's, else (the
+    runners are in workers) a `random:` preset's weights drawn again here, as the
+    ranks drew them (same seed, dtype and device kind)."""
+    runner = engine.executor.local_runner
+    if runner is not None:
+        return runner.model
+    from llmfast.models.loader import build_model
+
+    config = engine.config
+    return build_model(engine.source, config.torch_dtype, config.device,
+                       max_positions=config.scheduler.max_model_len, seed=config.seed)
 
 
 def hf_model_from_llmfast(model, config):

@@ -32,17 +32,17 @@ def main(argv: list[str]) -> None:
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     first_step_s = time.perf_counter() - t1
     first_token = time.time()
-    stats = engine.runner.compiled.stats
+    stats = engine.runner_info.compile_stats  # rank 0's with workers; None: eager
     out.write_text(json.dumps({
-        "stages": dict(engine.runner.startup_times),
+        "stages": dict(engine.startup_times),
         "ready_epoch": ready,
         "engine_s": engine_s,
         "first_step_s": first_step_s,
         "first_token_epoch": first_token,
-        "compile_cache_hits": stats.cache_hits,
-        "compile_cache_misses": stats.cache_misses,
+        "compile_cache_hits": stats.cache_hits if stats else 0,
+        "compile_cache_misses": stats.cache_misses if stats else 0,
         # Graphs of each kind, capture time and memory (empty in eager mode).
-        "compile_summary": "" if engine.runner.compiled.eager else stats.summary(),
+        "compile_summary": stats.summary() if stats else "",
         "device": engine.config.device,
         "engine_config": dataclasses.asdict(engine.config),
     }, default=str))

@@ -9,6 +9,10 @@ listed in `skipped` with the reason; it is never reported with a mixed step's ti
 
 On CUDA each row also gives the weight-streaming rate (weight bytes read per step /
 median step time) and its fraction of the device's HBM bandwidth (`bench.bandwidth`).
+With tensor parallelism every GPU streams its own shards at the same time: the bytes
+are one rank's (the rank with the most: the step waits for it), the bandwidth one GPU's.
+The figures come from the ranks' `RunnerInfo`, so the sweep runs the same whether the
+model runs in this process or in workers (mp, ray).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmfast.bench.bandwidth import DeviceBandwidth, decode_weight_bytes, device_bandwidth
+from llmfast.bench.bandwidth import DeviceBandwidth, device_bandwidth
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import BenchError, bench_params, warm_up
 from llmfast.utils.progress import CountProgress
@@ -47,9 +51,11 @@ class SweepPoint:
     prefill_tokens_per_s: float
     all_decode: bool  # every timed step gave exactly one token to every request
     step_latencies_s: list[float] = field(default_factory=list)
-    weight_bytes: int = 0  # read by one decode step
-    weight_stream_bytes_per_s: float = 0.0  # weight_bytes / median step time
-    hbm_fraction: float | None = None  # of the device's bandwidth; None on CPU
+    # Read by one decode step on one rank (with tensor parallelism: its shards, the
+    # rank with the most; with one rank: all the weights).
+    weight_bytes: int = 0
+    weight_stream_bytes_per_s: float = 0.0  # weight_bytes / median step time: one GPU's
+    hbm_fraction: float | None = None  # of one device's bandwidth; None on CPU
 
 
 @dataclass
@@ -62,7 +68,10 @@ class SweepSkip:
 class SweepResult:
     points: list[SweepPoint]  # pure-decode rows only
     skipped: list[SweepSkip]
-    bandwidth: DeviceBandwidth | None  # None on CPU
+    bandwidth: DeviceBandwidth | None  # of rank 0's device; None on CPU
+    # Decode weight bytes of each rank, in rank order (one entry without parallelism);
+    # the rows' weight_bytes is the largest.
+    weight_bytes_per_rank: list[int] = field(default_factory=list)
 
 
 def sweep_engine_limits(largest: int, given_seqs: int | None, given_tokens: int | None,
@@ -189,8 +198,10 @@ def run_sweep(engine, sizes: Sequence[int], context_len: int, steps: int, seed: 
     if max(sizes) > sched.max_num_batched_tokens:
         raise BenchError(f"size {max(sizes)} is above --max-num-batched-tokens "
                          f"{sched.max_num_batched_tokens}: its decode steps would be split")
-    weight_bytes = decode_weight_bytes(engine.runner.model)
-    bandwidth = device_bandwidth(engine.runner.device)
+    per_rank = [info.decode_weight_bytes for info in engine.runner_infos]
+    weight_bytes = max(per_rank)
+    rank0 = engine.runner_info
+    bandwidth = device_bandwidth(rank0.device, rank0.device_name)
     warm_up(engine)
     points, skipped = [], []
     for i, size in enumerate(sizes):
@@ -202,4 +213,4 @@ def run_sweep(engine, sizes: Sequence[int], context_len: int, steps: int, seed: 
             skipped.append(SweepSkip(size, str(e)))
         if progress:
             progress(i + 1, len(sizes))
-    return SweepResult(points, skipped, bandwidth)
+    return SweepResult(points, skipped, bandwidth, per_rank)

@@ -231,12 +231,11 @@ def _start(opts: EngineOptions, name: str, overrides: dict[str, Any], err: Conso
     run = {"exec_mode": name, "model": engine.source.name,
            "engine_config": dataclasses.asdict(engine.config),
            "startup": dict(engine.startup_times)}
-    runner = engine.executor.local_runner  # None when the model runs in workers
-    compiled = getattr(runner, "compiled", None)
-    if compiled is not None and not compiled.eager:
+    stats = engine.runner_info.compile_stats  # rank 0's, wherever it runs; None: eager
+    if stats is not None:
         # CUDA graphs of each kind, their capture time and memory (compile/stats.py).
-        run["compile_stats"] = dataclasses.asdict(compiled.stats)
-        run["compile_summary"] = compiled.stats.summary()
+        run["compile_stats"] = dataclasses.asdict(stats)
+        run["compile_summary"] = stats.summary()
     return run, llm
 
 
@@ -250,8 +249,18 @@ def _sweep_run(opts, name, overrides, sizes, context, steps, seed, err) -> dict:
     run["sweep_skipped"] = [dataclasses.asdict(s) for s in result.skipped]
     run["bandwidth"] = None if result.bandwidth is None else {
         **dataclasses.asdict(result.bandwidth), "source": result.bandwidth.source}
+    run["weight_bytes_per_rank"] = result.weight_bytes_per_rank
+    run["weight_bytes_note"] = _weight_bytes_note(len(result.weight_bytes_per_rank))
     _release(llm)
     return run
+
+
+def _weight_bytes_note(world_size: int) -> str:
+    """What a row's weight_bytes (and its GB/s and % HBM) count."""
+    if world_size == 1:
+        return "weight_bytes: read by one decode step (every weight once)"
+    return (f"weight_bytes: read by one decode step on one of {world_size} tensor-parallel "
+            "ranks (its shards, the largest rank's; each GPU streams its own)")
 
 
 def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size, err) -> None:
@@ -350,8 +359,9 @@ def sweep_table(runs: dict) -> Table:
     table.add_column("batch", justify="right")
     with_hbm = any(r.get("bandwidth") for r in runs.values())
     headers = ["step ms p50", "p90", "p99", "decode tok/s", "prefill tok/s"]
+    ranks = max(len(r.get("weight_bytes_per_rank") or [0]) for r in runs.values())
     if with_hbm:
-        headers += ["weights GB/s", "% HBM"]
+        headers += ["weights GB/s" + (" per GPU" if ranks > 1 else ""), "% HBM"]
     for name in runs:
         label = "" if name == "default" else f"{name}\n"
         for header in headers:
@@ -378,7 +388,9 @@ def sweep_table(runs: dict) -> Table:
         if bw:
             limit = bw["peak_bytes_per_s"] or bw["measured_copy_bytes_per_s"]
             if limit:
-                notes.append(f"% HBM: weight bytes per step / median step time vs {bw['name']} "
+                whose = "weight bytes per step" if ranks == 1 else \
+                    f"one rank's weight bytes per step (its shards of {ranks})"
+                notes.append(f"% HBM: {whose} / median step time vs {bw['name']} "
                              f"{limit / 1e12:.2f} TB/s ({bw['source']})")
         for skip in run.get("sweep_skipped", []):
             where = "" if name == "default" else f"{name}: "
@@ -442,7 +454,7 @@ def latency_table(result: dict) -> Table:
     return table
 
 
-STARTUP_ROWS = (("load", "load weights"), ("profile", "profile memory"),
+STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load weights"), ("profile", "profile memory"),
                 ("compile", "compile"), ("capture", "capture CUDA graphs"),
                 ("kv_cache", "allocate KV cache"))
 
@@ -463,7 +475,9 @@ def startup_table(report: dict) -> Table:
     for key, label in STARTUP_ROWS:
         if key in cold["stages"] or key in warm["stages"]:
             row(label, cold["stages"].get(key), warm["stages"].get(key))
-    row("other (config, buffers, gc)", cold["engine_s"] - sum(cold["stages"].values()),
+    workers = "join_group" in cold["stages"]  # rank 0's stages; the ranks start in parallel
+    row("other (config, buffers, gc" + ("; the workers' start)" if workers else ")"),
+        cold["engine_s"] - sum(cold["stages"].values()),
         warm["engine_s"] - sum(warm["stages"].values()))
     row("engine (all of LLM(...))", cold["engine_s"], warm["engine_s"])
     row("first token (one step)", cold["first_step_s"], warm["first_step_s"])

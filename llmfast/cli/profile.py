@@ -133,11 +133,16 @@ def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int,
         points = traced.result
     else:  # under nsys: the NVTX ranges are the trace
         points = workload()
+    executor = engine.executor
+    workers_note = _workers_note(executor.backend, executor.world_size) \
+        if executor.local_runner is None else None
     summary["async_scheduling"] = engine.async_scheduling
+    summary["executor"] = {"backend": executor.backend, "world_size": executor.world_size,
+                           "note": workers_note}
     summary["phases"] = {name: s.as_dict() for name, s in stats["phases"].items()}
     summary["sweep"] = [dataclasses.asdict(p) for p in points]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    con.print(_phase_table(stats["phases"], engine.async_scheduling))
+    con.print(_phase_table(stats["phases"], engine.async_scheduling, workers_note))
     if kind == "torch":
         con.print(f"trace:   {traced.trace}  (open it at https://ui.perfetto.dev or "
                   "chrome://tracing)", markup=False)
@@ -145,15 +150,22 @@ def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int,
     con.print(f"summary: {out_dir / 'summary.json'}", markup=False)
 
 
-def _phase_table(phases, async_scheduling: bool):
+def _workers_note(backend: str, world_size: int) -> str:
+    return (f"the model runs in {world_size} {backend} worker(s): prepare_inputs, forward "
+            "and sample run there, untimed and (torch profiler) untraced here; wait_output "
+            "is this process waiting for rank 0's tokens")
+
+
+def _phase_table(phases, async_scheduling: bool, workers_note: str | None = None):
     from rich.table import Table
 
     from llmfast.profiling.phase_timing import PHASE_COLUMNS, phases_table_rows
 
     mode = "async scheduling" if async_scheduling else "synchronous loop"
+    caption = ("host overlapped: the share of the phase's host time spent while the device "
+               "computed a forward or a sample")
     table = Table(title=f"engine phases ({mode}; device time from CUDA events)",
-                  caption="host overlapped: the share of the phase's host time spent while "
-                          "the device computed a forward or a sample")
+                  caption=caption + (f"\n{workers_note}" if workers_note else ""))
     for col in PHASE_COLUMNS:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for row in phases_table_rows(phases):

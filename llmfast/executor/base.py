@@ -20,12 +20,15 @@ import logging
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmfast.executor.errors import ExecutorError
 
 if TYPE_CHECKING:
     from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from llmfast.executor.runner_info import RunnerInfo
+    from llmfast.executor.worker import WorkerReady
     from llmfast.utils.progress import Progress
     from llmfast.worker.model_runner import ModelRunner
 
@@ -68,6 +71,17 @@ class Executor(ABC):
     def startup_times(self) -> dict[str, float]:
         """Seconds per start-up stage (load, kv_cache, compile, capture) of rank 0."""
 
+    @property
+    @abstractmethod
+    def runner_infos(self) -> tuple[RunnerInfo, ...]:
+        """What each rank's runner reports about itself (device, weight bytes of its
+        shards, compile stats), in rank order; after `initialize`."""
+
+    @property
+    def runner_info(self) -> RunnerInfo:
+        """Rank 0's `RunnerInfo`."""
+        return self.runner_infos[0]
+
     def set_phase_timer(self, timer) -> None:
         """Time the runner's phases of the following steps (None: stop). Only the
         in-process runner can be timed; other backends time the engine's phases only."""
@@ -78,7 +92,8 @@ class Executor(ABC):
         live in other processes)."""
         raise ExecutorError(
             f"the model runner lives in {self.world_size} worker(s) of the {self.backend} "
-            "executor, not in this process; only --distributed-executor-backend uni has one")
+            "executor, not in this process; only --distributed-executor-backend uni has one "
+            "(runner_info has what each rank reports)")
 
     @property
     def local_runner(self) -> ModelRunner | None:
@@ -100,6 +115,18 @@ class DistributedExecutor(Executor):
     # Stops the workers once (shutdown, garbage collection, interpreter exit); set by
     # the backend before it starts any worker.
     _finalizer: weakref.finalize
+    # Every rank's ready message, in rank order, once `initialize` has returned.
+    _ready: Sequence[WorkerReady] = ()
+
+    @property
+    def startup_times(self) -> dict[str, float]:
+        return dict(self._ready[0].startup_times) if self._ready else {}
+
+    @property
+    def runner_infos(self) -> tuple[RunnerInfo, ...]:
+        if not self._ready:
+            raise ExecutorError(f"the {self.backend} executor's workers are not initialised")
+        return tuple(r.info for r in self._ready)
 
     def shutdown(self) -> None:
         self._finalizer()

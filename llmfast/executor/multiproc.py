@@ -91,10 +91,6 @@ class MultiprocExecutor(DistributedExecutor):
         self._ready = [ready[r] for r in range(self.world_size)]
         return min(r.num_blocks for r in self._ready)
 
-    @property
-    def startup_times(self) -> dict[str, float]:
-        return dict(self._ready[0].startup_times) if self._ready else {}
-
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers]
 

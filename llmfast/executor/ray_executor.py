@@ -172,10 +172,6 @@ class RayExecutor(DistributedExecutor):
         self._ready = self._gather(refs, None, "during start-up")
         return min(r.num_blocks for r in self._ready)
 
-    @property
-    def startup_times(self) -> dict[str, float]:
-        return dict(self._ready[0].startup_times) if self._ready else {}
-
     def worker_pids(self) -> list[int]:
         """The actors' process ids (on their nodes)."""
         return self._gather([a.pid.remote() for a in self._state.actors], None, "")

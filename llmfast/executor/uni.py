@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmfast.executor.base import Executor
+from llmfast.executor.runner_info import RunnerInfo, runner_info
 from llmfast.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ class UniExecutor(Executor):
     @property
     def startup_times(self) -> dict[str, float]:
         return self._runner.startup_times
+
+    @property
+    def runner_infos(self) -> tuple[RunnerInfo]:
+        return (runner_info(self._runner),)
 
     def set_phase_timer(self, timer) -> None:
         self._runner.phase_timer = timer

@@ -21,6 +21,7 @@ import torch
 from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import init_tensor_parallel
+from llmfast.executor.runner_info import RunnerInfo, runner_info
 from llmfast.models.loader import ModelSource
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.worker.step_output import PendingStep
@@ -51,6 +52,7 @@ class WorkerReady:
     num_blocks: int
     startup_times: dict[str, float]
     pid: int
+    info: RunnerInfo
 
 
 class Worker:
@@ -74,7 +76,7 @@ class Worker:
         num_blocks = self.runner.initialize()
         times = {"join_group": join_s, **self.runner.startup_times}
         logger.debug("rank %d ready: %d KV blocks", spec.rank, num_blocks)
-        return WorkerReady(spec.rank, num_blocks, times, os.getpid())
+        return WorkerReady(spec.rank, num_blocks, times, os.getpid(), runner_info(self.runner))
 
     def execute(self, sched_out: SchedulerOutput) -> None:
         pending = self.runner.execute_async(sched_out)

@@ -312,11 +312,6 @@ def _open_safetensors(path: Path) -> SafetensorsFile:
         raise LoadError(f"cannot read {path}: {e}") from None
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, a tied one counted once (works on meta too)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 @contextlib.contextmanager
 def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     """While constructing the model: parameters are allocated on `device` in `dtype`

@@ -1,0 +1,25 @@
+"""How many bytes of weights a model holds, and how many one decode step reads.
+
+With tensor parallelism `model` is one rank's: its shards (and the replicated norms), so
+these are that rank's bytes, the ones its device streams.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, a tied one counted once (works on meta too)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every parameter once, except an untied input
+    embedding, of which a step reads only its batch's rows (a tied one is read whole as
+    the LM head)."""
+    total = weight_bytes(model)
+    embed = model.model.embed_tokens.weight
+    if embed is not model.lm_head.weight:
+        total -= embed.numel() * embed.element_size()
+    return total
