@@ -454,9 +454,9 @@ def latency_table(result: dict) -> Table:
     return table
 
 
-STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load weights"), ("profile", "profile memory"),
-                ("compile", "compile"), ("capture", "capture CUDA graphs"),
-                ("kv_cache", "allocate KV cache"))
+STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load weights"),
+                ("profile", "profile memory"), ("compile", "compile"),
+                ("capture", "capture CUDA graphs"), ("kv_cache", "allocate KV cache"))
 
 
 def startup_table(report: dict) -> Table:
