@@ -17,7 +17,8 @@ if [[ ! -x $VENV/bin/python ]]; then
     "$VENV/bin/pip" install -q --upgrade pip
 fi
 # The CPU machines' pip cap (/etc/xdg/pip) is for torch <= 2.14.1 and admits 2.11.
-"$VENV/bin/pip" install -q -c constraints/gpu-stack.txt -e ".[test]"
+"$VENV/bin/pip" install -q -c constraints/gpu-stack.txt -e ".[test]" > "$VENV/install.log" 2>&1 \
+    || { tail -n 30 "$VENV/install.log"; exit 1; }
 "$VENV/bin/python" -c 'import torch, triton, transformers, numpy
 print("torch", torch.__version__, "triton", triton.__version__,
       "transformers", transformers.__version__, "numpy", numpy.__version__)'
