@@ -12,9 +12,7 @@ stream from DRAM instead of sitting in cache. Medians over --iters, side by side
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from llmfast.bench.stats import median_call_ms
 from llmfast.kernels.cpu.linear import (
     num_row_blocks,
     pack_weight,
@@ -29,16 +28,6 @@ from llmfast.kernels.cpu.linear import (
     row_split_linear,
 )
 from llmfast.models.loader import resolve_model
-
-
-def median_ms(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -68,9 +57,9 @@ def main() -> None:
         packed = [pack_weight(w) for w in weights]
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, cols)
-            base = median_ms(lambda: [F.linear(x, w) for w in weights], args.iters)
-            split = median_ms(lambda: [row_split_linear(x, w, blocks) for w in weights], args.iters)
-            dnn = median_ms(lambda: [packed_linear(x, p, None) for p in packed], args.iters)
+            base = median_call_ms(lambda: [F.linear(x, w) for w in weights], args.iters)
+            split = median_call_ms(lambda: [row_split_linear(x, w, blocks) for w in weights], args.iters)
+            dnn = median_call_ms(lambda: [packed_linear(x, p, None) for p in packed], args.iters)
             total = totals.setdefault(tokens, [0.0, 0.0, 0.0])
             for i, value in enumerate((base, split, dnn)):
                 total[i] += value

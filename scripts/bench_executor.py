@@ -27,6 +27,7 @@ import torch
 
 from llmfast import LLM
 from llmfast.bench import run_sweep_point, warm_up
+from llmfast.bench.stats import median_call_ms
 
 
 def _all_reduce_rank(rank: int, world: int, port: int, shapes, calls: int, results) -> None:
@@ -38,14 +39,7 @@ def _all_reduce_rank(rank: int, world: int, port: int, shapes, calls: int, resul
     medians = {}
     for shape in shapes:
         x = torch.randn(*shape)
-        for _ in range(10):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        medians[shape] = statistics.median(times)
+        medians[shape] = median_call_ms(lambda: dist.all_reduce(x), calls, warmup=10)
     if rank == 0:
         results.put(medians)
     dist.destroy_process_group()
@@ -66,7 +60,7 @@ def all_reduce_ms(world: int, shapes: list[tuple[int, int]], calls: int = 200
     medians = results.get(timeout=300)
     for p in procs:
         p.join()
-    return {shape: t * 1e3 for shape, t in medians.items()}
+    return medians
 
 
 def main() -> None:

@@ -23,9 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
-import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +33,10 @@ sys.path.insert(0, str(REPO))
 
 import torch
 import torch.multiprocessing as mp
+
+from llmfast.bench.environment import cpu_name
+from llmfast.bench.stats import median_call_ms
+from llmfast.utils.ports import free_port
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,17 +75,6 @@ def _fill(static, tokens: int, requests: int, context_len: int) -> None:
     static.seq_lens[:requests] = context_len
 
 
-def _median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
     from llmfast.bench.static_batch import StaticBatch
     from llmfast.distributed import (
@@ -120,7 +110,7 @@ def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
             with torch.inference_mode():
                 model.compute_logits(hidden[static.query_start_loc[1:requests + 1].long() - 1])
 
-        row = {"step_ms": _median_ms(step, args.iters, args.warmup)}
+        row = {"step_ms": median_call_ms(step, args.iters, args.warmup)}
         if world > 1:
             # Zeros: summed in place over and over, they stay finite.
             hidden = torch.zeros(tokens, cfg.hidden_size)
@@ -131,7 +121,7 @@ def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
                     all_reduce(hidden, group)
                 all_gather_last_dim(logits, group)
 
-            row["comm_ms"] = _median_ms(collectives, args.iters, args.warmup)
+            row["comm_ms"] = median_call_ms(collectives, args.iters, args.warmup)
             row["num_collectives"] = 2 * cfg.num_hidden_layers + 2
         results[label] = row
     if rank == 0:
@@ -143,22 +133,10 @@ def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
 
 
 def _run(world: int, args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         mp.spawn(_rank, args=(world, port, args, f.name), nprocs=world)
         return json.loads(Path(f.name).read_text())
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -183,7 +161,7 @@ def main() -> None:
         command = "python scripts/bench_tp.py " + " ".join(sys.argv[1:])
         args.out.write_text(
             "# Tensor parallelism on CPU: TP=1 vs TP=2 step time\n\n"
-            f"Machine: {_cpu_name()}, {mp.cpu_count()} cores; torch {torch.__version__}; "
+            f"Machine: {cpu_name()}, {mp.cpu_count()} cores; torch {torch.__version__}; "
             f"{time.strftime('%Y-%m-%d')}.\n\nCommand: `{command}`\n\n"
             f"Model {args.model}" + (f" cut to {args.layers} layers" if args.layers else "")
             + f", float32, eager; decode context {args.context_len}; medians of "

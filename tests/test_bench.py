@@ -52,6 +52,23 @@ def test_summarize_matches_numpy():
     assert one.median == one.p99 == 2.0
 
 
+def test_median_call_ms_times_only_the_timed_calls(monkeypatch):
+    """A fake clock: call k takes durations[k] seconds; warm-up calls are not timed."""
+    from llmfast.bench import stats
+
+    durations = [9.0, 9.0, 0.004, 0.001, 0.003, 0.002, 0.010]  # two warm-up calls first
+    clock = {"now": 0.0, "calls": 0}
+
+    def call():
+        clock["now"] += durations[clock["calls"]]
+        clock["calls"] += 1
+
+    monkeypatch.setattr(stats.time, "perf_counter", lambda: clock["now"])
+    got = stats.median_call_ms(call, iters=5, warmup=2)
+    assert clock["calls"] == 7
+    assert got == pytest.approx(3.0)  # median of 4, 1, 3, 2, 10 ms
+
+
 def test_request_latencies_vllm_definitions():
     # Arrived at 10.0; tokens at 10.5, 10.7, 11.0, 11.6; finished at 11.6.
     metrics = SimpleNamespace(first_token_time=10.5, finish_time=11.6,

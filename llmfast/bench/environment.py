@@ -23,7 +23,7 @@ def environment_info(device: str) -> dict:
         "llmfast": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_threads": torch.get_num_threads(),
     }
     if device.startswith("cuda"):
@@ -34,7 +34,7 @@ def environment_info(device: str) -> dict:
     return info
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

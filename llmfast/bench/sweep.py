@@ -198,9 +198,10 @@ def run_sweep(engine, sizes: Sequence[int], context_len: int, steps: int, seed: 
     if max(sizes) > sched.max_num_batched_tokens:
         raise BenchError(f"size {max(sizes)} is above --max-num-batched-tokens "
                          f"{sched.max_num_batched_tokens}: its decode steps would be split")
-    per_rank = [info.decode_weight_bytes for info in engine.runner_infos]
+    infos = engine.runner_infos  # read once: in-process, each read sums the weights
+    per_rank = [info.decode_weight_bytes for info in infos]
     weight_bytes = max(per_rank)
-    rank0 = engine.runner_info
+    rank0 = infos[0]
     bandwidth = device_bandwidth(rank0.device, rank0.device_name)
     warm_up(engine)
     points, skipped = [], []
