@@ -4,7 +4,9 @@
 # PASS/FAIL lines against the issues' bars (scripts/gpu_verdicts.py) are printed and
 # appended to $OUT/verdicts.txt, and a summary comes last, with $OUT/report.md (device
 # lines, exact commands, verdicts and tables: what profiles/ asks for). The caller has installed the
-# .whl preamble and exported PYTHONPATH, e.g. (device tool, carry [".whl"]):
+# .whl preamble and exported PYTHONPATH. Once, here (.whl/ is git-ignored):
+# `bash scripts/device_wheels.sh` (nvtx, gguf and the server's stack for `serve`); then
+# each call (device tool, carry [".whl"]):
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
