@@ -10,7 +10,7 @@ import torch
 
 from llmfast.sampling_params import SamplingParams
 from llmfast.worker.sampler import Sampler, apply_penalties, seed_to_int64, seeded_exponential
-from llmfast.worker.sampling_metadata import SamplingMetadata
+from llmfast.worker.sampling_metadata import SamplingMetadata, worst_case_sampling_metadata
 from tests.helpers.sampling import metadata_from_params
 
 SP = SamplingParams
@@ -279,6 +279,31 @@ def test_all_greedy_fast_path_and_input_not_mutated(dtype):
     sample(logits, [SP(repetition_penalty=1.2, top_p=0.9, min_p=0.1, seed=1, logprobs=1)] * 3,
            output_token_ids=[[1, 2]] * 3, prompt_token_ids=[[3]] * 3)
     assert torch.equal(logits, before)
+
+
+def test_worst_case_metadata_turns_every_stage_on_consistently():
+    """The start-up memory profile samples with this metadata: every stage must run (no
+    skip flag set), and its flags must agree with its tensors, i.e. sample what the same
+    requests built from SamplingParams sample."""
+    n, vocab = 6, 64
+    md = worst_case_sampling_metadata(n, vocab, torch.device("cpu"))
+    flags = [f.name for f in dataclasses.fields(md) if f.name.startswith(("no_", "all_"))]
+    assert flags and not any(getattr(md, f) for f in flags)
+    assert md.max_num_logprobs == 20 and md.max_top_k == vocab // 2
+    params = [SamplingParams(temperature=0.0) if r % 2 == 0 else
+              SamplingParams(temperature=0.8, top_k=vocab // 2, top_p=0.9, min_p=0.01, seed=r)
+              for r in range(n)]
+    params = [dataclasses.replace(p, repetition_penalty=1.1, presence_penalty=0.1,
+                                  frequency_penalty=0.1, min_tokens=1, stop_token_ids=[0],
+                                  logprobs=20) for p in params]
+    ref = metadata_from_params(params, vocab_size=vocab,
+                               prompt_token_ids=[[r % vocab] for r in range(n)])
+    ref.seeds = md.seeds  # the same draws; the seeds' values do not matter here
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    got, want = Sampler()(logits, md), Sampler()(logits, ref)
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    assert torch.equal(got.logprobs.topk_ids, want.logprobs.topk_ids)
+    assert not (got.sampled_token_ids == 0).any()  # the pending min_tokens ban holds
 
 
 def test_forward_runs_on_meta_tensors_so_it_never_reads_device_values():

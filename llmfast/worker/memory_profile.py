@@ -1,8 +1,9 @@
-"""The forward's peak memory on CUDA, measured before the KV cache is sized.
+"""The step's peak memory on CUDA, measured before the KV cache is sized.
 
 The largest step the scheduler can produce (max_num_batched_tokens tokens over up to
-max_num_seqs requests) runs once on a throwaway KV cache; what it allocated beyond that
-cache is what the KV cache must leave free.
+max_num_seqs requests) runs once on a throwaway KV cache, followed by the sampler on
+max_num_seqs rows with every stage on (its [rows, vocab] temporaries reach gigabytes);
+what they allocated beyond that cache is what the KV cache must leave free.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import torch
 
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.models.decoder import DecoderForCausalLM
+from llmfast.worker.sampler import Sampler
+from llmfast.worker.sampling_metadata import worst_case_sampling_metadata
 
 
-def profile_peak_memory(model: DecoderForCausalLM, max_num_tokens: int, max_num_reqs: int,
-                        block_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Run the largest forward once on a throwaway cache; return peak bytes in use."""
+def profile_peak_memory(model: DecoderForCausalLM, sampler: Sampler, max_num_tokens: int,
+                        max_num_reqs: int, block_size: int, dtype: torch.dtype,
+                        device: torch.device) -> int:
+    """Run the largest forward and sampling once on a throwaway cache; return peak bytes
+    in use."""
     cfg = model.rank_config  # this rank's KV heads
     num_tokens = max_num_tokens
     num_reqs = min(max_num_reqs, num_tokens)
@@ -44,7 +49,11 @@ def profile_peak_memory(model: DecoderForCausalLM, max_num_tokens: int, max_num_
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     with torch.inference_mode():
         hidden = model(ids, torch.tensor(positions, device=device), md)
-        model.compute_logits(hidden[: max_num_reqs])
+        logits = model.compute_logits(hidden[: max_num_reqs])  # [rows, vocab_size]
+        del hidden
+        rows = logits.shape[0]
+        sampler(logits, worst_case_sampling_metadata(rows, logits.shape[-1], device))
+        del logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - sum(
         2 * k.numel() * k.element_size() for k, _ in scratch)

@@ -64,6 +64,10 @@ class ModelRunner:
         # This rank's place in tensor parallelism (one rank: no communication).
         self.tp_group = tp_group or TensorParallelGroup.single()
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches, CUDA events and streams use the *current* device: with
+            # --device cuda:1 they would otherwise go to cuda:0 (TP ranks set it too).
+            torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         self.eos_token_ids = eos_token_ids
         sched = config.scheduler
@@ -134,8 +138,9 @@ class ModelRunner:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
             t0 = time.perf_counter()
-            peak = profile_peak_memory(self.model, self.max_num_tokens, self.max_num_reqs,
-                                       self.block_size, self.dtype, self.device)
+            peak = profile_peak_memory(self.model, self.sampler, self.max_num_tokens,
+                                       self.max_num_reqs, self.block_size, self.dtype,
+                                       self.device)
             self.startup_times["profile"] = time.perf_counter() - t0
             graph_bytes = self._compile_and_capture(progress)
             captured = True

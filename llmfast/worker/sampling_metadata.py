@@ -176,3 +176,36 @@ def _pad_lists(rows: list[list[int]], pad: int, staging: StagingBuffer) -> torch
 
 
 __all__ = ["SamplingMetadata", "SamplingStaging", "build_sampling_metadata"]
+
+
+def worst_case_sampling_metadata(n: int, vocab_size: int, device: torch.device,
+                                 max_num_logprobs: int = 20) -> SamplingMetadata:
+    """Metadata for `n` rows with every sampler stage on, for the start-up memory profile:
+    the sampler's largest temporaries are `[n, vocab_size]` tensors (the float32 logits,
+    penalty counts, the sort's values and int64 indices, the seeded draw's int64 hashes),
+    gigabytes at n = 512 and a 128k vocabulary, and the KV cache must leave them room.
+
+    Rows alternate greedy / random (both paths and their merge run), random rows use
+    top-k, top-p, min-p and a seed, every row has penalties, a pending min_tokens ban and
+    wants `max_num_logprobs` logprobs (20 is SamplingParams' most)."""
+    rows = torch.arange(n, device=device)
+    greedy = rows % 2 == 0
+
+    def f32(value: float) -> torch.Tensor:
+        return torch.full((n,), value, dtype=torch.float32, device=device)
+
+    pad = torch.full((n, 1), vocab_size, dtype=torch.int64, device=device)
+    return SamplingMetadata(
+        temperature=torch.where(greedy, 0.0, 0.8).float(),
+        top_k=torch.where(greedy, 0, max(1, vocab_size // 2)).to(torch.int32),
+        top_p=torch.where(greedy, 1.0, 0.9).float(),
+        min_p=torch.where(greedy, 0.0, 0.01).float(),
+        repetition_penalty=f32(1.1), presence_penalty=f32(0.1), frequency_penalty=f32(0.1),
+        seeds=rows.to(torch.int64), has_seed=~greedy, step=torch.zeros_like(rows),
+        min_tokens=torch.ones_like(rows),
+        prompt_token_ids=rows[:, None] % vocab_size, output_token_ids=pad,
+        stop_token_ids=torch.zeros((n, 1), dtype=torch.int64, device=device),
+        all_greedy=False, all_random=False, no_penalties=False, no_top_k=False,
+        no_top_p=False, no_min_p=False, no_min_tokens=False, no_seeds=False,
+        max_top_k=max(1, vocab_size // 2), max_num_logprobs=max_num_logprobs,
+    )
