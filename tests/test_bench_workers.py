@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from llmfast.models.loader import resolve_model
+from llmfast.models.model_source import resolve_model
 from tests.helpers.cli import TINY, invoke
 from tests.helpers.weight_bytes import expected_decode_weight_bytes
 
