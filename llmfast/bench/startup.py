@@ -45,6 +45,7 @@ class StartupRun:
     compile_cache_misses: int
     cache_files: int  # files under the cache root when the process ended
     device: str = ""
+    device_facts: dict[str, Any] = field(default_factory=dict)  # rank 0's (environment.py)
     compile_summary: str = ""  # pieces, CUDA graphs of each kind, capture s and MiB
     engine_config: dict[str, Any] = field(default_factory=dict)
 
@@ -129,6 +130,7 @@ def run_child(model: str, engine_args: dict[str, Any], root: Path,
         compile_cache_misses=data["compile_cache_misses"],
         cache_files=sum(1 for p in root.rglob("*") if p.is_file()),
         device=data["device"],
+        device_facts=data["device_facts"],
         compile_summary=data.get("compile_summary", ""),
         engine_config=data["engine_config"],
     )
