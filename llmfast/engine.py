@@ -25,7 +25,7 @@ from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.engine_args import EngineArgs
 from llmfast.executor import Executor, create_executor
-from llmfast.models.loader import ModelSource
+from llmfast.models.model_source import ModelSource
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.sampling_params import SamplingParams

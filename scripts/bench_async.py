@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 
 import torch
 
 from llmfast import LLM
-from llmfast.bench import run_sweep_point, warm_up
+from llmfast.bench import environment_info, rank_device_facts, run_sweep_point, warm_up
 from llmfast.profiling.phase_timing import PhaseTimer
 
 
@@ -60,8 +59,8 @@ def main() -> None:
     engine = llm.engine
     warm_up(engine)
     device = engine.config.device
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else (
-        platform.processor() or platform.machine())
+    environment = environment_info(rank_device_facts(engine.runner_info))
+    name = environment.get("gpu") or environment["cpu"]
     print(f"# async scheduling vs synchronous loop: {args.model}, {device} ({name}), "
           f"{engine.config.dtype}, torch {torch.__version__}, "
           f"{'eager' if engine.config.compile.enforce_eager else 'compiled'}, "
@@ -92,7 +91,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": device, "device_name": name,
-                       "torch": torch.__version__, "args": vars(args), "rows": rows}, f,
+                       "torch": torch.__version__, "environment": environment,
+                       "args": vars(args), "rows": rows}, f,
                       indent=2)
 
 

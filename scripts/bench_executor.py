@@ -19,14 +19,13 @@ import datetime
 import json
 import multiprocessing
 import os
-import platform
 import statistics
 import time
 
 import torch
 
 from llmfast import LLM
-from llmfast.bench import run_sweep_point, warm_up
+from llmfast.bench import environment_info, rank_device_facts, run_sweep_point, warm_up
 from llmfast.bench.stats import median_call_ms
 
 
@@ -104,8 +103,9 @@ def main() -> None:
     reduce_ms = (all_reduce_ms(2, [(s, hidden) for s in sizes]) if args.device == "cpu"
                  else {(s, hidden): float("nan") for s in sizes})
     device = llms[configs[0]].engine.config.device
-    name = (torch.cuda.get_device_name() if device.startswith("cuda")
-            else platform.processor() or platform.machine())
+    # Rank 0's GPU as it reported it (the workers may see GPUs this process does not).
+    environment = environment_info(rank_device_facts(llms[configs[0]].engine.runner_info))
+    name = environment.get("gpu") or environment["cpu"]
     print(f"\n# executor overhead: {args.model}, {device} ({name}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} torch threads in this process), "
           f"{llms[configs[0]].engine.config.dtype}, torch {torch.__version__}, context {args.context}, {args.steps} timed "
@@ -130,8 +130,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": device, "device_name": name,
-                   "torch": torch.__version__, "args": vars(args),
-                       "rows": rows}, f, indent=2)
+                       "torch": torch.__version__, "environment": environment,
+                       "args": vars(args), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

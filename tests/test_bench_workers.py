@@ -2,7 +2,8 @@
 rank and two): every mode runs. The sweep's weight bytes are each rank's shards, equal
 to the in-process engine's figure split as tensor parallelism splits it (and to a count
 from the config alone); the HF baseline of a random preset computes what the workers
-compute; start-up figures and compile stats come from rank 0. Ray: tests/test_executor_ray.py."""
+compute; start-up figures, compile stats and the environment's GPU facts come from rank 0.
+Ray: tests/test_executor_ray.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import json
 
 import pytest
 
-from llmfast.models.loader import resolve_model
+from llmfast.bench.environment import cpu_name, rank_device_facts
+from llmfast.models.model_source import resolve_model
 from tests.helpers.cli import TINY, invoke
 from tests.helpers.weight_bytes import expected_decode_weight_bytes
 
@@ -23,15 +25,24 @@ def workers(tp: int) -> list[str]:
     return ["-tp", str(tp), "--distributed-executor-backend", "mp"]
 
 
-def _sweep(tmp_path, *args: str) -> dict:
+def _sweep_report(tmp_path, *args: str) -> dict:
     out = tmp_path / f"sweep-{len(args)}.json"
     result = invoke("bench", *TINY, *SWEEP, *args, "--json", str(out))
     assert result.exit_code == 0, result.output
     assert "decode sweep" in result.stdout
-    run = json.loads(out.read_text())["runs"]["default"]
+    report = json.loads(out.read_text())
+    run = report["runs"]["default"]
     assert [p["batch_size"] for p in run["sweep"]] == [1, 2] and run["sweep_skipped"] == []
     assert all(p["all_decode"] for p in run["sweep"])
+    # The environment's device facts are the ones rank 0 reported.
+    assert {k: report["environment"][k] for k in run["device_facts"]} == run["device_facts"]
+    return report
+
+
+def _sweep(tmp_path, *args: str) -> dict:
+    run = _sweep_report(tmp_path, *args)["runs"]["default"]
     assert run["bandwidth"] is None  # CPU
+    assert run["device_facts"] == {"device": "cpu"}
     return run
 
 
@@ -65,6 +76,43 @@ def test_sweep_in_workers_reports_each_rank_s_weight_bytes(uni_run, tmp_path, tp
     assert ("tensor-parallel ranks" in run["weight_bytes_note"]) == (tp > 1)
 
 
+# What a rank on an H100 reports (torch.cuda.get_device_properties there): emulates
+# workers on a GPU this process cannot see, e.g. a remote Ray cluster driven from a
+# host without one.
+REMOTE_H100 = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3",
+               "device_memory_bytes": 85_045_231_616, "cuda_version": "12.8"}
+
+
+def test_bench_environment_takes_the_gpu_from_rank_0_and_the_host_from_here(tmp_path,
+                                                                             monkeypatch):
+    """One `mp` rank whose RunnerInfo names a GPU this process does not have (there is
+    no CUDA here, so querying it here would fail): the report's GPU facts are that
+    rank's, the CPU and versions this process's."""
+    import platform
+    from dataclasses import replace
+
+    import torch
+
+    from llmfast.executor.base import DistributedExecutor
+
+    assert not torch.cuda.is_available()
+    reported = DistributedExecutor.runner_infos.fget
+    monkeypatch.setattr(DistributedExecutor, "runner_infos", property(
+        lambda self: tuple(replace(info, **REMOTE_H100) for info in reported(self))))
+    report = _sweep_report(tmp_path, *workers(1))
+    env, run = report["environment"], report["runs"]["default"]
+    assert run["device_facts"] == {"device": "cuda:0", "gpu": "NVIDIA H100 80GB HBM3",
+                                   "gpu_memory_gib": 79.2, "cuda": "12.8"}
+    assert env["gpu"] == "NVIDIA H100 80GB HBM3" and env["gpu_memory_gib"] == 79.2
+    assert env["device"] == "cuda:0" and env["cuda"] == "12.8"
+    assert env["torch"] == torch.__version__ and env["cpu"] == cpu_name()
+    assert env["python"] == platform.python_version()
+    # The sweep's HBM peak follows the same rank; its copy bandwidth cannot be measured here.
+    assert run["bandwidth"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert run["bandwidth"]["peak_bytes_per_s"] == 3.35e12
+    assert run["bandwidth"]["measured_copy_bytes_per_s"] is None
+
+
 @pytest.fixture(scope="module")
 def mp_llm():
     from llmfast import LLM
@@ -86,9 +134,11 @@ def test_runner_infos_and_the_hf_baseline_model_in_workers(mp_llm):
     engine = mp_llm.engine
     assert engine.executor.local_runner is None
     infos = engine.runner_infos
-    assert [(i.rank, i.world_size, i.device, i.device_name) for i in infos] == [
-        (0, 2, "cpu", "cpu"), (1, 2, "cpu", "cpu")]
+    assert [(i.rank, i.world_size, i.device, i.device_name, i.device_memory_bytes,
+             i.cuda_version) for i in infos] == [
+        (0, 2, "cpu", "cpu", None, None), (1, 2, "cpu", "cpu", None, None)]
     assert engine.runner_info == infos[0]
+    assert rank_device_facts(engine.runner_info) == {"device": "cpu"}
     assert all(i.compile_stats is None for i in infos)  # eager on CPU
     prompts = [[5, 9, 3, 7, 11], [40, 2, 99]]
     got = mp_llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -129,6 +179,7 @@ def test_startup_child_reads_rank_0_through_the_executor(tmp_path):
     assert {"join_group", "load", "kv_cache"} <= set(report["stages"])
     assert report["engine_s"] >= sum(report["stages"].values())
     assert report["compile_summary"] == "" and report["compile_cache_misses"] == 0
+    assert report["device_facts"] == {"device": "cpu"}  # rank 0's, from its worker
 
 
 def test_profile_in_workers_says_what_it_cannot_time(tmp_path):
@@ -137,6 +188,7 @@ def test_profile_in_workers_says_what_it_cannot_time(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["executor"]["backend"] == "mp" and summary["executor"]["world_size"] == 2
+    assert summary["environment"]["device"] == "cpu" and "gpu" not in summary["environment"]
     assert "forward" in summary["executor"]["note"]
     assert {"schedule", "wait_output", "update"} <= set(summary["phases"])
     assert not any(name.startswith("forward") for name in summary["phases"])  # in the workers

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmfast.models.loader import LoadError, build_model, resolve_model
+from llmfast.models.load_error import LoadError
+from llmfast.models.loader import build_model
+from llmfast.models.model_source import resolve_model
 from llmfast.models.validate import check_weights_fit
 from tests.helpers.checkpoints import make_hf_checkpoint
 

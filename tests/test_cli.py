@@ -101,6 +101,8 @@ def test_bench_sweep_writes_json_and_png(tmp_path):
     for key in ("torch", "transformers", "llmfast", "device", "cpu", "python"):
         assert env[key], key
     run = report["runs"]["default"]
+    assert run["device_facts"] == {"device": "cpu"}  # rank 0's, in this process here
+    assert env["device"] == "cpu" and "gpu" not in env
     assert {"load", "kv_cache"} <= set(run["startup"])
     assert run["engine_config"]["device"] == "cpu"
     assert [p["batch_size"] for p in run["sweep"]] == [1, 2, 4, 8]
@@ -122,7 +124,7 @@ def test_bench_sweep_writes_json_and_png(tmp_path):
 
 STARTUP_RUN_KEYS = {"stages", "import_s", "engine_s", "first_step_s", "time_to_first_token_s",
                     "process_s", "compile_cache_hits", "compile_cache_misses", "cache_files",
-                    "device", "compile_summary", "engine_config"}
+                    "device", "device_facts", "compile_summary", "engine_config"}
 
 
 def _check_startup_report(result, out_json) -> dict:
@@ -132,13 +134,14 @@ def _check_startup_report(result, out_json) -> dict:
     assert set(report) == {"llmfast_bench_version", "timestamp", "config", "environment",
                            "runs", "startup"}
     assert report["config"]["mode"] == "startup" and report["runs"] == {}
+    assert report["environment"]["device"] == "cpu" and "gpu" not in report["environment"]
     startup = report["startup"]
     assert set(startup) == {"model", "engine_args", "cache_root", "cold", "warm"}
     for which in ("cold", "warm"):
         run = startup[which]
         assert set(run) == STARTUP_RUN_KEYS, which
         assert {"load", "kv_cache"} <= set(run["stages"])
-        assert run["device"] == "cpu"
+        assert run["device"] == "cpu" and run["device_facts"] == {"device": "cpu"}
         # Spawn -> first token covers the imports, the engine and the first step.
         assert run["time_to_first_token_s"] >= run["import_s"] + run["engine_s"]
         assert run["process_s"] >= run["time_to_first_token_s"]
@@ -184,6 +187,7 @@ def test_bench_throughput_with_hf_baseline(tmp_path):
     assert "total tokens/s" in result.stdout
     run = json.loads(out_json.read_text())["runs"]["default"]
     assert run["hf_batch_size"] == 2 and "hf_batch_probes" not in run  # given, not probed
+    assert run["device_facts"] == run["baseline_hf_device_facts"] == {"device": "cpu"}
     assert run["total_speedup_vs_hf"] == pytest.approx(
         run["throughput"]["total_tokens_per_s"] / run["baseline_hf"]["total_tokens_per_s"])
     assert run["throughput"]["output_tokens"] == run["baseline_hf"]["output_tokens"]

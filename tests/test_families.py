@@ -10,7 +10,9 @@ import pytest
 
 from llmfast.config import ConfigError
 from llmfast.models.families import hf_dict_from_model_config, model_config_from_hf
-from llmfast.models.loader import RANDOM_PRESETS, LoadError, resolve_model
+from llmfast.models.load_error import LoadError
+from llmfast.models.model_source import resolve_model
+from llmfast.models.random_presets import RANDOM_PRESETS
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.test_model import _check_prefill_then_decode
 
@@ -173,7 +175,8 @@ def test_random_weights_map_to_the_hf_family(architecture):
 
     from llmfast.bench.hf import hf_model_from_llmfast
     from llmfast.models.families import family_config
-    from llmfast.models.loader import ModelSource, build_model
+    from llmfast.models.loader import build_model
+    from llmfast.models.model_source import ModelSource
     from tests.helpers.paged import PagedSequences
 
     config = family_config(

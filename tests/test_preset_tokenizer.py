@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 from llmfast.cli.main import app
 from llmfast.models.default_model import DEFAULT_MODEL_NAME, cached_default_model
 from llmfast.models.formats.gguf import CONVERSION_VERSION, MARKER_NAME
-from llmfast.models.loader import RANDOM_PRESETS, resolve_model
+from llmfast.models.model_source import resolve_model
 from llmfast.models.preset_tokenizer import BYTE_TOKENIZER_NAME, preset_tokenizer
+from llmfast.models.random_presets import RANDOM_PRESETS
 from tests.helpers.chat_model import save_tiny_tokenizer
 
 TEXT = "Grüße, 世界! <|im_start|> tabs\tand\nnewlines"

@@ -13,7 +13,7 @@ read by `llmfast.utils.flag_values.parse_sizes`. The HF transformers
 baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported here.
 """
 
-from llmfast.bench.environment import environment_info
+from llmfast.bench.environment import environment_info, local_device_facts, rank_device_facts
 from llmfast.bench.latency import (
     LatencyResult,
     check_request_rate,
@@ -57,9 +57,11 @@ __all__ = [
     "check_fits",
     "check_request_rate",
     "environment_info",
+    "local_device_facts",
     "poisson_arrivals",
     "random_lengths",
     "random_requests",
+    "rank_device_facts",
     "request_latencies",
     "run_latency",
     "run_sweep",

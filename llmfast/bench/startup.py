@@ -45,6 +45,7 @@ class StartupRun:
     compile_cache_misses: int
     cache_files: int  # files under the cache root when the process ended
     device: str = ""
+    device_facts: dict[str, Any] = field(default_factory=dict)  # rank 0's (environment.py)
     compile_summary: str = ""  # pieces, CUDA graphs of each kind, capture s and MiB
     engine_config: dict[str, Any] = field(default_factory=dict)
 
@@ -70,7 +71,7 @@ def cache_env(root: Path) -> dict[str, str]:
 def resolved_model(spec: str | None) -> str:
     """What the children load: a random preset as is, anything else as its local
     directory (fetched or converted now, into the user's cache)."""
-    from llmfast.models.loader import resolve_model
+    from llmfast.models.model_source import resolve_model
 
     source = resolve_model(spec)
     return source.spec if source.is_random else str(source.path)
@@ -129,6 +130,7 @@ def run_child(model: str, engine_args: dict[str, Any], root: Path,
         compile_cache_misses=data["compile_cache_misses"],
         cache_files=sum(1 for p in root.rglob("*") if p.is_file()),
         device=data["device"],
+        device_facts=data["device_facts"],
         compile_summary=data.get("compile_summary", ""),
         engine_config=data["engine_config"],
     )

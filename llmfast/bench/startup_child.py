@@ -32,7 +32,10 @@ def main(argv: list[str]) -> None:
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     first_step_s = time.perf_counter() - t1
     first_token = time.time()
-    stats = engine.runner_info.compile_stats  # rank 0's with workers; None: eager
+    from llmfast.bench.environment import rank_device_facts
+
+    info = engine.runner_info  # rank 0's, wherever it runs
+    stats = info.compile_stats  # None: eager
     out.write_text(json.dumps({
         "stages": dict(engine.startup_times),
         "ready_epoch": ready,
@@ -44,6 +47,7 @@ def main(argv: list[str]) -> None:
         # Graphs of each kind, capture time and memory (empty in eager mode).
         "compile_summary": stats.summary() if stats else "",
         "device": engine.config.device,
+        "device_facts": rank_device_facts(info),
         "engine_config": dataclasses.asdict(engine.config),
     }, default=str))
 

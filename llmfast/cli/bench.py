@@ -232,10 +232,14 @@ def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:
 
 
 def _start(opts: EngineOptions, name: str, overrides: dict[str, Any], err: Console):
+    from llmfast.bench import rank_device_facts
+
     llm = load_llm(opts, err, **overrides)
     engine = llm.engine
     run = {"exec_mode": name, "model": engine.source.name,
            "engine_config": dataclasses.asdict(engine.config),
+           # GPU name and memory as rank 0 measured them, wherever it runs.
+           "device_facts": rank_device_facts(engine.runner_info),
            "startup": dict(engine.startup_times)}
     stats = engine.runner_info.compile_stats  # rank 0's, wherever it runs; None: eager
     if stats is not None:
@@ -270,7 +274,7 @@ def _weight_bytes_note(world_size: int) -> str:
 
 
 def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size, err) -> None:
-    from llmfast.bench import run_throughput
+    from llmfast.bench import local_device_facts, run_throughput
 
     with count_progress("throughput (llmfast)", err) as progress:
         run["throughput"] = dataclasses.asdict(run_throughput(llm.engine, requests, progress))
@@ -284,6 +288,8 @@ def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size,
 
         with count_progress("loading HF model", err):
             model = load_hf_model(llm.engine)
+        # HF generate runs here, not where the engine's ranks run: this process's device.
+        run["baseline_hf_device_facts"] = local_device_facts(str(model.device))
         if hf_batch_size is None and llm.engine.config.device.startswith("cuda"):
             with count_progress("HF generate: probing batch sizes", err) as progress:
                 hf_batch_size, probes = tune_hf_batch_size(
@@ -309,19 +315,20 @@ def _release(llm) -> None:
 
 def bench_report(config: dict, runs: dict, startup: dict | None = None) -> dict:
     """The JSON document: config, environment, one entry per run and, with --startup,
-    `startup` = {model, engine_args, cache_root, cold: {...}, warm: {...}}."""
+    `startup` = {model, engine_args, cache_root, cold: {...}, warm: {...}}. The
+    environment's device facts are rank 0's of the first run (or of the cold start-up)."""
     from llmfast.bench import environment_info
 
     if runs:
-        device = next(iter(runs.values()))["engine_config"]["device"]
+        device_facts = next(iter(runs.values()))["device_facts"]
     else:
         assert startup is not None
-        device = startup["cold"]["device"]
+        device_facts = startup["cold"]["device_facts"]
     report = {
         "llmfast_bench_version": 1,
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "config": config,
-        "environment": environment_info(device),
+        "environment": environment_info(device_facts),
         "runs": runs,
     }
     if startup is not None:

@@ -107,7 +107,7 @@ def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int,
                         out_dir: Path, kind: str, con: Console, err: Console) -> None:
     import dataclasses
 
-    from llmfast.bench import environment_info, warm_up
+    from llmfast.bench import environment_info, rank_device_facts, warm_up
     from llmfast.bench.profile_run import run_decode_workload, timed_workload, torch_profile
     from llmfast.profiling.phase_timing import phases_markdown
 
@@ -124,7 +124,8 @@ def _profile_in_process(opts: EngineOptions, sizes: tuple[int, ...], steps: int,
         return points
 
     summary = {"sizes": sizes, "steps": steps, "context": context, "tracer": kind,
-               "model": engine.source.name, "environment": environment_info(engine.config.device),
+               "model": engine.source.name,
+               "environment": environment_info(rank_device_facts(engine.runner_info)),
                "startup": dict(engine.startup_times)}
     if kind == "torch":
         with err.status("profiling with the torch profiler ..."):

@@ -32,7 +32,8 @@ from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind
 from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.workspaces import AttentionWorkspaces
-from llmfast.models.loader import ModelSource, build_model
+from llmfast.models.loader import build_model
+from llmfast.models.model_source import ModelSource
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.utils.progress import Progress
 from llmfast.worker.graph_capture import CaptureInputs, compile_and_capture
