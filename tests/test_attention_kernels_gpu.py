@@ -238,6 +238,39 @@ def test_prefill_tuned_once_and_read_back(tmp_path, monkeypatch):
         attention._device_tile_table.cache_clear()
 
 
+def test_engine_tunes_its_prefill_classes_at_startup_once(tmp_path, monkeypatch):
+    """Start-up tunes both classes a model launches (so no request waits for tuning);
+    the next start reads them back and tunes nothing."""
+    from llmfast import LLM
+    from llmfast.kernels.tuning import prefill_tuning
+    from llmfast.kernels.tuning.prefill_tuning import PrefillTiles
+
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    monkeypatch.setenv("LLMFAST_ATTENTION_TUNING", "auto")
+    monkeypatch.setattr(prefill_tuning, "SHIPPED_DIR", tmp_path / "none")
+    monkeypatch.setattr(prefill_tuning, "CANDIDATES", (
+        PrefillTiles(128, 64, 4, 3), PrefillTiles(64, 64, 4, 3)))
+    kwargs = dict(device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                  enforce_eager=True, gpu_memory_utilization=0.2)
+    attention._device_tile_table.cache_clear()
+    try:
+        llm = LLM("random:tiny", **kwargs)
+        assert "tune" in llm.engine.runner.startup_times
+        cfg = llm.engine.runner.model.rank_config
+        path = prefill_tuning.tuned_table_path(torch.cuda.get_device_name(0))
+        tuned = set(json.loads(path.read_text())["tiles"])
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        assert tuned == {f"hd{cfg.head_dim}-g{group}-bfloat16-{kind}"
+                         for kind in ("causal", "mixed")}
+        del llm
+        attention._device_tile_table.cache_clear()  # "the next start"
+        llm = LLM("random:tiny", **kwargs)
+        assert "tune" not in llm.engine.runner.startup_times
+        assert attention._device_tile_table(torch.device("cuda", 0)).tunings == 0
+    finally:
+        attention._device_tile_table.cache_clear()
+
+
 def test_cached_launch_matches_jit_launch_bitwise():
     b = batch(decodes(3, 2048, random.Random(6)), pad_tokens=1)
     k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()

@@ -28,7 +28,7 @@ from typing import Any
 from llmfast.bench.workload import BenchError
 
 # The runner's stages, in start-up order (ModelRunner.startup_times' keys).
-STARTUP_STAGES = ("load", "profile", "compile", "capture", "kv_cache")
+STARTUP_STAGES = ("load", "tune", "profile", "compile", "capture", "kv_cache")
 
 
 @dataclass

@@ -128,6 +128,7 @@ def latency_table(result: dict) -> Table:
 
 
 STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load weights"),
+                ("tune", "tune prefill tiles (once per GPU)"),
                 ("profile", "profile memory"), ("compile", "compile"),
                 ("capture", "capture CUDA graphs"), ("kv_cache", "allocate KV cache"))
 

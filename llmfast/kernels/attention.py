@@ -22,12 +22,13 @@ from llmfast.kernels.tuning.prefill_tuning import (
     PrefillTileTable,
     ShapeClass,
     shape_class,
+    tuning_mode,
 )
 from llmfast.kernels.tuning.split_table import SplitTable, split_table_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 
-__all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "tune_prefill_tiles",
-           "unified_attention"]
+__all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "tune_model_prefill_tiles",
+           "tune_prefill_tiles", "unified_attention"]
 
 _LOG2E = 1.4426950408889634
 
@@ -78,6 +79,25 @@ def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles |
                 and q.shape[2] <= 128 and not torch.cuda.is_current_stream_capturing())
     return _device_tile_table(q.device).tiles_for(
         cls, may_tune, _tile_timer(q.device, cls))
+
+
+def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
+                             dtype: torch.dtype) -> int:
+    """At start-up: tune the two prefill shape classes a model launches (one request:
+    causal; several: mixed) when no table knows them and tuning is allowed, so that no
+    request waits ~20-30 s for it and the start-up memory profile's forward (a large
+    mixed batch) does not tune inside itself. Returns how many classes were tuned."""
+    if (device.type != "cuda" or tuning_mode() == "off" or dtype == torch.float32
+            or head_dim > 128):  # the classes `_prefill_tiles` never tunes
+        return 0
+    if device.index is None:  # the table launches look up is keyed by q.device: cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
+    table = _device_tile_table(device)
+    before = table.tunings
+    for num_reqs in (1, 2):
+        cls = shape_class(num_reqs, head_dim, group, dtype)
+        table.tiles_for(cls, True, _tile_timer(device, cls))
+    return table.tunings - before
 
 
 def tune_prefill_tiles(device: torch.device, cls: ShapeClass, force: bool = False

@@ -30,6 +30,7 @@ from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind
+from llmfast.kernels.attention import tune_model_prefill_tiles
 from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.loader import build_model
@@ -126,9 +127,10 @@ class ModelRunner:
         """Size and allocate the KV cache, compiling (and on CUDA capturing graphs) on the
         way; returns the number of blocks.
 
-        Order on CUDA: profile the largest forward on a scratch cache -> compile and
-        capture on that scratch cache (the piecewise graphs never touch the KV cache, so
-        rebinding it later needs no recapture) -> size the KV cache from what is left
+        Order on CUDA: tune the prefill attention tiles no table knows yet -> profile
+        the largest step on a scratch cache -> compile and capture on that scratch cache
+        (the piecewise graphs never touch the KV cache, so rebinding it later needs no
+        recapture) -> size the KV cache from what is left
         (graph memory of both kinds known) -> capture the full graphs again on the real
         cache (they read it; the dropped ones' pool memory is reused).
         """
@@ -138,6 +140,10 @@ class ModelRunner:
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
+            t0 = time.perf_counter()
+            group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
+            if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype):
+                self.startup_times["tune"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             peak = profile_peak_memory(self.model, self.sampler, self.max_num_tokens,
                                        self.max_num_reqs, self.block_size, self.dtype,
