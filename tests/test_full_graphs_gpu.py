@@ -1,5 +1,6 @@
 """Full CUDA graphs on a real GPU: greedy tokens identical in every CUDA-graph mode and
-equal to HF transformers (fp32, same weights) for 64 decode steps at batch 1, 3, 17 and
+equal to HF transformers (fp32, same weights; a sequence may part only at a near-tie,
+see TIE_GAP) for 64 decode steps at batch 1, 3, 17 and
 256 with mixed context lengths, requests finishing and joining between replays and
 contexts crossing KV-block boundaries; seeded sampling identical in every mode; the
 default sizes of both kinds capture on the 1B shape. Run with `pytest -m gpu`.
@@ -88,6 +89,37 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+# Two float32 runs that sum in different orders (Inductor's fused kernels vs eager, our
+# Triton attention vs HF's SDPA, a padded batch's other split count) differ by ~1e-6 in
+# the logits, so where a step's two best tokens are closer than that, greedy may pick
+# either, and the sequences are not comparable after it. Over ~20k compared tokens that
+# can happen. A divergence therefore passes only where the reference's top-2 logits are
+# within TIE_GAP at that step; a real bug (a wrong KV read, a stale input) moves logits
+# by far more.
+TIE_GAP = 1e-4
+
+
+def _top2_gap(hf, ids: list[int]) -> float:
+    with torch.inference_mode():
+        top = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def _same_or_near_tie(hf, prompt: list[int], got: list[int], want: list[int],
+                      what: str) -> bool:
+    """True when `got` == `want`; False when they part at a near-tie (see TIE_GAP);
+    else an assertion error naming the step and the gap."""
+    if got == want:
+        return True
+    assert len(got) == len(want), f"{what}: {len(got)} tokens, expected {len(want)}"
+    j = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    gap = _top2_gap(hf, prompt + want[:j])
+    assert gap < TIE_GAP, (f"{what}: token {j} is {got[j]}, expected {want[j]}; the top-2 "
+                           f"logits there are {gap:.2e} apart, not a near-tie")
+    print(f"\n{what}: parted at token {j}, a near-tie (top-2 logits {gap:.1e} apart)")
+    return False
+
+
 def test_capture_counts_per_mode(engines):
     for mode, engine in engines.items():
         stats = engine.runner.compiled.stats
@@ -108,12 +140,19 @@ def test_greedy_tokens_identical_in_every_mode_and_equal_hf(ckpt, engines, batch
         results[mode] = _run(engine, prompts, params, arrivals)
         if full is not None:
             assert full.num_replays > before, f"{mode}: no full-graph step at batch {batch}"
-    for mode in MODES[1:]:
-        assert results[mode] == results["none"], f"{mode} differs from none at batch {batch}"
     hf = load_hf_model(ckpt).cuda()
+    ties = 0
+    for mode in MODES[1:]:
+        for i in range(batch):
+            ties += not _same_or_near_tie(hf, prompts[i], results[mode][i], results["none"][i],
+                                          f"{mode} vs none, batch {batch}, request {i}")
     checked = range(batch) if batch <= 17 else range(0, batch, batch // 16)
     for i in checked:
-        assert results["none"][i] == _hf_greedy(hf, prompts[i], lengths[i]), i
+        ties += not _same_or_near_tie(hf, prompts[i], results["none"][i],
+                                      _hf_greedy(hf, prompts[i], lengths[i]),
+                                      f"none vs HF, batch {batch}, request {i}")
+    # Near-ties are rare: most sequences must match exactly.
+    assert ties <= max(1, batch // 16), f"{ties} sequences parted at near-ties"
 
 
 def test_seeded_sampling_identical_in_every_mode(engines):
