@@ -1,12 +1,14 @@
 """The executor's cost per step: the engine's decode step time (median of `engine.step()`,
-synchronous loop) with the model in this process (`uni`) against worker processes (`mp`
-with 1 and 2 tensor-parallel ranks; `ray` on request), per batch size, side by side in one
-run; and the gloo all-reduce that tensor parallelism adds to every layer, timed alone.
+in the synchronous loop and in the pipelined one, `--loops`) with the model in this
+process (`uni`) against worker processes (`mp` with 1 and 2 tensor-parallel ranks; `ray`
+on request), per batch size, side by side in one run; and the gloo all-reduce that
+tensor parallelism adds to every layer, timed alone.
 
 `mp` TP=1 runs the same model with the same threads as `uni` in one worker process:
 their difference is the executor's inter-process overhead per step (one pickled step
-written to each worker, one COLLECT, rank 0's tokens back). The engines are all started
-first and measured in turn, `--repeats` rounds, so each sees the same machine state.
+written to each worker, which also asks for the oldest step's tokens, and rank 0's tokens
+back). The engines are all started first and measured in turn, `--repeats` rounds, so
+each sees the same machine state.
 
     PYTHONPATH=$PWD python scripts/bench_executor.py --model random:tiny --threads 1
     PYTHONPATH=$PWD python scripts/bench_executor.py --model random:smollm2-135m
@@ -72,6 +74,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--loops", default="sync,async",
+                    help="engine loops to time, comma-separated: sync, async (pipelined)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of this process; worker ranks split them")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -79,6 +83,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
+    loops = args.loops.split(",")
+    if not set(loops) <= {"sync", "async"}:
+        ap.error(f"--loops takes sync and async, not {args.loops!r}")
     configs = [(b, int(tp)) for b, tp in (c.split(":") for c in args.configs.split(","))]
     llms = {}
     for backend, tp in configs:
@@ -90,13 +97,15 @@ def main() -> None:
                                 async_scheduling=False)
         print(f"# started {backend} TP={tp} in {time.perf_counter() - t0:.1f} s", flush=True)
         warm_up(llms[backend, tp].engine)
-    step_ms: dict[tuple, list[float]] = {(c, s): [] for c in configs for s in sizes}
+    rows_keys = [(loop, s) for loop in loops for s in sizes]
+    step_ms: dict[tuple, list[float]] = {(c, k): [] for c in configs for k in rows_keys}
     for rep in range(args.repeats):
-        for size in sizes:
+        for loop, size in rows_keys:
             for config in configs:
-                point = run_sweep_point(llms[config].engine, size, args.context, args.steps,
-                                        seed=rep)
-                step_ms[config, size] += [t * 1e3 for t in point.step_latencies_s]
+                engine = llms[config].engine
+                engine.set_async_scheduling(loop == "async")
+                point = run_sweep_point(engine, size, args.context, args.steps, seed=rep)
+                step_ms[config, (loop, size)] += [t * 1e3 for t in point.step_latencies_s]
     model_config = llms[configs[0]].engine.config.model
     hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
     # The CPU (gloo) all-reduce; on CUDA the NCCL one runs inside the TP=2 step.
@@ -111,18 +120,20 @@ def main() -> None:
           f"{llms[configs[0]].engine.config.dtype}, torch {torch.__version__}, context {args.context}, {args.steps} timed "
           f"decode steps x {args.repeats} rounds, {datetime.date.today()}")
     head = " | ".join(f"{b} TP={tp} ms/step" for b, tp in configs)
-    print(f"| batch | {head} | mp TP=1 - uni (IPC) ms | all-reduce [batch, {hidden}] ms "
+    print(f"| loop | batch | {head} | mp TP=1 - uni (IPC) ms | all-reduce [batch, {hidden}] ms "
           f"| x {2 * layers} per step ms |")
-    print("|---:|" + "---:|" * (len(configs) + 3))
+    print("|---|---:|" + "---:|" * (len(configs) + 3))
     rows = []
-    for size in sizes:
-        medians = {c: statistics.median(step_ms[c, size]) for c in configs}
+    for loop, size in rows_keys:
+        medians = {c: statistics.median(step_ms[c, (loop, size)]) for c in configs}
         ipc = (medians[("mp", 1)] - medians[("uni", 1)]
                if ("mp", 1) in medians and ("uni", 1) in medians else float("nan"))
         reduce = reduce_ms[(size, hidden)]
         cells = " | ".join(f"{medians[c]:.2f}" for c in configs)
-        print(f"| {size} | {cells} | {ipc:+.3f} | {reduce:.3f} | {reduce * 2 * layers:.2f} |")
-        rows.append({"batch": size, "step_ms": {f"{b}:{tp}": m for (b, tp), m in medians.items()},
+        print(f"| {loop} | {size} | {cells} | {ipc:+.3f} | {reduce:.3f} "
+              f"| {reduce * 2 * layers:.2f} |")
+        rows.append({"loop": loop, "batch": size,
+                     "step_ms": {f"{b}:{tp}": m for (b, tp), m in medians.items()},
                      "ipc_ms": ipc, "all_reduce_ms": reduce,
                      "all_reduces_per_step": 2 * layers})
     for llm in llms.values():

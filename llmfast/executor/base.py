@@ -8,6 +8,13 @@ collected in launch order; at most one step is launched and not yet collected wh
 engine schedules the next (async scheduling), so a worker can run step N+1 before the
 engine reads step N.
 
+The engine collects right after it launches (step N in the synchronous loop, step N-1 in
+the pipelined one) and says so with `execute_async(..., then_collect=True)`: a backend
+that reaches its workers by message asks for the oldest launched step's tokens in the
+same message as the new step (one message and one wake-up per rank and step), and
+`collect` then only reads the reply. A `collect` that no launch announced (draining the
+last step in flight) asks for the tokens itself.
+
 Backends (`--distributed-executor-backend`): `uni` runs the model runner in this
 process; `mp` runs one worker process per rank on this node; `ray` one Ray actor per
 rank. A backend that loses a worker raises `WorkerDied` / `WorkerFailed` (naming the
@@ -49,9 +56,12 @@ class Executor(ABC):
         while the engine loads its tokenizer, which decides `eos_token_ids`)."""
 
     @abstractmethod
-    def execute_async(self, sched_out: SchedulerOutput) -> object | None:
+    def execute_async(self, sched_out: SchedulerOutput, then_collect: bool = False
+                      ) -> object | None:
         """Launch one step on every rank; a handle for `collect`, or None when the step
-        computes nothing (the ranks still apply its finished and preempted ids)."""
+        computes nothing (the ranks still apply its finished and preempted ids).
+        `then_collect`: the engine's next call collects the oldest launched step (this
+        one, or one launched before it); a backend may ask for its tokens now."""
 
     @abstractmethod
     def collect(self, handle: object) -> ModelRunnerOutput:
@@ -117,6 +127,8 @@ class DistributedExecutor(Executor):
     _finalizer: weakref.finalize
     # Every rank's ready message, in rank order, once `initialize` has returned.
     _ready: Sequence[WorkerReady] = ()
+    # Launched steps whose tokens no message has asked the workers for yet.
+    _unrequested: int = 0
 
     @property
     def startup_times(self) -> dict[str, float]:
@@ -153,6 +165,20 @@ class DistributedExecutor(Executor):
                 f"no answer from the workers within {self.execute_timeout_s:.0f} s; "
                 "a worker hangs"))
         return left
+
+    def _book_launch(self, launched: bool, then_collect: bool) -> bool:
+        """Count a launch (`launched`: it returned a handle); whether its message should
+        also ask for the oldest launched step's tokens (only when one awaits a request:
+        a worker asked to collect with nothing launched fails the step)."""
+        self._unrequested += launched
+        if then_collect and self._unrequested:
+            self._unrequested -= 1
+            return True
+        return False
+
+    def _book_request(self) -> None:
+        """Count a `collect` that asks the workers for the oldest step's tokens itself."""
+        self._unrequested = max(0, self._unrequested - 1)
 
     def _check_usable(self) -> None:
         if self._failure is not None:

@@ -2,8 +2,10 @@
 pipe per worker.
 
 Engine -> every worker (the same bytes to each: a step is pickled once, whatever the
-number of ranks): `(EXECUTE, SchedulerOutput)`, `(COLLECT, None)`, `(SHUTDOWN, None)`.
-The first message a worker reads is `(SPEC, WorkerSpec)`.
+number of ranks): `(EXECUTE, SchedulerOutput)`; `(EXECUTE_THEN_COLLECT, SchedulerOutput)`,
+which also asks for the oldest launched step's tokens once this step is launched (the
+engine's usual step: one message per step); `(COLLECT, None)`, the same request alone;
+`(SHUTDOWN, None)`. The first message a worker reads is `(SPEC, WorkerSpec)`.
 Worker -> engine: `(READY, WorkerReady)` once, `(OUTPUT, ModelRunnerOutput)` per
 collected step from rank 0 only, `(ERROR, WorkerError)` before a worker exits on an
 exception.
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 SPEC = "spec"
 EXECUTE = "execute"
+EXECUTE_THEN_COLLECT = "execute_then_collect"
 COLLECT = "collect"
 SHUTDOWN = "shutdown"
 READY = "ready"

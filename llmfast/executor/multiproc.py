@@ -1,13 +1,16 @@
 """`MultiprocExecutor`: one worker process per rank on this node (`--distributed-executor-
 backend mp`): torch.distributed with NCCL between GPUs (rank r on cuda:r), gloo on CPU.
 
-Each step is pickled once and the same bytes are written to every worker's socket; a
-COLLECT message (a constant) asks for the oldest launched step's tokens, which rank 0
-alone sends back. The other ranks only ever write to the engine to report an error, so
-the engine reads one reply per step and, while it waits for it, also watches every
-other worker's socket and process: a worker that dies or fails ends the wait at once
-with an error naming its rank, after the remaining workers are stopped. A step that
-takes longer than `execute_timeout_s` is a hang and ends the same way.
+Each step is pickled once and the same bytes are written to every worker's socket. The
+engine collects right after each launch, so the step's message usually also asks for the
+oldest launched step's tokens (EXECUTE_THEN_COLLECT: one message and one wake-up per
+worker and step); a plain COLLECT (a constant) asks alone when the engine collects
+without launching. Rank 0 alone sends the tokens back, oldest first. The other ranks
+only ever write to the engine to report an error, so the engine reads one reply per
+step and, while it waits for it, also watches every other worker's socket and process:
+a worker that dies or fails ends the wait at once with an error naming its rank, after
+the remaining workers are stopped. A step that takes longer than `execute_timeout_s` is
+a hang and ends the same way.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class MultiprocExecutor(DistributedExecutor):
         # Stops the workers when the executor is shut down, collected, or at exit.
         self._finalizer = weakref.finalize(self, _stop, self._workers, SHUTDOWN_GRACE_S)
         self._ready: list[WorkerReady] = []
+        # Steps whose tokens a message asked for and `collect` has not read yet.
+        self._replies_due = 0
         log_level = logging.getLogger("llmfast").getEffectiveLevel()
         for rank in range(world):
             self._workers.append(WorkerProcess(rank, log_level))
@@ -96,17 +101,26 @@ class MultiprocExecutor(DistributedExecutor):
 
     # ------------------------------------------------------------------ steps
 
-    def execute_async(self, sched_out: SchedulerOutput) -> int | None:
-        data = messages.encode(messages.EXECUTE, sched_out)  # once, for every rank
+    def execute_async(self, sched_out: SchedulerOutput, then_collect: bool = False
+                      ) -> int | None:
+        launched = bool(sched_out.total_num_scheduled_tokens)
+        if self._book_launch(launched, then_collect):
+            kind = messages.EXECUTE_THEN_COLLECT
+            self._replies_due += 1
+        else:
+            kind = messages.EXECUTE
+        data = messages.encode(kind, sched_out)  # once, for every rank
         for w in self._workers:
             self._send(w, data)
-        if not sched_out.total_num_scheduled_tokens:
-            return None
-        return sched_out.step_index
+        return sched_out.step_index if launched else None
 
     def collect(self, handle: int) -> ModelRunnerOutput:
-        for w in self._workers:
-            self._send(w, messages.COLLECT_MESSAGE)
+        if self._replies_due:
+            self._replies_due -= 1  # asked for with a launch: rank 0's reply is coming
+        else:
+            self._book_request()
+            for w in self._workers:
+                self._send(w, messages.COLLECT_MESSAGE)
         worker, kind, payload = self._next_message(
             time.monotonic() + self.execute_timeout_s)
         if kind != messages.OUTPUT or worker.rank != 0:

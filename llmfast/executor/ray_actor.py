@@ -3,8 +3,9 @@
 A plain class: `ray_executor` wraps it with `ray.remote` when the ray backend is chosen,
 so importing llmfast never imports ray. Ray runs an actor's calls one at a time in the
 order the engine made them, so `execute` of step N+1 runs before `collect` of step N
-exactly as the engine sent them. A step that fails in `execute` (whose result nobody
-waits for) is remembered and raised by the next `collect`, which the engine does wait for.
+exactly as the engine sent them (`execute_then_collect` does both in one call). A step
+that fails in `execute` (whose result nobody waits for) is remembered and raised by the
+next `collect`, which the engine does wait for.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class RayWorkerActor:
             self.worker.execute(pickle.loads(data))
         except Exception as e:  # noqa: BLE001 - raised by the next collect
             self._failure = one_line(e, max_chars=None)
+
+    def execute_then_collect(self, data: bytes) -> ModelRunnerOutput | None:
+        """Launch a step, then collect the oldest launched one (one call per step)."""
+        self.execute(data)
+        return self.collect()
 
     def collect(self) -> ModelRunnerOutput | None:
         if self._failure is not None:

@@ -4,15 +4,18 @@ the cluster at `--ray-address` or on a local one started here.
 
 Each step is pickled once; small steps travel inline with each actor call, a large one
 (prompts of new requests) is put in Ray's object store once and every actor reads it
-from there. The engine waits for every rank's `collect` (Ray reports a dead actor's
-pending call as failed), so a killed actor or a failing rank ends the wait with an error
-naming the rank; the remaining actors are killed. Ray kills an actor when the process
-that created it (the engine) exits, and a local cluster started here is shut down with
-the executor.
+from there. A launch the engine collects right after is one call per actor that also
+returns the oldest launched step's tokens (`execute_then_collect`); a separate `collect`
+call only when the engine collects without launching. The engine waits for every rank's
+`collect` (Ray reports a dead actor's pending call as failed), so a killed actor or a
+failing rank ends the wait with an error naming the rank; the remaining actors are
+killed. Ray kills an actor when the process that created it (the engine) exits, and a
+local cluster started here is shut down with the executor.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pickle
@@ -95,6 +98,9 @@ class RayExecutor(DistributedExecutor):
         self._state = _RayState()
         self._finalizer = weakref.finalize(self, self._state.release)
         self._ready: list[WorkerReady] = []
+        # Every rank's result of a call that asked for a step's tokens with its launch,
+        # oldest first, until `collect` reads it.
+        self._requested: collections.deque[list] = collections.deque()
         cuda = torch.device(config.device).type == "cuda"
         if progress:
             progress("connecting to Ray" if config.parallel.ray_address
@@ -178,19 +184,27 @@ class RayExecutor(DistributedExecutor):
 
     # ------------------------------------------------------------------ steps
 
-    def execute_async(self, sched_out: SchedulerOutput) -> int | None:
+    def execute_async(self, sched_out: SchedulerOutput, then_collect: bool = False
+                      ) -> int | None:
         self._check_usable()
         data = pickle.dumps(sched_out, protocol=pickle.HIGHEST_PROTOCOL)  # once
         arg = self._ray.put(data) if len(data) > INLINE_STEP_BYTES else data
-        for actor in self._state.actors:
-            actor.execute.remote(arg)
-        if not sched_out.total_num_scheduled_tokens:
-            return None
-        return sched_out.step_index
+        launched = bool(sched_out.total_num_scheduled_tokens)
+        if self._book_launch(launched, then_collect):
+            self._requested.append([actor.execute_then_collect.remote(arg)
+                                    for actor in self._state.actors])
+        else:
+            for actor in self._state.actors:
+                actor.execute.remote(arg)
+        return sched_out.step_index if launched else None
 
     def collect(self, handle: int) -> ModelRunnerOutput:
         self._check_usable()
-        refs = [actor.collect.remote() for actor in self._state.actors]
+        if self._requested:
+            refs = self._requested.popleft()  # asked for with a launch
+        else:
+            self._book_request()
+            refs = [actor.collect.remote() for actor in self._state.actors]
         return self._gather(refs, time.monotonic() + self.execute_timeout_s, "in a step")[0]
 
     def check_health(self) -> None:

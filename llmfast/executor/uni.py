@@ -37,7 +37,8 @@ class UniExecutor(Executor):
 
     # The runner is looked up on every call (not bound once) so that tests and profilers
     # that wrap the runner's methods see every step.
-    def execute_async(self, sched_out: SchedulerOutput) -> PendingStep | None:
+    def execute_async(self, sched_out: SchedulerOutput, then_collect: bool = False
+                      ) -> PendingStep | None:
         return self._runner.execute_async(sched_out)
 
     def collect(self, handle: PendingStep) -> ModelRunnerOutput:

@@ -1,13 +1,14 @@
 """The entry point of an `mp` worker process: `python -m llmfast.executor.worker_main FD`.
 
 FD is this end of a socket pair whose other end the engine holds. The worker reads its
-`WorkerSpec`, starts its rank, answers READY, then serves EXECUTE / COLLECT messages until
-SHUTDOWN. It never outlives the engine: the pipe's end of file (the engine's process
-closed it or died) ends the loop, and a watchdog thread exits when the parent process is
-gone while the loop is busy (a step blocked on a rank that died, say). Ctrl-C in the
-terminal reaches the whole process group: the worker ignores it and lets the engine
-decide. An exception is reported as one ERROR message (one line, plus the traceback for
---debug logs) before the worker exits with status 1.
+`WorkerSpec`, starts its rank, answers READY, then serves steps (EXECUTE,
+EXECUTE_THEN_COLLECT, COLLECT) until SHUTDOWN. It never outlives the engine: the pipe's
+end of file (the engine's process closed it or died) ends the loop, and a watchdog
+thread exits when the parent process is gone while the loop is busy (a step blocked on
+a rank that died, say). Ctrl-C in the terminal reaches the whole process group: the
+worker ignores it and lets the engine decide. An exception is reported as one ERROR
+message (one line, plus the traceback for --debug logs) before the worker exits with
+status 1.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def serve(conn: Connection) -> int:
             kind, payload = messages.decode(conn.recv_bytes())
             if kind == messages.EXECUTE:
                 worker.execute(payload)
+            elif kind == messages.EXECUTE_THEN_COLLECT:
+                worker.execute(payload)
+                _send_oldest(conn, worker)
             elif kind == messages.COLLECT:
-                out = worker.collect()
-                if out is not None:
-                    conn.send_bytes(messages.encode(messages.OUTPUT, out))
+                _send_oldest(conn, worker)
             elif kind == messages.SHUTDOWN:
                 return 0
             else:
@@ -77,6 +79,13 @@ def serve(conn: Connection) -> int:
     except Exception as e:  # noqa: BLE001
         _report(conn, spec.rank, e, "in a step")
         return 1
+
+
+def _send_oldest(conn: Connection, worker) -> None:
+    """Collect the oldest launched step; rank 0 sends its tokens, the others nothing."""
+    out = worker.collect()
+    if out is not None:
+        conn.send_bytes(messages.encode(messages.OUTPUT, out))
 
 
 def _log_level() -> int:

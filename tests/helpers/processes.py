@@ -1,6 +1,7 @@
 """Processes as /proc shows them (Linux): a process's children, whether a pid is alive,
-and the worker processes that carry a marker in their environment (inherited from the
-process that started them, so orphans reparented elsewhere are found too)."""
+the worker processes that carry a marker in their environment (inherited from the
+process that started them, so orphans reparented elsewhere are found too), and how many
+read system calls a process has made."""
 
 from __future__ import annotations
 
@@ -59,3 +60,13 @@ def wait_until_gone(pids, timeout_s: float) -> set[int]:
         time.sleep(0.1)
         alive = {p for p in alive if is_alive(p)}
     return alive
+
+
+def read_syscalls(pid: int) -> int:
+    """How many read-family system calls (read, readv, pread) the process has made so far
+    (the kernel's count, /proc/PID/io `syscr`; socket recv/recvmsg calls are not in it)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == "syscr":
+            return int(value)
+    raise RuntimeError(f"/proc/{pid}/io has no syscr line")
