@@ -224,8 +224,9 @@ class LLMEngine:
             if tracked is not None and tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
                 tracked.num_cached_tokens = new.num_computed_tokens
-        # This call collects next: the step launched by the previous call (async) or this
-        # one (sync), so the executor may ask its workers for those tokens with this step.
+        # Whether this call collects right after the launch (the previous call's step when
+        # pipelined, this one otherwise): the executor may then ask its workers for those
+        # tokens along with this step (one message per worker and step).
         then_collect = (self._in_flight is not None if self.async_scheduling
                         else bool(sched_out.total_num_scheduled_tokens))
         pending = self.executor.execute_async(sched_out, then_collect)

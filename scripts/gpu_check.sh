@@ -123,7 +123,7 @@ else
                 --request-rate 4,16,64,inf)
     PRESET_ARGS=(--max-model-len 1024 --sizes 1,64 --context 512 --modes graphs
                  --cuda-graph-sizes 1,64)
-    EXECUTOR_ARGS=(--device cuda --configs uni:1,mp:1 --sizes 1,64)
+    EXECUTOR_ARGS=(--device cuda --configs uni:1,mp:1,mp-2msg:1 --sizes 1,64)
 fi
 
 verdict() {  # step name: its PASS/FAIL lines, printed and kept in verdicts.txt
@@ -246,7 +246,8 @@ for step in $STEPS; do
                     --model "random:$preset" --dtype "$DTYPE" "${DEV[@]}" \
                     "${PRESET_ARGS[@]}" --json "$OUT/preset-$preset.json"
             done ;;
-        executor)  # issue 21: engine step uni vs mp with one rank (the executor's IPC per step)
+        executor)  # issue 21: engine step uni vs mp with one rank (the executor's IPC per step;
+                   # mp-2msg: the collect as its own message, the protocol before 2026-11-23)
             run_step executor 150 400 python3 scripts/bench_executor.py --model "$MODEL" \
                 "${DEV[@]}" "${EXECUTOR_ARGS[@]}" --json "$OUT/executor.json" ;;
         tp)  # issue 21: TP=2 over NCCL with CUDA graphs and async; needs >= 2 GPUs (skips on 1)
