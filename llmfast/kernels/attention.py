@@ -26,6 +26,7 @@ from llmfast.kernels.tuning.prefill_tuning import (
 )
 from llmfast.kernels.tuning.split_table import SplitTable, split_table_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
+from llmfast.utils.progress import Progress
 
 __all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "tune_model_prefill_tiles",
            "tune_prefill_tiles", "unified_attention"]
@@ -82,7 +83,7 @@ def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles |
 
 
 def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
-                             dtype: torch.dtype) -> int:
+                             dtype: torch.dtype, progress: Progress | None = None) -> int:
     """At start-up: tune the two prefill shape classes a model launches (one request:
     causal; several: mixed) when no table knows them and tuning is allowed, so that no
     request waits ~20-30 s for it and the start-up memory profile's forward (a large
@@ -96,6 +97,9 @@ def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
     before = table.tunings
     for num_reqs in (1, 2):
         cls = shape_class(num_reqs, head_dim, group, dtype)
+        if progress and table.lookup(cls) is None:
+            progress(f"tuning prefill attention tiles for {cls.key} (once per GPU model)",
+                     None)
         table.tiles_for(cls, True, _tile_timer(device, cls))
     return table.tunings - before
 

@@ -142,7 +142,8 @@ class ModelRunner:
         elif self.device.type == "cuda":
             t0 = time.perf_counter()
             group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
-            if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype):
+            if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype,
+                                        progress):
                 self.startup_times["tune"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             peak = profile_peak_memory(self.model, self.sampler, self.max_num_tokens,
