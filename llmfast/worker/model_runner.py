@@ -137,14 +137,14 @@ class ModelRunner:
         cfg = self.config
         model_cfg = self.model.rank_config  # this rank's KV heads
         captured = False
+        t0 = time.perf_counter()
+        group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
+        if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype,
+                                    progress):  # CUDA only
+            self.startup_times["tune"] = time.perf_counter() - t0
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            t0 = time.perf_counter()
-            group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
-            if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype,
-                                        progress):
-                self.startup_times["tune"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             peak = profile_peak_memory(self.model, self.sampler, self.max_num_tokens,
                                        self.max_num_reqs, self.block_size, self.dtype,
