@@ -25,7 +25,7 @@ from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.engine_args import EngineArgs
 from llmfast.executor import Executor, create_executor
-from llmfast.models.model_source import ModelSource
+from llmfast.models.sources.model_source import ModelSource
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.sampling_params import SamplingParams
@@ -98,7 +98,7 @@ class LLMEngine:
         self.tokenizer = None
         # Why there is no tokenizer although the model ships one (it failed to load).
         self.tokenizer_error: str | None = None
-        # Random presets carry one (models/preset_tokenizer.py); a weights-only
+        # Random presets carry one (models/sources/preset_tokenizer.py); a weights-only
         # directory has none and runs on token ids.
         if source.path is None or has_tokenizer_files(source.path):
             try:

@@ -45,7 +45,7 @@ from llmfast.utils.value_checks import describe, is_int, is_number
 if TYPE_CHECKING:
     import torch
 
-    from llmfast.models.model_source import ModelSource
+    from llmfast.models.sources.model_source import ModelSource
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -153,7 +153,7 @@ class EngineArgs:
     ) -> tuple[EngineConfig, ModelSource]:
         import torch
 
-        from llmfast.models.model_source import resolve_model
+        from llmfast.models.sources.model_source import resolve_model
 
         device = resolve_device(self.device)
         dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) \

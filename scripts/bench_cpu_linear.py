@@ -27,7 +27,7 @@ from llmfast.kernels.cpu.linear import (
     packed_linear,
     row_split_linear,
 )
-from llmfast.models.model_source import resolve_model
+from llmfast.models.sources.model_source import resolve_model
 
 
 def main() -> None:

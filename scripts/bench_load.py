@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 from llmfast.bench.hf import hf_state_dict_from_llmfast
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.families import hf_dict_from_model_config
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import resolve_model
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import resolve_model
 from llmfast.models.weight_bytes import weight_bytes
 
 READ_CHUNK = 64 << 20

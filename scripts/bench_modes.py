@@ -38,8 +38,8 @@ from llmfast.bench.static_batch import StaticBatch
 from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
 from llmfast.kernels.cpu.linear import prepack_linears
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import resolve_model
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import resolve_model
 
 
 def parse_args() -> argparse.Namespace:

@@ -84,8 +84,8 @@ def _rank(rank: int, world: int, port: int, args, out_path: str) -> None:
         init_tensor_parallel,
     )
     from llmfast.kernels.cpu.linear import prepack_linears
-    from llmfast.models.loader import build_model
-    from llmfast.models.model_source import ModelSource, resolve_model
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import ModelSource, resolve_model
 
     torch.set_num_threads(max(args.threads // world, 1))
     group = (init_tensor_parallel(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))

@@ -205,8 +205,8 @@ def test_peak_bandwidth_by_device_name():
 def test_decode_weight_bytes_counts_a_tied_head_once_and_skips_an_untied_embedding():
     from dataclasses import replace
 
-    from llmfast.models.loader import build_model
-    from llmfast.models.model_source import ModelSource, resolve_model
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import ModelSource, resolve_model
     from llmfast.models.weight_bytes import weight_bytes
 
     untied = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=16)

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from llmfast.bench.environment import cpu_name, rank_device_facts
-from llmfast.models.model_source import resolve_model
+from llmfast.models.sources.model_source import resolve_model
 from tests.helpers.cli import TINY, invoke
 from tests.helpers.weight_bytes import expected_decode_weight_bytes
 

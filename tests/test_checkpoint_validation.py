@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmfast.models.load_error import LoadError
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import resolve_model
-from llmfast.models.validate import check_weights_fit
+from llmfast.models.loading.load_error import LoadError
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import resolve_model
+from llmfast.models.loading.validate import check_weights_fit
 from tests.helpers.checkpoints import make_hf_checkpoint
 
 

@@ -216,7 +216,7 @@ def test_bench_latency_mode(tmp_path):
 
 
 def test_pull_prints_path(monkeypatch, tmp_path):
-    import llmfast.models.default_model as dm
+    import llmfast.models.sources.default_model as dm
 
     def fake(progress=None, **_):
         progress("downloading", None)
@@ -230,7 +230,7 @@ def test_pull_prints_path(monkeypatch, tmp_path):
 
 
 def test_pull_offline_is_one_line(monkeypatch):
-    import llmfast.models.default_model as dm
+    import llmfast.models.sources.default_model as dm
 
     def offline(progress=None, **_):
         raise dm.DefaultModelError("the default model could not be downloaded; are you offline?")

@@ -25,8 +25,8 @@ from llmfast.compile.cache import compile_cache_key
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
 from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
 from llmfast.kernels.ops import unified_attention_impl
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import resolve_model
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import resolve_model
 from tests.helpers.paged import PagedSequences
 from tests.helpers.static_batch import StaticBatch
 
@@ -168,8 +168,8 @@ _SECOND_START = textwrap.dedent("""
     import json, torch
     from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
-    from llmfast.models.loader import build_model
-    from llmfast.models.model_source import resolve_model
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
     from tests.helpers.paged import PagedSequences
 
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
@@ -340,7 +340,7 @@ def test_identical_layer_pieces_share_one_compile(monkeypatch):
     from dataclasses import replace
 
     from llmfast.compile import backend
-    from llmfast.models.model_source import ModelSource
+    from llmfast.models.sources.model_source import ModelSource
 
     config = replace(resolve_model("random:tiny").config, num_hidden_layers=4)
     source = ModelSource("four-layers", None, config)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import llmfast.models.default_model as dm
+import llmfast.models.sources.default_model as dm
 from llmfast.models.formats.gguf import MARKER_NAME, is_converted
 from llmfast.utils.paths import cache_dir
 from tests.helpers.gguf_files import tiny_llama, write_llama_gguf

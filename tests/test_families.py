@@ -10,9 +10,9 @@ import pytest
 
 from llmfast.config import ConfigError
 from llmfast.models.families import hf_dict_from_model_config, model_config_from_hf
-from llmfast.models.load_error import LoadError
-from llmfast.models.model_source import resolve_model
-from llmfast.models.random_presets import RANDOM_PRESETS
+from llmfast.models.loading.load_error import LoadError
+from llmfast.models.sources.model_source import resolve_model
+from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.test_model import _check_prefill_then_decode
 
@@ -175,8 +175,8 @@ def test_random_weights_map_to_the_hf_family(architecture):
 
     from llmfast.bench.hf import hf_model_from_llmfast
     from llmfast.models.families import family_config
-    from llmfast.models.loader import build_model
-    from llmfast.models.model_source import ModelSource
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import ModelSource
     from tests.helpers.paged import PagedSequences
 
     config = family_config(
@@ -211,7 +211,7 @@ def assert_bf16_logits_close(got, want):
 def test_bf16_logits_close_to_hf_fp32(tmp_path, family):
     import torch
 
-    from llmfast.models.loader import build_model
+    from llmfast.models.loading.loader import build_model
     from tests.helpers.checkpoints import load_hf_model
     from tests.helpers.paged import PagedSequences
 

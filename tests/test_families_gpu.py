@@ -66,8 +66,8 @@ def test_engine_matches_hf_on_gpu(family_env, family, mode):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_logits_close_to_hf_fp32_on_gpu(family_env, family):
-    from llmfast.models.loader import build_model
-    from llmfast.models.model_source import resolve_model
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
     from tests.helpers.paged import PagedSequences
 
     path, prompts, _, _ = family_env(family)

@@ -13,8 +13,8 @@ import torch
 
 from llmfast.compile import CompiledModel
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import resolve_model
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import resolve_model
 from tests.helpers.static_batch import StaticBatch
 
 pytestmark = [

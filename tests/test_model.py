@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from llmfast.models.load_error import LoadError
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import ModelSource, resolve_model
+from llmfast.models.loading.load_error import LoadError
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import ModelSource, resolve_model
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.paged import PagedSequences
 

@@ -9,11 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from llmfast.cli.main import app
-from llmfast.models.default_model import DEFAULT_MODEL_NAME, cached_default_model
+from llmfast.models.sources.default_model import DEFAULT_MODEL_NAME, cached_default_model
 from llmfast.models.formats.gguf import CONVERSION_VERSION, MARKER_NAME
-from llmfast.models.model_source import resolve_model
-from llmfast.models.preset_tokenizer import BYTE_TOKENIZER_NAME, preset_tokenizer
-from llmfast.models.random_presets import RANDOM_PRESETS
+from llmfast.models.sources.model_source import resolve_model
+from llmfast.models.sources.preset_tokenizer import BYTE_TOKENIZER_NAME, preset_tokenizer
+from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from tests.helpers.chat_model import save_tiny_tokenizer
 
 TEXT = "Grüße, 世界! <|im_start|> tabs\tand\nnewlines"

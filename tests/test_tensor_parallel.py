@@ -19,10 +19,10 @@ import torch
 
 from llmfast.config import ConfigError
 from llmfast.distributed import TensorParallelGroup
-from llmfast.models.checkpoint_weights import load_safetensors_weights
-from llmfast.models.load_error import LoadError
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import ModelSource, resolve_model
+from llmfast.models.loading.checkpoint_weights import load_safetensors_weights
+from llmfast.models.loading.load_error import LoadError
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import ModelSource, resolve_model
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tp_runs import model_logits, run_cases, runner_tokens

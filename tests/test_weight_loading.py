@@ -18,9 +18,9 @@ from llmfast.models.formats.safetensors_reader import (
     SafetensorsFormatError,
     TensorReader,
 )
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import resolve_model
-from llmfast.models.random_weights import RANDOM_WEIGHT_STD
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import resolve_model
+from llmfast.models.loading.random_weights import RANDOM_WEIGHT_STD
 from llmfast.models.weight_bytes import weight_bytes
 from tests.helpers.checkpoints import make_hf_checkpoint
 

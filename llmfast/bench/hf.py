@@ -68,7 +68,7 @@ def llmfast_model(engine):
     runner = engine.executor.local_runner
     if runner is not None:
         return runner.model
-    from llmfast.models.loader import build_model
+    from llmfast.models.loading.loader import build_model
 
     config = engine.config
     return build_model(engine.source, config.torch_dtype, config.device,

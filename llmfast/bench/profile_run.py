@@ -41,7 +41,7 @@ class ProfileError(ValueError):
 def model_label(spec: str | None) -> str:
     """A directory-safe name for a --model value."""
     if spec is None:
-        from llmfast.models.default_model import DEFAULT_MODEL_NAME
+        from llmfast.models.sources.default_model import DEFAULT_MODEL_NAME
 
         return DEFAULT_MODEL_NAME
     name = Path(spec.rstrip("/")).name if not spec.startswith("random:") else spec

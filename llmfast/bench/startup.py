@@ -71,7 +71,7 @@ def cache_env(root: Path) -> dict[str, str]:
 def resolved_model(spec: str | None) -> str:
     """What the children load: a random preset as is, anything else as its local
     directory (fetched or converted now, into the user's cache)."""
-    from llmfast.models.model_source import resolve_model
+    from llmfast.models.sources.model_source import resolve_model
 
     source = resolve_model(spec)
     return source.spec if source.is_random else str(source.path)

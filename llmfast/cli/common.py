@@ -137,8 +137,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from llmfast.config import ConfigError
     from llmfast.core.request import RequestRejected
     from llmfast.executor import ExecutorError
-    from llmfast.models.default_model import DefaultModelError
-    from llmfast.models.load_error import LoadError
+    from llmfast.models.sources.default_model import DefaultModelError
+    from llmfast.models.loading.load_error import LoadError
     from llmfast.sampling_params import SamplingParamsError
     from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
 

@@ -24,7 +24,7 @@ def pull(
     """Fetch and convert the default model (SmolLM2-135M-Instruct); print its path."""
     setup_logging(debug)
     with cli_errors(debug):
-        from llmfast.models.default_model import ensure_default_model
+        from llmfast.models.sources.default_model import ensure_default_model
 
         with stage_progress(stderr_console()) as report:
             path = ensure_default_model(progress=report)

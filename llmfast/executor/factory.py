@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from llmfast.config import EngineConfig
     from llmfast.executor.base import Executor
-    from llmfast.models.model_source import ModelSource
+    from llmfast.models.sources.model_source import ModelSource
     from llmfast.utils.progress import Progress
 
 

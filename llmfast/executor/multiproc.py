@@ -32,7 +32,7 @@ from llmfast.utils.ports import free_port
 if TYPE_CHECKING:
     from llmfast.config import EngineConfig
     from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from llmfast.models.model_source import ModelSource
+    from llmfast.models.sources.model_source import ModelSource
     from llmfast.utils.progress import Progress
 
 logger = logging.getLogger(__name__)

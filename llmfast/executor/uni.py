@@ -14,7 +14,7 @@ from llmfast.worker.model_runner import ModelRunner
 if TYPE_CHECKING:
     from llmfast.config import EngineConfig
     from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from llmfast.models.model_source import ModelSource
+    from llmfast.models.sources.model_source import ModelSource
     from llmfast.utils.progress import Progress
     from llmfast.worker.step_output import PendingStep
 

@@ -33,8 +33,8 @@ from llmfast.graphs.dispatch import RunnerKind
 from llmfast.kernels.attention import tune_model_prefill_tiles
 from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.workspaces import AttentionWorkspaces
-from llmfast.models.loader import build_model
-from llmfast.models.model_source import ModelSource
+from llmfast.models.loading.loader import build_model
+from llmfast.models.sources.model_source import ModelSource
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.utils.progress import Progress
 from llmfast.worker.graph_capture import CaptureInputs, compile_and_capture

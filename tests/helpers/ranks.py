@@ -45,7 +45,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int,
             dist.destroy_process_group()
 
 
-PRELOAD = ["torch", "torch._dynamo", "llmfast.models.loader", "llmfast.worker.model_runner",
+PRELOAD = ["torch", "torch._dynamo", "llmfast.models.loading.loader", "llmfast.worker.model_runner",
            "tests.helpers.tp_runs"]
 
 

@@ -23,8 +23,8 @@ from tests.helpers.paged import PagedSequences
 def model_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
                  next_ids: list[int]) -> np.ndarray:
     """[prefill tokens + one decode token per prompt, vocab] float32 logits."""
-    from llmfast.models.loader import build_model
-    from llmfast.models.model_source import resolve_model
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
 
     model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=128, seed=0,
                         tp=group)
@@ -105,8 +105,8 @@ def compiled_logits(group: TensorParallelGroup, spec: str, prompts: list[list[in
     as FX code (no Inductor): Dynamo's trace of the collectives and the split."""
     from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
-    from llmfast.models.loader import build_model
-    from llmfast.models.model_source import resolve_model
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
 
     model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=128, seed=0,
                         tp=group)

@@ -14,13 +14,13 @@ from safetensors import SafetensorError
 
 from llmfast.config import ConfigError
 from llmfast.distributed import TensorParallelGroup
-from llmfast.models.checkpoint_weights import load_safetensors_weights, safetensors_files
+from llmfast.models.loading.checkpoint_weights import load_safetensors_weights, safetensors_files
 from llmfast.models.decoder import DecoderForCausalLM
-from llmfast.models.load_error import LoadError
-from llmfast.models.loader_target import target
-from llmfast.models.model_source import ModelSource
-from llmfast.models.random_weights import init_random_weights
-from llmfast.models.validate import check_checkpoint, check_weights_fit, safetensors_shapes
+from llmfast.models.loading.load_error import LoadError
+from llmfast.models.loading.loader_target import target
+from llmfast.models.sources.model_source import ModelSource
+from llmfast.models.loading.random_weights import init_random_weights
+from llmfast.models.loading.validate import check_checkpoint, check_weights_fit, safetensors_shapes
 from llmfast.utils.host_memory import available_host_memory
 from llmfast.utils.progress import Progress
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from llmfast.config import ConfigError, ModelConfig
 from llmfast.models.families import model_config_from_json
-from llmfast.models.load_error import PICKLE_SUFFIXES, LoadError, pickle_refusal
-from llmfast.models.random_presets import RANDOM_PRESETS
-from llmfast.models.validate import check_hf_config, check_model_size
+from llmfast.models.loading.load_error import PICKLE_SUFFIXES, LoadError, pickle_refusal
+from llmfast.models.sources.random_presets import RANDOM_PRESETS
+from llmfast.models.loading.validate import check_hf_config, check_model_size
 from llmfast.tokenizer import Tokenizer, load_tokenizer
 from llmfast.utils.progress import Progress
 
@@ -35,9 +35,9 @@ class ModelSource:
 
     def load_tokenizer(self) -> Tokenizer:
         """The directory's tokenizer, or the one a random preset carries (see
-        models/preset_tokenizer.py); raises TokenizerError for a weights-only directory."""
+        models/sources/preset_tokenizer.py); raises TokenizerError for a weights-only directory."""
         if self.path is None:
-            from llmfast.models.preset_tokenizer import preset_tokenizer
+            from llmfast.models.sources.preset_tokenizer import preset_tokenizer
 
             return preset_tokenizer(self.config.vocab_size)
         return load_tokenizer(self.path)
@@ -47,7 +47,7 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSo
     """Turn a `--model` argument into a local directory (downloading or converting the
     default model and GGUF files once) and read its config."""
     if spec is None or spec in ("", "default"):
-        from llmfast.models.default_model import ensure_default_model
+        from llmfast.models.sources.default_model import ensure_default_model
 
         path = ensure_default_model(progress=progress)
         return ModelSource(str(path), path, _read_config(path))
@@ -69,7 +69,7 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSo
         raise LoadError(f"model path {spec} does not exist{hint}")
     if path.is_file():
         if path.suffix == ".gguf":
-            from llmfast.models.default_model import convert_gguf_cached
+            from llmfast.models.sources.default_model import convert_gguf_cached
 
             converted = convert_gguf_cached(path, progress=progress)
             return ModelSource(spec, converted, _read_config(converted))

@@ -18,11 +18,11 @@ from llmfast.models.formats.safetensors_reader import (
     TensorEntry,
     TensorReader,
 )
-from llmfast.models.load_error import PICKLE_SUFFIXES, LoadError, pickle_refusal
-from llmfast.models.load_progress import ByteProgress
-from llmfast.models.loader_target import target
+from llmfast.models.loading.load_error import PICKLE_SUFFIXES, LoadError, pickle_refusal
+from llmfast.models.loading.load_progress import ByteProgress
+from llmfast.models.loading.loader_target import target
 from llmfast.models.sharding import ShardSlice, checkpoint_slice
-from llmfast.models.validate import is_ignorable
+from llmfast.models.loading.validate import is_ignorable
 from llmfast.utils.progress import Progress
 
 logger = logging.getLogger(__name__)

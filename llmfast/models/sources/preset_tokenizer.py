@@ -31,7 +31,7 @@ CHATML_TEMPLATE = (
 def preset_tokenizer(vocab_size: int, cache: Path | None = None) -> Tokenizer:
     """The default model's tokenizer if it is cached and fits `vocab_size`, else the
     built-in byte-level one."""
-    from llmfast.models.default_model import cached_default_model
+    from llmfast.models.sources.default_model import cached_default_model
 
     default_dir = cached_default_model(cache)
     if default_dir is not None:

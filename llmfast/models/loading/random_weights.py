@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from llmfast.models.decoder import DecoderForCausalLM
-from llmfast.models.load_progress import ByteProgress
-from llmfast.models.loader_target import target
+from llmfast.models.loading.load_progress import ByteProgress
+from llmfast.models.loading.loader_target import target
 from llmfast.models.sharding import checkpoint_names, checkpoint_slice
 from llmfast.utils.progress import Progress
 
