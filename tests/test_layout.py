@@ -147,7 +147,8 @@ def test_graph_checks_catch_what_they_look_for():
     # The parser sees a lazy import and skips a TYPE_CHECKING one.
     graph = module_graph()
     assert "llmfast.llm" in graph["llmfast.cli.common"]  # `load_llm` imports it lazily
-    assert "llmfast.worker.input_batch" not in graph["llmfast.worker.sampling_metadata"]
+    metadata = graph["llmfast.worker.sampling.sampling_metadata"]
+    assert "llmfast.worker.input_batch" not in metadata
 
 
 def test_no_import_cycles():

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from llmfast.sampling_params import SamplingParams
-from llmfast.worker.sampler import Sampler, apply_penalties, seed_to_int64, seeded_exponential
-from llmfast.worker.sampling_metadata import SamplingMetadata, worst_case_sampling_metadata
+from llmfast.worker.sampling.sampler import (
+    Sampler,
+    apply_penalties,
+    seed_to_int64,
+    seeded_exponential,
+)
+from llmfast.worker.sampling.sampling_metadata import (
+    SamplingMetadata,
+    worst_case_sampling_metadata,
+)
 from tests.helpers.sampling import metadata_from_params
 
 SP = SamplingParams

@@ -13,8 +13,8 @@ import torch
 
 from llmfast.attention_metadata import AttentionMetadata
 from llmfast.models.decoder import DecoderForCausalLM
-from llmfast.worker.sampler import Sampler
-from llmfast.worker.sampling_metadata import worst_case_sampling_metadata
+from llmfast.worker.sampling.sampler import Sampler
+from llmfast.worker.sampling.sampling_metadata import worst_case_sampling_metadata
 
 
 def profile_peak_memory(model: DecoderForCausalLM, sampler: Sampler, max_num_tokens: int,

@@ -48,12 +48,12 @@ from llmfast.worker.kv_cache_sizing import (
 )
 from llmfast.worker.memory_profile import profile_peak_memory
 from llmfast.worker.placeholders import PlaceholderFill, record_placeholders, write_sampled_tokens
-from llmfast.worker.sampler import Sampler
-from llmfast.worker.sampling_metadata import SamplingStaging, build_sampling_metadata
+from llmfast.worker.sampling.sampler import Sampler
+from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.state_updates import update_states
 from llmfast.worker.step_inputs import StepInputs
 from llmfast.worker.step_output import OutputCopier, PendingStep
-from llmfast.worker.tp_sampling import sample_on_first_rank
+from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmfast.worker.sampler import LogprobsTensors
+from llmfast.worker.sampling.sampler import LogprobsTensors
 
 
 @dataclass

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from llmfast.sampling_params import SamplingParams
-from llmfast.worker.sampler import seed_to_int64
-from llmfast.worker.sampling_metadata import SamplingMetadata
+from llmfast.worker.sampling.sampler import seed_to_int64
+from llmfast.worker.sampling.sampling_metadata import SamplingMetadata
 
 
 def metadata_from_params(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from llmfast.sampling_params import GREEDY_TEMPERATURE, SamplingParams, SamplingParamsError
-from llmfast.worker.sampling_metadata import SamplingMetadata
+from llmfast.worker.sampling.sampling_metadata import SamplingMetadata
 
 __all__ = [
     "GREEDY_TEMPERATURE",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmfast.distributed import TensorParallelGroup, broadcast_from_first
-from llmfast.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from llmfast.worker.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 
 def sample_on_first_rank(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMetadata,
