@@ -59,7 +59,7 @@ def test_rank_start_up_failure_is_one_line_and_leaves_no_worker():
 
 def test_importing_llmfast_does_not_import_ray():
     code = ("import sys\n"
-            "import llmfast.cli.main, llmfast.llm, llmfast.executor.multiproc\n"
+            "import llmfast.cli.main, llmfast.llm, llmfast.executor.mp.multiproc\n"
             "from llmfast import LLM\n"
             "assert 'ray' not in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

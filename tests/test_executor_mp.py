@@ -9,9 +9,11 @@ step, in either loop (the kernel's count of the reads a worker process makes).""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 
+import llmfast
 from llmfast import LLM, SamplingParams
 from llmfast.executor import ExecutorError
 from tests.helpers.checkpoints import make_hf_checkpoint
@@ -75,6 +77,13 @@ def runs(request, tmp_path_factory):
     yield want, got, holder
     if "llm" in holder:
         holder["llm"].engine.shutdown()
+
+
+def test_workers_import_this_checkout_of_llmfast():
+    from llmfast.executor.mp.processes import PACKAGE_ROOT
+
+    assert (Path(PACKAGE_ROOT) / "llmfast" / "__init__.py").resolve() == \
+        Path(llmfast.__file__).resolve()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

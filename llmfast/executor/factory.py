@@ -19,7 +19,7 @@ def create_executor(config: EngineConfig, source: ModelSource,
     if backend == "uni":
         from llmfast.executor.uni import UniExecutor as cls
     elif backend == "mp":
-        from llmfast.executor.multiproc import MultiprocExecutor as cls
+        from llmfast.executor.mp.multiproc import MultiprocExecutor as cls
     else:  # ParallelConfig admits no other name
-        from llmfast.executor.ray_executor import RayExecutor as cls
+        from llmfast.executor.ray.ray_executor import RayExecutor as cls
     return cls(config, source, progress=progress)

@@ -28,7 +28,7 @@ import torch
 from llmfast.config import ConfigError
 from llmfast.executor.base import DistributedExecutor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
-from llmfast.executor.processes import PACKAGE_ROOT
+from llmfast.executor.mp.processes import PACKAGE_ROOT
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config
 from llmfast.executor.worker import WorkerReady, WorkerSpec
 from llmfast.utils.errors import one_line
@@ -138,7 +138,7 @@ class RayExecutor(DistributedExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from llmfast.executor.ray_actor import RayWorkerActor
+        from llmfast.executor.ray.ray_actor import RayWorkerActor
 
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
         pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")

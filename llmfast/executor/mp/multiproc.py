@@ -21,10 +21,10 @@ import weakref
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
-from llmfast.executor import messages
+from llmfast.executor.mp import messages
 from llmfast.executor.base import DistributedExecutor
 from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
-from llmfast.executor.processes import WorkerProcess, stop_workers
+from llmfast.executor.mp.processes import WorkerProcess, stop_workers
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config, rank_devices
 from llmfast.executor.worker import WorkerReady, WorkerSpec
 from llmfast.utils.ports import free_port

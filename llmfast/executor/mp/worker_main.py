@@ -1,4 +1,4 @@
-"""The entry point of an `mp` worker process: `python -m llmfast.executor.worker_main FD`.
+"""The entry point of an `mp` worker process: `python -m llmfast.executor.mp.worker_main FD`.
 
 FD is this end of a socket pair whose other end the engine holds. The worker reads its
 `WorkerSpec`, starts its rank, answers READY, then serves steps (EXECUTE,
@@ -22,7 +22,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from llmfast.executor import messages
+from llmfast.executor.mp import messages
 from llmfast.utils.errors import one_line
 
 PARENT_CHECK_INTERVAL_S = 0.5

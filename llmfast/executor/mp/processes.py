@@ -5,7 +5,7 @@ Why not `multiprocessing.Process`: its spawn start method re-imports the user's 
 module in every worker (a script without an `if __name__ == "__main__"` guard would start
 its engine again, recursively), and its exit handler joins non-daemon children, which
 would wait forever on a worker that waits for the engine. A plain child process that runs
-`llmfast.executor.worker_main` has neither problem; its death shows as end of file on the
+`llmfast.executor.mp.worker_main` has neither problem; its death shows as end of file on the
 socket and as a readable pidfd, so the engine waits on both with one `wait()`.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 # The directory that holds this `llmfast` package: the worker must import the same one
 # (a checkout on PYTHONPATH, say, rather than an installed copy).
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 
 
 class WorkerProcess:
@@ -35,7 +35,7 @@ class WorkerProcess:
         env["LLMFAST_WORKER_LOG_LEVEL"] = str(log_level)
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "llmfast.executor.worker_main", str(theirs.fileno())],
+                [sys.executable, "-m", "llmfast.executor.mp.worker_main", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                 # The engine's stdout carries results (`llmfast generate`): anything a
                 # worker prints goes to stderr instead.
