@@ -126,7 +126,10 @@ def main() -> None:
                                 max_model_len=args.context + args.steps + 64,
                                 tensor_parallel_size=tp,
                                 distributed_executor_backend=backend.removesuffix("-2msg"),
-                                async_scheduling=False)
+                                async_scheduling=False,
+                                # Several engines share one GPU here: a fixed KV cache
+                                # each (utilization would count the others' as taken).
+                                kv_cache_memory="4GiB" if args.device != "cpu" else None)
         print(f"# started {backend} TP={tp} in {time.perf_counter() - t0:.1f} s", flush=True)
         if backend.endswith("-2msg"):
             _split_collect(llms[backend, tp].engine.executor)

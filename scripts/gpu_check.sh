@@ -25,7 +25,7 @@
 #   async_tests    90/200    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
 #                            (#16: steady-state steps under sync-debug "error", async ==
 #                            sync on CUDA, phase timer device time)
-#   modes         300/560    scripts/bench_modes.py eager, compiled, graphs, full, linears
+#   modes         200/560    scripts/bench_modes.py eager, compiled, graphs, full, linears
 #                            (#15: full/linears <= 1.25 at B=1, <= 1.3 at B=64; eager/full
 #                            >= 6 at B=1)
 #   async         120/330    scripts/bench_async.py (#16: async/model <= 1.10 at 1 and 64,
@@ -34,8 +34,10 @@
 #                            under CUDA graphs, host/device overlap)
 #   load           90/150    scripts/bench_load.py (#18: random 1B init <= 2 s;
 #                            safetensors load >= 50 % of the disk's read speed)
-#   startup        90/240    llmfast bench --startup (#18: TTFT warm <= 10 s, cold <= 25 s;
-#                            #15: capture <= 10 s; graphs of each kind and memory)
+#   startup       150/300    scripts/ship_prefill_tiles.py (the model's prefill tiles tuned
+#                            and installed as shipped: prefill_tiles_model.json), then
+#                            llmfast bench --startup with tuning on auto (#18: TTFT warm
+#                            <= 10 s, cold <= 25 s; #15: capture <= 10 s; graphs, memory)
 #   sweep          90/240    llmfast bench --sizes 1..512 (#18: every row pure decode,
 #                            tok/s, % of HBM)
 #   throughput    220/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
@@ -52,9 +54,18 @@
 #   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
 #
-# A 30-minute device session, five calls: "full async_tests"; "modes"; "async profile";
-# "load startup sweep"; "throughput" (then "tests", "kernels": one call each). Compile
-# caches persist between calls while the machine stays warm (LLMFAST_CACHE below).
+# A device session: 30 minutes counted from the machine's start, calls of <= 600 s, and
+# the machine goes back 30 s after a call ends. So issue each next call AT ONCE (read the
+# results while it runs): a later one starts a bare machine (1-2 min of device time, cold
+# compile caches). Three full calls, most decisive first:
+#   1. "full async_tests modes"            #15 and #16 correctness, #15's bars
+#   2. "kernels async load"                #17's bars and the tables to ship, #16's, #18 load
+#   3. "startup sweep throughput profile"  #18's bars, #16's phase table
+# then "tests" if time is left. Set GPU_CHECK_BUDGET_S to the device time left (status's
+# budget_left_s) less ~60 s when that is under 620. Compile caches persist between calls
+# while the machine stays warm (LLMFAST_CACHE below). What comes back of $OUT: report.md,
+# verdicts.txt and results.tar.gz (everything else, packed at the end: the tool returns 8
+# files at most).
 #
 # Dry run, on CPU, here: GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh [steps|all]
 # runs every step's command with random:tiny, float32, on the CPU and tiny sizes
@@ -191,7 +202,7 @@ for step in $STEPS; do
                     --markdown "$OUT/kernels.md" --sweep-splits "$OUT/splits.json"
             fi ;;
         modes)
-            run_step modes 300 560 python3 scripts/bench_modes.py --model "$MODEL" \
+            run_step modes 200 560 python3 scripts/bench_modes.py --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" "${MODES_ARGS[@]}" --json "$OUT/modes.json" ;;
         async)
             run_step async 120 330 python3 scripts/bench_async.py --model "$MODEL" \
@@ -207,9 +218,15 @@ for step in $STEPS; do
         load)
             run_step load 90 150 python3 scripts/bench_load.py --dtype "$DTYPE" \
                 --device "${DEV[1]:-cuda}" "${LOAD_ARGS[@]}" --json "$OUT/load.json" ;;
-        startup)
-            run_step startup 90 240 python3 -m llmfast bench --model "$MODEL" \
-                --dtype "$DTYPE" "${DEV[@]}" --startup --json "$OUT/startup.json" ;;
+        startup)  # with the model's prefill tiles shipped, as a user gets them once they
+            # ship (tuned here first if this machine has not yet: ~20-60 s, not timed),
+            # and tuning on its default (auto), as a user runs
+            run_step startup 150 300 bash -c 'model=$1 dtype=$2 out=$3; shift 3
+                python3 scripts/ship_prefill_tiles.py --model "$model" --dtype "$dtype" \
+                    --copy-to "$out/prefill_tiles_model.json" || exit 1
+                LLMFAST_ATTENTION_TUNING=auto python3 -m llmfast bench --model "$model" \
+                    --dtype "$dtype" "$@" --startup --json "$out/startup.json"' \
+                _ "$MODEL" "$DTYPE" "$OUT" "${DEV[@]}" ;;
         sweep)
             run_step sweep 90 240 python3 -m llmfast bench --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" "${SWEEP_ARGS[@]}" --json "$OUT/sweep.json" ;;
@@ -300,6 +317,27 @@ if ran kernels && [[ -f "$OUT/kernels.json" ]]; then
 fi
 python3 scripts/gpu_report.py "$OUT" > "$OUT/report.md" \
     && echo "--- $OUT/report.md: commands, outcomes, verdicts and tables (for profiles/)"
+
+# The device tool brings back at most 8 files of 16 MiB from $OUT, so everything but
+# report.md and verdicts.txt is packed into results.tar.gz and leaves $OUT (the kernels
+# step's prefill_tiles.json and splits.json are in it: `tar -xzf results.tar.gz`).
+# torch-profiler traces are left out when they would push it past 15 MiB.
+# GPU_CHECK_PACK=0 keeps the files as they are (the default in a dry run).
+pack_results() {
+    local items=()
+    mapfile -t items < <(cd "$OUT" && ls -A | grep -v -x -E 'report\.md|verdicts\.txt|results\.tar\.gz')
+    (( ${#items[@]} )) || return 0
+    (cd "$OUT" && tar -czf results.tar.gz "${items[@]}") || return 1
+    if (( $(stat -c %s "$OUT/results.tar.gz") > 15 * 1024 * 1024 )); then
+        echo "--- results.tar.gz over 15 MiB: packed again without the profiler traces"
+        (cd "$OUT" && tar -czf results.tar.gz --exclude='trace.json' "${items[@]}") || return 1
+    fi
+    (cd "$OUT" && rm -rf "${items[@]}")
+    echo "--- $OUT/results.tar.gz: every other file of this call ($(du -h "$OUT/results.tar.gz" | cut -f1))"
+}
+if [[ ${GPU_CHECK_PACK:-$(( DRY == 1 ? 0 : 1 ))} == 1 ]]; then
+    pack_results || echo "packing the results failed: the device tool brings back 8 files at most"
+fi
 # Non-zero when any step failed or missed a bar (the verdict lines say which); in a dry
 # run only when a step itself failed (CPU figures miss the bars by design).
 if [[ $DRY == 1 ]]; then failed='^FAIL '; else failed='^(FAIL|MISSING) '; fi

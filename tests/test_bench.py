@@ -3,6 +3,8 @@ random model (CPU)."""
 
 from __future__ import annotations
 
+import gc
+
 import itertools
 import math
 from types import SimpleNamespace
@@ -319,3 +321,8 @@ def test_sweep_on_cuda_reports_the_hbm_fraction(backend):
             p.weight_bytes / p.step_latency.median / bw.limit_bytes_per_s)
         assert 0 < p.hbm_fraction < 1.5
     llm.engine.shutdown()  # the worker's GPU memory, for the next tests
+    # In process, the caching allocator keeps what the engine held: an mp worker started
+    # next would count it as another process's memory and find no room for its KV cache.
+    del llm, result
+    gc.collect()
+    torch.cuda.empty_cache()
