@@ -279,6 +279,9 @@ def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size,
     with count_progress("throughput (llmfast)", err) as progress:
         run["throughput"] = dataclasses.asdict(run_throughput(llm.engine, requests, progress))
     if baseline is Baseline.hf:
+        # In the log before the baseline runs: a failure in HF's part keeps this figure.
+        err.print(f"llmfast: {run['throughput']['output_tokens_per_s']:.1f} output tok/s, "
+                  f"{run['throughput']['total_tokens_per_s']:.1f} total tok/s", style="dim")
         from llmfast.bench.hf import (
             hf_batch_candidates,
             load_hf_model,
