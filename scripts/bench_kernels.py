@@ -55,6 +55,26 @@ from llmfast.kernels import attention
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
+def _sdpa_decode(q_s, k_s, v_s, causal: bool, scale: float):
+    """(fn, variant): SDPA pinned to FlashAttention with enable_gqa (its fastest decode
+    path, reading each K/V head once), else SDPA's own choice; the variant is recorded.
+    Not flash with K/V expanded to every query head: memory-bound decode would read
+    group x more and flatter our ratio."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=causal,
+                                                  scale=scale, enable_gqa=True)
+
+    try:
+        flash()
+        return flash, "flash, enable_gqa"
+    except RuntimeError:
+        return (lambda: F.scaled_dot_product_attention(
+            q_s, k_s, v_s, is_causal=causal, scale=scale, enable_gqa=True)), "default backend"
+
+
 def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
     """`batch` requests, each with `num_new` query tokens at the end of `ctx` positions."""
     dtype = getattr(torch, args.dtype)
@@ -81,13 +101,9 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
     # (with num_new == ctx, SDPA's top-left causal mask equals ours).
     q_s, k_s, v_s = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
-    def sdpa():
-        return F.scaled_dot_product_attention(
-            q_s, k_s, v_s, is_causal=num_new > 1, scale=scale, enable_gqa=True
-        )
-
-    ours_us = time_us(ours, args.iters, flush)
-    sdpa_us = time_us(sdpa, args.iters, flush)
+    sdpa, sdpa_variant = _sdpa_decode(q_s, k_s, v_s, num_new > 1, scale)
+    ours_us = time_us(ours, args.iters, flush, idle=True)
+    sdpa_us = time_us(sdpa, args.iters, flush, idle=True)
     want = sdpa().float()
 
     def max_diff(fn) -> float:
@@ -105,7 +121,8 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
             num_sms, attention._device_split_table(torch.device("cuda", 0))).num_splits
 
     result = dict(batch=batch, ctx=ctx, num_new=num_new, splits=splits_for(block_table.shape[1]),
-                  ours_us=ours_us, sdpa_us=sdpa_us, max_abs_diff=max_diff(ours))
+                  ours_us=ours_us, sdpa_us=sdpa_us, sdpa_variant=sdpa_variant,
+                  max_abs_diff=max_diff(ours))
     if num_new == 1:
         result["graph_us"] = time_us(graph_replay(ours), args.iters, flush)
 
@@ -113,7 +130,7 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
             attention.unified_attention(q_flat, k_cache, v_cache, block_table, qsl, seq_lens,
                                         scale, out, fused_merge=False)
 
-        result["two_kernel_us"] = time_us(two_kernel, args.iters, flush)
+        result["two_kernel_us"] = time_us(two_kernel, args.iters, flush, idle=True)
         result["launch_host_us"] = host_launch_us(ours)
         attention._ATTENTION_LAUNCHES.enabled = False  # Triton's JIT dispatch, for comparison
         result["launch_host_jit_us"] = host_launch_us(ours)
@@ -130,7 +147,7 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
 
         result.update(
             fixed_splits=splits_for(wide.shape[1]),
-            fixed_us=time_us(fixed, args.iters, flush),
+            fixed_us=time_us(fixed, args.iters, flush, idle=True),
             fixed_graph_us=time_us(graph_replay(fixed), args.iters, flush),
         )
         result["fixed_max_abs_diff"] = max_diff(fixed)
@@ -153,7 +170,7 @@ def main() -> None:
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--mixed", nargs="*", default=["2048,2048,64,2048", "512,3584,32,4096"],
@@ -215,7 +232,9 @@ def main() -> None:
         "",
         f"Device-to-device copy bandwidth (read + write): **{copy_gbs:.0f} GB/s**",
         "",
-        "Decode (1 query token per request; GB/s = K/V bytes read / time):",
+        "Decode (1 query token per request; GB/s = K/V bytes read / time; µs between CUDA "
+        "events with the GPU idle at the start, so eager figures include the host launch; "
+        f"SDPA: {', '.join(sorted({r['sdpa_variant'] for r in decode})) or '-'}):",
         "",
         "| batch | context | splits | llmfast µs | llmfast GB/s | % of copy BW | SDPA µs "
         "| SDPA GB/s | llmfast / SDPA speed | graph µs | graph / SDPA | % BW graph "

@@ -11,9 +11,22 @@ from llmfast.kernels.tuning.prefill_measure import median_device_us
 L2_FLUSH_BYTES = 256 << 20
 
 
-def time_us(fn, iters: int, flush: torch.Tensor) -> float:
-    """Median microseconds of fn() between CUDA events, L2 flushed before each call."""
-    return median_device_us(fn, iters, warmup=3, before=flush.zero_)
+def time_us(fn, iters: int, flush: torch.Tensor, idle: bool = False) -> float:
+    """Median microseconds of fn() between CUDA events, L2 flushed before each call.
+
+    `idle`: wait for the flush before the start event, so the GPU is idle when fn() is
+    launched and its host launch time lies between the events (the "eager launch"
+    figures: what a call costs when launched on its own). Otherwise the ~90 µs flush
+    still runs when fn() is launched and hides any launch time under it (CUDA-graph
+    replays and bandwidth, where the kernel's own time is the figure)."""
+    if not idle:
+        return median_device_us(fn, iters, warmup=3, before=flush.zero_)
+
+    def flush_and_wait() -> None:
+        flush.zero_()
+        torch.cuda.synchronize()
+
+    return median_device_us(fn, iters, warmup=3, before=flush_and_wait)
 
 
 def graph_replay(fn):

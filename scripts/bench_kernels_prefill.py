@@ -64,10 +64,10 @@ def run_prefill(tokens: int, args, flush, gen) -> dict:
     sdpa, variant = sdpa_flash(q_s, k_s, v_s, True, scale)
     flops = 2 * tokens * tokens * heads * hd
     r = dict(tokens=tokens, sdpa_variant=variant,
-             ours_us=time_us(ours, args.iters, flush),
-             untuned_us=time_us(lambda: ours(untuned), args.iters, flush),
+             ours_us=time_us(ours, args.iters, flush, idle=True),
+             untuned_us=time_us(lambda: ours(untuned), args.iters, flush, idle=True),
              ours_graph_us=time_us(graph_replay(ours), args.iters, flush),
-             sdpa_us=time_us(sdpa, args.iters, flush),
+             sdpa_us=time_us(sdpa, args.iters, flush, idle=True),
              sdpa_graph_us=time_us(graph_replay(sdpa), args.iters, flush))
     want = sdpa().float()
     out.fill_(float("nan"))
@@ -108,8 +108,8 @@ def run_mixed(chunk: int, prefix: int, decodes: int, ctx: int, args, flush, gen)
                                     seq_lens[1:], scale, out_parts[chunk:])
 
     r = dict(chunk=chunk, prefix=prefix, decodes=decodes, ctx=ctx,
-             mixed_us=time_us(mixed, args.iters, flush),
-             parts_us=time_us(parts, args.iters, flush),
+             mixed_us=time_us(mixed, args.iters, flush, idle=True),
+             parts_us=time_us(parts, args.iters, flush, idle=True),
              mixed_graph_us=time_us(graph_replay(mixed), args.iters, flush),
              parts_graph_us=time_us(graph_replay(parts), args.iters, flush))
     mixed()
