@@ -9,7 +9,7 @@ Every line starts with PASS, FAIL, INFO or MISSING (the step left nothing to jud
 then the issue and what was compared: `PASS #15 modes: B=1 full / linears = 1.18 (bar
 <= 1.25)`. With --dry-run (gpu_check.sh's CPU rehearsal) PASS/FAIL become DRY-PASS /
 DRY-FAIL: the figures are CPU ones and only show that the parsing works.
-A step without bars (kernels, serve, defaults, presets, families) prints nothing here.
+A step without bars (serve, defaults, presets, families) prints nothing here.
 """
 
 from __future__ import annotations
@@ -141,9 +141,17 @@ def sweep(out: Path) -> Iterator[Line]:
         yield check(bool(points) and not impure,
                     f"#18 sweep ({name}): {len(points)} rows, all pure decode"
                     + (f" except batch {impure}" if impure else ""))
+        # A skipped size is a row the sweep could not report as pure decode: the issue
+        # asks for every requested size.
         for skip in run.get("sweep_skipped", []):
-            yield info(f"#18 sweep ({name}): batch {skip['batch_size']} skipped: "
-                           f"{skip['reason']}")
+            yield check(False, f"#18 sweep ({name}): batch {skip['batch_size']} skipped: "
+                               f"{skip['reason']}")
+        wanted = data.get("config", {}).get("sizes")
+        if wanted is not None:
+            missing = sorted(set(wanted) - {p["batch_size"] for p in points})
+            yield check(not missing, f"#18 sweep ({name}): a row for each of the "
+                        f"{len(wanted)} requested sizes"
+                        + (f" (none for {missing})" if missing else ""))
         on_cuda = str(run["engine_config"]["device"]).startswith("cuda")
         if on_cuda:
             missing = [p["batch_size"] for p in points if p.get("hbm_fraction") is None]
@@ -155,6 +163,53 @@ def sweep(out: Path) -> Iterator[Line]:
                            f"{p['step_latency']['median'] * 1e3:.2f} ms, "
                            f"{p['decode_tokens_per_s']:.0f} tok/s"
                            + (f", {100 * hbm:.0f}% of HBM" if hbm is not None else ""))
+
+
+def _worst(rows: list[dict], value: Callable[[dict], float], what: str, issue: str,
+           bar: float, at_most: bool = False) -> Line:
+    """One line for the row that does worst against `bar` (named in the line)."""
+    sign = "<=" if at_most else ">="
+    if not rows:
+        return ("MISSING", f"{issue} {what}: no such rows (bar {sign} {bar:g})")
+    worst = (max if at_most else min)(rows, key=value)
+    v = value(worst)
+    where = ", ".join(f"{k} {worst[k]}" for k in ("batch", "ctx", "tokens", "chunk", "decodes")
+                      if k in worst)
+    return check(v <= bar if at_most else v >= bar,
+                 f"{issue} {what}: worst {v:.3g} at {where} over {len(rows)} rows "
+                 f"(bar {sign} {bar:g})")
+
+
+def kernels(out: Path) -> Iterator[Line]:
+    """#17: decode >= 1.0x SDPA at B=1..8, contexts 512-8k (eager launch); >= 0.9x SDPA
+    and >= 80 % of copy bandwidth at B >= 64, context >= 2k; prefill >= 0.8x SDPA at
+    2k-8k causal; max abs diff vs SDPA <= 4e-3 everywhere; a mixed batch not slower than
+    its two parts."""
+    data = _load(out, "kernels.json")
+    if data is None:
+        yield ("MISSING", "#17 kernels: no kernels.json")
+        return
+    decode, prefill, mixed = data["decode"], data["prefill"], data["mixed"]
+    speed = lambda r: r["sdpa_us"] / r["ours_us"]  # noqa: E731 - >1: faster than SDPA
+    small = [r for r in decode if r["batch"] <= 8 and 512 <= r["ctx"] <= 8192]
+    yield _worst(small, speed, "decode B<=8 speed vs SDPA (eager)", "#17", 1.0)
+    large = [r for r in decode if r["batch"] >= 64 and r["ctx"] >= 2048]
+    yield _worst(large, speed, "decode B>=64 ctx>=2k speed vs SDPA (eager)", "#17", 0.9)
+    yield _worst(large, lambda r: r["ours_gbs"] / data["copy_gbs"],
+                 "decode B>=64 ctx>=2k fraction of copy bandwidth", "#17", 0.8)
+    long = [r for r in prefill if 2048 <= r["tokens"] <= 8192]
+    yield _worst(long, speed, "prefill 2k-8k causal speed vs SDPA flash", "#17", 0.8)
+    diffs = ([r for r in decode + prefill if "max_abs_diff" in r]
+             + [dict(r, max_abs_diff=r["fixed_max_abs_diff"]) for r in decode
+                if "fixed_max_abs_diff" in r])
+    yield _worst(diffs, lambda r: r["max_abs_diff"], "max abs diff vs SDPA", "#17", 4e-3,
+                 at_most=True)
+    yield _worst(mixed, lambda r: r["mixed_us"] / r["parts_us"],
+                 "mixed batch time / its two parts' time", "#17", 1.0, at_most=True)
+    for r in small + large:
+        yield info(f"#17 decode B={r['batch']} ctx {r['ctx']}: {r['ours_us']:.1f} us vs SDPA "
+                   f"{r['sdpa_us']:.1f} us ({speed(r):.2f}x), "
+                   f"{100 * r['ours_gbs'] / data['copy_gbs']:.0f}% of copy bandwidth")
 
 
 def throughput(out: Path) -> Iterator[Line]:
@@ -296,7 +351,7 @@ def pytest_collected(step: str, out: Path) -> Iterator[Line]:
 
 STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
     "modes": modes, "async": async_bench, "load": load, "startup": startup, "sweep": sweep,
-    "throughput": throughput, "profile": profile,
+    "throughput": throughput, "profile": profile, "kernels": kernels,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
 }
 

@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh and its verdicts (scripts/gpu_verdicts.py), on the CPU: the bars
-of issues 15, 16 and 18 judged from results shaped like the steps' own, every script
+of issues 15 to 18 judged from results shaped like the steps' own, every script
 importable, and (slow) the script's dry run of its quickest steps."""
 
 from __future__ import annotations
@@ -106,6 +106,61 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
     assert _find(lines, "all pure decode except batch [512]") == "FAIL"
     assert _find(lines, "% of HBM bandwidth on every row (missing at [512])") == "FAIL"
     assert _find(lines, "B=1 1.20 ms, 830 tok/s, 60% of HBM") == "INFO"
+
+
+def test_sweep_fails_on_a_skipped_or_missing_size(tmp_path):
+    point = {"batch_size": 1, "all_decode": True, "hbm_fraction": 0.6,
+             "step_latency": {"median": 0.0012}, "decode_tokens_per_s": 830.0}
+    run = {"engine_config": {"device": "cuda"}, "sweep": [point], "sweep_skipped": []}
+    _write(tmp_path / "sweep.json", {"config": {"sizes": [1]}, "runs": {"default": run}})
+    assert _find(_lines("sweep", tmp_path), "for each of the 1 requested sizes") == "PASS"
+    run["sweep_skipped"] = [{"batch_size": 512, "reason": "prefill mixed in"}]
+    _write(tmp_path / "sweep.json", {"config": {"sizes": [1, 256, 512]},
+                                     "runs": {"default": run}})
+    lines = _lines("sweep", tmp_path)
+    assert _find(lines, "batch 512 skipped: prefill mixed in") == "FAIL"
+    assert _find(lines, "3 requested sizes (none for [256, 512])") == "FAIL"
+
+
+def _kernels_json(**changes) -> dict:
+    """kernels.json as scripts/bench_kernels.py writes it, every #17 bar met."""
+    def decode(batch, ctx, ours, sdpa, gbs):
+        return {"batch": batch, "ctx": ctx, "ours_us": ours, "sdpa_us": sdpa,
+                "ours_gbs": gbs, "max_abs_diff": 0.002, "fixed_max_abs_diff": 0.002}
+
+    data = {"copy_gbs": 3000.0,
+            "decode": [decode(1, 512, 10.0, 12.0, 300.0), decode(8, 8192, 40.0, 41.0, 2500.0),
+                       decode(64, 2048, 100.0, 95.0, 2600.0),
+                       decode(256, 8192, 1000.0, 950.0, 2700.0),
+                       decode(64, 512, 50.0, 20.0, 900.0)],  # outside every bar's range
+            "prefill": [{"tokens": 2048, "ours_us": 100.0, "sdpa_us": 90.0,
+                         "max_abs_diff": 0.003}],
+            "mixed": [{"chunk": 512, "decodes": 16, "mixed_us": 50.0, "parts_us": 60.0}]}
+    for path, value in changes.items():
+        section, index, key = path.split("__")
+        data[section][int(index)][key] = value
+    return data
+
+
+def test_kernels_bars_of_issue_17(tmp_path):
+    _write(tmp_path / "kernels.json", _kernels_json())
+    lines = _lines("kernels", tmp_path)
+    assert [w for w in lines.values() if w != "INFO"] == ["PASS"] * 6, lines
+    assert _find(lines, "decode B<=8 speed vs SDPA (eager): worst 1.02 at batch 8, "
+                        "ctx 8192 over 2 rows") == "PASS"
+    _write(tmp_path / "kernels.json", _kernels_json(
+        decode__0__ours_us=15.0, decode__3__ours_gbs=2100.0, prefill__0__ours_us=120.0,
+        prefill__0__max_abs_diff=0.005, mixed__0__mixed_us=61.0, decode__2__sdpa_us=85.0))
+    lines = _lines("kernels", tmp_path)
+    assert _find(lines, "decode B<=8 speed vs SDPA (eager): worst 0.8 at batch 1") == "FAIL"
+    assert _find(lines, "B>=64 ctx>=2k speed vs SDPA (eager): worst 0.85 at batch 64") \
+        == "FAIL"
+    assert _find(lines, "fraction of copy bandwidth: worst 0.7 at batch 256") == "FAIL"
+    assert _find(lines, "prefill 2k-8k causal speed vs SDPA flash: worst 0.75") == "FAIL"
+    assert _find(lines, "max abs diff vs SDPA: worst 0.005 at tokens 2048") == "FAIL"
+    assert _find(lines, "mixed batch time / its two parts' time: worst 1.02") == "FAIL"
+    _write(tmp_path / "kernels.json", {**_kernels_json(), "prefill": []})
+    assert _find(_lines("kernels", tmp_path), "prefill 2k-8k") == "MISSING"
 
 
 def test_missing_results_and_pytest_logs(tmp_path):
