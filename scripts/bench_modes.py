@@ -56,6 +56,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed steps (default 50 CUDA, 10 CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192,
+                   help="width of the block table in tokens, as the engine's for its "
+                        "max_model_len (default 8192, the engine's): a full graph's "
+                        "attention split count is fixed from it, not from the context")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (on a shared CPU, 1 avoids OpenMP oversubscription)")
     p.add_argument("--json", type=Path, default=None)
@@ -198,7 +202,7 @@ def main() -> None:
         # As the runner does for eager CPU runs; compiled graphs do not use the packs.
         prepack_linears(model, None)
     static = StaticBatch(model, max_batch, args.context_len, max_num_tokens=max_batch,
-                         block_size=args.block_size)
+                         block_size=args.block_size, table_len=args.max_model_len)
     forwards = {}
     full_cm = None
     info: dict[str, object] = {}

@@ -40,10 +40,18 @@ def shuffled_blocks(model: DecoderForCausalLM, num_seqs: int, max_len: int, bloc
 
 class StaticBatch:
     def __init__(self, model: DecoderForCausalLM, num_seqs: int, max_len: int,
-                 max_num_tokens: int, block_size: int = 16, seed: int = 0) -> None:
+                 max_num_tokens: int, block_size: int = 16, seed: int = 0,
+                 table_len: int | None = None) -> None:
+        """KV blocks for `max_len` tokens per sequence. `table_len` (> max_len) widens the
+        block table to that many tokens, as the engine's is for its max_model_len (the
+        attention's split count, fixed in a full CUDA graph, follows the table's width);
+        the extra columns point at block 0 and are never read (seq_lens stop short)."""
         param = next(model.parameters())
         device = param.device
         self.caches, table = shuffled_blocks(model, num_seqs, max_len, block_size, seed, device)
+        if table_len is not None and table_len > max_len:
+            extra = -(-table_len // block_size) - table.shape[1]
+            table = torch.cat([table, torch.zeros(num_seqs, extra, dtype=table.dtype)], dim=1)
         # The attention's scratch for these caches, reused across layers and steps.
         self.workspaces = AttentionWorkspaces(k for k, _ in self.caches)
         self.block_table = table.to(device)
