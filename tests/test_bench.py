@@ -283,8 +283,14 @@ def test_tune_hf_batch_size_picks_the_fastest_probe(llm):
     model = load_hf_model(llm.engine)
     reqs = random_requests(8, 6, 3, vocab_size=512, seed=3)
     seen = []
-    best, probes = tune_hf_batch_size(model, reqs, [1, 2, 4, 8],
-                                      progress=lambda done, total: seen.append(done))
+    best, probes, whole = tune_hf_batch_size(model, reqs, [1, 2, 4, 8],
+                                             progress=lambda done, total: seen.append(done))
+    # The best probe is the baseline run itself only when it ran all 8 requests.
+    if best == 8:
+        assert whole is not None and whole.output_tokens_per_s == probes[8]
+        assert whole.num_requests == 8
+    else:
+        assert whole is None
     sizes = list(probes)
     assert sizes == [1, 2, 4, 8][: len(sizes)] and len(sizes) >= 2  # ascending, a prefix
     rates = [probes[s] for s in sizes]
@@ -295,6 +301,9 @@ def test_tune_hf_batch_size_picks_the_fastest_probe(llm):
         assert rates[i] > rates[i - 1]
     assert len(sizes) == 4 or rates[-1] <= rates[-2]
     assert seen == list(range(1, len(sizes) + 1))
+    best, probes, whole = tune_hf_batch_size(model, reqs, [8])  # one probe, of all 8
+    assert best == 8 and whole.num_requests == 8
+    assert whole.output_tokens_per_s == probes[8]
 
 
 @pytest.mark.gpu

@@ -156,25 +156,27 @@ def hf_batch_candidates(num_requests: int) -> list[int]:
 
 def tune_hf_batch_size(model, requests: Sequence[BenchRequest], candidates: Sequence[int],
                        pad_token_id: int = 0,
-                       progress: CountProgress | None = None) -> tuple[int, dict[int, float | None]]:
+                       progress: CountProgress | None = None
+                       ) -> tuple[int, dict[int, float | None], ThroughputResult | None]:
     """The batch size at which `generate` gives the most output tokens/s: one batch of
     the first `b` requests per candidate (ascending), stopping at the first that runs
     out of memory or is slower than the one before. Returns (best, {size: tok/s or
-    None for out of memory})."""
+    None for out of memory}, the best probe's result when it ran every request: then it
+    is the baseline run itself, and need not be repeated)."""
     probes: dict[int, float | None] = {}
-    best, best_rate = candidates[0], -1.0
+    best, best_rate, best_result = candidates[0], -1.0, None
     for n, size in enumerate(sorted(candidates)):
         try:
-            rate = run_hf_baseline(model, requests[:size], size, pad_token_id).output_tokens_per_s
+            result = run_hf_baseline(model, requests[:size], size, pad_token_id)
         except torch.cuda.OutOfMemoryError:
             probes[size] = None
             torch.cuda.empty_cache()
             break
-        probes[size] = rate
+        probes[size] = rate = result.output_tokens_per_s
         if progress:
             progress(n + 1, len(candidates))
         if rate <= best_rate:
             break
-        best, best_rate = size, rate
+        best, best_rate, best_result = size, rate, result
     logger.info("HF generate batch size %d is the fastest of %s", best, probes)
-    return best, probes
+    return best, probes, best_result if best >= len(requests) else None

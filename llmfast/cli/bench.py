@@ -293,14 +293,16 @@ def _throughput_run(run: dict, llm, requests, baseline: Baseline, hf_batch_size,
             model = load_hf_model(llm.engine)
         # HF generate runs here, not where the engine's ranks run: this process's device.
         run["baseline_hf_device_facts"] = local_device_facts(str(model.device))
+        hf = None
         if hf_batch_size is None and llm.engine.config.device.startswith("cuda"):
             with count_progress("HF generate: probing batch sizes", err) as progress:
-                hf_batch_size, probes = tune_hf_batch_size(
+                hf_batch_size, probes, hf = tune_hf_batch_size(
                     model, requests, hf_batch_candidates(len(requests)), progress=progress)
             run["hf_batch_probes"] = {str(k): v for k, v in probes.items()}
         run["hf_batch_size"] = hf_batch_size or len(requests)
-        with count_progress("throughput (HF generate)", err) as progress:
-            hf = run_hf_baseline(model, requests, hf_batch_size, progress=progress)
+        if hf is None:  # else the fastest probe ran every request: that is the run
+            with count_progress("throughput (HF generate)", err) as progress:
+                hf = run_hf_baseline(model, requests, hf_batch_size, progress=progress)
         run["baseline_hf"] = dataclasses.asdict(hf)
         run["speedup_vs_hf"] = run["throughput"]["output_tokens_per_s"] / hf.output_tokens_per_s
         run["total_speedup_vs_hf"] = (run["throughput"]["total_tokens_per_s"]
