@@ -130,9 +130,9 @@ class ModelRunner:
         Order on CUDA: tune the prefill attention tiles no table knows yet -> profile
         the largest step on a scratch cache -> compile and capture on that scratch cache
         (the piecewise graphs never touch the KV cache, so rebinding it later needs no
-        recapture) -> size the KV cache from what is left
-        (graph memory of both kinds known) -> capture the full graphs again on the real
-        cache (they read it; the dropped ones' pool memory is reused).
+        recapture) -> size the KV cache from what is left (graph memory of both kinds
+        known) -> capture the full graphs again on the real cache (they read it; the
+        dropped ones' pool memory is reused).
         """
         cfg = self.config
         model_cfg = self.model.rank_config  # this rank's KV heads
