@@ -43,7 +43,7 @@ from llmfast.kernels.workspaces import AttentionWorkspaces
 def _offline_hopper():
     """This checkout's offline_target (a baseline tree may predate it)."""
     spec = importlib.util.spec_from_file_location(
-        "_offline_target", REPO / "llmfast" / "kernels" / "offline_target.py")
+        "_offline_target", REPO / "llmfast" / "kernels" / "launch" / "offline_target.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.offline_hopper

@@ -275,7 +275,9 @@ _CAPTURE = re.compile(r"llama-3\.2-1b default mode: .*?(\d+) piecewise CUDA grap
 
 
 _VERBOSE_ID = re.compile(r"^(tests/\S+::\S+)")
-_VERBOSE_OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED)(?:\s+\[\s*\d+%\])?\s*$")
+# The progress percentage is required: a test's own print ending in "PASSED" is not an
+# outcome.
+_VERBOSE_OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED)\s+\[\s*\d+%\]\s*$")
 
 
 def _outcomes(text: str) -> dict[str, str]:

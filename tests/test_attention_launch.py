@@ -1,6 +1,6 @@
 """The cached launch path (kernels/launch_cache.py) against Triton's own JIT launch.
 
-Triton compiles the attention kernel for sm_90 on this CPU (kernels/offline_target.py)
+Triton compiles the attention kernel for sm_90 on this CPU (kernels/launch/offline_target.py)
 and every launch is recorded instead of run. The oracle is the JIT path itself: for the
 same arguments the cached path must hand the launcher the same compiled kernel and the
 same arguments, and must compile anew exactly when Triton would specialize differently.

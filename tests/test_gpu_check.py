@@ -188,6 +188,8 @@ def test_missing_results_and_pytest_logs(tmp_path):
         "tests/test_full_graphs_gpu.py::test_capture_counts_per_mode \n"
         "none: 3 pieces around 2 attention calls\n"
         "PASSED [ 14%]\n"
+        "tests/test_full_graphs_gpu.py::test_greedy_tokens_identical_in_every_mode_and_equal"
+        "_hf \nbatch 3: all sequences PASSED\n"
         "tests/test_full_graphs_gpu.py::test_seeded_sampling_identical_in_every_mode "
         "FAILED [ 28%]\n"
         "tests/test_full_graphs_gpu.py::test_default_sizes_both_kinds_capture_on_llama_1b \n")
@@ -197,6 +199,8 @@ def test_missing_results_and_pytest_logs(tmp_path):
     assert _find(lines, "test_seeded_sampling_identical_in_every_mode: 0/1") == "FAIL"
     assert _find(lines, "test_default_sizes_both_kinds_capture_on_llama_1b did not") \
         == "MISSING"
+    assert _find(lines, "test_greedy_tokens_identical_in_every_mode_and_equal_hf did not") \
+        == "MISSING"  # its print ended in PASSED; no outcome followed
     (tmp_path / "async_tests.log").write_text("Traceback ...\nKilled\n")
     assert _find(_lines("async_tests", tmp_path), "no result line") == "FAIL"
     assert verdicts("serve", tmp_path) == []  # no bars
