@@ -16,6 +16,7 @@ import pytest
 
 from llmfast import LLM, SamplingParams
 from llmfast.executor import ExecutorError, WorkerDied
+from llmfast.executor.errors import WorkerFailed
 from tests.helpers.processes import children, wait_until_gone, with_marker
 
 TP2 = {"device": "cpu", "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
@@ -51,6 +52,25 @@ def test_killed_worker_ends_the_engine_naming_its_rank(rank):
     with pytest.raises(ExecutorError, match="stopped earlier: worker rank"):
         engine.step()
     engine.shutdown()  # nothing left to stop: a no-op
+
+
+def test_a_rank_failing_because_a_peer_died_is_reported_as_that_death():
+    """Killing rank 1 resets rank 0's gloo connection, and rank 0's error report may reach
+    the engine before rank 1's exit does: the report then names the death, the cause."""
+    llm = LLM("random:tiny", **TP2)
+    executor = llm.engine.executor
+    pids = executor.worker_pids()
+    reset = WorkerFailed(0, "Read error [127.0.0.1]:7077: Connection reset by peer",
+                         "in a step")
+    start = time.monotonic()
+    assert executor._peer_death_behind(reset, grace_s=0.3) is reset  # nobody died
+    assert time.monotonic() - start >= 0.3
+    os.kill(pids[1], signal.SIGKILL)
+    cause = executor._peer_death_behind(reset)
+    assert isinstance(cause, WorkerDied) and cause.rank == 1
+    assert str(cause) == "worker rank 1 died (killed by SIGKILL); the engine stopped"
+    llm.engine.shutdown()
+    assert not wait_until_gone(pids, 10)
 
 
 _SCRIPT = textwrap.dedent("""

@@ -9,6 +9,13 @@ engine: an engine whose executor failed runs no further step.
 
 from __future__ import annotations
 
+# A rank's collective fails the moment a peer dies (gloo/NCCL: connection reset by peer),
+# and its report may reach the engine before the death does (Ray learns of a dead actor
+# through its raylet, later than the surviving rank's gloo does). A rank's failure report
+# therefore waits up to this long for another rank's death, which is then reported as
+# the cause: "rank 1 died", not "rank 0 failed: connection reset". Error path only.
+PEER_DEATH_GRACE_S = 3.0
+
 
 class ExecutorError(RuntimeError):
     """The executor cannot go on; the message is one user-facing line."""

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 
 from llmfast.executor.mp import messages
 from llmfast.executor.base import DistributedExecutor
-from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
+from llmfast.executor.errors import (
+    PEER_DEATH_GRACE_S,
+    ExecutorError,
+    WorkerDied,
+    WorkerFailed,
+)
 from llmfast.executor.mp.processes import WorkerProcess, stop_workers
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config, rank_devices
 from llmfast.executor.worker import WorkerReady, WorkerSpec
@@ -159,7 +164,7 @@ class MultiprocExecutor(DistributedExecutor):
                 except (EOFError, OSError):
                     raise self._fail(self._failure_of(worker)) from None
                 if kind == messages.ERROR:
-                    raise self._fail(_worker_failed(payload))
+                    raise self._fail(self._peer_death_behind(_worker_failed(payload)))
                 return worker, kind, payload
             for handle in ready:
                 raise self._fail(self._failure_of(self._owner[handle]))
@@ -175,6 +180,28 @@ class MultiprocExecutor(DistributedExecutor):
         except (EOFError, OSError):
             pass
         return WorkerDied(worker.rank, worker.wait_exit(2.0))
+
+    def _peer_death_behind(self, failure: WorkerFailed,
+                           grace_s: float = PEER_DEATH_GRACE_S) -> ExecutorError:
+        """Another rank's death if one shows within `grace_s` (it caused `failure`: see
+        PEER_DEATH_GRACE_S), else `failure`."""
+        others = [w for w in self._workers if w.rank != failure.rank]
+        deadline = time.monotonic() + grace_s
+        while others:
+            for w in [w for w in others if w.exit_description() is not None]:
+                cause = self._failure_of(w)
+                if isinstance(cause, WorkerDied):
+                    return cause
+                others.remove(w)  # exited after an error of its own: not a death
+            left = deadline - time.monotonic()
+            if left <= 0 or not others:
+                break
+            pidfds = [w.pidfd for w in others if w.pidfd is not None]
+            if len(pidfds) == len(others):
+                wait(pidfds, left)  # wakes at the first exit
+            else:  # no pidfd here: poll
+                time.sleep(min(left, 0.05))
+        return failure
 
     def _stop_after_failure(self) -> None:
         # Briefly: a worker blocked on the failed one never reads SHUTDOWN.

@@ -27,7 +27,12 @@ import torch
 
 from llmfast.config import ConfigError
 from llmfast.executor.base import DistributedExecutor
-from llmfast.executor.errors import ExecutorError, WorkerDied, WorkerFailed
+from llmfast.executor.errors import (
+    PEER_DEATH_GRACE_S,
+    ExecutorError,
+    WorkerDied,
+    WorkerFailed,
+)
 from llmfast.executor.mp.processes import PACKAGE_ROOT
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config
 from llmfast.executor.worker import WorkerReady, WorkerSpec
@@ -232,9 +237,32 @@ class RayExecutor(DistributedExecutor):
                     raise self._fail(WorkerDied(rank, _actor_death(e))) from None
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
-                    raise self._fail(WorkerFailed(rank, one_line(cause, max_chars=None),
-                                                  during or "in a step")) from None
+                    failure = WorkerFailed(rank, one_line(cause, max_chars=None),
+                                           during or "in a step")
+                    others = [r for r in refs if rank_of[r] != rank]
+                    raise self._fail(self._peer_death_behind(failure, others, rank_of)
+                                     ) from None
         return results
+
+    def _peer_death_behind(self, failure: WorkerFailed, others: list, rank_of: dict,
+                           grace_s: float = PEER_DEATH_GRACE_S) -> ExecutorError:
+        """The death of another rank (its result in `others` raises RayActorError) if one
+        shows within `grace_s` (it caused `failure`: see PEER_DEATH_GRACE_S), else
+        `failure`."""
+        ray = self._ray
+        deadline = time.monotonic() + grace_s
+        while others:
+            ready, others = ray.wait(others, num_returns=1,
+                                     timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                return WorkerDied(rank_of[ready[0]], _actor_death(e))
+            except ray.exceptions.RayTaskError:
+                pass  # failed too, most likely for the same cause
+        return failure
 
 
 
