@@ -1,0 +1,105 @@
+"""The CPU stand-in for tests/test_async_gpu.py's sync-debug check: a steady-state engine
+step calls no op that would make the host wait for a CUDA device.
+
+On the GPU, `torch.cuda.set_sync_debug_mode("error")` catches every synchronisation; CI
+has no GPU, so this records the ops a step dispatches (a TorchDispatchMode) and refuses
+those that synchronise whatever the device: reading a value on the host (`.item()`,
+`bool(t)`, `int(t)`), ops whose output shape depends on the data (`nonzero`, boolean-
+mask indexing, `masked_select`, `unique`), and tensors made from Python data per step
+(`torch.tensor(list)`: on CUDA a copy from pageable memory). It cannot see device-to-host
+copies (`.cpu()`, `.tolist()` are no-ops on CPU); the GPU test does.
+
+What runs under the recorder is what the runner shares with CUDA: state updates, input
+preparation, sampling metadata, the placeholder fill of async scheduling, the lm_head
+and the sampler with every stage on. Left out: the decoder's forward (on CPU it runs the
+CPU attention and KV write, which are not the CUDA ones) and the one designated wait for
+the sampled ids (`PendingStep.wait`).
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from llmfast import LLM
+from llmfast.worker.step_output import PendingStep
+from tests.test_async_gpu import _mixed_params
+
+# Ops that make the host wait for the device's result, on any device.
+HOST_SYNCING = {
+    "aten::_local_scalar_dense",  # .item(), bool(t), int(t), float(t)
+    "aten::is_nonzero",  # bool(t), `if t:`
+    "aten::equal",
+    "aten::allclose",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+    "aten::unique_dim",
+}
+# torch.tensor(python list): on CUDA a copy from pageable memory. A Python scalar put
+# into a tensor (`t[:, -1] = False`) is lifted too, as a 0-d tensor, but a 0-d CPU
+# tensor is passed to CUDA by value: not refused.
+FROM_PYTHON_DATA = "aten::lift_fresh"
+
+
+class _HostSyncRecorder(TorchDispatchMode):
+    """Counts every op; for a host-syncing one (or indexing by a boolean mask), keeps
+    where it was called from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.syncing: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        self.counts[name] += 1
+        bool_mask = name in ("aten::index", "aten::index_put_", "aten::index_put") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()))
+        from_list = name == FROM_PYTHON_DATA and args[0].dim() > 0
+        if (name in HOST_SYNCING or bool_mask or from_list) and name not in self.syncing:
+            self.syncing[name] = "".join(traceback.format_stack(limit=12)[:-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, monkeypatch):
+    engine = LLM("random:tiny", device="cpu", dtype="float32", max_model_len=256,
+                 max_num_seqs=16, max_num_batched_tokens=512, seed=0, enforce_eager=True,
+                 async_scheduling=async_scheduling).engine
+    for i, params in enumerate(_mixed_params()):  # every sampler stage, logprobs included
+        engine.add_request({"prompt_token_ids": [3 + i] * (10 + 7 * i)}, params)
+    for _ in range(6):  # prefills, first decodes, lazy allocations
+        engine.step()
+
+    runner = engine.runner
+    forward = runner.forward_fn
+
+    def forward_unrecorded(*args):
+        with _disable_current_modes():
+            return forward(*args)
+
+    wait = PendingStep.wait
+
+    def designated_wait(self):
+        with _disable_current_modes():
+            return wait(self)
+
+    monkeypatch.setattr(runner, "forward_fn", forward_unrecorded)
+    monkeypatch.setattr(PendingStep, "wait", designated_wait)
+    recorder = _HostSyncRecorder()
+    with recorder:
+        counts = [len(engine.step()) for _ in range(8)]
+    assert counts == [5] * 8
+    assert not recorder.syncing, "host-syncing ops in a step:\n" + "\n".join(
+        f"{name} from:\n{where}" for name, where in recorder.syncing.items())
+    # The recorder saw the step's own work (the sampler's argmax, the lm_head), not an
+    # empty scope.
+    assert recorder.counts["aten::argmax"] >= 8
+    assert sum(recorder.counts.values()) > 8 * 20
