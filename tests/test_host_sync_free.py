@@ -10,22 +10,26 @@ mask indexing, `masked_select`, `unique`), and tensors made from Python data per
 copies (`.cpu()`, `.tolist()` are no-ops on CPU); the GPU test does.
 
 What runs under the recorder is what the runner shares with CUDA: state updates, input
-preparation, sampling metadata, the placeholder fill of async scheduling, the lm_head
-and the sampler with every stage on. Left out: the decoder's forward (on CPU it runs the
-CPU attention and KV write, which are not the CUDA ones) and the one designated wait for
-the sampled ids (`PendingStep.wait`).
+preparation (with full decode graphs, emulated on CPU, their padded static inputs too),
+sampling metadata, the placeholder fill of async scheduling, the lm_head and the sampler
+with every stage on. Left out: the decoder's forward and a full graph's replay (on CPU
+they run the CPU attention and KV write, not the CUDA ones), and the one designated wait
+for the sampled ids (`PendingStep.wait`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import traceback
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from llmfast import LLM
+from llmfast.config import CudaGraphMode
+from llmfast.engine import LLMEngine
+from llmfast.engine_args import EngineArgs
 from llmfast.worker.step_output import PendingStep
 from tests.test_async_gpu import _mixed_params
 
@@ -68,11 +72,24 @@ class _HostSyncRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _engine(async_scheduling: bool, full_graphs: bool) -> LLMEngine:
+    args = EngineArgs(model="random:tiny", device="cpu", dtype="float32", max_model_len=256,
+                      max_num_seqs=16, max_num_batched_tokens=512, seed=0,
+                      compile=full_graphs, async_scheduling=async_scheduling,
+                      cuda_graph_sizes=(1, 2, 4, 8))
+    config, source = args.create_engine_config()
+    if full_graphs:  # decode steps replay (emulated) full graphs: their input padding
+        config = dataclasses.replace(config, compile=dataclasses.replace(
+            config.compile, cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+            emulate_cuda_graphs=True))
+    return LLMEngine(config, source)
+
+
+@pytest.mark.parametrize("full_graphs", [False, True], ids=["eager", "full-graphs"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, monkeypatch):
-    engine = LLM("random:tiny", device="cpu", dtype="float32", max_model_len=256,
-                 max_num_seqs=16, max_num_batched_tokens=512, seed=0, enforce_eager=True,
-                 async_scheduling=async_scheduling).engine
+def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, full_graphs,
+                                                    monkeypatch):
+    engine = _engine(async_scheduling, full_graphs)
     for i, params in enumerate(_mixed_params()):  # every sampler stage, logprobs included
         engine.add_request({"prompt_token_ids": [3 + i] * (10 + 7 * i)}, params)
     for _ in range(6):  # prefills, first decodes, lazy allocations
@@ -91,12 +108,22 @@ def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, monkeypatc
         with _disable_current_modes():
             return wait(self)
 
+    replay_full = runner.compiled.replay_full
+    replays = []
+
+    def replay_full_unrecorded(*args):
+        replays.append(args[0])
+        with _disable_current_modes():
+            return replay_full(*args)
+
     monkeypatch.setattr(runner, "forward_fn", forward_unrecorded)
+    monkeypatch.setattr(runner.compiled, "replay_full", replay_full_unrecorded)
     monkeypatch.setattr(PendingStep, "wait", designated_wait)
     recorder = _HostSyncRecorder()
     with recorder:
         counts = [len(engine.step()) for _ in range(8)]
     assert counts == [5] * 8
+    assert replays == ([8] * 8 if full_graphs else [])  # 5 rows padded to 8
     assert not recorder.syncing, "host-syncing ops in a step:\n" + "\n".join(
         f"{name} from:\n{where}" for name, where in recorder.syncing.items())
     # The recorder saw the step's own work (the sampler's argmax, the lm_head), not an
