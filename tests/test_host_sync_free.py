@@ -7,7 +7,8 @@ those that synchronise whatever the device: reading a value on the host (`.item(
 `bool(t)`, `int(t)`), ops whose output shape depends on the data (`nonzero`, boolean-
 mask indexing, `masked_select`, `unique`), and tensors made from Python data per step
 (`torch.tensor(list)`: on CUDA a copy from pageable memory). It cannot see device-to-host
-copies (`.cpu()`, `.tolist()` are no-ops on CPU); the GPU test does.
+copies (`.cpu()`, `.tolist()` are no-ops on CPU); the GPU test does. Also checked: no
+tensor is allocated per step outside the sampler (the inputs go to persistent buffers).
 
 What runs under the recorder is what the runner shares with CUDA: state updates, input
 preparation (with full decode graphs, emulated on CPU, their padded static inputs too),
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import traceback
 
 import pytest
@@ -51,14 +53,23 @@ HOST_SYNCING = {
 FROM_PYTHON_DATA = "aten::lift_fresh"
 
 
+# Ops that make a new tensor from nothing (a copy or concatenation is an op's result,
+# not counted): per step, only the sampler's [rows, vocab] temporaries may; the input
+# preparation fills persistent buffers.
+FACTORIES = {"aten::empty", "aten::empty_strided", "aten::zeros", "aten::ones", "aten::full",
+             "aten::arange", "aten::empty_like", "aten::zeros_like", "aten::ones_like",
+             "aten::full_like", "aten::new_empty", "aten::new_zeros", "aten::new_full"}
+
+
 class _HostSyncRecorder(TorchDispatchMode):
     """Counts every op; for a host-syncing one (or indexing by a boolean mask), keeps
-    where it was called from."""
+    where it was called from; for a factory, which llmfast module called it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
         self.syncing: dict[str, str] = {}
+        self.factory_callers: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -69,6 +80,11 @@ class _HostSyncRecorder(TorchDispatchMode):
         from_list = name == FROM_PYTHON_DATA and args[0].dim() > 0
         if (name in HOST_SYNCING or bool_mask or from_list) and name not in self.syncing:
             self.syncing[name] = "".join(traceback.format_stack(limit=12)[:-1])
+        if name in FACTORIES:
+            ours = [f.filename for f in traceback.extract_stack()[:-1]
+                    if f"{os.sep}llmfast{os.sep}" in f.filename]
+            self.factory_callers.add(ours[-1].split(f"{os.sep}llmfast{os.sep}")[-1]
+                                     if ours else "?")
         return func(*args, **(kwargs or {}))
 
 
@@ -126,6 +142,7 @@ def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, full_graph
     assert replays == ([8] * 8 if full_graphs else [])  # 5 rows padded to 8
     assert not recorder.syncing, "host-syncing ops in a step:\n" + "\n".join(
         f"{name} from:\n{where}" for name, where in recorder.syncing.items())
+    assert recorder.factory_callers <= {f"worker{os.sep}sampling{os.sep}sampler.py"}
     # The recorder saw the step's own work (the sampler's argmax, the lm_head), not an
     # empty scope.
     assert recorder.counts["aten::argmax"] >= 8
