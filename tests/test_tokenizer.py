@@ -144,3 +144,35 @@ def test_constant_work_per_token(byte_dir):
     detok = IncrementalDetokenizer(Counting(), tok.encode("a long prompt " * 50))
     assert "".join(stream(detok, ids)) == MIXED_TEXT * 40
     assert len(ids) > 500 and Counting.longest <= 12
+
+
+@pytest.mark.parametrize("which", ["byte_dir", "metaspace_dir"])
+def test_direct_rust_decode_equals_transformers_decode(which, request):
+    """`Tokenizer.decode` calls the `tokenizers` decode directly for a fast tokenizer:
+    the same text as transformers' decode (no clean-up), special tokens and partial
+    UTF-8 characters included."""
+    tok = load_tokenizer(request.getfixturevalue(which))
+    assert tok._rust_decode is not None  # the direct path is the one under test
+    rng = random.Random(1)
+    vocab = len(tok.hf)
+    for _ in range(400):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), (ids, skip)
+
+
+def test_a_tokenizer_class_with_its_own_decode_keeps_it(byte_dir):
+    """A transformers class that overrides `_decode` (some do: Whisper, CodeGen...) is
+    called through transformers, not around it."""
+    from transformers import PreTrainedTokenizerFast
+
+    class ShoutingTokenizer(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    tok = load_tokenizer(byte_dir)
+    shouting = type(tok)(ShoutingTokenizer.from_pretrained(str(byte_dir)), tok.eos_token_ids)
+    assert shouting._rust_decode is None
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert shouting.decode(ids) == "HELLO WORLD" and tok.decode(ids) == "hello world"
