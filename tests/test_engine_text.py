@@ -124,3 +124,23 @@ def test_min_tokens_holds_back_stop_token_ids(llm):
         assert ids[-1] == stop_id and len(ids) > min_tokens and stop_id not in ids[:-1]
     else:
         assert len(ids) == 24 and stop_id not in ids
+
+
+def test_offline_text_decoded_at_the_end_equals_the_streamed_text(llm):
+    """A request whose text is read only when it ends (offline, no stop strings) is
+    decoded once, at the end; its text is the streamed one, sampled tokens that split
+    characters or are (skipped) special tokens included."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, ignore_eos=True)
+              for s in range(12)]
+    prompts = [f"story {i}: 你好 😀" for i in range(12)]
+    offline = llm.generate(prompts, params)
+    for prompt, p, done in zip(prompts, params, offline):
+        *_, last = llm.stream(prompt, p)
+        assert done.outputs[0].token_ids == last.outputs[0].token_ids
+        assert done.outputs[0].text == last.outputs[0].text
+    # Random sampling over this vocabulary samples special tokens (ids 0-2, skipped in the
+    # text) and splits characters: the test covers both.
+    assert any(t < 3 for o in offline for t in o.outputs[0].token_ids)
+    tok = llm.tokenizer
+    assert any("\ufffd" in tok.decode(o.outputs[0].token_ids[i:i + 1])
+               for o in offline for i in range(60))
