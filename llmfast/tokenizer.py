@@ -225,7 +225,7 @@ class IncrementalDetokenizer:
         """Append sampled ids without decoding them: the next `add_tokens` or `flush`
         decodes them with the rest, in one window (two decodes, whatever the count). For
         a request whose text is only read when it ends."""
-        self._ids.extend(int(t) for t in new_token_ids)
+        self._ids.extend(map(int, new_token_ids))
 
     def flush(self) -> str:
         """At the end of a request: emit held-back text even if it ends mid-character."""
