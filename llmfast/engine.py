@@ -273,12 +273,12 @@ class LLMEngine:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.token_times.extend([now] * len(upd.new_token_ids))
-                if tracked.detokenizer is None:
-                    pass
-                elif tracked.stream or tracked.request.sampling_params.stop:
-                    tracked.text += tracked.detokenizer.add_tokens(upd.new_token_ids)
-                else:  # text read only at the end: decoded then, in one go (flush)
-                    tracked.detokenizer.append(upd.new_token_ids)
+                detok = tracked.detokenizer
+                if detok is not None:
+                    if tracked.stream or tracked.request.sampling_params.stop:
+                        tracked.text += detok.add_tokens(upd.new_token_ids)
+                    else:  # text read only at the end: decoded then, in one go (flush)
+                        detok.append(upd.new_token_ids)
                 if upd.logprobs:
                     if tracked.logprobs is None:
                         tracked.logprobs = []
