@@ -63,6 +63,11 @@ class Tokenizer:
             clean_up_tokenization_spaces=False,
         )
 
+    @property
+    def rust_tokenizer(self) -> Any | None:
+        """The `tokenizers.Tokenizer` that `_rust_decode` calls, else None."""
+        return getattr(self._rust_decode, "__self__", None)
+
     @functools.cached_property
     def _rust_decode(self) -> Callable[..., str] | None:
         """The `tokenizers` decode a fast HF tokenizer ends in, called directly: the same
@@ -180,6 +185,12 @@ class IncrementalDetokenizer:
     A delta is emitted once the text does not end in U+FFFD (an incomplete UTF-8
     character); then the window slides to start where the last delta began. Each token
     costs two decodes of a few ids, whatever the length of the sequence.
+
+    With a fast tokenizer the same window runs in Rust (`tokenizers`' DecodeStream: one
+    call per token, ~3x less host time than the two decodes from Python), and the
+    offsets above follow it, so `append` and `flush` carry on in Python from where it
+    stands. Not for a prompt tail that ends mid-character: only the Python path keeps
+    that fragment out of the first delta.
     """
 
     PROMPT_WINDOW = 5  # prompt tokens decoded as context for the first output token
@@ -198,6 +209,23 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._prefix_text: str | None = None  # decode of _ids[_prefix:_read], cached
         self._pieces: list[str] = []
+        self._backend = getattr(tokenizer, "rust_tokenizer", None)
+        self._stream = self._open_stream() if self._backend is not None else None
+
+    def _open_stream(self) -> Any | None:
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # tokenizers < 0.21
+            return None
+        prompt = self._ids[: self._read]
+        if prompt:
+            self._prefix_text = self._decode(prompt)  # the Python path's first prefix
+            if self._prefix_text.endswith(_REPLACEMENT):
+                return None
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        if prompt:  # as context: the same window as the Python path's first one
+            stream.step(self._backend, prompt)
+        return stream
 
     @property
     def text(self) -> str:
@@ -213,9 +241,17 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the new text (possibly "")."""
         deltas = []
+        stream = self._stream
         for token_id in new_token_ids:
             self._ids.append(int(token_id))
-            deltas.append(self._step(final=False))
+            if stream is None:
+                deltas.append(self._step(final=False))
+                continue
+            chunk = stream.step(self._backend, int(token_id))
+            if chunk:  # the Rust window slid: so do the offsets
+                deltas.append(chunk)
+                self._prefix, self._read = self._read, len(self._ids)
+                self._prefix_text = None
         delta = "".join(deltas)
         if delta:
             self._pieces.append(delta)
@@ -225,10 +261,12 @@ class IncrementalDetokenizer:
         """Append sampled ids without decoding them: the next `add_tokens` or `flush`
         decodes them with the rest, in one window (two decodes, whatever the count). For
         a request whose text is only read when it ends."""
+        self._stream = None  # the Rust window would not see these ids
         self._ids.extend(map(int, new_token_ids))
 
     def flush(self) -> str:
         """At the end of a request: emit held-back text even if it ends mid-character."""
+        self._stream = None  # the Python window emits what the Rust one holds back
         delta = self._step(final=True) if self._read < len(self._ids) else ""
         if delta:
             self._pieces.append(delta)

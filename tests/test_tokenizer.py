@@ -176,3 +176,45 @@ def test_a_tokenizer_class_with_its_own_decode_keeps_it(byte_dir):
     assert shouting._rust_decode is None
     ids = tok.encode("hello world", add_special_tokens=False)
     assert shouting.decode(ids) == "HELLO WORLD" and tok.decode(ids) == "hello world"
+
+
+class _PythonOnly:
+    """The same tokenizer without its Rust handle: IncrementalDetokenizer's Python path."""
+
+    def __init__(self, tok) -> None:
+        self.decode = tok.decode
+
+
+@pytest.mark.parametrize("which", ["byte_dir", "metaspace_dir"])
+def test_rust_decode_stream_gives_the_python_paths_deltas(which, request):
+    """With a fast tokenizer the window runs in `tokenizers`' DecodeStream: the same
+    deltas as the Python path, token by token, for clean and mid-character prompt tails,
+    several ids per call, skipped special tokens, and `append` / `flush` taking over
+    mid-stream."""
+    tok = load_tokenizer(request.getfixturevalue(which))
+    python_only = _PythonOnly(tok)
+    rng = random.Random(2)
+    vocab = len(tok.hf)
+    streamed = 0
+    for case in range(300):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        skip = case % 2 == 0
+        rust = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        ref = IncrementalDetokenizer(python_only, prompt, skip_special_tokens=skip)
+        assert ref._stream is None
+        streamed += rust._stream is not None
+        cut = rng.randrange(len(output) + 1)  # deferred (append) from here on, some cases
+        i = 0
+        while i < len(output):
+            step = output[i:i + rng.choice((1, 1, 1, 2, 3))]
+            if case % 3 == 0 and i >= cut:
+                rust.append(step)
+                ref.append(step)
+                assert rust._stream is None
+            else:
+                assert rust.add_tokens(step) == ref.add_tokens(step), (prompt, output[:i + 1])
+            i += len(step)
+        assert rust.flush() == ref.flush()
+        assert rust.text == ref.text
+    assert streamed >= 150  # most prompt tails decode whole: the Rust path was tested
