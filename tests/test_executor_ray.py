@@ -19,6 +19,7 @@ import pytest
 from llmfast import LLM, SamplingParams
 from llmfast.bench import run_sweep
 from llmfast.executor import ExecutorError, WorkerDied
+from llmfast.executor.errors import WorkerFailed
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.cli import TINY, invoke
 from tests.helpers.processes import children, wait_until_gone
@@ -62,7 +63,13 @@ def test_tp2_ray_tokens_equal_uni_then_a_killed_actor_stops_everything(family, t
                            SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
     for _ in range(3):
         engine.step()
+    # A rank's failure report stands while its peers live, and names a dead peer (its
+    # collective failing first is what a killed peer causes).
+    reset = WorkerFailed(0, "Connection reset by peer", "in a step")
+    assert engine.executor._peer_death_behind(reset) is reset
     os.kill(pids[1], signal.SIGKILL)
+    cause = engine.executor._peer_death_behind(reset, grace_s=30)
+    assert isinstance(cause, WorkerDied) and cause.rank == 1
     start = time.monotonic()
     with pytest.raises(WorkerDied) as caught:
         while time.monotonic() - start < 60:

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmfast.executor.errors import ExecutorError
+from llmfast.executor.errors import PEER_DEATH_GRACE_S, ExecutorError, WorkerFailed
 
 if TYPE_CHECKING:
     from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -144,7 +144,10 @@ class DistributedExecutor(Executor):
         self._finalizer()
 
     def _fail(self, error: ExecutorError) -> ExecutorError:
-        """Stop every worker now and remember why; returns `error` to raise."""
+        """Stop every worker now and remember why; returns the error to raise: `error`,
+        or for a rank's failure the death of another rank behind it."""
+        if isinstance(error, WorkerFailed):
+            error = self._peer_death_behind(error)
         if self._failure is None:
             self._failure = str(error)
         logger.debug("stopping the workers: %s", error)
@@ -153,6 +156,12 @@ class DistributedExecutor(Executor):
 
     def _stop_after_failure(self) -> None:
         self._finalizer()
+
+    def _peer_death_behind(self, failure: WorkerFailed,
+                           grace_s: float = PEER_DEATH_GRACE_S) -> ExecutorError:
+        """Another rank's death if one shows within `grace_s` (it caused `failure`: see
+        PEER_DEATH_GRACE_S), else `failure`. A backend that can see deaths overrides."""
+        return failure
 
     def _time_left(self, deadline: float | None) -> float | None:
         """Seconds until `deadline` (time.monotonic; None: no limit); past it, the

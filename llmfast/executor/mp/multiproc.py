@@ -164,7 +164,7 @@ class MultiprocExecutor(DistributedExecutor):
                 except (EOFError, OSError):
                     raise self._fail(self._failure_of(worker)) from None
                 if kind == messages.ERROR:
-                    raise self._fail(self._peer_death_behind(_worker_failed(payload)))
+                    raise self._fail(_worker_failed(payload))
                 return worker, kind, payload
             for handle in ready:
                 raise self._fail(self._failure_of(self._owner[handle]))
@@ -183,8 +183,6 @@ class MultiprocExecutor(DistributedExecutor):
 
     def _peer_death_behind(self, failure: WorkerFailed,
                            grace_s: float = PEER_DEATH_GRACE_S) -> ExecutorError:
-        """Another rank's death if one shows within `grace_s` (it caused `failure`: see
-        PEER_DEATH_GRACE_S), else `failure`."""
         others = [w for w in self._workers if w.rank != failure.rank]
         deadline = time.monotonic() + grace_s
         while others:

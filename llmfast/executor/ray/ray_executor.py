@@ -237,19 +237,19 @@ class RayExecutor(DistributedExecutor):
                     raise self._fail(WorkerDied(rank, _actor_death(e))) from None
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
-                    failure = WorkerFailed(rank, one_line(cause, max_chars=None),
-                                           during or "in a step")
-                    others = [r for r in refs if rank_of[r] != rank]
-                    raise self._fail(self._peer_death_behind(failure, others, rank_of)
-                                     ) from None
+                    raise self._fail(WorkerFailed(rank, one_line(cause, max_chars=None),
+                                                  during or "in a step")) from None
         return results
 
-    def _peer_death_behind(self, failure: WorkerFailed, others: list, rank_of: dict,
+    def _peer_death_behind(self, failure: WorkerFailed,
                            grace_s: float = PEER_DEATH_GRACE_S) -> ExecutorError:
-        """The death of another rank (its result in `others` raises RayActorError) if one
-        shows within `grace_s` (it caused `failure`: see PEER_DEATH_GRACE_S), else
-        `failure`."""
+        # Asks every other actor for its pid: a live one answers after the call it is
+        # busy with (likely blocked on the failed rank: no answer), a dead one's answer
+        # is a RayActorError once Ray has learned of the death.
         ray = self._ray
+        rank_of = {actor.pid.remote(): rank for rank, actor in enumerate(self._state.actors)
+                   if rank != failure.rank}
+        others = list(rank_of)
         deadline = time.monotonic() + grace_s
         while others:
             ready, others = ray.wait(others, num_returns=1,
