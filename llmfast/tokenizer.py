@@ -242,12 +242,12 @@ class IncrementalDetokenizer:
         """Append sampled ids; return the new text (possibly "")."""
         deltas = []
         stream = self._stream
-        for token_id in new_token_ids:
-            self._ids.append(int(token_id))
+        for token_id in map(int, new_token_ids):
+            self._ids.append(token_id)
             if stream is None:
                 deltas.append(self._step(final=False))
                 continue
-            chunk = stream.step(self._backend, int(token_id))
+            chunk = stream.step(self._backend, token_id)
             if chunk:  # the Rust window slid: so do the offsets
                 deltas.append(chunk)
                 self._prefix, self._read = self._read, len(self._ids)
