@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from llmfast.bench.environment import environment_info, local_device_facts
 from llmfast.bench.serving import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
+from llmfast.engine_args import resolve_device
 from llmfast.utils.flag_values import parse_bytes
 from llmfast.utils.ports import free_port
 
@@ -103,17 +104,13 @@ def main() -> int:
             "date": datetime.date.today().isoformat(), "machine": platform.platform(),
             # This (the client's) machine: the server's too with --launch, as on the GPU
             # machine's check; a remote --url server's device is not known here.
-            "environment": environment_info(local_device_facts(_local_device())),
+            "environment": environment_info(local_device_facts(
+                str(resolve_device("auto")))),
             "argv": sys.argv, "results": [
                 {"what": what, **{k: (v if not (isinstance(v, float) and math.isinf(v))
                                       else "inf") for k, v in dataclasses.asdict(r).items()
                                   if k != "per_request"}} for what, r in rows]}, indent=2))
     return 1 if any(getattr(r, "failed", 0) for _, r in rows) else 0
-
-
-def _local_device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def print_summary(rows) -> None:
