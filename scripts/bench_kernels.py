@@ -52,6 +52,7 @@ from bench_kernels_prefill import (
 )
 
 from llmfast.kernels import attention
+from llmfast.kernels.tuning.split_table import merge_sweep
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
@@ -118,7 +119,7 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
         # the heuristic.
         return attention.select_config(
             batch * num_new, batch, heads, kv_heads, hd, args.block_size, width, dtype,
-            num_sms, attention._device_split_table(torch.device("cuda", 0))).num_splits
+            num_sms, attention._device_split_tables(torch.device("cuda", 0))).num_splits
 
     result = dict(batch=batch, ctx=ctx, num_new=num_new, splits=splits_for(block_table.shape[1]),
                   ours_us=ours_us, sdpa_us=sdpa_us, sdpa_variant=sdpa_variant,
@@ -172,7 +173,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=[2048, 4096, 8192],
+                        help="prefill rows (none: decode only)")
     parser.add_argument("--mixed", nargs="*", default=["2048,2048,64,2048", "512,3584,32,4096"],
                         help="mixed batches CHUNK,PREFIX,DECODES,DECODE_CONTEXT")
     parser.add_argument("--tune", choices=["auto", "force", "off"], default="auto",
@@ -186,7 +188,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write all results here")
     parser.add_argument("--sweep-splits", type=Path,
                         help="time every split count per decode shape; best per (batch, "
-                             "context) to this JSON (for a profiles/ split table)")
+                             "context) added to this JSON, one table per head shape (the "
+                             "file to ship as kernels/tuning/split_tables/<gpu>.json)")
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -285,11 +288,14 @@ def main() -> None:
         for b in best:
             lines.append(f"| {b['batch']} | {b['ctx']} | {b['chosen']} | {b['best']} | "
                          + " | ".join(f"{v:.1f}" for v in b["graph_us"].values()) + " |")
-        args.sweep_splits.write_text(json.dumps(dict(
+        # Added to the file: a sweep of another head dim into it keeps this one.
+        existing = (json.loads(args.sweep_splits.read_text())
+                    if args.sweep_splits.is_file() else None)
+        args.sweep_splits.write_text(json.dumps(merge_sweep(existing, dict(
             device=torch.cuda.get_device_name(0), torch=torch.__version__,
             num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
             dtype=args.dtype, heads=heads, kv_heads=kv_heads, head_dim=hd,
-            block_size=args.block_size, table=best), indent=2))
+            block_size=args.block_size, table=best)), indent=2))
     table = "\n".join(lines)
     print(table)
     if args.markdown:

@@ -119,6 +119,8 @@ def run_mixed(chunk: int, prefix: int, decodes: int, ctx: int, args, flush, gen)
 
 
 def prefill_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
     lines = [
         "", "Prefill (one request, causal; TFLOP/s on 2 * T^2 * heads * head_dim; SDPA = "
         f"{rows[0]['sdpa_variant'] if rows else 'flash'}):", "",
@@ -137,6 +139,8 @@ def prefill_lines(rows: list[dict]) -> list[str]:
 
 
 def mixed_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
     lines = [
         "", "Mixed batch (a chunk over a cached prefix + decodes) in one launch vs its two parts "
         "launched separately:", "",

@@ -49,6 +49,8 @@
 #                            candidates; prefill_tiles.json is the table to ship), decode
 #                            (eager, graph, host us per launch cached vs Triton JIT, split
 #                            sweep: splits.json), prefill 2k/4k/8k, mixed vs its parts
+#   kernels64      90/240    the same decode rows and split sweep at head dim 64 (the 1B
+#                            default's shape), added to splits.json
 #   families      300/560    tests/test_families_gpu.py (#19)
 #   defaults      300/330    throughput at step budgets 2048 / 8192 / 16384 tokens
 #   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
@@ -59,10 +61,11 @@
 # results while it runs): a later one starts a bare machine (1-2 min of device time, cold
 # compile caches). Three full calls, most decisive first:
 #   1. "full async_tests modes"            #15 and #16 correctness, #15's bars
-#   2. "kernels async load"                #17's bars and the tables to ship, #16's, #18 load
+#   2. "kernels async load kernels64"      #17's bars and the tables to ship, #16's, #18 load
 #   3. "startup sweep throughput profile"  #18's bars, #16's phase table
-# then "tests" if time is left. Set GPU_CHECK_BUDGET_S to the device time left (status's
-# budget_left_s) less ~60 s when that is under 620. Compile caches persist between calls
+# then "tests" (and kernels64 if call 2 skipped it) if time is left. Set
+# GPU_CHECK_BUDGET_S to the device time left (status's budget_left_s) less ~60 s when
+# that is under 620. Compile caches persist between calls
 # while the machine stays warm (LLMFAST_CACHE below). What comes back of $OUT: report.md,
 # verdicts.txt and results.tar.gz (everything else, packed at the end: the tool returns 8
 # files at most).
@@ -91,7 +94,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 # $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-families defaults serve presets executor tp"
+kernels64 families defaults serve presets executor tp"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full async_tests}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 PRESETS=${GPU_CHECK_PRESETS:-qwen2.5-0.5b qwen3-0.6b mistral-7b qwen3-8b llama-3.1-8b}
@@ -200,6 +203,16 @@ for step in $STEPS; do
                 run_step kernels 360 540 python3 scripts/bench_kernels.py --tune force \
                     --tuned-table "$OUT/prefill_tiles.json" --json "$OUT/kernels.json" \
                     --markdown "$OUT/kernels.md" --sweep-splits "$OUT/splits.json"
+            fi ;;
+        kernels64)  # the default model's decode shape (1B: head dim 64), splits only
+            if [[ $DRY == 1 ]]; then
+                run_step kernels64 10 60 bash -c 'python3 scripts/bench_kernels.py --help \
+                    | grep -q -- --prefill-tokens && echo flags ok'
+            else
+                run_step kernels64 90 240 python3 scripts/bench_kernels.py --head-dim 64 \
+                    --tune off --prefill-tokens --mixed --batches 1 4 16 64 256 \
+                    --iters 30 --json "$OUT/kernels64.json" \
+                    --markdown "$OUT/kernels64.md" --sweep-splits "$OUT/splits.json"
             fi ;;
         modes)
             run_step modes 200 560 python3 scripts/bench_modes.py --model "$MODEL" \

@@ -156,7 +156,7 @@ def test_unwritable_cache_keeps_the_tuned_tiles_in_memory(cache, monkeypatch):
 def test_select_config_takes_the_tiles():
     def cfg(tiles, group=4, num_tokens=2048):
         return attention_config.select_config(num_tokens, 1, 8 * group, 8, 128, 16, 128,
-                                              torch.bfloat16, 132, None, tiles)
+                                              torch.bfloat16, 132, (), tiles)
 
     assert cfg(PrefillTiles(64, 128, 4, 2)) == attention_config.AttentionConfig(16, 128, 1, 4, 2)
     assert cfg(PrefillTiles(128, 32, 8, 4), group=8).block_q == 16

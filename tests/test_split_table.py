@@ -1,5 +1,6 @@
-"""The measured KV-split table: parsing what bench_kernels --sweep-splits writes, the
-lookup rule against a naive scan, and select_config using it only for its own shape."""
+"""The measured KV-split tables: parsing and merging what bench_kernels --sweep-splits
+writes (one table per attention shape in a file), the lookup rule against a naive scan,
+and select_config using a table only for its own shape."""
 
 from __future__ import annotations
 
@@ -9,15 +10,22 @@ import pytest
 import torch
 
 from llmfast.kernels import attention
-from llmfast.kernels.tuning.split_table import parse_table, split_table_for, table_path
+from llmfast.kernels.tuning import split_table
+from llmfast.kernels.tuning.split_table import (
+    merge_sweep,
+    parse_table,
+    parse_tables,
+    split_tables_for,
+    table_path,
+)
 
 BATCHES, CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192)
 
 
-def _sweep_json(best) -> dict:
-    """The file bench_kernels.py --sweep-splits writes (graph_us trimmed)."""
+def _sweep_json(best, head_dim=128) -> dict:
+    """One shape's sweep, as bench_kernels.py --sweep-splits makes it (graph_us trimmed)."""
     return dict(device="NVIDIA H100 80GB HBM3", torch="2.11", num_sms=132, dtype="bfloat16",
-                heads=32, kv_heads=8, head_dim=128, block_size=16,
+                heads=32, kv_heads=8, head_dim=head_dim, block_size=16,
                 table=[dict(batch=b, ctx=c, chosen=1, best=best(b, c), graph_us={"1": 1.0})
                        for b in BATCHES for c in CONTEXTS])
 
@@ -43,11 +51,11 @@ def test_bad_tables_are_refused():
 
 
 def test_select_config_uses_the_table_only_for_its_shape():
-    table = parse_table(_sweep_json(lambda b, c: 2 if b == 1 else 1))
+    tables = (parse_table(_sweep_json(lambda b, c: 2 if b == 1 else 1)),)
 
     def cfg(num_reqs, heads=32, kv_heads=8, dtype=torch.bfloat16, width=512):
         return attention.select_config(num_reqs, num_reqs, heads, kv_heads, 128, 16, width,
-                                       dtype, 132, table)
+                                       dtype, 132, tables)
 
     assert cfg(1).num_splits == 2  # the heuristic would pick 16 at batch 1, 8k keys
     assert attention.select_config(1, 1, 32, 8, 128, 16, 512, torch.bfloat16, 132).num_splits > 2
@@ -58,9 +66,42 @@ def test_select_config_uses_the_table_only_for_its_shape():
             1, 1, heads, 8, 128, 16, 512, dtype, 132).num_splits > 2
     # Prefill never splits, table or not.
     assert attention.select_config(2048, 1, 32, 8, 128, 16, 512, torch.bfloat16, 132,
-                                   table).num_splits == 1
+                                   tables).num_splits == 1
 
 
-def test_tables_are_found_by_gpu_name():
+def test_a_second_sweep_adds_its_shape_and_replaces_its_own():
+    hd128 = merge_sweep(None, _sweep_json(lambda b, c: 4))
+    both = merge_sweep(hd128, _sweep_json(lambda b, c: 8, head_dim=64))
+    assert both["device"] == "NVIDIA H100 80GB HBM3" and len(both["shapes"]) == 2
+    again = merge_sweep(json.loads(json.dumps(both)), _sweep_json(lambda b, c: 2))
+    tables = parse_tables(again)
+    assert sorted((t.head_dim, t.lookup(1, 512)) for t in tables) == [(64, 8), (128, 2)]
+    # A lone sweep (the older file format) reads as one shape, and merges as one.
+    assert [t.head_dim for t in parse_tables(_sweep_json(_best))] == [128]
+    assert len(merge_sweep(_sweep_json(_best), _sweep_json(_best, head_dim=64))["shapes"]) == 2
+    with pytest.raises(ValueError, match="one table per attention shape"):
+        parse_tables({"shapes": [_sweep_json(_best), _sweep_json(_best)]})
+
+
+def test_select_config_picks_the_table_of_its_head_dim():
+    tables = parse_tables(merge_sweep(merge_sweep(None, _sweep_json(lambda b, c: 4)),
+                                      _sweep_json(lambda b, c: 16, head_dim=64)))
+    for hd, splits in ((128, 4), (64, 16)):
+        assert attention.select_config(1, 1, 32, 8, hd, 16, 512, torch.bfloat16, 132,
+                                       tables).num_splits == splits
+    heuristic = attention.select_config(1, 1, 32, 8, 96, 16, 512, torch.bfloat16, 132)
+    assert attention.select_config(1, 1, 32, 8, 96, 16, 512, torch.bfloat16, 132,
+                                   tables).num_splits == heuristic.num_splits
+
+
+def test_tables_are_found_by_gpu_name(tmp_path, monkeypatch):
     assert table_path("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.json"
-    assert split_table_for("no such GPU") is None
+    assert split_tables_for("no such GPU") == ()
+    monkeypatch.setattr(split_table, "TABLE_DIR", tmp_path)
+    split_tables_for.cache_clear()
+    try:
+        both = merge_sweep(merge_sweep(None, _sweep_json(_best)), _sweep_json(_best, 64))
+        (tmp_path / "test-gpu.json").write_text(json.dumps(both))
+        assert sorted(t.head_dim for t in split_tables_for("Test GPU")) == [64, 128]
+    finally:
+        split_tables_for.cache_clear()

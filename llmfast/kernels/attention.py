@@ -24,7 +24,7 @@ from llmfast.kernels.tuning.prefill_tuning import (
     shape_class,
     tuning_mode,
 )
-from llmfast.kernels.tuning.split_table import SplitTable, split_table_for
+from llmfast.kernels.tuning.split_table import SplitTable, split_tables_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 from llmfast.utils.progress import Progress
 
@@ -47,10 +47,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _device_split_table(device: torch.device) -> SplitTable | None:
+def _device_split_tables(device: torch.device) -> tuple[SplitTable, ...]:
     if device.type != "cuda":
-        return None
-    return split_table_for(torch.cuda.get_device_name(device))
+        return ()
+    return split_tables_for(torch.cuda.get_device_name(device))
 
 
 @functools.lru_cache(maxsize=8)
@@ -225,7 +225,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     group = num_heads // num_kv_heads
     cfg = select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-        block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_table(q.device),
+        block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
         prefill_tiles,
     )
     splits = next_pow2(num_splits) if num_splits is not None else cfg.num_splits

@@ -11,7 +11,7 @@ import torch
 
 from llmfast.kernels.kv_write import next_pow2
 from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, heuristic_tiles
-from llmfast.kernels.tuning.split_table import SplitTable
+from llmfast.kernels.tuning.split_table import SplitTable, find_table
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,13 @@ def select_config(
     max_blocks_per_req: int,
     dtype: torch.dtype,
     num_sms: int,
-    split_table: SplitTable | None = None,
+    split_tables: tuple[SplitTable, ...] = (),
     prefill_tiles: PrefillTiles | None = None,
 ) -> AttentionConfig:
     """Tile sizes and split count from host-known shapes only (same for a padded batch).
 
-    The split count of a decode comes from `split_table` (measured on this GPU model,
-    kernels/split_table.py) when it holds this shape, else from the SM count. A
+    The split count of a decode comes from `split_tables` (measured on this GPU model,
+    kernels/tuning/split_table.py) when one holds this shape, else from the SM count. A
     prefill-like batch takes `prefill_tiles` (tuned for this GPU model and shape class,
     kernels/prefill_tuning.py) when given, else the fixed heuristic."""
     group_p = next_pow2(num_heads // num_kv_heads)
@@ -51,8 +51,9 @@ def select_config(
         block_n = 32 if wide else 64
         num_warps = 8 if wide else 4
         dtype_name = str(dtype).removeprefix("torch.")
-        if split_table is not None and split_table.matches(num_heads, num_kv_heads, head_dim,
-                                                           dtype_name, block_size):
+        split_table = find_table(split_tables, num_heads, num_kv_heads, head_dim,
+                                 dtype_name, block_size)
+        if split_table is not None:
             splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
             return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
         programs = num_reqs * num_kv_heads

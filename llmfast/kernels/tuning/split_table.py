@@ -1,10 +1,12 @@
 """Measured KV-split counts for decode attention, per GPU model.
 
 `scripts/bench_kernels.py --sweep-splits FILE` times every power-of-two split count for
-each decode shape (batch x context, graph-replayed) and writes the best; a copy of that
-file under `llmfast/kernels/tuning/split_tables/<gpu name>.json` makes `unified_attention` use
-it on that GPU for the shape it was measured with (heads, KV heads, head dim, dtype,
-block size); anything else keeps the SM-count heuristic of `select_config`.
+each decode shape (batch x context, graph-replayed) and adds the best to FILE, one table
+per attention shape (heads, KV heads, head dim, dtype, block size; a second sweep of
+another shape into the same file keeps the first). A copy of that file under
+`llmfast/kernels/tuning/split_tables/<gpu name>.json` makes `unified_attention` use it on
+that GPU for the shapes it holds; any other shape keeps the SM-count heuristic of
+`select_config`.
 
 Lookup: the measured row with the smallest batch >= num_reqs and context >= the block
 table's width in keys (the split count is fixed by what the launch may have to read),
@@ -49,12 +51,41 @@ class SplitTable:
 
 
 def parse_table(data: dict) -> SplitTable:
-    """The JSON `bench_kernels.py --sweep-splits` writes."""
+    """One shape's sweep: an entry of the file's "shapes"."""
     best = {(int(r["batch"]), int(r["ctx"])): int(r["best"]) for r in data["table"]}
     if not best or any(s < 1 or s & (s - 1) for s in best.values()):
         raise ValueError("a split table needs rows with power-of-two split counts")
     return SplitTable(int(data["heads"]), int(data["kv_heads"]), int(data["head_dim"]),
                       str(data["dtype"]), int(data["block_size"]), best)
+
+
+def parse_tables(data: dict) -> tuple[SplitTable, ...]:
+    """The JSON `bench_kernels.py --sweep-splits` writes: {"device", "shapes": [sweep...]};
+    a lone sweep (the format before several shapes shared a file) is one shape."""
+    tables = tuple(parse_table(d) for d in data.get("shapes", [data]))
+    keys = [(t.num_heads, t.num_kv_heads, t.head_dim, t.dtype, t.block_size) for t in tables]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a split table file holds one table per attention shape")
+    return tables
+
+
+def merge_sweep(existing: dict | None, sweep: dict) -> dict:
+    """`existing` (a file's JSON, or None) with `sweep` added, replacing the table of the
+    same shape if there is one."""
+    shape = parse_table(sweep)
+    shapes = [] if existing is None else list(existing.get("shapes", [existing]))
+    kept = [d for d in shapes if not parse_table(d).matches(
+        shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.block_size)]
+    merged = {k: sweep[k] for k in ("device", "torch", "num_sms") if k in sweep}
+    merged["shapes"] = [*kept, sweep]
+    parse_tables(merged)
+    return merged
+
+
+def find_table(tables: tuple[SplitTable, ...], num_heads: int, num_kv_heads: int,
+               head_dim: int, dtype: str, block_size: int) -> SplitTable | None:
+    return next((t for t in tables
+                 if t.matches(num_heads, num_kv_heads, head_dim, dtype, block_size)), None)
 
 
 def table_path(device_name: str) -> Path:
@@ -63,8 +94,9 @@ def table_path(device_name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=8)
-def split_table_for(device_name: str) -> SplitTable | None:
+def split_tables_for(device_name: str) -> tuple[SplitTable, ...]:
+    """The shipped tables of this GPU model; () when none was measured."""
     path = table_path(device_name)
     if not path.is_file():
-        return None
-    return parse_table(json.loads(path.read_text()))
+        return ()
+    return parse_tables(json.loads(path.read_text()))
