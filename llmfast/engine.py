@@ -261,41 +261,53 @@ class LLMEngine:
         return outputs
 
     def _process_updates(self, updates) -> list[RequestOutput]:
+        # Per request and step on the host (hundreds of requests per step): attribute
+        # lookups hoisted, the stop-string and logprob work only for requests asking.
         now = time.monotonic()
         outputs = []
         stopped: list[str] = []
+        tracked_by_id = self._tracked
         for upd in updates:
-            tracked = self._tracked.get(upd.req_id)
+            tracked = tracked_by_id.get(upd.req_id)
             if tracked is None:
                 continue
+            request = tracked.request
+            params = request.sampling_params
             m = tracked.metrics
-            if upd.new_token_ids:
+            new_ids = upd.new_token_ids
+            if new_ids:
                 if m.first_token_time is None:
                     m.first_token_time = now
-                m.token_times.extend([now] * len(upd.new_token_ids))
+                if len(new_ids) == 1:
+                    m.token_times.append(now)
+                else:
+                    m.token_times.extend([now] * len(new_ids))
                 detok = tracked.detokenizer
                 if detok is not None:
-                    if tracked.stream or tracked.request.sampling_params.stop:
-                        tracked.text += detok.add_tokens(upd.new_token_ids)
+                    if tracked.stream or params.stop:
+                        delta = detok.add_tokens(new_ids)
+                        if delta:
+                            tracked.text += delta
                     else:  # text read only at the end: decoded then, in one go (flush)
-                        detok.append(upd.new_token_ids)
+                        detok.append(new_ids)
                 if upd.logprobs:
                     if tracked.logprobs is None:
                         tracked.logprobs = []
-                    for (token, (lp, top)) in zip(upd.new_token_ids, upd.logprobs):
+                    for (token, (lp, top)) in zip(new_ids, upd.logprobs):
                         tracked.logprobs.append({token: lp, **{t: v for t, v in top.items() if t != token}})
             finish = upd.finish_reason
             if finish is not None and tracked.detokenizer is not None:
                 tracked.text += tracked.detokenizer.flush()  # text held back mid-character
-            if len(tracked.request.output_token_ids) <= tracked.request.min_tokens:
-                tracked.stop_check_offset = len(tracked.text)
-            if self._hit_stop_string(tracked):
-                if finish is None:
-                    stopped.append(upd.req_id)  # the scheduler still runs it
-                finish = "stop"
-            elif finish == "stop" and tracked.request.output_token_ids:
-                last = tracked.request.output_token_ids[-1]
-                if last in tracked.request.sampling_params.stop_token_ids:
+            if params.stop:
+                if len(request.output_token_ids) <= request.min_tokens:
+                    tracked.stop_check_offset = len(tracked.text)
+                if self._hit_stop_string(tracked):
+                    if finish is None:
+                        stopped.append(upd.req_id)  # the scheduler still runs it
+                    finish = "stop"
+            if finish == "stop" and tracked.stop_reason is None and request.output_token_ids:
+                last = request.output_token_ids[-1]
+                if last in params.stop_token_ids:
                     tracked.stop_reason = last
             if finish is not None:
                 tracked.finish_reason = finish
@@ -304,7 +316,7 @@ class LLMEngine:
                 continue
             outputs.append(self._make_output(tracked, upd))
             if finish is not None:
-                del self._tracked[upd.req_id]
+                del tracked_by_id[upd.req_id]
         if stopped:
             self.scheduler.finish_requests(stopped, "stop")
         return outputs
@@ -330,19 +342,22 @@ class LLMEngine:
 
     def _make_output(self, tracked: _Tracked, upd) -> RequestOutput:
         request = tracked.request
+        params = request.sampling_params
         finished = tracked.finish_reason is not None
+        text = tracked.text
         # Hold back a possible stop-string prefix while streaming.
-        stops = request.sampling_params.stop
+        stops = params.stop
         hold = 0 if finished or not stops else max(map(len, stops)) - 1
-        visible = max(tracked.emitted, len(tracked.text) - hold)
-        delta = tracked.text[tracked.emitted:visible]
+        emitted = tracked.emitted
+        visible = max(emitted, len(text) - hold)
+        delta = text[emitted:visible]
         tracked.emitted = visible
         logprobs = None
-        if request.sampling_params.logprobs is not None:
+        if params.logprobs is not None:
             logprobs = list(tracked.logprobs or [])
         completion = CompletionOutput(
             index=0,
-            text=tracked.text[:visible],
+            text=text if visible == len(text) else text[:visible],
             # While running this is the request's live list (copying it every step would
             # make streaming quadratic); a finished request's list is its own copy.
             token_ids=list(request.output_token_ids) if finished else request.output_token_ids,

@@ -240,8 +240,18 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the new text (possibly "")."""
-        deltas = []
         stream = self._stream
+        if stream is not None and len(new_token_ids) == 1:  # a decode step, streamed
+            token_id = int(new_token_ids[0])
+            self._ids.append(token_id)
+            chunk = stream.step(self._backend, token_id)
+            if not chunk:
+                return ""
+            self._prefix, self._read = self._read, len(self._ids)
+            self._prefix_text = None
+            self._pieces.append(chunk)
+            return chunk
+        deltas = []
         for token_id in map(int, new_token_ids):
             self._ids.append(token_id)
             if stream is None:

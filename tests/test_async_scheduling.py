@@ -183,6 +183,39 @@ def test_host_prepares_the_next_step_before_reading_tokens():
     assert max(placeholders_at_launch) == 3  # all three decode from device-filled ids
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_device_fills_placeholders_only_with_a_step_in_flight(async_scheduling):
+    """The synchronous loop has read every token before the next step: nothing to fill
+    into the input ids or gather for the penalties on the device (a gather per step for
+    nothing). With a step in flight both happen, and the outputs are the same."""
+    engine = _engine(async_scheduling, num_gpu_blocks_override=None)
+    runner = engine.runner
+    calls = {"fill": 0, "gather": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    dst, staged = runner.placeholders.placeholder_dst, runner.sampling_staging.pending_src
+    dst.copy_to_gpu = counted("fill", dst.copy_to_gpu)
+    staged.stage = counted("gather", staged.stage)
+    params = SamplingParams(temperature=0.7, seed=3, frequency_penalty=0.5, max_tokens=8,
+                            ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": [7 + i] * 5}, params) for i in range(3)]
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    assert all(len(tokens[i]) == 8 for i in ids)
+    if async_scheduling:
+        assert calls["fill"] > 0 and calls["gather"] > 0
+    else:
+        assert calls == {"fill": 0, "gather": 0}
+
+
 def test_stop_strings_one_step_late(tmp_path):
     path = make_chat_model(tmp_path / "model")
     got = {}

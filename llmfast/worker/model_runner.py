@@ -256,6 +256,11 @@ class ModelRunner:
         still hold their placeholders; return them per scheduled request."""
         sampled = step.wait().tolist()
         write_sampled_tokens(step, sampled, self.requests, self.input_batch)
+        if self.placeholders.prev_sampled is step.sampled_device:
+            # No step launched since this one (the synchronous loop): the host rows now
+            # hold every sampled value, so the next step has no placeholder to fill or
+            # gather on the device.
+            self.input_batch.pending_src[:] = -1
         tokens = [[sampled[r]] if s else [] for r, s in zip(step.rows, step.samples)]
         logprobs = None
         if step.logprobs_host is not None:
