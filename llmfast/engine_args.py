@@ -21,7 +21,7 @@ import functools
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -321,6 +321,32 @@ def engine_flags() -> tuple[EngineFlag, ...]:
             help_text += f"  [default: {shown}]"
         flags.append(EngineFlag(f.name, decls, help_text, value_type, meta["parse"], f.default))
     return tuple(flags)
+
+
+def engine_kwargs_from_argv(argv: Sequence[str]) -> dict[str, Any]:
+    """EngineArgs keywords from engine flags as typed ("--max-num-seqs 64 --no-compile",
+    split): what `EngineFlag.to_argv` writes, read back, for scripts that pass a server's
+    flags on to an in-process engine. ConfigError names a flag that is not one."""
+    by_name = {name: flag for flag in engine_flags() for name in flag.names}
+    kwargs: dict[str, Any] = {}
+    args = list(argv)
+    while args:
+        name, _, inline = args.pop(0).partition("=")
+        flag = by_name.get(name)
+        if flag is None:
+            raise ConfigError(f"{name!r} is not an engine flag")
+        if flag.is_bool:
+            kwargs[flag.name] = not name.startswith("--no-")
+            continue
+        if not inline and not args:
+            raise ConfigError(f"{name} needs a value")
+        text = inline or args.pop(0)
+        try:
+            value = flag.value_type(text)
+            kwargs[flag.name] = flag.parse(value) if flag.parse is not None else value
+        except ValueError as e:
+            raise ConfigError(f"{name} {text}: {e}") from None
+    return kwargs
 
 
 def _plain_type(hint: Any) -> Any:

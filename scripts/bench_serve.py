@@ -40,7 +40,6 @@ from llmfast.bench.environment import environment_info, local_device_facts
 from llmfast.bench.serving import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
 from llmfast.engine_args import resolve_device
-from llmfast.utils.flag_values import parse_bytes
 from llmfast.utils.ports import free_port
 
 
@@ -130,12 +129,11 @@ def print_summary(rows) -> None:
 def engine_baseline(model: str, flags: list[str], requests, rates, seed: int):
     """The same requests on the engine in this process (no HTTP, no event loop)."""
     from llmfast.bench.latency import run_latency
+    from llmfast.engine_args import engine_kwargs_from_argv
     from llmfast.llm import LLM
 
-    kwargs = {}
-    for flag, value in zip(flags[::2], flags[1::2]):
-        name = flag.lstrip("-").replace("-", "_")
-        kwargs[name] = parse_bytes(value) if name == "kv_cache_memory" else int(value)
+    kwargs = engine_kwargs_from_argv(flags)
+    kwargs.pop("model", None)
     engine = LLM(None if model == "default" else model, **kwargs).engine
     rows = []
     # In a worker thread, as the server steps it: the comparison then isolates what HTTP,

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from llmfast.cli.common import EngineOptions, engine_argv, engine_command
 from llmfast.cli.main import app
 from llmfast.config import ConfigError
-from llmfast.engine_args import EngineArgs, engine_flags
+from llmfast.engine_args import EngineArgs, engine_flags, engine_kwargs_from_argv
 from llmfast.utils.flag_values import FlagValueError, parse_bytes, parse_sizes
 from tests.helpers.cli import assert_one_line_error, invoke
 
@@ -96,6 +96,25 @@ def test_flags_reach_engine_kwargs_and_round_trip():
     assert code == 0 and unset == EngineOptions(model=None, debug=False)
     _, default, _ = _parse(["--model", "default"])
     assert default.model is None
+
+
+def test_argv_reads_back_as_the_cli_reads_it():
+    """Scripts that pass a server's flags to an in-process engine (bench_serve's
+    --engine-baseline) read them as the CLI does."""
+    argv = ["--model", "random:tiny", "--dtype", "bfloat16", "--device", "cpu", "--seed", "3",
+            "--max-num-seqs", "7", "--kv-cache-memory=1MiB", "--no-compile",
+            "--enforce-eager", "--cuda-graph-sizes", "1..8", "--no-prefix-caching",
+            "--gpu-memory-utilization", "0.5", "--cuda-graph-mode", "piecewise"]
+    code, opts, output = _parse(argv)
+    assert code == 0, output
+    assert engine_kwargs_from_argv(argv) == {"model": "random:tiny", **opts.engine_kwargs}
+    assert engine_kwargs_from_argv(engine_argv(opts)) == engine_kwargs_from_argv(argv)
+    for bad, fragment in ((["--nope", "1"], "not an engine flag"),
+                          (["--max-num-seqs"], "needs a value"),
+                          (["--max-num-seqs", "many"], "--max-num-seqs many"),
+                          (["--kv-cache-memory", "12XB"], "cannot read '12XB'")):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            engine_kwargs_from_argv(bad)
 
 
 @pytest.mark.parametrize("spec, expected", [
