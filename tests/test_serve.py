@@ -43,9 +43,13 @@ def _greedy(**kw):
     return {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}, **kw}
 
 
-def test_models_health(server, model, serve_model_dir):
+def test_models_health(server, client, model, serve_model_dir):
     assert model == serve_model_dir.name
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("org/other-model")
+    assert info.value.body["code"] == "model_not_found"
 
 
 def test_completion_usage_counts_tokens(client, model, tokenizer):

@@ -86,12 +86,21 @@ def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {"id": config.model_name, "object": "model", "created": created,
+            "owned_by": "llmfast", "max_model_len": limits.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": created,
-            "owned_by": "llmfast", "max_model_len": limits.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model:path}")  # the client's models.retrieve; ids may hold "/"
+    async def model_card(request: Request, model: str) -> Response:
+        authorize(request)
+        if model not in names:
+            raise APIError(f"the model {model!r} does not exist; this server serves "
+                           f"{config.model_name!r}", 404, "model", "model_not_found")
+        return JSONResponse(card)
 
     async def generate(request: Request, kind: Kind) -> Response:
         authorize(request)
