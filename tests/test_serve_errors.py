@@ -29,6 +29,8 @@ CASES = {
                              "max_tokens"),
     "max_tokens zero": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens negative": (CHAT, {"messages": HI, "max_tokens": -3}, 400, "max_tokens"),
+    "max_completion_tokens zero": (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400,
+                                   "max_completion_tokens"),
     "top_p out of range": (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     "negative temperature": (CHAT, {"messages": HI, "temperature": -1}, 400, "temperature"),
     "logprobs too many": (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),

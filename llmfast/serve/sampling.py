@@ -102,9 +102,14 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
         )
     except SamplingParamsError as e:
         field = str(e).split(" ", 1)[0]
-        if field == "logprobs" and isinstance(req, ChatCompletionRequest):
-            field = "top_logprobs"
-        raise APIError(str(e), param=field if field in req.model_fields else None) from None
+        message = str(e)
+        if isinstance(req, ChatCompletionRequest):  # name the field the client sent
+            if field == "logprobs":
+                field = "top_logprobs"
+            elif field == "max_tokens" and req.max_completion_tokens is not None:
+                field = "max_completion_tokens"
+                message = message.replace("max_tokens", field, 1)
+        raise APIError(message, param=field if field in req.model_fields else None) from None
     return _within_engine_range(params, limits)
 
 
