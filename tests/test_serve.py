@@ -43,9 +43,13 @@ def _greedy(**kw):
     return {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}, **kw}
 
 
-def test_models_health(server, model, serve_model_dir):
+def test_models_health(server, client, model, serve_model_dir):
     assert model == serve_model_dir.name
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("org/other-model")
+    assert info.value.body["code"] == "model_not_found"
 
 
 def test_completion_usage_counts_tokens(client, model, tokenizer):
@@ -99,10 +103,39 @@ def test_chat_and_chat_stream(client, model, tokenizer):
     assert same.choices[0].message.content == msg.content
 
 
-def test_echo(client, model):
+def test_echo(client, model, tokenizer):
     plain = client.completions.create(model=model, prompt=PROMPTS[2], **_greedy())
     echoed = client.completions.create(model=model, prompt=PROMPTS[2], echo=True, **_greedy())
     assert echoed.choices[0].text == PROMPTS[2] + plain.choices[0].text
+    # Token ids echo as their text, special tokens included, streamed or not.
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}])
+    head = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>" in head  # the fixture's ChatML markers are special tokens
+    plain = client.completions.create(model=model, prompt=ids, **_greedy())
+    echoed = client.completions.create(model=model, prompt=ids, echo=True, **_greedy())
+    assert echoed.choices[0].text == head + plain.choices[0].text
+    streamed = client.completions.create(model=model, prompt=ids, echo=True, stream=True,
+                                         **_greedy())
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_nullable_fields_mean_their_default(server, model):
+    """OpenAI's spec lets n, stream, echo and chat's logprobs be null; clients that send
+    every field (unset ones as null) must get the default, not a 400."""
+    body = {"model": model, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 4,
+            "ignore_eos": True}
+    plain = httpx.post(server.v1 + "/completions", json=body, timeout=30)
+    nulls = httpx.post(server.v1 + "/completions", timeout=30,
+                       json={**body, "n": None, "stream": None, "echo": None})
+    assert nulls.status_code == 200, nulls.text
+    assert [c["text"] for c in nulls.json()["choices"]] == \
+        [c["text"] for c in plain.json()["choices"]]
+    chat = httpx.post(server.v1 + "/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "n": None, "stream": None, "logprobs": None})
+    assert chat.status_code == 200, chat.text
+    choices = chat.json()["choices"]
+    assert len(choices) == 1 and choices[0]["logprobs"] is None
 
 
 def test_n_and_prompt_lists(client, model):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -27,6 +29,8 @@ CASES = {
                              "max_tokens"),
     "max_tokens zero": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens negative": (CHAT, {"messages": HI, "max_tokens": -3}, 400, "max_tokens"),
+    "max_completion_tokens zero": (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400,
+                                   "max_completion_tokens"),
     "top_p out of range": (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     "negative temperature": (CHAT, {"messages": HI, "temperature": -1}, 400, "temperature"),
     "logprobs too many": (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
@@ -100,4 +104,60 @@ def test_openai_client_raises_and_server_keeps_serving(server):
     out = client.completions.create(model=model, prompt="hi", max_tokens=3,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
+    assert "Traceback" not in server.log()
+
+
+def test_non_json_content_type_is_415(server):
+    """text/plain and form bodies are what a web page may POST cross-origin without a
+    preflight; they are refused. No Content-Type at all is JSON."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(server.base_url + COMPLETIONS, content=body, timeout=30,
+                       headers={"Content-Type": content_type})
+        assert _assert_error_body(r, 415)["code"] == "unsupported_media_type"
+    for headers in ({}, {"Content-Type": "application/json; charset=utf-8"}):
+        r = httpx.post(server.base_url + COMPLETIONS, content=body, headers=headers,
+                       timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_huge_counts_neither_fail_nor_disturb_other_requests(server):
+    """top_k past int32 and min_tokens past int64 are valid JSON integers; they once
+    overflowed the engine's per-request arrays, failing the step and with it every stream
+    in flight. Now they mean what they say (top_k past the vocabulary keeps every token;
+    min_tokens past the context generates to its end) and the others finish."""
+    model = openai.OpenAI(base_url=server.v1, api_key="unused").models.list().data[0].id
+    aclient = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0,
+                                 timeout=60)
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 8}
+
+    async def stream(i, started: asyncio.Queue):
+        chunks = await aclient.completions.create(
+            model=model, prompt=f"request {i}", stream=True, max_tokens=200, temperature=0,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        seen = []
+        async for chunk in chunks:
+            if not seen:
+                started.put_nowait(i)
+            seen.append(chunk)
+        return seen[-1].usage.completion_tokens
+
+    async def main():
+        started = asyncio.Queue()
+        good = [asyncio.ensure_future(stream(i, started)) for i in range(6)]
+        for _ in good:  # all six are generating before the odd ones arrive
+            await started.get()
+        huge_top_k = await aclient.completions.create(
+            model=model, prompt="hi", **sampled, extra_body={"top_k": 2**40})
+        huge_min = await aclient.completions.create(
+            model=model, prompt=[5] * 2000, max_tokens=2**64,
+            extra_body={"min_tokens": 2**63})
+        top_k_off = await aclient.completions.create(model=model, prompt="hi", **sampled)
+        return await asyncio.gather(*good), huge_top_k, huge_min, top_k_off
+
+    lengths, huge_top_k, huge_min, top_k_off = asyncio.run(main())
+    assert lengths == [200] * 6
+    assert huge_top_k.choices[0].text == top_k_off.choices[0].text
+    assert huge_min.choices[0].finish_reason == "length"
+    assert huge_min.usage.completion_tokens == 2048 - 2000  # the server's max-model-len
     assert "Traceback" not in server.log()

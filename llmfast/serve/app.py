@@ -38,7 +38,8 @@ class ServeConfig:
 def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
     engine_config = front.engine.config
     limits = Limits(max_n=engine_config.scheduler.max_num_seqs,
-                    max_model_len=engine_config.scheduler.max_model_len)
+                    max_model_len=engine_config.scheduler.max_model_len,
+                    vocab_size=engine_config.model.vocab_size)
     metrics = ServerMetrics(front)
     names = {config.model_name, *config.model_aliases}
     created = int(time.time())
@@ -85,12 +86,21 @@ def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {"id": config.model_name, "object": "model", "created": created,
+            "owned_by": "llmfast", "max_model_len": limits.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": created,
-            "owned_by": "llmfast", "max_model_len": limits.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model:path}")  # the client's models.retrieve; ids may hold "/"
+    async def model_card(request: Request, model: str) -> Response:
+        authorize(request)
+        if model not in names:
+            raise APIError(f"the model {model!r} does not exist; this server serves "
+                           f"{config.model_name!r}", 404, "model", "model_not_found")
+        return JSONResponse(card)
 
     async def generate(request: Request, kind: Kind) -> Response:
         authorize(request)
@@ -120,11 +130,26 @@ def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
 
 
 async def _parse(request: Request, model: type[BaseModel], limit: int):
-    body = await _read_body(request, limit)
+    body = await _read_body(request, limit)  # read first: the client gets its answer
+    _check_content_type(request.headers.get("content-type"))
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _check_content_type(header: str | None) -> None:
+    """JSON, or no Content-Type at all. Refusing text/plain and form types matters beyond
+    tidiness: a web page may send those cross-origin without asking (no CORS preflight),
+    so accepting them would let any site a user visits run requests on a local server."""
+    if header is None:
+        return
+    media = header.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                            and media.endswith("+json")):
+        raise APIError(f"the request body must be JSON (Content-Type: application/json), "
+                       f"got Content-Type {media or header!r}", 415,
+                       code="unsupported_media_type")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -122,6 +122,7 @@ class _Add:
     prompts: tuple[PromptInput, ...]
     params: tuple[SamplingParams, ...]  # one per choice, prompt-major
     done: asyncio.Future
+    with_text: bool  # decode token-id prompts for the response
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,16 +163,18 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
-                  params: Sequence[SamplingParams]) -> list[PreparedPrompt]:
+                  params: Sequence[SamplingParams], *, with_text: bool = False,
+                  ) -> list[PreparedPrompt]:
         """Tokenise the prompts and queue `len(params)` engine requests (the choices,
-        prompt-major; each prompt has `len(params) // len(prompts)` of them). Raises what
-        the engine raises for a bad prompt (RequestRejected, TokenizerError)."""
+        prompt-major; each prompt has `len(params) // len(prompts)` of them). With
+        `with_text`, token-id prompts come back decoded too (for echo). Raises what the
+        engine raises for a bad prompt (RequestRejected, TokenizerError)."""
         if self.failure is not None:
             raise EngineUnavailable(f"the engine stopped: {self.failure}")
         if not self.running:
             raise EngineUnavailable("the server is shutting down")
         done = self._loop.create_future()
-        self._send(_Add(stream, tuple(prompts), tuple(params), done))
+        self._send(_Add(stream, tuple(prompts), tuple(params), done, with_text))
         return await done
 
     def abort(self, engine_ids: Sequence[str]) -> None:
@@ -281,6 +284,8 @@ class AsyncEngine:
                 engine.abort(req_id)
             self._loop.call_soon_threadsafe(self._resolve, command.done, None, e)
             return
+        if command.with_text:
+            prepared = [self._with_text(p) for p in prepared]
         self._loop.call_soon_threadsafe(self._resolve, command.done, prepared)
 
     def _prepare(self, prompt: PromptInput) -> PreparedPrompt:
@@ -292,6 +297,14 @@ class AsyncEngine:
             return PreparedPrompt(None, tokenizer.apply_chat_template(list(prompt.messages)))
         text, ids = self.engine.tokenize_prompt(prompt)
         return PreparedPrompt(text, ids)
+
+    def _with_text(self, prompt: PreparedPrompt) -> PreparedPrompt:
+        tokenizer = self.engine.tokenizer
+        if prompt.text is not None or tokenizer is None:
+            return prompt
+        # Special tokens kept: the echo shows the prompt the model was given.
+        return PreparedPrompt(tokenizer.decode(prompt.token_ids, skip_special_tokens=False),
+                              prompt.token_ids)
 
     def _route(self, out: RequestOutput) -> tuple[RequestStream, ChoiceDelta] | None:
         route = self._routes.get(out.request_id)

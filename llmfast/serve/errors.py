@@ -20,7 +20,8 @@ from llmfast.serve.protocol import UNION_HINTS
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error",
+          405: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 500: "internal_error",
           503: "service_unavailable"}
 
 

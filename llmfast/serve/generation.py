@@ -37,7 +37,7 @@ async def run_generation(request: Request, front: AsyncEngine, metrics: ServerMe
                          ) -> Response:
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     rs = RequestStream(f"{prefix}-{uuid.uuid4().hex}", len(inputs.params))
-    prepared = await _submit(front, rs, inputs, kind)
+    prepared = await _submit(front, rs, inputs, kind, with_text=echo)
     metrics.prompt_tokens.inc(sum(len(p.token_ids) for p in prepared))
     builder = ResponseBuilder(kind, rs.request_id, model, prepared, inputs.n, echo=echo,
                               want_logprobs=want_logprobs)
@@ -57,10 +57,10 @@ async def run_generation(request: Request, front: AsyncEngine, metrics: ServerMe
     return JSONResponse(builder.response())
 
 
-async def _submit(front: AsyncEngine, rs: RequestStream, inputs: EngineInputs, kind: Kind
-                  ) -> list[PreparedPrompt]:
+async def _submit(front: AsyncEngine, rs: RequestStream, inputs: EngineInputs, kind: Kind,
+                  with_text: bool) -> list[PreparedPrompt]:
     try:
-        return await front.add(rs, inputs.prompts, inputs.params)
+        return await front.add(rs, inputs.prompts, inputs.params, with_text=with_text)
     except EngineUnavailable as e:
         raise APIError(str(e), 503) from None
     except ValueError as e:  # RequestRejected, TokenizerError, a prompt the engine refuses

@@ -9,9 +9,9 @@ min_tokens, ignore_eos, stop_token_ids), which the `openai` client passes via ex
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 # What a union-typed field accepts, for the 400 message when a value fits none of them.
 UNION_HINTS = {
@@ -23,6 +23,17 @@ UNION_HINTS = {
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    # Fields OpenAI's spec allows to be null that have a non-null default here: null means
+    # the default (clients that send every field, unset ones as null, rely on it).
+    null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_for_nulls(cls, data):
+        if isinstance(data, dict) and cls.null_means_default:
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.null_means_default}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -32,6 +43,7 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields completions and chat share."""
 
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"n", "stream"})
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -54,6 +66,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"n", "stream", "echo"})
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -85,6 +98,7 @@ class ResponseFormat(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    null_means_default: ClassVar[frozenset[str]] = frozenset({"n", "stream", "logprobs"})
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
