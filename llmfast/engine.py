@@ -175,7 +175,8 @@ class LLMEngine:
                     request_id: str | None = None, stream: bool = True) -> str:
         """Queue a request; returns its id. With `stream=False` `step()` reports it only
         once it finishes (offline batches skip building an output per token)."""
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).fit_to_model(
+            self.config.model.vocab_size, self.config.scheduler.max_model_len)
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)
         req_id = request_id if request_id is not None else str(next(self._ids))

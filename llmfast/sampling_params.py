@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from llmfast.utils.value_checks import describe, int_list, is_int, is_number
@@ -108,6 +109,23 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}")
+
+    def fit_to_model(self, vocab_size: int, max_model_len: int) -> SamplingParams:
+        """The same request with every count cut to what can take effect on this model,
+        so that no integer is too large for the engine's fixed-width per-request arrays
+        (an overflow there would fail the whole step, and every request in it). Nothing
+        observable changes: top_k at or past the vocabulary keeps every token, as 0 (off)
+        does; no request outputs more than max_model_len tokens; a stop id outside the
+        vocabulary is never sampled."""
+        top_k = 0 if self.top_k >= vocab_size else self.top_k
+        max_tokens = min(self.max_tokens, max_model_len)
+        min_tokens = min(self.min_tokens, max_model_len)
+        stop_ids = tuple(t for t in self.stop_token_ids if t < vocab_size)
+        if (top_k, max_tokens, min_tokens, stop_ids) == (
+                self.top_k, self.max_tokens, self.min_tokens, self.stop_token_ids):
+            return self
+        return dataclasses.replace(self, top_k=top_k, max_tokens=max_tokens,
+                                   min_tokens=min_tokens, stop_token_ids=stop_ids)
 
     @property
     def greedy(self) -> bool:

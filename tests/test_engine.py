@@ -171,6 +171,28 @@ def test_seeded_sampling_reproducible_across_batches(ckpt):
     assert batch[2].outputs[0].token_ids == alone
 
 
+def test_huge_counts_mean_what_they_say_and_fail_nothing(ckpt):
+    """top_k past the vocabulary, max/min_tokens past the context and stop ids past the
+    vocabulary (any size: JSON integers reach the engine through the server) run as their
+    in-range meaning, in a batch with an ordinary request, instead of overflowing the
+    per-request arrays and failing the step for everyone."""
+    llm = _llm(ckpt, max_model_len=24)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    seeded = dict(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True)
+    huge = [SamplingParams(**seeded, top_k=2**40),
+            SamplingParams(temperature=0.0, max_tokens=2**65, min_tokens=2**63),
+            SamplingParams(**seeded, stop_token_ids=(2**70, 10**6))]
+    same = [SamplingParams(**seeded),
+            SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24),
+            SamplingParams(**seeded)]
+    ordinary = SamplingParams(temperature=0.0, max_tokens=4)
+    got = llm.generate([prompt] * 4, [*huge, ordinary])
+    want = llm.generate([prompt] * 4, [*same, ordinary])
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(got[1].outputs[0].token_ids) == 24 - 4  # to the end of the context
+    assert got[1].outputs[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("budget", [2048, 8])
 def test_compiled_engine_matches_hf(ckpt, oracle, budget):
     """The same equivalence through the piecewise-compiled model (Inductor on CPU), with

@@ -38,8 +38,7 @@ class ServeConfig:
 def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
     engine_config = front.engine.config
     limits = Limits(max_n=engine_config.scheduler.max_num_seqs,
-                    max_model_len=engine_config.scheduler.max_model_len,
-                    vocab_size=engine_config.model.vocab_size)
+                    max_model_len=engine_config.scheduler.max_model_len)
     metrics = ServerMetrics(front)
     names = {config.model_name, *config.model_aliases}
     created = int(time.time())

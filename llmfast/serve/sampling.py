@@ -19,7 +19,6 @@ from llmfast.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sa
 class Limits:
     max_n: int  # most choices per prompt: what can run in one step (max-num-seqs)
     max_model_len: int
-    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
     kwargs = {k: v for k, v in given.items() if v is not None}
     stop = req.stop
     try:
-        params = SamplingParams(
+        return SamplingParams(
             **kwargs,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -110,22 +109,6 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
                 field = "max_completion_tokens"
                 message = message.replace("max_tokens", field, 1)
         raise APIError(message, param=field if field in req.model_fields else None) from None
-    return _within_engine_range(params, limits)
-
-
-def _within_engine_range(params: SamplingParams, limits: Limits) -> SamplingParams:
-    """The same request with its counts cut to what can take effect, so that no JSON
-    integer is too large for the engine's fixed-width per-request arrays (an overflow
-    there fails the whole step, and with it every request in flight). Nothing observable
-    changes: top_k at or past the vocabulary keeps every token, as 0 (off) does, and no
-    choice outputs more than max-model-len tokens."""
-    top_k = 0 if params.top_k >= limits.vocab_size else params.top_k
-    max_tokens = min(params.max_tokens, limits.max_model_len)
-    min_tokens = min(params.min_tokens, limits.max_model_len)
-    if (top_k, max_tokens, min_tokens) == (params.top_k, params.max_tokens, params.min_tokens):
-        return params
-    return dataclasses.replace(params, top_k=top_k, max_tokens=max_tokens,
-                               min_tokens=min_tokens)
 
 
 def _per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:
