@@ -25,12 +25,14 @@ def serve_model_dir(tmp_path_factory):
     return make_chat_model(tmp_path_factory.mktemp("serve") / "tiny")
 
 
-@pytest.fixture(scope="session")
-def server(serve_model_dir, tmp_path_factory):
-    """One `llmfast serve` subprocess shared by the server tests (start-up is the cost)."""
+@pytest.fixture(scope="session", params=[0, 1], ids=lambda n: f"api-servers-{n}")
+def server(request, serve_model_dir, tmp_path_factory):
+    """One `llmfast serve` subprocess shared by the server tests (start-up is the cost),
+    with HTTP on the engine's process (--api-servers 0) and in a process of its own (1)."""
     from tests.serve_server import start_server
 
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    proc = start_server(serve_model_dir, log, "--max-model-len", "2048", "--max-num-seqs", "48")
+    proc = start_server(serve_model_dir, log, "--max-model-len", "2048", "--max-num-seqs", "48",
+                        "--api-servers", str(request.param))
     yield proc
     proc.stop()

@@ -115,7 +115,7 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
 
     import httpx
 
-    from llmfast.serve.app import ServeConfig, build_app
+    from llmfast.serve.api.app import ServeConfig, build_app
     from llmfast.serve.engine_loop import (
         AsyncEngine,
         EngineUnavailable,

@@ -14,7 +14,8 @@ def test_serve_help():
     result = invoke("serve", "--help")
     assert result.exit_code == 0
     for text in ("llmfast serve", "Examples", "--host", "--port", "--api-key",
-                 "--served-model-name", "--max-body-size", "--model", "--max-num-seqs"):
+                 "--served-model-name", "--max-body-size", "--api-servers", "--model",
+                 "--max-num-seqs"):
         assert text in result.stdout, text
     assert "serve" in invoke("--help").stdout
 
@@ -24,6 +25,9 @@ def test_serve_help():
     (["serve", *TINY, "--max-body-size", "lots"], "size"),
     (["serve", "random:tiny", "--model", "random:small"], "disagree"),
     (["serve", *TINY, "--host", "no-such-host.invalid"], "cannot listen"),
+    (["serve", *TINY, "--api-servers", "-1"], "[0, 64]"),
+    (["serve", *TINY, "--api-servers", "65"], "[0, 64]"),
+    (["serve", *TINY, "--api-servers", "two"], "valid integer"),
 ])
 def test_serve_bad_flags(args, fragment):
     assert_one_line_error(invoke(*args), fragment)

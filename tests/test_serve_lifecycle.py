@@ -14,10 +14,11 @@ import pytest
 from tests.serve_server import API_KEY, start_server
 
 
-@pytest.fixture(scope="module")
-def keyed_server(serve_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[0, 2], ids=lambda n: f"api-servers-{n}")
+def keyed_server(request, serve_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-keyed") / "server.log"
-    proc = start_server(serve_model_dir, log, "--api-key", API_KEY, "--max-model-len", "2048")
+    proc = start_server(serve_model_dir, log, "--api-key", API_KEY, "--max-model-len", "2048",
+                        "--api-servers", str(request.param))
     yield proc
     proc.stop()
 

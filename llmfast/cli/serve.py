@@ -10,6 +10,8 @@ import typer
 from llmfast.cli.common import EngineOptions, load_llm, stderr_console
 from llmfast.utils.flag_values import FlagValueError, parse_bytes
 
+MAX_API_SERVERS = 64
+
 SERVE_EXAMPLES = """\
 **Examples**
 
@@ -39,9 +41,13 @@ def serve(
         show_default=False)] = None,
     max_body_size: Annotated[str, typer.Option(
         "--max-body-size", help="Largest request body (413 above), e.g. 8MiB.")] = "8MiB",
+    api_servers: Annotated[int, typer.Option(
+        "--api-servers", help="HTTP server processes beside the engine's: 0 serves HTTP "
+        "from the engine's process (its GIL shared with the engine step); N > 0 runs the "
+        "engine loop alone in this process and HTTP in N processes.")] = 0,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
-    from llmfast.serve.app import ServeConfig
+    from llmfast.serve.api.app import ServeConfig
     from llmfast.serve.server import bind
     from llmfast.serve.server import serve as run_server
 
@@ -50,6 +56,9 @@ def serve(
             raise typer.BadParameter(f"{model_arg!r} and --model {opts.model!r} disagree",
                                      param_hint="'MODEL'")
         opts = dataclasses.replace(opts, model=None if model_arg == "default" else model_arg)
+    if not 0 <= api_servers <= MAX_API_SERVERS:
+        raise typer.BadParameter(f"must be in [0, {MAX_API_SERVERS}], got {api_servers}",
+                                 param_hint="'--api-servers'")
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"must be in [0, 65535], got {port}", param_hint="'--port'")
     try:
@@ -67,4 +76,4 @@ def serve(
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     err.print(f"serving {name} at {url}/v1 (OpenAI API; /health, /metrics)"
               + ("; API key required" if api_key else ""), style="dim")
-    run_server(llm.engine, sock, config, access_log=opts.debug)
+    run_server(llm.engine, sock, config, access_log=opts.debug, api_servers=api_servers)

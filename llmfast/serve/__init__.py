@@ -1,7 +1,10 @@
-"""`llmfast serve`: an OpenAI-compatible HTTP front on the same engine.
+"""`llmfast serve`: an OpenAI-compatible HTTP server over the engine.
 
-`engine_loop` owns the engine (one thread steps it while any request is live); `app`
-holds the FastAPI routes; `protocol` the request models (OpenAI field names);
-`responses` turns engine deltas into OpenAI JSON; `errors`, `sse`, `metrics` and `server`
-(uvicorn with a clean SIGTERM) are the rest.
+`api/` is the HTTP API itself (FastAPI routes, OpenAI request models and errors, JSON and
+SSE responses, /metrics), written against `stream.EngineFront`. The rest wires it to the
+engine: `engine_loop` owns the engine and steps it while any request is live; `server`
+runs uvicorn either in the engine's process (the loop on a thread: `AsyncEngine`) or, with
+`--api-servers N`, in N processes of their own (`api_process`, each over an
+`engine_client.EngineClient`) while `engine_host` runs the loop alone in the main process.
+`stream` holds what crosses between the two sides.
 """

@@ -1,17 +1,21 @@
-"""The async front of the synchronous engine: one thread owns `LLMEngine` and steps it
-while any request is live; HTTP handlers talk to it only through a command queue
-(add, abort, stop) and read their outputs from an asyncio queue per HTTP request.
+"""The engine's side of the server: one loop owns `LLMEngine`, applies the HTTP side's
+commands (add, abort, stop) between steps, steps while any request is live, and hands
+each step's news back as `ChoiceDelta`s, one batch per step.
 
-Why a thread and not `asyncio.to_thread(engine.step)` per step: the engine is not
+`EngineLoop` is that loop, whatever carries the commands and the outputs. Two carriers:
+
+- `AsyncEngine` (this module): the loop on a thread of the HTTP server's process; commands
+  through a queue, outputs onto the event loop with one `call_soon_threadsafe` per step.
+- `ProcessEngineLoop` (engine_host.py, `--api-servers N`): the loop in the main process,
+  the HTTP servers in N processes of their own, commands and outputs over pipes, so the
+  HTTP work (JSON, SSE, sockets) never holds the engine's GIL.
+
+Why one owner and not `asyncio.to_thread(engine.step)` per step: the engine is not
 thread-safe, so every touch (adding, aborting, tokenising, detokenising logprob tokens,
-reading stats) must come from one place; a dedicated thread makes that place obvious and
-costs no hand-off per step. The event loop stays free to accept, parse and stream while a
-step runs. Concurrent HTTP requests land in the same `engine.step()` calls: continuous
-batching comes from the engine's scheduler, this file only feeds it.
-
-Outputs cross back to the event loop once per step (one `call_soon_threadsafe` with every
-request's news), as frozen `ChoiceDelta`s: the engine's `RequestOutput` holds live lists
-that the next step mutates, so they never leave the engine thread.
+reading stats) must come from one place. Concurrent HTTP requests land in the same
+`engine.step()` calls: continuous batching comes from the engine's scheduler, this file
+only feeds it. The engine's `RequestOutput` holds live lists that the next step mutates,
+so only frozen `ChoiceDelta`s leave the loop.
 """
 
 from __future__ import annotations
@@ -23,105 +27,44 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from llmfast.engine import LLMEngine
 from llmfast.executor import ExecutorError
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
+from llmfast.serve.stream import (  # noqa: F401 - re-exported: the serve API's names
+    ChatPrompt,
+    ChoiceDelta,
+    EngineUnavailable,
+    Limits,
+    PreparedPrompt,
+    PromptInput,
+    RequestStream,
+    StreamError,
+    TokenLogprob,
+)
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    """Messages to render with the tokenizer's chat template (in the engine thread)."""
-
-    messages: tuple[dict[str, str], ...]
-
-
-PromptInput = str | list[int] | ChatPrompt
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedPrompt:
-    text: str | None
-    token_ids: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token: str
-    token_id: int
-    logprob: float
-    top: tuple[tuple[str, int, float], ...]  # the top-k (token, id, logprob), best first
-
-
-@dataclass(frozen=True, slots=True)
-class ChoiceDelta:
-    """What one step did for one choice of an HTTP request."""
-
-    index: int  # choice index in the response (prompt_index * n + sample_index)
-    text: str  # new visible text
-    num_new_tokens: int
-    num_output_tokens: int  # so far
-    num_cached_tokens: int  # prompt tokens found in the prefix cache
-    logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
-@dataclass(frozen=True, slots=True)
-class StreamError:
-    """The engine cannot finish this request (shutdown, an internal failure)."""
-
-    message: str
-    status: int
-
-
-# How often an idle engine thread checks that its workers are alive (a no-op in process).
+# How often an idle engine loop checks that its workers are alive (a no-op in process).
 IDLE_HEALTH_CHECK_S = 1.0
-
-
-class EngineUnavailable(RuntimeError):
-    """The front is stopping or stopped; no new requests."""
 
 
 @dataclass(slots=True)
 class _Route:
-    stream: RequestStream
+    stream: Any  # where this choice's outputs go: the carrier's handle of one HTTP request
     index: int
     num_logprobs: int | None  # top-k asked for, None: no logprobs
     logprobs_sent: int = 0
 
 
-class RequestStream:
-    """The outputs of one HTTP request: `ChoiceDelta`s, then possibly a `StreamError`."""
-
-    def __init__(self, request_id: str, num_choices: int) -> None:
-        self.request_id = request_id
-        self.num_choices = num_choices
-        self.engine_ids = [f"{request_id}-{i}" for i in range(num_choices)]
-        self._queue: asyncio.Queue[ChoiceDelta | StreamError] = asyncio.Queue()
-
-    def put(self, item: ChoiceDelta | StreamError) -> None:
-        self._queue.put_nowait(item)
-
-    async def get(self) -> ChoiceDelta | StreamError:
-        return await self._queue.get()
-
-    def get_nowait(self) -> ChoiceDelta | StreamError | None:
-        try:
-            return self._queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-
-
 @dataclass(frozen=True, slots=True)
 class _Add:
-    stream: RequestStream
+    stream: Any  # the carrier's handle of the HTTP request; has `.engine_ids`
     prompts: tuple[PromptInput, ...]
     params: tuple[SamplingParams, ...]  # one per choice, prompt-major
-    done: asyncio.Future
+    done: Any  # how the carrier answers this add (a future, an id)
     with_text: bool  # decode token-id prompts for the response
 
 
@@ -135,27 +78,213 @@ class _Stop:
     message: str
 
 
-class AsyncEngine:
+def engine_limits(engine: LLMEngine) -> Limits:
+    scheduler = engine.config.scheduler
+    return Limits(max_n=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len)
+
+
+class EngineLoop:
+    """The loop and its bookkeeping; a carrier supplies `_next_command`, `_wait_for_work`,
+    `_emit` (a step's outputs) and `_answer_add`."""
+
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine  # touched only by the engine thread once started
+        self.engine = engine  # touched only by the loop once started
+        self._routes: dict[str, _Route] = {}  # engine request id -> where its outputs go
+        # Why the engine stopped for good (a worker died or failed); None while it serves.
+        self.failure: str | None = None
+        self.stats = engine.stats()  # replaced whole after each step, never mutated
+        self.num_steps = 0  # engine steps taken
+
+    # ------------------------------------------------------------------ carrier hooks
+
+    def _next_command(self) -> _Add | _Abort | _Stop | None:
+        raise NotImplementedError
+
+    def _wait_for_work(self, timeout: float) -> bool:
+        """Block until a command may be waiting; False on timeout."""
+        raise NotImplementedError
+
+    def _emit(self, batch: list[tuple[Any, ChoiceDelta | StreamError]]) -> None:
+        raise NotImplementedError
+
+    def _answer_add(self, command: _Add, prepared: list[PreparedPrompt] | None,
+                    error: BaseException | None) -> None:
+        raise NotImplementedError
+
+    def _stats_changed(self) -> None:
+        """`self.stats` / `self.num_steps` were replaced (a carrier may forward them)."""
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        """Until a `_Stop` command, or the engine fails for good."""
+        while True:
+            try:
+                if not self._drain_commands():
+                    return
+                self._step_or_wait()
+            except ExecutorError as e:  # a worker is gone: no step can run any more
+                self._stop_for_good(str(e))
+                return
+            except Exception:  # a bug must not take the server down
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(StreamError("internal error in the engine step", 500))
+
+    def _step_or_wait(self) -> None:
+        engine = self.engine
+        if not engine.has_unfinished():
+            self.stats = engine.stats()
+            self._stats_changed()
+            if not self._wait_for_work(IDLE_HEALTH_CHECK_S):
+                # Idle: notice a dead worker now, not at the next request.
+                engine.check_health()
+            return
+        outputs = engine.step()
+        self.num_steps += 1
+        batch = [item for out in outputs if (item := self._route(out)) is not None]
+        self.stats = engine.stats()
+        if batch:
+            self._emit(batch)
+        self._stats_changed()
+
+    def _drain_commands(self) -> bool:
+        """Apply queued commands; False once told to stop."""
+        while (command := self._next_command()) is not None:
+            if isinstance(command, _Add):
+                self._apply_add(command)
+            elif isinstance(command, _Abort):
+                for req_id in command.engine_ids:
+                    if self._routes.pop(req_id, None) is not None:
+                        self.engine.abort(req_id)
+            else:
+                self._fail_all(StreamError(command.message, 503))
+                self._fail_pending_adds(command.message)
+                return False
+        return True
+
+    def _apply_add(self, command: _Add) -> None:
+        engine = self.engine
+        stream = command.stream
+        added: list[str] = []
+        try:
+            prepared = [self._prepare(p) for p in command.prompts]
+            per_prompt = len(command.params) // len(prepared)
+            for i, (req_id, params) in enumerate(zip(stream.engine_ids, command.params)):
+                prompt = prepared[i // per_prompt]
+                engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
+                                   params, request_id=req_id)
+                added.append(req_id)
+                self._routes[req_id] = _Route(stream, i, params.logprobs)
+        except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
+            for req_id in added:
+                self._routes.pop(req_id, None)
+                engine.abort(req_id)
+            self._answer_add(command, None, e)
+            return
+        if command.with_text:
+            prepared = [self._with_text(p) for p in prepared]
+        self._answer_add(command, prepared, None)
+
+    def _prepare(self, prompt: PromptInput) -> PreparedPrompt:
+        if isinstance(prompt, ChatPrompt):
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise ValueError(f"model {self.engine.source.name} has no tokenizer, so it "
+                                 "has no chat template; use /v1/completions with token ids")
+            return PreparedPrompt(None, tokenizer.apply_chat_template(list(prompt.messages)))
+        text, ids = self.engine.tokenize_prompt(prompt)
+        return PreparedPrompt(text, ids)
+
+    def _with_text(self, prompt: PreparedPrompt) -> PreparedPrompt:
+        tokenizer = self.engine.tokenizer
+        if prompt.text is not None or tokenizer is None:
+            return prompt
+        # Special tokens kept: the echo shows the prompt the model was given.
+        return PreparedPrompt(tokenizer.decode(prompt.token_ids, skip_special_tokens=False),
+                              prompt.token_ids)
+
+    def _route(self, out: RequestOutput) -> tuple[Any, ChoiceDelta] | None:
+        route = self._routes.get(out.request_id)
+        if route is None:  # aborted since the step was scheduled
+            return None
+        completion = out.outputs[0]
+        logprobs = None
+        if route.num_logprobs is not None and completion.logprobs is not None:
+            new = completion.logprobs[route.logprobs_sent:]
+            route.logprobs_sent += len(new)
+            logprobs = tuple(self._token_logprob(entry, route.num_logprobs) for entry in new)
+        if out.finished:
+            del self._routes[out.request_id]
+        return route.stream, ChoiceDelta(
+            index=route.index,
+            text=completion.delta_text,
+            num_new_tokens=len(completion.delta_token_ids),
+            num_output_tokens=len(completion.token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    def _token_logprob(self, entry: dict[int, float], k: int) -> TokenLogprob:
+        # The engine's entry: the sampled token first, then the top-k others.
+        sampled, lp = next(iter(entry.items()))
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        return TokenLogprob(self._token_text(sampled), sampled, lp,
+                            tuple((self._token_text(t), t, v) for t, v in top))
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token_id}"
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _fail_all(self, error: StreamError) -> None:
+        streams = {}
+        routes, self._routes = self._routes, {}
+        for req_id, route in routes.items():
+            streams[id(route.stream)] = route.stream
+            with contextlib.suppress(Exception):  # after a failed step, free what we can
+                self.engine.abort(req_id)
+        with contextlib.suppress(Exception):
+            self.stats = self.engine.stats()
+            self._stats_changed()
+        if streams:
+            self._emit([(s, error) for s in streams.values()])
+
+    def _stop_for_good(self, reason: str) -> None:
+        """The engine cannot step again: end every live request and every queued add with
+        a 503 naming the cause; /health reports it from now on."""
+        logger.error("the engine stopped: %s", reason)
+        self.failure = reason
+        message = f"the engine stopped: {reason}"
+        self._fail_all(StreamError(message, 503))
+        self._fail_pending_adds(message)
+
+    def _fail_pending_adds(self, message: str) -> None:
+        while (command := self._next_command()) is not None:
+            if isinstance(command, _Add):
+                self._answer_add(command, None, EngineUnavailable(message))
+
+
+class AsyncEngine(EngineLoop):
+    """The loop on a thread of this process, for HTTP handlers on this event loop: they
+    send commands through a queue and read their outputs from a `RequestStream` each."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine)
+        self.limits = engine_limits(engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._routes: dict[str, _Route] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        # Why the engine stopped for good (a worker died or failed); None while it serves.
-        # Written once by the engine thread, read by /health and `add`.
-        self.failure: str | None = None
-        # Read by /metrics from the event loop: replaced whole, never mutated.
-        self.stats = engine.stats()
-        self.num_steps = 0  # engine steps taken (written by the engine thread only)
 
     # ------------------------------------------------------------------ event loop side
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="llmfast-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="llmfast-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -203,11 +332,13 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _deliver(self, batch: list[tuple[RequestStream, ChoiceDelta | StreamError]]) -> None:
+    @staticmethod
+    def _deliver(batch: list[tuple[RequestStream, ChoiceDelta | StreamError]]) -> None:
         for stream, item in batch:
             stream.put(item)
 
-    def _resolve(self, future: asyncio.Future, result=None, error: BaseException | None = None
+    @staticmethod
+    def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None
                  ) -> None:
         if future.done():  # the handler went away meanwhile; its ids get aborted anyway
             return
@@ -216,159 +347,21 @@ class AsyncEngine:
         else:
             future.set_result(result)
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ carrier hooks
 
-    def _run(self) -> None:
-        while True:
-            try:
-                if not self._drain_commands():
-                    return
-                self._step_or_wait()
-            except ExecutorError as e:  # a worker is gone: no step can run any more
-                self._stop_for_good(str(e))
-                return
-            except Exception:  # a bug must not take the server down
-                logger.exception("engine step failed; aborting the requests in flight")
-                self._fail_all(StreamError("internal error in the engine step", 500))
-
-    def _step_or_wait(self) -> None:
-        engine = self.engine
-        if not engine.has_unfinished():
-            self.stats = engine.stats()
-            if not self._wake.wait(IDLE_HEALTH_CHECK_S):
-                # Idle: notice a dead worker now, not at the next request.
-                engine.check_health()
-            self._wake.clear()
-            return
-        outputs = engine.step()
-        self.num_steps += 1
-        batch = [item for out in outputs if (item := self._route(out)) is not None]
-        self.stats = engine.stats()
-        if batch:
-            self._loop.call_soon_threadsafe(self._deliver, batch)
-
-    def _drain_commands(self) -> bool:
-        """Apply queued commands; False once told to stop."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if isinstance(command, _Add):
-                self._apply_add(command)
-            elif isinstance(command, _Abort):
-                for req_id in command.engine_ids:
-                    if self._routes.pop(req_id, None) is not None:
-                        self.engine.abort(req_id)
-            else:
-                self._fail_all(StreamError(command.message, 503))
-                self._fail_pending_adds(command.message)
-                return False
-
-    def _apply_add(self, command: _Add) -> None:
-        engine = self.engine
-        stream = command.stream
-        added: list[str] = []
+    def _next_command(self):
         try:
-            prepared = [self._prepare(p) for p in command.prompts]
-            per_prompt = len(command.params) // len(prepared)
-            for i, (req_id, params) in enumerate(zip(stream.engine_ids, command.params)):
-                prompt = prepared[i // per_prompt]
-                engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
-                                   params, request_id=req_id)
-                added.append(req_id)
-                self._routes[req_id] = _Route(stream, i, params.logprobs)
-        except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
-            for req_id in added:
-                self._routes.pop(req_id, None)
-                engine.abort(req_id)
-            self._loop.call_soon_threadsafe(self._resolve, command.done, None, e)
-            return
-        if command.with_text:
-            prepared = [self._with_text(p) for p in prepared]
-        self._loop.call_soon_threadsafe(self._resolve, command.done, prepared)
-
-    def _prepare(self, prompt: PromptInput) -> PreparedPrompt:
-        if isinstance(prompt, ChatPrompt):
-            tokenizer = self.engine.tokenizer
-            if tokenizer is None:
-                raise ValueError(f"model {self.engine.source.name} has no tokenizer, so it "
-                                 "has no chat template; use /v1/completions with token ids")
-            return PreparedPrompt(None, tokenizer.apply_chat_template(list(prompt.messages)))
-        text, ids = self.engine.tokenize_prompt(prompt)
-        return PreparedPrompt(text, ids)
-
-    def _with_text(self, prompt: PreparedPrompt) -> PreparedPrompt:
-        tokenizer = self.engine.tokenizer
-        if prompt.text is not None or tokenizer is None:
-            return prompt
-        # Special tokens kept: the echo shows the prompt the model was given.
-        return PreparedPrompt(tokenizer.decode(prompt.token_ids, skip_special_tokens=False),
-                              prompt.token_ids)
-
-    def _route(self, out: RequestOutput) -> tuple[RequestStream, ChoiceDelta] | None:
-        route = self._routes.get(out.request_id)
-        if route is None:  # aborted since the step was scheduled
+            return self._commands.get_nowait()
+        except queue.Empty:
             return None
-        completion = out.outputs[0]
-        logprobs = None
-        if route.num_logprobs is not None and completion.logprobs is not None:
-            new = completion.logprobs[route.logprobs_sent:]
-            route.logprobs_sent += len(new)
-            logprobs = tuple(self._token_logprob(entry, route.num_logprobs) for entry in new)
-        if out.finished:
-            del self._routes[out.request_id]
-        return route.stream, ChoiceDelta(
-            index=route.index,
-            text=completion.delta_text,
-            num_new_tokens=len(completion.delta_token_ids),
-            num_output_tokens=len(completion.token_ids),
-            num_cached_tokens=out.num_cached_tokens,
-            logprobs=logprobs,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
 
-    def _token_logprob(self, entry: dict[int, float], k: int) -> TokenLogprob:
-        # The engine's entry: the sampled token first, then the top-k others.
-        sampled, lp = next(iter(entry.items()))
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        return TokenLogprob(self._token_text(sampled), sampled, lp,
-                            tuple((self._token_text(t), t, v) for t, v in top))
+    def _wait_for_work(self, timeout: float) -> bool:
+        woken = self._wake.wait(timeout)
+        self._wake.clear()
+        return woken
 
-    def _token_text(self, token_id: int) -> str:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return f"token_id:{token_id}"
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+    def _emit(self, batch) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, batch)
 
-    def _fail_all(self, error: StreamError) -> None:
-        streams = {}
-        routes, self._routes = self._routes, {}
-        for req_id, route in routes.items():
-            streams[id(route.stream)] = route.stream
-            with contextlib.suppress(Exception):  # after a failed step, free what we can
-                self.engine.abort(req_id)
-        with contextlib.suppress(Exception):
-            self.stats = self.engine.stats()
-        if streams:
-            self._loop.call_soon_threadsafe(self._deliver, [(s, error) for s in streams.values()])
-
-    def _stop_for_good(self, reason: str) -> None:
-        """The engine cannot step again: end every live request and every queued add with
-        a 503 naming the cause; /health reports it from now on."""
-        logger.error("the engine stopped: %s", reason)
-        self.failure = reason
-        message = f"the engine stopped: {reason}"
-        self._fail_all(StreamError(message, 503))
-        self._fail_pending_adds(message)
-
-    def _fail_pending_adds(self, message: str) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add):
-                self._loop.call_soon_threadsafe(self._resolve, command.done, None,
-                                                EngineUnavailable(message))
+    def _answer_add(self, command: _Add, prepared, error) -> None:
+        self._loop.call_soon_threadsafe(self._resolve, command.done, prepared, error)

@@ -13,7 +13,7 @@ import socket
 import uvicorn
 
 from llmfast.engine import LLMEngine
-from llmfast.serve.app import ServeConfig, build_app
+from llmfast.serve.api.app import ServeConfig, build_app
 from llmfast.serve.engine_loop import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine: LLMEngine, sock: socket.socket, config: ServeConfig, *,
-          access_log: bool = False) -> None:
-    """Serve until SIGTERM / Ctrl-C (uvicorn re-raises the signal after a clean stop)."""
+          access_log: bool = False, api_servers: int = 0) -> None:
+    """Serve until SIGTERM / Ctrl-C. With `api_servers` = 0 the HTTP server runs in this
+    process, the engine on a thread of it (uvicorn re-raises the signal after a clean
+    stop); with N > 0 the engine loop runs here and N processes serve HTTP
+    (engine_host.py)."""
+    if api_servers > 0:
+        from llmfast.serve.engine_host import serve_with_api_processes
+
+        serve_with_api_processes(engine, sock, config, api_servers, access_log=access_log)
+        return
     front = AsyncEngine(engine)
     app = build_app(front, config)
     uv_config = uvicorn.Config(app, log_level="info", access_log=access_log,

@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models),
-/health and /metrics, over one `AsyncEngine`."""
+/health and /metrics, over one `EngineFront` (the engine on a thread of this process, or
+in another process)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from llmfast.serve.engine_loop import AsyncEngine
-from llmfast.serve.errors import APIError, from_validation_error, install_handlers
-from llmfast.serve.generation import run_generation
-from llmfast.serve.metrics import CONTENT_TYPE, ServerMetrics
-from llmfast.serve.protocol import ChatCompletionRequest, CompletionRequest
-from llmfast.serve.responses import Kind
-from llmfast.serve.sampling import Limits, chat_inputs, completion_inputs
+from llmfast.serve.api.errors import APIError, from_validation_error, install_handlers
+from llmfast.serve.api.generation import run_generation
+from llmfast.serve.api.metrics import CONTENT_TYPE, ServerMetrics
+from llmfast.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from llmfast.serve.api.responses import Kind
+from llmfast.serve.api.sampling import chat_inputs, completion_inputs
+from llmfast.serve.stream import EngineFront
 
 # An oversized body is read to its end (discarded) so the client gets its 413 instead of a
 # reset connection, but only this far past the limit.
@@ -35,10 +36,8 @@ class ServeConfig:
     max_body_bytes: int = 8 << 20
 
 
-def build_app(front: AsyncEngine, config: ServeConfig) -> FastAPI:
-    engine_config = front.engine.config
-    limits = Limits(max_n=engine_config.scheduler.max_num_seqs,
-                    max_model_len=engine_config.scheduler.max_model_len)
+def build_app(front: EngineFront, config: ServeConfig) -> FastAPI:
+    limits = front.limits
     metrics = ServerMetrics(front)
     names = {config.model_name, *config.model_aliases}
     created = int(time.time())

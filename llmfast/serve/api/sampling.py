@@ -10,15 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmfast.sampling_params import SamplingParams, SamplingParamsError
-from llmfast.serve.engine_loop import ChatPrompt, PromptInput
-from llmfast.serve.errors import APIError
-from llmfast.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_n: int  # most choices per prompt: what can run in one step (max-num-seqs)
-    max_model_len: int
+from llmfast.serve.api.errors import APIError
+from llmfast.serve.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from llmfast.serve.stream import ChatPrompt, Limits, PromptInput
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llmfast.serve.engine_loop import ChoiceDelta, PreparedPrompt, TokenLogprob
+from llmfast.serve.stream import ChoiceDelta, PreparedPrompt, TokenLogprob
 
 Kind = Literal["completion", "chat"]
 

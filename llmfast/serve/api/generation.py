@@ -13,25 +13,25 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from llmfast.serve.engine_loop import (
-    AsyncEngine,
+from llmfast.serve.api.errors import APIError, error_body
+from llmfast.serve.api.metrics import RequestTracker, ServerMetrics
+from llmfast.serve.api.responses import Kind, ResponseBuilder
+from llmfast.serve.api.sampling import EngineInputs
+from llmfast.serve.api.sse import DONE, event
+from llmfast.serve.stream import (
+    EngineFront,
     EngineUnavailable,
     PreparedPrompt,
     RequestStream,
     StreamError,
 )
-from llmfast.serve.errors import APIError, error_body
-from llmfast.serve.metrics import RequestTracker, ServerMetrics
-from llmfast.serve.responses import Kind, ResponseBuilder
-from llmfast.serve.sampling import EngineInputs
-from llmfast.serve.sse import DONE, event
 from llmfast.utils.errors import one_line
 
 # HTTP status for a response nobody will read (nginx's "client closed request").
 CLIENT_CLOSED = 499
 
 
-async def run_generation(request: Request, front: AsyncEngine, metrics: ServerMetrics,
+async def run_generation(request: Request, front: EngineFront, metrics: ServerMetrics,
                          kind: Kind, model: str, inputs: EngineInputs, *, stream: bool,
                          include_usage: bool, echo: bool = False, want_logprobs: bool = False,
                          ) -> Response:
@@ -57,7 +57,7 @@ async def run_generation(request: Request, front: AsyncEngine, metrics: ServerMe
     return JSONResponse(builder.response())
 
 
-async def _submit(front: AsyncEngine, rs: RequestStream, inputs: EngineInputs, kind: Kind,
+async def _submit(front: EngineFront, rs: RequestStream, inputs: EngineInputs, kind: Kind,
                   with_text: bool) -> list[PreparedPrompt]:
     try:
         return await front.add(rs, inputs.prompts, inputs.params, with_text=with_text)
@@ -105,7 +105,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(front: AsyncEngine, metrics: ServerMetrics, rs: RequestStream,
+async def _events(front: EngineFront, metrics: ServerMetrics, rs: RequestStream,
                   builder: ResponseBuilder, tracker: RequestTracker,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE text. Deltas that queued up while the client was being written to go out in

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmfast.serve.protocol import UNION_HINTS
+from llmfast.serve.api.protocol import UNION_HINTS
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,82 @@
+"""The entry point of an API server process (`--api-servers N`):
+`python -m llmfast.serve.api_process COMMANDS_FD OUTPUTS_FD LISTEN_FD`.
+
+The main process holds the engine (engine_host.py) and the other ends of the two pipes;
+this process runs the FastAPI app under uvicorn on the shared listening socket, over an
+`EngineClient`. It reads its `ApiProcessSpec` from the outputs pipe first. It does not
+import torch or the engine. Ctrl-C in the terminal reaches the whole process group: this
+process ignores it and lets the main process decide (it stops the engine, which ends the
+streams, then tells this process to stop). A watchdog exits if the main process dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import uvicorn
+
+from llmfast.serve.api.app import ServeConfig, build_app
+from llmfast.serve.engine_client import EngineClient
+from llmfast.serve.stream import Limits
+
+PARENT_CHECK_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ApiProcessSpec:
+    config: ServeConfig
+    limits: Limits
+    stats: object  # the engine's SchedulerStats at start
+    access_log: bool
+    log_level: int
+
+
+class _ApiServer(uvicorn.Server):
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGINT:
+            return  # the main process got it too, and decides
+        super().handle_exit(sig, frame)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_INTERVAL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True,
+                     name="llmfast-parent-watch").start()
+    commands, outputs = Connection(int(argv[1])), Connection(int(argv[2]))
+    listen = socket.socket(fileno=int(argv[3]))
+    try:
+        spec: ApiProcessSpec = outputs.recv()
+    except EOFError:
+        return 0  # the main process went away before this one started
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
+                        format=f"%(levelname)s api[{os.getpid()}] %(name)s: %(message)s")
+    client = EngineClient(commands, outputs, spec.limits, spec.stats)
+    app = build_app(client, spec.config)
+    server = _ApiServer(uvicorn.Config(app, log_level="warning", access_log=spec.access_log,
+                                       timeout_graceful_shutdown=10, lifespan="on"))
+
+    def exit_now() -> None:
+        server.should_exit = True
+
+    client.on_stop = exit_now
+    server.run(sockets=[listen])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,190 @@
+"""The HTTP side's handle of an engine in another process (`--api-servers N`).
+
+An `EngineClient` is an `EngineFront` like `AsyncEngine`, but its engine loop runs in
+the main process (engine_host.py): commands go out on one pipe, outputs come back on
+another. The event loop reads the outputs pipe as soon as it is readable (`add_reader`:
+no thread, no poll interval); commands are written by a sender thread, so the event loop
+never blocks on a full pipe while the engine is itself blocked writing outputs to it.
+
+Messages (tuples, pickled by `Connection`), to the engine:
+    ("add", add_id, request_id, engine_ids, prompts, params, with_text)
+    ("abort", engine_ids)
+and back:
+    ("out", [(request_id, ChoiceDelta | StreamError), ...])   one per step
+    ("added", add_id, prepared prompts | None, error kind | None, error message)
+    ("stats", SchedulerStats, num_steps)
+    ("failed", reason)      the engine stopped for good (/health reports it)
+    ("stop", message)       the server is shutting down: stop accepting, then exit
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+
+from llmfast.sampling_params import SamplingParams
+from llmfast.serve.stream import (
+    EngineUnavailable,
+    Limits,
+    PreparedPrompt,
+    PromptInput,
+    RequestStream,
+    StreamError,
+)
+
+logger = logging.getLogger(__name__)
+
+# How the engine side encodes an add's failure: the exception type the HTTP handler maps
+# to a status (ValueError: 400, EngineUnavailable: 503, anything else: 500).
+ADD_ERRORS: dict[str, type[Exception]] = {
+    "value": ValueError, "unavailable": EngineUnavailable, "internal": RuntimeError}
+
+
+def add_error_kind(error: BaseException) -> str:
+    if isinstance(error, EngineUnavailable):
+        return "unavailable"
+    return "value" if isinstance(error, ValueError) else "internal"
+
+
+class EngineClient:
+    def __init__(self, commands: Connection, outputs: Connection, limits: Limits,
+                 stats) -> None:
+        self.limits = limits
+        self.failure: str | None = None
+        self.stats = stats
+        self.num_steps = 0
+        self.on_stop: Callable[[], None] | None = None  # the server's "exit now"
+        self._commands = commands
+        self._outputs = outputs
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: weakref.WeakValueDictionary[str, RequestStream] = (
+            weakref.WeakValueDictionary())
+        self._adds: dict[int, asyncio.Future] = {}
+        self._add_ids = itertools.count()
+        self._connected = False
+        self._stopping = False
+
+    # ------------------------------------------------------------------ EngineFront
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._outputs.fileno(), self._read_outputs)
+        self._sender = threading.Thread(target=self._send_loop, name="llmfast-engine-client",
+                                        daemon=True)
+        self._sender.start()
+        self._connected = True
+
+    @property
+    def running(self) -> bool:
+        return self._connected and not self._stopping
+
+    async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
+                  params: Sequence[SamplingParams], *, with_text: bool = False,
+                  ) -> list[PreparedPrompt]:
+        if self.failure is not None:
+            raise EngineUnavailable(f"the engine stopped: {self.failure}")
+        if not self.running:
+            raise EngineUnavailable("the server is shutting down")
+        add_id = next(self._add_ids)
+        done = self._loop.create_future()
+        self._adds[add_id] = done
+        self._streams[stream.request_id] = stream
+        self._send(("add", add_id, stream.request_id, tuple(stream.engine_ids),
+                    tuple(prompts), tuple(params), with_text))
+        try:
+            return await done
+        finally:
+            self._adds.pop(add_id, None)
+
+    def abort(self, engine_ids: Sequence[str]) -> None:
+        if engine_ids and self._connected:
+            self._send(("abort", tuple(engine_ids)))
+
+    def stop(self, message: str = "the server is shutting down") -> None:
+        """Accept no more requests. The engine (another process) ends the live ones: it
+        stops when the main process is told to."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for done in list(self._adds.values()):
+            if not done.done():
+                done.set_exception(EngineUnavailable(message))
+
+    def stop_threadsafe(self, message: str = "the server is shutting down") -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.stop, message)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Nothing to join here: the engine loop is the main process's."""
+
+    # ------------------------------------------------------------------ the pipes
+
+    def _send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def _send_loop(self) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                self._commands.send(message)
+            except (OSError, ValueError):  # the engine's process is gone; the reader says so
+                return
+
+    def _read_outputs(self) -> None:
+        try:
+            while self._outputs.poll():
+                self._dispatch(self._outputs.recv())
+        except (EOFError, OSError):
+            self._engine_gone()
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "out":
+            streams = self._streams
+            for request_id, item in message[1]:
+                stream = streams.get(request_id)
+                if stream is not None:  # else its handler has gone, and aborted it
+                    stream.put(item)
+        elif kind == "stats":
+            self.stats, self.num_steps = message[1], message[2]
+        elif kind == "added":
+            _, add_id, prepared, error_kind, error_message = message
+            done = self._adds.get(add_id)
+            if done is None or done.done():
+                return  # the handler went away meanwhile; it aborted its ids
+            if error_kind is None:
+                done.set_result(prepared)
+            else:
+                done.set_exception(ADD_ERRORS[error_kind](error_message))
+        elif kind == "failed":
+            self.failure = message[1]
+        elif kind == "stop":
+            self._shut_down(message[1])
+
+    def _engine_gone(self) -> None:
+        """The engine's process closed the pipe (it exited or died): end everything."""
+        if not self._connected:
+            return
+        self._loop.remove_reader(self._outputs.fileno())
+        self._connected = False
+        if self.failure is None and not self._stopping:
+            self.failure = "the engine process exited"
+            logger.error("the engine process exited")
+        self._shut_down(f"the engine stopped: {self.failure}" if not self._stopping
+                        else "the server is shutting down")
+
+    def _shut_down(self, message: str) -> None:
+        self.stop(message)
+        error = StreamError(message, 503)
+        for stream in list(self._streams.values()):
+            stream.put(error)
+        if self.on_stop is not None:
+            self.on_stop()

@@ -1,0 +1,125 @@
+"""What crosses between the HTTP handlers and the engine loop: prompts in, per-choice
+deltas out, and the queue each HTTP request reads them from.
+
+Plain data only (picklable, no torch): with `--api-servers N` these cross a process
+boundary, and the HTTP processes import this module without importing the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from llmfast.core.scheduler import SchedulerStats
+    from llmfast.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine's limits the HTTP side checks requests against."""
+
+    max_n: int  # most choices per prompt: what can run in one step (max-num-seqs)
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Messages to render with the tokenizer's chat template (on the engine's side)."""
+
+    messages: tuple[dict[str, str], ...]
+
+
+PromptInput = str | list[int] | ChatPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[tuple[str, int, float], ...]  # the top-k (token, id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    """What one step did for one choice of an HTTP request."""
+
+    index: int  # choice index in the response (prompt_index * n + sample_index)
+    text: str  # new visible text
+    num_new_tokens: int
+    num_output_tokens: int  # so far
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """The engine cannot finish this request (shutdown, an internal failure)."""
+
+    message: str
+    status: int
+
+
+class EngineUnavailable(RuntimeError):
+    """The front is stopping or stopped; no new requests."""
+
+
+class RequestStream:
+    """The outputs of one HTTP request: `ChoiceDelta`s, then possibly a `StreamError`."""
+
+    def __init__(self, request_id: str, num_choices: int) -> None:
+        self.request_id = request_id
+        self.num_choices = num_choices
+        self.engine_ids = [f"{request_id}-{i}" for i in range(num_choices)]
+        self._queue: asyncio.Queue[ChoiceDelta | StreamError] = asyncio.Queue()
+
+    def put(self, item: ChoiceDelta | StreamError) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> ChoiceDelta | StreamError:
+        return await self._queue.get()
+
+    def get_nowait(self) -> ChoiceDelta | StreamError | None:
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+
+class EngineFront(Protocol):
+    """What the HTTP side uses of the engine: `engine_loop.AsyncEngine` (the engine on a
+    thread of this process) and `engine_client.EngineClient` (the engine in another
+    process) both are one."""
+
+    limits: Limits
+    failure: str | None  # why the engine stopped for good; None while it serves
+    stats: SchedulerStats  # the latest snapshot
+    num_steps: int
+
+    @property
+    def running(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
+                  params: Sequence[SamplingParams], *, with_text: bool = False,
+                  ) -> list[PreparedPrompt]: ...
+
+    def abort(self, engine_ids: Sequence[str]) -> None: ...
+
+    def stop(self, message: str = ...) -> None: ...
+
+    def stop_threadsafe(self, message: str = ...) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...

@@ -1,0 +1,108 @@
+"""`llmfast serve --api-servers 2`: HTTP in two processes of their own, the engine loop in
+the main one. A killed API process takes only its own requests with it (aborted: their
+KV blocks are freed at once, not when they would have finished) while the other keeps
+serving; when the last one dies the server stops with one error line. (The OpenAI API
+itself runs under --api-servers 1 in every test of test_serve*.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve_server import start_server
+
+LONG = {"prompt": "hello there", "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
+        "stream": True}
+
+
+def _api_pids(main_pid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == main_pid and b"llmfast.serve.api_process" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _connection_owner(server_port: int, client_port: int, pids: list[int]) -> int | None:
+    """Which of `pids` holds the server side of the TCP connection from `client_port`."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote = fields[1], fields[2]
+            if (int(local.rsplit(":", 1)[1], 16) == server_port
+                    and int(remote.rsplit(":", 1)[1], 16) == client_port):
+                inodes.add(f"socket:[{fields[9]}]")
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_a_dead_api_process_takes_only_its_requests_and_the_last_stops_the_server(
+        serve_model_dir, tmp_path):
+    server = start_server(serve_model_dir, tmp_path / "server.log", "--max-model-len", "2048",
+                          "--api-servers", "2")
+    port = int(server.base_url.rsplit(":", 1)[1])
+    try:
+        pids = _api_pids(server.proc.pid)
+        assert len(pids) == 2
+        # Long streams until each API process holds one (the kernel picks who accepts).
+        clients, streams = [], []  # (response, its lines, the API process that has it)
+        for _ in range(20):
+            client = httpx.Client(base_url=server.base_url, timeout=60)
+            clients.append(client)
+            stream = client.send(client.build_request("POST", "/v1/completions", json=LONG),
+                                 stream=True)
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # it is running
+            client_port = stream.extensions["network_stream"].get_extra_info("client_addr")[1]
+            streams.append((stream, lines, _connection_owner(port, client_port, pids)))
+            if {owner for *_, owner in streams} == set(pids):
+                break
+        assert {owner for *_, owner in streams} == set(pids), "one API process took all"
+        victim, survivor = pids
+        os.kill(victim, signal.SIGKILL)
+        for _, lines, owner in streams:
+            if owner == victim:
+                with pytest.raises(httpx.HTTPError):
+                    for _ in lines:
+                        pass
+        # The survivor still serves, new requests included.
+        done = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+        # The victim's requests were aborted when it died, not left running to their 1900
+        # tokens: only the survivor's streams still run.
+        survivors = sum(owner == survivor for *_, owner in streams)
+        deadline = time.monotonic() + 30
+        while server.metrics()["llmfast_num_requests_running"] != survivors:
+            assert time.monotonic() < deadline, server.metrics()
+            time.sleep(0.1)
+        os.kill(survivor, signal.SIGKILL)
+        assert server.proc.wait(timeout=30) == 1
+        log = server.log()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "every API server process exited" in errors[0], log
+        assert "Traceback" not in log
+    finally:
+        server.stop()
+        for client in locals().get("clients", []):
+            client.close()
