@@ -50,6 +50,13 @@ def _rates(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"cannot read rates {text!r}; e.g. 1,2,4,inf") from None
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read counts {text!r}; e.g. 0,1,2") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -72,6 +79,10 @@ def main() -> int:
     ap.add_argument("--serve-args", default="",
                     help="more engine flags for --launch and --engine-baseline, e.g. "
                          "'--max-num-seqs 64 --kv-cache-memory 1GiB'")
+    ap.add_argument("--api-servers", type=_counts, default=None,
+                    help="with --launch: one server per value of its --api-servers (e.g. "
+                         "0,1,2: HTTP in the engine's process, then in 1 and 2 processes of "
+                         "their own), each under the same load, side by side")
     ap.add_argument("--engine-baseline", action="store_true",
                     help="with --launch: first run the same workload on the engine "
                          "in-process (llmfast.bench.latency), for comparison")
@@ -85,18 +96,26 @@ def main() -> int:
             ap.error("--engine-baseline needs --launch MODEL")
         rows += engine_baseline(args.launch, shlex.split(args.serve_args), requests,
                                 args.request_rate, args.seed)
-    server = launch(args.launch, shlex.split(args.serve_args)) if args.launch else None
-    url = server[1] if server else args.url
-    try:
-        for rate in args.request_rate:
-            result = asyncio.run(run_serve_bench(url, requests, rate, args.max_concurrency,
-                                                 args.model, args.api_key, args.seed))
-            print(f"## server, rate {rate:g}/s\n\n{format_result(result)}\n", flush=True)
-            rows.append(("server (HTTP)", result))
-    finally:
-        if server:
-            server[0].send_signal(signal.SIGTERM)
-            server[0].wait(timeout=60)
+    if args.api_servers is not None and not args.launch:
+        ap.error("--api-servers needs --launch MODEL")
+    for api_servers in args.api_servers or [None]:
+        flags = shlex.split(args.serve_args)
+        what = "server (HTTP)"
+        if api_servers is not None:
+            flags += ["--api-servers", str(api_servers)]
+            what = f"server, --api-servers {api_servers}"
+        server = launch(args.launch, flags) if args.launch else None
+        url = server[1] if server else args.url
+        try:
+            for rate in args.request_rate:
+                result = asyncio.run(run_serve_bench(url, requests, rate, args.max_concurrency,
+                                                     args.model, args.api_key, args.seed))
+                print(f"## {what}, rate {rate:g}/s\n\n{format_result(result)}\n", flush=True)
+                rows.append((what, result))
+        finally:
+            if server:
+                server[0].send_signal(signal.SIGTERM)
+                server[0].wait(timeout=60)
     print_summary(rows)
     if args.json:
         args.json.write_text(json.dumps({

