@@ -255,13 +255,28 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
     if args.cuda_graph_mode is not None:
-        parse_cuda_graph_mode(args.cuda_graph_mode)  # an unknown name fails here, early
+        _check_graph_mode_wanted(args)
     # An unknown backend, or uni with several ranks, fails here too.
     args.parallel_config()
     sizes = args.cuda_graph_sizes
     if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
             is_int(s) and s > 0 for s in sizes)):
         raise ConfigError(f"cuda-graph-sizes must be positive integers, got {sizes!r:.60}")
+
+
+def _check_graph_mode_wanted(args: EngineArgs) -> None:
+    """An unknown mode name fails here, early; so does a mode with graphs that another
+    flag turns off, which would otherwise run without graphs and say nothing."""
+    mode = parse_cuda_graph_mode(args.cuda_graph_mode)
+    if mode is CudaGraphMode.NONE:
+        return
+    off = [flag for flag, is_set in (("--enforce-eager", args.enforce_eager is True),
+                                     ("--no-compile", args.compile is False),
+                                     ("--no-cuda-graphs", args.cuda_graphs is False))
+           if is_set]
+    if off:
+        raise ConfigError(f"--cuda-graph-mode {mode.value} replays CUDA graphs, which "
+                          f"{off[0]} turns off; drop one of the two")
 
 
 def _is_torch_dtype(value: Any) -> bool:

@@ -29,6 +29,13 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
     (["generate", "", *NO_MODEL], "prompt argument 1 is empty"),
     (["generate", "hi", "--no-chat", "--system", "Be brief.", *NO_MODEL],
      "--system needs the chat template"),
+    # A graph mode that another flag turns off ran without graphs, saying nothing.
+    (["generate", "hi", *TINY, "--cuda-graph-mode", "full_decode", "--enforce-eager"],
+     "--cuda-graph-mode full_decode replays cuda graphs, which --enforce-eager turns off"),
+    (["generate", "hi", *TINY, "--cuda-graph-mode", "piecewise", "--no-cuda-graphs"],
+     "--no-cuda-graphs turns off"),
+    (["generate", "hi", *TINY, "--cuda-graph-mode", "piecewise", "--no-compile"],
+     "--no-compile turns off"),
     # Step limits no machine holds: a one-line out-of-memory error, not "internal error".
     # (4 PB: above any 64-bit address space, so no overcommit setting lets it through.)
     (["generate", "hi", *TINY, "--max-num-seqs", str(10**15)], "out of memory"),
@@ -116,3 +123,13 @@ def test_bench_failing_in_its_second_mode_keeps_the_first(tmp_path, monkeypatch)
     assert report["incomplete"] == "RuntimeError: compiler crashed"
     assert list(report["runs"]) == ["eager"]
     assert [p["batch_size"] for p in report["runs"]["eager"]["sweep"]] == [1, 2]
+
+
+def test_graph_mode_none_with_eager_and_bench_eager_with_a_graph_mode_run():
+    """Not conflicts: mode none asks for no graphs; bench's eager run drops the graph mode
+    meant for its graphs run."""
+    assert invoke("generate", "hi", *TINY, "--cuda-graph-mode", "none", "--enforce-eager",
+                  "--max-tokens", "2").exit_code == 0
+    result = invoke("bench", *TINY, "--cuda-graph-mode", "piecewise", "--modes", "eager",
+                    "--sizes", "1", "--steps", "2", "--context", "4")
+    assert result.exit_code == 0, result.output

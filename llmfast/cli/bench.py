@@ -63,9 +63,11 @@ class Baseline(str, enum.Enum):
 
 
 # Each execution mode is its own LLM instance with these engine arguments.
+# The modes without graphs drop a --cuda-graph-mode meant for the graphs mode.
 EXEC_MODES: dict[str, dict[str, Any]] = {
-    "eager": {"enforce_eager": True},
-    "compiled": {"enforce_eager": False, "compile": True, "cuda_graphs": False},
+    "eager": {"enforce_eager": True, "cuda_graph_mode": None},
+    "compiled": {"enforce_eager": False, "compile": True, "cuda_graphs": False,
+                 "cuda_graph_mode": None},
     "graphs": {"enforce_eager": False, "compile": True, "cuda_graphs": True},
 }
 
