@@ -333,6 +333,11 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError("the uni executor runs one rank; use --distributed-executor-"
                               "backend mp or ray for --tensor-parallel-size above 1")
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
+            # Would be ignored: the user meant to run on that cluster.
+            raise ConfigError(f"--ray-address is for the ray backend; add --distributed-"
+                              f"executor-backend ray (the backend is "
+                              f"{self.distributed_executor_backend})")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ gets an on/off pair; `flags=` names them otherwise), `LLM(async_scheduling=True)
 and `--help` shows the help text with the field's default. A field whose value is not a
 plain str/int/float/bool gives `parse=`, a function from the typed text to the value
 (e.g. `parse_bytes` for `--kv-cache-memory 2GiB`); `LLM(...)` applies it to strings too.
-Values are checked against the field's type (and `minimum=` for an int) when EngineArgs
-is made, so `LLM(seed=-1)` fails like `--seed -1`.
+Values are checked against the field's type (and `minimum=` / `maximum=` for an int) when
+EngineArgs is made, so `LLM(seed=-1)` fails like `--seed -1`.
 """
 
 from __future__ import annotations
@@ -66,13 +66,18 @@ def default_step_limits(device: torch.device) -> tuple[int, int]:
 
 
 def engine_flag(default: Any, help: str, *, flags: tuple[str, ...] = (),
-                parse: Callable[[str], Any] | None = None, minimum: int | None = None) -> Any:
+                parse: Callable[[str], Any] | None = None, minimum: int | None = None,
+                maximum: int | None = None) -> Any:
     """A dataclass field that is also an engine flag. `flags`: the option's names
     (default `--field-name`, or `--field-name/--no-field-name` for a bool); `parse`: reads
-    the flag's text into the field's value; `minimum`: the smallest int allowed. A help
-    text without `[default: ...]` gets the field's default appended."""
+    the flag's text into the field's value; `minimum` / `maximum`: the int range allowed.
+    A help text without `[default: ...]` gets the field's default appended."""
     return field(default=default, metadata={"help": help, "flags": flags, "parse": parse,
-                                            "minimum": minimum})
+                                            "minimum": minimum, "maximum": maximum})
+
+
+# torch's generators take seeds up to 2**64 - 1; a larger one fails deep in model loading.
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class EngineArgs:
         "auto", "float32, bfloat16 or float16.  [default: float32 on CPU, bfloat16 on CUDA]")
     device: str = engine_flag("auto", "auto, cpu, cuda or cuda:N.")
     seed: int = engine_flag(0, "Seed of the engine's random state (random weights, sampling).",
-                            minimum=0)
+                            minimum=0, maximum=MAX_SEED)
     max_num_seqs: int | None = engine_flag(
         None, "Most requests in one step.  [default: 256 on CPU, 512 on CUDA]", minimum=1)
     max_num_batched_tokens: int | None = engine_flag(
@@ -231,13 +236,16 @@ def check_engine_args(args: EngineArgs) -> None:
         value = getattr(args, f.name)
         if value is None and f.default is None:
             continue
-        kind, low = _plain_type(hints[f.name]), f.metadata.get("minimum")
+        kind, low, high = (_plain_type(hints[f.name]), f.metadata.get("minimum"),
+                           f.metadata.get("maximum"))
         if kind is bool and not isinstance(value, bool):
             raise ConfigError(f"{_flag(f.name)} must be True or False, got {describe(value)}")
         if kind is int and (not is_int(value) or (low is not None and value < low)):
             what = {0: "a non-negative integer", 1: "a positive integer"}.get(
                 low, f"an integer >= {low}")
             raise ConfigError(f"{_flag(f.name)} must be {what}, got {describe(value)}")
+        if kind is int and high is not None and value > high:
+            raise ConfigError(f"{_flag(f.name)} must be at most {high}, got {value}")
         if kind is float and not is_number(value):
             raise ConfigError(f"{_flag(f.name)} must be a number, got {describe(value)}")
     for name in ("dtype", "device"):
@@ -247,13 +255,28 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
     if args.cuda_graph_mode is not None:
-        parse_cuda_graph_mode(args.cuda_graph_mode)  # an unknown name fails here, early
+        _check_graph_mode_wanted(args)
     # An unknown backend, or uni with several ranks, fails here too.
     args.parallel_config()
     sizes = args.cuda_graph_sizes
     if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
             is_int(s) and s > 0 for s in sizes)):
         raise ConfigError(f"cuda-graph-sizes must be positive integers, got {sizes!r:.60}")
+
+
+def _check_graph_mode_wanted(args: EngineArgs) -> None:
+    """An unknown mode name fails here, early; so does a mode with graphs that another
+    flag turns off, which would otherwise run without graphs and say nothing."""
+    mode = parse_cuda_graph_mode(args.cuda_graph_mode)
+    if mode is CudaGraphMode.NONE:
+        return
+    off = [flag for flag, is_set in (("--enforce-eager", args.enforce_eager is True),
+                                     ("--no-compile", args.compile is False),
+                                     ("--no-cuda-graphs", args.cuda_graphs is False))
+           if is_set]
+    if off:
+        raise ConfigError(f"--cuda-graph-mode {mode.value} replays CUDA graphs, which "
+                          f"{off[0]} turns off; drop one of the two")
 
 
 def _is_torch_dtype(value: Any) -> bool:

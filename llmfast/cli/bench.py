@@ -9,7 +9,6 @@ import enum
 import gc
 import json
 import math
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +16,7 @@ import typer
 from rich.console import Console
 
 from llmfast.bench import BenchError
+from llmfast.cli.bench_checks import check_mode_options, check_output_paths, save_elsewhere
 from llmfast.cli.bench_tables import (
     latency_table,
     startup_table,
@@ -31,6 +31,7 @@ from llmfast.cli.common import (
     stderr_console,
     sweep_overrides,
 )
+from llmfast.utils.errors import one_line
 from llmfast.utils.flag_values import SIZES_HELP, parse_sizes
 
 BENCH_EXAMPLES = """\
@@ -62,15 +63,18 @@ class Baseline(str, enum.Enum):
 
 
 # Each execution mode is its own LLM instance with these engine arguments.
+# The modes without graphs drop a --cuda-graph-mode meant for the graphs mode.
 EXEC_MODES: dict[str, dict[str, Any]] = {
-    "eager": {"enforce_eager": True},
-    "compiled": {"enforce_eager": False, "compile": True, "cuda_graphs": False},
+    "eager": {"enforce_eager": True, "cuda_graph_mode": None},
+    "compiled": {"enforce_eager": False, "compile": True, "cuda_graphs": False,
+                 "cuda_graph_mode": None},
     "graphs": {"enforce_eager": False, "compile": True, "cuda_graphs": True},
 }
 
 
 def bench(
     *,
+    ctx: typer.Context,
     opts: EngineOptions,
     mode: Annotated[BenchMode | None, typer.Option(
         "--mode", help="sweep: decode latency per batch size; throughput: an offline batch; "
@@ -111,105 +115,140 @@ def bench(
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a plot (.png, .svg or .pdf).")] = None,
 ) -> None:
     """Benchmark decode latency, throughput, request latency or start-up."""
+    if mode is None and not startup:
+        mode = BenchMode.sweep
+    check_mode_options(mode.value if mode else None, _given_options(ctx))
     check_output_paths(json_path, plot_path)
     if min(context, steps, num_prompts, input_len, output_len) < 1:
         raise BenchError("--context, --steps, --num-prompts, --input-len and --output-len "
                          "must be >= 1")
+    if not 0.0 <= random_range_ratio < 1.0:  # else found only once the model is loaded
+        raise BenchError(f"--random-range-ratio must be in [0, 1), got {random_range_ratio}")
     if mode is BenchMode.latency:
         from llmfast.bench import check_request_rate
 
         check_request_rate(request_rate, num_prompts)
     if hf_batch_size is not None and hf_batch_size < 1:
         raise BenchError("--hf-batch-size must be >= 1")
-    if mode is None and not startup:
-        mode = BenchMode.sweep
     seed = opts.engine_kwargs.get("seed", 0)
     config: dict[str, Any] = {"mode": mode.value if mode else "startup",
                               "model": opts.model or "default",
                               "engine_args": opts.engine_kwargs, "seed": seed}
-    err = stderr_console()
-    con = table_console()
-    startup_report = None
-    if startup:
-        from llmfast.bench.startup import run_startup
-
-        with count_progress("start-up: cold, then warm (two fresh processes)", err):
-            startup_report = dataclasses.asdict(run_startup(opts.model, opts.engine_kwargs))
-        con.print(startup_table(startup_report))
-    runs: dict[str, dict] = {}
-    if mode is BenchMode.sweep:
+    if mode is BenchMode.sweep:  # read before --startup runs: a bad list fails at once
         size_list = parse_sizes(sizes)
         exec_modes = parse_exec_modes(modes, opts)
         overrides = sweep_overrides(size_list, opts)
         config |= {"sizes": size_list, "context": context, "steps": steps,
                    "exec_modes": exec_modes}
-        for name in exec_modes:
-            runs[name] = _sweep_run(opts, name, overrides, size_list, context, steps, seed, err)
-        con.print(sweep_table(runs))
-    elif mode is not None:
-        from llmfast.bench import random_requests
+    err = stderr_console()
+    con = table_console()
+    startup_report = None
+    runs: dict[str, dict] = {}
+    try:
+        if startup:
+            from llmfast.bench.startup import run_startup
 
-        config |= {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-                   "random_range_ratio": random_range_ratio}
-        run, llm = _start(opts, "default", {}, err)
-        requests = random_requests(num_prompts, input_len, output_len,
-                                   llm.engine.config.model.vocab_size, random_range_ratio, seed)
-        if mode is BenchMode.throughput:
-            config |= {"baseline": baseline.value, "hf_batch_size": hf_batch_size}
-            _throughput_run(run, llm, requests, baseline, hf_batch_size, err)
-            con.print(throughput_table(run))
-        else:
-            from llmfast.bench import run_latency
+            with count_progress("start-up: cold, then warm (two fresh processes)", err):
+                startup_report = dataclasses.asdict(run_startup(opts.model, opts.engine_kwargs))
+            con.print(startup_table(startup_report))
+        if mode is BenchMode.sweep:
+            for name in exec_modes:
+                runs[name] = _sweep_run(opts, name, overrides, size_list, context, steps, seed,
+                                        err)
+            con.print(sweep_table(runs))
+        elif mode is not None:
+            from llmfast.bench import random_requests
 
-            config["request_rate"] = request_rate
-            with count_progress("latency", err) as progress:
-                result = run_latency(llm.engine, requests, request_rate, seed, progress)
-            run["latency"] = dataclasses.asdict(result)
-            con.print(latency_table(run["latency"]))
-        runs = {"default": run}
+            config |= {"num_prompts": num_prompts, "input_len": input_len,
+                       "output_len": output_len, "random_range_ratio": random_range_ratio}
+            run, llm = _start(opts, "default", {}, err)
+            runs = {"default": run}  # kept with what it holds if a later part fails
+            requests = random_requests(num_prompts, input_len, output_len,
+                                       llm.engine.config.model.vocab_size, random_range_ratio,
+                                       seed)
+            if mode is BenchMode.throughput:
+                config |= {"baseline": baseline.value, "hf_batch_size": hf_batch_size}
+                _throughput_run(run, llm, requests, baseline, hf_batch_size, err)
+                con.print(throughput_table(run))
+            else:
+                from llmfast.bench import run_latency
+
+                config["request_rate"] = request_rate
+                with count_progress("latency", err) as progress:
+                    result = run_latency(llm.engine, requests, request_rate, seed, progress)
+                run["latency"] = dataclasses.asdict(result)
+                con.print(latency_table(run["latency"]))
+    except BaseException as e:  # Ctrl-C too: the runs that finished are kept
+        _keep_partial(config, runs, startup_report, json_path, e, con, err)
+        raise
     report = bench_report(config, runs, startup_report)
+    write_outputs(report, json_path, plot_path, err)
+
+
+def _given_options(ctx: typer.Context | None) -> set[str]:
+    """The command's options set on the command line (or from the environment)."""
+    if ctx is None:
+        return set()
+    given = set()
+    for name in ctx.params:
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            given.add(name)
+    return given
+
+
+def write_outputs(report: dict, json_path: Path | None, plot_path: Path | None,
+                  err: Console) -> None:
+    """--json, then --plot. A file that cannot be written after all (the disk filled,
+    the directory went away during the run) does not lose the report: it is saved in the
+    temp directory and named in the error, and the other output is still written."""
+    failures = []
     if json_path is not None:
-        json_path.write_text(json.dumps(_finite(report), indent=2, allow_nan=False,
-                                        default=str) + "\n")
-        err.print(f"wrote {json_path}", style="dim")
+        text = json.dumps(_finite(report), indent=2, allow_nan=False, default=str) + "\n"
+        try:
+            json_path.write_text(text)
+            err.print(f"wrote {json_path}", style="dim")
+        except OSError as e:
+            saved = save_elsewhere(text, json_path.name)
+            failures.append(f"cannot write --json {json_path}: {e.strerror or e}; " + (
+                f"the report is saved in {saved}" if saved else "the tables above hold it"))
     if plot_path is not None:
         from llmfast.cli.plot import plot_report
 
-        plot_report(report, plot_path)
-        err.print(f"wrote {plot_path}", style="dim")
+        try:
+            plot_report(report, plot_path)
+            err.print(f"wrote {plot_path}", style="dim")
+        except OSError as e:
+            failures.append(f"cannot write --plot {plot_path}: {e.strerror or e}")
+    if failures:
+        raise BenchError("; ".join(failures))
+
+
+def _keep_partial(config: dict, runs: dict, startup_report: dict | None,
+                  json_path: Path | None, failure: BaseException, con: Console,
+                  err: Console) -> None:
+    """After a failure mid-benchmark: the tables of finished runs not printed yet and,
+    with --json, the report so far, marked incomplete. Never raises: the failure itself
+    is what the user must see."""
+    done = {name: run for name, run in runs.items() if "sweep" in run or "throughput" in run}
+    if not done and startup_report is None:
+        return
+    try:
+        if config["mode"] == "sweep" and done:
+            con.print(sweep_table(done))
+        elif "throughput" in done.get("default", {}) and "baseline_hf" not in done["default"]:
+            con.print(throughput_table(done["default"]))  # the HF baseline failed
+        err.print("the benchmark failed; the results above were measured before it",
+                  style="yellow")
+        if json_path is not None:
+            report = bench_report(config, done, startup_report)
+            report["incomplete"] = f"{type(failure).__name__}: {one_line(failure)}"
+            write_outputs(report, json_path, None, err)
+    except Exception as e:  # noqa: BLE001 - the first failure stays the one reported
+        err.print(f"could not keep the partial results: {one_line(e)}", style="yellow")
 
 
 # ---------------------------------------------------------------------- checks
-
-
-# What --plot can write (matplotlib picks the format from the extension) and --json.
-PLOT_SUFFIXES = (".png", ".svg", ".pdf")
-JSON_SUFFIXES = (".json",)
-
-
-def check_output_paths(json_path: Path | None, plot_path: Path | None) -> None:
-    """Fail before a long benchmark, not after it: each output file writable, with an
-    extension naming its format (a plot without one would be written under another name)."""
-    for path, flag, suffixes in ((json_path, "--json", JSON_SUFFIXES),
-                                 (plot_path, "--plot", PLOT_SUFFIXES)):
-        if path is None:
-            continue
-        if path.suffix.lower() not in suffixes:
-            got = f"has extension {path.suffix!r}" if path.suffix else "has no extension"
-            raise BenchError(f"{flag} {path} {got}; use {' or '.join(suffixes)}")
-        check_writable(path)
-
-
-def check_writable(path: Path) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise BenchError(f"{path} is a directory; give a file name")
-    if not parent.is_dir():
-        raise BenchError(f"cannot write {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise BenchError(f"cannot write {path}: directory {parent} is not writable")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise BenchError(f"cannot write {path}: the file is not writable")
 
 
 def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:

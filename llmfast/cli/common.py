@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -170,13 +171,32 @@ def cli_errors(debug: bool) -> Iterator[None]:
     except Exception as e:  # noqa: BLE001 - the last line of defence before a traceback
         if debug:
             traceback.print_exc()
-        if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
-            print_error("out of device memory; lower --max-num-seqs, --max-num-batched-tokens "
-                        "or --gpu-memory-utilization, or use a smaller model")
+        if _is_out_of_memory(e):
+            print_error(_out_of_memory_message(e))
             raise typer.Exit(1) from None
         print_error(f"internal error: {type(e).__name__}: {one_line(e, max_chars=None)}"
                     + ("" if debug else " (run with --debug for the traceback)"))
         raise typer.Exit(1) from None
+
+
+_CPU_ALLOC_FAILED = "can't allocate memory"  # torch's DefaultCPUAllocator, a RuntimeError
+_ASKED_BYTES = re.compile(r"tried to allocate (\d+) bytes")
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    # torch's OutOfMemoryError (CUDA), named so that torch is not imported here.
+    return type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and _CPU_ALLOC_FAILED in str(e))
+
+
+def _out_of_memory_message(e: BaseException) -> str:
+    """One line for an allocation that failed: on CPU the asked size, usually from a step
+    limit far above what the machine holds (`--max-num-seqs 99999999999`)."""
+    asked = _ASKED_BYTES.search(str(e))
+    where = ("device memory" if type(e).__name__ == "OutOfMemoryError" else "memory") + (
+        f" ({int(asked[1]) / 2**30:.1f} GiB asked at once)" if asked else "")
+    return (f"out of {where}; lower --max-num-seqs, --max-num-batched-tokens or "
+            "--gpu-memory-utilization, or use a smaller model")
 
 
 def setup_logging(debug: bool) -> None:

@@ -62,6 +62,8 @@ def generate(
 ) -> None:
     """Generate completions for one or more prompts, batched."""
     texts = _read_prompts(prompts or [], file)
+    if system is not None and chat is False:
+        raise ValueError("--system needs the chat template; drop --no-chat")
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
         stop=tuple(stop or ()), seed=opts.engine_kwargs.get("seed"), ignore_eos=ignore_eos)
@@ -84,6 +86,11 @@ def generate(
 
 
 def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:
+    # A file's blank lines are skipped; a blank argument is a mistake (an unset
+    # shell variable), not a prompt.
+    blank = [i for i, p in enumerate(prompts, start=1) if not p.strip()]
+    if blank:
+        raise ValueError(f"prompt argument {blank[0]} is empty")
     texts = list(prompts)
     if file is not None:
         try:
@@ -106,6 +113,8 @@ def _prepare(llm, texts: list[str], chat: bool | None, system: str | None) -> li
         raise ValueError(f"{llm.engine.no_tokenizer_reason()}, so it cannot take text prompts")
     use_chat = tokenizer.has_chat_template if chat is None else chat
     if not use_chat:
+        if system is not None:  # would be dropped without a word
+            raise ValueError("--system needs a chat template, and this model has none")
         return texts
     head = [{"role": "system", "content": system}] if system else []
     # apply_chat_template raises a one-line TokenizerError when asked for a template

@@ -1,0 +1,135 @@
+"""Bad input found by the CLI audit, through the real CLI: one `error:` line, a non-zero
+exit, no traceback; and a benchmark that fails part-way keeps what it measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.chat_model import make_chat_model
+from tests.helpers.cli import TINY, assert_one_line_error, invoke
+
+# Checked before the model would load (it does not exist): nothing runs in vain.
+NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    # torch's generators take seeds below 2**64; above, loading failed with
+    # "Overflow when unpacking long long".
+    (["generate", "hi", *TINY, "--seed", str(2**64)], "seed must be at most 18446744073709551615"),
+    # The sampler's int32 top_k overflowed: an internal error.
+    (["generate", "hi", *TINY, "--top-k", "99999999999"], "top_k must be"),
+    # Ignored without a word by the uni backend.
+    (["generate", "hi", *TINY, "--ray-address", "10.0.0.1:6379"],
+     "--ray-address is for the ray backend"),
+    # A blank argument (an unset shell variable) was sent as a prompt.
+    (["generate", "hi", "  ", *NO_MODEL], "prompt argument 2 is empty"),
+    (["generate", "", *NO_MODEL], "prompt argument 1 is empty"),
+    (["generate", "hi", "--no-chat", "--system", "Be brief.", *NO_MODEL],
+     "--system needs the chat template"),
+    # A graph mode that another flag turns off ran without graphs, saying nothing.
+    (["generate", "hi", *TINY, "--cuda-graph-mode", "full_decode", "--enforce-eager"],
+     "--cuda-graph-mode full_decode replays cuda graphs, which --enforce-eager turns off"),
+    (["generate", "hi", *TINY, "--cuda-graph-mode", "piecewise", "--no-cuda-graphs"],
+     "--no-cuda-graphs turns off"),
+    (["generate", "hi", *TINY, "--cuda-graph-mode", "piecewise", "--no-compile"],
+     "--no-compile turns off"),
+    # Step limits no machine holds: a one-line out-of-memory error, not "internal error".
+    # (4 PB: above any 64-bit address space, so no overcommit setting lets it through.)
+    (["generate", "hi", *TINY, "--max-num-seqs", str(10**15)], "out of memory"),
+    # Options another bench mode reads were ignored: a sweep and no HF baseline.
+    (["bench", *NO_MODEL, "--baseline", "hf"],
+     "--baseline applies to --mode throughput, not to --mode sweep"),
+    (["bench", *NO_MODEL, "--mode", "throughput", "--sizes", "1,2"], "--sizes applies to"),
+    (["bench", *NO_MODEL, "--mode", "throughput", "--request-rate", "4"],
+     "--request-rate applies to --mode latency"),
+    (["bench", *NO_MODEL, "--mode", "latency", "--modes", "eager"], "--modes applies to"),
+    (["bench", *NO_MODEL, "--startup", "--steps", "4"], "not to --startup alone"),
+    # Found only once the model had loaded.
+    (["bench", *NO_MODEL, "--mode", "throughput", "--random-range-ratio", "2"],
+     "--random-range-ratio must be in [0, 1)"),
+    # Read after --startup's two engine starts; now before anything runs.
+    (["bench", *NO_MODEL, "--startup", "--mode", "sweep", "--sizes", "0"], "sizes must be >= 1"),
+    # os.access says yes (to root, and to /proc); the write after the run then failed.
+    (["bench", *NO_MODEL, "--json", "/proc/llmfast-bench.json"], "cannot write --json"),
+])
+def test_bad_input_is_one_line_error(args, fragment):
+    assert_one_line_error(invoke(*args), fragment)
+
+
+def test_bad_input_traceback_under_debug():
+    result = invoke("generate", "hi", *TINY, "--top-k", "99999999999", "--debug")
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr and "error: top_k must be" in result.stderr
+
+
+def test_system_prompt_on_a_model_without_chat_template(tmp_path):
+    model = make_chat_model(tmp_path / "m", chat_template=False)
+    result = invoke("generate", "hi", "--system", "Be brief.", "--model", str(model),
+                    "--device", "cpu", "--max-tokens", "2")
+    assert_one_line_error(result, "--system needs a chat template, and this model has none")
+
+
+def test_seed_at_the_top_of_the_range_runs():
+    result = invoke("generate", "hi", *TINY, "--seed", str(2**64 - 1), "--max-tokens", "2",
+                    "--temperature", "1")
+    assert result.exit_code == 0, result.output
+
+
+def test_json_that_cannot_be_written_after_the_run_is_saved_elsewhere(tmp_path):
+    from rich.console import Console
+
+    from llmfast.bench import BenchError
+    from llmfast.cli.bench import write_outputs
+
+    report = {"runs": {"default": {"sweep": [{"batch_size": 1}]}}}
+    gone = tmp_path / "gone" / "sweep.json"  # its directory went away during the run
+    with pytest.raises(BenchError, match="cannot write --json") as info:
+        write_outputs(report, gone, None, Console(stderr=True))
+    saved = Path(str(info.value).rsplit("the report is saved in ", 1)[1])
+    try:
+        assert json.loads(saved.read_text()) == report
+    finally:
+        saved.unlink()
+
+
+def test_bench_failing_in_its_second_mode_keeps_the_first(tmp_path, monkeypatch):
+    """`--modes eager,compiled` whose compiled run fails: the eager sweep is printed and
+    written to --json (marked incomplete) before the one error line."""
+    import llmfast.bench as bench_pkg
+
+    real_run_sweep = bench_pkg.run_sweep
+    calls = []
+
+    def second_run_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("compiler crashed")
+        return real_run_sweep(*args, **kwargs)
+
+    monkeypatch.setattr(bench_pkg, "run_sweep", second_run_fails)
+    out = tmp_path / "sweep.json"
+    result = invoke("bench", *TINY, "--sizes", "1,2", "--context", "4", "--steps", "2",
+                    "--modes", "eager,compiled", "--json", str(out))
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: internal error: RuntimeError: compiler crashed (run with --debug "
+                      "for the traceback)"]
+    assert "decode sweep" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["incomplete"] == "RuntimeError: compiler crashed"
+    assert list(report["runs"]) == ["eager"]
+    assert [p["batch_size"] for p in report["runs"]["eager"]["sweep"]] == [1, 2]
+
+
+def test_graph_mode_none_with_eager_and_bench_eager_with_a_graph_mode_run():
+    """Not conflicts: mode none asks for no graphs; bench's eager run drops the graph mode
+    meant for its graphs run."""
+    assert invoke("generate", "hi", *TINY, "--cuda-graph-mode", "none", "--enforce-eager",
+                  "--max-tokens", "2").exit_code == 0
+    result = invoke("bench", *TINY, "--cuda-graph-mode", "piecewise", "--modes", "eager",
+                    "--sizes", "1", "--steps", "2", "--context", "4")
+    assert result.exit_code == 0, result.output
