@@ -10,9 +10,6 @@ from llmfast.utils.value_checks import describe, int_list, is_int, is_number
 # Rows with temperature below this are sampled greedily.
 GREEDY_TEMPERATURE = 1e-5
 
-# The sampler holds top_k in an int32 tensor; any k above the vocabulary size means "off".
-MAX_TOP_K = 2**31 - 1
-
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens")
@@ -86,9 +83,9 @@ class SamplingParams:
 
         if not self.temperature >= 0.0:  # also rejects NaN
             raise bad(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise bad(f"top_k must be 0 (off), -1 (off) or a positive integer up to "
-                      f"{MAX_TOP_K}, got {self.top_k}")
+        # Any size: one at or past the vocabulary means "off" (`fit_to_model`).
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -19,8 +19,6 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
     # torch's generators take seeds below 2**64; above, loading failed with
     # "Overflow when unpacking long long".
     (["generate", "hi", *TINY, "--seed", str(2**64)], "seed must be at most 18446744073709551615"),
-    # The sampler's int32 top_k overflowed: an internal error.
-    (["generate", "hi", *TINY, "--top-k", "99999999999"], "top_k must be"),
     # Ignored without a word by the uni backend.
     (["generate", "hi", *TINY, "--ray-address", "10.0.0.1:6379"],
      "--ray-address is for the ray backend"),
@@ -60,7 +58,7 @@ def test_bad_input_is_one_line_error(args, fragment):
 
 
 def test_bad_input_traceback_under_debug():
-    result = invoke("generate", "hi", *TINY, "--top-k", "99999999999", "--debug")
+    result = invoke("generate", "hi", *TINY, "--top-k", "-2", "--debug")
     assert result.exit_code == 1
     assert "Traceback" in result.stderr and "error: top_k must be" in result.stderr
 

@@ -106,3 +106,21 @@ def test_a_dead_api_process_takes_only_its_requests_and_the_last_stops_the_serve
         server.stop()
         for client in locals().get("clients", []):
             client.close()
+
+
+def test_outputs_cross_the_pipe_whole():
+    """Every field of a delta (a new one included, once added here) and errors survive
+    the tuple encoding the engine side sends."""
+    import dataclasses
+    import pickle
+
+    from llmfast.serve.engine_client import decode_item, encode_item
+    from llmfast.serve.stream import ChoiceDelta, StreamError, TokenLogprob
+
+    values = dict(index=3, text="é x", num_new_tokens=2, num_output_tokens=7,
+                  num_cached_tokens=16, finish_reason="stop", stop_reason="</s>",
+                  logprobs=(TokenLogprob("a", 5, -0.25, (("a", 5, -0.25), ("b", 6, -2.0))),))
+    assert {f.name for f in dataclasses.fields(ChoiceDelta)} == set(values)
+    for item in (ChoiceDelta(**values), StreamError("the server is shutting down", 503)):
+        wire = pickle.loads(pickle.dumps(encode_item("cmpl-1", item)))
+        assert decode_item(wire) == ("cmpl-1", item)
