@@ -54,6 +54,9 @@
 #   families      300/560    tests/test_families_gpu.py (#19)
 #   defaults      300/330    throughput at step budgets 2048 / 8192 / 16384 tokens
 #   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
+#   serve_procs   300/540    llmfast serve --api-servers 0, 1, 2 under the same load (512
+#                            streams at once): does HTTP in processes of its own free the
+#                            engine's step (output tok/s, TPOT)? Decides the default.
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
 #
 # A device session: 30 minutes counted from the machine's start, calls of <= 600 s, and
@@ -63,7 +66,7 @@
 #   1. "full async_tests modes"            #15 and #16 correctness, #15's bars
 #   2. "kernels async load kernels64"      #17's bars and the tables to ship, #16's, #18 load
 #   3. "startup sweep throughput profile"  #18's bars, #16's phase table
-# then "tests" (and kernels64 if call 2 skipped it) if time is left. Set
+# then "tests serve_procs" (and kernels64 if call 2 skipped it) if time is left. Set
 # GPU_CHECK_BUDGET_S to the device time left (status's budget_left_s) less ~60 s when
 # that is under 620. Compile caches persist between calls
 # while the machine stays warm (LLMFAST_CACHE below). What comes back of $OUT: report.md,
@@ -94,7 +97,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 # $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-kernels64 families defaults serve presets executor tp"
+kernels64 families defaults serve serve_procs presets executor tp"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full async_tests}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 PRESETS=${GPU_CHECK_PRESETS:-qwen2.5-0.5b qwen3-0.6b mistral-7b qwen3-8b llama-3.1-8b}
@@ -112,6 +115,8 @@ if [[ $DRY == 1 ]]; then  # the same commands, CPU-sized
     THROUGHPUT_ARGS=(--num-prompts 8 --input-len 16 --output-len 8)
     DEFAULTS_ARGS=(--num-prompts 16 --input-len 16 --output-len 8 --max-num-seqs 16)
     BUDGETS="2048"
+    SERVE_PROCS_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --vocab-size 512
+                      --request-rate inf)
     SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --vocab-size 512
                 --request-rate 4,inf)
     PRESET_ARGS=(--sizes 1,2 --context 16 --modes eager --steps 4)
@@ -133,6 +138,8 @@ else
                      --gpu-memory-utilization 0.5)
     DEFAULTS_ARGS=(--num-prompts 512 --input-len 256 --output-len 128 --max-num-seqs 512)
     BUDGETS="2048 8192 16384"
+    SERVE_PROCS_ARGS=(--num-prompts 512 --input-len 128 --output-len 128 --vocab-size 32000
+                      --request-rate inf)
     SERVE_ARGS=(--num-prompts 256 --input-len 256 --output-len 128 --vocab-size 32000
                 --request-rate 4,16,64,inf)
     PRESET_ARGS=(--max-model-len 1024 --sizes 1,64 --context 512 --modes graphs
@@ -270,6 +277,13 @@ for step in $STEPS; do
                     --json "$out/serve.json"
                 rc=$?; kill -TERM $pid; wait $pid; exit $rc' _ "$OUT" "$MODEL" "$DTYPE" \
                 "${DEV[@]}" "${SERVE_ARGS[@]}" ;;
+        serve_procs)  # HTTP in the engine's process vs in 1 and 2 of its own, same load
+            run_step serve_procs 300 540 bash -c 'out=$1 model=$2 dtype=$3; shift 3
+                dev=(); [[ $1 == --device ]] && { dev=("$1" "$2"); shift 2; }
+                python3 scripts/bench_serve.py --launch "$model" --api-servers 0,1,2 \
+                    --serve-args "--dtype $dtype ${dev[*]}" "$@" \
+                    --json "$out/serve_procs.json"' _ "$OUT" "$MODEL" "$DTYPE" \
+                "${DEV[@]}" "${SERVE_PROCS_ARGS[@]}" ;;
         presets)
             for preset in $PRESETS; do
                 run_step "preset-$preset" 100 110 python3 -m llmfast bench \
