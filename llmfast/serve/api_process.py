@@ -26,6 +26,7 @@ import uvicorn
 from llmfast.serve.api.app import ServeConfig, build_app
 from llmfast.serve.engine_client import EngineClient
 from llmfast.serve.stream import Limits
+from llmfast.utils.errors import one_line
 
 PARENT_CHECK_INTERVAL_S = 0.5
 
@@ -78,5 +79,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def run(argv: list[str]) -> int:
+    """`main`, with a failure as one line on stderr (the main process reports the exit)."""
+    try:
+        return main(argv)
+    except Exception as e:  # noqa: BLE001 - this process's last line of defence
+        logging.getLogger(__name__).debug("API server process failed", exc_info=True)
+        print(f"error: API server process {os.getpid()}: {one_line(e, max_chars=None)}",
+              file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(run(sys.argv))

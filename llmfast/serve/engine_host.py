@@ -115,6 +115,10 @@ class ProcessEngineLoop(EngineLoop):
                 self._fail_pending_adds(f"the engine stopped: {self.failure}")
         self._broadcast(("stop", self.stop_message or "the server is shutting down"))
 
+    def _apply_add(self, command: _Add) -> None:
+        if self.apis[command.stream.api].alive:  # else nobody would read its outputs
+            super()._apply_add(command)
+
     # ------------------------------------------------------------------ carrier hooks
 
     def _next_command(self):
