@@ -108,6 +108,31 @@ def test_a_dead_api_process_takes_only_its_requests_and_the_last_stops_the_serve
             client.close()
 
 
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_a_stalled_api_process_stalls_nobody_else(serve_model_dir, tmp_path):
+    """The engine never blocks writing to an API process: with one of two stopped
+    (SIGSTOP: a long GC pause, a debugger), a long generation through the other runs to
+    its end (the engine's steps would fill the stopped one's pipe within ~1000 steps if
+    it waited on it). SIGTERM then ends the server by that signal, as with 0 API servers."""
+    server = start_server(serve_model_dir, tmp_path / "server.log", "--max-model-len", "2048",
+                          "--api-servers", "2")
+    try:
+        victim, _ = _api_pids(server.proc.pid)
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            done = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+                "prompt": "hi", "max_tokens": 1500, "temperature": 0, "ignore_eos": True})
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert done.status_code == 200
+        assert done.json()["usage"]["completion_tokens"] == 1500
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == -signal.SIGTERM
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()
+
+
 def test_outputs_cross_the_pipe_whole():
     """Every field of a delta (a new one included, once added here) and errors survive
     the tuple encoding the engine side sends."""

@@ -8,11 +8,17 @@ the main thread only schedules, steps, detokenises and routes, as vLLM's engine 
 does; each API process turns deltas into HTTP on its own core.
 
 Each API process talks to the loop over two pipes (commands in, outputs out; protocol in
-engine_client.py). A request's outputs go back to the process that took it. SIGTERM or
-Ctrl-C here stops the loop: every live request ends with a 503 error event, the API
-processes are told to stop, and they exit once their responses are done. An API process
-that dies takes its requests with it (aborted, blocks freed); when none is left the
-server stops.
+engine_client.py). A request's outputs go back to the process that took it. The loop
+never blocks on an API process: outputs wait in a per-process outbox, written as the
+pipe takes them, so one process that stalls (a long GC pause, a debugger) delays only
+its own streams; one that makes no progress for `API_STALL_S` is killed and treated as
+dead. A dead API process takes its requests with it (aborted, blocks freed); when none
+is left the server stops with an error.
+
+SIGTERM or Ctrl-C here stops the loop: every live request ends with a 503 error event,
+the API processes (in a session of their own: the terminal's Ctrl-C reaches only this
+process) are told to stop and exit once their responses are done, and this process then
+ends by the same signal, as uvicorn does.
 """
 
 from __future__ import annotations
@@ -20,21 +26,22 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import pickle
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 from llmfast.engine import LLMEngine
-from llmfast.serve.api_process import ApiProcessSpec
 from llmfast.serve.api.app import ServeConfig
+from llmfast.serve.api_process import ApiProcessSpec
 from llmfast.serve.engine_client import add_error_kind, encode_item
 from llmfast.serve.engine_loop import (
-    IDLE_HEALTH_CHECK_S,
     EngineLoop,
     _Abort,
     _Add,
@@ -47,18 +54,12 @@ logger = logging.getLogger(__name__)
 # The directory holding this `llmfast` package, for the API processes' imports.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXIT_GRACE_S = 15.0  # for the API processes to finish their responses after "stop"
-
-
-@dataclass(frozen=True, slots=True)
-class _RemoteStream:
-    """An HTTP request of API process `api`."""
-
-    api: int
-    request_id: str
-    engine_ids: tuple[str, ...]
+API_STALL_S = 30.0  # an API process that reads nothing of its outputs this long is killed
 
 
 class ApiProcess:
+    """One API server process and the engine's ends of its pipes."""
+
     def __init__(self, index: int, listen: socket.socket, spec: ApiProcessSpec) -> None:
         self.index = index
         self.alive = True
@@ -71,14 +72,55 @@ class ApiProcess:
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "llmfast.serve.api_process", *map(str, fds)],
-                pass_fds=fds, env=env, stdin=subprocess.DEVNULL,
+                pass_fds=fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                 stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
         finally:
             cmd_theirs.close()
             out_theirs.close()
-        self.commands = Connection(cmd_ours.detach())  # read here
-        self.outputs = Connection(out_ours.detach())  # written here
-        self.outputs.send(spec)
+        self.commands = Connection(cmd_ours.detach())  # read here, blocking reads
+        out_ours.setblocking(False)
+        self.outputs = out_ours  # written here, never blocking: see `flush`
+        self._outbox: collections.deque[memoryview] = collections.deque()
+        self.outbox_bytes = 0
+        self.last_progress = time.monotonic()  # the last time the outbox was empty or moved
+        self.stats_sent: tuple | None = None
+        self.queue(spec)
+
+    def queue(self, message: object) -> None:
+        """Queue `message` framed as `Connection.send` frames it (the API process reads
+        it with `Connection.recv`), and write what the pipe takes now."""
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._outbox:
+            self.last_progress = time.monotonic()
+        self._outbox.append(memoryview(struct.pack("!i", len(payload)) + payload))
+        self.outbox_bytes += 4 + len(payload)
+        self.flush()
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self._outbox)
+
+    def flush(self) -> None:
+        """Write queued outputs until the pipe is full. OSError: the process is gone."""
+        outbox = self._outbox
+        while outbox:
+            try:
+                sent = self.outputs.send(outbox[0])
+            except BlockingIOError:
+                return
+            self.last_progress = time.monotonic()
+            self.outbox_bytes -= sent
+            if sent == len(outbox[0]):
+                outbox.popleft()
+            else:
+                outbox[0] = outbox[0][sent:]
+
+    def stalled(self, now: float) -> bool:
+        return bool(self._outbox) and now - self.last_progress > API_STALL_S
+
+    def close(self) -> None:
+        self.commands.close()
+        self.outputs.close()
 
 
 class ProcessEngineLoop(EngineLoop):
@@ -87,6 +129,7 @@ class ProcessEngineLoop(EngineLoop):
         self.apis = apis
         self._pending: collections.deque = collections.deque()
         self.stop_message: str | None = None
+        self.stop_signal: int | None = None  # the signal that stopped the server, if one did
         self._stop_delivered = False
         self.lost_every_api = False  # the last API process died: the server stops (error)
         # A signal handler writes here to end a wait at once.
@@ -95,7 +138,7 @@ class ProcessEngineLoop(EngineLoop):
         self._wake_w.setblocking(False)
 
     def request_stop(self, message: str = "the server is shutting down") -> None:
-        """From a signal handler: stop before the next step."""
+        """From a signal handler too: stop before the next step."""
         if self.stop_message is None:
             self.stop_message = message
         try:
@@ -104,16 +147,18 @@ class ProcessEngineLoop(EngineLoop):
             pass
 
     def serve(self) -> None:
-        """The loop until asked to stop; then tell the API processes to stop."""
+        """The loop until asked to stop; then tell the API processes to stop and give
+        them `EXIT_GRACE_S` to finish their responses and exit."""
         self.run()
-        if self.failure is not None:
-            self._broadcast(("failed", self.failure))
-            # /health now says why; requests get a 503 from the API processes, which
-            # know. Adds already on their way are answered here, until told to stop.
-            while self.stop_message is None and any(a.alive for a in self.apis):
-                self._wait_for_work(IDLE_HEALTH_CHECK_S)
-                self._fail_pending_adds(f"the engine stopped: {self.failure}")
         self._broadcast(("stop", self.stop_message or "the server is shutting down"))
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while time.monotonic() < deadline and any(a.popen.poll() is None for a in self.apis):
+            self._flush_all()
+            self._wait_for_io(min(0.1, max(0.0, deadline - time.monotonic())), commands=False)
+
+    def _stop_for_good(self, reason: str) -> None:
+        self._broadcast(("failed", reason))  # /health says why; new requests get a 503
+        super()._stop_for_good(reason)
 
     def _apply_add(self, command: _Add) -> None:
         if self.apis[command.stream.api].alive:  # else nobody would read its outputs
@@ -148,22 +193,14 @@ class ProcessEngineLoop(EngineLoop):
         raise RuntimeError(f"unknown message from API process {api.index}: {message[0]!r}")
 
     def _wait_for_work(self, timeout: float) -> bool:
-        waiting = [a.commands for a in self.apis if a.alive] + [self._wake_r]
-        ready = wait(waiting, timeout)
-        if self._wake_r in ready:
-            try:
-                while self._wake_r.recv(4096):
-                    pass
-            except BlockingIOError:
-                pass
-        return bool(ready)
+        return self._wait_for_io(timeout, commands=True)
 
     def _emit(self, batch) -> None:
         by_api = defaultdict(list)
         for stream, item in batch:
             by_api[stream.api].append(encode_item(stream.request_id, item))
         for index, items in by_api.items():
-            self._send(self.apis[index], ("out", items))
+            self._queue(self.apis[index], ("out", items))
 
     def _answer_add(self, command: _Add, prepared, error) -> None:
         index, add_id = command.done
@@ -171,23 +208,63 @@ class ProcessEngineLoop(EngineLoop):
             message = ("added", add_id, prepared, None, None)
         else:
             message = ("added", add_id, None, add_error_kind(error), str(error))
-        self._send(self.apis[index], message)
+        self._queue(self.apis[index], message)
 
     def _stats_changed(self) -> None:
-        self._broadcast(("stats", self.stats, self.num_steps))
+        """The latest stats to each API process that keeps up (a backlogged one gets
+        them once it has caught up: stats are a snapshot, never worth queueing)."""
+        self._flush_all()
+        now = time.monotonic()
+        for api in self.apis:
+            if not api.alive:
+                continue
+            if api.stalled(now):
+                logger.error("API server process %d (pid %d) read nothing for %.0f s: "
+                             "stopping it", api.index, api.popen.pid, API_STALL_S)
+                api.popen.kill()
+                self._api_gone(api)
+                continue
+            if not api.backlogged and api.stats_sent != (self.stats, self.num_steps):
+                api.stats_sent = (self.stats, self.num_steps)
+                self._queue(api, ("stats", self.stats, self.num_steps))
 
     # ------------------------------------------------------------------ the pipes
 
+    def _wait_for_io(self, timeout: float, commands: bool) -> bool:
+        """Wait for a command (if `commands`), a wake-up, or room in a backlogged
+        outputs pipe (which is then written); True if anything happened."""
+        live = [a for a in self.apis if a.alive]
+        readable = [a.commands for a in live] if commands else []
+        writable = [a.outputs for a in live if a.backlogged]
+        ready_r, ready_w, _ = select.select(readable + [self._wake_r], writable, [], timeout)
+        if self._wake_r in ready_r:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if ready_w:
+            self._flush_all()
+        return bool(ready_r or ready_w)
+
+    def _flush_all(self) -> None:
+        for api in self.apis:
+            if api.alive and api.backlogged:
+                try:
+                    api.flush()
+                except OSError:
+                    self._api_gone(api)
+
     def _broadcast(self, message: tuple) -> None:
         for api in self.apis:
-            self._send(api, message)
+            self._queue(api, message)
 
-    def _send(self, api: ApiProcess, message: tuple) -> None:
+    def _queue(self, api: ApiProcess, message: tuple) -> None:
         if not api.alive:
             return
         try:
-            api.outputs.send(message)
-        except (OSError, ValueError):
+            api.queue(message)
+        except OSError:
             self._api_gone(api)
 
     def _api_gone(self, api: ApiProcess) -> None:
@@ -195,7 +272,8 @@ class ProcessEngineLoop(EngineLoop):
         if not api.alive:
             return
         api.alive = False
-        logger.error("API server process %d (pid %d) exited", api.index, api.popen.pid)
+        if self.stop_message is None:
+            logger.error("API server process %d (pid %d) exited", api.index, api.popen.pid)
         for req_id, route in list(self._routes.items()):
             if route.stream.api == api.index:
                 del self._routes[req_id]
@@ -205,33 +283,52 @@ class ProcessEngineLoop(EngineLoop):
             self.request_stop("the API server processes exited")
 
 
+class _RemoteStream:
+    """An HTTP request of API process `api` (one object per add: its choices share it)."""
+
+    __slots__ = ("api", "request_id", "engine_ids")
+
+    def __init__(self, api: int, request_id: str, engine_ids: tuple[str, ...]) -> None:
+        self.api = api
+        self.request_id = request_id
+        self.engine_ids = engine_ids
+
+
 def serve_with_api_processes(engine: LLMEngine, listen: socket.socket, config: ServeConfig,
                              num_api_servers: int, *, access_log: bool = False) -> None:
-    """Serve until SIGTERM / Ctrl-C with `num_api_servers` HTTP processes."""
+    """Serve until SIGTERM / Ctrl-C with `num_api_servers` HTTP processes; then end by
+    that signal (exit status 128 + its number, as with `--api-servers 0`)."""
     listen.listen(2048)  # connections queue while the API processes start
     spec = ApiProcessSpec(config, engine_limits(engine), engine.stats(), access_log,
                           logging.getLogger().getEffectiveLevel())
-    apis = [ApiProcess(i, listen, spec) for i in range(num_api_servers)]
-    loop = ProcessEngineLoop(engine, apis)
+    loop = ProcessEngineLoop(engine, [])
 
     def on_signal(signum, frame) -> None:
+        if loop.stop_signal is None:
+            loop.stop_signal = signum
         loop.request_stop("the server is shutting down")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        for i in range(num_api_servers):
+            if loop.stop_message is None:
+                loop.apis.append(ApiProcess(i, listen, spec))
+        listen.close()  # the API processes hold it; none is accepted here
         loop.serve()
     finally:
+        _stop_processes(loop.apis, grace_s=0.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop_processes(apis, EXIT_GRACE_S)
     if loop.lost_every_api:
-        codes = ", ".join(str(a.popen.returncode) for a in apis)
+        codes = ", ".join(str(a.popen.returncode) for a in loop.apis)
         raise ChildProcessError(f"every API server process exited (exit codes {codes}); "
                                 "the server stopped")
+    if loop.stop_signal is not None:
+        signal.raise_signal(loop.stop_signal)
 
 
 def _stop_processes(apis: list[ApiProcess], grace_s: float) -> None:
-    """Wait `grace_s` for the API processes to exit after "stop", then SIGTERM, SIGKILL."""
+    """Reap the API processes: `grace_s` for them to exit, then SIGTERM, then SIGKILL."""
     for signal_them in (None, "terminate", "kill"):
         alive = [a for a in apis if a.popen.poll() is None]
         if not alive:
@@ -250,8 +347,7 @@ def _stop_processes(apis: list[ApiProcess], grace_s: float) -> None:
                 pass
     for a in apis:
         a.popen.wait()
-        a.commands.close()
-        a.outputs.close()
+        a.close()
 
 
 def _has_fileno(stream) -> bool:

@@ -117,7 +117,9 @@ class EngineLoop:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        """Until a `_Stop` command, or the engine fails for good."""
+        """Until a `_Stop` command. After the engine fails for good, every add is
+        answered with the failure until then (an add sent just as the engine failed must
+        not wait forever)."""
         while True:
             try:
                 if not self._drain_commands():
@@ -125,6 +127,7 @@ class EngineLoop:
                 self._step_or_wait()
             except ExecutorError as e:  # a worker is gone: no step can run any more
                 self._stop_for_good(str(e))
+                self._refuse_until_stopped(f"the engine stopped: {e}")
                 return
             except Exception:  # a bug must not take the server down
                 logger.exception("engine step failed; aborting the requests in flight")
@@ -266,6 +269,16 @@ class EngineLoop:
             if isinstance(command, _Add):
                 self._answer_add(command, None, EngineUnavailable(message))
 
+    def _refuse_until_stopped(self, message: str) -> None:
+        while True:
+            command = self._next_command()
+            if command is None:
+                self._wait_for_work(IDLE_HEALTH_CHECK_S)
+            elif isinstance(command, _Add):
+                self._answer_add(command, None, EngineUnavailable(message))
+            elif isinstance(command, _Stop):
+                return
+
 
 class AsyncEngine(EngineLoop):
     """The loop on a thread of this process, for HTTP handlers on this event loop: they
@@ -289,7 +302,8 @@ class AsyncEngine(EngineLoop):
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and self.failure is None)
 
     async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
                   params: Sequence[SamplingParams], *, with_text: bool = False,

@@ -62,6 +62,8 @@ async def _submit(front: EngineFront, rs: RequestStream, inputs: EngineInputs, k
     try:
         return await front.add(rs, inputs.prompts, inputs.params, with_text=with_text)
     except EngineUnavailable as e:
+        # The add may still reach the engine (sent just before the front stopped).
+        front.abort(rs.engine_ids)
         raise APIError(str(e), 503) from None
     except ValueError as e:  # RequestRejected, TokenizerError, a prompt the engine refuses
         raise APIError(one_line(e, max_chars=None), 400, "prompt" if kind == "completion" else "messages"
