@@ -138,8 +138,8 @@ def _interactive(session: ChatSession, con: Console) -> None:
         if line.startswith("/"):
             _command(session, line, con)
             continue
-        con.print("[bold blue]llm ›[/] ", end="")
-        with _stop_on_sigint() as stop:
+        with _stop_on_sigint() as stop:  # before the prompt: a ^C from then on stops it
+            con.print("[bold blue]llm ›[/] ", end="")
             result = _reply(session, line, lambda delta: _write(con, delta), stop)
         con.print()
         if result is None:
