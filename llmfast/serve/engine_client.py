@@ -4,15 +4,16 @@ An `EngineClient` is an `EngineFront` like `AsyncEngine`, but its engine loop ru
 the main process (engine_host.py): commands go out on one pipe, outputs come back on
 another. The event loop reads the outputs pipe as soon as it is readable (`add_reader`:
 no thread, no poll interval); commands are written by a sender thread, so the event loop
-never blocks on a full pipe while the engine is itself blocked writing outputs to it.
+never blocks on a full commands pipe. (The engine never blocks on this process either:
+see engine_host.py.)
 
-Messages (tuples, pickled by `Connection`), to the engine:
+Messages (tuples, pickled; framed as `Connection.send` frames them), to the engine:
     ("add", add_id, request_id, engine_ids, prompts, params, with_text)
     ("abort", engine_ids)
-and back:
+and back (the first message is this process's `ApiProcessSpec`):
     ("out", [encode_item(request_id, ChoiceDelta | StreamError), ...])   one per step
     ("added", add_id, prepared prompts | None, error kind | None, error message)
-    ("stats", SchedulerStats, num_steps)
+    ("stats", SchedulerStats, num_steps)   when they change, if this process keeps up
     ("failed", reason)      the engine stopped for good (/health reports it)
     ("stop", message)       the server is shutting down: stop accepting, then exit
 """
