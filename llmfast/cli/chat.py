@@ -46,7 +46,8 @@ CHAT_EXAMPLES = """\
 * `printf 'Hi!\\n/temp 0\\nName a colour.\\n' | llmfast chat`  (scripted: one message per line)
 
 In the chat: /reset, /system TEXT, /temp X, /top_p X, /top_k N, /max_tokens N, /seed N,
-/stats, /help, /exit. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt quits.
+/ignore_eos on|off, /settings, /stats, /help, /exit. Ctrl-C stops a reply; Ctrl-C or
+Ctrl-D at the prompt quits.
 """
 
 EXIT_COMMANDS = ("/exit", "/quit")

@@ -50,7 +50,8 @@ def stderr_console() -> Console:
 Temperature = Annotated[float, typer.Option("--temperature", "-t",
                                             help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
-TopK = Annotated[int, typer.Option("--top-k", help="Keep the k likeliest tokens; 0 = off.")]
+TopK = Annotated[int, typer.Option(
+    "--top-k", help="Keep the k likeliest tokens; 0 or -1 = off.")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")]
 IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-text.")]
 System = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
