@@ -109,3 +109,40 @@ def test_abort_frees_blocks_and_failed_step_is_contained(engine, monkeypatch):
             await asyncio.to_thread(front.join, 10)
 
     asyncio.run(main())
+
+
+def test_a_stop_queued_while_the_engine_fails_still_stops_the_loop(engine):
+    """The loop keeps refusing adds after a failure until it is stopped; a stop that
+    arrived while the failing step ran must not be lost in the refusals (the thread would
+    then never end, and hold the engine)."""
+    import threading
+
+    from llmfast.executor import ExecutorError
+
+    started, stopped = threading.Event(), threading.Event()
+
+    def failing_step():
+        started.set()
+        stopped.wait(10)
+        raise ExecutorError("worker rank 0 died (in this test)")
+
+    async def main():
+        front = AsyncEngine(engine)
+        engine.step = failing_step  # shadows the method on this instance only
+        try:
+            front.start()
+            rs = RequestStream("x", 1)
+            await front.add(rs, [[5] * 4], [_params(3)])
+            assert await asyncio.to_thread(started.wait, 10)
+            front.stop()  # queued while the step is still running
+            stopped.set()
+            await asyncio.to_thread(front.join, 10)
+            assert not front._thread.is_alive()
+            assert front.failure == "worker rank 0 died (in this test)"
+            assert isinstance(await rs.get(), StreamError)
+        finally:
+            del engine.step
+            stopped.set()
+
+    asyncio.run(main())
+    assert not engine.has_unfinished()  # the request was aborted

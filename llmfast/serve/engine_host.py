@@ -156,9 +156,9 @@ class ProcessEngineLoop(EngineLoop):
             self._flush_all()
             self._wait_for_io(min(0.1, max(0.0, deadline - time.monotonic())), commands=False)
 
-    def _stop_for_good(self, reason: str) -> None:
+    def _stop_for_good(self, reason: str) -> bool:
         self._broadcast(("failed", reason))  # /health says why; new requests get a 503
-        super()._stop_for_good(reason)
+        return super()._stop_for_good(reason)
 
     def _apply_add(self, command: _Add) -> None:
         if self.apis[command.stream.api].alive:  # else nobody would read its outputs

@@ -126,8 +126,8 @@ class EngineLoop:
                     return
                 self._step_or_wait()
             except ExecutorError as e:  # a worker is gone: no step can run any more
-                self._stop_for_good(str(e))
-                self._refuse_until_stopped(f"the engine stopped: {e}")
+                if not self._stop_for_good(str(e)):
+                    self._refuse_until_stopped(f"the engine stopped: {e}")
                 return
             except Exception:  # a bug must not take the server down
                 logger.exception("engine step failed; aborting the requests in flight")
@@ -255,19 +255,26 @@ class EngineLoop:
         if streams:
             self._emit([(s, error) for s in streams.values()])
 
-    def _stop_for_good(self, reason: str) -> None:
+    def _stop_for_good(self, reason: str) -> bool:
         """The engine cannot step again: end every live request and every queued add with
-        a 503 naming the cause; /health reports it from now on."""
+        a 503 naming the cause; /health reports it from now on. True if a stop was among
+        the queued commands."""
         logger.error("the engine stopped: %s", reason)
         self.failure = reason
         message = f"the engine stopped: {reason}"
         self._fail_all(StreamError(message, 503))
-        self._fail_pending_adds(message)
+        return self._fail_pending_adds(message)
 
-    def _fail_pending_adds(self, message: str) -> None:
+    def _fail_pending_adds(self, message: str) -> bool:
+        """Refuse the queued adds; True if a `_Stop` was queued too (it is consumed here,
+        so the caller must stop)."""
+        stop = False
         while (command := self._next_command()) is not None:
             if isinstance(command, _Add):
                 self._answer_add(command, None, EngineUnavailable(message))
+            elif isinstance(command, _Stop):
+                stop = True
+        return stop
 
     def _refuse_until_stopped(self, message: str) -> None:
         while True:
