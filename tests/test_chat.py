@@ -157,9 +157,10 @@ def test_piped_too_long_message_is_skipped_and_the_run_fails(chat_model):
     assert result.exit_code == 1 and result.stdout.count("\n\n") == 1
 
 
-def test_piped_exit_command(chat_model):
-    result = run_chat(chat_model, b"/exit\nnever answered\n", "--max-tokens", "2")
-    assert result.exit_code == 0 and result.stdout == ""
+@pytest.mark.parametrize("command", [b"/exit", b"/quit", b"/exit now", b"  /quit please"])
+def test_piped_exit_command(chat_model, command):
+    result = run_chat(chat_model, command + b"\nnever answered\n", "--max-tokens", "2")
+    assert result.exit_code == 0 and result.stdout == "", result.output
 
 
 # ---------------------------------------------------------------------- terminal

@@ -187,6 +187,13 @@ def test_logprobs(client, model):
         assert chosen == pytest.approx(max(top.values()))  # greedy picks the argmax
         assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # logprobs 0 still lists the sampled token (OpenAI: up to logprobs + 1 entries),
+    # and with sampling it need not be the likeliest.
+    sampled = client.completions.create(model=model, prompt=PROMPTS[0], logprobs=0,
+                                        temperature=1.5, seed=3, max_tokens=12,
+                                        extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert [list(top.items()) for top in sampled.top_logprobs] == \
+        [[(t, v)] for t, v in zip(sampled.tokens, sampled.token_logprobs)]
     streamed = list(client.completions.create(model=model, prompt=PROMPTS[0], logprobs=3,
                                               stream=True, **_greedy()))
     assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == \

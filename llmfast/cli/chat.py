@@ -53,6 +53,12 @@ Ctrl-D at the prompt quits.
 EXIT_COMMANDS = ("/exit", "/quit")
 
 
+def _is_exit(line: str) -> bool:
+    """/exit or /quit, with anything after it ("/exit now")."""
+    words = line.split()
+    return bool(words) and words[0] in EXIT_COMMANDS
+
+
 def chat(
     *,
     opts: EngineOptions,
@@ -100,7 +106,7 @@ def _piped_lines(session: ChatSession, err: Console) -> int:
             continue
         if not line.strip():
             continue
-        if line.strip() in EXIT_COMMANDS:
+        if _is_exit(line):
             break
         if line.startswith("/"):
             failed += not _command(session, line, err)
@@ -134,7 +140,7 @@ def _interactive(session: ChatSession, con: Console) -> None:
             continue
         if not line.strip():
             continue
-        if line.strip() in EXIT_COMMANDS:
+        if _is_exit(line):
             return
         if line.startswith("/"):
             _command(session, line, con)

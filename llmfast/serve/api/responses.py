@@ -162,6 +162,9 @@ def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
         alternatives: dict[str, float] = {}
         for tok, _, lp in e.top:
             alternatives.setdefault(tok, lp)
+        # OpenAI's completions always list the sampled token too (up to logprobs + 1
+        # entries), so `logprobs: 0` still shows it.
+        alternatives.setdefault(e.token, e.logprob)
         top.append(alternatives)
         offsets.append(offset)
         offset += len(e.token)
