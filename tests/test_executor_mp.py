@@ -80,7 +80,7 @@ def runs(request, tmp_path_factory):
 
 
 def test_workers_import_this_checkout_of_llmfast():
-    from llmfast.executor.mp.processes import PACKAGE_ROOT
+    from llmfast.utils.child_processes import PACKAGE_ROOT
 
     assert (Path(PACKAGE_ROOT) / "llmfast" / "__init__.py").resolve() == \
         Path(llmfast.__file__).resolve()

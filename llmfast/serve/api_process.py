@@ -4,9 +4,10 @@
 The main process holds the engine (engine_host.py) and the other ends of the two pipes;
 this process runs the FastAPI app under uvicorn on the shared listening socket, over an
 `EngineClient`. It reads its `ApiProcessSpec` from the outputs pipe first. It does not
-import torch or the engine. Ctrl-C in the terminal reaches the whole process group: this
-process ignores it and lets the main process decide (it stops the engine, which ends the
-streams, then tells this process to stop). A watchdog exits if the main process dies.
+import torch or the engine. It runs in a session of its own, so the terminal's Ctrl-C
+reaches only the main process, which decides (it stops the engine, which ends the
+streams, then tells this process to stop); a SIGINT sent here directly is ignored too. A
+watchdog exits if the main process dies.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -26,9 +25,8 @@ import uvicorn
 from llmfast.serve.api.app import ServeConfig, build_app
 from llmfast.serve.engine_client import EngineClient
 from llmfast.serve.stream import Limits
+from llmfast.utils.child_processes import exit_when_orphaned
 from llmfast.utils.errors import one_line
-
-PARENT_CHECK_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,21 +41,13 @@ class ApiProcessSpec:
 class _ApiServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGINT:
-            return  # the main process got it too, and decides
+            return  # the main process decides when to stop
         super().handle_exit(sig, frame)
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while True:
-        time.sleep(PARENT_CHECK_INTERVAL_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True,
-                     name="llmfast-parent-watch").start()
+    exit_when_orphaned()
     commands, outputs = Connection(int(argv[1])), Connection(int(argv[2]))
     listen = socket.socket(fileno=int(argv[3]))
     try:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import pickle
 import select
 import signal
@@ -48,11 +47,10 @@ from llmfast.serve.engine_loop import (
     _Stop,
     engine_limits,
 )
+from llmfast.utils.child_processes import child_env, child_stdout, stop_children
 
 logger = logging.getLogger(__name__)
 
-# The directory holding this `llmfast` package, for the API processes' imports.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXIT_GRACE_S = 15.0  # for the API processes to finish their responses after "stop"
 API_STALL_S = 30.0  # an API process that reads nothing of its outputs this long is killed
 
@@ -65,15 +63,12 @@ class ApiProcess:
         self.alive = True
         cmd_ours, cmd_theirs = socket.socketpair()
         out_ours, out_theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH"))
-                                            if p)
         fds = (cmd_theirs.fileno(), out_theirs.fileno(), listen.fileno())
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "llmfast.serve.api_process", *map(str, fds)],
-                pass_fds=fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
+                pass_fds=fds, env=child_env(), stdin=subprocess.DEVNULL,
+                start_new_session=True, stdout=child_stdout())
         finally:
             cmd_theirs.close()
             out_theirs.close()
@@ -118,7 +113,7 @@ class ApiProcess:
     def stalled(self, now: float) -> bool:
         return bool(self._outbox) and now - self.last_progress > API_STALL_S
 
-    def close(self) -> None:
+    def close_handles(self) -> None:
         self.commands.close()
         self.outputs.close()
 
@@ -316,7 +311,7 @@ def serve_with_api_processes(engine: LLMEngine, listen: socket.socket, config: S
         listen.close()  # the API processes hold it; none is accepted here
         loop.serve()
     finally:
-        _stop_processes(loop.apis, grace_s=0.0)
+        stop_children(loop.apis, grace_s=0.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if loop.lost_every_api:
@@ -325,34 +320,3 @@ def serve_with_api_processes(engine: LLMEngine, listen: socket.socket, config: S
                                 "the server stopped")
     if loop.stop_signal is not None:
         signal.raise_signal(loop.stop_signal)
-
-
-def _stop_processes(apis: list[ApiProcess], grace_s: float) -> None:
-    """Reap the API processes: `grace_s` for them to exit, then SIGTERM, then SIGKILL."""
-    for signal_them in (None, "terminate", "kill"):
-        alive = [a for a in apis if a.popen.poll() is None]
-        if not alive:
-            break
-        for a in alive:
-            if signal_them is not None:
-                try:
-                    getattr(a.popen, signal_them)()
-                except OSError:
-                    pass
-        deadline = time.monotonic() + (grace_s if signal_them is None else 2.0)
-        for a in alive:
-            try:
-                a.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    for a in apis:
-        a.popen.wait()
-        a.close()
-
-
-def _has_fileno(stream) -> bool:
-    try:
-        stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        return False
-    return True

@@ -29,7 +29,8 @@ from llmfast.executor.errors import (
     WorkerDied,
     WorkerFailed,
 )
-from llmfast.executor.mp.processes import WorkerProcess, stop_workers
+from llmfast.executor.mp.processes import WorkerProcess
+from llmfast.utils.child_processes import stop_children
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config, rank_devices
 from llmfast.executor.worker import WorkerReady, WorkerSpec
 from llmfast.utils.ports import free_port
@@ -218,4 +219,4 @@ def _stop(workers: list[WorkerProcess], grace_s: float) -> None:
             w.conn.send_bytes(messages.SHUTDOWN_MESSAGE)
         except OSError:
             pass  # gone already
-    stop_workers(workers, grace_s)
+    stop_children(workers, grace_s)

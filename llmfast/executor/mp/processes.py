@@ -16,30 +16,22 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 
-# The directory that holds this `llmfast` package: the worker must import the same one
-# (a checkout on PYTHONPATH, say, rather than an installed copy).
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
+from llmfast.utils.child_processes import child_env, child_stdout
 
 
 class WorkerProcess:
     def __init__(self, rank: int, log_level: int) -> None:
         self.rank = rank
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env = child_env()
         env["LLMFAST_WORKER_LOG_LEVEL"] = str(log_level)
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "llmfast.executor.mp.worker_main", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                # The engine's stdout carries results (`llmfast generate`): anything a
-                # worker prints goes to stderr instead.
-                stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
+                stdout=child_stdout())
         finally:
             theirs.close()  # the worker's copy is the only one left: its death is EOF here
         self.conn = Connection(ours.detach())
@@ -82,35 +74,3 @@ class WorkerProcess:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-
-
-def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
-    """End every worker and reap it: together they have `grace_s` to exit by themselves
-    (after SHUTDOWN or end of file), then SIGTERM and a second short wait, then SIGKILL."""
-    for signal_them in (None, "terminate", "kill"):
-        alive = [w for w in workers if w.popen.poll() is None]
-        if not alive:
-            break
-        for w in alive:
-            if signal_them is not None:
-                try:
-                    getattr(w.popen, signal_them)()
-                except OSError:
-                    pass
-        deadline = time.monotonic() + (grace_s if signal_them is None else 2.0)
-        for w in alive:
-            try:
-                w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    for w in workers:
-        w.popen.wait()  # SIGKILL has been sent to any still alive
-        w.close_handles()
-
-
-def _has_fileno(stream) -> bool:
-    try:
-        stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        return False  # pytest's capture, a StringIO
-    return True

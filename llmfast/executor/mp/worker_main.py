@@ -17,23 +17,12 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 
 from llmfast.executor.mp import messages
+from llmfast.utils.child_processes import exit_when_orphaned
 from llmfast.utils.errors import one_line
-
-PARENT_CHECK_INTERVAL_S = 0.5
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while True:
-        time.sleep(PARENT_CHECK_INTERVAL_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
 
 def _report(conn: Connection, rank: int, error: BaseException, during: str) -> None:
     report = messages.WorkerError(rank, one_line(error, max_chars=None), during,
@@ -94,8 +83,7 @@ def _log_level() -> int:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True,
-                     name="llmfast-parent-watch").start()
+    exit_when_orphaned()
     fd = int(argv[1])
     os.set_inheritable(fd, False)  # not into processes this one starts (compile workers)
     conn = Connection(fd)

@@ -33,7 +33,7 @@ from llmfast.executor.errors import (
     WorkerDied,
     WorkerFailed,
 )
-from llmfast.executor.mp.processes import PACKAGE_ROOT
+from llmfast.utils.child_processes import child_python_path
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config
 from llmfast.executor.worker import WorkerReady, WorkerSpec
 from llmfast.utils.errors import one_line
@@ -126,8 +126,7 @@ class RayExecutor(DistributedExecutor):
                         "logging_level": logging.WARNING}
         if address is None:
             # The workers must import this llmfast (a checkout, say, not an installed one).
-            path = os.pathsep.join(
-                p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+            path = child_python_path(os.environ.get("PYTHONPATH"))
             kwargs.update(num_cpus=max(os.cpu_count() or 1, world),
                           object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                           runtime_env={"env_vars": {"PYTHONPATH": path}})
