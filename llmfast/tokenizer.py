@@ -240,32 +240,25 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the new text (possibly "")."""
-        stream = self._stream
-        if stream is not None and len(new_token_ids) == 1:  # a decode step, streamed
-            token_id = int(new_token_ids[0])
-            self._ids.append(token_id)
-            chunk = stream.step(self._backend, token_id)
-            if not chunk:
-                return ""
-            self._prefix, self._read = self._read, len(self._ids)
-            self._prefix_text = None
-            self._pieces.append(chunk)
-            return chunk
-        deltas = []
-        for token_id in map(int, new_token_ids):
-            self._ids.append(token_id)
-            if stream is None:
-                deltas.append(self._step(final=False))
-                continue
-            chunk = stream.step(self._backend, token_id)
-            if chunk:  # the Rust window slid: so do the offsets
-                deltas.append(chunk)
-                self._prefix, self._read = self._read, len(self._ids)
-                self._prefix_text = None
-        delta = "".join(deltas)
+        if len(new_token_ids) == 1:  # a decode step: nothing to join
+            delta = self._add_token(int(new_token_ids[0]))
+        else:
+            delta = "".join([self._add_token(t) for t in map(int, new_token_ids)])
         if delta:
             self._pieces.append(delta)
         return delta
+
+    def _add_token(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        if self._stream is None:
+            return self._step(final=False)
+        chunk = self._stream.step(self._backend, token_id)
+        if not chunk:
+            return ""
+        # The Rust window slid: so do the offsets.
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = None
+        return chunk
 
     def append(self, new_token_ids: Sequence[int]) -> None:
         """Append sampled ids without decoding them: the next `add_tokens` or `flush`
