@@ -34,10 +34,10 @@ class SplitTable:
     block_size: int
     best: dict[tuple[int, int], int]  # (batch, context) -> splits
 
-    def matches(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: str,
-                block_size: int) -> bool:
-        return (self.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
-                self.block_size) == (num_heads, num_kv_heads, head_dim, dtype, block_size)
+    @property
+    def shape(self) -> tuple[int, int, int, str, int]:
+        """What a table is measured for: (heads, KV heads, head dim, dtype, block size)."""
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.block_size)
 
     def lookup(self, num_reqs: int, context: int) -> int:
         batches = sorted({b for b, _ in self.best})
@@ -63,8 +63,7 @@ def parse_tables(data: dict) -> tuple[SplitTable, ...]:
     """The JSON `bench_kernels.py --sweep-splits` writes: {"device", "shapes": [sweep...]};
     a lone sweep (the format before several shapes shared a file) is one shape."""
     tables = tuple(parse_table(d) for d in data.get("shapes", [data]))
-    keys = [(t.num_heads, t.num_kv_heads, t.head_dim, t.dtype, t.block_size) for t in tables]
-    if len(set(keys)) != len(keys):
+    if len({t.shape for t in tables}) != len(tables):
         raise ValueError("a split table file holds one table per attention shape")
     return tables
 
@@ -72,10 +71,9 @@ def parse_tables(data: dict) -> tuple[SplitTable, ...]:
 def merge_sweep(existing: dict | None, sweep: dict) -> dict:
     """`existing` (a file's JSON, or None) with `sweep` added, replacing the table of the
     same shape if there is one."""
-    shape = parse_table(sweep)
+    shape = parse_table(sweep).shape
     shapes = [] if existing is None else list(existing.get("shapes", [existing]))
-    kept = [d for d in shapes if not parse_table(d).matches(
-        shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.block_size)]
+    kept = [d for d in shapes if parse_table(d).shape != shape]
     merged = {k: sweep[k] for k in ("device", "torch", "num_sms") if k in sweep}
     merged["shapes"] = [*kept, sweep]
     parse_tables(merged)
@@ -84,8 +82,8 @@ def merge_sweep(existing: dict | None, sweep: dict) -> dict:
 
 def find_table(tables: tuple[SplitTable, ...], num_heads: int, num_kv_heads: int,
                head_dim: int, dtype: str, block_size: int) -> SplitTable | None:
-    return next((t for t in tables
-                 if t.matches(num_heads, num_kv_heads, head_dim, dtype, block_size)), None)
+    shape = (num_heads, num_kv_heads, head_dim, dtype, block_size)
+    return next((t for t in tables if t.shape == shape), None)
 
 
 def table_path(device_name: str) -> Path:
