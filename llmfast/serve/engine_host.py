@@ -76,7 +76,6 @@ class ApiProcess:
         out_ours.setblocking(False)
         self.outputs = out_ours  # written here, never blocking: see `flush`
         self._outbox: collections.deque[memoryview] = collections.deque()
-        self.outbox_bytes = 0
         self.last_progress = time.monotonic()  # the last time the outbox was empty or moved
         self.stats_sent: tuple | None = None
         self.queue(spec)
@@ -88,7 +87,6 @@ class ApiProcess:
         if not self._outbox:
             self.last_progress = time.monotonic()
         self._outbox.append(memoryview(struct.pack("!i", len(payload)) + payload))
-        self.outbox_bytes += 4 + len(payload)
         self.flush()
 
     @property
@@ -104,14 +102,13 @@ class ApiProcess:
             except BlockingIOError:
                 return
             self.last_progress = time.monotonic()
-            self.outbox_bytes -= sent
             if sent == len(outbox[0]):
                 outbox.popleft()
             else:
                 outbox[0] = outbox[0][sent:]
 
     def stalled(self, now: float) -> bool:
-        return bool(self._outbox) and now - self.last_progress > API_STALL_S
+        return self.backlogged and now - self.last_progress > API_STALL_S
 
     def close_handles(self) -> None:
         self.commands.close()
