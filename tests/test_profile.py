@@ -61,6 +61,14 @@ def test_profile_cpu_torch_trace_has_phases(tmp_path, monkeypatch):
     assert summary["tracer"] == "torch" and [p["batch_size"] for p in summary["sweep"]] == [1, 4]
     assert str(out / "trace.json") in result.stdout and "ui.perfetto.dev" in result.stdout
 
+    # The same --out again is refused before any work: the first profile stays whole.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = invoke("profile", *TINY, "--out", str(out))
+    assert again.exit_code == 1
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already holds a profile" in lines[0], again.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
 
 FAKE_NSYS = '''#!{python}
 """A stand-in for nsys: records its argv; `profile` runs the inner command and writes
@@ -121,6 +129,19 @@ def test_profile_dir_not_writable(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot write the profile directory")
     assert "Traceback" not in result.output
+
+
+def test_failed_profile_leaves_no_directory_it_created(tmp_path):
+    out = tmp_path / "new" / "prof"
+    result = invoke("profile", "--model", str(tmp_path / "no-such-model"), "--device", "cpu",
+                    "--sizes", "1", "--out", str(out))
+    assert result.exit_code == 1 and result.stderr.startswith("error:"), result.output
+    assert not out.exists()
+    # A directory that was there before is kept, even empty.
+    out.mkdir(parents=True)
+    result = invoke("profile", "--model", str(tmp_path / "no-such-model"), "--device", "cpu",
+                    "--sizes", "1", "--out", str(out))
+    assert result.exit_code == 1 and out.is_dir()
 
 
 def test_profile_bad_sizes_and_missing_nsys(tmp_path, monkeypatch):

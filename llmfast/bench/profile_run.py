@@ -12,11 +12,12 @@ forward's launches, not its device time.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import re
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,15 @@ def default_profile_dir(model: str | None, root: Path = Path("profiles"),
     return root / f"{stamp}-{model_label(model)}"
 
 
-def prepare_profile_dir(path: Path) -> Path:
-    """Create the directory and prove it writable now, before any slow work."""
+PROFILE_FILES = ("summary.json", TORCH_TRACE, TOP_OPS, f"{NSYS_TRACE}.nsys-rep", NSYS_STATS)
+
+
+def prepare_profile_dir(path: Path, reuse: bool = False) -> bool:
+    """Create the directory and prove it writable now, before any slow work; returns
+    whether this call created it. A directory that already holds a profile is refused
+    (its results would be overwritten) unless `reuse` (the run nsys starts inside the
+    directory its parent just prepared)."""
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
@@ -64,7 +72,23 @@ def prepare_profile_dir(path: Path) -> Path:
     except OSError as e:
         raise ProfileError(
             f"cannot write the profile directory {path}: {e.strerror or e}") from None
-    return path
+    held = [name for name in PROFILE_FILES if (path / name).exists()]
+    if held and not reuse:
+        raise ProfileError(f"{path} already holds a profile ({', '.join(held)}); "
+                           "choose another --out or move it away")
+    return created
+
+
+@contextlib.contextmanager
+def removed_if_failed(path: Path, created: bool) -> Iterator[None]:
+    """A run that fails leaves no empty directory it created behind."""
+    try:
+        yield
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only if empty: whatever was written stays
+        raise
 
 
 # ---------------------------------------------------------------------- nsys

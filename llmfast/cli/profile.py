@@ -65,26 +65,32 @@ def profile(
 ) -> None:
     """Profile a short decode workload (nsys or torch profiler) with the engine's phases."""
     from llmfast.bench import BenchError
-    from llmfast.bench.profile_run import default_profile_dir, prepare_profile_dir
+    from llmfast.bench.profile_run import (
+        default_profile_dir,
+        prepare_profile_dir,
+        removed_if_failed,
+    )
 
     size_list = parse_sizes(sizes)
     if steps < 1 or context < 1:
         raise BenchError("--steps and --context must be >= 1")
-    out_dir = prepare_profile_dir(out or default_profile_dir(opts.model))
-    err = stderr_console()
-    con = Console(highlight=False, soft_wrap=True)  # never break a path across lines
+    under_nsys = bool(os.environ.get(_UNDER_NSYS))
     nsys = shutil.which("nsys")
     if tracer is Tracer.nsys and nsys is None:
         raise ValueError("--tracer nsys: nsys is not on PATH (install Nsight Systems)")
-    if tracer in (Tracer.auto, Tracer.nsys) and nsys and not os.environ.get(_UNDER_NSYS):
-        inner = [sys.executable, "-m", "llmfast", "profile", "--sizes", sizes,
-                 "--steps", str(steps), "--context", str(context), "--out", str(out_dir),
-                 "--tracer", "none", *engine_argv(opts)]
-        _profile_with_nsys(nsys, out_dir, inner, con, err)
-        return
-    kind = "none" if tracer in (Tracer.none, Tracer.nsys) or os.environ.get(_UNDER_NSYS) \
-        else "torch"
-    _profile_in_process(opts, size_list, steps, context, out_dir, kind, con, err)
+    out_dir = out or default_profile_dir(opts.model)
+    created = prepare_profile_dir(out_dir, reuse=under_nsys)
+    err = stderr_console()
+    con = Console(highlight=False, soft_wrap=True)  # never break a path across lines
+    with removed_if_failed(out_dir, created):
+        if tracer in (Tracer.auto, Tracer.nsys) and nsys and not under_nsys:
+            inner = [sys.executable, "-m", "llmfast", "profile", "--sizes", sizes,
+                     "--steps", str(steps), "--context", str(context), "--out", str(out_dir),
+                     "--tracer", "none", *engine_argv(opts)]
+            _profile_with_nsys(nsys, out_dir, inner, con, err)
+            return
+        kind = "none" if tracer in (Tracer.none, Tracer.nsys) or under_nsys else "torch"
+        _profile_in_process(opts, size_list, steps, context, out_dir, kind, con, err)
 
 
 def _profile_with_nsys(nsys: str, out_dir: Path, inner: list[str], con: Console,
