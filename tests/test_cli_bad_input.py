@@ -50,6 +50,8 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
      "--random-range-ratio must be in [0, 1)"),
     # Read after --startup's two engine starts; now before anything runs.
     (["bench", *NO_MODEL, "--startup", "--mode", "sweep", "--sizes", "0"], "sizes must be >= 1"),
+    # A choice error read "Invalid value for '--tracer': Value error, 'foo' is not ...".
+    (["profile", "--tracer", "foo"], "Invalid value for '--tracer': 'foo' is not one of"),
     # os.access says yes (to root, and to /proc); the write after the run then failed.
     (["bench", *NO_MODEL, "--json", "/proc/llmfast-bench.json"], "cannot write --json"),
 ])

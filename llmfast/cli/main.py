@@ -38,7 +38,9 @@ class _OneLineErrorGroup(TyperGroup):
                 code = 0
             else:
                 hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-                print_error(e.format_message().replace("\n", " ") + hint)
+                # Some typer versions pass a converter's ValueError on as "Value error, ...".
+                message = e.format_message().replace("\n", " ").replace(": Value error, ", ": ")
+                print_error(message + hint)
                 code = getattr(e, "exit_code", 1)
         except typer.Abort:
             code = 130
