@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,3 +150,61 @@ def test_outputs_cross_the_pipe_whole():
     for item in (ChoiceDelta(**values), StreamError("the server is shutting down", 503)):
         wire = pickle.loads(pickle.dumps(encode_item("cmpl-1", item)))
         assert decode_item(wire) == ("cmpl-1", item)
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_metrics_count_the_requests_of_every_api_process(serve_model_dir, tmp_path):
+    """Each API process observes only the requests it takes; whichever answers /metrics
+    must report them all (a scrape reaches one process at random)."""
+    server = start_server(serve_model_dir, tmp_path / "server.log", "--api-servers", "2")
+    port = int(server.base_url.rsplit(":", 1)[1])
+
+    def on_fresh_connection(method: str, path: str, **kwargs) -> tuple[httpx.Response, int]:
+        """The response, and which API process took the connection."""
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            response = client.request(method, path, **kwargs)
+            # Still open (keep-alive): its owner can be read from /proc.
+            client_port = response.extensions["network_stream"].get_extra_info(
+                "client_addr")[1]
+            return response, _connection_owner(port, client_port, pids)
+
+    try:
+        pids = _api_pids(server.proc.pid)
+        assert len(pids) == 2
+        metrics_dirs = list(Path(tempfile.gettempdir()).glob(
+            f"llmfast-metrics-{server.proc.pid}-*"))
+        assert len(metrics_dirs) == 1
+        served_by, tokens = [], 0
+        for i in range(40):  # until each process has served some
+            r, owner = on_fresh_connection("POST", "/v1/completions", json={
+                "prompt": "hello there", "max_tokens": 2 + i % 3, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            tokens += r.json()["usage"]["completion_tokens"]
+            served_by.append(owner)
+            if set(served_by) == set(pids) and len(served_by) >= 4:
+                break
+        assert set(served_by) == set(pids), "one API process took every request"
+        scraped_by = set()
+        for _ in range(40):  # until each process has answered a scrape
+            r, owner = on_fresh_connection("GET", "/metrics")
+            values = _parse_metrics(r.text)
+            assert values['llmfast_request_success_total{finished_reason="length"}'] == \
+                len(served_by), (owner, served_by)
+            assert values["llmfast_generation_tokens_total"] == tokens
+            assert values["llmfast_time_to_first_token_seconds_count"] == len(served_by)
+            scraped_by.add(owner)
+            if scraped_by == set(pids):
+                break
+        assert scraped_by == set(pids), "one API process answered every scrape"
+    finally:
+        server.stop()
+    assert not metrics_dirs[0].exists()  # the files go with the server

@@ -13,7 +13,9 @@ never blocks on an API process: outputs wait in a per-process outbox, written as
 pipe takes them, so one process that stalls (a long GC pause, a debugger) delays only
 its own streams; one that makes no progress for `API_STALL_S` is killed and treated as
 dead. A dead API process takes its requests with it (aborted, blocks freed); when none
-is left the server stops with an error.
+is left the server stops with an error. The processes keep their request metrics in
+files of one directory (prometheus_client's multiprocess mode), so whichever answers
+`/metrics` reports the whole server's counts.
 
 SIGTERM or Ctrl-C here stops the loop: every live request ends with a 503 error event,
 the API processes (in a session of their own: the terminal's Ctrl-C reaches only this
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import pickle
 import select
 import signal
@@ -32,12 +35,14 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from multiprocessing.connection import Connection
 
 from llmfast.engine import LLMEngine
 from llmfast.serve.api.app import ServeConfig
+from llmfast.serve.api.metrics import METRICS_DIR_ENV
 from llmfast.serve.api_process import ApiProcessSpec
 from llmfast.serve.engine_client import add_error_kind, encode_item
 from llmfast.serve.engine_loop import (
@@ -58,7 +63,8 @@ API_STALL_S = 30.0  # an API process that reads nothing of its outputs this long
 class ApiProcess:
     """One API server process and the engine's ends of its pipes."""
 
-    def __init__(self, index: int, listen: socket.socket, spec: ApiProcessSpec) -> None:
+    def __init__(self, index: int, listen: socket.socket, spec: ApiProcessSpec,
+                 metrics_dir: str) -> None:
         self.index = index
         self.alive = True
         cmd_ours, cmd_theirs = socket.socketpair()
@@ -67,7 +73,10 @@ class ApiProcess:
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "llmfast.serve.api_process", *map(str, fds)],
-                pass_fds=fds, env=child_env(), stdin=subprocess.DEVNULL,
+                # prometheus_client reads the variable when it is imported: each API
+                # process keeps its counts in files there, and /metrics sums them all.
+                pass_fds=fds, env={**child_env(), METRICS_DIR_ENV: metrics_dir},
+                stdin=subprocess.DEVNULL,
                 start_new_session=True, stdout=child_stdout())
         finally:
             cmd_theirs.close()
@@ -301,14 +310,16 @@ def serve_with_api_processes(engine: LLMEngine, listen: socket.socket, config: S
         loop.request_stop("the server is shutting down")
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    metrics_dir = tempfile.TemporaryDirectory(prefix=f"llmfast-metrics-{os.getpid()}-")
     try:
         for i in range(num_api_servers):
             if loop.stop_message is None:
-                loop.apis.append(ApiProcess(i, listen, spec))
+                loop.apis.append(ApiProcess(i, listen, spec, metrics_dir.name))
         listen.close()  # the API processes hold it; none is accepted here
         loop.serve()
     finally:
         stop_children(loop.apis, grace_s=0.0)
+        metrics_dir.cleanup()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if loop.lost_every_api:

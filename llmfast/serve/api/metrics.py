@@ -1,17 +1,27 @@
 """Prometheus metrics of the server (`GET /metrics`), in a registry of its own.
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, preemptions)
-is read from the engine thread's latest stats snapshot at scrape time; latencies and token
+is read from the engine's latest stats snapshot at scrape time; latencies and token
 counts are observed by the HTTP handlers, so TTFT counts from the moment the request
 reached the server (queueing included), as a client sees it.
+
+With `--api-servers N` each API process observes only its own requests, and a scrape
+reaches one of them. The main process then gives every API process the same
+`PROMETHEUS_MULTIPROC_DIR`: prometheus_client (which reads it at import) keeps each
+process's counters and histograms in files there, and a scrape sums the files of all of
+them, those of a process that has died included, as vLLM does.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -52,8 +62,15 @@ class _EngineStats:
 
 class ServerMetrics:
     def __init__(self, front) -> None:
+        # What a scrape renders; in multiprocess mode the metrics below live in a registry
+        # of their own (never rendered: their values are read back from the shared files).
         self.registry = CollectorRegistry()
-        r = self.registry
+        shared_dir = os.environ.get(METRICS_DIR_ENV)
+        if shared_dir:
+            MultiProcessCollector(self.registry, path=shared_dir)
+            r = CollectorRegistry()
+        else:
+            r = self.registry
         self.ttft = Histogram("llmfast_time_to_first_token_seconds",
                               "Time from receiving a request to its first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -72,7 +89,7 @@ class ServerMetrics:
         self.aborted = Counter("llmfast_request_aborted",
                                "HTTP requests ended early (client gone, shutdown, error).",
                                registry=r)
-        r.register(_EngineStats(front))
+        self.registry.register(_EngineStats(front))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
