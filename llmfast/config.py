@@ -353,6 +353,7 @@ class EngineConfig:
     dtype: str
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    chat_template: str | None = None  # replaces the tokenizer's own
 
     def __post_init__(self) -> None:
         # However the config was put together: never full attention where the model

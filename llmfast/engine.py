@@ -19,7 +19,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmfast.config import EngineConfig
+from llmfast.config import ConfigError, EngineConfig
 from llmfast.core.request import Request, RequestRejected, check_prompt_length
 from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import SchedulerOutput
@@ -106,6 +106,11 @@ class LLMEngine:
             except TokenizerError as e:
                 self.tokenizer_error = str(e)
                 logger.info("%s; only token-id prompts will work", e)
+        template = self.config.chat_template
+        if template is not None:
+            if self.tokenizer is None:
+                raise ConfigError(f"--chat-template: {self.no_tokenizer_reason()}")
+            self.tokenizer = self.tokenizer.with_chat_template(template)
         eos = tuple(source.config.eos_token_ids)
         if self.tokenizer is not None:
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))

@@ -38,7 +38,7 @@ from llmfast.config import (
     parse_cuda_graph_mode,
     parse_dtype,
 )
-from llmfast.utils.flag_values import SIZES_HELP, parse_bytes, parse_sizes
+from llmfast.utils.flag_values import SIZES_HELP, parse_bytes, parse_sizes, read_chat_template
 from llmfast.utils.progress import Progress
 from llmfast.utils.value_checks import describe, is_int, is_number
 
@@ -99,6 +99,9 @@ class EngineArgs:
     max_model_len: int | None = engine_flag(
         None, "Longest sequence (prompt + output).  [default: the model's, at most 8192]",
         minimum=1)
+    chat_template: str | None = engine_flag(
+        None, "A Jinja chat template, or a file holding one, to use instead of the model's.",
+        parse=read_chat_template)
     block_size: int = engine_flag(16, "Tokens per KV-cache block.", minimum=1)
     kv_cache_memory: int | None = engine_flag(
         None, "KV-cache size on CPU, e.g. 512MiB, 2GiB or bytes.  [default: from the model "
@@ -210,6 +213,7 @@ class EngineArgs:
             dtype=dtype_name(dtype),
             seed=self.seed,
             parallel=self.parallel_config(),
+            chat_template=self.chat_template,
         )
         return config, source
 

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=..., **engine_args).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(model=..., **engine_args).generate(prompts, sampling_params)`,
+`.chat(messages, sampling_params)` and `.stream(prompt, sampling_params)`."""
 
 from __future__ import annotations
 
@@ -67,6 +68,35 @@ class LLM:
             raise
         finally:
             close()
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        progress: CountProgress | bool | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` for conversations: one (a list of {"role": ..., "content": ...}
+        messages) or several (a list of such lists), each rendered by the chat template:
+        `chat_template` (a Jinja template) for this call, else the engine's (the model's,
+        or the `chat_template` engine argument). Outputs in input order; each output's
+        `prompt` is the rendered text."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{self.engine.no_tokenizer_reason()}; chat needs a tokenizer")
+        if chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(chat_template)
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, "
+                             "or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text, ids = tokenizer.chat_prompt(list(conversation), add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, progress=progress)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> RequestStream:

@@ -10,6 +10,7 @@ space only when something precedes it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -36,6 +37,7 @@ class Tokenizer:
     hf: Any  # a transformers PreTrainedTokenizerBase
     eos_token_ids: tuple[int, ...]
     name: str = ""
+    chat_template: str | None = None  # replaces the model's own (`--chat-template`)
 
     @property
     def vocab_size(self) -> int:
@@ -47,7 +49,19 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.chat_template or getattr(self.hf, "chat_template", None))
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with `template` instead of the model's chat template; a template
+        Jinja cannot parse is a TokenizerError now, not at the first chat."""
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise TokenizerError(
+                f"the chat template does not parse: line {e.lineno}: {e.message}") from None
+        return dataclasses.replace(self, chat_template=template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -96,7 +110,8 @@ class Tokenizer:
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template,
             )
         except Exception as e:  # jinja errors, incl. the template's own raise_exception()
             raise TokenizerError(f"the chat template failed: {one_line(e)}") from None
@@ -110,8 +125,17 @@ class Tokenizer:
         """Token ids of the chat prompt. The template writes its own special tokens (BOS
         included), so the rendered text is encoded without adding any; the plain fallback
         format gets the tokenizer's usual ones."""
+        return self.chat_prompt(messages, add_generation_prompt, plain_fallback)[1]
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        plain_fallback: bool = False,
+    ) -> tuple[str, list[int]]:
+        """The chat prompt's text and token ids (see `apply_chat_template`)."""
         text = self.render_chat(messages, add_generation_prompt, plain_fallback)
-        return self.encode(text, add_special_tokens=not self.has_chat_template)
+        return text, self.encode(text, add_special_tokens=not self.has_chat_template)
 
 
 def _rust_decode(hf: Any) -> Callable[..., str] | None:

@@ -82,3 +82,26 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise FlagValueError(f"the size must be > 0, got {text!r}")
     return value
+
+
+# Characters a file name hardly holds and a Jinja template always does (vLLM's rule).
+_TEMPLATE_CHARS = frozenset("{}\n")
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja chat template, or the template itself."""
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FlagValueError(f"cannot read the chat template {value!r}: {e}") from None
+        if not text.strip():
+            raise FlagValueError(f"the chat template file {value!r} is empty")
+        return text
+    if _TEMPLATE_CHARS.isdisjoint(value):
+        raise FlagValueError(f"the chat template {value!r} is neither a file nor a Jinja "
+                             "template")
+    return value
