@@ -11,6 +11,8 @@ import pytest
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
 HI = [{"role": "user", "content": "hi"}]
 
 # (route, raw body or JSON object, status, param)
@@ -57,6 +59,33 @@ CASES = {
     "stream not a bool": (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     "stop wrong type": (COMPLETIONS, {"prompt": "hi", "stop": 7}, 400, "stop"),
     "empty stop string": (COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    "stream_options without stream": (COMPLETIONS, {"prompt": "hi", "stream_options": {
+        "include_usage": True}}, 400, "stream_options"),
+    "stream_options with stream false": (CHAT, {"messages": HI, "stream": False,
+                                                "stream_options": {"include_usage": False}},
+                                         400, "stream_options"),
+    "max_tokens past the context": (COMPLETIONS, {"prompt": [5] * 2000, "max_tokens": 49},
+                                    400, "prompt"),
+    "max_completion_tokens past the context": (CHAT, {"messages": HI,
+                                                      "max_completion_tokens": 2048}, 400,
+                                               "messages"),
+    "tokenize without a prompt": (TOKENIZE, {}, 400, "prompt"),
+    "tokenize prompt and messages": (TOKENIZE, {"prompt": "hi", "messages": HI}, 400,
+                                     "prompt"),
+    "tokenize prompt wrong type": (TOKENIZE, {"prompt": [1, 2]}, 400, "prompt"),
+    "tokenize generation prompt for a prompt": (TOKENIZE, {
+        "prompt": "hi", "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    "tokenize empty messages": (TOKENIZE, {"messages": []}, 400, "messages"),
+    "tokenize unknown model": (TOKENIZE, {"prompt": "hi", "model": "gpt-17"}, 400, "model"),
+    "tokenize unknown field": (TOKENIZE, {"prompt": "hi", "return_tokens": True}, 400,
+                               "return_tokens"),
+    "tokenize not an object": (TOKENIZE, b'"hi"', 400, None),
+    "detokenize without tokens": (DETOKENIZE, {}, 400, "tokens"),
+    "detokenize id out of vocab": (DETOKENIZE, {"tokens": [1, 10**6]}, 400, "tokens"),
+    "detokenize negative id": (DETOKENIZE, {"tokens": [-1]}, 400, "tokens"),
+    "detokenize text": (DETOKENIZE, {"tokens": "hello"}, 400, "tokens"),
+    "detokenize bools": (DETOKENIZE, {"tokens": [True]}, 400, "tokens"),
+    "detokenize unknown model": (DETOKENIZE, {"tokens": [1], "model": "gpt-17"}, 400, "model"),
 }
 
 
@@ -90,6 +119,87 @@ def test_oversized_body_is_413(server):
 def test_unknown_route_and_method(server):
     _assert_error_body(httpx.get(server.base_url + "/v1/engines"), 404)
     _assert_error_body(httpx.get(server.base_url + COMPLETIONS), 405)
+    _assert_error_body(httpx.get(server.base_url + TOKENIZE), 405)
+    _assert_error_body(httpx.post(server.base_url + "/version"), 405)
+
+
+def _context_message(total, prompt, completion, what):
+    return (f"This model's maximum context length is 2048 tokens. However, you requested "
+            f"{total} tokens ({prompt} in the {what}, {completion} in the completion). "
+            f"Please reduce the length of the {what} or completion.")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(serve_model_dir):
+    """The oracle for a chat prompt's length."""
+    from llmfast.tokenizer import load_tokenizer
+
+    return load_tokenizer(serve_model_dir)
+
+
+def test_max_tokens_past_the_context_is_refused_as_vllm_does(server, tokenizer):
+    """An explicit max_tokens (max_completion_tokens) that does not fit after the prompt
+    is a 400 naming the counts, for each prompt of a list and each of n choices, streamed
+    or not; exactly filling the context is fine."""
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    for kwargs in ({"prompt": [5] * 2000}, {"prompt": [[5] * 10, [6] * 2000], "n": 2},
+                   {"prompt": [5] * 2000, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, max_tokens=49, **kwargs)
+        assert info.value.body == {
+            "message": _context_message(2049, 2000, 49, "prompt"), "type":
+            "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+    full = client.completions.create(model=model, prompt=[5] * 2000, max_tokens=48,
+                                     extra_body={"ignore_eos": True})
+    assert (full.usage.completion_tokens, full.choices[0].finish_reason) == (48, "length")
+
+    messages = [{"role": "user", "content": "hello there " * 40}]
+    num_prompt = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    room = 2048 - num_prompt
+    for field in ("max_completion_tokens", "max_tokens"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=messages,
+                                           **{field: room + 1})
+        assert info.value.body["message"] == _context_message(2049, num_prompt, room + 1,
+                                                              "messages")
+        assert info.value.body["code"] == "context_length_exceeded"
+    assert "Traceback" not in server.log()
+
+
+def test_chat_without_max_tokens_generates_to_the_context_end(server, tokenizer):
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+    content = "hello there " * 600
+    messages = [{"role": "user", "content": content}]
+    while len(tokenizer.apply_chat_template(messages)) > 2040:
+        content = content[: len(content) - 12]
+        messages = [{"role": "user", "content": content}]
+    num_prompt = len(tokenizer.apply_chat_template(messages))
+    out = client.chat.completions.create(model=client.models.list().data[0].id,
+                                         messages=messages, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == num_prompt
+    assert out.usage.completion_tokens == 2048 - num_prompt
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_stream_options_need_stream(server):
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    message = "Stream options can only be defined when `stream=True`."
+    for call in (lambda **kw: client.completions.create(prompt="hi", **kw),
+                 lambda **kw: client.chat.completions.create(messages=HI, **kw)):
+        with pytest.raises(openai.BadRequestError) as info:
+            call(model=model, max_tokens=2, stream_options={"include_usage": True})
+        assert (info.value.body["message"], info.value.body["param"]) == (
+            message, "stream_options")
+        # With stream: true they are fine; null (and vLLM's empty object) are too.
+        assert list(call(model=model, max_tokens=2, stream=True,
+                         stream_options={"include_usage": True}))[-1].usage is not None
+        for options in (None, {}):
+            r = _post(server, COMPLETIONS, {"prompt": "hi", "max_tokens": 1,
+                                            "stream_options": options})
+            assert r.status_code == 200, r.text
 
 
 def test_openai_client_raises_and_server_keeps_serving(server):
@@ -124,8 +234,9 @@ def test_non_json_content_type_is_415(server):
 def test_huge_counts_neither_fail_nor_disturb_other_requests(server):
     """top_k past int32 and min_tokens past int64 are valid JSON integers; they once
     overflowed the engine's per-request arrays, failing the step and with it every stream
-    in flight. Now they mean what they say (top_k past the vocabulary keeps every token;
-    min_tokens past the context generates to its end) and the others finish."""
+    in flight. Now top_k past the vocabulary keeps every token, a max_tokens past the
+    context is a 400 (vLLM's), and the others finish. Without max_tokens a long prompt
+    generates to the context's end."""
     model = openai.OpenAI(base_url=server.v1, api_key="unused").models.list().data[0].id
     aclient = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0,
                                  timeout=60)
@@ -149,15 +260,20 @@ def test_huge_counts_neither_fail_nor_disturb_other_requests(server):
             await started.get()
         huge_top_k = await aclient.completions.create(
             model=model, prompt="hi", **sampled, extra_body={"top_k": 2**40})
-        huge_min = await aclient.completions.create(
-            model=model, prompt=[5] * 2000, max_tokens=2**64,
-            extra_body={"min_tokens": 2**63})
+        with pytest.raises(openai.BadRequestError) as huge_min:
+            await aclient.completions.create(
+                model=model, prompt=[5] * 2000, max_tokens=2**64,
+                extra_body={"min_tokens": 2**63})
+        to_the_end = await aclient.completions.create(  # the default max_tokens is 16
+            model=model, prompt=[5] * 2040, extra_body={"ignore_eos": True})
         top_k_off = await aclient.completions.create(model=model, prompt="hi", **sampled)
-        return await asyncio.gather(*good), huge_top_k, huge_min, top_k_off
+        return await asyncio.gather(*good), huge_top_k, huge_min, to_the_end, top_k_off
 
-    lengths, huge_top_k, huge_min, top_k_off = asyncio.run(main())
+    lengths, huge_top_k, huge_min, to_the_end, top_k_off = asyncio.run(main())
     assert lengths == [200] * 6
     assert huge_top_k.choices[0].text == top_k_off.choices[0].text
-    assert huge_min.choices[0].finish_reason == "length"
-    assert huge_min.usage.completion_tokens == 2048 - 2000  # the server's max-model-len
+    assert huge_min.value.body["code"] == "context_length_exceeded"
+    assert f"you requested {2000 + 2**64} tokens" in huge_min.value.body["message"]
+    assert to_the_end.choices[0].finish_reason == "length"
+    assert to_the_end.usage.completion_tokens == 2048 - 2040  # the server's max-model-len
     assert "Traceback" not in server.log()

@@ -32,6 +32,13 @@ def test_api_key(keyed_server):
         assert r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.post(base + "/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 401
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    for method, route, body in (("POST", "/tokenize", {"prompt": "hi"}),
+                                ("POST", "/detokenize", {"tokens": [1]}),
+                                ("GET", "/version", None)):
+        r = httpx.request(method, base + route, json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.request(method, base + route, json=body, headers=key).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=keyed_server.v1, api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=keyed_server.v1, api_key=API_KEY, max_retries=0)

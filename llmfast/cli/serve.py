@@ -35,7 +35,8 @@ def serve(
     port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LLMFAST_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+        help="Require 'Authorization: Bearer KEY' on every route but /health and "
+             "/metrics.")] = None,
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model id in the API.  [default: the model's name]",
         show_default=False)] = None,

@@ -8,11 +8,13 @@ never blocks on a full commands pipe. (The engine never blocks on this process e
 see engine_host.py.)
 
 Messages (tuples, pickled; framed as `Connection.send` frames them), to the engine:
-    ("add", add_id, request_id, engine_ids, prompts, params, with_text)
+    ("add", call_id, request_id, engine_ids, prompts, params, with_text, check_length)
+    ("query", call_id, TokenizeQuery | DetokenizeQuery)
     ("abort", engine_ids)
 and back (the first message is this process's `ApiProcessSpec`):
     ("out", [encode_item(request_id, ChoiceDelta | StreamError), ...])   one per step
-    ("added", add_id, prepared prompts | None, error kind | None, error message)
+    ("answer", call_id, result | None, error kind | None, error message)   to an add
+                                                          (prepared prompts) or a query
     ("stats", SchedulerStats, num_steps)   when they change, if this process keeps up
     ("failed", reason)      the engine stopped for good (/health reports it)
     ("stop", message)       the server is shutting down: stop accepting, then exit
@@ -32,20 +34,23 @@ from multiprocessing.connection import Connection
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.stream import (
     ChoiceDelta,
+    ContextLengthExceeded,
     EngineUnavailable,
     Limits,
     PreparedPrompt,
     PromptInput,
+    Query,
     RequestStream,
     StreamError,
 )
 
 logger = logging.getLogger(__name__)
 
-# How the engine side encodes an add's failure: the exception type the HTTP handler maps
-# to a status (ValueError: 400, EngineUnavailable: 503, anything else: 500).
-ADD_ERRORS: dict[str, type[Exception]] = {
-    "value": ValueError, "unavailable": EngineUnavailable, "internal": RuntimeError}
+# How the engine side encodes an add's or a query's failure: the exception type the HTTP
+# handler maps to a status (ValueError: 400, EngineUnavailable: 503, anything else: 500).
+CALL_ERRORS: dict[str, type[Exception]] = {
+    "context_length": ContextLengthExceeded, "value": ValueError,
+    "unavailable": EngineUnavailable, "internal": RuntimeError}
 
 
 def encode_item(request_id: str, item: ChoiceDelta | StreamError) -> tuple:
@@ -63,9 +68,11 @@ def decode_item(wire: tuple) -> tuple[str, ChoiceDelta | StreamError]:
     return wire[0], ChoiceDelta(*wire[1:])
 
 
-def add_error_kind(error: BaseException) -> str:
+def call_error_kind(error: BaseException) -> str:
     if isinstance(error, EngineUnavailable):
         return "unavailable"
+    if isinstance(error, ContextLengthExceeded):
+        return "context_length"
     return "value" if isinstance(error, ValueError) else "internal"
 
 
@@ -84,8 +91,8 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: weakref.WeakValueDictionary[str, RequestStream] = (
             weakref.WeakValueDictionary())
-        self._adds: dict[int, asyncio.Future] = {}
-        self._add_ids = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}  # adds and queries awaiting an answer
+        self._call_ids = itertools.count()
         self._connected = False
         self._stopping = False
 
@@ -105,21 +112,33 @@ class EngineClient:
 
     async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
                   params: Sequence[SamplingParams], *, with_text: bool = False,
-                  ) -> list[PreparedPrompt]:
+                  check_length: bool = False) -> list[PreparedPrompt]:
+        self._check_open()
+        self._streams[stream.request_id] = stream
+        return await self._call(lambda call_id: (
+            "add", call_id, stream.request_id, tuple(stream.engine_ids), tuple(prompts),
+            tuple(params), with_text, check_length))
+
+    async def query(self, query: Query) -> list[int] | str:
+        self._check_open()
+        return await self._call(lambda call_id: ("query", call_id, query))
+
+    def _check_open(self) -> None:
         if self.failure is not None:
             raise EngineUnavailable(f"the engine stopped: {self.failure}")
         if not self.running:
             raise EngineUnavailable("the server is shutting down")
-        add_id = next(self._add_ids)
+
+    async def _call(self, message: Callable[[int], tuple]):
+        """Send `message(call_id)` and wait for the engine's "answer" to it."""
+        call_id = next(self._call_ids)
         done = self._loop.create_future()
-        self._adds[add_id] = done
-        self._streams[stream.request_id] = stream
-        self._send(("add", add_id, stream.request_id, tuple(stream.engine_ids),
-                    tuple(prompts), tuple(params), with_text))
+        self._calls[call_id] = done
+        self._send(message(call_id))
         try:
             return await done
         finally:
-            self._adds.pop(add_id, None)
+            self._calls.pop(call_id, None)
 
     def abort(self, engine_ids: Sequence[str]) -> None:
         if engine_ids and self._connected:
@@ -131,7 +150,7 @@ class EngineClient:
         if self._stopping:
             return
         self._stopping = True
-        for done in list(self._adds.values()):
+        for done in list(self._calls.values()):
             if not done.done():
                 done.set_exception(EngineUnavailable(message))
 
@@ -172,15 +191,15 @@ class EngineClient:
                     stream.put(decode_item(wire)[1])
         elif kind == "stats":
             self.stats, self.num_steps = message[1], message[2]
-        elif kind == "added":
-            _, add_id, prepared, error_kind, error_message = message
-            done = self._adds.get(add_id)
+        elif kind == "answer":
+            _, call_id, result, error_kind, error_message = message
+            done = self._calls.get(call_id)
             if done is None or done.done():
                 return  # the handler went away meanwhile; it aborted its ids
             if error_kind is None:
-                done.set_result(prepared)
+                done.set_result(result)
             else:
-                done.set_exception(ADD_ERRORS[error_kind](error_message))
+                done.set_exception(CALL_ERRORS[error_kind](error_message))
         elif kind == "failed":
             self.failure = message[1]
         elif kind == "stop":

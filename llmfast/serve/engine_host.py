@@ -44,11 +44,12 @@ from llmfast.engine import LLMEngine
 from llmfast.serve.api.app import ServeConfig
 from llmfast.serve.api.metrics import METRICS_DIR_ENV
 from llmfast.serve.api_process import ApiProcessSpec
-from llmfast.serve.engine_client import add_error_kind, encode_item
+from llmfast.serve.engine_client import call_error_kind, encode_item
 from llmfast.serve.engine_loop import (
     EngineLoop,
     _Abort,
     _Add,
+    _Query,
     _Stop,
     engine_limits,
 )
@@ -184,11 +185,13 @@ class ProcessEngineLoop(EngineLoop):
                 self._api_gone(api)
 
     @staticmethod
-    def _command(api: ApiProcess, message: tuple) -> _Add | _Abort:
+    def _command(api: ApiProcess, message: tuple) -> _Add | _Query | _Abort:
         if message[0] == "add":
-            _, add_id, request_id, engine_ids, prompts, params, with_text = message
+            _, call_id, request_id, engine_ids, prompts, params, with_text, check = message
             return _Add(_RemoteStream(api.index, request_id, engine_ids), prompts, params,
-                        (api.index, add_id), with_text)
+                        (api.index, call_id), with_text, check)
+        if message[0] == "query":
+            return _Query(message[2], (api.index, message[1]))
         if message[0] == "abort":
             return _Abort(message[1])
         raise RuntimeError(f"unknown message from API process {api.index}: {message[0]!r}")
@@ -203,12 +206,12 @@ class ProcessEngineLoop(EngineLoop):
         for index, items in by_api.items():
             self._queue(self.apis[index], ("out", items))
 
-    def _answer_add(self, command: _Add, prepared, error) -> None:
-        index, add_id = command.done
+    def _answer(self, command: _Add | _Query, result, error) -> None:
+        index, call_id = command.done
         if error is None:
-            message = ("added", add_id, prepared, None, None)
+            message = ("answer", call_id, result, None, None)
         else:
-            message = ("added", add_id, None, add_error_kind(error), str(error))
+            message = ("answer", call_id, None, call_error_kind(error), str(error))
         self._queue(self.apis[index], message)
 
     def _stats_changed(self) -> None:

@@ -36,12 +36,16 @@ from llmfast.sampling_params import SamplingParams
 from llmfast.serve.stream import (  # noqa: F401 - re-exported: the serve API's names
     ChatPrompt,
     ChoiceDelta,
+    ContextLengthExceeded,
+    DetokenizeQuery,
     EngineUnavailable,
     Limits,
     PreparedPrompt,
     PromptInput,
+    Query,
     RequestStream,
     StreamError,
+    TokenizeQuery,
     TokenLogprob,
 )
 
@@ -66,6 +70,18 @@ class _Add:
     params: tuple[SamplingParams, ...]  # one per choice, prompt-major
     done: Any  # how the carrier answers this add (a future, an id)
     with_text: bool  # decode token-id prompts for the response
+    # The client gave max_tokens: a prompt + max_tokens past max-model-len is refused
+    # (vLLM, OpenAI). Otherwise (a default max_tokens) generation stops at the context's end.
+    check_length: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Query:
+    """Tokenizer work for /tokenize and /detokenize: done here, with the engine's tokenizer
+    (an API process has none, and loads none)."""
+
+    query: Query
+    done: Any  # as `_Add.done`
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +101,7 @@ def engine_limits(engine: LLMEngine) -> Limits:
 
 class EngineLoop:
     """The loop and its bookkeeping; a carrier supplies `_next_command`, `_wait_for_work`,
-    `_emit` (a step's outputs) and `_answer_add`."""
+    `_emit` (a step's outputs) and `_answer` (an add's or a query's result)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine  # touched only by the loop once started
@@ -107,8 +123,9 @@ class EngineLoop:
     def _emit(self, batch: list[tuple[Any, ChoiceDelta | StreamError]]) -> None:
         raise NotImplementedError
 
-    def _answer_add(self, command: _Add, prepared: list[PreparedPrompt] | None,
-                    error: BaseException | None) -> None:
+    def _answer(self, command: _Add | _Query, result: Any, error: BaseException | None
+                ) -> None:
+        """Hand an add's prepared prompts (or a query's result), or its error, back."""
         raise NotImplementedError
 
     def _stats_changed(self) -> None:
@@ -155,6 +172,8 @@ class EngineLoop:
         while (command := self._next_command()) is not None:
             if isinstance(command, _Add):
                 self._apply_add(command)
+            elif isinstance(command, _Query):
+                self._apply_query(command)
             elif isinstance(command, _Abort):
                 for req_id in command.engine_ids:
                     if self._routes.pop(req_id, None) is not None:
@@ -172,6 +191,10 @@ class EngineLoop:
         try:
             prepared = [self._prepare(p) for p in command.prompts]
             per_prompt = len(command.params) // len(prepared)
+            if command.check_length:  # every prompt before any is added
+                for i, params in enumerate(command.params):
+                    self._check_length(command.prompts[i // per_prompt],
+                                       prepared[i // per_prompt], params.max_tokens)
             for i, (req_id, params) in enumerate(zip(stream.engine_ids, command.params)):
                 prompt = prepared[i // per_prompt]
                 engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
@@ -182,11 +205,59 @@ class EngineLoop:
             for req_id in added:
                 self._routes.pop(req_id, None)
                 engine.abort(req_id)
-            self._answer_add(command, None, e)
+            self._answer(command, None, e)
             return
         if command.with_text:
             prepared = [self._with_text(p) for p in prepared]
-        self._answer_add(command, prepared, None)
+        self._answer(command, prepared, None)
+
+    def _check_length(self, prompt: PromptInput, prepared: PreparedPrompt, max_tokens: int
+                      ) -> None:
+        """vLLM's refusal, word for word but for "prompt" where the prompt is not chat."""
+        max_len = self.engine.config.scheduler.max_model_len
+        num_prompt = len(prepared.token_ids)
+        if num_prompt + max_tokens <= max_len:
+            return
+        what = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the {what}, "
+            f"{max_tokens} in the completion). Please reduce the length of the {what} or "
+            "completion.")
+
+    def _apply_query(self, command: _Query) -> None:
+        try:
+            result = self._run_query(command.query)
+        except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
+            self._answer(command, None, e)
+            return
+        self._answer(command, result, None)
+
+    def _run_query(self, query: Query) -> list[int] | str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{self.engine.no_tokenizer_reason()}; the server cannot "
+                             "tokenize or detokenize")
+        if isinstance(query, DetokenizeQuery):
+            vocab = tokenizer.vocab_size
+            bad = next((t for t in query.token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is not in the tokenizer's vocabulary "
+                                 f"[0, {vocab})")
+            # Special tokens kept: the text of exactly these ids (vLLM does the same).
+            return tokenizer.decode(query.token_ids, skip_special_tokens=False)
+        if not isinstance(query, TokenizeQuery):
+            raise TypeError(f"unknown query {type(query).__name__}")
+        prompt = query.prompt
+        if isinstance(prompt, ChatPrompt):
+            messages = list(prompt.messages)
+            if query.add_special_tokens is None:  # as the chat endpoint tokenizes
+                return tokenizer.apply_chat_template(messages, query.add_generation_prompt)
+            text = tokenizer.render_chat(messages, query.add_generation_prompt)
+            return tokenizer.encode(text, add_special_tokens=query.add_special_tokens)
+        if query.add_special_tokens is None:  # as a completion's prompt is tokenized
+            return self.engine.tokenize_prompt(prompt)[1]
+        return tokenizer.encode(prompt, add_special_tokens=query.add_special_tokens)
 
     def _prepare(self, prompt: PromptInput) -> PreparedPrompt:
         if isinstance(prompt, ChatPrompt):
@@ -270,8 +341,8 @@ class EngineLoop:
         so the caller must stop)."""
         stop = False
         while (command := self._next_command()) is not None:
-            if isinstance(command, _Add):
-                self._answer_add(command, None, EngineUnavailable(message))
+            if isinstance(command, (_Add, _Query)):
+                self._answer(command, None, EngineUnavailable(message))
             elif isinstance(command, _Stop):
                 stop = True
         return stop
@@ -281,8 +352,8 @@ class EngineLoop:
             command = self._next_command()
             if command is None:
                 self._wait_for_work(IDLE_HEALTH_CHECK_S)
-            elif isinstance(command, _Add):
-                self._answer_add(command, None, EngineUnavailable(message))
+            elif isinstance(command, (_Add, _Query)):
+                self._answer(command, None, EngineUnavailable(message))
             elif isinstance(command, _Stop):
                 return
 
@@ -314,18 +385,31 @@ class AsyncEngine(EngineLoop):
 
     async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
                   params: Sequence[SamplingParams], *, with_text: bool = False,
-                  ) -> list[PreparedPrompt]:
+                  check_length: bool = False) -> list[PreparedPrompt]:
         """Tokenise the prompts and queue `len(params)` engine requests (the choices,
         prompt-major; each prompt has `len(params) // len(prompts)` of them). With
-        `with_text`, token-id prompts come back decoded too (for echo). Raises what the
-        engine raises for a bad prompt (RequestRejected, TokenizerError)."""
+        `with_text`, token-id prompts come back decoded too (for echo). With
+        `check_length`, a prompt + max_tokens past max-model-len is refused
+        (ContextLengthExceeded) and nothing is added. Raises what the engine raises for a
+        bad prompt (RequestRejected, TokenizerError)."""
+        self._check_open()
+        done = self._loop.create_future()
+        self._send(_Add(stream, tuple(prompts), tuple(params), done, with_text, check_length))
+        return await done
+
+    async def query(self, query: Query) -> list[int] | str:
+        """Token ids for a `TokenizeQuery`, text for a `DetokenizeQuery` (ValueError for a
+        bad one), from the engine's tokenizer, between steps."""
+        self._check_open()
+        done = self._loop.create_future()
+        self._send(_Query(query, done))
+        return await done
+
+    def _check_open(self) -> None:
         if self.failure is not None:
             raise EngineUnavailable(f"the engine stopped: {self.failure}")
         if not self.running:
             raise EngineUnavailable("the server is shutting down")
-        done = self._loop.create_future()
-        self._send(_Add(stream, tuple(prompts), tuple(params), done, with_text))
-        return await done
 
     def abort(self, engine_ids: Sequence[str]) -> None:
         """Abort these engine requests (unknown or finished ids are ignored). Their KV
@@ -384,5 +468,5 @@ class AsyncEngine(EngineLoop):
     def _emit(self, batch) -> None:
         self._loop.call_soon_threadsafe(self._deliver, batch)
 
-    def _answer_add(self, command: _Add, prepared, error) -> None:
-        self._loop.call_soon_threadsafe(self._resolve, command.done, prepared, error)
+    def _answer(self, command, result, error) -> None:
+        self._loop.call_soon_threadsafe(self._resolve, command.done, result, error)

@@ -75,6 +75,30 @@ class EngineUnavailable(RuntimeError):
     """The front is stopping or stopped; no new requests."""
 
 
+class ContextLengthExceeded(ValueError):
+    """A prompt plus the max_tokens its client asked for is past max-model-len (a 400 with
+    OpenAI's code "context_length_exceeded")."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeQuery:
+    """/tokenize: a prompt's token ids, as a request with this prompt would get them."""
+
+    prompt: str | ChatPrompt
+    add_special_tokens: bool | None  # None: what a request does (the template's own, for chat)
+    add_generation_prompt: bool = True  # chat only
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizeQuery:
+    """/detokenize: the text of token ids, special tokens kept."""
+
+    token_ids: tuple[int, ...]
+
+
+Query = TokenizeQuery | DetokenizeQuery
+
+
 class RequestStream:
     """The outputs of one HTTP request: `ChoiceDelta`s, then possibly a `StreamError`."""
 
@@ -114,7 +138,9 @@ class EngineFront(Protocol):
 
     async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
                   params: Sequence[SamplingParams], *, with_text: bool = False,
-                  ) -> list[PreparedPrompt]: ...
+                  check_length: bool = False) -> list[PreparedPrompt]: ...
+
+    async def query(self, query: Query) -> list[int] | str: ...
 
     def abort(self, engine_ids: Sequence[str]) -> None: ...
 

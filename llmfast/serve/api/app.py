@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models),
-/health and /metrics, over one `EngineFront` (the engine on a thread of this process, or
+vLLM's /tokenize, /detokenize and /version, /health and /metrics, over one `EngineFront` (the engine on a thread of this process, or
 in another process)."""
 
 from __future__ import annotations
@@ -18,10 +18,17 @@ from starlette.requests import ClientDisconnect
 from llmfast.serve.api.errors import APIError, from_validation_error, install_handlers
 from llmfast.serve.api.generation import run_generation
 from llmfast.serve.api.metrics import CONTENT_TYPE, ServerMetrics
-from llmfast.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from llmfast.serve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from llmfast.serve.api.responses import Kind
 from llmfast.serve.api.sampling import chat_inputs, completion_inputs
+from llmfast.serve.api.tokenization import ask, detokenize_query, tokenize_query
 from llmfast.serve.stream import EngineFront
+from llmfast.version import __version__
 
 # An oversized body is read to its end (discarded) so the client gets its 413 instead of a
 # reset connection, but only this far past the limit.
@@ -123,6 +130,29 @@ def build_app(front: EngineFront, config: ServeConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        authorize(request)
+        req = await _parse(request, TokenizeRequest, config.max_body_bytes)
+        check_model(req.model)
+        query = tokenize_query(req)
+        ids = await ask(front, query, "prompt" if req.prompt is not None else "messages")
+        return JSONResponse({"count": len(ids), "max_model_len": limits.max_model_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        authorize(request)
+        req = await _parse(request, DetokenizeRequest, config.max_body_bytes)
+        check_model(req.model)
+        text = await ask(front, detokenize_query(req), "tokens")
+        return JSONResponse({"prompt": text})
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        authorize(request)  # vLLM leaves it open; here every route but the probes asks
+        return JSONResponse({"version": __version__})
 
     return app
 

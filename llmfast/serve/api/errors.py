@@ -93,7 +93,7 @@ def install_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "no such endpoint; see GET /v1/models, POST /v1/completions, " \
-                      "POST /v1/chat/completions"
+                      "POST /v1/chat/completions, POST /tokenize, POST /detokenize"
         return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 

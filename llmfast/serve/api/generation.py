@@ -19,6 +19,7 @@ from llmfast.serve.api.responses import Kind, ResponseBuilder
 from llmfast.serve.api.sampling import EngineInputs
 from llmfast.serve.api.sse import DONE, event
 from llmfast.serve.stream import (
+    ContextLengthExceeded,
     EngineFront,
     EngineUnavailable,
     PreparedPrompt,
@@ -59,15 +60,18 @@ async def run_generation(request: Request, front: EngineFront, metrics: ServerMe
 
 async def _submit(front: EngineFront, rs: RequestStream, inputs: EngineInputs, kind: Kind,
                   with_text: bool) -> list[PreparedPrompt]:
+    param = "prompt" if kind == "completion" else "messages"
     try:
-        return await front.add(rs, inputs.prompts, inputs.params, with_text=with_text)
+        return await front.add(rs, inputs.prompts, inputs.params, with_text=with_text,
+                               check_length=inputs.max_tokens_given)
     except EngineUnavailable as e:
         # The add may still reach the engine (sent just before the front stopped).
         front.abort(rs.engine_ids)
         raise APIError(str(e), 503) from None
+    except ContextLengthExceeded as e:  # OpenAI's code for it
+        raise APIError(str(e), 400, param, "context_length_exceeded") from None
     except ValueError as e:  # RequestRejected, TokenizerError, a prompt the engine refuses
-        raise APIError(one_line(e, max_chars=None), 400, "prompt" if kind == "completion" else "messages"
-                       ) from None
+        raise APIError(one_line(e, max_chars=None), 400, param) from None
     except BaseException:
         front.abort(rs.engine_ids)  # cancelled while queued: the add may still happen
         raise

@@ -108,3 +108,20 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None  # refused unless empty
     tool_choice: str | None = None  # only "none"
     parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a completion's `prompt`, or a chat's `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # None: as a completion / chat request does
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]

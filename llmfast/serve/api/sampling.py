@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 from llmfast.sampling_params import SamplingParams, SamplingParamsError
 from llmfast.serve.api.errors import APIError
-from llmfast.serve.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from llmfast.serve.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _SamplingFields,
+)
 from llmfast.serve.stream import ChatPrompt, Limits, PromptInput
 
 
@@ -20,9 +25,13 @@ class EngineInputs:
     prompts: list[PromptInput]
     params: list[SamplingParams]  # len(prompts) * n, prompt-major
     n: int
+    # The client set max_tokens: a prompt + max_tokens past the context is then a 400
+    # (vLLM, OpenAI); a default max_tokens is cut to the context's end instead.
+    max_tokens_given: bool = False
 
 
 def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
+    _check_stream_options(req)
     if req.suffix is not None:
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -33,12 +42,14 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
     prompts = _completion_prompts(req.prompt)
     base = _sampling_params(req, req.max_tokens, req.logprobs, limits)
     choices = _per_choice(base, req.n)
-    return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n)
+    # null means the default (16), as absent does.
+    given = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+    return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n, given)
 
 
 def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
-    if not req.messages:
-        raise APIError("messages must not be empty", param="messages")
+    _check_stream_options(req)
+    messages = chat_messages(req.messages)
     if req.tools:
         raise APIError("tools are not supported", param="tools")
     if req.tool_choice not in (None, "none"):
@@ -47,12 +58,28 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
+    given = max_tokens is not None
     if max_tokens is None:  # OpenAI's default: up to the context length
         max_tokens = limits.max_model_len
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    messages = tuple({"role": m.role, "content": m.text()} for m in req.messages)
     base = _sampling_params(req, max_tokens, logprobs, limits)
-    return EngineInputs([ChatPrompt(messages)], _per_choice(base, req.n), req.n)
+    return EngineInputs([ChatPrompt(messages)], _per_choice(base, req.n), req.n, given)
+
+
+def chat_messages(messages: list[ChatMessage]) -> tuple[dict[str, str], ...]:
+    """The messages as the chat template takes them (text parts joined)."""
+    if not messages:
+        raise APIError("messages must not be empty", param="messages")
+    return tuple({"role": m.role, "content": m.text()} for m in messages)
+
+
+def _check_stream_options(req: _SamplingFields) -> None:
+    # vLLM's rule and words. As there, an empty object (or null) passes: vLLM tests the
+    # raw value's truth, and `{}` sets no field.
+    if req.stream_options is not None and req.stream_options.model_fields_set \
+            and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.",
+                       param="stream_options", code="invalid_value")
 
 
 def _completion_prompts(prompt) -> list[PromptInput]:
