@@ -311,3 +311,16 @@ def test_load_generator_counts_every_request(server):
     assert result.output_tokens_per_s == pytest.approx(30 / result.duration_s)
     assert 0 < result.ttft.median <= result.e2e.median
     assert "| TTFT |" in format_result(result)
+
+
+def test_load_generator_refuses_requests_past_the_context(server):
+    """Each would be a 400 (prompt + max_tokens past max-model-len): refused up front,
+    with the sizes, instead of timing failures."""
+    from llmfast.bench.serving import run_serve_bench
+    from llmfast.bench.workload import BenchError, BenchRequest
+
+    max_len = httpx.get(server.base_url + "/v1/models").json()["data"][0]["max_model_len"]
+    requests = [BenchRequest([5] * 8, 4), BenchRequest([5] * (max_len - 3), 4)]
+    with pytest.raises(BenchError, match=f"{max_len - 3} prompt \\+ 4 output = {max_len + 1} "
+                                         f"tokens, past the server's max_model_len {max_len}"):
+        asyncio.run(run_serve_bench(server.base_url, requests, request_rate=50.0))

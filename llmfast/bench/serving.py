@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from llmfast.bench.latency import poisson_arrivals
 from llmfast.bench.stats import Summary, summarize
-from llmfast.bench.workload import BenchRequest
+from llmfast.bench.workload import BenchError, BenchRequest
 
 
 @dataclass
@@ -42,10 +42,24 @@ class ServeBenchResult:
     errors: list[str] = field(default_factory=list)  # the first few
 
 
-async def fetch_model(client, url: str, headers: dict) -> str:
+async def fetch_model(client, url: str, headers: dict) -> tuple[str, int | None]:
+    """The served model's id and its max_model_len (None where the server says not)."""
     r = await client.get(url + "/v1/models", headers=headers)
     r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    card = r.json()["data"][0]
+    return card["id"], card.get("max_model_len")
+
+
+def check_fits(requests: Sequence[BenchRequest], max_model_len: int) -> None:
+    """Refuse a workload the server would refuse request by request (a prompt plus
+    max_tokens past its context is a 400): the run would time only the failures."""
+    longest = max(requests, key=lambda r: len(r.prompt_token_ids) + r.output_len)
+    need = len(longest.prompt_token_ids) + longest.output_len
+    if need > max_model_len:
+        raise BenchError(
+            f"a request needs {len(longest.prompt_token_ids)} prompt + {longest.output_len} "
+            f"output = {need} tokens, past the server's max_model_len {max_model_len}; "
+            "use shorter input/output lengths or a server with a longer --max-model-len")
 
 
 async def _one(client, url: str, model: str, req: BenchRequest, headers: dict) -> dict:
@@ -95,7 +109,10 @@ async def run_serve_bench(url: str, requests: Sequence[BenchRequest], request_ra
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        model = model or await fetch_model(client, url, headers)
+        served, max_model_len = await fetch_model(client, url, headers)
+        if max_model_len is not None:
+            check_fits(requests, max_model_len)
+        model = model or served
         # Warm-up outside the timed region (first-call costs in the server and here).
         await _one(client, url, model, BenchRequest(requests[0].prompt_token_ids[:16], 4),
                    headers)
