@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models),
-vLLM's /tokenize, /detokenize and /version, /health and /metrics, over one `EngineFront` (the engine on a thread of this process, or
-in another process)."""
+vLLM's /tokenize, /detokenize and /version, /health and /metrics, over one `EngineFront`
+(the engine on a thread of this process, or in another process)."""
 
 from __future__ import annotations
 
