@@ -73,7 +73,7 @@
 # verdicts.txt and results.tar.gz (everything else, packed at the end: the tool returns 8
 # files at most).
 #
-# Dry run, on CPU, here: GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh [steps|all]
+# Dry run, on CPU, here: PYTHONPATH=$PWD GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh [steps|all]
 # runs every step's command with random:tiny, float32, on the CPU and tiny sizes
 # (pytest steps: --collect-only), then its verdict parsing (DRY-PASS / DRY-FAIL lines:
 # CPU figures, not the bars). It catches bad flags, missing files and parse errors

@@ -6,22 +6,25 @@
 A first start on a GPU model without a shipped table tunes the model's two prefill shape
 classes (kernels/tuning/prefill_tuning.py; ~20-60 s on an H100). The start-up benchmark
 should time what a user gets once the table ships, so gpu_check's `startup` step runs
-this first: it tunes the model's classes that no table knows yet (the same call the
-engine makes at start-up), then merges the tuned classes into
+this first: it tunes the model's two classes that no table knows yet (whatever
+LLMFAST_ATTENTION_TUNING says: gpu_check turns tuning off for its benchmarks), then merges the tuned classes into
 `llmfast/kernels/tuning/prefill_tables/<gpu>.json` of this working copy, and copies that
-file to --copy-to so it can be committed. Without CUDA it says so and does nothing.
+file to --copy-to so it can be committed. Without CUDA it says so and does nothing;
+with CUDA, a run that leaves nothing to ship exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
-from llmfast.kernels.attention import tune_model_prefill_tiles
+from llmfast.kernels.attention import tune_prefill_tiles
 from llmfast.kernels.tuning import prefill_tuning
+from llmfast.kernels.tuning.prefill_tuning import shape_class
 from llmfast.models.sources.model_source import resolve_model
 
 
@@ -37,18 +40,24 @@ def main() -> None:
     cfg = resolve_model(args.model).config
     device = torch.device("cuda", 0)
     t0 = time.perf_counter()
-    tuned = tune_model_prefill_tiles(device, cfg.head_dim,
-                                     cfg.num_attention_heads // cfg.num_key_value_heads,
-                                     getattr(torch, args.dtype))
-    print(f"{args.model}: {tuned} prefill class(es) tuned in {time.perf_counter() - t0:.1f} s")
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    # One request (causal) and several (mixed): the classes a model's prefills launch.
+    classes = [shape_class(n, cfg.head_dim, group, getattr(torch, args.dtype)) for n in (1, 2)]
+    for cls in classes:  # a class some table already knows is kept, not re-tuned
+        if tune_prefill_tiles(device, cls) is None:
+            print(f"{cls.key}: no tile candidate ran; the heuristic stays")
+    print(f"{args.model}: prefill classes {', '.join(c.key for c in classes)} ready in "
+          f"{time.perf_counter() - t0:.1f} s")
     name = torch.cuda.get_device_name(device)
-    tuned_tiles, tuned_json = prefill_tuning.read_table(prefill_tuning.tuned_table_path(name))
+    _, tuned_json = prefill_tuning.read_table(prefill_tuning.tuned_table_path(name))
     shipped_path = prefill_tuning.shipped_table_path(name)
     _, shipped_json = prefill_tuning.read_table(shipped_path)
-    if not tuned_tiles:
-        print(f"no tuned table for {name}: nothing to ship")
-        return
-    merged = dict(tuned_json, tiles={**shipped_json.get("tiles", {}), **tuned_json["tiles"]})
+    merged = dict(tuned_json or shipped_json,
+                  tiles={**shipped_json.get("tiles", {}), **tuned_json.get("tiles", {})})
+    missing = [c.key for c in classes if c.key not in merged["tiles"]]
+    if missing:
+        print(f"no tiles for {', '.join(missing)} on {name}: nothing to ship")
+        sys.exit(1)
     prefill_tuning.parse_tiles(merged)  # the engine must be able to read what ships
     text = json.dumps(merged, indent=2, sort_keys=True)
     shipped_path.write_text(text)

@@ -146,7 +146,7 @@ def bench(
     runs: dict[str, dict] = {}
     try:
         if startup:
-            from llmfast.bench.startup import run_startup
+            from llmfast.bench.startup.runs import run_startup
 
             with count_progress("start-up: cold, then warm (two fresh processes)", err):
                 startup_report = dataclasses.asdict(run_startup(opts.model, opts.engine_kwargs))

@@ -134,7 +134,7 @@ STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load 
 
 
 def startup_table(report: dict) -> Table:
-    """Cold and warm start side by side (seconds), from `bench.startup`'s report."""
+    """Cold and warm start side by side (seconds), from `bench.startup.runs`' report."""
     cold, warm = report["cold"], report["warm"]
     table = Table(title=f"start-up: {report['model']} (cold: empty caches; warm: the "
                         "same command again)")

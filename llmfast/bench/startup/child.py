@@ -1,10 +1,10 @@
-"""The process `llmfast.bench.startup` starts twice: build the engine, make one token,
+"""The process `llmfast.bench.startup.runs` starts twice: build the engine, make one token,
 write the timings as JSON to the file named by the second argument.
 
-    python -m llmfast.bench.startup_child '{"model": ..., "engine_args": {...}}' out.json
+    python -m llmfast.bench.startup.child '{"model": ..., "engine_args": {...}}' out.json
 
-Kept apart from `llmfast.bench.startup` so that `-m` runs a module the package has not
-imported already.
+Kept apart from `runs.py` so that `-m` runs a module the package has not imported
+already (the package's `__init__` imports nothing).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Both children get the same cache root: `LLMFAST_CACHE` (llmfast's compile cache,
 holds Inductor's FX-graph, AOTAutograd and autotuning caches), `TORCHINDUCTOR_CACHE_DIR`
 (Inductor outside llmfast's compile) and `TRITON_CACHE_DIR` (llmfast's own Triton
 kernels). The cold child starts with the root empty; the warm one is the same command
-again. Each child (`llmfast.bench.startup_child`) writes its figures to a JSON file;
+again. Each child (`llmfast.bench.startup.child`) writes its figures to a JSON file;
 nothing is printed by this module.
 
 The model is resolved here, once: a default or GGUF model is fetched or converted into
@@ -101,7 +101,7 @@ def _cold_and_warm(model: str, engine_args: dict[str, Any], root: Path,
 
 def run_child(model: str, engine_args: dict[str, Any], root: Path,
               timeout_s: float | None = None) -> StartupRun:
-    """One fresh `python -m llmfast.bench.startup_child` with its caches under `root`."""
+    """One fresh `python -m llmfast.bench.startup.child` with its caches under `root`."""
     env = {**os.environ, **cache_env(root)}
     with tempfile.TemporaryDirectory(prefix="llmfast_child_") as tmp:
         out = Path(tmp) / "startup.json"
@@ -109,7 +109,7 @@ def run_child(model: str, engine_args: dict[str, Any], root: Path,
         spawned = time.time()
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "llmfast.bench.startup_child", spec, str(out)],
+                [sys.executable, "-m", "llmfast.bench.startup.child", spec, str(out)],
                 env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             raise BenchError(f"the start-up process ran past {timeout_s:g} s") from None
