@@ -269,6 +269,33 @@ def test_graphs_survive_binding_the_real_kv_cache_after_capture(cache_root):
     assert any(k.any() for k, _ in real), "replays wrote to the old cache"
 
 
+def test_a_discarded_compiled_model_frees_its_graphs(cache_root):
+    """Dynamo keeps what a compile made for the life of the process: the backend in its
+    registry of backends, the split graph (with its piece runners) in a global of the
+    compiled function's module. So a discarded engine's CUDA graphs and their memory pool
+    stayed alive; dropping the CompiledModel must release them."""
+    import weakref
+
+    model = tiny_model()
+    config = CompileConfig(cuda_graph_sizes=(1, 2, 4))
+    cm = CompiledModel(model, config, "cpu", max_num_tokens=16, graph_impl="emulated",
+                       piece_compiler="eager")
+    static = StaticBatch(model, 4, 16, 16)
+    cm.capture(static.dummy_runner(cm))
+    runners = cm._graph_state.runners
+    assert runners and all(r.graphs for r in runners)
+    # The graphs' static outputs: on CUDA, memory of the graph pool.
+    outputs = [weakref.ref(t) for r in runners for g in r.graphs.values()
+               for t in (g.outputs if isinstance(g.outputs, (tuple, list)) else [g.outputs])
+               if isinstance(t, torch.Tensor)]
+    state = weakref.ref(cm._graph_state)
+    assert outputs
+    del cm, runners
+    gc.collect()
+    assert state() is None, "the capture state (the graph pool's owner) outlived its model"
+    assert not [ref for ref in outputs if ref() is not None], "graph outputs outlived it"
+
+
 def test_static_address_check_catches_moved_inputs():
     from llmfast.graphs.piecewise import EmulatedGraphCapturer, GraphCaptureState
 

@@ -104,11 +104,13 @@ def test_deleting_an_llm_frees_it_and_its_gc_hold():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_deleting_an_llm_gives_its_gpu_memory_back():
-    """Weights, KV cache, CUDA graphs and the split partials of long decodes all go
-    with the LLM. (Never run in a session without a GPU; `pytest -m gpu`.)"""
+    """Weights, KV cache, CUDA graphs (and their memory pool) and the split partials of
+    long decodes all go with the LLM. (Never run in a session without a GPU; `pytest -m gpu`.)"""
     gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
     # max_model_len 2048: a block table wide enough that decode splits the keys.
     llm = LLM("random:tiny", device="cuda", max_model_len=2048, max_num_seqs=8,
               gpu_memory_utilization=0.2)
@@ -122,6 +124,11 @@ def test_deleting_an_llm_gives_its_gpu_memory_back():
     torch.cuda.synchronize()
     # The KV cache alone took gigabytes; a few MiB may stay with Dynamo's code caches.
     assert torch.cuda.memory_allocated() - before < 16 * 2**20, torch.cuda.memory_summary()
+    # And the allocator can give it back: no CUDA graph (whose private pool empty_cache
+    # cannot release while the graph lives) outlived the engine.
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - reserved_before < 64 * 2**20, \
+        torch.cuda.memory_summary()
 
 
 _KERNEL_CHILD = """

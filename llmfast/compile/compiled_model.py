@@ -27,6 +27,7 @@ import inspect
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,6 +93,22 @@ def _private_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     name = f"forward_{next(_forward_ids)}"
     forward.__code__ = forward.__code__.replace(co_name=name, co_qualname=name)
     return forward
+
+
+def _release_graphs(backend: PiecewiseBackend, state: GraphCaptureState | None) -> None:
+    """Drop a discarded model's piecewise CUDA graphs and what holds their memory pool.
+
+    Dynamo keeps what it compiled for the life of the process: the backend in its
+    registry of backends (`eval_frame.cached_backends`, by id), and the split graph, whose
+    piece runners hold the graphs, in a `__compiled_fn_*` global of this module. Neither
+    lets go when the model does, so the graphs, the capture state and its pool would
+    outlive every engine (`memory_reserved` never coming back)."""
+    backend.wrap_piece = None  # a bound method of `state`
+    backend.split_gm = None
+    if state is not None:
+        for runner in state.runners:
+            runner.graphs.clear()
+        state.runners.clear()
 
 
 class CompiledModel:
@@ -166,6 +183,7 @@ class CompiledModel:
         self._forward = torch.compile(
             _private_forward(model), backend=self.backend, fullgraph=True
         )
+        weakref.finalize(self, _release_graphs, self.backend, self._graph_state)
 
     # ------------------------------------------------------------------ per step
 
