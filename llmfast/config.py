@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a dtype is made, so the host side stays light
     import torch
@@ -354,6 +354,9 @@ class EngineConfig:
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     chat_template: str | None = None  # replaces the tokenizer's own
+    # (SamplingParams field, value) pairs a request gets for fields it leaves unset: the
+    # model's generation_config.json (`--generation-config`).
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         # However the config was put together: never full attention where the model

@@ -116,6 +116,11 @@ class LLMEngine:
             eos = tuple(dict.fromkeys(eos + tuple(self.tokenizer.eos_token_ids)))
         return eos
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters gets: SamplingParams' defaults,
+        overridden by the model's generation_config.json (`--generation-config`)."""
+        return SamplingParams(**dict(self.config.sampling_defaults))
+
     @property
     def runner(self) -> ModelRunner:
         """The in-process model runner (uni backend); with workers (mp, ray) an
@@ -180,7 +185,7 @@ class LLMEngine:
                     request_id: str | None = None, stream: bool = True) -> str:
         """Queue a request; returns its id. With `stream=False` `step()` reports it only
         once it finishes (offline batches skip building an output per token)."""
-        params = (params or SamplingParams()).fit_to_model(
+        params = (params or self.default_sampling_params()).fit_to_model(
             self.config.model.vocab_size, self.config.scheduler.max_model_len)
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)

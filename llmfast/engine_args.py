@@ -102,6 +102,11 @@ class EngineArgs:
     chat_template: str | None = engine_flag(
         None, "A Jinja chat template, or a file holding one, to use instead of the model's.",
         parse=read_chat_template)
+    generation_config: str = engine_flag(
+        "auto", "auto: requests that set no temperature, top_p, top_k, min_p, "
+                "repetition_penalty or max tokens get the model's generation_config.json "
+                "values (server and Python API, as vLLM); vllm: llmfast's own defaults; or a "
+                "directory holding a generation_config.json.")
     block_size: int = engine_flag(16, "Tokens per KV-cache block.", minimum=1)
     kv_cache_memory: int | None = engine_flag(
         None, "KV-cache size on CPU, e.g. 512MiB, 2GiB or bytes.  [default: from the model "
@@ -161,6 +166,7 @@ class EngineArgs:
     ) -> tuple[EngineConfig, ModelSource]:
         import torch
 
+        from llmfast.models.sources.generation_config import resolve_sampling_defaults
         from llmfast.models.sources.model_source import resolve_model
 
         device = resolve_device(self.device)
@@ -214,6 +220,7 @@ class EngineArgs:
             seed=self.seed,
             parallel=self.parallel_config(),
             chat_template=self.chat_template,
+            sampling_defaults=resolve_sampling_defaults(self.generation_config, source.path),
         )
         return config, source
 

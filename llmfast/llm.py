@@ -35,6 +35,13 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate`, `chat` and `stream` use when given no sampling parameters:
+        SamplingParams' defaults, overridden by the model's generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) unless
+        the engine argument `generation_config="vllm"` says not to."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -52,7 +59,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

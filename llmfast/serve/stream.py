@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from llmfast.core.scheduler import SchedulerStats
@@ -23,6 +23,9 @@ class Limits:
 
     max_n: int  # most choices per prompt: what can run in one step (max-num-seqs)
     max_model_len: int
+    # What a request gets for the sampling fields it leaves unset, as (SamplingParams
+    # field, value) pairs: the model's generation_config.json (EngineConfig's).
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,10 +40,11 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
         raise APIError("echo with logprobs needs prompt logprobs, which are not supported",
                        param="echo")
     prompts = _completion_prompts(req.prompt)
-    base = _sampling_params(req, req.max_tokens, req.logprobs, limits)
-    choices = _per_choice(base, req.n)
-    # null means the default (16), as absent does.
+    # null means the default (the model's max_new_tokens, else 16), as absent does.
     given = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+    max_tokens = req.max_tokens if given else dict(limits.sampling_defaults).get("max_tokens")
+    base = _sampling_params(req, max_tokens, req.logprobs, limits)
+    choices = _per_choice(base, req.n)
     return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n, given)
 
 
@@ -60,7 +61,8 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
         else req.max_tokens
     given = max_tokens is not None
     if max_tokens is None:  # OpenAI's default: up to the context length
-        max_tokens = limits.max_model_len
+        max_tokens = min(limits.max_model_len,
+                         dict(limits.sampling_defaults).get("max_tokens", limits.max_model_len))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     base = _sampling_params(req, max_tokens, logprobs, limits)
     return EngineInputs([ChatPrompt(messages)], _per_choice(base, req.n), req.n, given)
@@ -110,7 +112,9 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
         "repetition_penalty": req.repetition_penalty, "seed": req.seed,
         "max_tokens": max_tokens, "min_tokens": req.min_tokens,
     }
-    kwargs = {k: v for k, v in given.items() if v is not None}
+    # The model's defaults (generation_config.json) for what the request leaves unset.
+    kwargs = {k: v for k, v in limits.sampling_defaults if k != "max_tokens"}
+    kwargs.update((k, v) for k, v in given.items() if v is not None)
     stop = req.stop
     try:
         return SamplingParams(
