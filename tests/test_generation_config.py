@@ -121,3 +121,23 @@ def test_generation_config_flag_reaches_the_server(model_dir, tmp_path):
         assert r.json()["usage"]["completion_tokens"] == 16
     finally:
         server.stop()
+
+
+def test_chat_cli_takes_the_model_defaults_for_flags_not_given(model_dir):
+    from typer.testing import CliRunner
+
+    from llmfast.cli.main import app
+
+    def settings(*flags: str) -> str:
+        result = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--device", "cpu",
+                                          "--kv-cache-memory", "16MiB", *flags],
+                                    input=b"/settings\n")
+        assert result.exit_code == 0, result.output
+        return result.stderr  # piped, command answers go to stderr (stdout: replies)
+
+    # The model's temperature and repetition penalty; ours where it has none (top_p).
+    shown = settings()
+    assert "temperature=0.0" in shown and "repetition_penalty=1.3" in shown
+    assert "top_p=1.0" in shown and "max_tokens=512" in shown  # max_new_tokens is not a turn
+    shown = settings("--temperature", "0.5", "--generation-config", "vllm")
+    assert "temperature=0.5" in shown and "repetition_penalty=1.0" in shown

@@ -17,6 +17,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Iterator
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -27,14 +28,22 @@ from llmfast.cli.common import (
     IgnoreEos,
     MaxTokens,
     System,
-    Temperature,
-    TopK,
-    TopP,
     engine_stats,
     load_llm,
     print_error,
     stderr_console,
 )
+
+_MODEL_DEFAULT = "  [default: the model's generation_config.json, else {}]"
+ChatTemperature = Annotated[float | None, typer.Option(
+    "--temperature", "-t", show_default=False,
+    help="Sampling temperature; 0 is greedy." + _MODEL_DEFAULT.format(0.7))]
+ChatTopP = Annotated[float | None, typer.Option(
+    "--top-p", help="Nucleus sampling mass, in (0, 1]." + _MODEL_DEFAULT.format(1.0),
+    show_default=False)]
+ChatTopK = Annotated[int | None, typer.Option(
+    "--top-k", help="Keep the k likeliest tokens; 0 or -1 = off." + _MODEL_DEFAULT.format(0),
+    show_default=False)]
 
 CHAT_EXAMPLES = """\
 **Examples**
@@ -63,19 +72,19 @@ def chat(
     *,
     opts: EngineOptions,
     system: System = None,
-    temperature: Temperature = 0.7,
-    top_p: TopP = 1.0,
-    top_k: TopK = 0,
+    temperature: ChatTemperature = None,
+    top_p: ChatTopP = None,
+    top_k: ChatTopK = None,
     max_tokens: MaxTokens = 512,
     ignore_eos: IgnoreEos = False,
 ) -> None:
     """Chat with a model, multi-turn, with its chat template."""
-    settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k,
-                            max_tokens=max_tokens, ignore_eos=ignore_eos,
-                            seed=opts.engine_kwargs.get("seed"))
-    settings.params()  # validate before the model loads
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                 ignore_eos=ignore_eos, seed=opts.engine_kwargs.get("seed"))
+    ChatSettings.resolve({}, **given).params()  # validate before the model loads
     err = stderr_console()
     llm = load_llm(opts, err)
+    settings = ChatSettings.resolve(dict(llm.engine.config.sampling_defaults), **given)
     session = ChatSession(llm, settings, system)
     if sys.stdin.isatty():
         _interactive(session, Console(highlight=False))

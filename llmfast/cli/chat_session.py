@@ -28,11 +28,25 @@ class ChatSettings:
     max_tokens: int = 512
     seed: int | None = None
     ignore_eos: bool = False
+    # From the model's generation_config.json when it has them (no slash command).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               max_tokens=max_tokens or self.max_tokens, seed=self.seed,
                               ignore_eos=self.ignore_eos)
+
+    @classmethod
+    def resolve(cls, model_defaults: dict, **given) -> ChatSettings:
+        """The flags given (None: not given), else the model's default (its
+        generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty;
+        not its max_new_tokens, a generation's length, not a chat turn's), else ours."""
+        sampled = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        values = {name: model_defaults[name] for name in sampled if name in model_defaults}
+        values.update((name, value) for name, value in given.items() if value is not None)
+        return cls(**values)
 
     def with_setting(self, name: str, raw: str) -> ChatSettings:
         """A copy with one setting parsed from a slash command's argument; validated by
