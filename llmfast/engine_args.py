@@ -109,8 +109,9 @@ class EngineArgs:
                 "directory holding a generation_config.json.")
     block_size: int = engine_flag(16, "Tokens per KV-cache block.", minimum=1)
     kv_cache_memory: int | None = engine_flag(
-        None, "KV-cache size on CPU, e.g. 512MiB, 2GiB or bytes.  [default: from the model "
-              "size and free memory]", parse=parse_bytes, minimum=1)
+        None, "KV-cache size, e.g. 512MiB, 2GiB or bytes (on CUDA: per GPU, instead of "
+              "--gpu-memory-utilization's share).  [default: from the model size and free "
+              "memory]", parse=parse_bytes, minimum=1)
     gpu_memory_utilization: float = engine_flag(
         0.9, "Fraction of GPU memory llmfast may use, in (0, 1].")
     num_gpu_blocks_override: int | None = engine_flag(

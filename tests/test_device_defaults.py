@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from llmfast.engine_args import DEFAULT_STEP_LIMITS, EngineArgs, default_step_limits
-from llmfast.worker.kv_cache_sizing import GiB, KVCacheTooSmall, gpu_kv_budget
+from llmfast.config import CacheConfig
+from llmfast.worker.kv_cache_sizing import (
+    GiB,
+    KVCacheTooSmall,
+    gpu_kv_budget,
+    kv_block_bytes,
+    kv_cache_out_of_memory,
+    num_gpu_blocks,
+)
 
 
 def test_step_limits_by_device_kind():
@@ -48,3 +56,17 @@ def test_gpu_kv_budget_less_than_one_block_is_an_error():
     with pytest.raises(KVCacheTooSmall):
         gpu_kv_budget(10 * GiB, 0, 0.5, allowed - 100, block_bytes=4096)
     assert gpu_kv_budget(10 * GiB, 0, 0.5, allowed - 4096, block_bytes=4096) == 4096
+
+
+def test_kv_cache_memory_sizes_the_cache_on_cuda_too():
+    """Several engines on one GPU (bench_executor.py compares three): --kv-cache-memory
+    is taken as it is, not --gpu-memory-utilization's share of the device (which would
+    count the first engine's cache as another process's and leave the second none).
+    Decided before any device query, so it is checked here without a GPU."""
+    config, _ = EngineArgs(model="random:tiny", device="cpu").create_engine_config()
+    cache = CacheConfig(block_size=16, kv_cache_memory=4 * GiB)
+    dtype = torch.bfloat16
+    blocks = num_gpu_blocks(cache, config.model, dtype, torch.device("cuda"), peak_bytes=0)
+    assert blocks == 4 * GiB // kv_block_bytes(config.model, 16, dtype)
+    error = kv_cache_out_of_memory(blocks, 1 << 20, GiB, torch.device("cuda"), cache)
+    assert str(error).endswith("lower --kv-cache-memory")

@@ -29,6 +29,8 @@ def kv_cache_out_of_memory(num_blocks: int, block_bytes: int, available: int | N
     """The error naming what was asked, what is there, and the setting to lower."""
     if cache.num_gpu_blocks_override is not None:
         setting = "num_gpu_blocks_override"
+    elif cache.kv_cache_memory is not None:
+        setting = "--kv-cache-memory"
     elif device.type == "cuda":
         setting = "--gpu-memory-utilization"
     else:
@@ -89,10 +91,15 @@ def num_gpu_blocks(
     peak_bytes: int,
 ) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device after the profiled peak
-    (weights + the largest forward's activations + CUDA graphs, measured by the caller)."""
+    (weights + the largest forward's activations + CUDA graphs, measured by the caller);
+    with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
+    one GPU, e.g. benchmarks comparing executors)."""
+    block_bytes = kv_block_bytes(model, cache.block_size, dtype)
+    if cache.kv_cache_memory is not None:
+        logger.info("KV cache budget %.2f GiB (--kv-cache-memory)", cache.kv_cache_memory / GiB)
+        return cache.kv_cache_memory // block_bytes
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = max(total - free - torch.cuda.memory_reserved(device), 0)
-    block_bytes = kv_block_bytes(model, cache.block_size, dtype)
     budget = gpu_kv_budget(total, used_by_others, cache.gpu_memory_utilization, peak_bytes,
                            block_bytes)
     logger.info(
