@@ -24,6 +24,7 @@ and long contexts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_kernels_lib import (
+    flash_backend,
     L2_FLUSH_BYTES,
     copy_bandwidth,
     graph_replay,
@@ -57,23 +59,22 @@ from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
 def _sdpa_decode(q_s, k_s, v_s, causal: bool, scale: float):
-    """(fn, variant): SDPA pinned to FlashAttention with enable_gqa (its fastest decode
-    path, reading each K/V head once), else SDPA's own choice; the variant is recorded.
-    Not flash with K/V expanded to every query head: memory-bound decode would read
-    group x more and flatter our ratio."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """(fn, variant, backend): SDPA with enable_gqa, to run and time inside `backend()`:
+    FlashAttention (its fastest decode path, reading each K/V head once) where it takes
+    these inputs, else SDPA's own choice; the variant is recorded. Not flash with K/V
+    expanded to every query head: memory-bound decode would read group x more and
+    flatter our ratio."""
 
-    def flash():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=causal,
-                                                  scale=scale, enable_gqa=True)
+    def sdpa():
+        return F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
 
     try:
-        flash()
-        return flash, "flash, enable_gqa"
+        with flash_backend():
+            sdpa()
+        return sdpa, "flash, enable_gqa", flash_backend
     except RuntimeError:
-        return (lambda: F.scaled_dot_product_attention(
-            q_s, k_s, v_s, is_causal=causal, scale=scale, enable_gqa=True)), "default backend"
+        return sdpa, "default backend", contextlib.nullcontext
 
 
 def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
@@ -102,10 +103,11 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
     # (with num_new == ctx, SDPA's top-left causal mask equals ours).
     q_s, k_s, v_s = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
-    sdpa, sdpa_variant = _sdpa_decode(q_s, k_s, v_s, num_new > 1, scale)
+    sdpa, sdpa_variant, sdpa_backend = _sdpa_decode(q_s, k_s, v_s, num_new > 1, scale)
     ours_us = time_us(ours, args.iters, flush, idle=True)
-    sdpa_us = time_us(sdpa, args.iters, flush, idle=True)
-    want = sdpa().float()
+    with sdpa_backend():
+        sdpa_us = time_us(sdpa, args.iters, flush, idle=True)
+        want = sdpa().float()
 
     def max_diff(fn) -> float:
         out.fill_(float("nan"))

@@ -78,25 +78,34 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Gen
     return caches[0], caches[1], block_table
 
 
-def sdpa_flash(q_s, k_s, v_s, causal: bool, scale: float):
-    """(fn, variant): torch SDPA pinned to its FlashAttention backend on [B, heads, L, D]
-    tensors. Flash with enable_gqa when this torch accepts it; else K/V expanded to every
-    query head beforehand (outside the timing; flash then reads group x more K/V, which
-    a compute-bound prefill barely notices)."""
-    import torch.nn.functional as F
+def flash_backend():
+    """SDPA pinned to FlashAttention, as a context to time the bare SDPA call in: entering
+    `sdpa_kernel` costs ~12 us of host time (torch 2.11), as much as a whole small decode
+    call, so it must not be inside the timed function."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def sdpa_flash(q_s, k_s, v_s, causal: bool, scale: float):
+    """(fn, variant): torch SDPA on [B, heads, L, D] tensors, to run (and time) inside
+    `flash_backend()`. Flash with enable_gqa when this torch accepts it; else K/V expanded
+    to every query head beforehand (outside the timing; flash then reads group x more
+    K/V, which a compute-bound prefill barely notices)."""
+    import torch.nn.functional as F
+
     def run(k, v, gqa):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q_s, k, v, is_causal=causal, scale=scale,
-                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q_s, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
 
     try:
-        run(k_s, v_s, True)
+        with flash_backend():
+            run(k_s, v_s, True)
         return (lambda: run(k_s, v_s, True)), "flash, enable_gqa"
     except RuntimeError:
         group = q_s.shape[1] // k_s.shape[1]
         k_x = k_s.repeat_interleave(group, dim=1)
         v_x = v_s.repeat_interleave(group, dim=1)
-        run(k_x, v_x, False)
+        with flash_backend():
+            run(k_x, v_x, False)
         return (lambda: run(k_x, v_x, False)), "flash, K/V expanded to all heads"
