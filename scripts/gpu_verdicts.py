@@ -106,6 +106,12 @@ def load(out: Path) -> Iterator[Line]:
         share = data.get(f"{cache}_load_vs_read")
         line = _ratio_line("#18", f"load: safetensors {cache} load / disk read speed",
                            share, 0.5, at_most=False)
+        if cache == "cold" and data.get("cold_note"):
+            # The "disk" read came from memory (tmpfs, or the page cache kept the file):
+            # no disk speed to judge against.
+            yield ("MISSING", f"#18 load: disk speed not measured ({data['cold_note']}); "
+                              f"{line[1]}")
+            continue
         yield line if cache == "cold" else info(line[1])
 
 

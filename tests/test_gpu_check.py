@@ -74,6 +74,11 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
     assert _find(lines, "random init of llama-3.2-1b (s) = 2.40") == "FAIL"
     assert _find(lines, "cold load / disk read speed = 0.55") == "PASS"
     assert _find(lines, "warm load") == "INFO"
+    # Reads served from memory: no disk speed to hold the load against.
+    _write(tmp_path / "load.json", {"preset": "llama-3.2-1b", "random_init_new_s": 1.0,
+                                    "cold_load_vs_read": 0.55, "warm_load_vs_read": 0.3,
+                                    "cold_note": "served from memory (tmpfs)"})
+    assert _find(_lines("load", tmp_path), "disk speed not measured") == "MISSING"
 
     def run(ttft, capture):
         return {"time_to_first_token_s": ttft, "stages": {"load": 0.5, "capture": capture},
