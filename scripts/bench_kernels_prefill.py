@@ -18,7 +18,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from bench_kernels_lib import flash_backend, graph_replay, paged_copy, sdpa_flash, time_us
+from bench_kernels_lib import (
+    flash_backend,
+    graph_replay,
+    max_diff_ulps,
+    paged_copy,
+    sdpa_flash,
+    time_us,
+)
 
 from llmfast.kernels import attention
 from llmfast.kernels.tuning import prefill_tuning
@@ -75,6 +82,7 @@ def run_prefill(tokens: int, args, flush, gen) -> dict:
     ours()
     got = out.view(1, tokens, heads, hd).transpose(1, 2).float()
     r["max_abs_diff"] = (got - want).abs().max().item()
+    r["max_diff_ulps"] = max_diff_ulps(got, want, dtype)
     for name in ("ours", "untuned", "ours_graph", "sdpa", "sdpa_graph"):
         r[f"{name}_tflops"] = flops / r[f"{name}_us"] / 1e6
     return r

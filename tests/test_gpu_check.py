@@ -155,8 +155,12 @@ def test_kernels_bars_of_issue_17(tmp_path):
                         "ctx 8192 over 2 rows") == "PASS"
     _write(tmp_path / "kernels.json", _kernels_json(
         decode__0__ours_us=15.0, decode__3__ours_gbs=2100.0, prefill__0__ours_us=120.0,
-        prefill__0__max_abs_diff=0.005, mixed__0__mixed_us=61.0, decode__2__sdpa_us=85.0))
+        prefill__0__max_abs_diff=0.005, mixed__0__mixed_us=61.0, decode__2__sdpa_us=85.0,
+        prefill__0__max_diff_ulps=1.0))
     lines = _lines("kernels", tmp_path)
+    # What tells a rounding step (1 ulp) from a kernel error when the abs bar fails.
+    assert _find(lines, "prefill max diff vs SDPA in units of the last place: 1.0 at 2048 "
+                        "tokens") == "INFO"
     assert _find(lines, "decode B<=8 speed vs SDPA (eager): worst 0.8 at batch 1") == "FAIL"
     assert _find(lines, "B>=64 ctx>=2k speed vs SDPA (eager): worst 0.85 at batch 64") \
         == "FAIL"
