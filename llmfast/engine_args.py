@@ -177,6 +177,10 @@ class EngineArgs:
             raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
         if device.type == "cuda" and self.block_size not in (16, 32, 64):
             raise ConfigError(f"on CUDA the block size must be 16, 32 or 64; got {self.block_size}")
+        if self.chat_template is not None:  # before any weights load
+            from llmfast.tokenizer import check_chat_template
+
+            check_chat_template(self.chat_template)
         source = resolve_model(self.model, progress=progress)
         # Capped by the model's positions and, for a sliding-window model, its window.
         max_model_len = source.config.resolve_max_model_len(

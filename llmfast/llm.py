@@ -101,7 +101,8 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            text, ids = tokenizer.chat_prompt(list(conversation), add_generation_prompt)
+            conversation = [_text_content(m) for m in conversation]
+            text, ids = tokenizer.chat_prompt(conversation, add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, progress=progress)
 
@@ -112,6 +113,18 @@ class LLM:
         the iterator (or dropping it) before it ends aborts the request."""
         (req_id,) = self._router.add([prompt], [sampling_params], stream=True)
         return RequestStream(self._router, req_id)
+
+
+def _text_content(message):
+    """OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) joined into the
+    string a chat template takes, as the server does; anything else as it is (the
+    tokenizer checks messages)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return {**message, "content": "".join(p["text"] for p in content)}
+    return message
 
 
 def _progress_callback(progress, total: int):

@@ -53,14 +53,8 @@ class Tokenizer:
 
     def with_chat_template(self, template: str) -> Tokenizer:
         """This tokenizer with `template` instead of the model's chat template; a template
-        Jinja cannot parse is a TokenizerError now, not at the first chat."""
-        import jinja2
-
-        try:
-            jinja2.Environment().parse(template)
-        except jinja2.TemplateSyntaxError as e:
-            raise TokenizerError(
-                f"the chat template does not parse: line {e.lineno}: {e.message}") from None
+        that does not compile is a TokenizerError now, not at the first chat."""
+        check_chat_template(template)
         return dataclasses.replace(self, chat_template=template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -136,6 +130,24 @@ class Tokenizer:
         """The chat prompt's text and token ids (see `apply_chat_template`)."""
         text = self.render_chat(messages, add_generation_prompt, plain_fallback)
         return text, self.encode(text, add_special_tokens=not self.has_chat_template)
+
+
+def check_chat_template(template: str) -> None:
+    """TokenizerError (one line) unless `template` compiles as transformers will render
+    it: its Jinja environment has extensions and tags of its own ({% break %},
+    {% generation %}) that a plain `jinja2.Environment` refuses."""
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers that renders otherwise: the closest check
+        def _compile_jinja_template(text: str) -> Any:
+            return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(
+            f"the chat template does not parse: line {e.lineno}: {e.message}") from None
 
 
 def _rust_decode(hf: Any) -> Callable[..., str] | None:

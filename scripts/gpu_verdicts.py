@@ -211,7 +211,7 @@ def kernels(out: Path) -> Iterator[Line]:
     yield _worst(diffs, lambda r: r["max_abs_diff"], "max abs diff vs SDPA", "#17", 4e-3,
                  at_most=True)
     ulps = [r for r in prefill if "max_diff_ulps" in r]
-    if ulps:  # to read a FAIL above: 1-2 units in the last place is rounding
+    if ulps:  # to read a FAIL above: a unit or two in the last place is rounding
         worst = max(ulps, key=lambda r: r["max_diff_ulps"])
         yield info(f"#17 prefill max diff vs SDPA in units of the last place: "
                    f"{worst['max_diff_ulps']:.1f} at {worst['tokens']} tokens")

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from llmfast.kernels.attention import tune_prefill_tiles
+from llmfast.kernels.attention import prefill_tunable, tune_prefill_tiles
 from llmfast.kernels.tuning import prefill_tuning
 from llmfast.kernels.tuning.prefill_tuning import shape_class
 from llmfast.models.sources.model_source import resolve_model
@@ -41,6 +41,10 @@ def main() -> None:
     device = torch.device("cuda", 0)
     t0 = time.perf_counter()
     group = cfg.num_attention_heads // cfg.num_key_value_heads
+    if not prefill_tunable(cfg.head_dim, getattr(torch, args.dtype)):
+        print(f"{args.model} in {args.dtype}: prefill tiles are not tuned for this shape "
+              "(the engine uses its heuristic): nothing to ship")
+        return
     # One request (causal) and several (mixed): the classes a model's prefills launch.
     classes = [shape_class(n, cfg.head_dim, group, getattr(torch, args.dtype)) for n in (1, 2)]
     for cls in classes:  # a class some table already knows is kept, not re-tuned

@@ -50,9 +50,13 @@ def test_chat_renders_like_transformers_and_generates_like_generate(llm, chat_di
         hf.encode(text, add_special_tokens=False) for text in expected_texts]
     by_ids = llm.generate([{"prompt_token_ids": o.prompt_token_ids} for o in outputs], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in by_ids]
-    # One conversation alone is a batch of one.
+    # One conversation alone is a batch of one; OpenAI's text parts read as their text.
     (alone,) = llm.chat(CONVERSATIONS[1], GREEDY)
     assert alone.outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    parts = [CONVERSATIONS[1][0], {"role": "user", "content": [
+        {"type": "text", "text": "The capital "}, {"type": "text", "text": "of France is"}]}]
+    (from_parts,) = llm.chat(parts, GREEDY)
+    assert from_parts.prompt == outputs[1].prompt
 
 
 def test_chat_with_a_template_of_its_own(llm):
@@ -103,6 +107,30 @@ def test_generate_cli_with_chat_template_on_a_model_without_one(plain_dir, tmp_p
     (expected,) = llm.generate({"prompt_token_ids": ids},
                                SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert row["text"] == expected.outputs[0].text
+
+
+# A real-size template (as models ship them: 1-10 KB) with transformers' own Jinja
+# extensions: {% break %} (loopcontrols) and {% generation %}.
+LONG = ("{#- " + "a template as long as real ones, " * 12 + "-#}\n"
+        "{%- for m in messages %}{%- if m.role == 'stop' %}{% break %}{% endif %}"
+        "{% generation %}[{{ m.role }}] {{ m.content }}\n{% endgeneration %}{%- endfor %}"
+        "{%- if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_long_template_with_transformers_tags_from_a_file(plain_dir, tmp_path):
+    """A template file of more than 255 bytes: its text, read by the CLI, is passed on as
+    the engine argument, which must not then be taken for a (far too long) path."""
+    assert len(LONG) > 300
+    path = tmp_path / "long.jinja"
+    path.write_text(LONG)
+    result = invoke("generate", "hello there", "--model", str(plain_dir), "--device", "cpu",
+                    "--kv-cache-memory", "16MiB", "--max-tokens", "2", "--chat-template",
+                    str(path), "--json")
+    assert result.exit_code == 0, result.output
+    llm = LLM(str(plain_dir), device="cpu", kv_cache_memory="16MiB", chat_template=LONG)
+    (out,) = llm.chat([{"role": "user", "content": "hi"}, {"role": "stop", "content": "x"},
+                       {"role": "user", "content": "never"}], GREEDY)
+    assert out.prompt == "[user] hi\n[assistant]"
 
 
 @pytest.mark.parametrize("value, fragment", [

@@ -9,11 +9,11 @@ from llmfast.engine_args import DEFAULT_STEP_LIMITS, EngineArgs, default_step_li
 from llmfast.config import CacheConfig
 from llmfast.worker.kv_cache_sizing import (
     GiB,
+    KVCacheOutOfMemory,
     KVCacheTooSmall,
     gpu_kv_budget,
-    kv_block_bytes,
+    gpu_kv_cache_bytes,
     kv_cache_out_of_memory,
-    num_gpu_blocks,
 )
 
 
@@ -62,11 +62,16 @@ def test_kv_cache_memory_sizes_the_cache_on_cuda_too():
     """Several engines on one GPU (bench_executor.py compares three): --kv-cache-memory
     is taken as it is, not --gpu-memory-utilization's share of the device (which would
     count the first engine's cache as another process's and leave the second none).
-    Decided before any device query, so it is checked here without a GPU."""
-    config, _ = EngineArgs(model="random:tiny", device="cpu").create_engine_config()
+    The arithmetic is apart from the device query, so it is checked here without a GPU."""
     cache = CacheConfig(block_size=16, kv_cache_memory=4 * GiB)
-    dtype = torch.bfloat16
-    blocks = num_gpu_blocks(cache, config.model, dtype, torch.device("cuda"), peak_bytes=0)
-    assert blocks == 4 * GiB // kv_block_bytes(config.model, 16, dtype)
-    error = kv_cache_out_of_memory(blocks, 1 << 20, GiB, torch.device("cuda"), cache)
+    # 80 GiB x 0.9, another engine holding 10 GiB, a 3 GiB peak: 59 GiB left, 4 asked.
+    assert gpu_kv_cache_bytes(cache, 80 * GiB, 10 * GiB, 3 * GiB, 1 << 20) == 4 * GiB
+    assert gpu_kv_cache_bytes(CacheConfig(block_size=16), 80 * GiB, 10 * GiB, 3 * GiB,
+                              1 << 20) == int(72 * GiB) - 13 * GiB
+    # More than is left: refused now, in one line, not an out-of-memory mid-serving.
+    with pytest.raises(KVCacheOutOfMemory) as info:
+        gpu_kv_cache_bytes(cache, 80 * GiB, 60 * GiB, 10 * GiB, 1 << 20)
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith("--kv-cache-memory 4.00 GiB does not fit: 2.00 GiB")
+    error = kv_cache_out_of_memory(4096, 1 << 20, GiB, torch.device("cuda"), cache)
     assert str(error).endswith("lower --kv-cache-memory")

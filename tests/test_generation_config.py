@@ -141,3 +141,28 @@ def test_chat_cli_takes_the_model_defaults_for_flags_not_given(model_dir):
     assert "top_p=1.0" in shown and "max_tokens=512" in shown  # max_new_tokens is not a turn
     shown = settings("--temperature", "0.5", "--generation-config", "vllm")
     assert "temperature=0.5" in shown and "repetition_penalty=1.0" in shown
+
+
+@pytest.mark.parametrize("model_max, completion, chat", [
+    (2048, 16, 1024),  # a long max_new_tokens never lengthens OpenAI's 16 for completions
+    (5, 5, 5),  # and a short one caps both defaults
+    (None, 16, 1024),
+])
+def test_server_default_lengths(model_max, completion, chat):
+    """Defaults only: the least of the limits that apply, as vLLM; an explicit value is
+    the client's."""
+    from llmfast.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+    from llmfast.serve.api.sampling import chat_inputs, completion_inputs
+    from llmfast.serve.stream import Limits
+
+    defaults = (("temperature", 0.3),) + ((("max_tokens", model_max),) if model_max else ())
+    limits = Limits(max_n=4, max_model_len=1024, sampling_defaults=defaults)
+    for body in ({"prompt": "hi"}, {"prompt": "hi", "max_tokens": None}):
+        (params,) = completion_inputs(CompletionRequest.model_validate(body), limits).params
+        assert (params.max_tokens, params.temperature) == (completion, 0.3)
+    (params,) = completion_inputs(CompletionRequest.model_validate(
+        {"prompt": "hi", "max_tokens": 30, "temperature": 1.0}), limits).params
+    assert (params.max_tokens, params.temperature) == (30, 1.0)
+    (params,) = chat_inputs(ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}]}), limits).params
+    assert params.max_tokens == chat

@@ -324,3 +324,21 @@ def test_load_generator_refuses_requests_past_the_context(server):
     with pytest.raises(BenchError, match=f"{max_len - 3} prompt \\+ 4 output = {max_len + 1} "
                                          f"tokens, past the server's max_model_len {max_len}"):
         asyncio.run(run_serve_bench(server.base_url, requests, request_rate=50.0))
+
+
+def test_load_generator_without_a_models_endpoint():
+    """Another OpenAI-compatible server may have no usable /v1/models: with --model given
+    the run goes on (no context check), without it the error is one line."""
+    from llmfast.bench.serving import fetch_model
+    from llmfast.bench.workload import BenchError
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"error": "no such route"})
+
+    async def ask(model):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await fetch_model(client, "http://server", {}, model)
+
+    assert asyncio.run(ask("my-model")) == ("my-model", None)
+    with pytest.raises(BenchError, match="cannot read the served model .*; pass the model"):
+        asyncio.run(ask(None))

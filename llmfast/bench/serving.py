@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from llmfast.bench.latency import poisson_arrivals
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import BenchError, BenchRequest
+from llmfast.utils.errors import one_line
 
 
 @dataclass
@@ -42,12 +43,28 @@ class ServeBenchResult:
     errors: list[str] = field(default_factory=list)  # the first few
 
 
-async def fetch_model(client, url: str, headers: dict) -> tuple[str, int | None]:
-    """The served model's id and its max_model_len (None where the server says not)."""
-    r = await client.get(url + "/v1/models", headers=headers)
-    r.raise_for_status()
-    card = r.json()["data"][0]
-    return card["id"], card.get("max_model_len")
+async def fetch_model(client, url: str, headers: dict, model: str | None
+                      ) -> tuple[str, int | None]:
+    """The model to ask for (`model`, else the served one) and its max_model_len (None
+    where the server does not say). A server without a usable /v1/models is fine when
+    `model` is given."""
+    try:
+        r = await client.get(url + "/v1/models", headers=headers)
+        r.raise_for_status()
+        cards = r.json()["data"]
+        card = next((c for c in cards if model is None or c.get("id") == model), None)
+        if card is None and model is None and cards:
+            card = cards[0]
+    except Exception as e:  # noqa: BLE001 - any failure: HTTP, JSON, shape
+        if model is not None:
+            return model, None
+        raise BenchError(f"cannot read the served model from {url}/v1/models "
+                         f"({type(e).__name__}: {one_line(e)}); pass the model name") from None
+    if card is None:
+        if model is not None:
+            return model, None
+        raise BenchError(f"{url}/v1/models lists no model; pass the model name")
+    return model or card["id"], card.get("max_model_len")
 
 
 def check_fits(requests: Sequence[BenchRequest], max_model_len: int) -> None:
@@ -109,10 +126,9 @@ async def run_serve_bench(url: str, requests: Sequence[BenchRequest], request_ra
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        served, max_model_len = await fetch_model(client, url, headers)
+        model, max_model_len = await fetch_model(client, url, headers, model)
         if max_model_len is not None:
             check_fits(requests, max_model_len)
-        model = model or served
         # Warm-up outside the timed region (first-call costs in the server and here).
         await _one(client, url, model, BenchRequest(requests[0].prompt_token_ids[:16], 4),
                    headers)

@@ -71,7 +71,7 @@ def _tile_timer(device: torch.device, cls: ShapeClass):
     return measure
 
 
-def _tunable(head_dim: int, dtype: torch.dtype) -> bool:
+def prefill_tunable(head_dim: int, dtype: torch.dtype) -> bool:
     """Shape classes tuning may run for (fp32 and head_dim > 128 keep the heuristic)."""
     return dtype != torch.float32 and head_dim <= 128
 
@@ -81,7 +81,7 @@ def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles |
     None (the heuristic). Tuning may run here, once per shape class, before a large
     prefill and never while a CUDA graph is being captured."""
     cls = shape_class(num_reqs, q.shape[2], group, q.dtype)
-    may_tune = (q.shape[0] >= TUNE_MIN_TOKENS and _tunable(q.shape[2], q.dtype)
+    may_tune = (q.shape[0] >= TUNE_MIN_TOKENS and prefill_tunable(q.shape[2], q.dtype)
                 and not torch.cuda.is_current_stream_capturing())
     return _device_tile_table(q.device).tiles_for(
         cls, may_tune, _tile_timer(q.device, cls))
@@ -93,7 +93,7 @@ def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
     causal; several: mixed) when no table knows them and tuning is allowed, so that no
     request waits ~20-30 s for it and the start-up memory profile's forward (a large
     mixed batch) does not tune inside itself. Returns how many classes were tuned."""
-    if device.type != "cuda" or tuning_mode() == "off" or not _tunable(head_dim, dtype):
+    if device.type != "cuda" or tuning_mode() == "off" or not prefill_tunable(head_dim, dtype):
         return 0
     if device.index is None:  # the table launches look up is keyed by q.device: cuda:N
         device = torch.device("cuda", torch.cuda.current_device())

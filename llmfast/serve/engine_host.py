@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 
 from llmfast.engine import LLMEngine
 from llmfast.serve.api.app import ServeConfig
-from llmfast.serve.api.metrics import METRICS_DIR_ENV
+from llmfast.serve.api.metrics import METRICS_DIR_ENV, SHARED_METRICS_ENV
 from llmfast.serve.api_process import ApiProcessSpec
 from llmfast.serve.engine_client import call_error_kind, encode_item
 from llmfast.serve.engine_loop import (
@@ -76,7 +76,8 @@ class ApiProcess:
                 [sys.executable, "-m", "llmfast.serve.api_process", *map(str, fds)],
                 # prometheus_client reads the variable when it is imported: each API
                 # process keeps its counts in files there, and /metrics sums them all.
-                pass_fds=fds, env={**child_env(), METRICS_DIR_ENV: metrics_dir},
+                pass_fds=fds, env={**child_env(), METRICS_DIR_ENV: metrics_dir,
+                                   SHARED_METRICS_ENV: metrics_dir},
                 stdin=subprocess.DEVNULL,
                 start_new_session=True, stdout=child_stdout())
         finally:

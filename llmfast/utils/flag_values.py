@@ -93,7 +93,11 @@ def read_chat_template(value: str) -> str:
     from pathlib import Path
 
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. "File name too long": an inline template, not a path
+        is_file = False
+    if is_file:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:

@@ -95,11 +95,17 @@ def num_gpu_blocks(
     with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
     one GPU, e.g. benchmarks comparing executors)."""
     block_bytes = kv_block_bytes(model, cache.block_size, dtype)
-    if cache.kv_cache_memory is not None:
-        logger.info("KV cache budget %.2f GiB (--kv-cache-memory)", cache.kv_cache_memory / GiB)
-        return cache.kv_cache_memory // block_bytes
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = max(total - free - torch.cuda.memory_reserved(device), 0)
+    return gpu_kv_cache_bytes(cache, total, used_by_others, peak_bytes, block_bytes) \
+        // block_bytes
+
+
+def gpu_kv_cache_bytes(cache: CacheConfig, total: int, used_by_others: int, peak_bytes: int,
+                       block_bytes: int) -> int:
+    """The KV cache's bytes on a GPU: `gpu_kv_budget`, or `kv_cache_memory` where set, if
+    it fits in that budget (else a one-line KVCacheOutOfMemory now, rather than the
+    forward running out of memory mid-serving)."""
     budget = gpu_kv_budget(total, used_by_others, cache.gpu_memory_utilization, peak_bytes,
                            block_bytes)
     logger.info(
@@ -107,7 +113,16 @@ def num_gpu_blocks(
         budget / GiB, total / GiB, cache.gpu_memory_utilization, peak_bytes / GiB,
         used_by_others / GiB,
     )
-    return budget // block_bytes
+    if cache.kv_cache_memory is None:
+        return budget
+    if cache.kv_cache_memory > budget:
+        raise KVCacheOutOfMemory(
+            f"--kv-cache-memory {cache.kv_cache_memory / GiB:.2f} GiB does not fit: "
+            f"{budget / GiB:.2f} GiB is left under --gpu-memory-utilization "
+            f"{cache.gpu_memory_utilization:g} after the model's peak "
+            f"({peak_bytes / GiB:.2f} GiB) and other processes ({used_by_others / GiB:.2f} "
+            "GiB); lower --kv-cache-memory or raise --gpu-memory-utilization")
+    return cache.kv_cache_memory
 
 
 def gpu_kv_budget(total: int, used_by_others: int, utilization: float, peak_bytes: int,

@@ -9,7 +9,9 @@ With `--api-servers N` each API process observes only its own requests, and a sc
 reaches one of them. The main process then gives every API process the same
 `PROMETHEUS_MULTIPROC_DIR`: prometheus_client (which reads it at import) keeps each
 process's counters and histograms in files there, and a scrape sums the files of all of
-them, those of a process that has died included, as vLLM does.
+them, those of a process that has died included, as vLLM does. The sum is taken only
+where llmfast made that directory (`SHARED_METRICS_ENV` says which), not from one a user's
+environment happens to name (stale files of other runs).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
+SHARED_METRICS_ENV = "LLMFAST_SHARED_METRICS_DIR"  # set with it by engine_host
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -65,8 +68,8 @@ class ServerMetrics:
         # What a scrape renders; in multiprocess mode the metrics below live in a registry
         # of their own (never rendered: their values are read back from the shared files).
         self.registry = CollectorRegistry()
-        shared_dir = os.environ.get(METRICS_DIR_ENV)
-        if shared_dir:
+        shared_dir = os.environ.get(SHARED_METRICS_ENV)
+        if shared_dir and shared_dir == os.environ.get(METRICS_DIR_ENV):
             MultiProcessCollector(self.registry, path=shared_dir)
             r = CollectorRegistry()
         else:

@@ -20,6 +20,9 @@ from llmfast.serve.api.protocol import (
 from llmfast.serve.stream import ChatPrompt, Limits, PromptInput
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
+
+
 @dataclass(frozen=True)
 class EngineInputs:
     prompts: list[PromptInput]
@@ -40,9 +43,12 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
         raise APIError("echo with logprobs needs prompt logprobs, which are not supported",
                        param="echo")
     prompts = _completion_prompts(req.prompt)
-    # null means the default (the model's max_new_tokens, else 16), as absent does.
+    # null means the default, as absent does: OpenAI's 16, or the model's max_new_tokens
+    # where that is fewer (vLLM takes the least of the limits that apply).
     given = "max_tokens" in req.model_fields_set and req.max_tokens is not None
-    max_tokens = req.max_tokens if given else dict(limits.sampling_defaults).get("max_tokens")
+    max_tokens = req.max_tokens if given else min(
+        COMPLETION_DEFAULT_MAX_TOKENS,
+        dict(limits.sampling_defaults).get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
     base = _sampling_params(req, max_tokens, req.logprobs, limits)
     choices = _per_choice(base, req.n)
     return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n, given)
