@@ -41,13 +41,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """`name{labels}` -> value for every sample of /metrics."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return parse_metrics(httpx.get(self.base_url + "/metrics", timeout=10).text)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -58,6 +52,16 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
 
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """`name{labels}` -> value for every sample of a Prometheus text exposition."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
 
 def start_server(model_dir: Path, log_path: Path, *extra: str, timeout: float = 180.0
                  ) -> ServerProcess:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_server import start_server
+from tests.serve_server import parse_metrics, start_server
 
 LONG = {"prompt": "hello there", "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
         "stream": True}
@@ -152,15 +152,6 @@ def test_outputs_cross_the_pipe_whole():
         assert decode_item(wire) == ("cmpl-1", item)
 
 
-def _parse_metrics(text: str) -> dict[str, float]:
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
 def test_metrics_count_the_requests_of_every_api_process(serve_model_dir, tmp_path):
     """Each API process observes only the requests it takes; whichever answers /metrics
@@ -196,7 +187,7 @@ def test_metrics_count_the_requests_of_every_api_process(serve_model_dir, tmp_pa
         scraped_by = set()
         for _ in range(40):  # until each process has answered a scrape
             r, owner = on_fresh_connection("GET", "/metrics")
-            values = _parse_metrics(r.text)
+            values = parse_metrics(r.text)
             assert values['llmfast_request_success_total{finished_reason="length"}'] == \
                 len(served_by), (owner, served_by)
             assert values["llmfast_generation_tokens_total"] == tokens
