@@ -95,6 +95,8 @@ def test_server_requests_get_the_model_defaults(model_dir, tmp_path):
     # Through an API process: the defaults cross to it with the engine's limits.
     server = start_server(model_dir, tmp_path / "server.log", "--api-servers", "1")
     try:
+        assert ("default sampling parameters from the model's generation_config.json: "
+                "temperature=0.0, repetition_penalty=1.3, max_tokens=5") in server.log()
         r = httpx.post(server.base_url + "/v1/completions", json={"prompt": PROMPT},
                        timeout=60)
         assert r.status_code == 200, r.text

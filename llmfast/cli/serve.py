@@ -77,4 +77,10 @@ def serve(
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     err.print(f"serving {name} at {url}/v1 (OpenAI API; /health, /metrics)"
               + ("; API key required" if api_key else ""), style="dim")
+    defaults = llm.engine.config.sampling_defaults
+    if defaults:  # they change what requests get: say so, as vLLM does
+        err.print("default sampling parameters from the model's generation_config.json: "
+                  + ", ".join(f"{k}={v}" for k, v in defaults)
+                  + " (--generation-config vllm to ignore them)", style="dim", markup=False,
+                  soft_wrap=True)
     run_server(llm.engine, sock, config, access_log=opts.debug, api_servers=api_servers)
