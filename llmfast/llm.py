@@ -83,13 +83,15 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
         progress: CountProgress | bool | None = None,
     ) -> list[RequestOutput]:
         """`generate` for conversations: one (a list of {"role": ..., "content": ...}
         messages) or several (a list of such lists), each rendered by the chat template:
         `chat_template` (a Jinja template) for this call, else the engine's (the model's,
-        or the `chat_template` engine argument). Outputs in input order; each output's
-        `prompt` is the rendered text."""
+        or the `chat_template` engine argument), with `chat_template_kwargs` as more
+        template variables (e.g. Qwen3's `{"enable_thinking": False}`). Outputs in input
+        order; each output's `prompt` is the rendered text."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError(f"{self.engine.no_tokenizer_reason()}; chat needs a tokenizer")
@@ -102,7 +104,8 @@ class LLM:
         prompts = []
         for conversation in conversations:
             conversation = [_text_content(m) for m in conversation]
-            text, ids = tokenizer.chat_prompt(conversation, add_generation_prompt)
+            text, ids = tokenizer.chat_prompt(conversation, add_generation_prompt,
+                                              template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, progress=progress)
 

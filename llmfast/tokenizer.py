@@ -90,9 +90,13 @@ class Tokenizer:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         plain_fallback: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt text for `messages` (the chat template's output)."""
+        """The prompt text for `messages` (the chat template's output). `template_kwargs`
+        are more variables for the template (vLLM's chat_template_kwargs, e.g. Qwen3's
+        `enable_thinking`)."""
         _check_messages(messages)
+        template_kwargs = _check_template_kwargs(template_kwargs)
         if not self.has_chat_template:
             if not plain_fallback:
                 model = f"the model {self.name}" if self.name else "this model"
@@ -105,7 +109,7 @@ class Tokenizer:
         try:
             return self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template,
+                chat_template=self.chat_template, **template_kwargs,
             )
         except Exception as e:  # jinja errors, incl. the template's own raise_exception()
             raise TokenizerError(f"the chat template failed: {one_line(e)}") from None
@@ -115,21 +119,44 @@ class Tokenizer:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         plain_fallback: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the chat prompt. The template writes its own special tokens (BOS
         included), so the rendered text is encoded without adding any; the plain fallback
         format gets the tokenizer's usual ones."""
-        return self.chat_prompt(messages, add_generation_prompt, plain_fallback)[1]
+        return self.chat_prompt(messages, add_generation_prompt, plain_fallback,
+                                template_kwargs)[1]
 
     def chat_prompt(
         self,
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         plain_fallback: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat prompt's text and token ids (see `apply_chat_template`)."""
-        text = self.render_chat(messages, add_generation_prompt, plain_fallback)
+        text = self.render_chat(messages, add_generation_prompt, plain_fallback,
+                                template_kwargs)
         return text, self.encode(text, add_special_tokens=not self.has_chat_template)
+
+
+# apply_chat_template's own parameters: a template variable of one of these names would
+# not reach the template (or would change how it is applied).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TokenizerError("chat template kwargs must be an object of named values")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise TokenizerError(f"chat template kwargs cannot set {', '.join(reserved)}")
+    return kwargs
 
 
 def check_chat_template(template: str) -> None:

@@ -141,3 +141,48 @@ def test_bad_chat_template_is_one_line_error(plain_dir, value, fragment):
     result = invoke("generate", "hi", "--model", str(plain_dir), "--device", "cpu",
                     "--chat-template", value)
     assert_one_line_error(result, fragment)
+
+
+# Qwen3's switch, in miniature: a template variable a request may set.
+THINK = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+         "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}")
+
+
+def test_chat_template_kwargs(llm):
+    conversation = [{"role": "user", "content": "hi"}]
+    (plain,) = llm.chat(conversation, GREEDY, chat_template=THINK)
+    (off,) = llm.chat(conversation, GREEDY, chat_template=THINK,
+                      chat_template_kwargs={"enable_thinking": False})
+    assert (plain.prompt, off.prompt) == ("[user] hi\n", "[user] hi\n/no_think")
+    with pytest.raises(ValueError, match="chat template kwargs cannot set tokenize"):
+        llm.chat(conversation, GREEDY, chat_template_kwargs={"tokenize": True})
+
+
+def test_server_chat_template_kwargs_through_an_api_process(plain_dir, tmp_path):
+    import httpx
+
+    from tests.serve_server import start_server
+
+    llm = LLM(str(plain_dir), device="cpu", kv_cache_memory="16MiB")
+    expected = llm.tokenizer.encode("[user] hi\n/no_think", add_special_tokens=False)
+    del llm
+    server = start_server(plain_dir, tmp_path / "server.log", "--chat-template", THINK,
+                          "--api-servers", "1")
+    messages = [{"role": "user", "content": "hi"}]
+    kwargs = {"enable_thinking": False}
+    try:
+        r = httpx.post(server.base_url + "/tokenize", timeout=30, json={
+            "messages": messages, "chat_template_kwargs": kwargs})
+        assert r.status_code == 200 and r.json()["tokens"] == expected, r.text
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "messages": messages, "chat_template_kwargs": kwargs, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(expected)
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "messages": messages, "chat_template_kwargs": {"tokenize": True}})
+        assert r.status_code == 400 and "cannot set tokenize" in r.json()["error"]["message"]
+        r = httpx.post(server.base_url + "/tokenize", timeout=30, json={
+            "prompt": "hi", "chat_template_kwargs": kwargs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    finally:
+        server.stop()

@@ -252,9 +252,12 @@ class EngineLoop:
         prompt = query.prompt
         if isinstance(prompt, ChatPrompt):
             messages = list(prompt.messages)
+            kwargs = dict(prompt.template_kwargs)
             if query.add_special_tokens is None:  # as the chat endpoint tokenizes
-                return tokenizer.apply_chat_template(messages, query.add_generation_prompt)
-            text = tokenizer.render_chat(messages, query.add_generation_prompt)
+                return tokenizer.apply_chat_template(messages, query.add_generation_prompt,
+                                                     template_kwargs=kwargs)
+            text = tokenizer.render_chat(messages, query.add_generation_prompt,
+                                         template_kwargs=kwargs)
             return tokenizer.encode(text, add_special_tokens=query.add_special_tokens)
         if query.add_special_tokens is None:  # as a completion's prompt is tokenized
             return self.engine.tokenize_prompt(prompt)[1]
@@ -266,7 +269,8 @@ class EngineLoop:
             if tokenizer is None:
                 raise ValueError(f"model {self.engine.source.name} has no tokenizer, so it "
                                  "has no chat template; use /v1/completions with token ids")
-            return PreparedPrompt(None, tokenizer.apply_chat_template(list(prompt.messages)))
+            return PreparedPrompt(None, tokenizer.apply_chat_template(
+                list(prompt.messages), template_kwargs=dict(prompt.template_kwargs)))
         text, ids = self.engine.tokenize_prompt(prompt)
         return PreparedPrompt(text, ids)
 

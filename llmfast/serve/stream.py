@@ -33,6 +33,8 @@ class ChatPrompt:
     """Messages to render with the tokenizer's chat template (on the engine's side)."""
 
     messages: tuple[dict[str, str], ...]
+    # More variables for the template (vLLM's chat_template_kwargs), as (name, value).
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 PromptInput = str | list[int] | ChatPrompt

@@ -9,7 +9,7 @@ min_tokens, ignore_eos, stop_token_ids), which the `openai` client passes via ex
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -108,6 +108,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None  # refused unless empty
     tool_choice: str | None = None  # only "none"
     parallel_tool_calls: bool | None = None
+    # vLLM's extra: more variables for the chat template (Qwen3's enable_thinking, ...).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -118,6 +120,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # messages only
     add_special_tokens: bool | None = None  # None: as a completion / chat request does
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
 
 
 class DetokenizeRequest(_Strict):

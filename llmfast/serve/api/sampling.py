@@ -71,7 +71,8 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
                          dict(limits.sampling_defaults).get("max_tokens", limits.max_model_len))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     base = _sampling_params(req, max_tokens, logprobs, limits)
-    return EngineInputs([ChatPrompt(messages)], _per_choice(base, req.n), req.n, given)
+    prompt = ChatPrompt(messages, tuple((req.chat_template_kwargs or {}).items()))
+    return EngineInputs([prompt], _per_choice(base, req.n), req.n, given)
 
 
 def chat_messages(messages: list[ChatMessage]) -> tuple[dict[str, str], ...]:

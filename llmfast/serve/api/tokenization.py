@@ -22,12 +22,14 @@ def tokenize_query(req: TokenizeRequest) -> TokenizeQuery:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("give either prompt or messages", param="prompt", code="invalid_value")
     if req.prompt is not None:
-        if "add_generation_prompt" in req.model_fields_set:
-            raise APIError("add_generation_prompt applies to messages only",
-                           param="add_generation_prompt", code="invalid_value")
+        for field in ("add_generation_prompt", "chat_template_kwargs"):
+            if field in req.model_fields_set:
+                raise APIError(f"{field} applies to messages only", param=field,
+                               code="invalid_value")
         return TokenizeQuery(req.prompt, req.add_special_tokens)
-    return TokenizeQuery(ChatPrompt(chat_messages(req.messages)), req.add_special_tokens,
-                         req.add_generation_prompt)
+    kwargs = tuple((req.chat_template_kwargs or {}).items())
+    return TokenizeQuery(ChatPrompt(chat_messages(req.messages), kwargs),
+                         req.add_special_tokens, req.add_generation_prompt)
 
 
 def detokenize_query(req: DetokenizeRequest) -> DetokenizeQuery:
