@@ -347,7 +347,8 @@ class LLMEngine:
                 best = (idx, stop)
         if best is None:
             return False
-        tracked.text = tracked.text[: best[0]]
+        keep = len(best[1]) if tracked.request.sampling_params.include_stop_str_in_output else 0
+        tracked.text = tracked.text[: best[0] + keep]
         tracked.stop_reason = best[1]
         return True
 

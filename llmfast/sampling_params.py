@@ -26,7 +26,7 @@ class SamplingParams:
 
     temperature 0 means greedy; top_k 0 (or -1) and top_p 1 disable those filters.
     `stop` strings are matched by the engine on the detokenised text and are not part
-    of the returned text. `logprobs=n` returns the sampled token's logprob and the top n.
+    of the returned text (unless `include_stop_str_in_output`). `logprobs=n` returns the sampled token's logprob and the top n.
     """
 
     temperature: float = 1.0
@@ -43,6 +43,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string stays in the text
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -70,9 +71,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_int(value) and not (value is None and name in _OPTIONAL_INT_FIELDS):
                 raise SamplingParamsError(f"{name} must be an integer, got {describe(value)}")
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos must be True or False, got "
-                                      f"{describe(self.ignore_eos)}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be True or False, got "
+                                          f"{describe(getattr(self, name))}")
         if not isinstance(self.stop, (str, list, tuple)):
             raise SamplingParamsError(f"stop must be a string or a list of strings, got "
                                       f"{describe(self.stop)}")

@@ -30,6 +30,21 @@ def test_stop_string_cuts_text_exactly(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
+def test_stop_string_kept_when_asked(llm):
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string,
+    streamed or not; the rest of the step's text is cut as without it."""
+    full = llm.generate("hello there", _greedy())[0].outputs[0].text
+    stop = full[6:9]
+    kept = full[: full.index(stop) + len(stop)]
+    params = _greedy(stop=[stop], include_stop_str_in_output=True)
+    out = llm.generate("hello there", params)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (kept, "stop", stop)
+    deltas = [o.outputs[0].delta_text for o in llm.stream("hello there", params)]
+    assert "".join(deltas) == kept
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be True or False"):
+        SamplingParams(include_stop_str_in_output="yes")
+
+
 def test_streamed_deltas_equal_final_text_and_hide_stop(llm):
     full = llm.generate("The capital", _greedy())[0].outputs[0].text
     stop = full[10:14]

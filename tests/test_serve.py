@@ -176,6 +176,9 @@ def test_stop_strings(client, model):
     chunks = list(client.completions.create(model=model, prompt=PROMPTS[3], stop=stop,
                                             stream=True, **_greedy(max_tokens=24)))
     assert "".join(c.choices[0].text for c in chunks) == cut
+    kept = client.completions.create(model=model, prompt=PROMPTS[3], stop=stop, **_greedy(
+        max_tokens=24, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}))
+    assert kept.choices[0].text == cut + stop
 
 
 def test_logprobs(client, model):

@@ -63,6 +63,7 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_SamplingFields):

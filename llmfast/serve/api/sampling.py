@@ -129,6 +129,7 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
         )
     except SamplingParamsError as e:
