@@ -101,6 +101,11 @@ def test_chat_and_chat_stream(client, model, tokenizer):
                                                        {"type": "text", "text": "there"}]}]
     same = client.chat.completions.create(model=model, messages=parts, **_greedy())
     assert same.choices[0].message.content == msg.content
+    # OpenAI's account and record fields change nothing here.
+    same = client.chat.completions.create(model=model, messages=messages, store=False,
+                                          metadata={"team": "a"}, service_tier="auto",
+                                          user="u1", **_greedy())
+    assert same.choices[0].message.content == msg.content
 
 
 def test_echo(client, model, tokenizer):

@@ -54,7 +54,12 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    user: str | None = None  # accepted, unused
+    # OpenAI fields about the account or the record, not the generation: accepted (SDK
+    # wrappers send them), unused.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     logit_bias: dict[str, float] | None = None  # refused unless empty
     # vLLM's extras
     top_k: int | None = None
