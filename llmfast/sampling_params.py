@@ -26,7 +26,8 @@ class SamplingParams:
 
     temperature 0 means greedy; top_k 0 (or -1) and top_p 1 disable those filters.
     `stop` strings are matched by the engine on the detokenised text and are not part
-    of the returned text (unless `include_stop_str_in_output`). `logprobs=n` returns the sampled token's logprob and the top n.
+    of the returned text (unless `include_stop_str_in_output`). `logprobs=n` returns the
+    sampled token's logprob and the top n.
     """
 
     temperature: float = 1.0

@@ -42,6 +42,7 @@ from llmfast.serve.stream import (
     Query,
     RequestStream,
     StreamError,
+    check_open,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,21 +114,16 @@ class EngineClient:
     async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
                   params: Sequence[SamplingParams], *, with_text: bool = False,
                   check_length: bool = False) -> list[PreparedPrompt]:
-        self._check_open()
+        check_open(self)
         self._streams[stream.request_id] = stream
         return await self._call(lambda call_id: (
             "add", call_id, stream.request_id, tuple(stream.engine_ids), tuple(prompts),
             tuple(params), with_text, check_length))
 
     async def query(self, query: Query) -> list[int] | str:
-        self._check_open()
+        check_open(self)
         return await self._call(lambda call_id: ("query", call_id, query))
 
-    def _check_open(self) -> None:
-        if self.failure is not None:
-            raise EngineUnavailable(f"the engine stopped: {self.failure}")
-        if not self.running:
-            raise EngineUnavailable("the server is shutting down")
 
     async def _call(self, message: Callable[[int], tuple]):
         """Send `message(call_id)` and wait for the engine's "answer" to it."""

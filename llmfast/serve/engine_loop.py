@@ -45,6 +45,7 @@ from llmfast.serve.stream import (  # noqa: F401 - re-exported: the serve API's 
     Query,
     RequestStream,
     StreamError,
+    check_open,
     TokenizeQuery,
     TokenLogprob,
 )
@@ -397,7 +398,7 @@ class AsyncEngine(EngineLoop):
         `check_length`, a prompt + max_tokens past max-model-len is refused
         (ContextLengthExceeded) and nothing is added. Raises what the engine raises for a
         bad prompt (RequestRejected, TokenizerError)."""
-        self._check_open()
+        check_open(self)
         done = self._loop.create_future()
         self._send(_Add(stream, tuple(prompts), tuple(params), done, with_text, check_length))
         return await done
@@ -405,16 +406,11 @@ class AsyncEngine(EngineLoop):
     async def query(self, query: Query) -> list[int] | str:
         """Token ids for a `TokenizeQuery`, text for a `DetokenizeQuery` (ValueError for a
         bad one), from the engine's tokenizer, between steps."""
-        self._check_open()
+        check_open(self)
         done = self._loop.create_future()
         self._send(_Query(query, done))
         return await done
 
-    def _check_open(self) -> None:
-        if self.failure is not None:
-            raise EngineUnavailable(f"the engine stopped: {self.failure}")
-        if not self.running:
-            raise EngineUnavailable("the server is shutting down")
 
     def abort(self, engine_ids: Sequence[str]) -> None:
         """Abort these engine requests (unknown or finished ids are ignored). Their KV

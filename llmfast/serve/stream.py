@@ -126,6 +126,14 @@ class RequestStream:
             return None
 
 
+def check_open(front: EngineFront) -> None:
+    """EngineUnavailable unless `front` takes new work (an add or a query)."""
+    if front.failure is not None:
+        raise EngineUnavailable(f"the engine stopped: {front.failure}")
+    if not front.running:
+        raise EngineUnavailable("the server is shutting down")
+
+
 class EngineFront(Protocol):
     """What the HTTP side uses of the engine: `engine_loop.AsyncEngine` (the engine on a
     thread of this process) and `engine_client.EngineClient` (the engine in another

@@ -43,12 +43,10 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
         raise APIError("echo with logprobs needs prompt logprobs, which are not supported",
                        param="echo")
     prompts = _completion_prompts(req.prompt)
-    # null means the default, as absent does: OpenAI's 16, or the model's max_new_tokens
-    # where that is fewer (vLLM takes the least of the limits that apply).
+    # null means the default, as absent does.
     given = "max_tokens" in req.model_fields_set and req.max_tokens is not None
-    max_tokens = req.max_tokens if given else min(
-        COMPLETION_DEFAULT_MAX_TOKENS,
-        dict(limits.sampling_defaults).get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
+    max_tokens = req.max_tokens if given else _default_max_tokens(
+        limits, COMPLETION_DEFAULT_MAX_TOKENS)
     base = _sampling_params(req, max_tokens, req.logprobs, limits)
     choices = _per_choice(base, req.n)
     return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n, given)
@@ -67,12 +65,16 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
         else req.max_tokens
     given = max_tokens is not None
     if max_tokens is None:  # OpenAI's default: up to the context length
-        max_tokens = min(limits.max_model_len,
-                         dict(limits.sampling_defaults).get("max_tokens", limits.max_model_len))
+        max_tokens = _default_max_tokens(limits, limits.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     base = _sampling_params(req, max_tokens, logprobs, limits)
-    prompt = ChatPrompt(messages, tuple((req.chat_template_kwargs or {}).items()))
+    prompt = chat_prompt(messages, req.chat_template_kwargs)
     return EngineInputs([prompt], _per_choice(base, req.n), req.n, given)
+
+
+def chat_prompt(messages: tuple[dict[str, str], ...], template_kwargs: dict | None
+                ) -> ChatPrompt:
+    return ChatPrompt(messages, tuple((template_kwargs or {}).items()))
 
 
 def chat_messages(messages: list[ChatMessage]) -> tuple[dict[str, str], ...]:
@@ -80,6 +82,12 @@ def chat_messages(messages: list[ChatMessage]) -> tuple[dict[str, str], ...]:
     if not messages:
         raise APIError("messages must not be empty", param="messages")
     return tuple({"role": m.role, "content": m.text()} for m in messages)
+
+
+def _default_max_tokens(limits: Limits, fallback: int) -> int:
+    """A request's max tokens when it gives none: `fallback` (the API's default), or the
+    model's max_new_tokens where that is fewer (vLLM takes the least that applies)."""
+    return min(fallback, dict(limits.sampling_defaults).get("max_tokens", fallback))
 
 
 def _check_stream_options(req: _SamplingFields) -> None:

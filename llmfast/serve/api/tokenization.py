@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from llmfast.serve.api.errors import APIError
 from llmfast.serve.api.protocol import DetokenizeRequest, TokenizeRequest
-from llmfast.serve.api.sampling import chat_messages
+from llmfast.serve.api.sampling import chat_messages, chat_prompt
 from llmfast.serve.stream import (
-    ChatPrompt,
     DetokenizeQuery,
     EngineFront,
     EngineUnavailable,
@@ -27,8 +26,7 @@ def tokenize_query(req: TokenizeRequest) -> TokenizeQuery:
                 raise APIError(f"{field} applies to messages only", param=field,
                                code="invalid_value")
         return TokenizeQuery(req.prompt, req.add_special_tokens)
-    kwargs = tuple((req.chat_template_kwargs or {}).items())
-    return TokenizeQuery(ChatPrompt(chat_messages(req.messages), kwargs),
+    return TokenizeQuery(chat_prompt(chat_messages(req.messages), req.chat_template_kwargs),
                          req.add_special_tokens, req.add_generation_prompt)
 
 
