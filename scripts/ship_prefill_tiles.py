@@ -7,7 +7,8 @@ A first start on a GPU model without a shipped table tunes the model's two prefi
 classes (kernels/tuning/prefill_tuning.py; ~20-60 s on an H100). The start-up benchmark
 should time what a user gets once the table ships, so gpu_check's `startup` step runs
 this first: it tunes the model's two classes that no table knows yet (whatever
-LLMFAST_ATTENTION_TUNING says: gpu_check turns tuning off for its benchmarks), then merges the tuned classes into
+LLMFAST_ATTENTION_TUNING says: gpu_check turns tuning off for its benchmarks), then
+merges the tuned classes into
 `llmfast/kernels/tuning/prefill_tables/<gpu>.json` of this working copy, and copies that
 file to --copy-to so it can be committed. Without CUDA it says so and does nothing;
 with CUDA, a run that leaves nothing to ship exits 1.
@@ -22,9 +23,12 @@ import time
 
 import torch
 
-from llmfast.kernels.attention import prefill_tunable, tune_prefill_tiles
+from llmfast.kernels.attention import (
+    model_prefill_classes,
+    prefill_tunable,
+    tune_prefill_tiles,
+)
 from llmfast.kernels.tuning import prefill_tuning
-from llmfast.kernels.tuning.prefill_tuning import shape_class
 from llmfast.models.sources.model_source import resolve_model
 
 
@@ -45,8 +49,7 @@ def main() -> None:
         print(f"{args.model} in {args.dtype}: prefill tiles are not tuned for this shape "
               "(the engine uses its heuristic): nothing to ship")
         return
-    # One request (causal) and several (mixed): the classes a model's prefills launch.
-    classes = [shape_class(n, cfg.head_dim, group, getattr(torch, args.dtype)) for n in (1, 2)]
+    classes = model_prefill_classes(cfg.head_dim, group, getattr(torch, args.dtype))
     for cls in classes:  # a class some table already knows is kept, not re-tuned
         if tune_prefill_tiles(device, cls) is None:
             print(f"{cls.key}: no tile candidate ran; the heuristic stays")

@@ -87,6 +87,13 @@ def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles |
         cls, may_tune, _tile_timer(q.device, cls))
 
 
+def model_prefill_classes(head_dim: int, group: int, dtype: torch.dtype
+                          ) -> tuple[ShapeClass, ShapeClass]:
+    """The two prefill shape classes a model launches: one request (causal) and several
+    (mixed)."""
+    return tuple(shape_class(n, head_dim, group, dtype) for n in (1, 2))
+
+
 def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
                              dtype: torch.dtype, progress: Progress | None = None) -> int:
     """At start-up: tune the two prefill shape classes a model launches (one request:
@@ -99,8 +106,7 @@ def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
         device = torch.device("cuda", torch.cuda.current_device())
     table = _device_tile_table(device)
     before = table.tunings
-    for num_reqs in (1, 2):
-        cls = shape_class(num_reqs, head_dim, group, dtype)
+    for cls in model_prefill_classes(head_dim, group, dtype):
         if progress and table.lookup(cls) is None:
             progress(f"tuning prefill attention tiles for {cls.key} (once per GPU model)",
                      None)
