@@ -261,6 +261,7 @@ def test_every_script_imports():
 @pytest.mark.slow  # ~40 s: two pytest collections and a flag check
 def test_dry_run_of_the_quick_steps(tmp_path):
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path),
+           "GPU_CHECK_STATE": str(tmp_path / "state"),
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full", "async_tests",
                            "kernels"], env=env, capture_output=True, check=False, text=True, timeout=600)
@@ -273,6 +274,14 @@ def test_dry_run_of_the_quick_steps(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full"], env=env,
                           capture_output=True, check=False, text=True, timeout=120)
     assert "SKIPPED  full: not enough time left" in proc.stdout
+    # ... and the machine's next call runs it as the step `skipped`.
+    del env["GPU_CHECK_BUDGET_S"]
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "async_tests",
+                           "skipped"], env=env, capture_output=True, check=False, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "steps: async_tests full;" in proc.stdout
+    assert "=== full: ok" in proc.stdout
 
 
 def test_bench_modes_logits_of_every_mode_agree_with_eager_on_cpu(tmp_path):
