@@ -10,9 +10,9 @@
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
-#     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh modes async kernels startup
+#     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh modes async startup kernels
 #
-# Steps: arguments, else GPU_CHECK_STEPS, else "modes async kernels startup". Each has a
+# Steps: arguments, else GPU_CHECK_STEPS, else "modes async startup kernels". Each has a
 # time limit, and an estimate (warm machine, cold compile caches; GPU_CHECK_QUICK's in
 # brackets) used to keep one call within GPU_CHECK_BUDGET_S (default 560; one device call
 # may run 600 s): a step that would not fit in what is left is skipped with a SKIPPED
@@ -44,7 +44,7 @@
 #   throughput    220/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
 #                            tok/s)
 #   tests         250/560    every other gpu-marked test
-#   kernels 360[200]/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
+#   kernels 360[170]/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
 #                            2k-8k causal; decode >= 1.0x SDPA at B=1..8; max abs diff
 #                            <= 4e-3): prefill tiles tuned first (2 classes x 10
 #                            candidates; prefill_tiles.json is the table to ship), decode
@@ -67,10 +67,11 @@
 # GPU_CHECK_QUICK=1 trims modes (B=1,64,256; eager, graphs, full, linears), async (two
 # repeats) and kernels (the bars' rows only: B=1,8,64,256 x 512/8k, prefill 2k/8k, one
 # mixed batch) so that each issue's headline bar fits into the first call:
-#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh modes async kernels startup
-#        #15 bars + logits vs eager per mode, #16 bars, #17 bars + prefill tiles and
-#        split table to ship, #18 TTFT (est. 140+90+200+150 = 580 s against 560: what
-#        does not fit is SKIPPED and remembered on the machine)
+#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh modes async startup kernels
+#        #15 bars + logits vs eager per mode, #16 bars, #18 TTFT (and the model's prefill
+#        tiles to ship), #17 bars + prefill tiles and split table to ship (est.
+#        140+90+150+170 = 550 s against 560: what does not fit is SKIPPED and remembered
+#        on the machine)
 #   2. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s - 60> ... gpu_check.sh \
 #        skipped async_tests load
 #        `skipped` = the steps the previous call of this machine skipped (a file under
@@ -108,7 +109,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp"
-if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async kernels startup}; fi
+if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
 # What a call skipped for lack of time, kept on the machine (it stays warm between calls)
@@ -158,11 +159,13 @@ else
         MODES_ARGS=(--batch-sizes 1,64,256 --modes eager,graphs,full,linears --iters 30)
         ASYNC_ARGS=(--sizes 1,64,256 --repeats 2)
         KERNELS_ARGS=(--batches 1 8 64 256 --contexts 512 8192 --prefill-tokens 2048 8192
-                      --mixed 2048,2048,64,2048 --iters 30)
-        MODES_EST=140 ASYNC_EST=90 KERNELS_EST=200
+                      --mixed 2048,2048,64,2048 --iters 20)
+        MODES_EST=140 ASYNC_EST=90 KERNELS_EST=170
     fi
     PROFILE_ARGS=(--sizes 1,64 --steps 16)
     LOAD_ARGS=(--preset llama-3.2-1b --repeats 2)
+    # The former random init (10-20 s of CPU RNG for the 1B) is known: not again.
+    [[ $QUICK == 1 ]] && LOAD_ARGS+=(--skip-old)
     SWEEP_ARGS=(--sizes 1..512 --context 128 --steps 32)
     # llmfast keeps its engine (and KV cache) while HF runs in the same process: half
     # the GPU each, so HF's batch-size probe is not cut short by memory.

@@ -72,12 +72,14 @@ def test_modes_logits_agreement_is_judged(tmp_path):
 def test_async_bars_of_issue_16(tmp_path):
     rows = [{"batch": 1, "model_step_ms": 1.0, "sync_ms": 2.0, "async_ms": 1.09},
             {"batch": 64, "model_step_ms": 2.0, "sync_ms": 3.0, "async_ms": 2.3},
-            {"batch": 256, "model_step_ms": 6.0, "sync_ms": 7.0, "async_ms": 6.2}]
+            {"batch": 256, "model_step_ms": 6.0, "sync_ms": 7.0, "async_ms": 6.2},
+            {"batch": 512, "skipped": "batch 512: some timed steps were not pure decode"}]
     _write(tmp_path / "async.json", {"rows": rows})
     lines = _lines("async", tmp_path)
     assert _find(lines, "B=1 async step / model step") == "PASS"
     assert _find(lines, "B=64 async step / model step = 1.15") == "FAIL"
     assert _find(lines, "B=256 async step / model step = 1.03") == "PASS"  # bar 1.05
+    assert _find(lines, "B=512 not measured: batch 512: some timed steps") == "MISSING"
 
 
 def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
