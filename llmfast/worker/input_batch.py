@@ -78,6 +78,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         # Index in the last launched step's sampled ids of the row's placeholder, or -1.
         self.pending_src = np.full(max_num_reqs, -1, dtype=np.int64)
+        # Top-n prompt logprobs the row wants, or -1 (most rows): a step finds the rows
+        # that score prompt tokens with one vectorised test (prompt_logprobs.py).
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
 
         self.sampling = {
             name: CpuGpuBuffer(max_num_reqs, dtype=tdtype, device=device)
@@ -119,6 +122,9 @@ class InputBatch:
 
         params = state.sampling_params
         self.sampling_params[row] = params
+        # A request resumed with tokens generated has had its whole prompt scored.
+        wants_prompt = params.prompt_logprobs is not None and not output
+        self.num_prompt_logprobs[row] = params.prompt_logprobs if wants_prompt else -1
         values = {
             "temperature": params.temperature,
             "top_k": params.top_k,
@@ -143,6 +149,7 @@ class InputBatch:
         self.req_ids[row] = None
         self.sampling_params[row] = None
         self.pending_src[row] = -1
+        self.num_prompt_logprobs[row] = -1
         self.block_table.clear_row(row)
         self._free_rows.append(row)
         return row
@@ -170,9 +177,10 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.pending_src):
+                    self.pending_src, self.num_prompt_logprobs):
             arr[dst] = arr[src]
         self.pending_src[src] = -1
+        self.num_prompt_logprobs[src] = -1
         for buf in self.sampling.values():
             buf.np[dst] = buf.np[src]
         self.block_table.move_row(src, dst)
