@@ -283,9 +283,11 @@ class LLMEngine:
             if skip < 0:
                 raise RuntimeError(f"request {req_id}: prompt logprobs from token "
                                    f"{chunk.first_index}, {len(entries)} expected")
+            start = chunk.first_index
+            tokens = tracked.request.prompt_token_ids[start:start + len(chunk.logprobs)]
             for token, lp, rank, top_ids, top_lps in itertools.islice(zip(
-                    tracked.request.prompt_token_ids[chunk.first_index:], chunk.logprobs,
-                    chunk.ranks, chunk.top_ids, chunk.top_logprobs), skip, None):
+                    tokens, chunk.logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs),
+                    skip, None):
                 entry = {token: lp}
                 for t, v in zip(top_ids, top_lps):
                     entry.setdefault(t, v)

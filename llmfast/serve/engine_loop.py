@@ -114,6 +114,7 @@ class EngineLoop:
         self.failure: str | None = None
         self.stats = engine.stats()  # replaced whole after each step, never mutated
         self.num_steps = 0  # engine steps taken
+        self._token_texts: dict[int, str] = {}  # token id -> its text (_token_text)
 
     # ------------------------------------------------------------------ carrier hooks
 
@@ -330,10 +331,14 @@ class EngineLoop:
             out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:])))
 
     def _token_text(self, token_id: int) -> str:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return f"token_id:{token_id}"
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+        # Memoised (at most the vocabulary): a scored prompt decodes (n + 1) ids a token.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = (f"token_id:{token_id}" if tokenizer is None
+                    else tokenizer.decode([token_id], skip_special_tokens=False))
+            self._token_texts[token_id] = text
+        return text
 
     def _fail_all(self, error: StreamError) -> None:
         streams = {}
