@@ -190,6 +190,9 @@ class LLMEngine:
         once it finishes (offline batches skip building an output per token)."""
         params = (params or self.default_sampling_params()).fit_to_model(
             self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        outside = params.token_ids_outside(self.config.model.vocab_size)
+        if outside is not None:
+            raise RequestRejected(outside)
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)
         req_id = request_id if request_id is not None else str(next(self._ids))

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from llmfast.utils.value_checks import describe, int_list, is_int, is_number
 
+# OpenAI's range for logit_bias values: -100 bans a token, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
+
 # Rows with temperature below this are sampled greedily.
 GREEDY_TEMPERATURE = 1e-5
 # Most top-n alternatives `logprobs` and `prompt_logprobs` may ask for (vLLM's default).
@@ -31,7 +34,10 @@ class SamplingParams:
     of the returned text (unless `include_stop_str_in_output`). `logprobs=n` returns the
     sampled token's logprob and the top n. `prompt_logprobs=n` returns, for every prompt
     token but the first, its logprob given the tokens before it and the top n (such a
-    request takes no prefix-cache hits: cached tokens have no logits).
+    request takes no prefix-cache hits: cached tokens have no logits). `logit_bias`
+    ({token id: bias in [-100, 100]}) is added to the logits and `allowed_token_ids` bans
+    every other token, both before penalties and before the (sampled tokens') logprobs are
+    taken (token ids must be in the model's vocabulary: the engine refuses others).
     """
 
     temperature: float = 1.0
@@ -50,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the stop string stays in the text
+    # A dict, so left out of the hash (the dataclass stays hashable).
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -59,6 +68,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(
             int_list(self.stop_token_ids, "stop_token_ids", SamplingParamsError)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(
+                int_list(self.allowed_token_ids, "allowed_token_ids", SamplingParamsError)))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:  # numpy integers -> int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
@@ -120,6 +134,25 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids must not be empty (it would ban every token)")
+            if min(self.allowed_token_ids) < 0:
+                raise bad("allowed_token_ids must be non-negative")
+
+    def token_ids_outside(self, vocab_size: int) -> str | None:
+        """What names a token id this model does not have (`logit_bias`,
+        `allowed_token_ids`), or None: the engine refuses such a request."""
+        for what, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            if ids and max(ids) >= vocab_size:
+                return f"{what} has token id {max(ids)}, outside the vocabulary [0, {vocab_size})"
+        return None
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Whether the sampler must edit this request's logits before anything else."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def fit_to_model(self, vocab_size: int, max_model_len: int) -> SamplingParams:
         """The same request with every count cut to what can take effect on this model,
@@ -141,3 +174,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    """`bias` as {int token id: float}; a SamplingParamsError names what is wrong."""
+    if not isinstance(bias, dict):
+        raise SamplingParamsError(f"logit_bias must be a mapping of token id to bias, got "
+                                  f"{describe(bias)}")
+    out = {}
+    for token, value in bias.items():
+        if not is_int(token) or token < 0:
+            raise SamplingParamsError(f"logit_bias keys must be non-negative token ids, got "
+                                      f"{describe(token)}")
+        if not is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias values must be numbers in [-100, 100], got "
+                                      f"{describe(value)} for token {token}")
+        out[int(token)] = float(value)
+    return out

@@ -81,10 +81,10 @@ def decode_batch(static: StaticBatch, batch: int, context_len: int) -> None:
 
 
 def make_step(static: StaticBatch, forward, batch: int, num_padded: int):
-    def step() -> None:
+    def step() -> torch.Tensor:
         hidden = static.run(forward, num_padded, batch)
         with torch.inference_mode():
-            static.model.compute_logits(hidden[:batch])
+            return static.model.compute_logits(hidden[:batch])
 
     return step
 
@@ -124,11 +124,32 @@ def make_full_step(static: StaticBatch, cm: CompiledModel, batch: int):
     static.seq_lens[batch:size] = 0
     inputs = full_forward_of(static, cm)(size, False)[1]
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         with torch.inference_mode():  # (the CPU emulation re-runs the forward)
-            cm.replay_full(size, inputs)
+            return cm.replay_full(size, inputs)[:batch]
 
     return step
+
+
+def agreement(steps: dict, reference: str) -> dict[str, dict[str, float]]:
+    """Each mode's logits for the same decode batch against `reference`'s: the largest
+    absolute difference, that over the reference's largest |logit|, and the share of rows
+    whose argmax agrees. A sanity check riding on the timing run (the tests compare
+    with HF): a graph that reads a stale input or the wrong KV blocks moves the logits by
+    far more than bf16 rounding does, since the cache holds random values."""
+    with torch.inference_mode():
+        logits = {mode: step().float().clone() for mode, step in steps.items()
+                  if mode != "linears"}
+    ref = logits[reference]
+    scale = ref.abs().max().item() or 1.0
+    out = {}
+    for mode, got in logits.items():
+        if mode == reference:
+            continue
+        diff = (got - ref).abs().max().item()
+        out[mode] = {"max_abs_diff": diff, "rel_diff": diff / scale,
+                     "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    return out
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -203,6 +224,13 @@ def main() -> None:
         prepack_linears(model, None)
     static = StaticBatch(model, max_batch, args.context_len, max_num_tokens=max_batch,
                          block_size=args.block_size, table_len=args.max_model_len)
+    # Random cache contents, so a graph reading the wrong blocks shows in `agreement`
+    # (zeroed blocks all look alike). Steps rewrite only each row's last slot, with the
+    # same values in every mode.
+    torch.manual_seed(0)
+    for k_cache, v_cache in static.caches:
+        k_cache.normal_()
+        v_cache.normal_()
     forwards = {}
     full_cm = None
     info: dict[str, object] = {}
@@ -228,6 +256,8 @@ def main() -> None:
         info[mode] = {"stats": cm.stats.summary(), "graph_bytes": graph_bytes}
         print(f"[{mode}] {cm.stats.summary()}", flush=True)
     results: dict[str, dict[int, float]] = {mode: {} for mode in modes}
+    reference = next((m for m in modes if m != "linears"), None)
+    agree: dict[int, dict[str, dict[str, float]]] = {}
     for b in batches:
         decode_batch(static, b, args.context_len)
         steps = {mode: make_step(static, fwd, b, pad(b)) for mode, (fwd, pad) in forwards.items()}
@@ -239,6 +269,8 @@ def main() -> None:
         for mode, ms in time_interleaved(steps, iters, args.warmup, device).items():
             results[mode][b] = ms
         print(f"B={b}: " + ", ".join(f"{m} {results[m][b]:.2f} ms" for m in modes), flush=True)
+        if reference is not None:
+            agree[b] = agreement(steps, reference)
 
     header = f"{'batch':>6} " + " ".join(f"{m + ' ms':>12}" for m in modes)
     if "eager" in modes:
@@ -260,6 +292,12 @@ def main() -> None:
         if floor:
             row += f" {results['full'][b] / results['linears'][b]:>13.2f}"
         print(row)
+    if any(agree.values()):
+        print(f"\nlogits vs {reference} on the same batch (random KV cache): max |diff| / "
+              f"max |{reference} logit|, argmax agreement")
+        for b, by_mode in agree.items():
+            print(f"{b:>6} " + "  ".join(f"{m}: {a['rel_diff']:.2e} {a['argmax_agree']:.0%}"
+                                         for m, a in by_mode.items()))
     hbm_limit_ms = None
     if on_cuda and "linears" in modes:
         from llmfast.bench.bandwidth import peak_bandwidth
@@ -281,6 +319,8 @@ def main() -> None:
             "linears": "CUDA-graph replay" if on_cuda else "eager",
             "linears_hbm_limit_ms": hbm_limit_ms,
             "compile": info,
+            "agreement": {"reference": reference,
+                          "by_batch": {str(b): a for b, a in agree.items()}},
         }, indent=2))
 
 

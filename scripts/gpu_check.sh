@@ -10,13 +10,14 @@
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
-#     || exit; bash scripts/gpu_check.sh full async_tests
+#     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh modes async kernels startup
 #
-# Steps: arguments, else GPU_CHECK_STEPS, else "full async_tests". Each has a time
-# limit, and an estimate (warm machine, cold compile caches) used to keep one call
-# within GPU_CHECK_BUDGET_S (default 560; one device call may run 600 s): a step that
-# would not fit in what is left is skipped with a SKIPPED line (run it in the next
-# call). A step that fails or times out does not stop the later ones.
+# Steps: arguments, else GPU_CHECK_STEPS, else "modes async kernels startup". Each has a
+# time limit, and an estimate (warm machine, cold compile caches; GPU_CHECK_QUICK's in
+# brackets) used to keep one call within GPU_CHECK_BUDGET_S (default 560; one device call
+# may run 600 s): a step that would not fit in what is left is skipped with a SKIPPED
+# line, and the step `skipped` of the machine's next call runs it. A step that fails or
+# times out does not stop the later ones.
 #
 #   step        est/limit s  what (issue: bar)
 #   full          280/330    tests/test_full_graphs_gpu.py: every CUDA-graph mode vs HF at
@@ -25,10 +26,10 @@
 #   async_tests    90/200    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
 #                            (#16: steady-state steps under sync-debug "error", async ==
 #                            sync on CUDA, phase timer device time)
-#   modes         200/560    scripts/bench_modes.py eager, compiled, graphs, full, linears
+#   modes   200[140]/560    scripts/bench_modes.py eager, compiled, graphs, full, linears
 #                            (#15: full/linears <= 1.25 at B=1, <= 1.3 at B=64; eager/full
 #                            >= 6 at B=1)
-#   async         120/330    scripts/bench_async.py (#16: async/model <= 1.10 at 1 and 64,
+#   async    120[90]/330    scripts/bench_async.py (#16: async/model <= 1.10 at 1 and 64,
 #                            <= 1.05 at 256)
 #   profile       150/260    llmfast profile, sync then async (#16: device ms per phase
 #                            under CUDA graphs, host/device overlap)
@@ -43,7 +44,7 @@
 #   throughput    220/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
 #                            tok/s)
 #   tests         250/560    every other gpu-marked test
-#   kernels       360/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
+#   kernels 360[200]/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
 #                            2k-8k causal; decode >= 1.0x SDPA at B=1..8; max abs diff
 #                            <= 4e-3): prefill tiles tuned first (2 classes x 10
 #                            candidates; prefill_tiles.json is the table to ship), decode
@@ -59,22 +60,28 @@
 #                            engine's step (output tok/s, TPOT)? Decides the default.
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
 #
-# A device session: 30 minutes counted from the machine's start, calls of <= 600 s, and
-# the machine goes back 30 s after a call ends. So issue each next call AT ONCE (read the
-# results while it runs): a later one starts a bare machine (1-2 min of device time, cold
-# compile caches). Three full calls, most decisive first; each lists its steps in the
-# order that fits the 560 s budget by the estimates (the last one runs when the earlier
-# ones beat their estimates; a SKIPPED step goes into the next call):
-#   1. "modes full async_tests"            #15's bars, #15 and #16 correctness (480+90)
-#   2. "kernels async load"                #17's bars and tables to ship, #16's, #18 load
-#                                          (480+90)
-#   3. "startup throughput sweep kernels64"  #18's bars, the 1B's split table (460+90)
-# then "profile tests serve_procs" (#16's phase table) if time is left. Set
-# GPU_CHECK_BUDGET_S to the device time left (status's budget_left_s) less ~60 s when
-# that is under 620. Compile caches persist between calls
-# while the machine stays warm (LLMFAST_CACHE below). What comes back of $OUT: report.md,
-# verdicts.txt and results.tar.gz (everything else, packed at the end: the tool returns 8
-# files at most).
+# A device session: 15 minutes of device time in all (the machine's start, 1-2 min, counts),
+# calls of <= 600 s, and the machine goes back 30 s after a call ends. So: one full call
+# and, issued AT ONCE after it (read its results while the next runs), one short one on
+# the same warm machine; a later call starts a bare machine (1-2 min, cold caches).
+# GPU_CHECK_QUICK=1 trims modes (B=1,64,256; eager, graphs, full, linears), async (two
+# repeats) and kernels (the bars' rows only: B=1,8,64,256 x 512/8k, prefill 2k/8k, one
+# mixed batch) so that each issue's headline bar fits into the first call:
+#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh modes async kernels startup
+#        #15 bars + logits vs eager per mode, #16 bars, #17 bars + prefill tiles and
+#        split table to ship, #18 TTFT (est. 140+90+200+150 = 580 s against 560: what
+#        does not fit is SKIPPED and remembered on the machine)
+#   2. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s - 60> ... gpu_check.sh \
+#        skipped async_tests load
+#        `skipped` = the steps the previous call of this machine skipped (a file under
+#        /tmp); then #16's sync-free proof and #18's load figures, as time allows.
+# The next GPU sessions, one call each, full sizes: "full tests" (#15 correctness vs HF,
+# every gpu test), "kernels kernels64 sweep" (#17's whole table, the 1B's split table,
+# #18's sweep), "throughput profile serve_procs" (#18's 10x, #16's phase table, the
+# --api-servers default). Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
+# when that is under 620. Compile caches persist between calls while the machine stays
+# warm (LLMFAST_CACHE below). What comes back of $OUT: report.md, verdicts.txt and
+# results.tar.gz (everything else, packed at the end: the tool returns 8 files at most).
 #
 # Dry run, on CPU, here: PYTHONPATH=$PWD GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh [steps|all]
 # runs every step's command with random:tiny, float32, on the CPU and tiny sizes
@@ -101,11 +108,26 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp"
-if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full async_tests}; fi
+if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async kernels startup}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
+QUICK=${GPU_CHECK_QUICK:-0}
+# What a call skipped for lack of time, kept on the machine (it stays warm between calls)
+# for the next call's step `skipped`.
+STATE=${GPU_CHECK_STATE:-/tmp/llmfast_gpu_check_state$([[ $DRY == 1 ]] && echo _dry)}
+mkdir -p "$STATE"
+if [[ " $STEPS " == *" skipped "* ]]; then
+    before=$(echo $(cat "$STATE/skipped" 2>/dev/null))
+    STEPS=$(echo $(for step in $STEPS; do
+                       if [[ $step == skipped ]]; then printf '%s\n' $before; else echo "$step"; fi
+                   done | awk 'NF && !seen[$0]++'))
+    echo "skipped by the previous call: ${before:-none}"
+fi
 PRESETS=${GPU_CHECK_PRESETS:-qwen2.5-0.5b qwen3-0.6b mistral-7b qwen3-8b llama-3.1-8b}
 START=$SECONDS
 declare -A STATUS
+SKIPPED_STEPS=()  # the steps (as named in STEPS) that run_step skipped
+KERNELS_ARGS=()
+MODES_EST=200 ASYNC_EST=120 KERNELS_EST=360
 
 if [[ $DRY == 1 ]]; then  # the same commands, CPU-sized
     MODEL=random:tiny DTYPE=float32 DEV=(--device cpu)
@@ -132,6 +154,13 @@ else
     PYTEST=(python3 -m pytest -m gpu -v -p no:cacheprovider -rA --durations=10)
     MODES_ARGS=(--batch-sizes 1,8,64,256)
     ASYNC_ARGS=(--sizes 1,64,256)
+    if [[ $QUICK == 1 ]]; then  # the bars' rows only (see the plan above)
+        MODES_ARGS=(--batch-sizes 1,64,256 --modes eager,graphs,full,linears --iters 30)
+        ASYNC_ARGS=(--sizes 1,64,256 --repeats 2)
+        KERNELS_ARGS=(--batches 1 8 64 256 --contexts 512 8192 --prefill-tokens 2048 8192
+                      --mixed 2048,2048,64,2048 --iters 30)
+        MODES_EST=140 ASYNC_EST=90 KERNELS_EST=200
+    fi
     PROFILE_ARGS=(--sizes 1,64 --steps 16)
     LOAD_ARGS=(--preset llama-3.2-1b --repeats 2)
     SWEEP_ARGS=(--sizes 1..512 --context 128 --steps 32)
@@ -165,6 +194,7 @@ run_step() {  # name, estimate s, limit s, command...
         echo "=== $name: ${STATUS[$name]}" | tee -a "$OUT/steps.log"
         echo "SKIPPED  $name: not enough time left in this call; run it in the next" \
             | tee -a "$OUT/verdicts.txt"
+        SKIPPED_STEPS+=("$step")
         return
     fi
     (( limit > left )) && limit=$left
@@ -211,7 +241,8 @@ for step in $STEPS; do
                     --tuned-table --prefill-tokens --mixed; do \
                     grep -q -- "$f" <<<"$h" || { echo "no $f"; exit 1; }; done; echo flags ok'
             else
-                run_step kernels 360 540 python3 scripts/bench_kernels.py --tune force \
+                run_step kernels "$KERNELS_EST" 540 python3 scripts/bench_kernels.py \
+                    "${KERNELS_ARGS[@]}" --tune force \
                     --tuned-table "$OUT/prefill_tiles.json" --json "$OUT/kernels.json" \
                     --markdown "$OUT/kernels.md" --sweep-splits "$OUT/splits.json"
             fi ;;
@@ -226,10 +257,10 @@ for step in $STEPS; do
                     --markdown "$OUT/kernels64.md" --sweep-splits "$OUT/splits.json"
             fi ;;
         modes)
-            run_step modes 200 560 python3 scripts/bench_modes.py --model "$MODEL" \
+            run_step modes "$MODES_EST" 560 python3 scripts/bench_modes.py --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" "${MODES_ARGS[@]}" --json "$OUT/modes.json" ;;
         async)
-            run_step async 120 330 python3 scripts/bench_async.py --model "$MODEL" \
+            run_step async "$ASYNC_EST" 330 python3 scripts/bench_async.py --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" "${ASYNC_ARGS[@]}" --json "$OUT/async.json" ;;
         profile)
             rm -rf "$OUT/profile-sync" "$OUT/profile-async"
@@ -306,6 +337,8 @@ for step in $STEPS; do
     esac
 done
 
+printf '%s\n' "${SKIPPED_STEPS[@]}" | awk 'NF && !seen[$0]++' > "$STATE/skipped"
+
 echo
 echo "================ llmfast gpu_check summary ================"
 cat "$OUT/device.txt"
@@ -316,6 +349,10 @@ for step in $STEPS; do
         *) printf '%-18s %s\n' "$step" "${STATUS[$step]:-not run}" ;;
     esac
 done
+if (( ${#SKIPPED_STEPS[@]} )); then
+    echo "--- skipped for lack of time: $(tr '\n' ' ' < "$STATE/skipped")(the step" \
+        "\`skipped\` of this machine's next call runs them)"
+fi
 if [[ -f "$OUT/verdicts.txt" ]]; then
     echo "--- verdicts of this call: $OUT/verdicts.txt"
     grep -E '^(PASS|FAIL|MISSING|SKIPPED|DRY-PASS|DRY-FAIL) ' "$OUT/verdicts.txt" | tail -n 60

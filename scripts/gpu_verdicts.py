@@ -74,6 +74,26 @@ def modes(out: Path) -> Iterator[Line]:
     for batch in sorted({int(b) for r in lat.values() for b in r}):
         row = ", ".join(f"{m} {lat[m][str(batch)]:.3f}" for m in lat if str(batch) in lat[m])
         yield info(f"#15 modes: B={batch} ms: {row}")
+    yield from _modes_agreement(data.get("agreement"))
+
+
+# bf16 rounding moves a 1B model's logits by a few % of the largest (compiled vs eager,
+# measured on the CPU: 3 %); a decode that reads one context token less moves them 16 %.
+MODES_MAX_REL_DIFF = 0.1
+
+
+def _modes_agreement(agreement: dict | None) -> Iterator[Line]:
+    """#15 correctness riding on the timing run: every mode's logits vs eager's."""
+    if not agreement or not agreement.get("by_batch"):
+        yield ("MISSING", "#15 modes: no logits agreement in modes.json")
+        return
+    ref = agreement["reference"]
+    for batch, by_mode in agreement["by_batch"].items():
+        for mode, a in by_mode.items():
+            yield check(a["rel_diff"] <= MODES_MAX_REL_DIFF,
+                        f"#15 modes: B={batch} {mode} logits vs {ref}: max |diff| "
+                        f"{a['rel_diff']:.1e} of the largest (bar <= {MODES_MAX_REL_DIFF:g}), "
+                        f"argmax agrees on {a['argmax_agree']:.0%} of rows")
 
 
 def async_bench(out: Path) -> Iterator[Line]:

@@ -27,7 +27,7 @@ def _gpu_llm(enforce_eager: bool, async_scheduling: bool = True, **kw):
 
 def _mixed_params():
     """Every sampler stage: greedy, seeded random with top-k/p, min-p, penalties,
-    min_tokens (stop ids banned for a while), logprobs."""
+    min_tokens (stop ids banned for a while), logprobs, logit bias and allowed ids."""
     return [
         SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=3),
@@ -38,6 +38,8 @@ def _mixed_params():
                        ignore_eos=True),
         SamplingParams(temperature=0.7, min_tokens=150, stop_token_ids=(5, 6),
                        max_tokens=200),
+        SamplingParams(temperature=0.9, seed=3, logit_bias={7: 2.0, 9: -3.0},
+                       allowed_token_ids=list(range(5, 40)), max_tokens=200, ignore_eos=True),
     ]
 
 
@@ -67,7 +69,7 @@ def test_steady_state_steps_never_sync(enforce_eager, async_scheduling, monkeypa
         counts = [len(engine.step()) for _ in range(8)]
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert counts == [5] * 8 and len(waits) == 8
+    assert counts == [len(_mixed_params())] * 8 and len(waits) == 8
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])

@@ -54,6 +54,19 @@ def test_modes_bars_of_issue_15(tmp_path):
     assert _find(lines, "B=1 full / linears") == "PASS"
     assert _find(lines, "B=64 full / linears") == "PASS"
     assert _find(lines, "B=1 eager / full") == "PASS"
+    assert _find(lines, "no logits agreement") == "MISSING"
+
+
+def test_modes_logits_agreement_is_judged(tmp_path):
+    lat = {"eager": {"1": 12.0}, "full": {"1": 1.9}}
+    ok = {"max_abs_diff": 0.05, "rel_diff": 0.03, "argmax_agree": 0.875}
+    stale = {"max_abs_diff": 0.3, "rel_diff": 0.16, "argmax_agree": 0.6}
+    _write(tmp_path / "modes.json", {"latency_ms": lat, "agreement": {
+        "reference": "eager", "by_batch": {"1": {"full": ok}, "64": {"full": stale}}}})
+    lines = _lines("modes", tmp_path)
+    assert _find(lines, "B=1 full logits vs eager: max |diff| 3.0e-02") == "PASS"
+    assert _find(lines, "B=64 full logits vs eager: max |diff| 1.6e-01") == "FAIL"
+    assert "argmax agrees on 60% of rows" in next(t for t in lines if "B=64 full logits" in t)
 
 
 def test_async_bars_of_issue_16(tmp_path):
@@ -248,6 +261,7 @@ def test_every_script_imports():
 @pytest.mark.slow  # ~40 s: two pytest collections and a flag check
 def test_dry_run_of_the_quick_steps(tmp_path):
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path),
+           "GPU_CHECK_STATE": str(tmp_path / "state"),
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full", "async_tests",
                            "kernels"], env=env, capture_output=True, check=False, text=True, timeout=600)
@@ -260,3 +274,33 @@ def test_dry_run_of_the_quick_steps(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full"], env=env,
                           capture_output=True, check=False, text=True, timeout=120)
     assert "SKIPPED  full: not enough time left" in proc.stdout
+    # ... and the machine's next call runs it as the step `skipped`.
+    del env["GPU_CHECK_BUDGET_S"]
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "async_tests",
+                           "skipped"], env=env, capture_output=True, check=False, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "steps: async_tests full;" in proc.stdout
+    assert "=== full: ok" in proc.stdout
+
+
+def test_bench_modes_logits_of_every_mode_agree_with_eager_on_cpu(tmp_path):
+    """The modes step's own correctness check, run for real (fp32; on the CPU the full
+    graph is emulated): every mode's logits equal eager's, and its verdict lines say so."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench_modes.py"), "--model", "random:tiny",
+         "--device", "cpu", "--batch-sizes", "1,3", "--modes", "eager,compiled,full,linears",
+         "--iters", "1", "--warmup", "1", "--max-model-len", "256",
+         "--json", str(tmp_path / "modes.json")],
+        env=env, capture_output=True, check=False, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    agreement = json.loads((tmp_path / "modes.json").read_text())["agreement"]
+    assert agreement["reference"] == "eager"
+    assert set(agreement["by_batch"]) == {"1", "3"}
+    for by_mode in agreement["by_batch"].values():
+        assert set(by_mode) == {"compiled", "full"}
+        for a in by_mode.values():
+            assert a["rel_diff"] < 1e-5 and a["argmax_agree"] == 1.0, by_mode
+    lines = _lines("modes", tmp_path)
+    assert _find(lines, "B=3 full logits vs eager") == "PASS"

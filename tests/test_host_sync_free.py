@@ -139,8 +139,8 @@ def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, full_graph
     recorder = _HostSyncRecorder()
     with recorder:
         counts = [len(engine.step()) for _ in range(8)]
-    assert counts == [5] * 8
-    assert replays == ([8] * 8 if full_graphs else [])  # 5 rows padded to 8
+    assert counts == [len(_mixed_params())] * 8
+    assert replays == ([8] * 8 if full_graphs else [])  # 6 rows padded to 8
     assert not recorder.syncing, "host-syncing ops in a step:\n" + "\n".join(
         f"{name} from:\n{where}" for name, where in recorder.syncing.items())
     assert recorder.factory_callers <= {f"worker{os.sep}sampling{os.sep}sampler.py"}

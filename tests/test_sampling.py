@@ -11,6 +11,7 @@ import torch
 from llmfast.sampling_params import SamplingParams
 from llmfast.worker.sampling.sampler import (
     Sampler,
+    apply_logit_rules,
     apply_penalties,
     seed_to_int64,
     seeded_exponential,
@@ -258,6 +259,49 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert ids.tolist() == [5, eos]  # row 0 bans only eos; 5 is no stop id here
 
 
+def naive_logit_rules(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    out = row.clone()
+    if p.allowed_token_ids is not None:
+        for t in range(len(out)):
+            if t not in p.allowed_token_ids:
+                out[t] = -math.inf
+    for t, b in (p.logit_bias or {}).items():
+        out[t] += b
+    return out
+
+
+def test_logit_rules_match_naive_oracle_and_bind_every_sampler_path():
+    vocab_size = 30
+    logits = rand_logits(5, vocab_size, seed=11)
+    params = [SP(logit_bias={3: 100.0, 7: -2.5}), SP(allowed_token_ids=[4, 9, 28]),
+              SP(temperature=0.0, logit_bias={0: 1.0, 9: -100.0}, allowed_token_ids=[9, 12]),
+              SP(temperature=0.0), SP(top_p=0.9, allowed_token_ids=[5, 6], logprobs=2)]
+    md = make_md(params, vocab_size)
+    got = apply_logit_rules(logits.clone(), md)
+    for r, p in enumerate(params):
+        torch.testing.assert_close(got[r], naive_logit_rules(logits[r], p))
+    # Through the sampler: a +100 bias wins, allowed sets bind greedy and random rows
+    # alike (the biased-down 9 loses to 12), the plain greedy row is untouched, and
+    # logprobs are those of the edited logits.
+    for seed in range(20):
+        res = Sampler()(logits, make_md([dataclasses.replace(p, seed=seed) for p in params],
+                                        vocab_size))
+        ids = res.sampled_token_ids.tolist()
+        assert ids[0] == 3 and ids[1] in (4, 9, 28) and ids[2] == 12
+        assert ids[3] == int(logits[3].argmax()) and ids[4] in (5, 6)
+    lp = torch.log_softmax(got, -1)
+    torch.testing.assert_close(res.logprobs.topk_logprobs[4], lp[4].topk(2).values)
+
+
+def test_logit_rules_out_of_vocabulary_ids_are_named():
+    p = SP(logit_bias={5: 1.0, 40: 2.0})
+    assert p.token_ids_outside(50) is None
+    assert p.token_ids_outside(40) == ("logit_bias has token id 40, outside the vocabulary "
+                                       "[0, 40)")
+    assert "allowed_token_ids has token id 7" in SP(allowed_token_ids=[7]).token_ids_outside(7)
+    assert SP(logit_bias={}).has_logit_rules is False and hash(p) == hash(p)
+
+
 # ---- greedy, logprobs, no-sync -----------------------------------------------------
 
 
@@ -303,7 +347,9 @@ def test_worst_case_metadata_turns_every_stage_on_consistently():
               for r in range(n)]
     params = [dataclasses.replace(p, repetition_penalty=1.1, presence_penalty=0.1,
                                   frequency_penalty=0.1, min_tokens=1, stop_token_ids=[0],
-                                  logprobs=20) for p in params]
+                                  logprobs=20, logit_bias={r % vocab: 1.0},
+                                  allowed_token_ids=[r, r + 1] if r % 4 == 1 else None)
+              for r, p in enumerate(params)]
     ref = metadata_from_params(params, vocab_size=vocab,
                                prompt_token_ids=[[r % vocab] for r in range(n)])
     ref.seeds = md.seeds  # the same draws; the seeds' values do not matter here
@@ -320,15 +366,19 @@ def test_forward_runs_on_meta_tensors_so_it_never_reads_device_values():
     vocab_size = 64
     params = [SP(temperature=0.0, logprobs=2),
               SP(top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3,
-                 frequency_penalty=0.2, seed=3, min_tokens=5, logprobs=4),
+                 frequency_penalty=0.2, seed=3, min_tokens=5, logprobs=4,
+                 logit_bias={3: 2.0}, allowed_token_ids=[3, 9, 11]),
               SP(temperature=0.7, top_k=2)]
     md = make_md(params, vocab_size, prompt_token_ids=[[1, 2], [3], [4, 5, 6]],
                  output_token_ids=[[7], [8, 8], []], eos_token_id=0)
     assert not (md.all_greedy or md.all_random or md.no_penalties or md.no_top_k or md.no_top_p
-                or md.no_min_p or md.no_min_tokens or md.no_seeds)
+                or md.no_min_p or md.no_min_tokens or md.no_seeds or md.no_logit_rules)
     meta = dataclasses.replace(md, **{
         f.name: getattr(md, f.name).to("meta") for f in dataclasses.fields(md)
         if isinstance(getattr(md, f.name), torch.Tensor)})
+    meta.logit_rules = dataclasses.replace(md.logit_rules, **{
+        f.name: getattr(md.logit_rules, f.name).to("meta")
+        for f in dataclasses.fields(md.logit_rules)})
     for no_top_p in (False, True):  # the sort path and the topk-threshold path
         res = Sampler()(torch.empty(3, vocab_size, device="meta"),
                         dataclasses.replace(meta, no_top_p=no_top_p))
@@ -339,8 +389,9 @@ def test_forward_runs_on_meta_tensors_so_it_never_reads_device_values():
 def test_forward_traces_as_one_graph():
     # fullgraph=True fails on any graph break, e.g. a data-dependent branch or .item().
     vocab_size = 64
-    params = [SP(temperature=0.0, logprobs=1), SP(top_k=5, top_p=0.9, min_p=0.1, seed=3,
-                                                  repetition_penalty=1.2, min_tokens=5)]
+    params = [SP(temperature=0.0, logprobs=1, logit_bias={4: 3.0}),
+              SP(top_k=5, top_p=0.9, min_p=0.1, seed=3, repetition_penalty=1.2, min_tokens=5,
+                 allowed_token_ids=[0, 7, 9, 30])]
     md = make_md(params, vocab_size, prompt_token_ids=[[1], [2]], output_token_ids=[[3], []],
                  eos_token_id=0)
     logits = rand_logits(2, vocab_size, seed=12)
@@ -382,6 +433,9 @@ def test_cuda_no_sync_and_seeded_tokens_match_cpu():
     dict(top_k=-2), dict(min_p=1.5), dict(repetition_penalty=0.0), dict(presence_penalty=3.0),
     dict(frequency_penalty=-2.5), dict(max_tokens=0), dict(min_tokens=20, max_tokens=10),
     dict(seed=-1), dict(stop=("",)), dict(stop_token_ids=(-1,)), dict(logprobs=21),
+    dict(logit_bias={"3": 1.0}), dict(logit_bias={3: 100.5}), dict(logit_bias={-1: 1.0}),
+    dict(logit_bias={3: math.inf}), dict(logit_bias=[3]), dict(allowed_token_ids=[]),
+    dict(allowed_token_ids=[-2]), dict(allowed_token_ids=[1.5]),
 ])
 def test_bad_sampling_params_raise_one_line_value_error(kwargs):
     with pytest.raises(ValueError) as exc:

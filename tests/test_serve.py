@@ -309,6 +309,24 @@ def test_vllm_prompt_logprobs_field(client, model, tokenizer, offline):
     assert all(len(position) == 1 for position in chat_lp[1:])
 
 
+def test_logit_bias_and_allowed_token_ids(client, model, tokenizer):
+    forced = tokenizer.encode("hello")[0]
+    out = client.completions.create(model=model, prompt=PROMPTS[1], **_greedy(
+        max_tokens=5, logit_bias={str(forced): 100}))
+    assert out.choices[0].text == tokenizer.decode([forced] * 5)
+    allowed = list(dict.fromkeys(tokenizer.encode("The capital of France")))[:3]
+    assert len({tokenizer.decode([t]) for t in allowed}) == 3
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+        top_logprobs=3, **_greedy(max_tokens=6, extra_body={"ignore_eos": True,
+                                                            "allowed_token_ids": allowed}))
+    names = {tokenizer.decode([t]) for t in allowed}
+    for entry in chat.choices[0].logprobs.content:
+        # Every other token is banned before the logprobs: the three share all the mass.
+        assert {top.token for top in entry.top_logprobs} == names
+        assert sum(math.exp(top.logprob) for top in entry.top_logprobs) == pytest.approx(1.0)
+
+
 def test_concurrent_streams_batch_and_finish(server, client, model):
     """32 streaming clients at once: each gets all its tokens and the text it gets alone
     (greedy), and the engine ran them in shared steps."""

@@ -100,7 +100,8 @@ class _Stop:
 def engine_limits(engine: LLMEngine) -> Limits:
     scheduler = engine.config.scheduler
     return Limits(max_n=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len,
-                  sampling_defaults=engine.config.sampling_defaults)
+                  sampling_defaults=engine.config.sampling_defaults,
+                  vocab_size=engine.config.model.vocab_size)
 
 
 class EngineLoop:

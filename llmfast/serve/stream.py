@@ -26,6 +26,7 @@ class Limits:
     # What a request gets for the sampling fields it leaves unset, as (SamplingParams
     # field, value) pairs: the model's generation_config.json (EngineConfig's).
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
+    vocab_size: int | None = None  # the model's: logit_bias / allowed_token_ids ids below it
 
 
 @dataclass(frozen=True, slots=True)

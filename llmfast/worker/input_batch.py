@@ -78,6 +78,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         # Index in the last launched step's sampled ids of the row's placeholder, or -1.
         self.pending_src = np.full(max_num_reqs, -1, dtype=np.int64)
+        # Whether the row's params carry logit_bias / allowed_token_ids: the sampling
+        # metadata reads its params only when some row does.
+        self.has_logit_rules = np.zeros(max_num_reqs, dtype=np.bool_)
         # Top-n prompt logprobs the row wants, or -1 (most rows): a step finds the rows
         # that score prompt tokens with one vectorised test (prompt_logprobs.py).
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
@@ -122,6 +125,7 @@ class InputBatch:
 
         params = state.sampling_params
         self.sampling_params[row] = params
+        self.has_logit_rules[row] = params.has_logit_rules
         # A request resumed with tokens generated has had its whole prompt scored.
         wants_prompt = params.prompt_logprobs is not None and not output
         self.num_prompt_logprobs[row] = params.prompt_logprobs if wants_prompt else -1
@@ -149,6 +153,7 @@ class InputBatch:
         self.req_ids[row] = None
         self.sampling_params[row] = None
         self.pending_src[row] = -1
+        self.has_logit_rules[row] = False
         self.num_prompt_logprobs[row] = -1
         self.block_table.clear_row(row)
         self._free_rows.append(row)
@@ -177,8 +182,9 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.pending_src, self.num_prompt_logprobs):
+                    self.pending_src, self.has_logit_rules, self.num_prompt_logprobs):
             arr[dst] = arr[src]
+        self.has_logit_rules[src] = False
         self.pending_src[src] = -1
         self.num_prompt_logprobs[src] = -1
         for buf in self.sampling.values():

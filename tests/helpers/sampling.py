@@ -9,7 +9,7 @@ import torch
 
 from llmfast.sampling_params import SamplingParams
 from llmfast.worker.sampling.sampler import seed_to_int64
-from llmfast.worker.sampling.sampling_metadata import SamplingMetadata
+from llmfast.worker.sampling.sampling_metadata import LogitRules, SamplingMetadata
 
 
 def metadata_from_params(
@@ -51,6 +51,21 @@ def metadata_from_params(
     )
     no_min_tokens = all(s >= p.min_tokens or not st for p, s, st in zip(params, steps, stops))
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    no_logit_rules = not any(p.has_logit_rules for p in params)
+    rules = None
+    if not no_logit_rules:
+        biases = [dict(p.logit_bias or {}) for p in params]
+        allowed = [list(p.allowed_token_ids or [0]) for p in params]
+        width = max(1, max(map(len, biases)))
+        # Pads: token 0 with bias 0, and the row's first allowed id again.
+        rules = LogitRules(
+            bias_ids=i64([list(b) + [0] * (width - len(b)) for b in biases]).view(n, width),
+            bias_values=f32([list(b.values()) + [0.0] * (width - len(b))
+                             for b in biases]).view(n, width),
+            allowed_ids=i64([a + a[:1] * (max(map(len, allowed)) - len(a))
+                             for a in allowed]),
+            has_allowed=torch.tensor([p.allowed_token_ids is not None for p in params],
+                                     device=device))
     return SamplingMetadata(
         temperature=f32([p.temperature for p in params]),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
@@ -66,6 +81,7 @@ def metadata_from_params(
         prompt_token_ids=None if no_penalties else padded(prompts),
         output_token_ids=None if no_penalties else padded(outputs),
         stop_token_ids=None if no_min_tokens else padded(stops),
+        logit_rules=rules,
         all_greedy=all(p.greedy for p in params),
         all_random=not any(p.greedy for p in params),
         no_penalties=no_penalties,
@@ -73,6 +89,7 @@ def metadata_from_params(
         no_top_p=all(p.top_p == 1.0 for p in params),
         no_min_p=all(p.min_p == 0.0 for p in params),
         no_min_tokens=no_min_tokens,
+        no_logit_rules=no_logit_rules,
         no_seeds=all(p.seed is None for p in params),
         max_top_k=max((p.top_k for p in params), default=0),
         max_num_logprobs=max(logprobs) if logprobs else None,

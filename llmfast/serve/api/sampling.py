@@ -127,8 +127,6 @@ def _completion_prompts(prompt) -> list[PromptInput]:
 
 def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                      limits: Limits, prompt_logprobs: int | None = None) -> SamplingParams:
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", param="logit_bias")
     if not 1 <= req.n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}] (the server's max-num-seqs), "
                        f"got {req.n}", param="n")
@@ -144,7 +142,7 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
     kwargs.update((k, v) for k, v in given.items() if v is not None)
     stop = req.stop
     try:
-        return SamplingParams(
+        params = SamplingParams(
             **kwargs,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -152,6 +150,8 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
         )
     except SamplingParamsError as e:
         field = str(e).split(" ", 1)[0]
@@ -163,6 +163,22 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
                 field = "max_completion_tokens"
                 message = message.replace("max_tokens", field, 1)
         raise APIError(message, param=field if field in req.model_fields else None) from None
+    outside = limits.vocab_size and params.token_ids_outside(limits.vocab_size)
+    if outside:
+        raise APIError(outside, param=outside.split(" ", 1)[0])
+    return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias names tokens by their ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        bad = next(t for t in bias if not t.strip().lstrip("+-").isdigit())
+        raise APIError(f"logit_bias keys must be token ids written as integers, got {bad!r}",
+                       param="logit_bias") from None
 
 
 def _per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:

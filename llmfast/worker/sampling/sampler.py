@@ -105,6 +105,17 @@ def _token_mask(ids: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tens
     return mask.scatter_(1, ids, True)[:, :vocab_size]
 
 
+def apply_logit_rules(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids (every other token -inf), then logit_bias (added). Returns a
+    new tensor. # [n, vocab_size]"""
+    n, vocab_size = logits.shape
+    rules = md.logit_rules
+    banned = ~(_token_mask(rules.allowed_ids, n, vocab_size) | ~rules.has_allowed[:, None])
+    logits = logits.masked_fill(banned, float("-inf"))
+    # Pads add 0.0 to the last token: no change, and no branch on the device.
+    return logits.scatter_add_(1, rules.bias_ids, rules.bias_values)
+
+
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Repetition (HF/vLLM) over prompt + output tokens, then OpenAI frequency/presence
     over output tokens only. Returns a new tensor. # [n, vocab_size]"""
@@ -180,19 +191,23 @@ def compute_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> L
 class Sampler(nn.Module):
     """logits [n, vocab_size] + SamplingMetadata -> one token id per row, no host sync.
 
-    Stage order: penalties -> min_tokens masking -> logprobs (log_softmax here: the
+    Stage order: logit rules (allowed_token_ids, logit_bias) -> penalties -> min_tokens
+    masking -> logprobs (log_softmax here: the
     model's distribution after penalties/bans, before temperature and filters, like
     vLLM's raw logprobs) -> greedy argmax -> temperature -> top-k -> top-p -> min-p ->
     exponential race. Greedy and random rows are merged with torch.where at the end.
     """
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if md.all_greedy and md.no_penalties and md.no_min_tokens and md.max_num_logprobs is None:
+        if (md.all_greedy and md.no_penalties and md.no_min_tokens and md.no_logit_rules
+                and md.max_num_logprobs is None):
             # The common decode fast path: one argmax, no float32 copy of the logits.
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         # .float() may alias the caller's tensor: every op up to the temperature division
         # is out of place, and only tensors created here are modified in place.
         logits = logits.float()  # [n, vocab_size]
+        if not md.no_logit_rules:
+            logits = apply_logit_rules(logits, md)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
         if not md.no_min_tokens:

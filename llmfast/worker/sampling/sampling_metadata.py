@@ -55,6 +55,8 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None  # [n, max_output_len] int64, padded
     # EOS (unless ignore_eos) + stop_token_ids per row; None allowed when no_min_tokens.
     stop_token_ids: torch.Tensor | None  # [n, max_num_stop_ids] int64, padded
+    # logit_bias / allowed_token_ids; all None when no_logit_rules.
+    logit_rules: LogitRules | None
     # Host-side flags.
     all_greedy: bool
     all_random: bool
@@ -63,9 +65,21 @@ class SamplingMetadata:
     no_top_p: bool
     no_min_p: bool
     no_min_tokens: bool  # no row has step < min_tokens
+    no_logit_rules: bool  # no row has logit_bias or allowed_token_ids
     no_seeds: bool  # no row has a seed
     max_top_k: int  # max top_k over the batch (0 if no_top_k)
     max_num_logprobs: int | None  # None: no row wants logprobs
+
+
+@dataclass
+class LogitRules:
+    """Per-row logit edits, padded to the widest row. Pads add 0 to the last token
+    (bias) or repeat the row's first allowed id (allowed), so they change nothing."""
+
+    bias_ids: torch.Tensor  # [n, max_num_biases] int64
+    bias_values: torch.Tensor  # [n, max_num_biases] f32
+    allowed_ids: torch.Tensor  # [n, max_num_allowed] int64
+    has_allowed: torch.Tensor  # [n] bool; False: every token allowed
 
 
 class SamplingStaging:
@@ -78,6 +92,10 @@ class SamplingStaging:
         self.stop_ids = StagingBuffer(torch.int64, device)
         self.pending_flat = StagingBuffer(torch.int64, device)
         self.pending_src = StagingBuffer(torch.int64, device)
+        self.bias_ids = StagingBuffer(torch.int64, device)
+        self.bias_values = StagingBuffer(torch.float32, device)
+        self.allowed_ids = StagingBuffer(torch.int64, device)
+        self.has_allowed = StagingBuffer(torch.bool, device)
 
 
 def build_sampling_metadata(
@@ -109,6 +127,7 @@ def build_sampling_metadata(
     if not no_penalties:
         prompt_ids, output_ids = _padded_token_ids(batch, n, vocab_size, staging, prev_sampled)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    no_logit_rules = not batch.has_logit_rules[:n].any()
     return SamplingMetadata(
         temperature=dev["temperature"],
         top_k=dev["top_k"],
@@ -125,6 +144,7 @@ def build_sampling_metadata(
         output_token_ids=output_ids,
         stop_token_ids=None if stop_lists is None else _pad_lists(stop_lists, vocab_size,
                                                                   staging.stop_ids),
+        logit_rules=None if no_logit_rules else _logit_rules(params, vocab_size, staging),
         all_greedy=bool(greedy.all()),
         all_random=not bool(greedy.any()),
         no_penalties=no_penalties,
@@ -132,6 +152,7 @@ def build_sampling_metadata(
         no_top_p=bool((s["top_p"] == 1.0).all()),
         no_min_p=bool((s["min_p"] == 0.0).all()),
         no_min_tokens=no_min_tokens,
+        no_logit_rules=no_logit_rules,
         no_seeds=not bool(s["has_seed"].any()),
         max_top_k=int(s["top_k"].max(initial=0)),
         max_num_logprobs=max(logprobs) if logprobs else None,
@@ -167,6 +188,33 @@ def _padded_token_ids(batch: InputBatch, n: int, vocab_size: int, staging: Sampl
     return staging.prompt_ids.stage(prompt), output_dev
 
 
+def _logit_rules(params: list, vocab_size: int, staging: SamplingStaging) -> LogitRules:
+    """Only steps where some row has logit_bias or allowed_token_ids build these (a loop
+    over the rows' params, as the stop lists do).
+
+    Worked example, vocab 10, row 0 {3: 2.0, 5: -1.0} allowed [4, 7], row 1 nothing:
+        bias_ids    = [[3 5], [9 9]]   bias_values = [[2. -1.], [0. 0.]]
+        allowed_ids = [[4 7], [0 0]]   has_allowed = [True False]
+    """
+    biases = [p.logit_bias or {} for p in params]
+    allowed = [p.allowed_token_ids or () for p in params]
+    n = len(params)
+    bias_ids = np.full((n, max(1, max(map(len, biases)))), vocab_size - 1, dtype=np.int64)
+    bias_values = np.zeros(bias_ids.shape, dtype=np.float32)
+    allowed_ids = np.zeros((n, max(1, max(map(len, allowed)))), dtype=np.int64)
+    for i, (bias, ids) in enumerate(zip(biases, allowed)):
+        if bias:
+            bias_ids[i, : len(bias)] = list(bias)
+            bias_values[i, : len(bias)] = list(bias.values())
+        if ids:
+            allowed_ids[i] = ids[0]
+            allowed_ids[i, : len(ids)] = ids
+    has_allowed = np.array([bool(ids) for ids in allowed], dtype=np.bool_)
+    return LogitRules(staging.bias_ids.stage(bias_ids), staging.bias_values.stage(bias_values),
+                      staging.allowed_ids.stage(allowed_ids),
+                      staging.has_allowed.stage(has_allowed))
+
+
 def _pad_lists(rows: list[list[int]], pad: int, staging: StagingBuffer) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     arr = np.full((len(rows), width), pad, dtype=np.int64)
@@ -175,7 +223,7 @@ def _pad_lists(rows: list[list[int]], pad: int, staging: StagingBuffer) -> torch
     return staging.stage(arr)
 
 
-__all__ = ["SamplingMetadata", "SamplingStaging", "build_sampling_metadata"]
+__all__ = ["LogitRules", "SamplingMetadata", "SamplingStaging", "build_sampling_metadata"]
 
 
 def worst_case_sampling_metadata(n: int, vocab_size: int, device: torch.device,
@@ -186,7 +234,8 @@ def worst_case_sampling_metadata(n: int, vocab_size: int, device: torch.device,
     gigabytes at n = 512 and a 128k vocabulary, and the KV cache must leave them room.
 
     Rows alternate greedy / random (both paths and their merge run), random rows use
-    top-k, top-p, min-p and a seed, every row has penalties, a pending min_tokens ban and
+    top-k, top-p, min-p and a seed, every row has a logit bias (a quarter also allowed
+    ids), penalties, a pending min_tokens ban and
     wants `max_num_logprobs` logprobs (20 is SamplingParams' most)."""
     rows = torch.arange(n, device=device)
     greedy = rows % 2 == 0
@@ -205,7 +254,12 @@ def worst_case_sampling_metadata(n: int, vocab_size: int, device: torch.device,
         min_tokens=torch.ones_like(rows),
         prompt_token_ids=rows[:, None] % vocab_size, output_token_ids=pad,
         stop_token_ids=torch.zeros((n, 1), dtype=torch.int64, device=device),
+        logit_rules=LogitRules(
+            bias_ids=rows[:, None] % vocab_size, bias_values=torch.ones((n, 1), device=device),
+            allowed_ids=(rows[:, None] + torch.arange(2, device=device)) % vocab_size,
+            has_allowed=rows % 4 == 1),
         all_greedy=False, all_random=False, no_penalties=False, no_top_k=False,
-        no_top_p=False, no_min_p=False, no_min_tokens=False, no_seeds=False,
+        no_top_p=False, no_min_p=False, no_min_tokens=False, no_logit_rules=False,
+        no_seeds=False,
         max_top_k=max(1, vocab_size // 2), max_num_logprobs=max_num_logprobs,
     )
