@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from llmfast.config import ConfigError, EngineConfig
 from llmfast.core.request import Request, RequestRejected, check_prompt_length
 from llmfast.core.scheduler import Scheduler
-from llmfast.core.scheduler_output import SchedulerOutput
+from llmfast.core.scheduler_output import PromptLogprobsChunk, SchedulerOutput
 from llmfast.engine_args import EngineArgs
 from llmfast.executor import Executor, create_executor
 from llmfast.models.sources.model_source import ModelSource
@@ -60,6 +60,9 @@ class _Tracked:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+    # With prompt logprobs: RequestOutput's two lists, joined chunk by chunk.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     stream: bool = True  # False: an output only when the request finishes
 
 
@@ -202,9 +205,11 @@ class LLMEngine:
             from llmfast.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, ids)
-        self._tracked[req_id] = _Tracked(request, text, detok,
-                                         RequestMetrics(arrival_time=time.monotonic()),
-                                         stream=stream)
+        tracked = _Tracked(request, text, detok, RequestMetrics(arrival_time=time.monotonic()),
+                           stream=stream)
+        if params.prompt_logprobs is not None:
+            tracked.prompt_logprobs, tracked.prompt_logprob_ranks = [None], [None]
+        self._tracked[req_id] = tracked
         return req_id
 
     def _validate_prompt(self, ids: list[int]) -> None:
@@ -259,10 +264,38 @@ class LLMEngine:
                      ) -> list[RequestOutput]:
         with nvtx_range("wait_output", self.phase_timer):
             runner_out = self.executor.collect(pending)
+        if runner_out.prompt_logprobs:
+            self._add_prompt_logprobs(sched_out.step_index, runner_out.prompt_logprobs)
         with nvtx_range("update", self.phase_timer):
             updates = self.scheduler.update(sched_out, runner_out)
         with nvtx_range("detokenize", self.phase_timer):
             return self._process_updates(updates)
+
+    def _add_prompt_logprobs(self, step_index: int,
+                             chunks: dict[str, PromptLogprobsChunk]) -> None:
+        """Append a step's prompt-logprob chunks to their requests' lists. A request
+        preempted mid-prompt computes its prompt again from the start (it takes no
+        prefix-cache hits): the tokens it already holds are skipped."""
+        for req_id, chunk in chunks.items():
+            tracked = self._tracked.get(req_id)
+            # Gone, or a later request that reuses the id.
+            if tracked is None or tracked.request.first_step > step_index:
+                continue
+            entries, ranks = tracked.prompt_logprobs, tracked.prompt_logprob_ranks
+            skip = len(entries) - chunk.first_index
+            if skip < 0:
+                raise RuntimeError(f"request {req_id}: prompt logprobs from token "
+                                   f"{chunk.first_index}, {len(entries)} expected")
+            start = chunk.first_index
+            tokens = tracked.request.prompt_token_ids[start:start + len(chunk.logprobs)]
+            for token, lp, rank, top_ids, top_lps in itertools.islice(zip(
+                    tokens, chunk.logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs),
+                    skip, None):
+                entry = {token: lp}
+                for t, v in zip(top_ids, top_lps):
+                    entry.setdefault(t, v)
+                entries.append(entry)
+                ranks.append(rank)
 
     def set_async_scheduling(self, enabled: bool) -> list[RequestOutput]:
         """Switch between the pipelined and the synchronous loop between steps (benchmarks
@@ -390,6 +423,8 @@ class LLMEngine:
             finished=finished,
             metrics=tracked.metrics,
             num_cached_tokens=tracked.num_cached_tokens,
+            prompt_logprobs=tracked.prompt_logprobs,
+            prompt_logprob_ranks=tracked.prompt_logprob_ranks,
         )
 
     def stats(self):

@@ -60,3 +60,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing
+    # precedes it), then {token id: logprob}: the prompt token's own first, then the
+    # top-n others (float32 log-softmax of the raw logits, as vLLM's).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The same tokens' ranks in their distributions (1 = the most likely; None first).
+    prompt_logprob_ranks: list[int | None] | None = None

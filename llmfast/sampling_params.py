@@ -12,11 +12,13 @@ MAX_LOGIT_BIAS = 100.0
 
 # Rows with temperature below this are sampled greedily.
 GREEDY_TEMPERATURE = 1e-5
+# Most top-n alternatives `logprobs` and `prompt_logprobs` may ask for (vLLM's default).
+MAX_LOGPROBS = 20
 
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("seed", "logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 
 
 class SamplingParamsError(ValueError):
@@ -30,10 +32,12 @@ class SamplingParams:
     temperature 0 means greedy; top_k 0 (or -1) and top_p 1 disable those filters.
     `stop` strings are matched by the engine on the detokenised text and are not part
     of the returned text (unless `include_stop_str_in_output`). `logprobs=n` returns the
-    sampled token's logprob and the top n. `logit_bias` ({token id: bias in [-100, 100]})
-    is added to the logits and `allowed_token_ids` bans every other token, both before
-    penalties and before the logprobs are taken (token ids must be in the model's
-    vocabulary: the engine refuses others).
+    sampled token's logprob and the top n. `prompt_logprobs=n` returns, for every prompt
+    token but the first, its logprob given the tokens before it and the top n (such a
+    request takes no prefix-cache hits: cached tokens have no logits). `logit_bias`
+    ({token id: bias in [-100, 100]}) is added to the logits and `allowed_token_ids` bans
+    every other token, both before penalties and before the (sampled tokens') logprobs are
+    taken (token ids must be in the model's vocabulary: the engine refuses others).
     """
 
     temperature: float = 1.0
@@ -50,6 +54,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the stop string stays in the text
     # A dict, so left out of the hash (the dataclass stays hashable).
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
@@ -125,8 +130,10 @@ class SamplingParams:
             raise bad("stop strings must be non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids must not be empty (it would ban every token)")

@@ -72,6 +72,44 @@ def test_steady_state_steps_never_sync(enforce_eager, async_scheduling, monkeypa
     assert counts == [len(_mixed_params())] * 8 and len(waits) == 8
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("enforce_eager", MODES)
+def test_prompt_logprobs_steps_never_sync(enforce_eager, async_scheduling, monkeypatch):
+    """Scoring a 200-token prompt beside decoding requests (the CPU stand-in:
+    tests/test_host_sync_free.py): no sync but the designated wait, and every prompt
+    token gets a logprob."""
+    engine = _gpu_llm(enforce_eager, async_scheduling).engine
+    for i, params in enumerate(_mixed_params()):
+        engine.add_request({"prompt_token_ids": [3 + i] * (10 + 7 * i)}, params)
+    scoring = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=5)
+    engine.add_request({"prompt_token_ids": list(range(3, 203))}, scoring)  # grows buffers
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    wait = PendingStep.wait
+
+    def designated_wait(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(PendingStep, "wait", designated_wait)
+    req_id = engine.add_request({"prompt_token_ids": list(range(4, 204))}, scoring)
+    finished = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = finished[req_id]
+    assert len(out.prompt_logprobs) == 200 and out.prompt_logprobs[0] is None
+    assert all(entry[t] <= 0 and len(entry) in (5, 6)
+               for t, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+
+
 @pytest.mark.parametrize("enforce_eager", MODES)
 def test_async_outputs_equal_sync_on_cuda(enforce_eager):
     items = _workload(0)

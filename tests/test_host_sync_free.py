@@ -29,6 +29,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.engine import LLMEngine
 from llmfast.engine_args import EngineArgs
@@ -147,3 +148,45 @@ def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, full_graph
     # empty scope.
     assert recorder.counts["aten::argmax"] >= 8
     assert sum(recorder.counts.values()) > 8 * 20
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_prompt_logprobs_steps_call_no_host_syncing_op(async_scheduling, monkeypatch):
+    """Steps that score a prompt (sampling/prompt_logprobs.py) beside decoding requests:
+    the rows to score go to the device through staging buffers, and only the result
+    tensor is allocated per step, besides the sampler's temporaries."""
+    engine = _engine(async_scheduling, full_graphs=False)
+    for i, params in enumerate(_mixed_params()):
+        engine.add_request({"prompt_token_ids": [3 + i] * (10 + 7 * i)}, params)
+    scoring = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=5)
+    # A first scoring request grows the staging buffers (once, not per step).
+    engine.add_request({"prompt_token_ids": list(range(3, 203))}, scoring)
+    for _ in range(8):
+        engine.step()
+    runner = engine.runner
+    forward = runner.forward_fn
+
+    def forward_unrecorded(*args):
+        with _disable_current_modes():
+            return forward(*args)
+
+    wait = PendingStep.wait
+
+    def designated_wait(self):
+        with _disable_current_modes():
+            return wait(self)
+
+    monkeypatch.setattr(runner, "forward_fn", forward_unrecorded)
+    monkeypatch.setattr(PendingStep, "wait", designated_wait)
+    engine.add_request({"prompt_token_ids": list(range(4, 204))}, scoring)
+    recorder = _HostSyncRecorder()
+    with recorder:
+        for _ in range(3):
+            engine.step()
+    assert not recorder.syncing, "host-syncing ops in a step:\n" + "\n".join(
+        f"{name} from:\n{where}" for name, where in recorder.syncing.items())
+    assert recorder.factory_callers <= {f"worker{os.sep}sampling{os.sep}sampler.py",
+                                        f"worker{os.sep}sampling{os.sep}prompt_logprobs.py"}
+    assert recorder.counts["aten::log_softmax"] + recorder.counts["aten::_log_softmax"] >= 1
+    while engine.has_unfinished():
+        engine.step()

@@ -217,6 +217,98 @@ def test_logprobs(client, model):
         assert entry.bytes == list(entry.token.encode())
 
 
+@pytest.fixture(scope="module")
+def offline(serve_model_dir):
+    """The Python API on the server's model: the reference for its prompt logprobs."""
+    from llmfast import LLM
+
+    return LLM(str(serve_model_dir), kv_cache_memory=32 << 20)
+
+
+def _offline_prompt_logprobs(offline, prompt: str, n: int):
+    from llmfast import SamplingParams
+
+    return offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1,
+                                                   prompt_logprobs=n))[0]
+
+
+def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, model, tokenizer, offline):
+    """lm-eval's loglikelihood: echo + logprobs + max_tokens 0 gives the prompt's tokens'
+    logprobs (null first) and nothing generated; streamed, in the first chunk."""
+    prompt = PROMPTS[1]
+    want = _offline_prompt_logprobs(offline, prompt, 2)
+    ids = want.prompt_token_ids
+    out = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2,
+                                    max_tokens=0, temperature=0)
+    choice = out.choices[0]
+    assert choice.text == prompt and out.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [entry[t] for t, entry in zip(ids[1:], want.prompt_logprobs[1:])], abs=1e-4)
+    for top, entry in zip(lp.top_logprobs[1:], want.prompt_logprobs[1:]):
+        assert 2 <= len(top) <= 3  # the top 2 and the prompt token
+        assert max(top.values()) == pytest.approx(max(entry.values()), abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = list(client.completions.create(model=model, prompt=prompt, echo=True,
+                                              logprobs=2, max_tokens=0, temperature=0,
+                                              stream=True))
+    first = streamed[0].choices[0]
+    assert first.text == prompt and first.logprobs.tokens == lp.tokens
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert "".join(c.choices[0].text for c in streamed) == prompt
+
+
+def test_echo_logprobs_list_the_prompt_then_the_generated_tokens(client, model):
+    plain = client.completions.create(model=model, prompt=PROMPTS[0], logprobs=1, **_greedy())
+    out = client.completions.create(model=model, prompt=PROMPTS[0], echo=True, logprobs=1,
+                                    **_greedy())
+    lp, generated = out.choices[0].logprobs, plain.choices[0].logprobs
+    num_prompt = out.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 12 and out.usage.completion_tokens == 12
+    assert out.choices[0].text == PROMPTS[0] + plain.choices[0].text
+    assert lp.tokens[num_prompt:] == generated.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(generated.token_logprobs, abs=1e-5)
+    assert lp.text_offset[num_prompt:] == [o + len(PROMPTS[0]) for o in generated.text_offset]
+    streamed = list(client.completions.create(model=model, prompt=PROMPTS[0], echo=True,
+                                              logprobs=1, stream=True, **_greedy()))
+    assert streamed[0].choices[0].text.startswith(PROMPTS[0])
+    assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert streamed[0].choices[0].logprobs.text_offset[:num_prompt] == \
+        lp.text_offset[:num_prompt]
+
+
+def test_vllm_prompt_logprobs_field(client, model, tokenizer, offline):
+    """vLLM's extra field: [null, {id: {logprob, rank, decoded_token}}, ...] on each
+    completion choice, and at the top of a chat response."""
+    prompt = PROMPTS[3]
+    want = _offline_prompt_logprobs(offline, prompt, 3)
+    out = client.completions.create(model=model, prompt=prompt, **_greedy(
+        max_tokens=2, extra_body={"prompt_logprobs": 3}))
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    ids = want.prompt_token_ids
+    assert len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        position = got[i]
+        assert set(position) == {str(t) for t in want.prompt_logprobs[i]}
+        for t, lp in want.prompt_logprobs[i].items():
+            assert position[str(t)]["logprob"] == pytest.approx(lp, abs=1e-4)
+            assert position[str(t)]["decoded_token"] == tokenizer.decode(
+                [t], skip_special_tokens=False)
+        assert position[str(ids[i])]["rank"] == want.prompt_logprob_ranks[i]
+        # The top 3 are ranked 1..3 (one of them may be the prompt token itself).
+        others = [p["rank"] for t, p in position.items() if t != str(ids[i])]
+        assert len(set(others)) == len(others) and set(others) <= {1, 2, 3}
+    assert out.choices[0].logprobs is None  # the sampled tokens' were not asked for
+    chat = client.chat.completions.create(model=model, messages=[
+        {"role": "user", "content": "hi"}], **_greedy(extra_body={"prompt_logprobs": 0}))
+    chat_lp = chat.model_extra["prompt_logprobs"]
+    assert len(chat_lp) == chat.usage.prompt_tokens and chat_lp[0] is None
+    assert all(len(position) == 1 for position in chat_lp[1:])
+
+
 def test_logit_bias_and_allowed_token_ids(client, model, tokenizer):
     forced = tokenizer.encode("hello")[0]
     out = client.completions.create(model=model, prompt=PROMPTS[1], **_greedy(

@@ -145,7 +145,9 @@ def test_outputs_cross_the_pipe_whole():
 
     values = dict(index=3, text="é x", num_new_tokens=2, num_output_tokens=7,
                   num_cached_tokens=16, finish_reason="stop", stop_reason="</s>",
-                  logprobs=(TokenLogprob("a", 5, -0.25, (("a", 5, -0.25), ("b", 6, -2.0))),))
+                  logprobs=(TokenLogprob("a", 5, -0.25, (("a", 5, -0.25), ("b", 6, -2.0))),),
+                  prompt_logprobs=(TokenLogprob("<s>", 1, None, ()),
+                                   TokenLogprob("c", 7, -3.5, (("a", 5, -0.5),), rank=4)))
     assert {f.name for f in dataclasses.fields(ChoiceDelta)} == set(values)
     for item in (ChoiceDelta(**values), StreamError("the server is shutting down", 503)):
         wire = pickle.loads(pickle.dumps(encode_item("cmpl-1", item)))

@@ -82,8 +82,10 @@ class KVCacheManager:
         At most num_tokens - 1 tokens count as computed: the last token must run through
         the model to produce logits. E.g. block_size 16, a 32-token prompt fully cached:
         (32 - 1) // 16 = 1 block hits, and the second block is recomputed.
+        A request that wants prompt logprobs takes no hits (as in vLLM): it needs the
+        logits of every prompt position, and cached tokens are not computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or _scores_prompt(request):
             return [], 0
         max_blocks = (len(request.all_token_ids) - 1) // self.block_size
         lookup = self.block_pool.cached_block_hash_to_block.get
@@ -201,3 +203,9 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+
+def _scores_prompt(request: Request) -> bool:
+    """The request still needs its prompt's logits: it wants prompt logprobs and has
+    generated nothing (resumed after preemption with tokens out, its prompt was scored)."""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

@@ -50,6 +50,19 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """One step's prompt logprobs for one request: prompt tokens `first_index`,
+    `first_index + 1`, ... (each scored by the logits of the position before it), plain
+    lists so that they pickle cheaply between processes."""
+
+    first_index: int  # >= 1: the first prompt token has no logprob
+    logprobs: list[float]  # per token: its logprob
+    ranks: list[int]  # per token: its rank in the distribution (1 = the most likely)
+    top_ids: list[list[int]]  # per token: the top-n ids, most likely first
+    top_logprobs: list[list[float]]  # per token: their logprobs
+
+
+@dataclass
 class ModelRunnerOutput:
     """Per scheduled request, in `req_ids` order: the sampled token ids (empty for a
     prefill chunk that does not reach the end of the prompt)."""
@@ -58,3 +71,5 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request, per sampled token: (logprob of the sampled token, {token: logprob} top-n).
     logprobs: list[list[tuple[float, dict[int, float]]]] | None = None
+    # Requests that asked for prompt logprobs and scored prompt tokens this step.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None

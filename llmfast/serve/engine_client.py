@@ -60,7 +60,8 @@ def encode_item(request_id: str, item: ChoiceDelta | StreamError) -> tuple:
     if isinstance(item, StreamError):
         return (request_id, item.message, item.status)
     return (request_id, item.index, item.text, item.num_new_tokens, item.num_output_tokens,
-            item.num_cached_tokens, item.logprobs, item.finish_reason, item.stop_reason)
+            item.num_cached_tokens, item.logprobs, item.finish_reason, item.stop_reason,
+            item.prompt_logprobs)
 
 
 def decode_item(wire: tuple) -> tuple[str, ChoiceDelta | StreamError]:

@@ -61,7 +61,9 @@ class _Route:
     stream: Any  # where this choice's outputs go: the carrier's handle of one HTTP request
     index: int
     num_logprobs: int | None  # top-k asked for, None: no logprobs
+    num_prompt_logprobs: int | None = None  # the same for the prompt's tokens
     logprobs_sent: int = 0
+    prompt_sent: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,7 @@ class EngineLoop:
         self.failure: str | None = None
         self.stats = engine.stats()  # replaced whole after each step, never mutated
         self.num_steps = 0  # engine steps taken
+        self._token_texts: dict[int, str] = {}  # token id -> its text (_token_text)
 
     # ------------------------------------------------------------------ carrier hooks
 
@@ -203,7 +206,8 @@ class EngineLoop:
                 engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
                                    params, request_id=req_id)
                 added.append(req_id)
-                self._routes[req_id] = _Route(stream, i, params.logprobs)
+                self._routes[req_id] = _Route(stream, i, params.logprobs,
+                                              params.prompt_logprobs)
         except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
             for req_id in added:
                 self._routes.pop(req_id, None)
@@ -294,6 +298,11 @@ class EngineLoop:
             new = completion.logprobs[route.logprobs_sent:]
             route.logprobs_sent += len(new)
             logprobs = tuple(self._token_logprob(entry, route.num_logprobs) for entry in new)
+        prompt_logprobs = None
+        if route.num_prompt_logprobs is not None and not route.prompt_sent:
+            # Complete by the first output: the prompt is scored before the first token.
+            route.prompt_sent = True
+            prompt_logprobs = self._prompt_logprobs(out, route.num_prompt_logprobs)
         if out.finished:
             del self._routes[out.request_id]
         return route.stream, ChoiceDelta(
@@ -305,20 +314,32 @@ class EngineLoop:
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
-    def _token_logprob(self, entry: dict[int, float], k: int) -> TokenLogprob:
-        # The engine's entry: the sampled token first, then the top-k others.
+    def _token_logprob(self, entry: dict[int, float], k: int, rank: int | None = None
+                       ) -> TokenLogprob:
+        # The engine's entry: the sampled (or prompt) token first, then the top-k others.
         sampled, lp = next(iter(entry.items()))
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
         return TokenLogprob(self._token_text(sampled), sampled, lp,
-                            tuple((self._token_text(t), t, v) for t, v in top))
+                            tuple((self._token_text(t), t, v) for t, v in top), rank)
+
+    def _prompt_logprobs(self, out: RequestOutput, k: int) -> tuple[TokenLogprob, ...]:
+        first = out.prompt_token_ids[0]
+        head = TokenLogprob(self._token_text(first), first, None, ())
+        return (head, *(self._token_logprob(entry, k, rank) for entry, rank in zip(
+            out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:])))
 
     def _token_text(self, token_id: int) -> str:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return f"token_id:{token_id}"
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+        # Memoised (at most the vocabulary): a scored prompt decodes (n + 1) ids a token.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = (f"token_id:{token_id}" if tokenizer is None
+                    else tokenizer.decode([token_id], skip_special_tokens=False))
+            self._token_texts[token_id] = text
+        return text
 
     def _fail_all(self, error: StreamError) -> None:
         streams = {}

@@ -51,8 +51,9 @@ class PreparedPrompt:
 class TokenLogprob:
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing precedes it)
     top: tuple[tuple[str, int, float], ...]  # the top-k (token, id, logprob), best first
+    rank: int | None = None  # prompt tokens: the token's rank (1 = the most likely)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,8 @@ class ChoiceDelta:
     logprobs: tuple[TokenLogprob, ...] | None
     finish_reason: str | None
     stop_reason: str | int | None
+    # Every prompt token's, once, with the choice's first delta (when asked for).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,9 @@ class InputBatch:
         # Whether the row's params carry logit_bias / allowed_token_ids: the sampling
         # metadata reads its params only when some row does.
         self.has_logit_rules = np.zeros(max_num_reqs, dtype=np.bool_)
+        # Top-n prompt logprobs the row wants, or -1 (most rows): a step finds the rows
+        # that score prompt tokens with one vectorised test (prompt_logprobs.py).
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
 
         self.sampling = {
             name: CpuGpuBuffer(max_num_reqs, dtype=tdtype, device=device)
@@ -123,6 +126,9 @@ class InputBatch:
         params = state.sampling_params
         self.sampling_params[row] = params
         self.has_logit_rules[row] = params.has_logit_rules
+        # A request resumed with tokens generated has had its whole prompt scored.
+        wants_prompt = params.prompt_logprobs is not None and not output
+        self.num_prompt_logprobs[row] = params.prompt_logprobs if wants_prompt else -1
         values = {
             "temperature": params.temperature,
             "top_k": params.top_k,
@@ -148,6 +154,7 @@ class InputBatch:
         self.sampling_params[row] = None
         self.pending_src[row] = -1
         self.has_logit_rules[row] = False
+        self.num_prompt_logprobs[row] = -1
         self.block_table.clear_row(row)
         self._free_rows.append(row)
         return row
@@ -175,10 +182,11 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.pending_src, self.has_logit_rules):
+                    self.pending_src, self.has_logit_rules, self.num_prompt_logprobs):
             arr[dst] = arr[src]
         self.has_logit_rules[src] = False
         self.pending_src[src] = -1
+        self.num_prompt_logprobs[src] = -1
         for buf in self.sampling.values():
             buf.np[dst] = buf.np[src]
         self.block_table.move_row(src, dst)

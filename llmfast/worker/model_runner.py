@@ -13,7 +13,8 @@ host can prepare step N+1 while the device still runs step N.
 
 The runner coordinates; each idea lives in its own module: state_updates.py (apply the
 SchedulerOutput), step_inputs.py (the persistent input buffers and their filling),
-placeholders.py (not-yet-known sampled tokens), graph_capture.py (compile and capture at
+placeholders.py (not-yet-known sampled tokens), sampling/prompt_logprobs.py (the prompt
+tokens' logprobs, for the requests that ask), graph_capture.py (compile and capture at
 start-up), kv_cache_sizing.py (the cache's size and allocation), step_output.py (the
 sampled ids' copy to the host).
 """
@@ -48,6 +49,12 @@ from llmfast.worker.kv_cache_sizing import (
 )
 from llmfast.worker.memory_profile import profile_peak_memory
 from llmfast.worker.placeholders import PlaceholderFill, record_placeholders, write_sampled_tokens
+from llmfast.worker.sampling.prompt_logprobs import (
+    PromptLogprobsPlan,
+    PromptLogprobsStaging,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.state_updates import update_states
@@ -99,6 +106,7 @@ class ModelRunner:
         # Async scheduling: the last step's sampled ids, gathered into the next inputs.
         self.placeholders = PlaceholderFill(self.max_num_reqs, self.device)
         self.sampling_staging = SamplingStaging(self.device)
+        self.prompt_logprobs_staging = PromptLogprobsStaging(self.device)
         self.output_copier = OutputCopier(self.max_num_reqs, self.device)
         # CUDA: recorded after a step's host-to-device copies; the next step waits on it
         # before rewriting the pinned buffers those copies read (in steady state they
@@ -221,6 +229,8 @@ class ModelRunner:
             metadata = build_sampling_metadata(batch, n, self.vocab_size, self.eos_token_ids,
                                                self.sampling_staging,
                                                self.placeholders.prev_sampled)
+            # Before the copies' event: its staging buffers are inputs too.
+            prompt_plan = plan_prompt_logprobs(batch, num_sched, self.prompt_logprobs_staging)
             if self._inputs_copied is not None:
                 self._inputs_copied.record()
                 self._inputs_copy_queued = True
@@ -234,6 +244,7 @@ class ModelRunner:
                       else ())
             with nvtx_range(f"forward[{num_padded} full graph]", self.phase_timer):
                 logits = self.compiled.replay_full(num_padded, inputs)[:n]
+            hidden = None
         else:
             with nvtx_range(f"forward[{num_padded}]", self.phase_timer):
                 hidden = self.forward_fn(
@@ -247,9 +258,28 @@ class ModelRunner:
                                                      self.tp_group))
             sampled = sampler_out.sampled_token_ids  # [n], stays on the device
             self.placeholders.prev_sampled = sampled
-            step["sampled_host"], step["logprobs_host"], step["event"] = \
-                self.output_copier.copy(sampled, sampler_out.logprobs)
+        prompt_logprobs = None
+        if prompt_plan is not None:
+            with nvtx_range("prompt_logprobs", self.phase_timer):
+                prompt_logprobs = self._prompt_logprobs(prompt_plan, hidden, logits,
+                                                        dispatch.runner)
+            step["prompt_spans"] = prompt_plan.spans
+        step.update(self.output_copier.copy(sampled, sampler_out.logprobs, prompt_logprobs))
         return PendingStep(sampled_device=sampled, **step)
+
+    def _prompt_logprobs(self, plan: PromptLogprobsPlan, hidden: torch.Tensor | None,
+                         logits: torch.Tensor, runner: RunnerKind) -> torch.Tensor:
+        """The packed prompt logprobs of `plan`'s rows (sampling/prompt_logprobs.py)."""
+        if runner is RunnerKind.FULL:
+            # One token per row: the graph's logits rows are the step's token rows.
+            def logits_of(rows: torch.Tensor) -> torch.Tensor:
+                return logits[rows]
+        else:
+            def logits_of(rows: torch.Tensor) -> torch.Tensor:
+                return self.model.compute_logits(hidden[rows])
+        # Slices of max_num_seqs rows: the [rows, vocab] temporaries stay the size of the
+        # sampler's, which the start-up memory profile made room for.
+        return compute_prompt_logprobs(logits_of, plan, self.max_num_reqs)
 
     def collect(self, step: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids; write them into the batch rows that
@@ -266,4 +296,5 @@ class ModelRunner:
         if step.logprobs_host is not None:
             logprobs = step.collect_logprobs()
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=tokens,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs,
+                                 prompt_logprobs=step.collect_prompt_logprobs())

@@ -1,7 +1,7 @@
 """A launched step's sampled ids on their way to the host, without stalling the device.
 
 `OutputCopier.copy` queues one non-blocking device-to-host copy of the step's sampled ids
-(and logprobs, when asked) on a side stream, into pinned memory, and records an event.
+(and logprobs and prompt logprobs, when asked) on a side stream, into pinned memory, and records an event.
 The host waits on that event only in `PendingStep.wait`, when it needs the values to
 emit outputs; meanwhile it may schedule and launch the next step. Two pinned buffers
 alternate: step N+1's copy is queued before the host reads step N's buffer.
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmfast.core.scheduler_output import PromptLogprobsChunk
+from llmfast.worker.sampling.prompt_logprobs import PromptSpan, unpack_prompt_logprobs
 from llmfast.worker.sampling.sampler import LogprobsTensors
 
 
@@ -37,6 +39,10 @@ class PendingStep:
     placeholder_cols: list[int]
     event: torch.cuda.Event | None
     sampled_device: torch.Tensor  # kept alive until the copy is read
+    # Packed prompt logprobs on the host (prompt_logprobs.py) and whose rows they are,
+    # when a request scored prompt tokens this step.
+    prompt_logprobs_host: torch.Tensor | None = None
+    prompt_spans: list[PromptSpan] | None = None
 
     def wait(self) -> np.ndarray:
         """Block until the copy has landed; the sampled ids per row at launch."""
@@ -59,6 +65,12 @@ class PendingStep:
             result.append([(float(sampled_lp[r]), top)])
         return result
 
+    def collect_prompt_logprobs(self) -> dict[str, PromptLogprobsChunk] | None:
+        """Per request that scored prompt tokens this step: its chunk. After `wait`."""
+        if self.prompt_logprobs_host is None:
+            return None
+        return unpack_prompt_logprobs(self.prompt_logprobs_host.numpy(), self.prompt_spans)
+
 
 class OutputCopier:
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
@@ -70,16 +82,18 @@ class OutputCopier:
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self._next = 0
 
-    def copy(self, sampled: torch.Tensor, logprobs: LogprobsTensors | None
-             ) -> tuple[torch.Tensor, LogprobsTensors | None, torch.cuda.Event | None]:
-        """Queue the copy of `sampled` [n] (and `logprobs`) to the host; returns the host
-        tensors (valid once the event has completed) and the event."""
+    def copy(self, sampled: torch.Tensor, logprobs: LogprobsTensors | None,
+             prompt_logprobs: torch.Tensor | None = None) -> dict:
+        """Queue the copy of `sampled` [n] (and `logprobs`, `prompt_logprobs`) to the
+        host; returns `PendingStep`'s fields for the host tensors (valid once the event
+        has completed) and the event."""
         slot = self._next
         self._next ^= 1
         host = self._host[slot][: sampled.shape[0]]
         if self._stream is None:
             host.copy_(sampled)
-            return host, logprobs, None
+            return {"sampled_host": host, "logprobs_host": logprobs,
+                    "prompt_logprobs_host": prompt_logprobs, "event": None}
         # The side stream starts after the sampler's kernels, without the host waiting.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -90,9 +104,14 @@ class OutputCopier:
                     *(t.to("cpu", non_blocking=True) for t in logprobs))
                 for t in logprobs:
                     t.record_stream(self._stream)
+            prompt_host = None
+            if prompt_logprobs is not None:
+                prompt_host = prompt_logprobs.to("cpu", non_blocking=True)
+                prompt_logprobs.record_stream(self._stream)
             event = self._events[slot]
             event.record(self._stream)
         # The sampler's output is used on the side stream: its memory must not be reused
         # by the main stream's allocations until the copy is done.
         sampled.record_stream(self._stream)
-        return host, logprobs_host, event
+        return {"sampled_host": host, "logprobs_host": logprobs_host,
+                "prompt_logprobs_host": prompt_host, "event": event}

@@ -119,6 +119,7 @@ def build_app(front: EngineFront, config: ServeConfig) -> FastAPI:
             check_model(req.model)
             inputs = chat_inputs(req, limits)
             extra = {"want_logprobs": req.logprobs}
+        extra["want_prompt_logprobs"] = req.prompt_logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await run_generation(request, front, metrics, kind, config.model_name, inputs,
                                     stream=req.stream, include_usage=include_usage, **extra)

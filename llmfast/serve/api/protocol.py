@@ -4,8 +4,8 @@ Strict: a number where a string belongs (or "5" where a number belongs) is a 400
 OpenAI's own API; unknown fields are refused rather than silently ignored. Value ranges
 are checked once, by `SamplingParams`, when the request becomes engine requests. Besides
 OpenAI's fields the models take vLLM's common extras (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, ...), which the `openai` client
-passes via extra_body.
+min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, prompt_logprobs, ...), which the
+`openai` client passes via extra_body.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,6 +1,11 @@
 """OpenAI response JSON from engine deltas: whole responses, streaming chunks, usage and
 both logprobs formats (completions: tokens / token_logprobs / top_logprobs / text_offset;
-chat: content[{token, logprob, bytes, top_logprobs}])."""
+chat: content[{token, logprob, bytes, top_logprobs}]), and vLLM's `prompt_logprobs`
+([null, {id: {logprob, rank, decoded_token}}, ...]).
+
+Completions with echo and logprobs list the prompt's tokens first (the first with null
+logprobs), then the generated ones, as vLLM does; streamed, the prompt comes in each
+choice's first chunk, with its first generated text."""
 
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     text_len: int = 0  # chars of text so far (completions' text_offset)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    echoed: bool = False  # streaming: the prompt went out already
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -30,7 +37,10 @@ class ResponseBuilder:
 
     def __init__(self, kind: Kind, request_id: str, model: str,
                  prompts: list[PreparedPrompt], n: int, echo: bool = False,
-                 want_logprobs: bool = False) -> None:
+                 want_logprobs: bool = False, want_prompt_logprobs: bool = False,
+                 scoring_only: bool = False) -> None:
+        """`want_prompt_logprobs`: vLLM's `prompt_logprobs` field; `scoring_only`: echo
+        with max_tokens 0, whose one generated token is left out."""
         self.kind = kind
         self.id = request_id
         self.model = model
@@ -39,6 +49,8 @@ class ResponseBuilder:
         self.n = n
         self.echo = echo
         self.want_logprobs = want_logprobs
+        self.want_prompt_logprobs = want_prompt_logprobs
+        self.scoring_only = scoring_only
         self.choices = [_Choice(prompts[i // n]) for i in range(len(prompts) * n)]
         self.num_finished = 0
 
@@ -48,9 +60,11 @@ class ResponseBuilder:
 
     def add(self, delta: ChoiceDelta) -> _Choice:
         choice = self.choices[delta.index]
-        choice.num_output_tokens = delta.num_output_tokens
+        choice.num_output_tokens = 0 if self.scoring_only else delta.num_output_tokens
         choice.num_cached_tokens = delta.num_cached_tokens
-        if delta.logprobs:
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+        if delta.logprobs and not self.scoring_only:
             choice.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None and choice.finish_reason is None:
             choice.finish_reason = _finish_reason(delta.finish_reason)
@@ -73,7 +87,7 @@ class ResponseBuilder:
     def add_text(self, delta: ChoiceDelta) -> None:
         """Non-streaming: keep the delta's text too."""
         choice = self.add(delta)
-        if delta.text:
+        if delta.text and not self.scoring_only:
             choice.text.append(delta.text)
 
     def response(self) -> dict:
@@ -83,15 +97,31 @@ class ResponseBuilder:
         else:
             choices = [self._chat_choice(i, c) for i, c in enumerate(self.choices)]
             obj = "chat.completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+        if self.kind == "chat" and self.want_prompt_logprobs:  # vLLM's place for chat's
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.choices[0].prompt_logprobs)
+        return body
 
     def _completion_choice(self, index: int, c: _Choice) -> dict:
         head = (c.prompt.text or "") if self.echo else ""
-        return {"index": index, "text": head + "".join(c.text),
-                "logprobs": _completion_logprobs(c.logprobs, len(head)) if self.want_logprobs
-                else None,
+        body = {"index": index, "text": head + "".join(c.text),
+                "logprobs": self._completion_logprobs(c, c.logprobs, len(head))
+                if self.want_logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.want_prompt_logprobs:
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(c.prompt_logprobs)
+        return body
+
+    def _completion_logprobs(self, c: _Choice, generated: list[TokenLogprob], offset: int
+                             ) -> dict:
+        """The generated tokens' logprobs (their text offsets from `offset`), after the
+        prompt's (offsets from 0) where the prompt is echoed and not sent yet."""
+        out = _completion_logprobs(generated, offset)
+        if self.echo and not c.echoed and c.prompt_logprobs is not None:
+            head = _completion_logprobs(list(c.prompt_logprobs), 0)
+            out = {key: head[key] + out[key] for key in out}
+        return out
 
     def _chat_choice(self, index: int, c: _Choice) -> dict:
         return {"index": index,
@@ -102,19 +132,12 @@ class ResponseBuilder:
     # ---------------------------------------------------------------- streaming chunks
 
     def first_chunks(self) -> list[dict]:
-        """Chat: the assistant role, once per choice. Completions with echo: the prompt."""
+        """Chat: the assistant role, once per choice (a completion's echo goes with its
+        first tokens, `chunk`)."""
         if self.kind == "chat":
             return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                     for i in range(len(self.choices))]
-        if self.echo:
-            chunks = []
-            for i, c in enumerate(self.choices):
-                head = c.prompt.text or ""
-                c.text_len = len(head)
-                chunks.append(self._chunk([{"index": i, "text": head, "logprobs": None,
-                                            "finish_reason": None}]))
-            return chunks
         return []
 
     def chunk(self, delta: ChoiceDelta) -> dict:
@@ -123,10 +146,17 @@ class ResponseBuilder:
         finish = choice.finish_reason if delta.finish_reason is not None else None
         logprobs = None
         if self.kind == "completion":
+            text = "" if self.scoring_only else delta.text
+            head = ""
+            if self.echo and not choice.echoed:  # vLLM's way: with the first tokens
+                head = choice.prompt.text or ""
+                choice.text_len = len(head)
             if self.want_logprobs:
-                logprobs = _completion_logprobs(list(delta.logprobs or ()), choice.text_len)
-            choice.text_len += len(delta.text)
-            body = {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                generated = [] if self.scoring_only else list(delta.logprobs or ())
+                logprobs = self._completion_logprobs(choice, generated, choice.text_len)
+            choice.echoed = True
+            choice.text_len += len(text)
+            body = {"index": delta.index, "text": head + text, "logprobs": logprobs,
                     "finish_reason": finish}
         else:
             if self.want_logprobs:
@@ -157,6 +187,11 @@ def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
     for e in entries:
         tokens.append(e.token)
         token_logprobs.append(e.logprob)
+        offsets.append(offset)
+        offset += len(e.token)
+        if e.logprob is None:  # a prompt's first token: nothing scored it
+            top.append(None)
+            continue
         # Keyed by text, as OpenAI's format is: distinct ids can decode alike (e.g. bytes
         # of one character), and then the likelier keeps the key.
         alternatives: dict[str, float] = {}
@@ -166,10 +201,23 @@ def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
         # entries), so `logprobs: 0` still shows it.
         alternatives.setdefault(e.token, e.logprob)
         top.append(alternatives)
-        offsets.append(offset)
-        offset += len(e.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(entries: tuple[TokenLogprob, ...] | None) -> list | None:
+    """vLLM's format: null for the first token, then per token {id: {logprob, rank,
+    decoded_token}} for the prompt token and its top n (ranked 1..n)."""
+    if entries is None:
+        return None
+    out: list = [None]
+    for e in entries[1:]:
+        position = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": tok}
+                    for rank, (tok, tid, lp) in enumerate(e.top, 1)}
+        position[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank,
+                                     "decoded_token": e.token}
+        out.append(position)
+    return out
 
 
 def _chat_logprobs(entries: list[TokenLogprob]) -> dict:

@@ -31,6 +31,9 @@ class EngineInputs:
     # The client set max_tokens: a prompt + max_tokens past the context is then a 400
     # (vLLM, OpenAI); a default max_tokens is cut to the context's end instead.
     max_tokens_given: bool = False
+    # echo with max_tokens 0 (scoring the prompt, lm-eval's loglikelihood): the engine
+    # generates one token, as vLLM's does, and the response leaves it out.
+    scoring_only: bool = False
 
 
 def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
@@ -39,17 +42,21 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of other than n is not supported", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo with logprobs needs prompt logprobs, which are not supported",
-                       param="echo")
     prompts = _completion_prompts(req.prompt)
     # null means the default, as absent does.
     given = "max_tokens" in req.model_fields_set and req.max_tokens is not None
     max_tokens = req.max_tokens if given else _default_max_tokens(
         limits, COMPLETION_DEFAULT_MAX_TOKENS)
-    base = _sampling_params(req, max_tokens, req.logprobs, limits)
+    scoring_only = given and req.echo and max_tokens == 0
+    # vLLM's rule: echo with logprobs returns the prompt's tokens' logprobs too.
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
+    base = _sampling_params(req, 1 if scoring_only else max_tokens, req.logprobs, limits,
+                            prompt_logprobs)
     choices = _per_choice(base, req.n)
-    return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n, given)
+    return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n, given,
+                        scoring_only)
 
 
 def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
@@ -67,7 +74,7 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
     if max_tokens is None:  # OpenAI's default: up to the context length
         max_tokens = _default_max_tokens(limits, limits.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    base = _sampling_params(req, max_tokens, logprobs, limits)
+    base = _sampling_params(req, max_tokens, logprobs, limits, req.prompt_logprobs)
     prompt = chat_prompt(messages, req.chat_template_kwargs)
     return EngineInputs([prompt], _per_choice(base, req.n), req.n, given)
 
@@ -91,6 +98,11 @@ def _default_max_tokens(limits: Limits, fallback: int) -> int:
 
 
 def _check_stream_options(req: _SamplingFields) -> None:
+    # As vLLM: the prompt_logprobs field has no place in streamed chunks (completions'
+    # echo with logprobs streams the prompt's in its own format).
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError("prompt_logprobs is not available with stream: true",
+                       param="prompt_logprobs")
     # vLLM's rule and words. As there, an empty object (or null) passes: vLLM tests the
     # raw value's truth, and `{}` sets no field.
     if req.stream_options is not None and req.stream_options.model_fields_set \
@@ -114,7 +126,7 @@ def _completion_prompts(prompt) -> list[PromptInput]:
 
 
 def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                     limits: Limits) -> SamplingParams:
+                     limits: Limits, prompt_logprobs: int | None = None) -> SamplingParams:
     if not 1 <= req.n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}] (the server's max-num-seqs), "
                        f"got {req.n}", param="n")
@@ -137,6 +149,7 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
         )
