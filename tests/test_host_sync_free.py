@@ -102,6 +102,27 @@ def _engine(async_scheduling: bool, full_graphs: bool) -> LLMEngine:
     return LLMEngine(config, source)
 
 
+def _unrecorded(fn, calls: list | None = None):
+    def run(*args):
+        if calls is not None:
+            calls.append(args[0])
+        with _disable_current_modes():
+            return fn(*args)
+
+    return run
+
+
+def _unrecord_forward_and_wait(runner, monkeypatch) -> list[int]:
+    """The model forward, a full graph's replay and the designated wait for the copy run
+    outside the recorder; returns the list the full-graph sizes replayed go to."""
+    replays: list[int] = []
+    monkeypatch.setattr(runner, "forward_fn", _unrecorded(runner.forward_fn))
+    monkeypatch.setattr(runner.compiled, "replay_full",
+                        _unrecorded(runner.compiled.replay_full, replays))
+    monkeypatch.setattr(PendingStep, "wait", _unrecorded(PendingStep.wait))
+    return replays
+
+
 @pytest.mark.parametrize("full_graphs", [False, True], ids=["eager", "full-graphs"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, full_graphs,
@@ -112,30 +133,7 @@ def test_steady_state_steps_call_no_host_syncing_op(async_scheduling, full_graph
     for _ in range(6):  # prefills, first decodes, lazy allocations
         engine.step()
 
-    runner = engine.runner
-    forward = runner.forward_fn
-
-    def forward_unrecorded(*args):
-        with _disable_current_modes():
-            return forward(*args)
-
-    wait = PendingStep.wait
-
-    def designated_wait(self):
-        with _disable_current_modes():
-            return wait(self)
-
-    replay_full = runner.compiled.replay_full
-    replays = []
-
-    def replay_full_unrecorded(*args):
-        replays.append(args[0])
-        with _disable_current_modes():
-            return replay_full(*args)
-
-    monkeypatch.setattr(runner, "forward_fn", forward_unrecorded)
-    monkeypatch.setattr(runner.compiled, "replay_full", replay_full_unrecorded)
-    monkeypatch.setattr(PendingStep, "wait", designated_wait)
+    replays = _unrecord_forward_and_wait(engine.runner, monkeypatch)
     recorder = _HostSyncRecorder()
     with recorder:
         counts = [len(engine.step()) for _ in range(8)]
@@ -163,21 +161,7 @@ def test_prompt_logprobs_steps_call_no_host_syncing_op(async_scheduling, monkeyp
     engine.add_request({"prompt_token_ids": list(range(3, 203))}, scoring)
     for _ in range(8):
         engine.step()
-    runner = engine.runner
-    forward = runner.forward_fn
-
-    def forward_unrecorded(*args):
-        with _disable_current_modes():
-            return forward(*args)
-
-    wait = PendingStep.wait
-
-    def designated_wait(self):
-        with _disable_current_modes():
-            return wait(self)
-
-    monkeypatch.setattr(runner, "forward_fn", forward_unrecorded)
-    monkeypatch.setattr(PendingStep, "wait", designated_wait)
+    _unrecord_forward_and_wait(engine.runner, monkeypatch)
     engine.add_request({"prompt_token_ids": list(range(4, 204))}, scoring)
     recorder = _HostSyncRecorder()
     with recorder:
