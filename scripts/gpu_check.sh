@@ -23,9 +23,10 @@
 #   full          280/330    tests/test_full_graphs_gpu.py: every CUDA-graph mode vs HF at
 #                            batch 1/3/17/256, seeded sampling, 1B default-size capture
 #                            (#15: identical tokens; capture <= 10 s)
-#   async_tests    90/200    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
-#                            (#16: steady-state steps under sync-debug "error", async ==
-#                            sync on CUDA, phase timer device time)
+#   async_tests   120/200    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
+#                            (#16: steady-state steps under sync-debug "error", with
+#                            every sampler stage and with prompt scoring; async == sync on
+#                            CUDA, phase timer device time)
 #   modes   200[140]/560    scripts/bench_modes.py eager, compiled, graphs, full, linears
 #                            (#15: full/linears <= 1.25 at B=1, <= 1.3 at B=64; eager/full
 #                            >= 6 at B=1)
@@ -227,7 +228,7 @@ for step in $STEPS; do
         full)
             run_step full 280 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py ;;
         async_tests)
-            run_step async_tests 90 200 "${PYTEST[@]}" tests/test_async_gpu.py \
+            run_step async_tests 120 200 "${PYTEST[@]}" tests/test_async_gpu.py \
                 tests/test_sampling.py ;;
         tests)
             run_step tests 250 560 "${PYTEST[@]}" --ignore=tests/test_families_gpu.py \
