@@ -92,6 +92,12 @@ def check_quantization(method: object) -> None:
                           + " or ".join(QUANTIZATION_METHODS))
 
 
+def parse_quantization(text: str) -> str:
+    """`--quantization`'s value, checked (a bad one is a usage error, before loading)."""
+    check_quantization(text)
+    return text
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -35,6 +35,7 @@ from llmfast.config import (
     ParallelConfig,
     SchedulerConfig,
     check_quantization,
+    parse_quantization,
     dtype_name,
     parse_cuda_graph_mode,
     parse_dtype,
@@ -94,7 +95,8 @@ class EngineArgs:
     quantization: str | None = engine_flag(
         None, "fp8: quantize the decoder's projections to float8 at load (one scale per "
               "output channel, activations per token at run time; the embedding and "
-              "lm_head stay in --dtype), as vLLM's --quantization fp8.  [default: none]")
+              "lm_head stay in --dtype), as vLLM's --quantization fp8.  [default: none]",
+        parse=parse_quantization)
     seed: int = engine_flag(0, "Seed of the engine's random state (random weights, sampling).",
                             minimum=0, maximum=MAX_SEED)
     max_num_seqs: int | None = engine_flag(
