@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# --quantization: weights quantized at load (models/quantization/); None: as loaded.
+QUANTIZATION_METHODS = ("fp8",)
 
 _DTYPES = {
     "float32": "float32",
@@ -82,6 +84,18 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(
             f"unknown dtype {name!r}; choose one of float32, float16, bfloat16"
         ) from None
+
+
+def check_quantization(method: object) -> None:
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ConfigError(f"unknown quantization {method!r}; use "
+                          + " or ".join(QUANTIZATION_METHODS))
+
+
+def parse_quantization(text: str) -> str:
+    """`--quantization`'s value, checked (a bad one is a usage error, before loading)."""
+    check_quantization(text)
+    return text
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -357,8 +371,11 @@ class EngineConfig:
     # (SamplingParams field, value) pairs a request gets for fields it leaves unset: the
     # model's generation_config.json (`--generation-config`).
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
+    # Weights quantized after loading, e.g. "fp8" (models/quantization/); None: as loaded.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         # However the config was put together: never full attention where the model
         # wants a window (see `ModelConfig.resolve_max_model_len`).
         self.model.check_fits_window(self.scheduler.max_model_len)

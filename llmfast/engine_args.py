@@ -34,6 +34,8 @@ from llmfast.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_quantization,
+    parse_quantization,
     dtype_name,
     parse_cuda_graph_mode,
     parse_dtype,
@@ -90,6 +92,11 @@ class EngineArgs:
     dtype: str = engine_flag(
         "auto", "float32, bfloat16 or float16.  [default: float32 on CPU, bfloat16 on CUDA]")
     device: str = engine_flag("auto", "auto, cpu, cuda or cuda:N.")
+    quantization: str | None = engine_flag(
+        None, "fp8: quantize the decoder's projections to float8 at load (one scale per "
+              "output channel, activations per token at run time; the embedding and "
+              "lm_head stay in --dtype), as vLLM's --quantization fp8.  [default: none]",
+        parse=parse_quantization)
     seed: int = engine_flag(0, "Seed of the engine's random state (random weights, sampling).",
                             minimum=0, maximum=MAX_SEED)
     max_num_seqs: int | None = engine_flag(
@@ -226,6 +233,7 @@ class EngineArgs:
             parallel=self.parallel_config(),
             chat_template=self.chat_template,
             sampling_defaults=resolve_sampling_defaults(self.generation_config, source.path),
+            quantization=self.quantization,
         )
         return config, source
 
@@ -268,6 +276,7 @@ def check_engine_args(args: EngineArgs) -> None:
         value = getattr(args, name)
         if not isinstance(value, str) and not (name == "dtype" and _is_torch_dtype(value)):
             raise ConfigError(f"{name} must be a string, got {describe(value)}")
+    check_quantization(args.quantization)
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
     if args.cuda_graph_mode is not None:

@@ -15,6 +15,11 @@ in persistent buffers (llmfast/bench/static_batch.py), as in the runner. Medians
 
     python scripts/bench_modes.py --model random:smollm2-135m --batch-sizes 1
     python scripts/bench_modes.py --model random:llama-3.2-1b --dtype bfloat16 --json out.json
+    python scripts/bench_modes.py --model random:llama-3.2-1b --quantization fp8
+
+`--quantization fp8` quantizes the projections as the engine's flag does (the lm_head
+stays in --dtype); `linears` then times the fp8 projections, and its HBM limit counts
+their fp8 bytes. Compare against a run without it, on the same machine.
 
 Targets for `full` on the H100 (issue 15): <= 1.25x `linears` at B=1, <= 1.3x at B=64,
 >= 6x eager at B=1; the table prints those ratios.
@@ -40,6 +45,7 @@ from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
 from llmfast.kernels.cpu.linear import prepack_linears
 from llmfast.models.loading.loader import build_model
+from llmfast.models.quantization.fp8 import Fp8Linear
 from llmfast.models.sources.model_source import resolve_model
 
 
@@ -62,6 +68,8 @@ def parse_args() -> argparse.Namespace:
                         "attention split count is fixed from it, not from the context")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (on a shared CPU, 1 avoids OpenMP oversubscription)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="quantize the projections at load, as the engine's flag")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args()
 
@@ -152,8 +160,9 @@ def agreement(steps: dict, reference: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def linear_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The projections (float or fp8) and the lm_head, in module order."""
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))]
 
 
 def make_linears_step(model: torch.nn.Module, batch: int, device: torch.device, dtype):
@@ -218,7 +227,8 @@ def main() -> None:
     max_batch = max(batches)
 
     source = resolve_model(args.model)
-    model = build_model(source, dtype, device, max_positions=args.context_len + 16)
+    model = build_model(source, dtype, device, max_positions=args.context_len + 16,
+                        quantization=args.quantization)
     if device.type == "cpu":
         # As the runner does for eager CPU runs; compiled graphs do not use the packs.
         prepack_linears(model, None)
@@ -303,7 +313,9 @@ def main() -> None:
         from llmfast.bench.bandwidth import peak_bandwidth
 
         peak = peak_bandwidth(torch.cuda.get_device_name(device))
-        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linear_layers(model))
+        # Parameters, not `.weight`: an fp8 layer streams its fp8 weight and scales.
+        nbytes = sum(p.numel() * p.element_size() for m in linear_layers(model)
+                     for p in m.parameters())
         if peak:
             hbm_limit_ms = nbytes / peak * 1e3
             print(f"linears (CUDA-graph replay) stream {nbytes / 1e9:.2f} GB of weights: the "
@@ -312,7 +324,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "model": args.model, "dtype": str(dtype), "device": str(device),
+            "model": args.model, "dtype": str(dtype), "quantization": args.quantization,
+            "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
             "torch": torch.__version__, "context_len": args.context_len, "iters": iters,
             "latency_ms": {m: {str(b): v for b, v in r.items()} for m, r in results.items()},

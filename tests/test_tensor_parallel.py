@@ -23,9 +23,11 @@ from llmfast.models.loading.checkpoint_weights import load_safetensors_weights
 from llmfast.models.loading.load_error import LoadError
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource, resolve_model
+from llmfast.kernels.cpu.linear import Linear
+from llmfast.models.quantization.fp8 import Fp8Linear, quantize_fp8
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.ranks import run_ranks
-from tests.helpers.tp_runs import model_logits, run_cases, runner_tokens
+from tests.helpers.tp_runs import model_logits, paged_logits, run_cases, runner_tokens
 
 SINGLE = TensorParallelGroup.single()
 PROMPTS = [list(range(5, 75)), [20, 21, 22], [7, 9, 11, 13, 15, 17]]  # 70: two chunks
@@ -205,6 +207,60 @@ def test_tp2_matches_tp1(checkpoints):
             assert got[0] == want, args[0]
             assert got[1] is None
             assert all(len(ids) == 5 for ids in want.values())
+
+
+class SplitKFp8(torch.nn.Module):
+    """The oracle of an fp8 row-parallel projection over `world` ranks, in one process:
+    K split in `world` column blocks, each quantized on its own (weight rows and
+    activation rows scaled over the block, as a rank sees it), the partial products
+    summed in rank order (the all-reduce)."""
+
+    def __init__(self, layer, world: int) -> None:
+        super().__init__()
+        k = layer.in_features // world
+        self.blocks = torch.nn.ModuleList()
+        for r in range(world):
+            part = Linear(k, layer.out_features, bias=False)
+            part.weight = torch.nn.Parameter(layer.weight[:, r * k:(r + 1) * k].clone())
+            self.blocks.append(Fp8Linear.from_linear(part))
+        self.bias = layer.bias
+        self.k = k
+
+    def forward(self, x):
+        out = sum(b(x[:, i * self.k:(i + 1) * self.k]) for i, b in enumerate(self.blocks))
+        return out if self.bias is None else out + self.bias
+
+
+def fp8_split_k_oracle(spec: str, world: int):
+    """TP=1's model with fp8 projections quantized as `world` ranks quantize them:
+    column-parallel ones (qkv, gate_up) keep every row's whole K, so TP=1's per-row
+    scales; row-parallel ones (o, down) per K block."""
+    model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=128, seed=0)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = SplitKFp8(layer.self_attn.o_proj, world)
+        layer.mlp.down_proj = SplitKFp8(layer.mlp.down_proj, world)
+    quantize_fp8(model)  # the rest
+    return model
+
+
+def test_tp2_fp8_matches_split_k_oracle(checkpoints):
+    """--quantization fp8 on two ranks quantizes each rank's shards (as vLLM): logits
+    as the split-K oracle's, and greedy tokens through the runner as TP=1 with that
+    oracle's quantization would give."""
+    path = str(checkpoints["llama"])
+    want = paged_logits(fp8_split_k_oracle(path, 2), PROMPTS, NEXT_IDS)
+    cases = [("model_logits", (path, PROMPTS, NEXT_IDS, "fp8")),
+             ("runner_tokens", (path, PROMPTS, 5, False, False, None, "cpu", "fp8"))]
+    rank_results = run_ranks(run_cases, 2, cases)
+    for rank_logits, _ in rank_results:
+        np.testing.assert_allclose(rank_logits, want, rtol=0, atol=2e-4)
+    # TP=1 fp8 quantizes o and down over the whole K: a different model by fp8 rounding.
+    tp1 = model_logits(SINGLE, path, PROMPTS, NEXT_IDS, "fp8")
+    assert np.abs(tp1 - want).max() > 10 * 2e-4
+    # Greedy decode from the oracle's logits (rank 0's tokens) agrees on the first token.
+    tokens = rank_results[0][1]
+    first_rows = np.cumsum([len(p) for p in PROMPTS]) - 1
+    assert [ids[0] for ids in tokens.values()] == list(want[first_rows].argmax(-1))
 
 
 def test_tp2_compiled_trace_matches_tp1(checkpoints):

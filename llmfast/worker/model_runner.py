@@ -89,7 +89,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(source, self.dtype, self.device,
                                  max_positions=self.max_model_len, seed=config.seed,
-                                 progress=progress, tp=self.tp_group)
+                                 progress=progress, tp=self.tp_group,
+                                 quantization=config.quantization)
         if self.device.type == "cpu" and config.compile.enforce_eager:
             # A second, blocked copy of the weights: at most a quarter of the RAM.
             ram = physical_memory_bytes()

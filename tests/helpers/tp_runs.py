@@ -21,13 +21,18 @@ from tests.helpers.paged import PagedSequences
 
 
 def model_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
-                 next_ids: list[int]) -> np.ndarray:
+                 next_ids: list[int], quantization: str | None = None) -> np.ndarray:
     """[prefill tokens + one decode token per prompt, vocab] float32 logits."""
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
 
     model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=128, seed=0,
-                        tp=group)
+                        tp=group, quantization=quantization)
+    return paged_logits(model, prompts, next_ids)
+
+
+def paged_logits(model, prompts: list[list[int]], next_ids: list[int]) -> np.ndarray:
+    """`model_logits`'s prefill and decode step, for a model built by the caller."""
     seqs = PagedSequences(model, len(prompts), max_len=96, block_size=4)
     prefill = seqs.step(dict(enumerate(prompts)))
     decode = seqs.step({i: [t] for i, t in enumerate(next_ids)})
@@ -35,7 +40,8 @@ def model_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]]
 
 
 def engine_config(spec: str, world_size: int, compiled: bool = False,
-                  async_scheduling: bool = False, device: str = "cpu"):
+                  async_scheduling: bool = False, device: str = "cpu",
+                  quantization: str | None = None):
     from llmfast.engine_args import EngineArgs
 
     on_cuda = device.startswith("cuda")
@@ -45,7 +51,8 @@ def engine_config(spec: str, world_size: int, compiled: bool = False,
                       num_gpu_blocks_override=96, enforce_eager=not compiled,
                       compile=compiled, async_scheduling=async_scheduling,
                       tensor_parallel_size=world_size,
-                      distributed_executor_backend="mp" if world_size > 1 else "uni")
+                      distributed_executor_backend="mp" if world_size > 1 else "uni",
+                      quantization=quantization)
     return args.create_engine_config()
 
 
@@ -59,12 +66,13 @@ def _broadcast(obj, group: TensorParallelGroup):
 
 def runner_tokens(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
                   max_tokens: int, compiled: bool = False, async_scheduling: bool = False,
-                  compile_cache: str | None = None,
-                  device_type: str = "cpu") -> dict[str, list[int]] | None:
+                  compile_cache: str | None = None, device_type: str = "cpu",
+                  quantization: str | None = None) -> dict[str, list[int]] | None:
     """Greedy output ids per request (rank 0; None on the others). The budget (64
     tokens) chunks long prompts, so steps mix prefill chunks and decodes.
     `compile_cache`: LLMFAST_CACHE for this process (compiled runs). `device_type`
-    "cuda": rank r on cuda:r (compiled: CUDA graphs of both kinds)."""
+    "cuda": rank r on cuda:r (compiled: CUDA graphs of both kinds). `quantization`:
+    the engine's flag (e.g. "fp8")."""
     if compile_cache is not None:
         os.environ["LLMFAST_CACHE"] = compile_cache
     from llmfast.core.request import Request
@@ -73,7 +81,8 @@ def runner_tokens(group: TensorParallelGroup, spec: str, prompts: list[list[int]
     from llmfast.worker.model_runner import ModelRunner
 
     device = f"cuda:{group.rank}" if device_type == "cuda" else "cpu"
-    config, source = engine_config(spec, group.world_size, compiled, async_scheduling, device)
+    config, source = engine_config(spec, group.world_size, compiled, async_scheduling, device,
+                                   quantization)
     runner = ModelRunner(config, source, tp_group=group)
     num_blocks = runner.initialize()
     scheduler = requests = None

@@ -7,6 +7,7 @@ once, where and as it will live; no transformers model is built.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -21,8 +22,12 @@ from llmfast.models.loading.loader_target import target
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.models.loading.random_weights import init_random_weights
 from llmfast.models.loading.validate import check_checkpoint, check_weights_fit, safetensors_shapes
+from llmfast.models.quantization.fp8 import quantize_fp8
+from llmfast.models.weight_bytes import weight_bytes
 from llmfast.utils.host_memory import available_host_memory
 from llmfast.utils.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -83,11 +88,14 @@ def build_model(
     seed: int = 0,
     progress: Progress | None = None,
     tp: TensorParallelGroup | None = None,
+    quantization: str | None = None,
 ) -> DecoderForCausalLM:
     """Check the checkpoint against the config on a meta-device model, then allocate
     the model directly on `device` in `dtype` (`_allocate_as`: each parameter once,
     uninitialised) and write its weights in place: seeded random values for a preset,
-    the checkpoint's for a directory. `tp`: build and load this rank's shard only."""
+    the checkpoint's for a directory. `tp`: build and load this rank's shard only.
+    `quantization` ("fp8"): then quantize the projections, the one point where every
+    weight (and every tensor-parallel shard) is final, whatever the source."""
     device = torch.device(device)
     tp = tp or TensorParallelGroup.single()
     try:
@@ -106,4 +114,14 @@ def build_model(
         init_random_weights(model, seed, progress)
     else:
         load_safetensors_weights(model, source.path, progress)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if quantization == "fp8":
+        _quantize_fp8(model)
+    return model
+
+
+def _quantize_fp8(model: DecoderForCausalLM) -> None:
+    summary = quantize_fp8(model)
+    logger.info("fp8: %d projections quantized to float8_e4m3fn (%.1f MiB -> %.1f MiB); "
+                "the weights take %.1f MiB", summary.quantized, summary.bytes_before / 2**20,
+                summary.bytes_after / 2**20, weight_bytes(model) / 2**20)

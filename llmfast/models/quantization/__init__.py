@@ -1,0 +1,1 @@
+"""Weight quantization applied after loading (`--quantization`): see fp8.py."""
