@@ -60,6 +60,9 @@
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
+#   fp8           200/330    --quantization fp8: tests/test_fp8_gpu.py, then bench_modes
+#                            eager/full/linears at B=1,64 in bf16 and fp8 (no bar: how much
+#                            the half-size weights buy a decode step)
 #
 # A device session: 15 minutes of device time in all (the machine's start, 1-2 min, counts),
 # calls of <= 600 s, and the machine goes back 30 s after a call ends. So: one full call
@@ -79,8 +82,9 @@
 #        /tmp); then #16's sync-free proof and #18's load figures, as time allows.
 # The next GPU sessions, one call each, full sizes: "full tests" (#15 correctness vs HF,
 # every gpu test), "kernels kernels64 sweep" (#17's whole table, the 1B's split table,
-# #18's sweep), "throughput profile serve_procs" (#18's 10x, #16's phase table, the
-# --api-servers default). Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
+# #18's sweep), "throughput profile fp8" (#18's 10x, #16's phase table, what fp8 weights
+# buy), "serve_procs families defaults" (the --api-servers default, the families'
+# GPU tests, the step-budget defaults). Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
 # when that is under 620. Compile caches persist between calls while the machine stays
 # warm (LLMFAST_CACHE below). What comes back of $OUT: report.md, verdicts.txt and
 # results.tar.gz (everything else, packed at the end: the tool returns 8 files at most).
@@ -109,7 +113,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 # $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-kernels64 families defaults serve serve_procs presets executor tp"
+kernels64 families defaults serve serve_procs presets executor tp fp8"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -149,6 +153,7 @@ if [[ $DRY == 1 ]]; then  # the same commands, CPU-sized
     PRESET_ARGS=(--sizes 1,2 --context 16 --modes eager --steps 4)
     PRESETS="tiny"
     EXECUTOR_ARGS=(--configs uni:1,mp:1 --sizes 1,2 --steps 8 --repeats 1)
+    FP8_MODES_ARGS=(--batch-sizes 1,2 --modes eager,compiled,full --iters 2 --warmup 1)
 else
     MODEL=random:llama-3.2-1b DTYPE=bfloat16 DEV=()
     # -v: one line per test as it ends, so a step cut off by its time limit still shows
@@ -181,6 +186,7 @@ else
     PRESET_ARGS=(--max-model-len 1024 --sizes 1,64 --context 512 --modes graphs
                  --cuda-graph-sizes 1,64)
     EXECUTOR_ARGS=(--device cuda --configs uni:1,mp:1,mp-2msg:1 --sizes 1,64)
+    FP8_MODES_ARGS=(--batch-sizes 1,64 --modes eager,full,linears)
 fi
 
 verdict() {  # step name: its PASS/FAIL lines, printed and kept in verdicts.txt
@@ -333,6 +339,17 @@ for step in $STEPS; do
                    # mp-2msg: the collect as its own message, the protocol before 2026-11-23)
             run_step executor 150 400 python3 scripts/bench_executor.py --model "$MODEL" \
                 "${DEV[@]}" "${EXECUTOR_ARGS[@]}" --json "$OUT/executor.json" ;;
+        fp8)
+            run_step fp8 200 330 bash -c 'out=$1; shift; n=$1; shift; pytest=("${@:1:n}")
+                shift "$n"; rc=0
+                "${pytest[@]}" tests/test_fp8_gpu.py || rc=1
+                for q in bf16 fp8; do
+                    flag=(); [[ $q == fp8 ]] && flag=(--quantization fp8)
+                    python3 scripts/bench_modes.py "$@" "${flag[@]}" \
+                        --json "$out/modes_$q.json" || rc=1
+                done
+                exit $rc' _ "$OUT" "${#PYTEST[@]}" "${PYTEST[@]}" --model "$MODEL" \
+                --dtype "$DTYPE" "${DEV[@]}" "${FP8_MODES_ARGS[@]}" ;;
         tp)  # issue 21: TP=2 over NCCL with CUDA graphs and async; needs >= 2 GPUs (skips on 1)
             run_step tp 120 400 "${PYTEST[@]}" -rs tests/test_tensor_parallel.py \
                 tests/test_executor_gpu.py ;;

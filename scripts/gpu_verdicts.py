@@ -15,6 +15,7 @@ A step without bars (serve, defaults, presets, families) prints nothing here.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -82,16 +83,17 @@ def modes(out: Path) -> Iterator[Line]:
 MODES_MAX_REL_DIFF = 0.1
 
 
-def _modes_agreement(agreement: dict | None) -> Iterator[Line]:
+def _modes_agreement(agreement: dict | None, label: str = "#15 modes",
+                     file: str = "modes.json") -> Iterator[Line]:
     """#15 correctness riding on the timing run: every mode's logits vs eager's."""
     if not agreement or not agreement.get("by_batch"):
-        yield ("MISSING", "#15 modes: no logits agreement in modes.json")
+        yield ("MISSING", f"{label}: no logits agreement in {file}")
         return
     ref = agreement["reference"]
     for batch, by_mode in agreement["by_batch"].items():
         for mode, a in by_mode.items():
             yield check(a["rel_diff"] <= MODES_MAX_REL_DIFF,
-                        f"#15 modes: B={batch} {mode} logits vs {ref}: max |diff| "
+                        f"{label}: B={batch} {mode} logits vs {ref}: max |diff| "
                         f"{a['rel_diff']:.1e} of the largest (bar <= {MODES_MAX_REL_DIFF:g}), "
                         f"argmax agrees on {a['argmax_agree']:.0%} of rows")
 
@@ -246,6 +248,21 @@ def kernels(out: Path) -> Iterator[Line]:
                    f"{100 * r['ours_gbs'] / data['copy_gbs']:.0f}% of copy bandwidth")
 
 
+def fp8_modes(out: Path) -> Iterator[Line]:
+    """--quantization fp8 (no issue's bar): the full-graph decode step against bf16's on
+    the same machine, and fp8's own logits agreement between modes."""
+    fp8, bf16 = _load(out, "modes_fp8.json"), _load(out, "modes_bf16.json")
+    if fp8 is None or bf16 is None:
+        yield ("MISSING", "fp8 modes: no modes_fp8.json / modes_bf16.json")
+        return
+    for batch, ms in fp8["latency_ms"].get("full", {}).items():
+        base = bf16["latency_ms"].get("full", {}).get(batch)
+        if base:
+            yield info(f"fp8 modes: B={batch} full-graph step {ms:.3f} ms vs bf16 {base:.3f} "
+                       f"ms ({base / ms:.2f}x)")
+    yield from _modes_agreement(fp8.get("agreement"), "fp8 modes", "modes_fp8.json")
+
+
 def throughput(out: Path) -> Iterator[Line]:
     """#18: offline output tok/s >= 10x HF generate (HF batch size tuned, stated)."""
     data = _load(out, "throughput.json")
@@ -298,7 +315,10 @@ _PYTEST_KEY_TESTS = {
     "async_tests": ("#16", ("test_steady_state_steps_never_sync",
                             "test_async_outputs_equal_sync_on_cuda",
                             "test_phase_timer_shows_device_time_under_cuda_graphs",
-                            "test_cuda_no_sync_and_seeded_tokens_match_cpu")),
+                            "test_cuda_no_sync_and_seeded_tokens_match_cpu",
+                            "test_prompt_logprobs_steps_never_sync")),
+    "fp8": ("fp8", ("test_scaled_mm_layer_matches_float64_fake_quant",
+                    "test_1b_fp8_generates_close_to_bf16")),
     "tests": ("all", ()),
     "families": ("#19", ()),
 }
@@ -389,6 +409,7 @@ STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
     "modes": modes, "async": async_bench, "load": load, "startup": startup, "sweep": sweep,
     "throughput": throughput, "profile": profile, "kernels": kernels,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
+    "fp8": lambda out: itertools.chain(pytest_step("fp8", out), fp8_modes(out)),
 }
 
 
@@ -399,7 +420,9 @@ def verdicts(step: str, out: Path, dry_run: bool = False) -> list[str]:
         return []
     if dry_run and step in _PYTEST_KEY_TESTS:
         def judge(out: Path) -> Iterator[Line]:
-            return pytest_collected(step, out)
+            yield from pytest_collected(step, out)
+            if step == "fp8":  # its benchmark half ran for real
+                yield from fp8_modes(out)
     try:
         lines = list(judge(out))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:

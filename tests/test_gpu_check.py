@@ -306,3 +306,22 @@ def test_bench_modes_logits_of_every_mode_agree_with_eager_on_cpu(tmp_path):
             assert a["rel_diff"] < 1e-5 and a["argmax_agree"] == 1.0, by_mode
     lines = _lines("modes", tmp_path)
     assert _find(lines, "B=3 full logits vs eager") == "PASS"
+
+
+def test_fp8_step_compares_with_bf16_and_judges_its_agreement(tmp_path):
+    ok = {"max_abs_diff": 0.05, "rel_diff": 0.03, "argmax_agree": 1.0}
+    bad = {"max_abs_diff": 0.5, "rel_diff": 0.3, "argmax_agree": 0.2}
+    _write(tmp_path / "modes_bf16.json", {"latency_ms": {"full": {"1": 1.0, "64": 1.2}}})
+    _write(tmp_path / "modes_fp8.json", {
+        "latency_ms": {"full": {"1": 0.625, "64": 0.8}},
+        "agreement": {"reference": "eager", "by_batch": {"1": {"full": ok},
+                                                         "64": {"full": bad}}}})
+    (tmp_path / "fp8.log").write_text(
+        "tests/test_fp8_gpu.py::test_scaled_mm_layer_matches_float64_fake_quant[1] PASSED [ 50%]\n"
+        "tests/test_fp8_gpu.py::test_1b_fp8_generates_close_to_bf16 FAILED [100%]\n"
+        "=========== 1 failed, 1 passed in 30.0s ===========\n")
+    lines = _lines("fp8", tmp_path)
+    assert _find(lines, "B=1 full-graph step 0.625 ms vs bf16 1.000 ms (1.60x)") == "INFO"
+    assert _find(lines, "fp8 modes: B=64 full logits vs eager") == "FAIL"
+    assert _find(lines, "fp8 modes: B=1 full logits vs eager") == "PASS"
+    assert _find(lines, "test_1b_fp8_generates_close_to_bf16: 0/1 passed") == "FAIL"
