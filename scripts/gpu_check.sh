@@ -45,7 +45,7 @@
 #   throughput    220/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
 #                            tok/s)
 #   tests         250/560    every other gpu-marked test
-#   kernels 360[170]/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
+#   kernels 360[150]/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
 #                            2k-8k causal; decode >= 1.0x SDPA at B=1..8; max abs diff
 #                            <= 4e-3): prefill tiles tuned first (2 classes x 10
 #                            candidates; prefill_tiles.json is the table to ship), decode
@@ -60,7 +60,7 @@
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
-#   fp8           200/330    --quantization fp8: tests/test_fp8_gpu.py, then bench_modes
+#   fp8           280/400    --quantization fp8: tests/test_fp8_gpu.py, then bench_modes
 #                            eager/full/linears at B=1,64 in bf16 and fp8 (no bar: how much
 #                            the half-size weights buy a decode step)
 #
@@ -69,12 +69,12 @@
 # and, issued AT ONCE after it (read its results while the next runs), one short one on
 # the same warm machine; a later call starts a bare machine (1-2 min, cold caches).
 # GPU_CHECK_QUICK=1 trims modes (B=1,64,256; eager, graphs, full, linears), async (two
-# repeats) and kernels (the bars' rows only: B=1,8,64,256 x 512/8k, prefill 2k/8k, one
+# repeats) and kernels (the bars' rows only: B=1,8,64 x 512/8k, prefill 2k/8k, one
 # mixed batch) so that each issue's headline bar fits into the first call:
 #   1. GPU_CHECK_QUICK=1 ... gpu_check.sh modes async startup kernels
 #        #15 bars + logits vs eager per mode, #16 bars, #18 TTFT (and the model's prefill
 #        tiles to ship), #17 bars + prefill tiles and split table to ship (est.
-#        140+90+150+170 = 550 s against 560: what does not fit is SKIPPED and remembered
+#        140+90+150+150 = 530 s against 560: what does not fit is SKIPPED and remembered
 #        on the machine)
 #   2. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s - 60> ... gpu_check.sh \
 #        skipped async_tests load
@@ -82,9 +82,8 @@
 #        /tmp); then #16's sync-free proof and #18's load figures, as time allows.
 # The next GPU sessions, one call each, full sizes: "full tests" (#15 correctness vs HF,
 # every gpu test), "kernels kernels64 sweep" (#17's whole table, the 1B's split table,
-# #18's sweep), "throughput profile fp8" (#18's 10x, #16's phase table, what fp8 weights
-# buy), "serve_procs families defaults" (the --api-servers default, the families'
-# GPU tests, the step-budget defaults). Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
+# #18's sweep), "fp8 throughput" (what fp8 weights buy, #18's 10x), "profile serve_procs"
+# (#16's phase table, the --api-servers default), "families load" and "defaults serve". Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
 # when that is under 620. Compile caches persist between calls while the machine stays
 # warm (LLMFAST_CACHE below). What comes back of $OUT: report.md, verdicts.txt and
 # results.tar.gz (everything else, packed at the end: the tool returns 8 files at most).
@@ -164,9 +163,9 @@ else
     if [[ $QUICK == 1 ]]; then  # the bars' rows only (see the plan above)
         MODES_ARGS=(--batch-sizes 1,64,256 --modes eager,graphs,full,linears --iters 30)
         ASYNC_ARGS=(--sizes 1,64,256 --repeats 2)
-        KERNELS_ARGS=(--batches 1 8 64 256 --contexts 512 8192 --prefill-tokens 2048 8192
+        KERNELS_ARGS=(--batches 1 8 64 --contexts 512 8192 --prefill-tokens 2048 8192
                       --mixed 2048,2048,64,2048 --iters 20)
-        MODES_EST=140 ASYNC_EST=90 KERNELS_EST=170
+        MODES_EST=140 ASYNC_EST=90 KERNELS_EST=150
     fi
     PROFILE_ARGS=(--sizes 1,64 --steps 16)
     LOAD_ARGS=(--preset llama-3.2-1b --repeats 2)
@@ -340,7 +339,7 @@ for step in $STEPS; do
             run_step executor 150 400 python3 scripts/bench_executor.py --model "$MODEL" \
                 "${DEV[@]}" "${EXECUTOR_ARGS[@]}" --json "$OUT/executor.json" ;;
         fp8)
-            run_step fp8 200 330 bash -c 'out=$1; shift; n=$1; shift; pytest=("${@:1:n}")
+            run_step fp8 280 400 bash -c 'out=$1; shift; n=$1; shift; pytest=("${@:1:n}")
                 shift "$n"; rc=0
                 "${pytest[@]}" tests/test_fp8_gpu.py || rc=1
                 for q in bf16 fp8; do

@@ -79,7 +79,9 @@ def test_1b_fp8_generates_close_to_bf16():
                         for i, t in enumerate(tokens)])
     want = torch.tensor([lp[t] for lp, t in zip(bf16.logprobs, tokens)])
     diff = (got - want).abs()
-    # fp8 noise on the decode logits: small next to their spread (unmeasured so far:
-    # the first GPU run sets the bar; print it).
+    # fp8 noise on the decode logprobs. Random weights give a near-flat distribution
+    # (every logprob ~ -8), so it is large next to a real model's: the same fp8 math on
+    # the CPU (its float32 fallback) measured max 0.56, mean 0.23. A wrong scale or
+    # layout moves them by whole nats.
     print(f"fp8 vs bf16 logprobs: max |diff| {diff.max():.4f}, mean {diff.mean():.4f}")
-    assert diff.max() < 0.5 and diff.mean() < 0.1, (got, want)
+    assert diff.max() < 1.5 and diff.mean() < 0.5, (got, want)
