@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from llmfast.config import FP8_E4M3_MAX
+
 
 def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -55,8 +57,18 @@ def reshape_and_cache_reference(
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    _write_rows(k_flat, slot_mapping, k)
+    _write_rows(v_flat, slot_mapping, v)
+
+
+def _write_rows(cache_flat: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache_flat[slots] = x in the cache's dtype. An fp8 cache: clamped to +-448 first
+    (e4m3fn has no inf), and copied as bytes (torch has no fp8 index_copy_ on CPU)."""
+    if cache_flat.dtype != torch.float8_e4m3fn:
+        cache_flat.index_copy_(0, slots, x.to(cache_flat.dtype))
+        return
+    x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_flat.dtype)
+    cache_flat.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
 
 
 def paged_attention_reference(
