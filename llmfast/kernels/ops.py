@@ -102,8 +102,8 @@ def paged_attention_reference(
         num_blocks = -(-seq_len // block_size)
         blocks = tables[r, :num_blocks].to(k_cache.device, torch.long)
         # [seq_len, num_kv_heads, head_dim]
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        keys = _blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = _blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         keys = keys.to(compute_dtype).repeat_interleave(group, dim=1)
         values = values.to(compute_dtype).repeat_interleave(group, dim=1)
         queries = q[q_start:q_end].to(compute_dtype)  # [num_q, num_heads, head_dim]
@@ -113,6 +113,14 @@ def paged_attention_reference(
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+
+
+def _blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks]; an fp8 cache's gathered as bytes (torch's indexing kernels do not
+    all take float8 types)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache[blocks]
+    return cache.view(torch.uint8)[blocks].view(cache.dtype)
 
 
 # ----------------------------------------------------------------------------- ops
