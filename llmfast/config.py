@@ -25,6 +25,13 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # --quantization: weights quantized at load (models/quantization/); None: as loaded.
 QUANTIZATION_METHODS = ("fp8",)
+# --kv-cache-dtype: auto = the model's dtype; fp8 = float8_e4m3fn with scale 1.0 (vLLM's
+# default without calibrated scales). Aliases as vLLM spells them.
+KV_CACHE_DTYPES = ("auto", "fp8")
+_KV_CACHE_DTYPE_ALIASES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+# e4m3fn has no inf: anything past its largest finite value converts to NaN (or
+# saturates, depending on the torch version), so writes clamp to it first.
+FP8_E4M3_MAX = 448.0
 
 _DTYPES = {
     "float32": "float32",
@@ -90,6 +97,24 @@ def check_quantization(method: object) -> None:
     if method is not None and method not in QUANTIZATION_METHODS:
         raise ConfigError(f"unknown quantization {method!r}; use "
                           + " or ".join(QUANTIZATION_METHODS))
+
+
+def parse_kv_cache_dtype(name: object) -> str:
+    """`--kv-cache-dtype`'s value, aliases resolved ("fp8_e4m3" -> "fp8"); a bad one is a
+    one-line usage error."""
+    canonical = _KV_CACHE_DTYPE_ALIASES.get(name) if isinstance(name, str) else None
+    if canonical is None:
+        raise ConfigError(f"unknown kv cache dtype {name!r:.40}; use auto or fp8 "
+                          "(fp8_e4m3)")
+    return canonical
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache tensors' dtype: the model's for auto, float8_e4m3fn for fp8."""
+    import torch
+
+    return torch.float8_e4m3fn if parse_kv_cache_dtype(kv_cache_dtype) == "fp8" \
+        else model_dtype
 
 
 def parse_quantization(text: str) -> str:
@@ -257,8 +282,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Overrides the memory-derived block count (tests, tight-memory experiments).
     num_gpu_blocks_override: int | None = None
+    # "auto" (the model dtype) or "fp8" (float8_e4m3fn, scale 1.0): see KV_CACHE_DTYPES.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                              f"got {self.kv_cache_dtype!r:.40}")
         if self.block_size < 1 or self.block_size > 128 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block size must be a power of two up to 128; got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -39,6 +39,7 @@ from llmfast.config import (
     dtype_name,
     parse_cuda_graph_mode,
     parse_dtype,
+    parse_kv_cache_dtype,
 )
 from llmfast.utils.flag_values import SIZES_HELP, parse_bytes, parse_sizes, read_chat_template
 from llmfast.utils.progress import Progress
@@ -119,6 +120,10 @@ class EngineArgs:
         None, "KV-cache size, e.g. 512MiB, 2GiB or bytes (on CUDA: per GPU, instead of "
               "--gpu-memory-utilization's share).  [default: from the model size and free "
               "memory]", parse=parse_bytes, minimum=1)
+    kv_cache_dtype: str = engine_flag(
+        "auto", "auto (the model's --dtype) or fp8 (float8_e4m3fn, scale 1.0; alias "
+                "fp8_e4m3): fp8 halves the KV cache's bytes, so twice the blocks fit.",
+        parse=parse_kv_cache_dtype)
     gpu_memory_utilization: float = engine_flag(
         0.9, "Fraction of GPU memory llmfast may use, in (0, 1].")
     num_gpu_blocks_override: int | None = engine_flag(
@@ -211,6 +216,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_dtype=parse_kv_cache_dtype(self.kv_cache_dtype),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -277,6 +283,7 @@ def check_engine_args(args: EngineArgs) -> None:
         if not isinstance(value, str) and not (name == "dtype" and _is_torch_dtype(value)):
             raise ConfigError(f"{name} must be a string, got {describe(value)}")
     check_quantization(args.quantization)
+    parse_kv_cache_dtype(args.kv_cache_dtype)
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
     if args.cuda_graph_mode is not None:

@@ -37,9 +37,15 @@ CHILD_TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def interpreter():
     """run(check_name, **kwargs): runs `check_name` in the interpreter child."""
+    yield from interpreter_child(__file__)
+
+
+def interpreter_child(script: str):
+    """The `interpreter` fixture's body for a child running `script` (a test module
+    whose `__main__` serves its checks: see `_serve`)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
     proc = subprocess.Popen(
-        [sys.executable, __file__],
+        [sys.executable, script],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -65,15 +71,17 @@ def interpreter():
         proc.wait(timeout=60)
 
 
-def _serve() -> None:
-    """Child loop: one JSON [check_name, kwargs] per line in, "" or a traceback out."""
+def _serve(checks: dict | None = None) -> None:
+    """Child loop: one JSON [check_name, kwargs] per line in, "" or a traceback out;
+    `checks`: the serving module's globals (default: this module's)."""
+    checks = globals() if checks is None else checks
     interpreted = triton.runtime.interpreter.InterpretedFunction
     assert isinstance(attention._unified_attention_kernel, interpreted)
     replies, sys.stdout = sys.stdout, sys.stderr  # keep the reply channel clean
     for line in sys.stdin:
         check, kwargs = json.loads(line)
         try:
-            globals()[check](**kwargs)
+            checks[check](**kwargs)
             error = ""
         except Exception:
             error = traceback.format_exc()

@@ -76,26 +76,29 @@ def prefill_tunable(head_dim: int, dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and head_dim <= 128
 
 
-def _prefill_tiles(q: torch.Tensor, num_reqs: int, group: int) -> PrefillTiles | None:
+def _prefill_tiles(q: torch.Tensor, kv_dtype: torch.dtype, num_reqs: int, group: int
+                   ) -> PrefillTiles | None:
     """Tuned tiles for a prefill-like launch on CUDA (kernels/prefill_tuning.py), or
     None (the heuristic). Tuning may run here, once per shape class, before a large
     prefill and never while a CUDA graph is being captured."""
-    cls = shape_class(num_reqs, q.shape[2], group, q.dtype)
+    cls = shape_class(num_reqs, q.shape[2], group, q.dtype, kv_dtype)
     may_tune = (q.shape[0] >= TUNE_MIN_TOKENS and prefill_tunable(q.shape[2], q.dtype)
                 and not torch.cuda.is_current_stream_capturing())
     return _device_tile_table(q.device).tiles_for(
         cls, may_tune, _tile_timer(q.device, cls))
 
 
-def model_prefill_classes(head_dim: int, group: int, dtype: torch.dtype
+def model_prefill_classes(head_dim: int, group: int, dtype: torch.dtype,
+                          kv_dtype: torch.dtype | None = None
                           ) -> tuple[ShapeClass, ShapeClass]:
     """The two prefill shape classes a model launches: one request (causal) and several
     (mixed)."""
-    return tuple(shape_class(n, head_dim, group, dtype) for n in (1, 2))
+    return tuple(shape_class(n, head_dim, group, dtype, kv_dtype) for n in (1, 2))
 
 
 def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
-                             dtype: torch.dtype, progress: Progress | None = None) -> int:
+                             dtype: torch.dtype, progress: Progress | None = None,
+                             kv_dtype: torch.dtype | None = None) -> int:
     """At start-up: tune the two prefill shape classes a model launches (one request:
     causal; several: mixed) when no table knows them and tuning is allowed, so that no
     request waits ~20-30 s for it and the start-up memory profile's forward (a large
@@ -106,7 +109,7 @@ def tune_model_prefill_tiles(device: torch.device, head_dim: int, group: int,
         device = torch.device("cuda", torch.cuda.current_device())
     table = _device_tile_table(device)
     before = table.tunings
-    for cls in model_prefill_classes(head_dim, group, dtype):
+    for cls in model_prefill_classes(head_dim, group, dtype, kv_dtype):
         if progress and table.lookup(cls) is None:
             progress(f"tuning prefill attention tiles for {cls.key} (once per GPU model)",
                      None)
@@ -175,10 +178,11 @@ def unified_attention(
     if num_tokens == 0 or num_reqs == 0:
         return
     if prefill_tiles is None and q.is_cuda and num_tokens > 2 * num_reqs:
-        prefill_tiles = _prefill_tiles(q, num_reqs, q.shape[1] // k_cache.shape[2])
+        prefill_tiles = _prefill_tiles(q, k_cache.dtype, num_reqs,
+                                       q.shape[1] // k_cache.shape[2])
     # Everything the launch derives from shapes, computed once per shape (a step's
     # layers, and every step of a padded size, share it).
-    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+    key = (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(),
            v_cache.stride(), out.stride(), block_table.shape, block_table.stride(0),
            num_reqs, num_splits, block_q, fused_merge, prefill_tiles, _num_sms(q.device))
     plan = _PLANS.get(key)
@@ -232,7 +236,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     cfg = select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
-        prefill_tiles,
+        prefill_tiles, kv_dtype=k_cache.dtype,
     )
     splits = next_pow2(num_splits) if num_splits is not None else cfg.num_splits
     bq = block_q if block_q is not None else cfg.block_q
@@ -244,6 +248,10 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
     upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
+    # A cache in another dtype than q (fp8) is converted to q's on load: its own variant.
+    convert_kv = k_cache.dtype != q.dtype
     if len(_PLANS) >= _MAX_PLANS:
         del _PLANS[next(iter(_PLANS))]
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
@@ -256,11 +264,11 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         num_arrivals=num_tiles * num_kv_heads,
         strides=strides,
         const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast,
-                   dot_precision, specialization_key((), strides)),
+                   dot_precision, convert_kv, specialization_key((), strides)),
         constexprs=dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
                         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                         BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
-                        UPCAST=upcast, DOT_PRECISION=dot_precision,
+                        UPCAST=upcast, DOT_PRECISION=dot_precision, CONVERT_KV=convert_kv,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                               NUM_SPLITS=splits,

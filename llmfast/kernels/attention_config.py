@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from llmfast.kernels.kv_write import next_pow2
-from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, heuristic_tiles
+from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, heuristic_tiles, kv_dtype_name
 from llmfast.kernels.tuning.split_table import SplitTable, find_table
 
 
@@ -35,6 +35,7 @@ def select_config(
     num_sms: int,
     split_tables: tuple[SplitTable, ...] = (),
     prefill_tiles: PrefillTiles | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionConfig:
     """Tile sizes and split count from host-known shapes only (same for a padded batch).
 
@@ -50,7 +51,9 @@ def select_config(
         block_q = max(1, 16 // group_p)
         block_n = 32 if wide else 64
         num_warps = 8 if wide else 4
-        dtype_name = str(dtype).removeprefix("torch.")
+        # Split tables are measured per (q, cache) dtype: an fp8 cache reads half the
+        # bytes, so a bf16 cache's table does not hold for it (kv_dtype_name).
+        dtype_name = kv_dtype_name(dtype, kv_dtype)
         split_table = find_table(split_tables, num_heads, num_kv_heads, head_dim,
                                  dtype_name, block_size)
         if split_table is not None:

@@ -12,6 +12,12 @@ Design
 - The loop walks the context in BLOCK_N-key tiles, gathering physical blocks through the
   block table per key (BLOCK_N need not equal block_size), with an online softmax in
   fp32 (exp2, scale folded in) and a causal mask against each row's position.
+- KV cache dtype: the cache is in q's dtype, or in float8_e4m3fn (--kv-cache-dtype fp8,
+  scale 1.0) whose loads are converted to q's dtype before the dots (CONVERT_KV).
+- This step's own tokens: the op writes their K/V into the cache (kv_write.py) before
+  this kernel runs, and the kernel reads every key, the step's own included, from the
+  cache: with an fp8 cache the step attends to its own K/V as rounded to fp8, never to
+  the fresh higher-precision k/v.
 - Flash-decoding: with few decode rows and long contexts the kv-split axis cuts the
   context into NUM_SPLITS ranges; each writes unnormalised partials (acc, max, sum) to a
   workspace and a second kernel merges them. The split count comes from shapes only.
@@ -26,15 +32,20 @@ import triton.language as tl
 @triton.jit
 def _attend_kv_tiles(
     acc, l_i, m_i, q, q_pos, tile_from, tile_to, kv_end,
-    k_base, v_base, table, offs_d,
+    k_base, v_base, table, offs_d, q_ptr,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONVERT_KV: tl.constexpr,
 ):
     """Online-softmax update over key tiles [tile_from, tile_to) of one request.
 
     MASKED=False is for tiles every row of the tile may see whole (the bulk of a long
     context): no causal or bounds masks in the loop. MASKED=True handles the tail.
+    CONVERT_KV: the cache's dtype is not q's (an fp8 cache): loaded K/V are converted to
+    q's dtype (the compute dtype; scale 1.0) before the dots, and P is rounded to q's
+    dtype rather than the cache's. False (a cache in q's dtype) leaves the code as it
+    was, so those caches compute bit-identically.
     """
     d_mask = offs_d < HEAD_DIM  # all-true unless head_dim was padded to a power of 2
     for kv_tile in range(tile_from, tile_to):
@@ -59,6 +70,9 @@ def _attend_kv_tiles(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+        if CONVERT_KV:
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
@@ -69,8 +83,12 @@ def _attend_kv_tiles(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # P is rounded to the cache dtype for the second matmul (tensor cores).
-        p = p.to(v_base.dtype.element_ty)
+        # P is rounded to the cache dtype for the second matmul (tensor cores); with a
+        # converted (fp8) cache to q's, the dtype V was converted to.
+        if CONVERT_KV:
+            p = p.to(q_ptr.dtype.element_ty)
+        else:
+            p = p.to(v_base.dtype.element_ty)
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -94,6 +112,7 @@ def _unified_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONVERT_KV: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -164,14 +183,14 @@ def _unified_attention_kernel(
     num_full = (ctx_len + q_lo + 1) // BLOCK_N
     tile_mid = tl.maximum(tl.minimum(num_full, tile_hi), tile_lo)
     acc, l_i, m_i = _attend_kv_tiles(
-        acc, l_i, m_i, q, q_pos, tile_lo, tile_mid, kv_end, k_base, v_base, table, offs_d,
+        acc, l_i, m_i, q, q_pos, tile_lo, tile_mid, kv_end, k_base, v_base, table, offs_d, q_ptr,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
-        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION, CONVERT_KV,
     )
     acc, l_i, m_i = _attend_kv_tiles(
-        acc, l_i, m_i, q, q_pos, tile_mid, tile_hi, kv_end, k_base, v_base, table, offs_d,
+        acc, l_i, m_i, q, q_pos, tile_mid, tile_hi, kv_end, k_base, v_base, table, offs_d, q_ptr,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
-        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION, CONVERT_KV,
     )
 
     if NUM_SPLITS == 1:

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmfast.config import FP8_E4M3_MAX
 from llmfast.kernels.launch.launch_cache import LaunchCache
 
 
@@ -27,6 +28,26 @@ def next_pow2(n: int) -> int:
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value (ties to even),
+    still in fp32, so that the store's conversion is exact whatever its rounding: the
+    Triton interpreter's fp32 -> fp8 conversion truncates past a binade edge (127.3 ->
+    64), and the tests check the cache bit for bit. On a GPU it costs a few integer ops
+    in a memory-bound kernel, and the hardware conversion then has nothing to round."""
+    # Normal range: keep 3 of fp32's 23 mantissa bits, ties to even; a carry moves
+    # into the exponent as it should (the bf16 rounding trick, 20 bits instead of 16).
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # -0x100000 = ~0xFFFFF
+    normal = rounded.to(tl.float32, bitcast=True)
+    # Subnormal range (|x| < 2^-6): multiples of 2^-9. Adding 1.5 * 2^14 puts |x| where
+    # fp32's ulp is 2^-9, so the addition itself rounds (to nearest even) once; the sign
+    # goes back on after, so that tiny negatives become -0 as the conversion makes them.
+    sub = (tl.abs(x) + 24576.0) - 24576.0
+    sub = tl.where(bits < 0, -sub, sub)
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_kd,
@@ -35,7 +56,7 @@ def _reshape_and_cache_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CLAMP: tl.constexpr,
 ):
     # One program per token moves all of its [num_kv_heads, head_dim] K and V rows.
     token = tl.program_id(0).to(tl.int64)
@@ -50,6 +71,9 @@ def _reshape_and_cache_kernel(
 
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    if CLAMP > 0:  # fp8 cache: e4m3fn has no inf, values past CLAMP would become NaN
+        k = _round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32), -CLAMP), CLAMP))
+        v = _round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32), -CLAMP), CLAMP))
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
     tl.store(
@@ -88,15 +112,23 @@ def reshape_and_cache(
     block_size = k_cache.shape[1]
     check_launchable(_reshape_and_cache_kernel, k)
     num_warps = 4 if num_kv_heads * head_dim >= 1024 else 2
+    clamp = cache_clamp(k_cache.dtype)
     _KV_WRITE_LAUNCHES.launch(
         (num_tokens, 1, 1),
         (k, v, k_cache, v_cache, slot_mapping),
         (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()),
-        (num_kv_heads, head_dim, block_size, num_warps),
+        (num_kv_heads, head_dim, block_size, num_warps, clamp),
         dict(NUM_KV_HEADS=num_kv_heads, HEADS_P=next_pow2(num_kv_heads),
              HEAD_DIM=head_dim, HEAD_DIM_P=next_pow2(head_dim), BLOCK_SIZE=block_size,
-             num_warps=num_warps),
+             CLAMP=clamp, num_warps=num_warps),
     )
+
+
+def cache_clamp(cache_dtype: torch.dtype) -> float:
+    """The bound K/V are clamped to before conversion into a cache of `cache_dtype`:
+    float8_e4m3fn's largest finite value (it has no inf: larger values convert to NaN,
+    or saturate, depending on the torch version); 0.0 = no clamp (other dtypes)."""
+    return FP8_E4M3_MAX if cache_dtype == torch.float8_e4m3fn else 0.0
 
 
 # Compiled KV-write kernels per specialization (kernels/launch_cache.py).

@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from llmfast.config import FP8_E4M3_MAX
+
 
 def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -55,8 +57,18 @@ def reshape_and_cache_reference(
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    _write_rows(k_flat, slot_mapping, k)
+    _write_rows(v_flat, slot_mapping, v)
+
+
+def _write_rows(cache_flat: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache_flat[slots] = x in the cache's dtype. An fp8 cache: clamped to +-448 first
+    (e4m3fn has no inf), and copied as bytes (torch has no fp8 index_copy_ on CPU)."""
+    if cache_flat.dtype != torch.float8_e4m3fn:
+        cache_flat.index_copy_(0, slots, x.to(cache_flat.dtype))
+        return
+    x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_flat.dtype)
+    cache_flat.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
 
 
 def paged_attention_reference(
@@ -90,8 +102,8 @@ def paged_attention_reference(
         num_blocks = -(-seq_len // block_size)
         blocks = tables[r, :num_blocks].to(k_cache.device, torch.long)
         # [seq_len, num_kv_heads, head_dim]
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        keys = _blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = _blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         keys = keys.to(compute_dtype).repeat_interleave(group, dim=1)
         values = values.to(compute_dtype).repeat_interleave(group, dim=1)
         queries = q[q_start:q_end].to(compute_dtype)  # [num_q, num_heads, head_dim]
@@ -101,6 +113,14 @@ def paged_attention_reference(
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+
+
+def _blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks]; an fp8 cache's gathered as bytes (torch's indexing kernels do not
+    all take float8 types)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache[blocks]
+    return cache.view(torch.uint8)[blocks].view(cache.dtype)
 
 
 # ----------------------------------------------------------------------------- ops

@@ -27,7 +27,7 @@ import time
 import torch
 
 from llmfast.compile import CompiledModel
-from llmfast.config import EngineConfig
+from llmfast.config import EngineConfig, dtype_name, kv_cache_torch_dtype
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind
@@ -78,6 +78,9 @@ class ModelRunner:
             # --device cuda:1 they would otherwise go to cuda:0 (TP ranks set it too).
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
+        # The KV cache's element type: the model's, or float8_e4m3fn (--kv-cache-dtype
+        # fp8); the kernels convert on write and read (kernels/attention_kernels.py).
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.eos_token_ids = eos_token_ids
         sched = config.scheduler
         self.max_num_tokens = sched.max_num_batched_tokens
@@ -149,31 +152,32 @@ class ModelRunner:
         t0 = time.perf_counter()
         group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
         if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype,
-                                    progress):  # CUDA only
+                                    progress, kv_dtype=self.kv_dtype):  # CUDA only
             self.startup_times["tune"] = time.perf_counter() - t0
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
             t0 = time.perf_counter()
             peak = profile_peak_memory(self.model, self.sampler, self.max_num_tokens,
-                                       self.max_num_reqs, self.block_size, self.dtype,
+                                       self.max_num_reqs, self.block_size, self.kv_dtype,
                                        self.device)
             self.startup_times["profile"] = time.perf_counter() - t0
             graph_bytes = self._compile_and_capture(progress)
             captured = True
-            num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.dtype, self.device,
+            num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.kv_dtype, self.device,
                                         peak + graph_bytes)
         else:
-            num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.dtype)
+            num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.kv_dtype)
         # Every rank's cache holds the blocks the one scheduler hands out: the fewest.
         num_blocks = min_across_ranks(num_blocks, self.tp_group, self.device)
         t0 = time.perf_counter()
-        block_bytes = kv_block_bytes(model_cfg, self.block_size, self.dtype)
+        block_bytes = kv_block_bytes(model_cfg, self.block_size, self.kv_dtype)
         check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
         if progress:
-            progress(f"allocating KV cache: {num_blocks} blocks", None)
+            progress(f"allocating KV cache: {num_blocks} blocks "
+                     f"({dtype_name(self.kv_dtype)})", None)
         self.kv_cache = allocate_kv_cache(model_cfg, cfg.cache, num_blocks, block_bytes,
-                                          self.dtype, self.device)
+                                          self.kv_dtype, self.device)
         self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
         # The attention kernels' scratch for this cache: freed with the runner.
         self.attention_workspaces = AttentionWorkspaces([self.kv_cache])
@@ -183,8 +187,9 @@ class ModelRunner:
             # Full graphs read the KV cache: capture them again on the real one.
             self.compiled.recapture_full(self.capture_inputs.full_forward)
             self.startup_times["capture"] = self.compiled.stats.capture_time_s
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * block_bytes / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks,
+                    self.block_size, num_blocks * block_bytes / 2**20,
+                    dtype_name(self.kv_dtype))
         if not captured:
             self._compile_and_capture(progress)
         return num_blocks

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmfast.kernels.tuning.prefill_tuning import ShapeClass
+from llmfast.kernels.tuning.prefill_tuning import ShapeClass, parse_kv_dtype_name
 
 CAUSAL_TOKENS = 4096
 MIXED_CHUNK = 1024
@@ -30,7 +30,7 @@ def synthetic_batch(cls: ShapeClass, device: torch.device) -> dict:
         reqs = [(0, CAUSAL_TOKENS)]  # (cached tokens, new tokens)
     else:
         reqs = [(MIXED_CHUNK, MIXED_CHUNK)] + [(MIXED_CHUNK - 1, 1)] * MIXED_DECODES
-    dtype = getattr(torch, cls.dtype)
+    dtype, kv_dtype = parse_kv_dtype_name(cls.dtype)
     gen = torch.Generator(device).manual_seed(0)
     heads = KV_HEADS * cls.group
     blocks = [-(-(c + n) // BLOCK_SIZE) for c, n in reqs]
@@ -46,8 +46,8 @@ def synthetic_batch(cls: ShapeClass, device: torch.device) -> dict:
     q = torch.randn(starts[-1], heads, cls.head_dim, generator=gen, device=device).to(dtype)
     return dict(
         q=q,
-        k_cache=torch.randn(cache_shape, generator=gen, device=device).to(dtype),
-        v_cache=torch.randn(cache_shape, generator=gen, device=device).to(dtype),
+        k_cache=torch.randn(cache_shape, generator=gen, device=device).to(kv_dtype),
+        v_cache=torch.randn(cache_shape, generator=gen, device=device).to(kv_dtype),
         block_table=table.to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor([c + n for c, n in reqs], dtype=torch.int32, device=device),

@@ -50,7 +50,7 @@ FORMAT_VERSION = 1
 class ShapeClass:
     head_dim: int
     group: int  # query heads per KV head
-    dtype: str  # "bfloat16", ...
+    dtype: str  # "bfloat16", ...; "bfloat16kvfp8" with an fp8 cache (kv_dtype_name)
     kind: str  # "causal": one request; "mixed": several (chunks and decodes)
 
     @property
@@ -66,9 +66,34 @@ class ShapeClass:
         return ShapeClass(int(m[1]), int(m[2]), m[3], m[4])
 
 
-def shape_class(num_reqs: int, head_dim: int, group: int, dtype: torch.dtype) -> ShapeClass:
+# Cache dtypes other than q's, by their short name in table keys (--kv-cache-dtype).
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn}
+
+
+def kv_dtype_name(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
+    """The (q, KV cache) dtypes as one table-key name: "bfloat16" for a cache in q's
+    dtype, "bfloat16kvfp8" for a float8_e4m3fn one. Tiles and split counts tuned for a
+    bf16 cache need not suit one of half the bytes: an fp8 cache gets its own entries."""
+    name = str(dtype).removeprefix("torch.")
+    if kv_dtype is None or kv_dtype == dtype:
+        return name
+    short = next((k for k, v in _KV_DTYPES.items() if v == kv_dtype), None)
+    if short is None:
+        raise ValueError(f"no table name for a {kv_dtype} KV cache under {dtype} queries")
+    return f"{name}kv{short}"
+
+
+def parse_kv_dtype_name(name: str) -> tuple[torch.dtype, torch.dtype]:
+    """kv_dtype_name's inverse: "bfloat16kvfp8" -> (torch.bfloat16, torch.float8_e4m3fn)."""
+    q_name, _, short = name.partition("kv")
+    q_dtype = getattr(torch, q_name)
+    return q_dtype, _KV_DTYPES[short] if short else q_dtype
+
+
+def shape_class(num_reqs: int, head_dim: int, group: int, dtype: torch.dtype,
+                kv_dtype: torch.dtype | None = None) -> ShapeClass:
     kind = "causal" if num_reqs == 1 else "mixed"
-    return ShapeClass(head_dim, group, str(dtype).removeprefix("torch."), kind)
+    return ShapeClass(head_dim, group, kv_dtype_name(dtype, kv_dtype), kind)
 
 
 @dataclass(frozen=True)
