@@ -60,6 +60,9 @@
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
+#   kvfp8         150/300    --kv-cache-dtype fp8: tests/test_kv_cache_fp8_gpu.py (kernels
+#                            vs float64 on the dequantized cache; the 1B with an fp8 cache
+#                            vs a bf16 cache under CUDA graphs)
 #   fp8           280/400    --quantization fp8: tests/test_fp8_gpu.py, then bench_modes
 #                            eager/full/linears at B=1,64 in bf16 and fp8 (no bar: how much
 #                            the half-size weights buy a decode step)
@@ -82,8 +85,9 @@
 #        /tmp); then #16's sync-free proof and #18's load figures, as time allows.
 # The next GPU sessions, one call each, full sizes: "full tests" (#15 correctness vs HF,
 # every gpu test), "kernels kernels64 sweep" (#17's whole table, the 1B's split table,
-# #18's sweep), "fp8 throughput" (what fp8 weights buy, #18's 10x), "profile serve_procs"
-# (#16's phase table, the --api-servers default), "families load" and "defaults serve". Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
+# #18's sweep), "fp8 kvfp8 load" (what fp8 weights buy, the fp8 KV cache's correctness,
+# #18's load), "throughput profile" (#18's 10x, #16's phase table), "serve_procs serve"
+# (the --api-servers default), "families" and "defaults". Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
 # when that is under 620. Compile caches persist between calls while the machine stays
 # warm (LLMFAST_CACHE below). What comes back of $OUT: report.md, verdicts.txt and
 # results.tar.gz (everything else, packed at the end: the tool returns 8 files at most).
@@ -112,7 +116,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 # $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-kernels64 families defaults serve serve_procs presets executor tp fp8"
+kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -238,7 +242,8 @@ for step in $STEPS; do
         tests)
             run_step tests 250 560 "${PYTEST[@]}" --ignore=tests/test_families_gpu.py \
                 --ignore=tests/test_full_graphs_gpu.py --ignore=tests/test_async_gpu.py \
-                --ignore=tests/test_sampling.py ;;  # the last three: async_tests' own
+                --ignore=tests/test_sampling.py --ignore=tests/test_fp8_gpu.py \
+                --ignore=tests/test_kv_cache_fp8_gpu.py ;;  # their own steps' files
         families)
             run_step families 300 560 "${PYTEST[@]}" tests/test_families_gpu.py ;;
         kernels)  # the kernels helper's step: its command is theirs
@@ -338,6 +343,8 @@ for step in $STEPS; do
                    # mp-2msg: the collect as its own message, the protocol before 2026-11-23)
             run_step executor 150 400 python3 scripts/bench_executor.py --model "$MODEL" \
                 "${DEV[@]}" "${EXECUTOR_ARGS[@]}" --json "$OUT/executor.json" ;;
+        kvfp8)
+            run_step kvfp8 150 300 "${PYTEST[@]}" -s tests/test_kv_cache_fp8_gpu.py ;;
         fp8)
             run_step fp8 280 400 bash -c 'out=$1; shift; n=$1; shift; pytest=("${@:1:n}")
                 shift "$n"; rc=0

@@ -319,6 +319,9 @@ _PYTEST_KEY_TESTS = {
                             "test_prompt_logprobs_steps_never_sync")),
     "fp8": ("fp8", ("test_scaled_mm_layer_matches_float64_fake_quant",
                     "test_1b_fp8_generates_close_to_bf16")),
+    "kvfp8": ("kvfp8", ("test_decode_attention", "test_decode_attention_forced_splits",
+                        "test_prefill_attention",
+                        "test_1b_fp8_cache_generates_close_to_bf16_cache")),
     "tests": ("all", ()),
     "families": ("#19", ()),
 }
