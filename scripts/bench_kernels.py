@@ -19,6 +19,11 @@ launches, no sync between; the cached launch path and Triton's JIT dispatch), an
 count chosen from a block table as wide as --max-model-len instead of the live context
 (eager and graph-replayed), i.e. what fixing the launch per captured size costs at short
 and long contexts.
+
+`--kv-cache-dtype fp8`: the decode rows read a float8_e4m3fn cache (the engine's
+--kv-cache-dtype fp8), holding K/V rounded to fp8; SDPA gets the same rounded values in
+--dtype, so the difference stays a kernel's, and GB/s count one byte per cache element.
+Decode only (no prefill, mixed, tuning or split sweep in that mode).
 """
 
 from __future__ import annotations
@@ -84,7 +89,12 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
     q = torch.randn(batch, num_new, heads, hd, dtype=dtype, device="cuda", generator=gen)
     k = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device="cuda", generator=gen)
     v = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device="cuda", generator=gen)
+    fp8 = args.kv_cache_dtype == "fp8"
+    if fp8:  # the values an fp8 cache holds, in --dtype (SDPA reads these)
+        k, v = (t.to(torch.float8_e4m3fn).to(dtype) for t in (k, v))  # |randn| << 448
     k_cache, v_cache, block_table = paged_copy(k, v, args.block_size, gen)
+    if fp8:  # exact: every value is an fp8 value
+        k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
 
     q_flat = q.view(batch * num_new, heads, hd)
     out = torch.empty_like(q_flat)
@@ -121,7 +131,8 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
         # the heuristic.
         return attention.select_config(
             batch * num_new, batch, heads, kv_heads, hd, args.block_size, width, dtype,
-            num_sms, attention._device_split_tables(torch.device("cuda", 0))).num_splits
+            num_sms, attention._device_split_tables(torch.device("cuda", 0)),
+            kv_dtype=k_cache.dtype).num_splits
 
     result = dict(batch=batch, ctx=ctx, num_new=num_new, splits=splits_for(block_table.shape[1]),
                   ours_us=ours_us, sdpa_us=sdpa_us, sdpa_variant=sdpa_variant,
@@ -193,7 +204,13 @@ def main() -> None:
                              "context) added to this JSON, one table per head shape (the "
                              "file to ship as kernels/tuning/split_tables/<gpu>.json)")
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: decode rows over a float8_e4m3fn cache (decode only)")
     args = parser.parse_args()
+    if args.kv_cache_dtype == "fp8":
+        if args.sweep_splits or args.prefill_tokens or args.mixed or args.tune != "off":
+            sys.exit("--kv-cache-dtype fp8 times decode only: pass --prefill-tokens "
+                     "--mixed (empty) and --tune off, without --sweep-splits")
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (none found); nothing was measured.")
 
@@ -203,7 +220,8 @@ def main() -> None:
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     copy_gbs = copy_bandwidth(flush, args.iters)
-    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    elem = (1 if args.kv_cache_dtype == "fp8"  # bytes per cache element
+            else torch.empty((), dtype=getattr(torch, args.dtype)).element_size())
     heads, kv_heads, hd = args.num_heads, args.num_kv_heads, args.head_dim
 
     prefill = []
@@ -233,7 +251,8 @@ def main() -> None:
     device = torch.cuda.get_device_name(0)
     lines = [
         f"Device: {device}; torch {torch.__version__}; {args.dtype}, head_dim {hd}, "
-        f"{heads} q heads, {kv_heads} KV heads, block_size {args.block_size}.",
+        f"{heads} q heads, {kv_heads} KV heads, block_size {args.block_size}"
+        + (", KV cache float8_e4m3fn." if args.kv_cache_dtype == "fp8" else "."),
         "",
         f"Device-to-device copy bandwidth (read + write): **{copy_gbs:.0f} GB/s**",
         "",

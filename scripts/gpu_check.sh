@@ -60,9 +60,11 @@
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
-#   kvfp8         150/300    --kv-cache-dtype fp8: tests/test_kv_cache_fp8_gpu.py (kernels
+#   kvfp8         210/360    --kv-cache-dtype fp8: tests/test_kv_cache_fp8_gpu.py (kernels
 #                            vs float64 on the dequantized cache; the 1B with an fp8 cache
-#                            vs a bf16 cache under CUDA graphs)
+#                            vs a bf16 cache under CUDA graphs), then bench_kernels' decode
+#                            rows over an fp8 cache (B=1,8,64,256 x 2k/8k: vs SDPA in bf16,
+#                            % of copy bandwidth at one byte per element)
 #   fp8           280/400    --quantization fp8: tests/test_fp8_gpu.py, then bench_modes
 #                            eager/full/linears at B=1,64 in bf16 and fp8 (no bar: how much
 #                            the half-size weights buy a decode step)
@@ -85,9 +87,9 @@
 #        /tmp); then #16's sync-free proof and #18's load figures, as time allows.
 # The next GPU sessions, one call each, full sizes: "full tests" (#15 correctness vs HF,
 # every gpu test), "kernels kernels64 sweep" (#17's whole table, the 1B's split table,
-# #18's sweep), "fp8 kvfp8 load" (what fp8 weights buy, the fp8 KV cache's correctness,
-# #18's load), "throughput profile" (#18's 10x, #16's phase table), "serve_procs serve"
-# (the --api-servers default), "families" and "defaults". Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
+# #18's sweep), "fp8 kvfp8" (what fp8 weights and an fp8 KV cache buy, and their
+# correctness), "throughput profile load" (#18's 10x and load, #16's phase table),
+# "serve_procs serve" (the --api-servers default), "families" and "defaults". Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
 # when that is under 620. Compile caches persist between calls while the machine stays
 # warm (LLMFAST_CACHE below). What comes back of $OUT: report.md, verdicts.txt and
 # results.tar.gz (everything else, packed at the end: the tool returns 8 files at most).
@@ -344,7 +346,19 @@ for step in $STEPS; do
             run_step executor 150 400 python3 scripts/bench_executor.py --model "$MODEL" \
                 "${DEV[@]}" "${EXECUTOR_ARGS[@]}" --json "$OUT/executor.json" ;;
         kvfp8)
-            run_step kvfp8 150 300 "${PYTEST[@]}" -s tests/test_kv_cache_fp8_gpu.py ;;
+            if [[ $DRY == 1 ]]; then  # the tests' collection; the bench's flag exists
+                run_step kvfp8 10 120 bash -c '"$@" tests/test_kv_cache_fp8_gpu.py \
+                    && python3 scripts/bench_kernels.py --help | grep -q -- --kv-cache-dtype \
+                    && echo flags ok' _ "${PYTEST[@]}"
+            else
+                run_step kvfp8 210 360 bash -c 'out=$1; shift; rc=0
+                    "$@" -s tests/test_kv_cache_fp8_gpu.py || rc=1
+                    python3 scripts/bench_kernels.py --kv-cache-dtype fp8 --tune off \
+                        --prefill-tokens --mixed --batches 1 8 64 256 --contexts 2048 8192 \
+                        --iters 30 --json "$out/kernels_kvfp8.json" \
+                        --markdown "$out/kernels_kvfp8.md" || rc=1
+                    exit $rc' _ "$OUT" "${PYTEST[@]}"
+            fi ;;
         fp8)
             run_step fp8 280 400 bash -c 'out=$1; shift; n=$1; shift; pytest=("${@:1:n}")
                 shift "$n"; rc=0

@@ -263,6 +263,23 @@ def fp8_modes(out: Path) -> Iterator[Line]:
     yield from _modes_agreement(fp8.get("agreement"), "fp8 modes", "modes_fp8.json")
 
 
+def kvfp8_kernels(out: Path) -> Iterator[Line]:
+    """--kv-cache-dtype fp8 (no issue's bar): decode over an fp8 cache against SDPA in
+    bf16, and its bandwidth at one byte per cache element; max diff against SDPA on the
+    same fp8-rounded values (#17's 4e-3 applies: only the kernel differs)."""
+    data = _load(out, "kernels_kvfp8.json")
+    if data is None:
+        yield ("MISSING", "kvfp8 kernels: no kernels_kvfp8.json")
+        return
+    decode = data["decode"]
+    yield _worst(decode, lambda r: r["max_abs_diff"], "max abs diff vs SDPA", "kvfp8", 4e-3,
+                 at_most=True)
+    for r in decode:
+        yield info(f"kvfp8 decode B={r['batch']} ctx {r['ctx']}: {r['ours_us']:.1f} us vs "
+                   f"SDPA bf16 {r['sdpa_us']:.1f} us ({r['sdpa_us'] / r['ours_us']:.2f}x), "
+                   f"{100 * r['ours_gbs'] / data['copy_gbs']:.0f}% of copy bandwidth")
+
+
 def throughput(out: Path) -> Iterator[Line]:
     """#18: offline output tok/s >= 10x HF generate (HF batch size tuned, stated)."""
     data = _load(out, "throughput.json")
@@ -413,6 +430,7 @@ STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
     "throughput": throughput, "profile": profile, "kernels": kernels,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
     "fp8": lambda out: itertools.chain(pytest_step("fp8", out), fp8_modes(out)),
+    "kvfp8": lambda out: itertools.chain(pytest_step("kvfp8", out), kvfp8_kernels(out)),
 }
 
 

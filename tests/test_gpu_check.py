@@ -325,3 +325,19 @@ def test_fp8_step_compares_with_bf16_and_judges_its_agreement(tmp_path):
     assert _find(lines, "fp8 modes: B=64 full logits vs eager") == "FAIL"
     assert _find(lines, "fp8 modes: B=1 full logits vs eager") == "PASS"
     assert _find(lines, "test_1b_fp8_generates_close_to_bf16: 0/1 passed") == "FAIL"
+
+
+def test_kvfp8_step_reads_its_decode_rows(tmp_path):
+    rows = [{"batch": 1, "ctx": 2048, "ours_us": 10.0, "sdpa_us": 12.0, "ours_gbs": 1500.0,
+             "max_abs_diff": 1e-3},
+            {"batch": 64, "ctx": 8192, "ours_us": 400.0, "sdpa_us": 500.0, "ours_gbs": 2400.0,
+             "max_abs_diff": 5e-3}]
+    _write(tmp_path / "kernels_kvfp8.json", {"copy_gbs": 3000.0, "decode": rows})
+    (tmp_path / "kvfp8.log").write_text(
+        "tests/test_kv_cache_fp8_gpu.py::test_decode_attention[64-32-8] PASSED [ 50%]\n"
+        "=========== 1 passed in 9.0s ===========\n")
+    lines = _lines("kvfp8", tmp_path)
+    assert _find(lines, "kvfp8 decode B=1 ctx 2048: 10.0 us vs SDPA bf16 12.0 us (1.20x), "
+                        "50% of copy bandwidth") == "INFO"
+    assert _find(lines, "max abs diff vs SDPA: worst 0.005 at batch 64, ctx 8192") == "FAIL"
+    assert _find(lines, "test_prefill_attention did not run") == "MISSING"
