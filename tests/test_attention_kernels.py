@@ -498,22 +498,7 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     # The interpreter checks numerics but not that the kernels compile for a GPU; this
     # compiles them (PTX and cubin) for an H100 through the real launch path, with every
     # way of reading a tensor value on the host disabled.
-    if torch.cuda.is_available():
-        pytest.skip("the -m gpu tests compile and run the kernels for real")
-    jit_function = triton.runtime.JITFunction
-    if not isinstance(attention._unified_attention_kernel, jit_function):
-        pytest.skip("triton was imported with TRITON_INTERPRET=1")
-    compiled = []
-    warmup_run = jit_function.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        assert all(isinstance(g, int) for g in grid)
-        kernel = warmup_run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel))
-
-    monkeypatch.setattr(jit_function, "run", compile_only)
-    monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
-    monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
+    compiled = compile_launches_only(monkeypatch)
     batches = [  # (num_tokens, num_reqs, num_splits, fused_merge): decode with splits
         # (merged in the launch, or by the second kernel), without, prefill
         (8, 8, 8, True), (8, 8, 8, False), (64, 64, 1, True), (512, 2, 1, True),
@@ -540,6 +525,30 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     for name, kernel in compiled:
         assert "cubin" in kernel.asm, name
         assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)
+
+
+def compile_launches_only(monkeypatch) -> list[tuple[str, object]]:
+    """Make every Triton launch compile (for the target `offline_hopper()` sets) instead
+    of run, with the CUDA-only launchability check off; returns the list each compiled
+    kernel goes to, as (kernel name, compiled kernel). Skips where that cannot work: a
+    real GPU (the gpu tests compile for real), or an interpreted triton."""
+    if torch.cuda.is_available():
+        pytest.skip("the -m gpu tests compile and run the kernels for real")
+    jit_function = triton.runtime.JITFunction
+    if not isinstance(attention._unified_attention_kernel, jit_function):
+        pytest.skip("triton was imported with TRITON_INTERPRET=1")
+    compiled = []
+    warmup_run = jit_function.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        assert all(isinstance(g, int) for g in grid)
+        kernel = warmup_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+
+    monkeypatch.setattr(jit_function, "run", compile_only)
+    monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
+    monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
+    return compiled
 
 
 def _no_host_read(name):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
 from llmfast.kernels import attention, kv_write, ops
 from llmfast.kernels.cpu.attention import paged_attention_cpu
@@ -259,21 +258,7 @@ def test_fp8_cache_gets_its_own_launch_variant_and_table_keys():
 def test_fp8_kernels_compile_for_sm90(monkeypatch):
     """The fp8-cache variants (write, decode with splits, prefill) compile to a cubin for
     an H100 through the real launch path (the numerics are the interpreter's above)."""
-    if torch.cuda.is_available():
-        pytest.skip("the -m gpu tests compile and run the kernels for real")
-    jit_function = triton.runtime.JITFunction
-    if not isinstance(attention._unified_attention_kernel, jit_function):
-        pytest.skip("triton was imported with TRITON_INTERPRET=1")
-    compiled = []
-    warmup_run = jit_function.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        compiled.append((self.fn.__name__, warmup_run(self, *args, grid=grid, warmup=True,
-                                                      **kwargs)))
-
-    monkeypatch.setattr(jit_function, "run", compile_only)
-    monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
-    monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
+    compiled = base.compile_launches_only(monkeypatch)
     with offline_hopper():
         for num_tokens, num_reqs, num_splits in ((8, 8, 8), (512, 2, 1)):
             q = torch.empty(num_tokens, 32, 128, dtype=torch.bfloat16)
