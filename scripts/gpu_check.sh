@@ -10,49 +10,53 @@
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
-#     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh modes async startup kernels
+#     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh
 #
-# Steps: arguments, else GPU_CHECK_STEPS, else "modes async startup kernels". Each has a
+# Steps: arguments, else GPU_CHECK_STEPS, else "modes async startup kernels kernels64
+# load sweep full" (call 1 of the plan below). Each has a
 # time limit, and an estimate (warm machine, cold compile caches; GPU_CHECK_QUICK's in
 # brackets) used to keep one call within GPU_CHECK_BUDGET_S (default 560; one device call
 # may run 600 s): a step that would not fit in what is left is skipped with a SKIPPED
 # line, and the step `skipped` of the machine's next call runs it. A step that fails or
 # times out does not stop the later ones.
 #
-#   step        est/limit s  what (issue: bar)
-#   full          280/330    tests/test_full_graphs_gpu.py: every CUDA-graph mode vs HF at
+#   step        est/limit s  what (issue: bar); est = measured on an H200 on 2026-11-26
+#                            (warm machine, cold compile caches) with a margin
+#   full          100/330    tests/test_full_graphs_gpu.py: every CUDA-graph mode vs HF at
 #                            batch 1/3/17/256, seeded sampling, 1B default-size capture
-#                            (#15: identical tokens; capture <= 10 s)
-#   async_tests   120/200    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
+#                            (#15: identical tokens; capture <= 10 s)   [63 s]
+#   async_tests   220/300    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
 #                            (#16: steady-state steps under sync-debug "error", with
 #                            every sampler stage and with prompt scoring; async == sync on
-#                            CUDA, phase timer device time)
-#   modes   200[140]/560    scripts/bench_modes.py eager, compiled, graphs, full, linears
+#                            CUDA, phase timer device time)   [> 200 s: cut off at 200]
+#   modes     90[45]/560    scripts/bench_modes.py eager, compiled, graphs, full, linears
 #                            (#15: full/linears <= 1.25 at B=1, <= 1.3 at B=64; eager/full
-#                            >= 6 at B=1)
-#   async    120[90]/330    scripts/bench_async.py (#16: async/model <= 1.10 at 1 and 64,
-#                            <= 1.05 at 256)
-#   profile       150/260    llmfast profile, sync then async (#16: device ms per phase
-#                            under CUDA graphs, host/device overlap)
-#   load           90/150    scripts/bench_load.py (#18: random 1B init <= 2 s;
-#                            safetensors load >= 50 % of the disk's read speed)
-#   startup       150/300    scripts/ship_prefill_tiles.py (the model's prefill tiles tuned
+#                            >= 6 at B=1)   [quick: 30 s]
+#   async     60[45]/330    scripts/bench_async.py (#16: async/model <= 1.10 at 1 and 64,
+#                            <= 1.05 at 256)   [quick: 29 s]
+#   profile        80/260    llmfast profile, sync then async (#16: device ms per phase
+#                            under CUDA graphs, host/device overlap)   [53 s]
+#   load           45/150    scripts/bench_load.py (#18: random 1B init <= 2 s;
+#                            safetensors load >= 50 % of the disk's read speed)   [30 s]
+#   startup       120/300    scripts/ship_prefill_tiles.py (the model's prefill tiles tuned
 #                            and installed as shipped: prefill_tiles_model.json), then
 #                            llmfast bench --startup with tuning on auto (#18: TTFT warm
 #                            <= 10 s, cold <= 25 s; #15: capture <= 10 s; graphs, memory)
-#   sweep          90/240    llmfast bench --sizes 1..512 (#18: every row pure decode,
-#                            tok/s, % of HBM)
-#   throughput    220/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
-#                            tok/s)
+#                            [83 s]
+#   sweep          40/240    llmfast bench --sizes 1..512 (#18: every row pure decode,
+#                            tok/s, % of HBM)   [21 s]
+#   throughput    110/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
+#                            tok/s)   [75 s]
 #   tests         250/560    every other gpu-marked test
-#   kernels 360[150]/540    scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
+#   kernels 150[60]/540     scripts/bench_kernels.py (#17: prefill >= 0.8x SDPA flash at
 #                            2k-8k causal; decode >= 1.0x SDPA at B=1..8; max abs diff
 #                            <= 4e-3): prefill tiles tuned first (2 classes x 10
 #                            candidates; prefill_tiles.json is the table to ship), decode
 #                            (eager, graph, host us per launch cached vs Triton JIT, split
 #                            sweep: splits.json), prefill 2k/4k/8k, mixed vs its parts
-#   kernels64      90/240    the same decode rows and split sweep at head dim 64 (the 1B
-#                            default's shape), added to splits.json
+#                            [quick: 36 s]
+#   kernels64      30/240    the same decode rows and split sweep at head dim 64 (the 1B
+#                            default's shape), added to splits.json   [11 s]
 #   families      300/560    tests/test_families_gpu.py (#19)
 #   defaults      300/330    throughput at step budgets 2048 / 8192 / 16384 tokens
 #   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
@@ -68,31 +72,28 @@
 #   fp8           280/400    --quantization fp8: tests/test_fp8_gpu.py, then bench_modes
 #                            eager/full/linears at B=1,64 in bf16 and fp8 (no bar: how much
 #                            the half-size weights buy a decode step)
+#                            (the two fp8 test files together passed in 87 s on 2026-11-26)
 #
-# A device session: 15 minutes of device time in all (the machine's start, 1-2 min, counts),
-# calls of <= 600 s, and the machine goes back 30 s after a call ends. So: one full call
-# and, issued AT ONCE after it (read its results while the next runs), one short one on
-# the same warm machine; a later call starts a bare machine (1-2 min, cold caches).
+# A device session: 15 minutes of device time in all (the machine's start counts: ~30 s
+# on 2026-11-26), calls of <= 600 s, and the machine goes back 30 s after a call ends.
+# So: calls issued AT ONCE one after another on the same warm machine (read each one's
+# results while the next runs); a later call starts a bare machine (cold caches).
 # GPU_CHECK_QUICK=1 trims modes (B=1,64,256; eager, graphs, full, linears), async (two
 # repeats) and kernels (the bars' rows only: B=1,8,64 x 512/8k, prefill 2k/8k, one
-# mixed batch) so that each issue's headline bar fits into the first call:
-#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh modes async startup kernels
-#        #15 bars + logits vs eager per mode, #16 bars, #18 TTFT (and the model's prefill
-#        tiles to ship), #17 bars + prefill tiles and split table to ship (est.
-#        140+90+150+150 = 530 s against 560: what does not fit is SKIPPED and remembered
-#        on the machine)
+# mixed batch). The plan, from the 2026-11-26 timings (profiles/h200-2026-11-26-gpu-check.md):
+#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh modes async startup kernels kernels64 load sweep full
+#        every issue's headline bar again (est. 45+45+120+60+30+45+40+100 = 485 s of 560;
+#        measured ~300 s): what does not fit is SKIPPED and remembered on the machine
 #   2. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s - 60> ... gpu_check.sh \
-#        skipped async_tests load
+#        skipped async_tests profile throughput fp8 kvfp8
 #        `skipped` = the steps the previous call of this machine skipped (a file under
-#        /tmp); then #16's sync-free proof and #18's load figures, as time allows.
-# The next GPU sessions, one call each, full sizes: "full tests" (#15 correctness vs HF,
-# every gpu test), "kernels kernels64 sweep" (#17's whole table, the 1B's split table,
-# #18's sweep), "fp8 kvfp8" (what fp8 weights and an fp8 KV cache buy, and their
-# correctness), "throughput profile load" (#18's 10x and load, #16's phase table),
-# "serve_procs serve" (the --api-servers default), "families" and "defaults". Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s
-# when that is under 620. Compile caches persist between calls while the machine stays
-# warm (LLMFAST_CACHE below). What comes back of $OUT: report.md, verdicts.txt and
-# results.tar.gz (everything else, packed at the end: the tool returns 8 files at most).
+#        /tmp); then #16's sync-free proof and phase table, #18's 10x, the fp8 figures.
+#   3. with what is left (no machine starts with < 4 min left; use it while warm):
+#        `tests`, `families`, `serve_procs serve`, `defaults`, as time allows.
+# Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s when that is under 620.
+# Compile caches persist between calls while the machine stays warm (LLMFAST_CACHE
+# below). What comes back of $OUT: report.md, verdicts.txt and results.tar.gz
+# (everything else, packed at the end: the tool returns 8 files at most).
 #
 # Dry run, on CPU, here: PYTHONPATH=$PWD GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh [steps|all]
 # runs every step's command with random:tiny, float32, on the CPU and tiny sizes
@@ -119,7 +120,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8"
-if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels}; fi
+if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels kernels64 load sweep full}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
 # What a call skipped for lack of time, kept on the machine (it stays warm between calls)
@@ -138,7 +139,7 @@ START=$SECONDS
 declare -A STATUS
 SKIPPED_STEPS=()  # the steps (as named in STEPS) that run_step skipped
 KERNELS_ARGS=()
-MODES_EST=200 ASYNC_EST=120 KERNELS_EST=360
+MODES_EST=90 ASYNC_EST=60 KERNELS_EST=150
 
 if [[ $DRY == 1 ]]; then  # the same commands, CPU-sized
     MODEL=random:tiny DTYPE=float32 DEV=(--device cpu)
@@ -171,7 +172,7 @@ else
         ASYNC_ARGS=(--sizes 1,64,256 --repeats 2)
         KERNELS_ARGS=(--batches 1 8 64 --contexts 512 8192 --prefill-tokens 2048 8192
                       --mixed 2048,2048,64,2048 --iters 20)
-        MODES_EST=140 ASYNC_EST=90 KERNELS_EST=150
+        MODES_EST=45 ASYNC_EST=45 KERNELS_EST=60
     fi
     PROFILE_ARGS=(--sizes 1,64 --steps 16)
     LOAD_ARGS=(--preset llama-3.2-1b --repeats 2)
@@ -237,9 +238,9 @@ run_step() {  # name, estimate s, limit s, command...
 for step in $STEPS; do
     case $step in
         full)
-            run_step full 280 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py ;;
+            run_step full 100 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py ;;
         async_tests)
-            run_step async_tests 120 200 "${PYTEST[@]}" tests/test_async_gpu.py \
+            run_step async_tests 220 300 "${PYTEST[@]}" tests/test_async_gpu.py \
                 tests/test_sampling.py ;;
         tests)
             run_step tests 250 560 "${PYTEST[@]}" --ignore=tests/test_families_gpu.py \
@@ -267,7 +268,7 @@ for step in $STEPS; do
                 run_step kernels64 10 60 bash -c 'python3 scripts/bench_kernels.py --help \
                     | grep -q -- --prefill-tokens && echo flags ok'
             else
-                run_step kernels64 90 240 python3 scripts/bench_kernels.py --head-dim 64 \
+                run_step kernels64 30 240 python3 scripts/bench_kernels.py --head-dim 64 \
                     --tune off --prefill-tokens --mixed --batches 1 4 16 64 256 \
                     --iters 30 --json "$OUT/kernels64.json" \
                     --markdown "$OUT/kernels64.md" --sweep-splits "$OUT/splits.json"
@@ -280,29 +281,29 @@ for step in $STEPS; do
                 --dtype "$DTYPE" "${DEV[@]}" "${ASYNC_ARGS[@]}" --json "$OUT/async.json" ;;
         profile)
             rm -rf "$OUT/profile-sync" "$OUT/profile-async"
-            run_step profile 150 260 bash -c 'set -e; out=$1; shift
+            run_step profile 80 260 bash -c 'set -e; out=$1; shift
                 python3 -m llmfast profile "$@" --tracer torch --no-async-scheduling \
                     --out "$out/profile-sync"
                 python3 -m llmfast profile "$@" --tracer torch --async-scheduling \
                     --out "$out/profile-async"' _ "$OUT" --model "$MODEL" --dtype "$DTYPE" \
                 "${DEV[@]}" "${PROFILE_ARGS[@]}" ;;
         load)
-            run_step load 90 150 python3 scripts/bench_load.py --dtype "$DTYPE" \
+            run_step load 45 150 python3 scripts/bench_load.py --dtype "$DTYPE" \
                 --device "${DEV[1]:-cuda}" "${LOAD_ARGS[@]}" --json "$OUT/load.json" ;;
         startup)  # with the model's prefill tiles shipped, as a user gets them once they
             # ship (tuned here first if this machine has not yet: ~20-60 s, not timed),
             # and tuning on its default (auto), as a user runs
-            run_step startup 150 300 bash -c 'model=$1 dtype=$2 out=$3; shift 3
+            run_step startup 120 300 bash -c 'model=$1 dtype=$2 out=$3; shift 3
                 python3 scripts/ship_prefill_tiles.py --model "$model" --dtype "$dtype" \
                     --copy-to "$out/prefill_tiles_model.json" || exit 1
                 LLMFAST_ATTENTION_TUNING=auto python3 -m llmfast bench --model "$model" \
                     --dtype "$dtype" "$@" --startup --json "$out/startup.json"' \
                 _ "$MODEL" "$DTYPE" "$OUT" "${DEV[@]}" ;;
         sweep)
-            run_step sweep 90 240 python3 -m llmfast bench --model "$MODEL" \
+            run_step sweep 40 240 python3 -m llmfast bench --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" "${SWEEP_ARGS[@]}" --json "$OUT/sweep.json" ;;
         throughput)
-            run_step throughput 220 330 python3 -m llmfast bench --model "$MODEL" \
+            run_step throughput 110 330 python3 -m llmfast bench --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" --mode throughput "${THROUGHPUT_ARGS[@]}" \
                 --baseline hf --json "$OUT/throughput.json" ;;
         defaults)
