@@ -218,7 +218,7 @@ def unified_attention(
         )
 
 
-@dataclass(frozen=True, eq=False)  # hashed by identity: the launch cache's key
+@dataclass(frozen=True, eq=False, slots=True)  # hashed by identity: a launch key
 class _LaunchPlan:
     device: torch.device
     is_cuda: bool

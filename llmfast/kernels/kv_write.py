@@ -124,7 +124,7 @@ def reshape_and_cache(
                                       (), plan.const_key, plan.constexprs, plan.strides)
 
 
-@dataclass(frozen=True, eq=False)  # hashed by identity: the launch cache's key
+@dataclass(frozen=True, eq=False, slots=True)  # hashed by identity: a launch key
 class _KVWritePlan:
     is_cuda: bool
     grid: tuple[int, int, int] | None  # None: no tokens, nothing to launch
