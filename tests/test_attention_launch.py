@@ -27,13 +27,14 @@ pytestmark = pytest.mark.skipif(
 
 
 def step_inputs(num_tokens, num_reqs, table_width=128, q_offset=0, table_dtype=torch.int32,
-                qsl_dtype=torch.int32, lens_dtype=torch.int32, out_dtype=None):
+                qsl_dtype=torch.int32, lens_dtype=torch.int32, out_dtype=None, heads=32,
+                kv_heads=8):
     """Empty tensors shaped like one step (values are never read: nothing runs), the
     cache owned by workspaces as a runner's is (split partials reused between calls).
     The output is q itself unless `out_dtype` asks for a tensor of its own."""
-    q = torch.empty(num_tokens * 32 * 128 + q_offset, dtype=torch.bfloat16)
-    q = q[q_offset:].view(num_tokens, 32, 128)
-    k_cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
+    q = torch.empty(num_tokens * heads * 128 + q_offset, dtype=torch.bfloat16)
+    q = q[q_offset:].view(num_tokens, heads, 128)
+    k_cache = torch.empty(4, 16, kv_heads, 128, dtype=torch.bfloat16)
     table = torch.empty(num_reqs, table_width, dtype=table_dtype)
     qsl = torch.empty(num_reqs + 1, dtype=qsl_dtype)
     seq_lens = torch.empty(num_reqs, dtype=lens_dtype)
@@ -94,23 +95,28 @@ def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
         step_inputs(1, 1, table_width=17),  # a block-table stride not divisible by 16
         step_inputs(1, 1, q_offset=1),  # q 2 bytes past a 16-byte boundary
         step_inputs(1, 1, table_width=64),  # same specialization as the first: a hit
+        # The split partials' sum buffer 24 bytes into its allocation (2 splits x 3
+        # heads): not 16-byte aligned, Triton specializes it so.
+        step_inputs(1, 1, heads=3, kv_heads=1),
+        step_inputs(1, 1, heads=4, kv_heads=1),  # 32 bytes in: aligned
     ]
     for inputs in variants:
-        call(inputs)
-    assert cache.compiled_launches == 3 and cache.fast_launches == 1
+        call(inputs, num_splits=2)
+    assert cache.compiled_launches == 5 and cache.fast_launches == 1
     for inputs in variants:  # all hits now, each its own specialization
-        call(inputs)
-    assert cache.compiled_launches == 3 and cache.fast_launches == 5
+        call(inputs, num_splits=2)
+    assert cache.compiled_launches == 5 and cache.fast_launches == 1 + len(variants)
     fast = list(recorded[len(variants):])
     monkeypatch.setattr(cache, "enabled", False)
     for inputs in variants:
-        call(inputs)
+        call(inputs, num_splits=2)
     jit = recorded[2 * len(variants):]
     assert len(jit) == len(fast) == len(variants)
     for f, j in zip(fast, jit):
         assert same_launch(f, j)
     functions = [launch[4] for launch in fast]
     assert len(set(functions[:3])) == 3 and functions[3] == functions[0]
+    assert len(set(functions)) == 5
 
 
 def test_every_tensor_dtype_is_part_of_the_planned_launch(recorded, monkeypatch):

@@ -206,8 +206,10 @@ def unified_attention(
                block_table, query_start_loc, seq_lens)
     scalars = (num_reqs, num_tokens, scale * _LOG2E)
     if type(scalars[2]) is float:  # the plan's specialization holds (a float scale)
-        _ATTENTION_LAUNCHES.launch_planned(plan, plan.grid, tensors, scalars,
-                                           plan.const_key, plan.constexprs, plan.strides)
+        _ATTENTION_LAUNCHES.launch_planned(
+            plan, plan.grid, tensors, scalars, plan.const_key, plan.constexprs, plan.strides,
+            (q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens)
+            if plan.scratch_aligned else None)
     else:
         _ATTENTION_LAUNCHES.launch(plan.grid, tensors, scalars, plan.const_key,
                                    plan.constexprs, plan.strides)
@@ -226,6 +228,11 @@ class _LaunchPlan:
     splits: int
     fused: bool
     partials_shape: tuple[int, int, int, int]  # (splits, num_tokens, num_heads, head_dim_p)
+    # The partials and counters (or `out` in their place) are 16-byte aligned: only the
+    # caller's tensors' addresses need reading per launch. Scratch comes from torch's
+    # allocators (64-byte aligned on CPU, 512 on CUDA), so only the sum buffer, a view
+    # splits * num_tokens * num_heads floats into its allocation, may not be.
+    scratch_aligned: bool
     num_arrivals: int  # fused-merge counters: one per (query tile, kv head)
     strides: tuple[int, ...]  # q, k_cache, v_cache, out, block_table rows
     const_key: tuple  # stands for `constexprs` and the strides in the launch cache's key
@@ -274,6 +281,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         splits=splits,
         fused=fused,
         partials_shape=(splits, num_tokens, num_heads, head_dim_p),
+        scratch_aligned=splits == 1 or splits * num_tokens * num_heads % 4 == 0,
         num_arrivals=num_tiles * num_kv_heads,
         strides=strides,
         const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast,

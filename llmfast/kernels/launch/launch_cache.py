@@ -155,19 +155,25 @@ class LaunchCache:
     def launch_planned(self, plan: Hashable, grid: tuple[int, int, int],
                        tensors: tuple[torch.Tensor, ...], scalars: tuple[Any, ...],
                        const_key: Hashable, constexprs: dict[str, Any],
-                       fixed: tuple[Any, ...] = ()) -> None:
+                       fixed: tuple[Any, ...] = (),
+                       addressed: tuple[torch.Tensor, ...] | None = None) -> None:
         """`launch(grid, tensors, scalars, const_key, constexprs, fixed)` for a caller
         whose `plan` (hashable by identity, kept by the caller per shape) determines
         everything of the specialization but the tensors' addresses: their dtypes, the
         scalars' specialization, `const_key`, `constexprs` and `fixed`. The first launch
         of a (plan, device, alignment) takes `launch`; later ones only read the tensors'
-        addresses, the device and the stream before calling the launcher."""
+        addresses, the device and the stream before calling the launcher.
+
+        `addressed`: the tensors whose addresses are to be read, when the caller knows
+        every other one of `tensors` to be 16-byte aligned (e.g. its own scratch, or the
+        same tensor again); None: all of them."""
         if self._jit_only() or _hooks_registered():
             self.kernel[grid](*tensors, *scalars, *fixed, **constexprs)
             return
         # Triton specializes a tensor on 16-byte alignment: all aligned (the usual case)
         # is one key, any other mix its own.
-        aligned = (True if not _or_all(map(_data_ptr, tensors)) & 15
+        aligned = (True if not _or_all(map(_data_ptr, tensors if addressed is None
+                                            else addressed)) & 15
                    else tuple([t.data_ptr() % 16 == 0 for t in tensors]))
         device = _driver.active.get_current_device()
         entry = self._planned.get((plan, device, aligned))
