@@ -14,6 +14,13 @@ as a key that is at least as fine as Triton's (a finer key only costs an extra e
 - ints: == 1, divisible by 16, and the integer type Triton picks (i32/i64/u64);
 - floats: nothing (always fp32 scalars).
 
+Building that key still reads every tensor's dtype and address and classifies every
+scalar (~2 us for the attention launch). A caller that keeps a plan per shape, with every
+tensor dtype and scalar that Triton specializes on in the plan's own key (the attention
+and KV-write launches), uses `launch_planned` instead: per call it reads only the tensors'
+addresses (for their alignment) and looks up (plan, device, alignment); the plan's first
+launch of each goes through `launch` and the key above.
+
 The launcher itself (`CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`, every parameter of the
 kernel in order, constexprs included) has the same signature in Triton 3.6 and 3.7. When
