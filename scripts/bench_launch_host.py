@@ -119,18 +119,20 @@ def main() -> None:
         print("\n".join(f"- {r['case']}: {r['baseline_us']:.1f}" for r in rows))
         return
     with _offline_hopper()(record_launches=True) as launches:
-        # The launch alone, arguments built once: LaunchCache.launch vs kernel[grid](...).
+        # The launch alone, arguments built once: LaunchCache.launch_planned (the path
+        # unified_attention takes) vs kernel[grid](...).
         seen = []
-        launch = attention._ATTENTION_LAUNCHES.launch
-        attention._ATTENTION_LAUNCHES.launch = lambda *a: seen.append(a) or launch(*a)
+        cache = attention._ATTENTION_LAUNCHES
+        launch = cache.launch_planned
+        cache.launch_planned = lambda *a: seen.append(a) or launch(*a)
         cases["attention, decode B=1"]()
-        attention._ATTENTION_LAUNCHES.launch = launch
-        grid, tensors, scalars, const_key, constexprs, fixed = seen[0]
+        del cache.launch_planned  # the method again
+        plan, grid, tensors, scalars, const_key, constexprs, fixed, addressed = seen[0]
         kernel = attention._unified_attention_kernel
 
         def launch_only():
-            if attention._ATTENTION_LAUNCHES.enabled:
-                launch(grid, tensors, scalars, const_key, constexprs, fixed)
+            if cache.enabled:
+                launch(plan, grid, tensors, scalars, const_key, constexprs, fixed, addressed)
             else:  # what unified_attention did before the cached path
                 kernel[grid](*tensors, *scalars, *fixed, **constexprs)
 

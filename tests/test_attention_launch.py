@@ -8,11 +8,13 @@ same arguments, and must compile anew exactly when Triton would specialize diffe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention
+from llmfast.kernels import attention, kv_write
 from llmfast.kernels.launch import launch_cache
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.workspaces import AttentionWorkspaces
@@ -24,21 +26,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def step_inputs(num_tokens, num_reqs, table_width=128, q_offset=0):
+def step_inputs(num_tokens, num_reqs, table_width=128, q_offset=0, table_dtype=torch.int32,
+                qsl_dtype=torch.int32, lens_dtype=torch.int32, out_dtype=None, heads=32,
+                kv_heads=8):
     """Empty tensors shaped like one step (values are never read: nothing runs), the
-    cache owned by workspaces as a runner's is (split partials reused between calls)."""
-    q = torch.empty(num_tokens * 32 * 128 + q_offset, dtype=torch.bfloat16)
-    q = q[q_offset:].view(num_tokens, 32, 128)
-    k_cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
-    table = torch.empty(num_reqs, table_width, dtype=torch.int32)
-    qsl = torch.empty(num_reqs + 1, dtype=torch.int32)
-    seq_lens = torch.empty(num_reqs, dtype=torch.int32)
-    return q, k_cache, table, qsl, seq_lens, AttentionWorkspaces([k_cache])
+    cache owned by workspaces as a runner's is (split partials reused between calls).
+    The output is q itself unless `out_dtype` asks for a tensor of its own."""
+    q = torch.empty(num_tokens * heads * 128 + q_offset, dtype=torch.bfloat16)
+    q = q[q_offset:].view(num_tokens, heads, 128)
+    k_cache = torch.empty(4, 16, kv_heads, 128, dtype=torch.bfloat16)
+    table = torch.empty(num_reqs, table_width, dtype=table_dtype)
+    qsl = torch.empty(num_reqs + 1, dtype=qsl_dtype)
+    seq_lens = torch.empty(num_reqs, dtype=lens_dtype)
+    out = q if out_dtype is None else torch.empty(q.shape, dtype=out_dtype)
+    return q, k_cache, table, qsl, seq_lens, AttentionWorkspaces([k_cache]), out
 
 
 def call(inputs, **kw):
-    q, k_cache, table, qsl, seq_lens, _ = inputs
-    attention.unified_attention(q, k_cache, k_cache, table, qsl, seq_lens, 0.1, q, **kw)
+    q, k_cache, table, qsl, seq_lens, _, out = inputs
+    attention.unified_attention(q, k_cache, k_cache, table, qsl, seq_lens, 0.1, out, **kw)
 
 
 @pytest.fixture
@@ -61,6 +67,11 @@ def same_launch(a: tuple, b: tuple) -> bool:
 @pytest.mark.parametrize("num_tokens, num_reqs, kw", [
     (1, 1, dict(num_splits=8)),  # batch-1 decode, splits merged in the launch
     (70, 5, {}),  # a mixed batch: a 66-token chunk and 4 decodes, one launch
+    (1, 1, {}),  # the heuristic's split count
+    (8, 8, dict(num_splits=4)),  # batch-8 decode
+    (3, 3, dict(num_splits=2)),  # partials' second stats row 16-byte aligned: no
+    (16, 8, dict(block_q=4)),  # decode-like, two tokens per request
+    (512, 1, {}),  # a prefill
 ])
 def test_cached_launch_passes_what_the_jit_launch_passes(recorded, monkeypatch, num_tokens,
                                                           num_reqs, kw):
@@ -84,19 +95,160 @@ def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
         step_inputs(1, 1, table_width=17),  # a block-table stride not divisible by 16
         step_inputs(1, 1, q_offset=1),  # q 2 bytes past a 16-byte boundary
         step_inputs(1, 1, table_width=64),  # same specialization as the first: a hit
+        # The split partials' sum buffer 24 bytes into its allocation (2 splits x 3
+        # heads): not 16-byte aligned, Triton specializes it so.
+        step_inputs(1, 1, heads=3, kv_heads=1),
+        step_inputs(1, 1, heads=4, kv_heads=1),  # 32 bytes in: aligned
     ]
     for inputs in variants:
-        call(inputs)
-    assert cache.compiled_launches == 3 and cache.fast_launches == 1
-    fast = list(recorded)
+        call(inputs, num_splits=2)
+    assert cache.compiled_launches == 5 and cache.fast_launches == 1
+    for inputs in variants:  # all hits now, each its own specialization
+        call(inputs, num_splits=2)
+    assert cache.compiled_launches == 5 and cache.fast_launches == 1 + len(variants)
+    fast = list(recorded[len(variants):])
     monkeypatch.setattr(cache, "enabled", False)
     for inputs in variants:
-        call(inputs)
-    jit = recorded[len(fast):]
+        call(inputs, num_splits=2)
+    jit = recorded[2 * len(variants):]
+    assert len(jit) == len(fast) == len(variants)
     for f, j in zip(fast, jit):
         assert same_launch(f, j)
     functions = [launch[4] for launch in fast]
     assert len(set(functions[:3])) == 3 and functions[3] == functions[0]
+    assert len(set(functions)) == 5
+
+
+def test_every_tensor_dtype_is_part_of_the_planned_launch(recorded, monkeypatch):
+    # The plan stands for the tensors' dtypes in the launch key (LaunchCache.
+    # launch_planned reads only addresses per call): a dtype Triton specializes on that
+    # the plan key missed would launch the wrong compiled kernel. Oracle: the JIT path.
+    cache = attention._ATTENTION_LAUNCHES
+    variants = [
+        step_inputs(1, 1),
+        step_inputs(1, 1, table_dtype=torch.int64),
+        step_inputs(1, 1, qsl_dtype=torch.int64),
+        step_inputs(1, 1, lens_dtype=torch.int64),
+        step_inputs(1, 1, out_dtype=torch.float32),
+    ]
+    for inputs in variants:
+        call(inputs, num_splits=2)
+    assert cache.compiled_launches == len(variants) and cache.fast_launches == 0
+    for inputs in variants:
+        call(inputs, num_splits=2)
+    assert cache.compiled_launches == len(variants) and cache.fast_launches == len(variants)
+    fast = list(recorded[len(variants):])
+    monkeypatch.setattr(cache, "enabled", False)
+    for inputs in variants:
+        call(inputs, num_splits=2)
+    jit = recorded[2 * len(variants):]
+    assert len(jit) == len(fast) == len(variants)
+    for f, j in zip(fast, jit):
+        assert same_launch(f, j)
+    assert len({launch[4] for launch in fast}) == len(variants)
+
+
+def test_cached_plans_equal_fresh_ones(recorded, monkeypatch):
+    # The plan cache's oracle is the plan computed anew: over an interleaved mix of
+    # shapes (each seen again after others), the plan a launch used is field for field
+    # the one _plan makes from the same arguments now.
+    cache = attention._ATTENTION_LAUNCHES
+    used = []
+    launch_planned = cache.launch_planned
+    monkeypatch.setattr(cache, "launch_planned",
+                        lambda plan, *rest: used.append(plan) or launch_planned(plan, *rest))
+    shapes = [(1, 1, {}), (8, 8, {}), (1, 1, dict(num_splits=4)), (70, 5, {}),
+              (4, 4, dict(block_q=1)), (1, 1, dict(num_splits=4, fused_merge=False)),
+              (3, 3, {})]
+    inputs = {i: step_inputs(n, r, table_width=16 * (i + 1)) for i, (n, r, _) in
+              enumerate(shapes)}
+    order = [0, 1, 2, 0, 3, 1, 4, 5, 6, 2, 6, 0, 4, 3, 5]
+    for i in order:
+        call(inputs[i], **shapes[i][2])
+    assert len(used) == len(order)
+    for i, plan in zip(order, used):
+        q, k_cache, table, _, seq_lens, _, out = inputs[i]
+        kw = shapes[i][2]
+        fresh = attention._plan(q, k_cache, k_cache, table, out, seq_lens.shape[0],
+                                kw.get("num_splits"), kw.get("block_q"),
+                                kw.get("fused_merge", True), None)
+        for field in dataclasses.fields(plan):
+            assert getattr(plan, field.name) == getattr(fresh, field.name), (i, field.name)
+    assert len({id(p) for p in used}) == len(shapes)  # each shape's plan made once
+
+
+def test_a_scale_of_another_type_takes_the_specializing_path(recorded):
+    # launch_planned assumes the scale scalar is a float; anything else goes through
+    # the specialization key (a numpy float: unmodelled, the JIT path every time).
+    np = pytest.importorskip("numpy")
+    cache = attention._ATTENTION_LAUNCHES
+    q, k_cache, table, qsl, seq_lens, _, out = inputs = step_inputs(1, 1)
+    call(inputs)
+    attention.unified_attention(q, k_cache, k_cache, table, qsl, seq_lens, np.float64(0.1),
+                                out)
+    assert cache.fast_launches == 0 and cache.compiled_launches == 1
+    assert len(recorded) == 2 and same_launch(recorded[0], recorded[1])
+
+
+def kv_write_inputs(num_tokens, k_offset=0, heads=8, cache_dtype=torch.bfloat16,
+                    rows=None):
+    """k and v ([rows or num_tokens, heads, 128], k `k_offset` elements past an
+    allocation's start), caches and slots, empty (nothing runs)."""
+    rows = rows or num_tokens
+    k = torch.empty(rows * heads * 128 + k_offset, dtype=torch.bfloat16)
+    k = k[k_offset:].view(rows, heads, 128)
+    v = torch.empty(rows, heads, 128, dtype=torch.bfloat16)
+    k_cache = torch.empty(4, 16, heads, 128, dtype=cache_dtype)
+    v_cache = torch.empty(4, 16, heads, 128, dtype=cache_dtype)
+    return k, v, k_cache, v_cache, torch.empty(num_tokens, dtype=torch.int64)
+
+
+@pytest.fixture
+def recorded_kv_write(monkeypatch):
+    monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
+    monkeypatch.setattr(kv_write, "_KV_WRITE_LAUNCHES",
+                        launch_cache.LaunchCache(kv_write._reshape_and_cache_kernel))
+    with offline_hopper(record_launches=True) as launches:
+        yield launches
+
+
+def test_kv_write_planned_launch_passes_what_the_jit_launch_passes(recorded_kv_write,
+                                                                   monkeypatch):
+    cache = kv_write._KV_WRITE_LAUNCHES
+    variants = [
+        kv_write_inputs(1),
+        kv_write_inputs(7),  # another plan (grid), the first's specialization: a hit
+        kv_write_inputs(1, k_offset=1),  # k 2 bytes past a 16-byte boundary
+        kv_write_inputs(1, heads=3),  # strides not divisible by 16
+        kv_write_inputs(1, cache_dtype=torch.float8_e4m3fn),  # clamped, converted
+        kv_write_inputs(2, rows=5),  # more rows than slots (not written): a hit
+        kv_write_inputs(2),  # a hit
+    ]
+    for inputs in variants:
+        kv_write.reshape_and_cache(*inputs)
+    assert cache.compiled_launches == 4 and cache.fast_launches == 3
+    for inputs in variants:
+        kv_write.reshape_and_cache(*inputs)
+    assert cache.compiled_launches == 4 and cache.fast_launches == 3 + len(variants)
+    fast = list(recorded_kv_write[len(variants):])
+    monkeypatch.setattr(cache, "enabled", False)
+    for inputs in variants:
+        kv_write.reshape_and_cache(*inputs)
+    jit = recorded_kv_write[2 * len(variants):]
+    assert len(jit) == len(fast) == len(variants)
+    for f, j in zip(fast, jit):
+        assert same_launch(f, j)
+    assert [launch[:3] for launch in fast] == [(n, 1, 1) for n in (1, 7, 1, 1, 1, 2, 2)]
+
+
+def test_kv_write_plan_keeps_the_checks(recorded_kv_write):
+    k, v, k_cache, v_cache, slots = kv_write_inputs(4)
+    with pytest.raises(ValueError, match="4 slots for 2 keys"):
+        kv_write.reshape_and_cache(k[:2], v, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="4 slots for 4 keys and 3 values"):
+        kv_write.reshape_and_cache(k, v[:3], k_cache, v_cache, slots)
+    kv_write.reshape_and_cache(k, v, k_cache, v_cache, slots[:0])  # no tokens: no launch
+    assert not recorded_kv_write
 
 
 def test_specialization_key():

@@ -127,27 +127,26 @@ def tune_prefill_tiles(device: torch.device, cls: ShapeClass, force: bool = Fals
     return table.tune(cls, _tile_timer(device, cls))
 
 
-def _workspace(device: torch.device, k_cache: torch.Tensor, *key: int):
-    # Partials are reused across calls of the same shape, from the workspaces of the
-    # runner that owns the cache. While a CUDA graph is being captured a fresh buffer is
-    # taken instead, so it comes from (and stays in) the graph's private pool rather
-    # than aliasing memory eager calls keep using.
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return new_partials(device, *key)
-    owner = AttentionWorkspaces.of(k_cache)
-    return owner.partials(device, *key) if owner is not None else new_partials(device, *key)
+def _split_scratch(plan: _LaunchPlan, k_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Split partials and (fused merge) arrival counters, or None for the counters.
 
-
-def _arrivals(device: torch.device, k_cache: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-(tile, kv head) arrival counters of the fused merge: zero between launches
-    (the last arrival resets its counter). Under capture a fresh zeroed buffer: its
-    memset is part of the graph, so every replay starts from zero whatever ran before."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    owner = AttentionWorkspaces.of(k_cache)  # the runner's, freed with it
-    if owner is None:
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    return owner.arrivals(device, n)
+    Partials are reused across calls of the same shape, from the workspaces of the
+    runner that owns the cache. While a CUDA graph is being captured fresh buffers are
+    taken instead, so they come from (and stay in) the graph's private pool rather than
+    aliasing memory eager calls keep using; fresh counters are zeroed there by a memset
+    that is part of the graph, so every replay starts from zero whatever ran before.
+    Between launches the owner's counters are zero (the last arrival resets its
+    counter)."""
+    device, shape, n = plan.device, plan.partials_shape, plan.num_arrivals if plan.fused else 0
+    if not (plan.is_cuda and torch.cuda.is_current_stream_capturing()):
+        owner = AttentionWorkspaces.of(k_cache)  # the runner's, freed with it
+        if owner is not None:
+            (part_acc, part_max, part_sum), arrivals = owner.split_scratch(device, shape, n)
+            return part_acc, part_max, part_sum, arrivals
+    part_acc, part_max, part_sum = new_partials(device, *shape)
+    arrivals = torch.zeros(n, dtype=torch.int32, device=device) if n else None
+    return part_acc, part_max, part_sum, arrivals
 
 
 def unified_attention(
@@ -173,48 +172,67 @@ def unified_attention(
     False: a second kernel does (the previous design, kept for comparison).
     `prefill_tiles` overrides the tuned (or heuristic) tiles of a prefill-like batch.
     """
-    num_tokens = q.shape[0]
+    q_shape = q.shape
+    num_tokens = q_shape[0]
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
-    if prefill_tiles is None and q.is_cuda and num_tokens > 2 * num_reqs:
+    if prefill_tiles is None and num_tokens > 2 * num_reqs and q.is_cuda:
         prefill_tiles = _prefill_tiles(q, k_cache.dtype, num_reqs,
-                                       q.shape[1] // k_cache.shape[2])
+                                       q_shape[1] // k_cache.shape[2])
     # Everything the launch derives from shapes, computed once per shape (a step's
-    # layers, and every step of a padded size, share it).
-    key = (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(),
-           v_cache.stride(), out.stride(), block_table.shape, block_table.stride(0),
-           num_reqs, num_splits, block_q, fused_merge, prefill_tiles, _num_sms(q.device))
+    # layers, and every step of a padded size, share it): with every tensor's dtype in
+    # the key the plan also fixes the kernel's specialization but for the tensors'
+    # addresses (LaunchCache.launch_planned). `_num_sms` itself stands for its value (a
+    # function of the device, which is in the key; tests replace it).
+    key = (q_shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+           k_cache.dtype, v_cache.stride(), v_cache.dtype, out.stride(), out.dtype,
+           block_table.shape, block_table.stride(), block_table.dtype,
+           query_start_loc.dtype, seq_lens.dtype, num_splits, block_q, fused_merge,
+           prefill_tiles, _num_sms)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(q, k_cache, v_cache, block_table, out, num_reqs,
                                    num_splits, block_q, fused_merge, prefill_tiles)
+    if not plan.is_cuda:
+        check_launchable(_unified_attention_kernel, q)
     if plan.splits > 1:
-        part_acc, part_max, part_sum = _workspace(q.device, k_cache, *plan.partials_shape)
+        part_acc, part_max, part_sum, arrivals = _split_scratch(plan, k_cache)
+        if arrivals is None:
+            arrivals = out
     else:
-        part_acc = part_max = part_sum = out  # unused; any pointer of the right device
-    arrivals = _arrivals(q.device, k_cache, plan.num_arrivals) if plan.fused else out
-    check_launchable(_unified_attention_kernel, q)
-    _ATTENTION_LAUNCHES.launch(
-        plan.grid,
-        (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
-         block_table, query_start_loc, seq_lens),
-        (num_reqs, num_tokens, scale * _LOG2E),
-        plan.const_key, plan.constexprs, plan.strides,
-    )
+        part_acc = part_max = part_sum = arrivals = out  # unused; any pointer of the device
+    tensors = (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
+               block_table, query_start_loc, seq_lens)
+    scalars = (num_reqs, num_tokens, scale * _LOG2E)
+    if type(scalars[2]) is float:  # the plan's specialization holds (a float scale)
+        _ATTENTION_LAUNCHES.launch_planned(
+            plan, plan.grid, tensors, scalars, plan.const_key, plan.constexprs, plan.strides,
+            (q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens)
+            if plan.scratch_aligned else None)
+    else:
+        _ATTENTION_LAUNCHES.launch(plan.grid, tensors, scalars, plan.const_key,
+                                   plan.constexprs, plan.strides)
     if plan.splits > 1 and not plan.fused:
-        _merge_splits_kernel[(num_tokens, q.shape[1])](
+        _merge_splits_kernel[(num_tokens, q_shape[1])](
             out, part_acc, part_max, part_sum, query_start_loc,
             num_reqs, num_tokens, *out.stride(), **plan.merge_constexprs,
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, slots=True)  # hashed by identity: a launch key
 class _LaunchPlan:
+    device: torch.device
+    is_cuda: bool
     grid: tuple[int, int, int]
     splits: int
     fused: bool
     partials_shape: tuple[int, int, int, int]  # (splits, num_tokens, num_heads, head_dim_p)
+    # The partials and counters (or `out` in their place) are 16-byte aligned: only the
+    # caller's tensors' addresses need reading per launch. Scratch comes from torch's
+    # allocators (64-byte aligned on CPU, 512 on CUDA), so only the sum buffer, a view
+    # splits * num_tokens * num_heads floats into its allocation, may not be.
+    scratch_aligned: bool
     num_arrivals: int  # fused-merge counters: one per (query tile, kv head)
     strides: tuple[int, ...]  # q, k_cache, v_cache, out, block_table rows
     const_key: tuple  # stands for `constexprs` and the strides in the launch cache's key
@@ -257,10 +275,13 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
                block_table.stride(0))
     return _LaunchPlan(
+        device=q.device,
+        is_cuda=q.device.type == "cuda",
         grid=(num_tiles, num_kv_heads, splits),
         splits=splits,
         fused=fused,
         partials_shape=(splits, num_tokens, num_heads, head_dim_p),
+        scratch_aligned=splits == 1 or splits * num_tokens * num_heads % 4 == 0,
         num_arrivals=num_tiles * num_kv_heads,
         strides=strides,
         const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast,

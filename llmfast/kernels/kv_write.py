@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from llmfast.config import FP8_E4M3_MAX
-from llmfast.kernels.launch.launch_cache import LaunchCache
+from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
 
 
 def check_launchable(kernel, tensor: torch.Tensor) -> None:
@@ -102,25 +104,59 @@ def reshape_and_cache(
     shape), so the launch reads nothing from the device and can be captured in a CUDA
     graph; k and v may have more rows (as the reference allows): those are not written.
     """
+    # Everything the launch derives from shapes, once per shape (every layer of a step,
+    # and every step of a padded size, share it); with the dtypes in the key the plan
+    # fixes the specialization but for the addresses (LaunchCache.launch_planned).
+    key = (k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype,
+           k_cache.shape, k_cache.stride(), k_cache.dtype, v_cache.stride(), v_cache.dtype,
+           slot_mapping.shape, slot_mapping.dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(k, v, k_cache, v_cache, slot_mapping)
+        if len(_PLANS) >= _MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
+    if plan.grid is None:  # no tokens
+        return
+    if not plan.is_cuda:
+        check_launchable(_reshape_and_cache_kernel, k)
+    _KV_WRITE_LAUNCHES.launch_planned(plan, plan.grid, (k, v, k_cache, v_cache, slot_mapping),
+                                      (), plan.const_key, plan.constexprs, plan.strides)
+
+
+@dataclass(frozen=True, eq=False, slots=True)  # hashed by identity: a launch key
+class _KVWritePlan:
+    is_cuda: bool
+    grid: tuple[int, int, int] | None  # None: no tokens, nothing to launch
+    strides: tuple[int, ...]  # k, v, k_cache, v_cache
+    const_key: tuple  # stands for `constexprs` and the strides in the launch cache's key
+    constexprs: dict
+
+
+# Launch plans by shape key; bounded, oldest dropped (tests and benchmarks see many).
+_PLANS: dict[tuple, _KVWritePlan] = {}
+_MAX_PLANS = 256
+
+
+def _plan(k, v, k_cache, v_cache, slot_mapping) -> _KVWritePlan:
     num_kv_heads, head_dim = k.shape[1:]
     num_tokens = slot_mapping.shape[0]
     if num_tokens > k.shape[0] or num_tokens > v.shape[0]:
         raise ValueError(f"slot_mapping has {num_tokens} slots for {k.shape[0]} keys and "
                          f"{v.shape[0]} values")
-    if num_tokens == 0:
-        return
     block_size = k_cache.shape[1]
-    check_launchable(_reshape_and_cache_kernel, k)
     num_warps = 4 if num_kv_heads * head_dim >= 1024 else 2
     clamp = cache_clamp(k_cache.dtype)
-    _KV_WRITE_LAUNCHES.launch(
-        (num_tokens, 1, 1),
-        (k, v, k_cache, v_cache, slot_mapping),
-        (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()),
-        (num_kv_heads, head_dim, block_size, num_warps, clamp),
-        dict(NUM_KV_HEADS=num_kv_heads, HEADS_P=next_pow2(num_kv_heads),
-             HEAD_DIM=head_dim, HEAD_DIM_P=next_pow2(head_dim), BLOCK_SIZE=block_size,
-             CLAMP=clamp, num_warps=num_warps),
+    strides = (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
+    return _KVWritePlan(
+        is_cuda=k.device.type == "cuda",
+        grid=(num_tokens, 1, 1) if num_tokens else None,
+        strides=strides,
+        const_key=(num_kv_heads, head_dim, block_size, num_warps, clamp,
+                   specialization_key((), strides)),
+        constexprs=dict(NUM_KV_HEADS=num_kv_heads, HEADS_P=next_pow2(num_kv_heads),
+                        HEAD_DIM=head_dim, HEAD_DIM_P=next_pow2(head_dim),
+                        BLOCK_SIZE=block_size, CLAMP=clamp, num_warps=num_warps),
     )
 
 

@@ -80,6 +80,25 @@ class AttentionWorkspaces:
         return _lru(self._arrivals, n,
                     lambda: torch.zeros(n, dtype=torch.int32, device=device), self.max_shapes)
 
+    def split_scratch(self, device: torch.device, shape: tuple[int, int, int, int],
+                      num_arrivals: int) -> tuple[Partials, torch.Tensor | None]:
+        """`partials(device, *shape)` and, unless `num_arrivals` is 0,
+        `arrivals(device, num_arrivals)` (else None): one call per split launch, with the
+        hits (every call after a shape's first) inlined."""
+        partials = self._partials.get(shape)
+        if partials is None:
+            partials = self.partials(device, *shape)
+        else:
+            self._partials.move_to_end(shape)
+        if not num_arrivals:
+            return partials, None
+        arrivals = self._arrivals.get(num_arrivals)
+        if arrivals is None:
+            arrivals = self.arrivals(device, num_arrivals)
+        else:
+            self._arrivals.move_to_end(num_arrivals)
+        return partials, arrivals
+
     def cpu_plan(self, key: Hashable, build: Callable[[], T]) -> T:
         """The CPU attention's plan for `key` (the step's metadata), built once."""
         return _lru(self._plans, key, build, self.max_plans)

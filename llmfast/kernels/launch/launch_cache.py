@@ -14,6 +14,13 @@ as a key that is at least as fine as Triton's (a finer key only costs an extra e
 - ints: == 1, divisible by 16, and the integer type Triton picks (i32/i64/u64);
 - floats: nothing (always fp32 scalars).
 
+Building that key still reads every tensor's dtype and address and classifies every
+scalar (~2 us for the attention launch). A caller that keeps a plan per shape, with every
+tensor dtype and scalar that Triton specializes on in the plan's own key (the attention
+and KV-write launches), uses `launch_planned` instead: per call it reads only the tensors'
+addresses (for their alignment) and looks up (plan, device, alignment); the plan's first
+launch of each goes through `launch` and the key above.
+
 The launcher itself (`CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`, every parameter of the
 kernel in order, constexprs included) has the same signature in Triton 3.6 and 3.7. When
@@ -25,14 +32,21 @@ at the first launch) or `cache.enabled = False` forces the JIT path (for A/B tim
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 import triton
+from triton.runtime.driver import driver as _driver  # the active driver, as the JIT uses
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+# Bound once: each is read per launch (an import statement in the launch cost ~1 us).
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+_data_ptr = torch.Tensor.data_ptr
+_or_all = functools.partial(functools.reduce, operator.or_)
 
 
 def fast_launch_enabled() -> bool:
@@ -61,7 +75,7 @@ def specialization_key(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) 
 
 
 def _hooks_registered() -> bool:
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    runtime = _RUNTIME_KNOBS
     if runtime is None:
         return True  # an unknown Triton: do not bypass whatever it does
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
@@ -90,9 +104,12 @@ class LaunchCache:
     `constexprs` the constexpr parameters and compile options as keywords (num_warps,
     num_stages), `const_key` a hashable stand-in for `constexprs` the caller already has
     (e.g. its frozen config plus the shape constants), so no dict is hashed per call.
+
+    `launch_planned(plan, ...)`: the same launch for a caller that keeps a plan per shape
+    (attention, KV write): per call only the tensors' addresses are looked at.
     """
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, max_planned: int = 1024):
         self.kernel = kernel
         self.compiled_launches = 0  # misses: JIT path taken and its kernel remembered
         self.fast_launches = 0
@@ -100,26 +117,31 @@ class LaunchCache:
         self._param_names = names
         # (device, const_key, spec) -> (launcher, compiled, constexpr values in order)
         self._entries: dict[Hashable, tuple] = {}
+        # (plan, device, alignment) -> (launcher, function, packed metadata, fixed + tail)
+        self._planned: dict[Hashable, tuple] = {}
+        self.max_planned = max_planned
         self._interpreted = not isinstance(kernel, triton.runtime.JITFunction)
         self.enabled: bool | None = None  # from the environment at the first launch
+
+    def _jit_only(self) -> bool:
+        """Whether this launch must take Triton's JIT path (see the module docstring)."""
+        if self.enabled is None:
+            self.enabled = fast_launch_enabled()
+        return (self._interpreted or not self.enabled
+                or bool(getattr(self.kernel, "pre_run_hooks", True)))
 
     def launch(self, grid: tuple[int, int, int], tensors: tuple[torch.Tensor, ...],
                scalars: tuple[Any, ...], const_key: Hashable, constexprs: dict[str, Any],
                fixed: tuple[Any, ...] = ()) -> None:
         args = tensors + scalars + fixed
-        if self.enabled is None:
-            self.enabled = fast_launch_enabled()
-        if (self._interpreted or not self.enabled
-                or getattr(self.kernel, "pre_run_hooks", True)):
+        if self._jit_only():
             self.kernel[grid](*args, **constexprs)
             return
         spec = specialization_key(tensors, scalars)
         if spec is None or _hooks_registered():
             self.kernel[grid](*args, **constexprs)
             return
-        from triton.runtime.driver import driver  # the active driver, as the JIT uses
-
-        device = driver.active.get_current_device()
+        device = _driver.active.get_current_device()
         key = (device, const_key, spec)
         entry = self._entries.get(key)
         if entry is None:
@@ -132,7 +154,48 @@ class LaunchCache:
                                       tail)
             return
         launcher, function, packed_metadata, tail = entry
-        stream = driver.active.get_current_stream(device)
+        stream = _driver.active.get_current_stream(device)
         launcher(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None,
                  *args, *tail)
+        self.fast_launches += 1
+
+    def launch_planned(self, plan: Hashable, grid: tuple[int, int, int],
+                       tensors: tuple[torch.Tensor, ...], scalars: tuple[Any, ...],
+                       const_key: Hashable, constexprs: dict[str, Any],
+                       fixed: tuple[Any, ...] = (),
+                       addressed: tuple[torch.Tensor, ...] | None = None) -> None:
+        """`launch(grid, tensors, scalars, const_key, constexprs, fixed)` for a caller
+        whose `plan` (hashable by identity, kept by the caller per shape) determines
+        everything of the specialization but the tensors' addresses: their dtypes, the
+        scalars' specialization, `const_key`, `constexprs` and `fixed`. The first launch
+        of a (plan, device, alignment) takes `launch`; later ones only read the tensors'
+        addresses, the device and the stream before calling the launcher.
+
+        `addressed`: the tensors whose addresses are to be read, when the caller knows
+        every other one of `tensors` to be 16-byte aligned (e.g. its own scratch, or the
+        same tensor again); None: all of them."""
+        if self._jit_only() or _hooks_registered():
+            self.kernel[grid](*tensors, *scalars, *fixed, **constexprs)
+            return
+        # Triton specializes a tensor on 16-byte alignment: all aligned (the usual case)
+        # is one key, any other mix its own.
+        aligned = (True if not _or_all(map(_data_ptr, tensors if addressed is None
+                                            else addressed)) & 15
+                   else tuple([t.data_ptr() % 16 == 0 for t in tensors]))
+        device = _driver.active.get_current_device()
+        entry = self._planned.get((plan, device, aligned))
+        if entry is None:
+            self.launch(grid, tensors, scalars, const_key, constexprs, fixed)
+            spec = specialization_key(tensors, scalars)
+            found = self._entries.get((device, const_key, spec))
+            if found is not None:
+                if len(self._planned) >= self.max_planned:
+                    del self._planned[next(iter(self._planned))]
+                launcher, function, packed_metadata, tail = found
+                self._planned[(plan, device, aligned)] = (launcher, function, packed_metadata,
+                                                          fixed + tail)
+            return
+        launcher, function, packed_metadata, fixed_tail = entry
+        launcher(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device), function,
+                 packed_metadata, None, None, None, *tensors, *scalars, *fixed_tail)
         self.fast_launches += 1

@@ -49,6 +49,19 @@ class HopperStandInDriver(triton.backends.driver.DriverBase):
         return ty
 
 
+# The lists of the offline_hopper(record_launches=True) contexts now open, innermost last.
+# A compiled kernel outlives a context (Triton's JIT keeps it): its stand-in launcher
+# records into whichever context is open when it runs, not the one it was loaded in.
+_RECORDINGS: list[list[tuple]] = []
+
+
+def _record(*args) -> None:
+    if not _RECORDINGS:
+        raise RuntimeError("a kernel compiled offline was launched outside "
+                           "offline_hopper(record_launches=True)")
+    _RECORDINGS[-1].append(args)
+
+
 @contextlib.contextmanager
 def offline_hopper(record_launches: bool = False) -> Iterator[list[tuple]]:
     """Within: Triton compiles for sm_90; with `record_launches`, launches are recorded
@@ -62,14 +75,17 @@ def offline_hopper(record_launches: bool = False) -> Iterator[list[tuple]]:
         if self.module is not None:
             return
         self.module, self.function = "offline", id(self)  # any non-null handle
-        self._run = lambda *args: launches.append(args)
+        self._run = _record
 
     previous = driver._active  # `driver.active` would try to create a real driver
     driver.set_active(HopperStandInDriver())
     if record_launches:
         CompiledKernel._init_handles = stand_in_handles
+        _RECORDINGS.append(launches)
     try:
         yield launches
     finally:
+        if record_launches:
+            _RECORDINGS.remove(launches)
         CompiledKernel._init_handles = init_handles
         driver._active = previous
