@@ -4,6 +4,11 @@ disk's read speed of the same file, in one run.
     python scripts/bench_load.py --preset llama-3.2-1b --dtype bfloat16 --device cpu
     python scripts/bench_load.py --preset llama-3.2-1b --dtype bfloat16 --device cuda --json x.json
 
+0. The process's first-use costs, timed apart and kept out of every later figure: the
+   device's first tensor (on CUDA: the context, ~0.5-2 s) and a first `build_model` of
+   the tiny preset on the device (the loader's imports, first kernel loads, the
+   meta-device check model's first construction). A server pays them once per process,
+   whatever it loads; `random_init_new_s` is the init proper.
 1. Random init: the former way (a CPU float32 `randn` per parameter, copied into the
    device parameter) against `build_model` now (filled in place on the device).
 2. A checkpoint of the same shapes (HF names, the target dtype) is written to --dir; then,
@@ -60,6 +65,23 @@ def old_random_init(source, dtype, device, max_positions: int, seed: int) -> flo
     elapsed = time.perf_counter() - t0
     del model
     return elapsed
+
+
+def first_use_costs(dtype, device: torch.device, max_positions: int) -> dict[str, float]:
+    """Seconds of the process's one-time costs, each timed on its own: the first tensor
+    on `device` (CUDA: context creation) and a first `build_model` of the tiny preset
+    there (imports, first kernel loads, the first meta-device construction)."""
+    t0 = time.perf_counter()
+    torch.empty(1, device=device)
+    sync(device)
+    t1 = time.perf_counter()
+    model = build_model(resolve_model("random:tiny"), dtype, device,
+                        max_positions=min(max_positions, 64))
+    sync(device)
+    t2 = time.perf_counter()
+    del model
+    return {"first_use_device_s": t1 - t0, "first_use_build_s": t2 - t1,
+            "first_use_s": t2 - t0}
 
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -157,6 +179,9 @@ def main() -> None:
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
 
+    # 0. What any first use in a fresh process costs, apart from the init proper.
+    result.update(first_use_costs(dtype, device, args.max_positions))
+
     # 1. Random init, former and current, same process.
     if not args.skip_old:
         result["random_init_old_s"] = old_random_init(source, dtype, device,
@@ -213,6 +238,9 @@ def main() -> None:
 
     gb = result["weight_bytes"] / 1e9
     print(f"{args.preset} {args.dtype} on {device}: {gb:.2f} GB of weights")
+    print(f"process first-use costs (not in the figures below): first tensor on {device} "
+          f"{result['first_use_device_s']:.2f} s, first build_model (tiny preset) "
+          f"{result['first_use_build_s']:.2f} s")
     if "random_init_old_s" in result:
         print(f"random init: before {result['random_init_old_s']:.2f} s, "
               f"now {result['random_init_new_s']:.2f} s "

@@ -127,6 +127,10 @@ def load(out: Path) -> Iterator[Line]:
         return
     yield _ratio_line("#18", f"load: random init of {data['preset']} (s)",
                       data.get("random_init_new_s"), 2.0)
+    if "first_use_s" in data:  # bench_load times them apart: not in the init above
+        yield info(f"#18 load: process first-use costs {data['first_use_s']:.2f} s (first "
+                   f"tensor on the device {data['first_use_device_s']:.2f} s, first "
+                   f"build_model {data['first_use_build_s']:.2f} s), outside the init")
     for cache in ("cold", "warm"):
         share = data.get(f"{cache}_load_vs_read")
         line = _ratio_line("#18", f"load: safetensors {cache} load / disk read speed",

@@ -89,6 +89,15 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
     assert _find(lines, "random init of llama-3.2-1b (s) = 2.40") == "FAIL"
     assert _find(lines, "cold load / disk read speed = 0.55") == "PASS"
     assert _find(lines, "warm load") == "INFO"
+    assert not any("first-use costs" in t for t in lines)  # an older load.json
+    _write(tmp_path / "load.json", {"preset": "llama-3.2-1b", "random_init_new_s": 0.4,
+                                    "cold_load_vs_read": 0.55, "warm_load_vs_read": 0.3,
+                                    "first_use_s": 4.5, "first_use_device_s": 0.8,
+                                    "first_use_build_s": 3.7})
+    lines = _lines("load", tmp_path)
+    assert _find(lines, "random init of llama-3.2-1b (s) = 0.40") == "PASS"
+    assert _find(lines, "process first-use costs 4.50 s (first tensor on the device "
+                        "0.80 s, first build_model 3.70 s)") == "INFO"
     # Reads served from memory: no disk speed to hold the load against.
     _write(tmp_path / "load.json", {"preset": "llama-3.2-1b", "random_init_new_s": 1.0,
                                     "cold_load_vs_read": 0.55, "warm_load_vs_read": 0.3,

@@ -183,3 +183,21 @@ def test_host_side_imports_no_torch(modules):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=PACKAGE.parent, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["generate", "--help"]])
+def test_cli_help_imports_no_torch(argv):
+    """`llmfast --help` answers in a fraction of a second: torch (~1 s to import, more
+    with CUDA) waits until a command runs."""
+    code = ("import sys\n"
+            f"sys.argv = ['llmfast', *{argv!r}]\n"
+            "from llmfast.cli.main import main\n"
+            "try:\n"
+            "    main()\n"
+            "except SystemExit as e:\n"
+            "    assert e.code in (0, None), e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=PACKAGE.parent, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,3 +289,41 @@ def test_staged_reader_onto_cuda_with_small_chunks(tmp_path):
         os.close(fd)
     for name, t in tensors.items():
         assert torch.equal(dests[name].cpu(), t.float()), name
+
+
+def test_building_a_model_imports_no_dynamo():
+    """build_model's meta-device check model used to compute the RoPE table with torch's
+    Python meta kernels, the first of which imports torch._dynamo (1-6 s); an eager
+    engine never needs it. A fresh process, so that nothing imported it before."""
+    code = ("import sys, torch\n"
+            "from llmfast.models.loading.loader import build_model\n"
+            "from llmfast.models.sources.model_source import resolve_model\n"
+            "build_model(resolve_model('random:tiny'), torch.float32, 'cpu',"
+            " max_positions=64)\n"
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert result.returncode == 0, result.stderr
+
+
+def test_rope_table_on_meta_has_the_real_shape_and_on_cpu_the_values():
+    from llmfast.models.rope import RotaryEmbedding, rope_table
+
+    source = resolve_model("random:tiny")
+    cfg = source.config
+    head_dim = cfg.head_dim
+    with torch.device("meta"):
+        meta = RotaryEmbedding(head_dim, 32, cfg.rope_theta, cfg.rope_scaling)
+    real = RotaryEmbedding(head_dim, 32, cfg.rope_theta, cfg.rope_scaling)
+    assert meta.cos_sin.is_meta
+    assert (meta.cos_sin.shape, meta.cos_sin.dtype) == (real.cos_sin.shape, real.cos_sin.dtype)
+    # The oracle: cos and sin of position * frequency, written out.
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64)
+                                         / head_dim))
+    angles = torch.arange(32, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    expected = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    assert cfg.rope_scaling.rope_type == "default"
+    torch.testing.assert_close(real.cos_sin.double(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(real.cos_sin, rope_table(head_dim, 32, cfg.rope_theta,
+                                                        cfg.rope_scaling))

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch when measuring only: `llmfast --help` imports this module
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ def peak_bandwidth(device_name: str) -> float | None:
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30,
                            repeats: int = 10) -> float:
     """Median bytes/s (read + write) of a device-to-device copy of `nbytes`."""
+    import torch
+
     src = torch.empty(nbytes // 2, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up
@@ -89,6 +93,8 @@ def device_bandwidth(device: str, device_name: str) -> DeviceBandwidth | None:
     the name; the copy is measured here, and only when this process sees `device` under
     that name: the runner's own process, or its node for `mp` workers and a local Ray
     cluster (a remote Ray worker's GPU has its peak only)."""
+    import torch
+
     dev = torch.device(device)
     if dev.type != "cuda":
         return None
@@ -105,6 +111,8 @@ def device_bandwidth(device: str, device_name: str) -> DeviceBandwidth | None:
 
 
 def _visible_as(device: torch.device, name: str) -> bool:
+    import torch
+
     if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
         return False
     return torch.cuda.get_device_name(device) == name

@@ -79,14 +79,27 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -
     return inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
 
 
+def rope_table(head_dim: int, max_positions: int, theta: float,
+               scaling: RopeScaling) -> torch.Tensor:
+    """[max_positions, head_dim] float32 on the default device: cos of both halves,
+    then sin of both halves, times the attention factor."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(scaling)
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved RoPE (HF's rotate_half layout) from a precomputed cos/sin table."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(scaling)
+        if torch.get_default_device().type == "meta":
+            # Shapes only (the loader's checks build the model there). Computing the
+            # table on meta runs torch's meta kernels written in Python, and the first
+            # of them imports torch._dynamo: 1-6 s an eager engine never needs.
+            table = torch.empty(max_positions, head_dim, dtype=torch.float32)
+        else:
+            table = rope_table(head_dim, max_positions, theta, scaling)
         # [max_positions, head_dim]: cos of both halves, then sin of both halves.
         self.register_buffer("cos_sin", table, persistent=False)
         self.head_dim = head_dim

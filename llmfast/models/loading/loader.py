@@ -36,8 +36,9 @@ def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     (default device and dtype) and left uninitialised (no `reset_parameters`: we
     overwrite every value). So each parameter is allocated exactly once, where and as it
     will live. Buffers with an explicit dtype, such as the float32 RoPE table, keep it.
-    (On the meta device, where the config check builds its model, meta kernels written
-    in Python run, and the first imports torch._dynamo: 1.5-6 s of "load".)"""
+    (On the meta device, where the config check builds its model, ops with meta kernels
+    written in Python would import torch._dynamo on first use, 1.5-6 s: the RoPE table,
+    the one computed buffer, is left empty there; see models/rope.py.)"""
     classes = (torch.nn.Linear, torch.nn.Embedding)
     saved_init = {cls: cls.__dict__["reset_parameters"] for cls in classes}
     saved_dtype = torch.get_default_dtype()
