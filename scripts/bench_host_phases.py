@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -94,6 +95,9 @@ def measure(engine, size: int, args, profile: cProfile.Profile | None) -> dict[s
     timer = PhaseTimer("cpu", clock=time.thread_time)
     engine.set_phase_timer(timer)
     totals = []
+    gc_stats = gc.get_stats()
+    if args.no_gc:
+        gc.disable()
     try:
         for _ in range(args.steps):
             t = time.thread_time()
@@ -105,6 +109,7 @@ def measure(engine, size: int, args, profile: cProfile.Profile | None) -> dict[s
             totals.append(time.thread_time() - t)
             assert len(outs) == size, "not a pure decode step"
     finally:
+        gc.enable()
         engine.set_phase_timer(None)
         for req_id in ids:
             engine.abort(req_id)
@@ -114,6 +119,8 @@ def measure(engine, size: int, args, profile: cProfile.Profile | None) -> dict[s
     model = [f + s for f, s in zip(per["forward"], per["sample"])]
     host = [t * 1e3 - m for t, m in zip(totals, model)]
     row["host"] = statistics.median(host)
+    row["gc/step"] = sum(after["collections"] - before["collections"] for before, after in
+                         zip(gc_stats, gc.get_stats())) / args.steps
     row["wait_output"] = statistics.median(per["wait_output"])
     row["rest"] = row["host"] - sum(row[name] for name in (*HOST_PHASES, "wait_output"))
     return row
@@ -148,6 +155,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="the cyclic garbage collector off while timing (to see its share)")
     ap.add_argument("--cprofile", default=None,
                     help="write the cProfile stats of the timed steps of the largest size here")
     args = ap.parse_args()
@@ -167,7 +176,7 @@ def main() -> None:
               f"{'async' if args.async_scheduling else 'sync'}, CPU thread time, "
               f"torch {torch.__version__}, Python {platform.python_version()}, "
               f"{platform.machine()}, {os.cpu_count()} cores)")
-        cols = (*HOST_PHASES, "wait_output", "rest", "host")
+        cols = (*HOST_PHASES, "wait_output", "rest", "host", "gc/step")
         print("| requests | " + " | ".join(cols) + " |")
         print("|---:|" + "---:|" * len(cols))
         for size in sizes:
