@@ -311,18 +311,20 @@ class LLMEngine:
         # Per request and step on the host (hundreds of requests per step): attribute
         # lookups hoisted, the stop-string and logprob work only for requests asking.
         now = time.monotonic()
-        outputs = []
+        outputs: list[RequestOutput] = []
         stopped: list[str] = []
-        tracked_by_id = self._tracked
+        get_tracked = self._tracked.get
+        make_output = self._make_output
         for upd in updates:
-            tracked = tracked_by_id.get(upd.req_id)
+            tracked = get_tracked(upd.req_id)
             if tracked is None:
                 continue
             request = tracked.request
             params = request.sampling_params
-            m = tracked.metrics
+            stops = params.stop
             new_ids = upd.new_token_ids
             if new_ids:
+                m = tracked.metrics
                 if m.first_token_time is None:
                     m.first_token_time = now
                 if len(new_ids) == 1:
@@ -331,7 +333,7 @@ class LLMEngine:
                     m.token_times.extend([now] * len(new_ids))
                 detok = tracked.detokenizer
                 if detok is not None:
-                    if tracked.stream or params.stop:
+                    if tracked.stream or stops:
                         delta = detok.add_tokens(new_ids)
                         if delta:
                             tracked.text += delta
@@ -343,9 +345,13 @@ class LLMEngine:
                     for (token, (lp, top)) in zip(new_ids, upd.logprobs):
                         tracked.logprobs.append({token: lp, **{t: v for t, v in top.items() if t != token}})
             finish = upd.finish_reason
+            if finish is None and not stops:  # the common case: a running request
+                if tracked.stream:
+                    outputs.append(make_output(tracked, new_ids, False))
+                continue
             if finish is not None and tracked.detokenizer is not None:
                 tracked.text += tracked.detokenizer.flush()  # text held back mid-character
-            if params.stop:
+            if stops:
                 if len(request.output_token_ids) <= request.min_tokens:
                     tracked.stop_check_offset = len(tracked.text)
                 if self._hit_stop_string(tracked):
@@ -358,12 +364,12 @@ class LLMEngine:
                     tracked.stop_reason = last
             if finish is not None:
                 tracked.finish_reason = finish
-                m.finish_time = now
+                tracked.metrics.finish_time = now
             elif not tracked.stream:
                 continue
-            outputs.append(self._make_output(tracked, upd))
+            outputs.append(make_output(tracked, new_ids, finish is not None))
             if finish is not None:
-                del tracked_by_id[upd.req_id]
+                del self._tracked[upd.req_id]
         if stopped:
             self.scheduler.finish_requests(stopped, "stop")
         return outputs
@@ -388,43 +394,48 @@ class LLMEngine:
         tracked.stop_reason = best[1]
         return True
 
-    def _make_output(self, tracked: _Tracked, upd) -> RequestOutput:
+    @staticmethod
+    def _make_output(tracked: _Tracked, new_ids: list[int], finished: bool) -> RequestOutput:
+        """`new_ids`: the step's ids, the output's delta (the scheduler's list, read by
+        nobody else: not copied)."""
         request = tracked.request
         params = request.sampling_params
-        finished = tracked.finish_reason is not None
         text = tracked.text
         # Hold back a possible stop-string prefix while streaming.
         stops = params.stop
-        hold = 0 if finished or not stops else max(map(len, stops)) - 1
         emitted = tracked.emitted
-        visible = max(emitted, len(text) - hold)
-        delta = text[emitted:visible]
+        if finished or not stops:
+            visible = len(text)
+        else:
+            visible = max(emitted, len(text) - max(map(len, stops)) + 1)
+        delta = text[emitted:visible] if visible != emitted else ""
         tracked.emitted = visible
         logprobs = None
         if params.logprobs is not None:
             logprobs = list(tracked.logprobs or [])
+        # Positional (the fields' order): faster than keywords, per request and step.
         completion = CompletionOutput(
-            index=0,
-            text=text if visible == len(text) else text[:visible],
+            0,  # index
+            text if visible == len(text) else text[:visible],
             # While running this is the request's live list (copying it every step would
             # make streaming quadratic); a finished request's list is its own copy.
-            token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
-            finish_reason=tracked.finish_reason,
-            stop_reason=tracked.stop_reason,
-            logprobs=logprobs,
-            delta_text=delta,
-            delta_token_ids=list(upd.new_token_ids),
+            list(request.output_token_ids) if finished else request.output_token_ids,
+            tracked.finish_reason,
+            tracked.stop_reason,
+            logprobs,
+            delta,  # delta_text
+            new_ids,  # delta_token_ids
         )
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=tracked.metrics,
-            num_cached_tokens=tracked.num_cached_tokens,
-            prompt_logprobs=tracked.prompt_logprobs,
-            prompt_logprob_ranks=tracked.prompt_logprob_ranks,
+            request.request_id,
+            tracked.prompt,
+            request.prompt_token_ids,
+            [completion],
+            finished,
+            tracked.metrics,
+            tracked.num_cached_tokens,
+            tracked.prompt_logprobs,
+            tracked.prompt_logprob_ranks,
         )
 
     def stats(self):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+# slots: one of each per streaming request and step; created and freed faster.
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str  # all output text so far (stop string excluded)
@@ -51,7 +52,7 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -85,6 +85,18 @@ class Tokenizer:
         that overrides the decode path."""
         return _rust_decode(self.hf)
 
+    @functools.cached_property
+    def rust_id_bound(self) -> int | None:
+        """One past the largest id the Rust tokenizer has (added tokens included), else
+        None. The Rust decode skips an id it lacks, so a larger id decodes to nothing
+        wherever it stands: e.g. most ids a random model samples over a vocabulary far
+        larger than its preset's byte-level tokenizer."""
+        backend = self.rust_tokenizer
+        if backend is None:
+            return None
+        vocab = backend.get_vocab(with_added_tokens=True)
+        return max(vocab.values()) + 1 if vocab else 0
+
     def render_chat(
         self,
         messages: list[dict[str, str]],
@@ -274,6 +286,13 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
         self._backend = getattr(tokenizer, "rust_tokenizer", None)
         self._stream = self._open_stream() if self._backend is not None else None
+        # Ids from here on decode to nothing (see Tokenizer.rust_id_bound), so adding
+        # one emits nothing and is not decoded: the window slides only when text comes
+        # out, and a run of them (a random model over a large vocabulary) would make
+        # every step decode a longer window. They stay in `_ids` (the Python window
+        # decodes them, to nothing).
+        self._id_bound = (getattr(tokenizer, "rust_id_bound", None)
+                          if self._backend is not None else None)
 
     def _open_stream(self) -> Any | None:
         try:
@@ -304,7 +323,19 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the new text (possibly "")."""
         if len(new_token_ids) == 1:  # a decode step: nothing to join
-            delta = self._add_token(int(new_token_ids[0]))
+            token_id = int(new_token_ids[0])
+            stream = self._stream
+            if stream is None:
+                delta = self._add_token(token_id)
+            else:  # _add_token's Rust path inlined: one call per request and step
+                self._ids.append(token_id)
+                if self._id_bound is not None and token_id >= self._id_bound:
+                    return ""
+                delta = stream.step(self._backend, token_id)
+                if not delta:
+                    return ""
+                self._prefix, self._read = self._read, len(self._ids)
+                self._prefix_text = None
         else:
             delta = "".join([self._add_token(t) for t in map(int, new_token_ids)])
         if delta:
@@ -313,6 +344,8 @@ class IncrementalDetokenizer:
 
     def _add_token(self, token_id: int) -> str:
         self._ids.append(token_id)
+        if self._id_bound is not None and token_id >= self._id_bound:
+            return ""
         if self._stream is None:
             return self._step(final=False)
         chunk = self._stream.step(self._backend, token_id)

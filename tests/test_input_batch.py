@@ -114,3 +114,46 @@ def test_condense_moves_tail_into_holes():
     batch.condense()
     assert batch.req_ids[:3] == ["r0", "r4", "r2"]
     assert batch.block_table.num_blocks[3:5].tolist() == [0, 0]
+
+
+def test_write_sampled_tokens_matches_naive_loop():
+    """The collected values go where the old per-row loop put them: only into rows of
+    requests still there (the same state object, not a reused id), at their rows now
+    (condense moves them between launch and collect)."""
+    from types import SimpleNamespace
+
+    from llmfast.worker.placeholders import write_sampled_tokens
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        batch = InputBatch(12, 64, 256, 4, CPU)
+        requests: dict[str, CachedRequestState] = {}
+        for i in range(12):
+            state = _state(i, rng)
+            requests[state.req_id] = state
+            batch.add_request(state)
+        n = 12
+        rows = sorted(rng.sample(range(n), rng.randrange(1, n + 1)))  # scheduled rows
+        samples = [rng.random() < 0.8 for _ in rows]
+        launch = [r for r, s in zip(rows, samples) if s]
+        states = [requests[batch.req_ids[r]] for r in launch]
+        cols = [rng.randrange(20, 64) for _ in launch]
+        step = SimpleNamespace(rows=rows, samples=samples, sampling_states=states,
+                               sampling_rows=np.array(launch, dtype=np.int64),
+                               placeholder_cols=np.array(cols, dtype=np.int64))
+        # Between launch and collect: some leave, one id comes back as a new request.
+        gone = rng.sample(sorted(requests), 4)
+        for req_id in gone:
+            del requests[req_id]
+            batch.remove_request(req_id)
+        reused = _state(int(gone[0].removeprefix("r")), rng)
+        requests[reused.req_id] = reused
+        batch.add_request(reused)
+        batch.condense()
+        sampled = np.array([rng.randrange(1000, 2000) for _ in range(n)], dtype=np.int64)
+        expected = batch.token_ids.copy()
+        for state, col, r in zip(states, cols, launch):  # the old loop
+            if requests.get(state.req_id) is state:
+                expected[batch.req_id_to_index[state.req_id], col] = sampled[r]
+        write_sampled_tokens(step, sampled, requests, batch)
+        assert (batch.token_ids == expected).all()

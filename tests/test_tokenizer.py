@@ -218,3 +218,47 @@ def test_rust_decode_stream_gives_the_python_paths_deltas(which, request):
         assert rust.flush() == ref.flush()
         assert rust.text == ref.text
     assert streamed >= 150  # most prompt tails decode whole: the Rust path was tested
+
+
+class _CountingStream:
+    """A DecodeStream stand-in that counts the ids it is stepped with."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.ids = stream, []
+
+    def step(self, backend, token_id):
+        self.ids.append(token_id)
+        return self.stream.step(backend, token_id)
+
+
+@pytest.mark.parametrize("which", ["byte_dir", "metaspace_dir"])
+def test_ids_past_the_tokenizer_decode_to_nothing_without_a_decode(which, request):
+    """A random model samples over a vocabulary larger than its tokenizer's: those ids
+    are not decoded (they decode to nothing), with the same deltas as the Python path
+    that decodes them, and the Rust window is stepped only with the tokenizer's ids."""
+    tok = load_tokenizer(request.getfixturevalue(which))
+    bound = tok.rust_id_bound
+    assert bound == len(tok.hf)
+    assert tok.decode([bound, bound + 7, 10 ** 6]) == ""
+    python_only = _PythonOnly(tok)
+    rng = random.Random(3)
+    streamed = 0
+    for case in range(200):
+        prompt = [rng.randrange(bound) for _ in range(rng.randrange(0, 6))]
+        # Mostly ids past the tokenizer, as from a 128k-vocabulary random model.
+        output = [rng.randrange(bound) if rng.random() < 0.3 else rng.randrange(bound, 4 * bound)
+                  for _ in range(rng.randrange(1, 40))]
+        skip = case % 2 == 0
+        rust = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        ref = IncrementalDetokenizer(python_only, prompt, skip_special_tokens=skip)
+        counting = None
+        if rust._stream is not None:
+            rust._stream = counting = _CountingStream(rust._stream)
+        for t in output:
+            assert rust.add_tokens([t]) == ref.add_tokens([t]), (prompt, output)
+        if counting is not None:
+            assert counting.ids == [t for t in output if t < bound]
+            streamed += 1
+        assert rust.flush() == ref.flush()
+        assert rust.text == ref.text and rust.output_token_ids == output
+    assert streamed >= 100

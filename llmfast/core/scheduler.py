@@ -206,8 +206,11 @@ class Scheduler:
                 len(request.output_token_ids) + num_placeholders >= request.max_tokens
             ):
                 num_new = 0  # its last token is in flight: it finishes when that arrives
-            num_new = min(num_new, budget)
-            num_new = min(num_new, max_computed - num_computed)
+            # min(num_new, budget, max_computed - num_computed), without the calls.
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_computed - num_computed:
+                num_new = max_computed - num_computed
             if num_new <= 0:
                 i += 1
                 continue
@@ -319,6 +322,22 @@ class Scheduler:
             request.num_output_placeholders -= 1
             all_ids = request.all_token_ids
             out_ids = request.output_token_ids
+            if len(sampled) == 1:  # a decode step's one token: the loop below, unrolled
+                token = sampled[0]
+                logprobs = None if all_logprobs is None else all_logprobs[idx][:1]
+                out_ids.append(token)
+                all_ids.append(token)
+                num_out = len(out_ids)
+                if token in request.stop_token_set and num_out > request.min_tokens:
+                    status = _STOPPED
+                elif num_out >= request.max_tokens or len(all_ids) >= max_model_len:
+                    status = _LENGTH
+                else:
+                    updates.append(RequestUpdate(rid, sampled, None, logprobs))
+                    continue
+                updates.append(RequestUpdate(rid, sampled, status.finish_reason, logprobs))
+                finished.append((request, status))
+                continue
             status = None
             num_accepted = 0
             for token in sampled:

@@ -44,8 +44,14 @@ class PhaseStats:
 
 
 class PhaseTimer:
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, clock=time.perf_counter) -> None:
+        """`clock`: the host clock (seconds); e.g. `time.thread_time` on a CPU host to
+        leave out the time other processes take the core (the device columns and the
+        overlap need the wall clock: on CUDA it must stay `perf_counter`)."""
         self.cuda = torch.device(device).type == "cuda"
+        if self.cuda and clock is not time.perf_counter:
+            raise ValueError("on CUDA the phase timer's host clock must be time.perf_counter")
+        self._clock = clock
         # (phase, host start, host end, device start event, device end event)
         self._records: list[tuple[str, float, float, object, object]] = []
         self._ref_event = None
@@ -58,11 +64,11 @@ class PhaseTimer:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        return (phase_name(name), time.perf_counter(), event)
+        return (phase_name(name), self._clock(), event)
 
     def end(self, token: tuple) -> None:
         name, host_start, start_event = token
-        host_end = time.perf_counter()
+        host_end = self._clock()
         end_event = None
         if start_event is not None:
             end_event = torch.cuda.Event(enable_timing=True)

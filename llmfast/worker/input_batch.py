@@ -34,7 +34,8 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # at (re)admission; later tokens live in the batch row
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # all of the request's blocks (new ones appended each step)
+    # At (re)admission; later counts live in the batch row (`InputBatch.num_computed_tokens`).
     num_computed_tokens: int
 
 

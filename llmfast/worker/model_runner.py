@@ -290,14 +290,19 @@ class ModelRunner:
     def collect(self, step: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids; write them into the batch rows that
         still hold their placeholders; return them per scheduled request."""
-        sampled = step.wait().tolist()
-        write_sampled_tokens(step, sampled, self.requests, self.input_batch)
+        sampled_np = step.wait()
+        write_sampled_tokens(step, sampled_np, self.requests, self.input_batch)
         if self.placeholders.prev_sampled is step.sampled_device:
             # No step launched since this one (the synchronous loop): the host rows now
             # hold every sampled value, so the next step has no placeholder to fill or
             # gather on the device.
             self.input_batch.pending_src[:] = -1
-        tokens = [[sampled[r]] if s else [] for r, s in zip(step.rows, step.samples)]
+        sampled = sampled_np.tolist()
+        if len(step.rows) == len(sampled) and not step.samples.count(False):
+            # A decode step: every row ran and sampled, rows 0..n-1 in order.
+            tokens = [[t] for t in sampled]
+        else:
+            tokens = [[sampled[r]] if s else [] for r, s in zip(step.rows, step.samples)]
         logprobs = None
         if step.logprobs_host is not None:
             logprobs = step.collect_logprobs()

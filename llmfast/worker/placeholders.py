@@ -62,32 +62,54 @@ def record_placeholders(batch: InputBatch, requests: dict[str, CachedRequestStat
     copy's)."""
     n = len(num_sched)
     rows = np.flatnonzero(num_sched > 0)
-    rows_list = rows.tolist()
-    samples = np.zeros(n, dtype=bool)
-    samples[sampling_rows] = True
     cols = batch.num_tokens[sampling_rows]
     batch.token_ids[sampling_rows, cols] = PLACEHOLDER_TOKEN_ID
     batch.num_tokens[sampling_rows] = cols + 1
     batch.pending_src[:n] = -1
     batch.pending_src[sampling_rows] = sampling_rows
-    req_ids = [batch.req_ids[r] for r in rows_list]
+    row_ids = batch.req_ids
+    num_sampling = len(sampling_rows)
+    if len(rows) == n:  # every row runs (a decode step): no per-row lookups
+        rows_list = list(range(n))
+        req_ids = row_ids[:n]
+    else:
+        rows_list = rows.tolist()
+        req_ids = [row_ids[r] for r in rows_list]
+    if num_sampling == n:  # every row samples: the same rows, in the same order
+        sampling_ids = req_ids
+        samples = [True] * len(rows_list)
+    else:
+        sampling_ids = [row_ids[r] for r in sampling_rows.tolist()]
+        samples = np.zeros(n, dtype=bool)
+        samples[sampling_rows] = True
+        samples = samples[rows].tolist()
     params = batch.sampling_params
     return {
         "req_ids": req_ids,
-        "samples": samples[rows].tolist(),
+        "samples": samples,
         "rows": rows_list,
-        "sampling_states": [requests[batch.req_ids[r]] for r in sampling_rows.tolist()],
-        "placeholder_cols": cols.tolist(),
+        "sampling_states": list(map(requests.__getitem__, sampling_ids)),
+        "sampling_rows": sampling_rows,
+        "placeholder_cols": cols,
         "num_logprobs": [params[r].logprobs for r in rows_list] if want_logprobs else None,
     }
 
 
-def write_sampled_tokens(step: PendingStep, sampled: list[int],
+def write_sampled_tokens(step: PendingStep, sampled: np.ndarray,
                          requests: dict[str, CachedRequestState], batch: InputBatch) -> None:
     """Write a collected step's sampled ids (`sampled`, per row at launch) into the batch
-    rows that still hold their placeholders."""
-    index, token_ids = batch.req_id_to_index, batch.token_ids
-    sampling_rows = [r for r, s in zip(step.rows, step.samples) if s]
-    for state, col, r in zip(step.sampling_states, step.placeholder_cols, sampling_rows):
-        if requests.get(state.req_id) is state:  # still here, not a reused id
-            token_ids[index[state.req_id], col] = sampled[r]
+    rows that still hold their placeholders (one fancy assignment)."""
+    states = step.sampling_states
+    if not states:
+        return
+    get, index = requests.get, batch.req_id_to_index
+    cols, launch_rows = step.placeholder_cols, step.sampling_rows
+    # Still here, not a reused id: the same state object.
+    live = [get(state.req_id) is state for state in states]
+    if not all(live):
+        keep = np.flatnonzero(live)
+        states = [states[i] for i in keep.tolist()]
+        cols, launch_rows = cols[keep], launch_rows[keep]
+    # The rows now (condense may have moved them since the launch).
+    rows = np.fromiter([index[state.req_id] for state in states], np.int64, len(states))
+    batch.token_ids[rows, cols] = sampled[launch_rows]

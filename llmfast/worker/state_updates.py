@@ -15,15 +15,17 @@ def update_states(requests: dict[str, CachedRequestState], batch: InputBatch,
         requests.pop(req_id, None)
         batch.remove_request(req_id)
     cached = out.scheduled_cached_reqs
-    for req_id, new_blocks, num_computed in zip(
-        cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-    ):
-        state = requests[req_id]
-        state.block_ids.extend(new_blocks)
-        state.num_computed_tokens = num_computed
-        row = batch.req_id_to_index[req_id]
-        batch.block_table.append_row(row, new_blocks)
-        batch.num_computed_tokens[row] = num_computed
+    if cached.req_ids:
+        # Vectorised: one fancy assignment for the computed counts; the per-request work
+        # (state, block table) only for the few requests that got new blocks (a decode
+        # step needs one every block_size steps).
+        index = batch.req_id_to_index
+        rows = [index[req_id] for req_id in cached.req_ids]
+        batch.num_computed_tokens[rows] = cached.num_computed_tokens
+        for i in [i for i, blocks in enumerate(cached.new_block_ids) if blocks]:
+            new_blocks = cached.new_block_ids[i]
+            requests[cached.req_ids[i]].block_ids.extend(new_blocks)
+            batch.block_table.append_row(rows[i], new_blocks)
     for new in out.scheduled_new_reqs:
         state = CachedRequestState(
             req_id=new.req_id,

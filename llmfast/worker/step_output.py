@@ -33,10 +33,12 @@ class PendingStep:
     logprobs_host: LogprobsTensors | None  # per row, when any row asked for logprobs
     num_logprobs: list[int | None] | None  # per scheduled row: top-n asked for
     rows: list[int]  # the scheduled rows' indices at launch (index sampled_host)
-    # Runner state of each sampling row and the column its placeholder sits in, to write
-    # the value into the batch row once known (the state object tells a reused id apart).
+    # Runner state of each sampling row, its row at launch (indexes sampled_host) and the
+    # column its placeholder sits in, to write the value into the batch row once known
+    # (the state object tells a reused id apart). Arrays: one fancy assignment.
     sampling_states: list[object]
-    placeholder_cols: list[int]
+    sampling_rows: np.ndarray
+    placeholder_cols: np.ndarray
     event: torch.cuda.Event | None
     sampled_device: torch.Tensor  # kept alive until the copy is read
     # Packed prompt logprobs on the host (prompt_logprobs.py) and whose rows they are,
