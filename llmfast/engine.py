@@ -64,6 +64,9 @@ class _Tracked:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
     stream: bool = True  # False: an output only when the request finishes
+    # Streams, and asks for no stop strings and no logprobs: a running request's decode
+    # step takes _process_updates' short path.
+    plain: bool = False
 
 
 class LLMEngine:
@@ -206,7 +209,8 @@ class LLMEngine:
 
             detok = IncrementalDetokenizer(self.tokenizer, ids)
         tracked = _Tracked(request, text, detok, RequestMetrics(arrival_time=time.monotonic()),
-                           stream=stream)
+                           stream=stream,
+                           plain=stream and not params.stop and params.logprobs is None)
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs, tracked.prompt_logprob_ranks = [None], [None]
         self._tracked[req_id] = tracked
@@ -319,10 +323,37 @@ class LLMEngine:
             tracked = get_tracked(upd.req_id)
             if tracked is None:
                 continue
+            new_ids = upd.new_token_ids
+            if tracked.plain and upd.finish_reason is None and len(new_ids) == 1:
+                # A decode step of a running streaming request without stop strings or
+                # logprobs (the common case): the general path below, cut to what it
+                # does then, with _make_output inlined (all the text is visible).
+                m = tracked.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.token_times.append(now)
+                text = tracked.text
+                detok = tracked.detokenizer
+                if detok is not None:
+                    delta = detok.add_tokens(new_ids)
+                    if delta:
+                        text = tracked.text = text + delta
+                emitted = tracked.emitted
+                visible = len(text)
+                tracked.emitted = visible
+                request = tracked.request
+                outputs.append(RequestOutput(
+                    request.request_id, tracked.prompt, request.prompt_token_ids,
+                    [CompletionOutput(0, text, request.output_token_ids,
+                                      tracked.finish_reason, tracked.stop_reason, None,
+                                      text[emitted:] if visible != emitted else "",
+                                      new_ids)],
+                    False, m, tracked.num_cached_tokens,
+                    tracked.prompt_logprobs, tracked.prompt_logprob_ranks))
+                continue
             request = tracked.request
             params = request.sampling_params
             stops = params.stop
-            new_ids = upd.new_token_ids
             if new_ids:
                 m = tracked.metrics
                 if m.first_token_time is None:

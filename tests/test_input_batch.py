@@ -140,16 +140,18 @@ def test_write_sampled_tokens_matches_naive_loop():
         cols = [rng.randrange(20, 64) for _ in launch]
         step = SimpleNamespace(rows=rows, samples=samples, sampling_states=states,
                                sampling_rows=np.array(launch, dtype=np.int64),
-                               placeholder_cols=np.array(cols, dtype=np.int64))
-        # Between launch and collect: some leave, one id comes back as a new request.
-        gone = rng.sample(sorted(requests), 4)
-        for req_id in gone:
-            del requests[req_id]
-            batch.remove_request(req_id)
-        reused = _state(int(gone[0].removeprefix("r")), rng)
-        requests[reused.req_id] = reused
-        batch.add_request(reused)
-        batch.condense()
+                               placeholder_cols=np.array(cols, dtype=np.int64),
+                               batch_version=batch.version)
+        if seed % 4:  # else the batch is as at launch (write_sampled_tokens' fast path)
+            # Between launch and collect: some leave, one id comes back as a new request.
+            gone = rng.sample(sorted(requests), 4)
+            for req_id in gone:
+                del requests[req_id]
+                batch.remove_request(req_id)
+            reused = _state(int(gone[0].removeprefix("r")), rng)
+            requests[reused.req_id] = reused
+            batch.add_request(reused)
+            batch.condense()
         sampled = np.array([rng.randrange(1000, 2000) for _ in range(n)], dtype=np.int64)
         expected = batch.token_ids.copy()
         for state, col, r in zip(states, cols, launch):  # the old loop
@@ -157,3 +159,60 @@ def test_write_sampled_tokens_matches_naive_loop():
                 expected[batch.req_id_to_index[state.req_id], col] = sampled[r]
         write_sampled_tokens(step, sampled, requests, batch)
         assert (batch.token_ids == expected).all()
+
+
+def _metadata_fields(md) -> dict:
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(md):
+        v = getattr(md, f.name)
+        out[f.name] = v.tolist() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def test_sampling_metadata_per_layout_fields_follow_the_batch():
+    """build_sampling_metadata reuses its per-layout fields while no request joins,
+    leaves or moves: after every change, equal to a build from scratch."""
+    from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
+
+    rng = random.Random(1)
+    batch = InputBatch(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=64,
+                       block_size=16, device=CPU)
+    staging = SamplingStaging(CPU)
+    live: list[str] = []
+    for i in range(200):
+        op = rng.random()
+        if op < 0.45 and len(live) < 8:
+            st = _state(i, rng)
+            st.sampling_params = SamplingParams(
+                temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 5]),
+                top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
+                presence_penalty=rng.choice([0.0, 0.5]), seed=rng.choice([None, i]),
+                logprobs=rng.choice([None, 0, 3]), max_tokens=5)
+            batch.add_request(st)
+            live.append(st.req_id)
+        elif op < 0.75 and live:
+            batch.remove_request(live.pop(rng.randrange(len(live))))
+        batch.condense()
+        n = batch.num_reqs
+        if n == 0:
+            continue
+        args = (batch, n, 100, (1,), staging)
+        reused = _metadata_fields(build_sampling_metadata(*args))
+        batch.sampling_fields = None  # the oracle: everything computed again
+        assert reused == _metadata_fields(build_sampling_metadata(*args))
+
+
+def test_scheduled_per_row_matches_lookup_per_row():
+    from llmfast.worker.step_inputs import scheduled_per_row
+
+    rng = random.Random(2)
+    for _ in range(200):
+        ids = [f"r{i}" for i in rng.sample(range(40), rng.randrange(0, 12))]
+        scheduled = {r: rng.randrange(1, 9) for r in ids if rng.random() < 0.8}
+        if rng.random() < 0.5:  # often the rows' own order (the fast path)
+            scheduled = {r: rng.randrange(1, 9) for r in ids}
+        expected = [scheduled.get(r, 0) for r in ids]
+        got = scheduled_per_row(scheduled, ids)
+        assert got.dtype == np.int64 and got.tolist() == expected

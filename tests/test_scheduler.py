@@ -110,7 +110,7 @@ def test_new_and_cached_request_data():
     assert new.output_token_ids == []
     assert new.block_ids == sched.kv_cache_manager.get_block_ids("a") and len(new.block_ids) == 2
     out, _ = run_step(sched)  # token 16 -> slot 15, still block 1
-    assert out.scheduled_cached_reqs.new_block_ids == [[]]
+    assert out.scheduled_cached_reqs.new_block_ids == [()]  # none new (a shared tuple)
     assert out.scheduled_cached_reqs.num_computed_tokens == [15]
     out, _ = run_step(sched)  # slot 16 opens block 2
     (ids,) = out.scheduled_cached_reqs.new_block_ids

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from llmfast.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from llmfast.core.request import Request
 
+# What allocate_slots returns when a request needs no new block (most decode steps):
+# one shared list, never mutated.
+_NO_NEW_BLOCKS: list[KVCacheBlock] = []
+
 
 @dataclass
 class PrefixCacheStats:
@@ -144,6 +148,17 @@ class KVCacheManager:
         rid = request.request_id
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(rid)
+        if new_computed_blocks is None and req_blocks is not None:
+            num_computed = request.num_computed_tokens
+            if num_computed + num_new_tokens <= len(req_blocks) * bs:
+                # Hot path, the rest of this method cut to what it does here: a running
+                # request whose new tokens fit in its blocks (a decode step, but one in
+                # block_size). The shared empty list: no new object per request and step.
+                if self.enable_caching:
+                    num_full = min(num_computed, len(request.all_token_ids)) // bs
+                    if num_full > self.num_cached_blocks[rid]:
+                        self._cache_full_blocks(request, req_blocks, num_full)
+                return _NO_NEW_BLOCKS
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
         num_computed = request.num_computed_tokens + num_hit * bs
         num_have = num_hit + (0 if req_blocks is None else len(req_blocks))
@@ -152,8 +167,7 @@ class KVCacheManager:
         pool = self.block_pool
 
         if num_new_blocks <= 0 and not num_hit and req_blocks is not None:
-            # Hot path: a decode that still fits in its last block.
-            new_blocks: list[KVCacheBlock] = []
+            new_blocks: list[KVCacheBlock] = _NO_NEW_BLOCKS  # fits (admission: hits 0)
         else:
             num_free = pool.free_block_queue.num_free_blocks
             if num_hit:

@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH
+# A running request's new block ids when it got none (most decode steps): one shared
+# empty tuple instead of a list per request and step.
+_NO_BLOCKS: tuple[int, ...] = ()
 _REASON_TO_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH,
@@ -227,7 +230,7 @@ class Scheduler:
             rid = request.request_id
             num_scheduled_tokens[rid] = num_new
             cached_ids.append(rid)
-            cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else _NO_BLOCKS)
             cached_computed.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
             if num_computed + num_new == num_tokens:  # reaches the end: samples a token

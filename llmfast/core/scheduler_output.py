@@ -6,6 +6,7 @@ full state crosses once (`NewRequestData`); afterwards only increments do.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmfast.sampling_params import SamplingParams
@@ -30,7 +31,8 @@ class CachedRequestData:
     """Requests that ran last step and run again: only what changed."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the row
+    # Appended to the row; an empty tuple (shared) when a request got no new block.
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 
 

@@ -71,6 +71,12 @@ class InputBatch:
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self._free_rows: list[int] = []  # holes left by removals, reused first
         self._num_rows_used = 0  # rows 0.._num_rows_used-1 are used or holes
+        # Bumped whenever a request joins, leaves or changes rows: equal values mean the
+        # same request in every row (a collected step skips its per-request lookups).
+        self.version = 0
+        # build_sampling_metadata's per-layout fields, with the (version, num_reqs) they
+        # were computed for.
+        self.sampling_fields: tuple | None = None
 
         # [max_num_reqs, max_model_len]: prompt then output token ids of each row.
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
@@ -114,6 +120,7 @@ class InputBatch:
             self._num_rows_used += 1
         self.req_ids[row] = state.req_id
         self.req_id_to_index[state.req_id] = row
+        self.version += 1
 
         prompt, output = state.prompt_token_ids, state.output_token_ids
         n_prompt, n_total = len(prompt), len(prompt) + len(output)
@@ -151,6 +158,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
+        self.version += 1
         self.req_ids[row] = None
         self.sampling_params[row] = None
         self.pending_src[row] = -1
@@ -180,6 +188,7 @@ class InputBatch:
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
         assert req_id is not None
+        self.version += 1
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,

@@ -92,6 +92,7 @@ def record_placeholders(batch: InputBatch, requests: dict[str, CachedRequestStat
         "sampling_rows": sampling_rows,
         "placeholder_cols": cols,
         "num_logprobs": [params[r].logprobs for r in rows_list] if want_logprobs else None,
+        "batch_version": batch.version,
     }
 
 
@@ -102,8 +103,13 @@ def write_sampled_tokens(step: PendingStep, sampled: np.ndarray,
     states = step.sampling_states
     if not states:
         return
-    get, index = requests.get, batch.req_id_to_index
     cols, launch_rows = step.placeholder_cols, step.sampling_rows
+    if step.batch_version == batch.version:
+        # No request joined, left or moved since the launch (the synchronous loop, and
+        # the pipelined one while the batch holds): every state is live, in its row.
+        batch.token_ids[launch_rows, cols] = sampled[launch_rows]
+        return
+    get, index = requests.get, batch.req_id_to_index
     # Still here, not a reused id: the same state object.
     live = [get(state.req_id) is state for state in states]
     if not all(live):

@@ -19,9 +19,15 @@ def update_states(requests: dict[str, CachedRequestState], batch: InputBatch,
         # Vectorised: one fancy assignment for the computed counts; the per-request work
         # (state, block table) only for the few requests that got new blocks (a decode
         # step needs one every block_size steps).
-        index = batch.req_id_to_index
-        rows = [index[req_id] for req_id in cached.req_ids]
-        batch.num_computed_tokens[rows] = cached.num_computed_tokens
+        ids = cached.req_ids
+        k = len(ids)
+        if ids == batch.req_ids[:k]:  # rows 0..k-1 in order (no row moved): a slice
+            rows = range(k)
+            batch.num_computed_tokens[:k] = cached.num_computed_tokens
+        else:
+            index = batch.req_id_to_index
+            rows = [index[req_id] for req_id in ids]
+            batch.num_computed_tokens[rows] = cached.num_computed_tokens
         for i in [i for i, blocks in enumerate(cached.new_block_ids) if blocks]:
             new_blocks = cached.new_block_ids[i]
             requests[cached.req_ids[i]].block_ids.extend(new_blocks)

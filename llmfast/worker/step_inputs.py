@@ -8,6 +8,8 @@ CUDA-graph replay relies on (graph_capture.py captures from the same buffers).
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 import torch
 
@@ -49,8 +51,7 @@ class StepInputs:
             logits_indices  = [1 6 9] (each request's last scheduled token)
         """
         n = batch.num_reqs
-        num_sched = np.fromiter(
-            (out.num_scheduled_tokens.get(r, 0) for r in batch.req_ids[:n]), np.int64, n)
+        num_sched = scheduled_per_row(out.num_scheduled_tokens, batch.req_ids[:n])
         cu = np.cumsum(num_sched)
         num_tokens = int(cu[-1])
         dispatch = dispatcher.dispatch(num_tokens, n, is_uniform_decode(num_sched))
@@ -91,3 +92,17 @@ class StepInputs:
         self.logits_indices.copy_to_gpu(n)
         batch.num_computed_tokens[:n] = seq_lens
         return md, dispatch, num_sched, sampling_rows
+
+
+def scheduled_per_row(num_scheduled_tokens: dict[str, int], row_ids: list[str]) -> np.ndarray:
+    """The scheduled token count of each row (0 where a row's request got none).
+
+    The scheduler's dict lists running requests in admission order, then new ones; so do
+    the batch rows until a request leaves and condense moves a row into its hole: while
+    both list the same ids in the same order (two C-level list compares), the dict's
+    values are the answer; otherwise one lookup per row.
+    """
+    n = len(row_ids)
+    if len(num_scheduled_tokens) == n and list(num_scheduled_tokens) == row_ids:
+        return np.fromiter(num_scheduled_tokens.values(), np.int64, n)
+    return np.fromiter(map(num_scheduled_tokens.get, row_ids, repeat(0, n)), np.int64, n)

@@ -45,6 +45,8 @@ class PendingStep:
     # when a request scored prompt tokens this step.
     prompt_logprobs_host: torch.Tensor | None = None
     prompt_spans: list[PromptSpan] | None = None
+    # InputBatch.version at launch: unchanged at collect, the rows are the launch's.
+    batch_version: int = -1
 
     def wait(self) -> np.ndarray:
         """Block until the copy has landed; the sampled ids per row at launch."""

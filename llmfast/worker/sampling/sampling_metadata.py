@@ -104,31 +104,52 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """`prev_sampled`: the previous step's sampled ids (device), indexed by
     `batch.pending_src`, for rows whose last token is still a placeholder."""
-    s = {name: buf.np[:n] for name, buf in batch.sampling.items()}
-    dev = {name: buf.copy_to_gpu(n) for name, buf in batch.sampling.items()}
+    fixed = _per_batch_fields(batch, n)
     # Output tokens so far, placeholders included (their count is known, their value not).
     steps_np = (batch.num_tokens[:n] - batch.num_prompt_tokens[:n]).astype(np.int64)
-
-    greedy = s["temperature"] < GREEDY_TEMPERATURE
-    no_penalties = bool(
-        (s["repetition_penalty"] == 1.0).all()
-        and (s["presence_penalty"] == 0.0).all()
-        and (s["frequency_penalty"] == 0.0).all()
-    )
     params = batch.sampling_params[:n]
     stop_lists = None
-    no_min_tokens = bool((steps_np >= s["min_tokens"]).all())
+    no_min_tokens = bool((steps_np >= batch.sampling["min_tokens"].np[:n]).all())
     if not no_min_tokens:
         stop_lists = [
             list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             for p in params
         ]
     prompt_ids = output_ids = None
-    if not no_penalties:
+    if not fixed["no_penalties"]:
         prompt_ids, output_ids = _padded_token_ids(batch, n, vocab_size, staging, prev_sampled)
-    logprobs = [p.logprobs for p in params if p.logprobs is not None]
-    no_logit_rules = not batch.has_logit_rules[:n].any()
     return SamplingMetadata(
+        step=staging.step.stage(steps_np),
+        prompt_token_ids=prompt_ids,
+        output_token_ids=output_ids,
+        stop_token_ids=None if stop_lists is None else _pad_lists(stop_lists, vocab_size,
+                                                                  staging.stop_ids),
+        logit_rules=(None if fixed["no_logit_rules"]
+                     else _logit_rules(params, vocab_size, staging)),
+        no_min_tokens=no_min_tokens,
+        **fixed,
+    )
+
+
+def _per_batch_fields(batch: InputBatch, n: int) -> dict:
+    """SamplingMetadata's fields that depend only on the rows' sampling params: the
+    device copies of the per-row arrays and the flags derived from them. They change only
+    when a request joins, leaves or moves (`InputBatch.version`): computed once per
+    batch layout (a decode step without churn copies and reduces nothing)."""
+    key = (batch.version, n)
+    cached = batch.sampling_fields
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    s = {name: buf.np[:n] for name, buf in batch.sampling.items()}
+    dev = {name: buf.copy_to_gpu(n) for name, buf in batch.sampling.items()}
+    greedy = s["temperature"] < GREEDY_TEMPERATURE
+    no_penalties = bool(
+        (s["repetition_penalty"] == 1.0).all()
+        and (s["presence_penalty"] == 0.0).all()
+        and (s["frequency_penalty"] == 0.0).all()
+    )
+    logprobs = [p.logprobs for p in batch.sampling_params[:n] if p.logprobs is not None]
+    fields = dict(
         temperature=dev["temperature"],
         top_k=dev["top_k"],
         top_p=dev["top_p"],
@@ -138,25 +159,20 @@ def build_sampling_metadata(
         frequency_penalty=dev["frequency_penalty"],
         seeds=dev["seed"],
         has_seed=dev["has_seed"],
-        step=staging.step.stage(steps_np),
         min_tokens=dev["min_tokens"],
-        prompt_token_ids=prompt_ids,
-        output_token_ids=output_ids,
-        stop_token_ids=None if stop_lists is None else _pad_lists(stop_lists, vocab_size,
-                                                                  staging.stop_ids),
-        logit_rules=None if no_logit_rules else _logit_rules(params, vocab_size, staging),
         all_greedy=bool(greedy.all()),
         all_random=not bool(greedy.any()),
         no_penalties=no_penalties,
         no_top_k=bool((s["top_k"] == 0).all()),
         no_top_p=bool((s["top_p"] == 1.0).all()),
         no_min_p=bool((s["min_p"] == 0.0).all()),
-        no_min_tokens=no_min_tokens,
-        no_logit_rules=no_logit_rules,
+        no_logit_rules=not batch.has_logit_rules[:n].any(),
         no_seeds=not bool(s["has_seed"].any()),
         max_top_k=int(s["top_k"].max(initial=0)),
         max_num_logprobs=max(logprobs) if logprobs else None,
     )
+    batch.sampling_fields = (key, fields)
+    return fields
 
 
 def _padded_token_ids(batch: InputBatch, n: int, vocab_size: int, staging: SamplingStaging,
