@@ -67,13 +67,28 @@ def _child(model: str, device: str, dtype: str) -> dict:
             setattr(owner, name, timed(label, getattr(owner, name)))
         except (ImportError, AttributeError):  # another torch: that timer is left out
             pass
+    import gc
+
+    gc_start: list[float] = []
+
+    def gc_timer(phase, info):  # collector pauses count wherever they fall
+        if phase == "start":
+            gc_start.append(time.perf_counter())
+        elif gc_start:
+            times["gc"] = times.get("gc", 0.0) + time.perf_counter() - gc_start.pop()
+
     from llmfast.compile import compiled_model
 
     capture = compiled_model.CompiledModel.capture
 
     def timed_capture(self, *args, **kwargs):
         t0 = time.perf_counter()
-        out = capture(self, *args, **kwargs)
+        times["gc"] = 0.0
+        gc.callbacks.append(gc_timer)
+        try:
+            out = capture(self, *args, **kwargs)
+        finally:
+            gc.callbacks.remove(gc_timer)
         times["compile_stage"] = time.perf_counter() - t0 - self.stats.capture_time_s
         times["summary"] = self.stats.summary()
         return out
@@ -155,7 +170,7 @@ def main() -> None:
         for name, tree in trees.items():
             results[name].append(_run(tree, args, cache))
     keys = ("compile_stage", "dynamo", "backend", "inductor_pieces", "cpu_vec_isa_probe",
-            "aot_cache_key", "guards", "split_graph")
+            "aot_cache_key", "guards", "split_graph", "gc")
     print(f"{args.model} on {args.device}, warm, median of {args.runs} (s):")
     print(f"{'':22}" + "".join(f"{name:>12}" for name in trees))
     for key in keys:
