@@ -445,3 +445,20 @@ def test_pieces_get_dynamo_traced_args_equal_to_fake_propagated_ones(monkeypatch
         assert cm.stats.num_dynamo_graphs == 1
     assert len(seen["traced"]) == 3
     assert seen["traced"] == seen["propagated"]
+
+
+def test_split_graph_calls_attention_pieces_generated_code(compiled):
+    # The bound callable is each attention piece's generated `forward`, not
+    # `_LazyGraphModule._lazy_forward` (which re-enters nn.Module.__call__ per call),
+    # and it runs the piece's current graph.
+    _, _, cm, _, _ = compiled
+    split = cm.backend.split_gm
+    kinds = iter(cm.stats.piece_kinds)
+    for node in split.graph.nodes:
+        if node.op != "call_module" or next(kinds) != "split":
+            continue
+        piece = split._modules[str(node.target)]
+        called = split.__dict__[str(node.target)]
+        assert called.__self__ is piece
+        assert called.__func__.__name__ == "forward"
+        assert "unified_attention_impl" in piece.code  # the graph it was generated from

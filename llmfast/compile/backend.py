@@ -214,6 +214,12 @@ class _PieceCompiler(fx.Interpreter):
         submod = self.fetch_attr(target)
         if self.kinds[target] == "split":
             _call_impls_directly(submod)
+            # Generate the code first: until then a lazy GraphModule's `forward` is
+            # `_lazy_forward`, which, bound here, would re-enter nn.Module.__call__ on
+            # every call. (Dynamo later marks the submodules lazy again when it
+            # recompiles the split graph; their graphs do not change, so the bound
+            # code stays theirs.)
+            _ = submod.code
             # Call the generated forward directly: skips nn.Module.__call__ (hooks,
             # ~10 us per call, 30 times per step on SmolLM2).
             self.module.__dict__[target] = submod.forward
