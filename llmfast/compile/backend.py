@@ -152,8 +152,8 @@ def traced_piece_args(piece: fx.GraphModule) -> list[Any] | None:
     Dynamo's `example_value` is the fake tensor (or SymInt) it propagated through that
     node in the tracing context's fake mode: the same shapes, strides and unbacked
     symbols as re-running the split graph on fake inputs would give, without running
-    every piece's ops through the fake mode once more (~60 % of our backend's time in a
-    warm start, the FX-graph caches hitting)."""
+    every piece's ops through the fake mode once more (on a warm start, most of the
+    backend's time outside Inductor: profiles/cpu-2026-11-26-warm-compile.md)."""
     args = []
     for node in piece.graph.nodes:
         if node.op != "placeholder":
