@@ -393,3 +393,72 @@ def test_identical_layer_pieces_share_one_compile(monkeypatch):
     called = cm.backend.split_gm.__dict__
     assert called["submod_2"] is called["submod_4"] is called["submod_6"]
     assert called["submod_0"] is not called["submod_2"] is not called["submod_8"]
+
+
+def _tensor_facts(args):
+    """What a compiler sees of a piece's fake arguments (symbols included)."""
+    return [
+        (tuple(map(str, a.shape)), tuple(map(str, a.stride())), str(a.storage_offset()),
+         a.dtype, a.device.type, a.requires_grad)
+        if isinstance(a, torch.Tensor) else (type(a).__name__, str(a))
+        for a in args
+    ]
+
+
+def test_pieces_get_dynamo_traced_args_equal_to_fake_propagated_ones(monkeypatch):
+    # The backend hands each piece the fake values Dynamo recorded on its inputs instead
+    # of re-running the split graph on fake tensors; the fallback (no recorded values)
+    # still propagates. Both must give the compilers the same arguments, and the model
+    # must equal eager either way.
+    from dataclasses import replace
+
+    from llmfast.compile import backend
+    from llmfast.models.sources.model_source import ModelSource
+
+    config = replace(resolve_model("random:tiny").config, num_hidden_layers=3)
+    source = ModelSource("three-layers", None, config)
+    eager_model = build_model(source, torch.float32, "cpu", seed=0, max_positions=64)
+    seen: dict[str, list] = {}
+    for mode in ("traced", "propagated"):
+        if mode == "propagated":
+            monkeypatch.setattr(backend, "traced_piece_args", lambda piece: None)
+        calls = seen[mode] = []
+
+        def compile_piece(piece, args, calls=calls, mode=mode):
+            if mode == "traced":  # the very objects Dynamo recorded on the inputs
+                placeholders = [n for n in piece.graph.nodes if n.op == "placeholder"]
+                assert all(a is p.meta["example_value"] for a, p in zip(args, placeholders))
+            calls.append((backend.piece_signature(piece, args), _tensor_facts(args)))
+            return piece.forward
+
+        monkeypatch.setattr(backend, "_compile_with_inductor", compile_piece)
+        model = build_model(source, torch.float32, "cpu", seed=1, max_positions=64)
+        model.load_state_dict(eager_model.state_dict())
+        cm = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu",
+                           max_num_tokens=64)
+        eager_seqs, seqs = PagedSequences(eager_model, 2, 64), PagedSequences(model, 2, 64)
+        seqs.model = _CallThrough(cm, model)
+        for chunks in ({0: [1, 2, 3], 1: [4, 5]}, {0: [6], 1: [7]}):
+            torch.testing.assert_close(seqs.step(chunks), eager_seqs.step(chunks),
+                                       atol=1e-5, rtol=0)
+        assert cm.stats.num_pieces == 4 and cm.stats.num_shared_pieces == 1
+        assert cm.stats.num_dynamo_graphs == 1
+    assert len(seen["traced"]) == 3
+    assert seen["traced"] == seen["propagated"]
+
+
+def test_split_graph_calls_attention_pieces_generated_code(compiled):
+    # The bound callable is each attention piece's generated `forward`, not
+    # `_LazyGraphModule._lazy_forward` (which re-enters nn.Module.__call__ per call),
+    # and it runs the piece's current graph.
+    _, _, cm, _, _ = compiled
+    split = cm.backend.split_gm
+    kinds = iter(cm.stats.piece_kinds)
+    for node in split.graph.nodes:
+        if node.op != "call_module" or next(kinds) != "split":
+            continue
+        piece = split._modules[str(node.target)]
+        called = split.__dict__[str(node.target)]
+        assert called.__self__ is piece
+        assert called.__func__.__name__ == "forward"
+        assert "unified_attention_impl" in piece.code  # the graph it was generated from

@@ -144,11 +144,36 @@ def piece_signature(piece: fx.GraphModule, args: Sequence[Any]) -> str | None:
     return "\n".join(parts)
 
 
+def traced_piece_args(piece: fx.GraphModule) -> list[Any] | None:
+    """The fake values Dynamo recorded for a piece's inputs while tracing, in call order,
+    or None where one is missing (a graph that did not come from Dynamo).
+
+    `split_module` copies each input node's `meta` onto the piece's placeholder, and
+    Dynamo's `example_value` is the fake tensor (or SymInt) it propagated through that
+    node in the tracing context's fake mode: the same shapes, strides and unbacked
+    symbols as re-running the split graph on fake inputs would give, without running
+    every piece's ops through the fake mode once more (on a warm start, most of the
+    backend's time outside Inductor: profiles/cpu-2026-11-26-warm-compile.md)."""
+    args = []
+    for node in piece.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if value is None:
+            return None
+        args.append(value)
+    return args
+
+
 class _PieceCompiler(fx.Interpreter):
-    """Runs the split graph on fake inputs; at each submodule call, compiles it (unless
-    it is a splitting op) with the fake arguments that reach it. A piece with the
-    signature of one compiled before reuses its compiled callable (`piece_signature`):
-    a warm start then makes a handful of cache lookups instead of one per layer."""
+    """Compiles each submodule of the split graph (unless it is a splitting op) with the
+    fake arguments that reach it. A piece with the signature of one compiled before
+    reuses its compiled callable (`piece_signature`): a warm start then makes a handful
+    of cache lookups instead of one per layer.
+
+    `compile_all` takes the arguments from Dynamo's trace (`traced_piece_args`) where
+    every piece has them, and otherwise runs the split graph on fake inputs as an
+    `fx.Interpreter`, compiling at each submodule call."""
 
     def __init__(self, split: fx.GraphModule, kinds: list[str],
                  compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
@@ -161,33 +186,58 @@ class _PieceCompiler(fx.Interpreter):
         self.wrap_piece = wrap_piece
         self.num_compiled = 0
         self.num_shared = 0  # pieces that reused another piece's compiled callable
+        self.used_traced_args = False
         self._by_signature: dict[str, Callable[..., Any]] = {}
+
+    def compile_all(self, fake_args: Sequence[Any]) -> None:
+        targets = [n.target for n in self.module.graph.nodes if n.op == "call_module"]
+        traced = [traced_piece_args(self.fetch_attr(t)) for t in targets]
+        if all(args is not None for args in traced):
+            self.used_traced_args = True
+            for target, args in zip(targets, traced):
+                # Generate the piece's code now, as its first call did on the fake
+                # inputs: AOTAutograd's cache key pickles the module's __dict__, whose
+                # order (`_code` before the attributes compiling adds) is part of it.
+                # Same order, same keys: caches written by either path keep hitting.
+                _ = self.fetch_attr(target).code
+                self._compile_submodule(target, args)
+        else:
+            self.run(*fake_args)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         assert not kwargs, "split_module passes positional arguments only"
+        out = self.fetch_attr(target)(*args)  # fake propagation, to reach the next piece
+        self._compile_submodule(target, list(args))
+        return out
+
+    def _compile_submodule(self, target: str, args: list[Any]) -> None:
         submod = self.fetch_attr(target)
-        out = submod(*args)  # fake propagation, to reach the next piece
         if self.kinds[target] == "split":
             _call_impls_directly(submod)
+            # Generate the code first: until then a lazy GraphModule's `forward` is
+            # `_lazy_forward`, which, bound here, would re-enter nn.Module.__call__ on
+            # every call. (Dynamo later marks the submodules lazy again when it
+            # recompiles the split graph; their graphs do not change, so the bound
+            # code stays theirs.)
+            _ = submod.code
             # Call the generated forward directly: skips nn.Module.__call__ (hooks,
             # ~10 us per call, 30 times per step on SmolLM2).
             self.module.__dict__[target] = submod.forward
-            return out
+            return
         signature = piece_signature(submod, args)
         fn = self._by_signature.get(signature) if signature is not None else None
         if fn is None:
-            fn = self.compile_piece(submod, list(args))
+            fn = self.compile_piece(submod, args)
             if signature is not None:
                 self._by_signature[signature] = fn
         else:
             self.num_shared += 1
         if self.wrap_piece is not None:
-            fn = self.wrap_piece(self.num_compiled, fn, list(args), submod)
+            fn = self.wrap_piece(self.num_compiled, fn, args, submod)
         # An instance attribute shadows the submodule: the split graph's
         # `self.submod_i(...)` now calls the compiled piece.
         self.module.__dict__[target] = fn
         self.num_compiled += 1
-        return out
 
 
 class PiecewiseBackend:
@@ -236,7 +286,7 @@ class PiecewiseBackend:
         )
         compiler = _PieceCompiler(split, kinds, compile_piece, self.wrap_piece)
         with inductor_cache(self.cache_dir), fake_mode:
-            compiler.run(*fake_args)
+            compiler.compile_all(fake_args)
         after = cache_counters()
 
         stats = self.stats
