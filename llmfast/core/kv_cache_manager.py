@@ -148,53 +148,63 @@ class KVCacheManager:
         rid = request.request_id
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(rid)
-        if new_computed_blocks is None and req_blocks is not None:
-            num_computed = request.num_computed_tokens
-            if num_computed + num_new_tokens <= len(req_blocks) * bs:
-                # Hot path, the rest of this method cut to what it does here: a running
-                # request whose new tokens fit in its blocks (a decode step, but one in
-                # block_size). The shared empty list: no new object per request and step.
-                if self.enable_caching:
-                    num_full = min(num_computed, len(request.all_token_ids)) // bs
-                    if num_full > self.num_cached_blocks[rid]:
-                        self._cache_full_blocks(request, req_blocks, num_full)
-                return _NO_NEW_BLOCKS
-        num_hit = len(new_computed_blocks) if new_computed_blocks else 0
-        num_computed = request.num_computed_tokens + num_hit * bs
-        num_have = num_hit + (0 if req_blocks is None else len(req_blocks))
-        # ceil((num_computed + num_new_tokens) / bs) blocks needed in all.
-        num_new_blocks = (num_computed + num_new_tokens + bs - 1) // bs - num_have
-        pool = self.block_pool
-
-        if num_new_blocks <= 0 and not num_hit and req_blocks is not None:
-            new_blocks: list[KVCacheBlock] = _NO_NEW_BLOCKS  # fits (admission: hits 0)
+        num_computed = request.num_computed_tokens
+        if (new_computed_blocks is None and req_blocks is not None
+                and num_computed + num_new_tokens <= len(req_blocks) * bs):
+            # Hot path: a running request whose new tokens fit in its blocks (a decode
+            # step, but one in block_size). The shared empty list: no new object per
+            # request and step.
+            new_blocks: list[KVCacheBlock] = _NO_NEW_BLOCKS
         else:
-            num_free = pool.free_block_queue.num_free_blocks
-            if num_hit:
-                # Touching a free cached hit takes it out of the free queue too.
-                num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_new_blocks > num_free:
+            num_hit = len(new_computed_blocks) if new_computed_blocks else 0
+            new_blocks = self._allocate(request, num_new_tokens, new_computed_blocks,
+                                        num_hit, req_blocks)
+            if new_blocks is None:
                 return None
-            if req_blocks is None:
-                req_blocks = self.req_to_blocks[rid] = []
-                self.num_cached_blocks[rid] = 0
-            if num_hit:
-                pool.touch(new_computed_blocks)
-                req_blocks.extend(new_computed_blocks)
-            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-            req_blocks.extend(new_blocks)
-
-        if new_computed_blocks is not None and self.enable_caching:
-            stats = self.stats
-            stats.num_queries += 1
-            stats.queries += len(request.all_token_ids)
-            stats.hits += num_hit * bs
+            req_blocks = self.req_to_blocks[rid]
+            num_computed += num_hit * bs
+            if new_computed_blocks is not None and self.enable_caching:
+                stats = self.stats
+                stats.num_queries += 1
+                stats.queries += len(request.all_token_ids)
+                stats.hits += num_hit * bs
         if self.enable_caching:
             # Only blocks whose token values are all known: a placeholder (a token still in
             # flight, see Request) must never be hashed.
             num_full = min(num_computed, len(request.all_token_ids)) // bs
             if num_full > self.num_cached_blocks[rid]:
                 self._cache_full_blocks(request, req_blocks, num_full)
+        return new_blocks
+
+    def _allocate(self, request: Request, num_new_tokens: int,
+                  new_computed_blocks: list[KVCacheBlock] | None, num_hit: int,
+                  req_blocks: list[KVCacheBlock] | None) -> list[KVCacheBlock] | None:
+        """allocate_slots' general case: take the `num_hit` prefix hits, then the new
+        blocks the tokens need; None, with nothing changed, if the free blocks don't
+        suffice."""
+        rid = request.request_id
+        bs = self.block_size
+        num_computed = request.num_computed_tokens + num_hit * bs
+        num_have = num_hit + (0 if req_blocks is None else len(req_blocks))
+        # ceil((num_computed + num_new_tokens) / bs) blocks needed in all.
+        num_new_blocks = (num_computed + num_new_tokens + bs - 1) // bs - num_have
+        if num_new_blocks <= 0 and not num_hit and req_blocks is not None:
+            return _NO_NEW_BLOCKS  # fits (admission with no hits)
+        pool = self.block_pool
+        num_free = pool.free_block_queue.num_free_blocks
+        if num_hit:
+            # Touching a free cached hit takes it out of the free queue too.
+            num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > num_free:
+            return None
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = []
+            self.num_cached_blocks[rid] = 0
+        if num_hit:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        req_blocks.extend(new_blocks)
         return new_blocks
 
     def free(self, request: Request) -> None:
