@@ -327,29 +327,17 @@ class LLMEngine:
             if tracked.plain and upd.finish_reason is None and len(new_ids) == 1:
                 # A decode step of a running streaming request without stop strings or
                 # logprobs (the common case): the general path below, cut to what it
-                # does then, with _make_output inlined (all the text is visible).
+                # does then.
                 m = tracked.metrics
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.token_times.append(now)
-                text = tracked.text
                 detok = tracked.detokenizer
                 if detok is not None:
                     delta = detok.add_tokens(new_ids)
                     if delta:
-                        text = tracked.text = text + delta
-                emitted = tracked.emitted
-                visible = len(text)
-                tracked.emitted = visible
-                request = tracked.request
-                outputs.append(RequestOutput(
-                    request.request_id, tracked.prompt, request.prompt_token_ids,
-                    [CompletionOutput(0, text, request.output_token_ids,
-                                      tracked.finish_reason, tracked.stop_reason, None,
-                                      text[emitted:] if visible != emitted else "",
-                                      new_ids)],
-                    False, m, tracked.num_cached_tokens,
-                    tracked.prompt_logprobs, tracked.prompt_logprob_ranks))
+                        tracked.text += delta
+                outputs.append(make_output(tracked, new_ids, False))
                 continue
             request = tracked.request
             params = request.sampling_params

@@ -323,19 +323,7 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append sampled ids; return the new text (possibly "")."""
         if len(new_token_ids) == 1:  # a decode step: nothing to join
-            token_id = int(new_token_ids[0])
-            stream = self._stream
-            if stream is None:
-                delta = self._add_token(token_id)
-            else:  # _add_token's Rust path inlined: one call per request and step
-                self._ids.append(token_id)
-                if self._id_bound is not None and token_id >= self._id_bound:
-                    return ""
-                delta = stream.step(self._backend, token_id)
-                if not delta:
-                    return ""
-                self._prefix, self._read = self._read, len(self._ids)
-                self._prefix_text = None
+            delta = self._add_token(int(new_token_ids[0]))
         else:
             delta = "".join([self._add_token(t) for t in map(int, new_token_ids)])
         if delta:
