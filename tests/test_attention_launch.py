@@ -88,6 +88,24 @@ def test_cached_launch_passes_what_the_jit_launch_passes(recorded, monkeypatch, 
     assert same_launch(fast, jit) and same_launch(jit_again, jit)
 
 
+def _cached_again_equal_jit(variants, cache, recorded, monkeypatch) -> list:
+    """After one round of `variants` (2 splits): a second round, recorded, then a third
+    through Triton's JIT (the cache left off); each second-round launch must equal the JIT's.
+    Returns the second round's launches."""
+    start = len(recorded)
+    for inputs in variants:
+        call(inputs, num_splits=2)
+    fast = list(recorded[start:])
+    monkeypatch.setattr(cache, "enabled", False)
+    for inputs in variants:
+        call(inputs, num_splits=2)
+    jit = recorded[start + len(variants):]
+    assert len(jit) == len(fast) == len(variants)
+    for f, j in zip(fast, jit):
+        assert same_launch(f, j)
+    return fast
+
+
 def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
     cache = attention._ATTENTION_LAUNCHES
     variants = [
@@ -103,17 +121,9 @@ def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
     for inputs in variants:
         call(inputs, num_splits=2)
     assert cache.compiled_launches == 5 and cache.fast_launches == 1
-    for inputs in variants:  # all hits now, each its own specialization
-        call(inputs, num_splits=2)
+    # All hits now, each its own specialization.
+    fast = _cached_again_equal_jit(variants, cache, recorded, monkeypatch)
     assert cache.compiled_launches == 5 and cache.fast_launches == 1 + len(variants)
-    fast = list(recorded[len(variants):])
-    monkeypatch.setattr(cache, "enabled", False)
-    for inputs in variants:
-        call(inputs, num_splits=2)
-    jit = recorded[2 * len(variants):]
-    assert len(jit) == len(fast) == len(variants)
-    for f, j in zip(fast, jit):
-        assert same_launch(f, j)
     functions = [launch[4] for launch in fast]
     assert len(set(functions[:3])) == 3 and functions[3] == functions[0]
     assert len(set(functions)) == 5
@@ -134,17 +144,8 @@ def test_every_tensor_dtype_is_part_of_the_planned_launch(recorded, monkeypatch)
     for inputs in variants:
         call(inputs, num_splits=2)
     assert cache.compiled_launches == len(variants) and cache.fast_launches == 0
-    for inputs in variants:
-        call(inputs, num_splits=2)
+    fast = _cached_again_equal_jit(variants, cache, recorded, monkeypatch)
     assert cache.compiled_launches == len(variants) and cache.fast_launches == len(variants)
-    fast = list(recorded[len(variants):])
-    monkeypatch.setattr(cache, "enabled", False)
-    for inputs in variants:
-        call(inputs, num_splits=2)
-    jit = recorded[2 * len(variants):]
-    assert len(jit) == len(fast) == len(variants)
-    for f, j in zip(fast, jit):
-        assert same_launch(f, j)
     assert len({launch[4] for launch in fast}) == len(variants)
 
 
