@@ -339,9 +339,11 @@ def check_reshape_and_cache_strided():
     assert_same_bits(kv_cache, ref)
 
 
-def check_op_dispatch():
-    # torch.ops.llmfast.unified_attention on CPU goes to Triton when interpreting.
-    b = make_batch(
+def check_op_dispatch(build_batch=make_batch):
+    """torch.ops.llmfast.unified_attention (KV write, then attention) on CPU goes to
+    Triton when interpreting. `build_batch`: make_batch, or a builder of the same
+    arguments (the fp8-cache tests pass theirs)."""
+    b = build_batch(
         [(5, 1), (0, 6)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
         dtype=torch.float32, pad_tokens=1,
     )

@@ -135,15 +135,7 @@ def check_prefill(dtype: str, ctx: int, num_new: int, **kw):
 
 def check_op_dispatch():
     """The custom op (KV write, then attention) on an fp8 cache, through Triton."""
-    b = fp8_batch([(5, 1), (0, 6)], num_heads=4, num_kv_heads=2, head_dim=32,
-                  block_size=16, dtype=torch.float32, pad_tokens=1)
-    k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
-    out = torch.full_like(b["q"], float("nan"))
-    torch.ops.llmfast.unified_attention(
-        b["q"], b["k"], b["v"], k_cache, v_cache, b["slot_mapping"], b["block_table"],
-        b["query_start_loc"], b["seq_lens"], b["scale"], out,
-    )
-    assert_rel_close(out[:7], reference_out(b)[:7], TOL[torch.float32])
+    base.check_op_dispatch(fp8_batch)
 
 
 def check_tuner_batch():
