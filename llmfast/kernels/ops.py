@@ -32,10 +32,11 @@ def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return True
-    return triton_interpret_enabled()
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the kernels on `x`'s device are Triton's: on CUDA, or on CPU under the
+    interpreter. (`x.is_cuda`: cheaper than comparing `x.device.type`, twice a layer
+    per eager step.)"""
+    return x.is_cuda or triton_interpret_enabled()
 
 
 def _triton_attention():
@@ -148,7 +149,7 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    if k.is_cuda or triton_interpret_enabled():  # use_triton(k.device), ~0.3 us cheaper
+    if use_triton(k):
         (_ATTENTION or _triton_attention()).reshape_and_cache(k, v, k_cache, v_cache,
                                                                slot_mapping)
     else:
@@ -175,7 +176,7 @@ def unified_attention_impl(
 ) -> None:
     """The op's body. Eager callers may call it directly: the custom-op dispatcher adds
     ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op."""
-    if q.is_cuda or triton_interpret_enabled():  # use_triton(q.device), ~0.3 us cheaper
+    if use_triton(q):
         attention = _ATTENTION or _triton_attention()
         attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         attention.unified_attention(
