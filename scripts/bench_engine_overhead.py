@@ -5,6 +5,11 @@ each `engine.step()` split into forward (the model, lm_head included), sampler a
 rest (schedule, input preparation, sampling metadata, state updates, detokenisation). Prints medians per batch size.
 
     python scripts/bench_engine_overhead.py --sizes 1,64,256
+
+Wall-clock, with the forward and sampler on torch's default threads. For the host's
+share by engine phase, on the thread's CPU clock and with the GPU run's vocabulary and
+tokenizer, use scripts/bench_host_phases.py (this script stays for the earlier profiles
+that cite it: profiles/host-overhead-cpu.md, profiles/cpu-engine.md).
 """
 
 from __future__ import annotations
