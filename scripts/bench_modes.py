@@ -71,6 +71,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="quantize the projections at load, as the engine's flag")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="CUDA only: after timing, profile 5 steps of each of --trace-modes "
+                        "per batch size and write each kernel's device µs per step there "
+                        "(<mode>_B<b>_kernels.md)")
+    p.add_argument("--trace-modes", default="full")
     return p.parse_args()
 
 
@@ -190,6 +195,30 @@ def make_linears_step(model: torch.nn.Module, batch: int, device: torch.device, 
     return graph.replay
 
 
+def write_kernel_trace(step, path: Path, title: str, steps: int = 5) -> None:
+    """Each kernel's device time per step over `steps` profiled steps (torch.profiler),
+    largest first: which kernels a mode launches, how many of each, what they cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / steps
+    lines = [f"# {title}: {total:.1f} µs of kernels per step ({steps} steps)", "",
+             "| µs/step | calls/step | µs/call | kernel |", "|---:|---:|---:|---|"]
+    for e in kernels:
+        lines.append(f"| {e.self_device_time_total / steps:.1f} | {e.count / steps:g} | "
+                     f"{e.self_device_time_total / e.count:.2f} | `{e.key[:120]}` |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(f"kernel trace: {path}", flush=True)
+
+
 def time_interleaved(steps: dict, iters: int, warmup: int, device: torch.device) -> dict:
     """Median ms per mode. Modes take turns within each iteration, so background load
     (a shared CPU) hits them alike and the ratios stay meaningful."""
@@ -281,6 +310,11 @@ def main() -> None:
         print(f"B={b}: " + ", ".join(f"{m} {results[m][b]:.2f} ms" for m in modes), flush=True)
         if reference is not None:
             agree[b] = agreement(steps, reference)
+        if args.trace_dir is not None and on_cuda:
+            for mode in args.trace_modes.split(","):
+                if mode in steps:
+                    write_kernel_trace(steps[mode], args.trace_dir / f"{mode}_B{b}_kernels.md",
+                                       f"{args.model} {mode} B={b} context {args.context_len}")
 
     header = f"{'batch':>6} " + " ".join(f"{m + ' ms':>12}" for m in modes)
     if "eager" in modes:

@@ -57,6 +57,13 @@
 #                            [quick: 36 s]
 #   kernels64      30/240    the same decode rows and split sweep at head dim 64 (the 1B
 #                            default's shape), added to splits.json   [11 s]
+#   diag           60/240    bench_modes full + linears at B=1,64 with each kernel's device
+#                            time per step (traces/full_B*_kernels.md) and Inductor's
+#                            generated code (inductor_output_code.log): what #15's full
+#                            graph spends beside the GEMMs
+#   decode_configs 100/300   scripts/sweep_decode_configs.py: decode attention BLOCK_N x
+#                            stages x min tiles per split at the full graph's launch,
+#                            head dim 64 (B=1,8,64 x 140..8k) and 128 (B=1,8 x 512, 8k)
 #   families      300/560    tests/test_families_gpu.py (#19)
 #   defaults      300/330    throughput at step budgets 2048 / 8192 / 16384 tokens
 #   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
@@ -119,7 +126,8 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 # $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8"
+kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
+decode_configs"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels kernels64 load sweep full}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -272,6 +280,24 @@ for step in $STEPS; do
                     --tune off --prefill-tokens --mixed --batches 1 4 16 64 256 \
                     --iters 30 --json "$OUT/kernels64.json" \
                     --markdown "$OUT/kernels64.md" --sweep-splits "$OUT/splits.json"
+            fi ;;
+        diag)  # what the full graph launches: kernels per step and Inductor's code
+            rm -rf "$OUT/traces"
+            run_step diag 60 240 env TORCH_LOGS=output_code \
+                TORCH_LOGS_OUT="$OUT/inductor_output_code.log" \
+                python3 scripts/bench_modes.py --model "$MODEL" --dtype "$DTYPE" "${DEV[@]}" \
+                --batch-sizes 1,64 --modes full,linears --iters 20 \
+                --trace-dir "$OUT/traces" --json "$OUT/diag_modes.json" ;;
+        decode_configs)  # BLOCK_N x stages x min split tiles at the full graph's launch
+            if [[ $DRY == 1 ]]; then
+                run_step decode_configs 10 60 bash -c 'python3 scripts/sweep_decode_configs.py \
+                    --help | grep -q -- --min-split-tiles && echo flags ok'
+            else
+                run_step decode_configs 100 300 bash -c 'set -e
+                    python3 scripts/sweep_decode_configs.py --head-dim 64 \
+                        --json "$1/decode_configs64.json"
+                    python3 scripts/sweep_decode_configs.py --head-dim 128 --batches 1 8 \
+                        --contexts 512 8192 --json "$1/decode_configs128.json"' _ "$OUT"
             fi ;;
         modes)
             run_step modes "$MODES_EST" 560 python3 scripts/bench_modes.py --model "$MODEL" \

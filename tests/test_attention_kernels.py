@@ -11,6 +11,7 @@ interpreter runs every program in Python. The oracle is ops.py's reference in fl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -226,19 +227,30 @@ def check_mixed(dtype, group, head_dim, block_size, block_q=None, num_splits=Non
     check_step(b, _dtype(dtype), block_q=block_q, num_splits=num_splits)
 
 
-def check_split_decode(dtype: str, num_splits: int, fused_merge: bool = True):
-    # Contexts shorter than one split's share leave some splits empty (merge weight 0).
+def check_split_decode(dtype: str, num_splits: int, fused_merge: bool = True,
+                       min_split_tiles: int | None = None):
+    # Contexts shorter than one split's share leave some splits empty (merge weight 0);
+    # with the fused merge, splits sized for the live context: the 150-key context uses
+    # one split per key tile (min_split_tiles 1) or per two (the default), the 3-key one
+    # a single split (written straight to `out`).
     b = make_batch(
         [(150, 1), (3, 1), (70, 1)], num_heads=8, num_kv_heads=2, head_dim=64,
         block_size=16, dtype=_dtype(dtype), pad_tokens=1,
     )
-    check_step(b, _dtype(dtype), num_splits=num_splits, fused_merge=fused_merge)
+    kw = {}
+    if min_split_tiles is not None:
+        chosen = attention.select_config(4, 3, 8, 2, 64, 16, b["block_table"].shape[1],
+                                         _dtype(dtype), attention._num_sms(b["q"].device))
+        kw["config"] = dataclasses.replace(chosen, num_splits=num_splits,
+                                           min_split_tiles=min_split_tiles)
+    check_step(b, _dtype(dtype), num_splits=num_splits, fused_merge=fused_merge, **kw)
     if fused_merge:  # the last arrivals reset their counters: zero for the next launch
         k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
         owner = AttentionWorkspaces([k_cache])  # as a runner's: its counters persist
         attention.unified_attention(
             b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
-            b["scale"], torch.empty_like(b["q"]), num_splits=num_splits, fused_merge=True)
+            b["scale"], torch.empty_like(b["q"]), num_splits=num_splits, fused_merge=True,
+            **kw)
         cfg = attention.select_config(4, 3, 8, 2, 64, 16, b["block_table"].shape[1],
                                       _dtype(dtype), attention._num_sms(b["q"].device))
         counters = owner.arrivals(b["q"].device, (4 // cfg.block_q + 3) * 2)
@@ -376,11 +388,12 @@ def test_mixed_batch_matches_reference(interpreter, dtype, group, head_dim, bloc
     )
 
 
-@pytest.mark.parametrize("dtype, num_splits, fused_merge",
-                         [("float32", 4, True), ("bfloat16", 8, True), ("float32", 4, False)])
-def test_split_kv_decode(interpreter, dtype, num_splits, fused_merge):
+@pytest.mark.parametrize("dtype, num_splits, fused_merge, min_split_tiles",
+                         [("float32", 4, True, None), ("bfloat16", 8, True, None),
+                          ("float32", 4, False, None), ("float32", 8, True, 1)])
+def test_split_kv_decode(interpreter, dtype, num_splits, fused_merge, min_split_tiles):
     interpreter("check_split_decode", dtype=dtype, num_splits=num_splits,
-                fused_merge=fused_merge)
+                fused_merge=fused_merge, min_split_tiles=min_split_tiles)
 
 
 @pytest.mark.parametrize("dtype, contexts, padded", [

@@ -163,6 +163,7 @@ def unified_attention(
     block_q: int | None = None,
     fused_merge: bool = True,
     prefill_tiles: PrefillTiles | None = None,
+    config: AttentionConfig | None = None,
 ) -> None:
     """Causal paged attention for every query row up to query_start_loc[-1] into `out`.
 
@@ -170,7 +171,9 @@ def unified_attention(
     to a power of two. Rows past query_start_loc[num_reqs] are left unwritten. With KV
     splits, `fused_merge` merges them in the same launch (the last split of each tile);
     False: a second kernel does (the previous design, kept for comparison).
-    `prefill_tiles` overrides the tuned (or heuristic) tiles of a prefill-like batch.
+    `prefill_tiles` overrides the tuned (or heuristic) tiles of a prefill-like batch;
+    `config` the whole launch configuration (benchmarks' sweeps; `num_splits` and
+    `block_q` still apply over it).
     """
     q_shape = q.shape
     num_tokens = q_shape[0]
@@ -189,11 +192,11 @@ def unified_attention(
            k_cache.dtype, v_cache.stride(), v_cache.dtype, out.stride(), out.dtype,
            block_table.shape, block_table.stride(), block_table.dtype,
            query_start_loc.dtype, seq_lens.dtype, num_splits, block_q, fused_merge,
-           prefill_tiles, _num_sms)
+           prefill_tiles, config, _num_sms)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(q, k_cache, v_cache, block_table, out, num_reqs,
-                                   num_splits, block_q, fused_merge, prefill_tiles)
+                                   num_splits, block_q, fused_merge, prefill_tiles, config)
     if not plan.is_cuda:
         check_launchable(_unified_attention_kernel, q)
     if plan.splits > 1:
@@ -247,11 +250,11 @@ _MAX_PLANS = 256
 
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
-          prefill_tiles) -> _LaunchPlan:
+          prefill_tiles, config=None) -> _LaunchPlan:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    cfg = select_config(
+    cfg = config or select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
         prefill_tiles, kv_dtype=k_cache.dtype,
@@ -290,7 +293,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
                         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                         BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
                         UPCAST=upcast, DOT_PRECISION=dot_precision, CONVERT_KV=convert_kv,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                        MIN_SPLIT_TILES=cfg.min_split_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                               NUM_SPLITS=splits,
                               num_warps=4 if splits * head_dim_p > 2048 else 2),

@@ -21,6 +21,9 @@ class AttentionConfig:
     num_splits: int  # kv splits (flash-decoding) when > 1
     num_warps: int
     num_stages: int
+    # With the fused merge, splits hold at least this many key tiles of the *live*
+    # context (attention_kernels.py): fewer splits than num_splits at short contexts.
+    min_split_tiles: int = 2
 
 
 def select_config(

@@ -19,8 +19,15 @@ Design
   cache: with an fp8 cache the step attends to its own K/V as rounded to fp8, never to
   the fresh higher-precision k/v.
 - Flash-decoding: with few decode rows and long contexts the kv-split axis cuts the
-  context into NUM_SPLITS ranges; each writes unnormalised partials (acc, max, sum) to a
-  workspace and a second kernel merges them. The split count comes from shapes only.
+  context into up to NUM_SPLITS ranges; each writes unnormalised partials (acc, max, sum)
+  to a workspace and the last to finish merges them (FUSED_MERGE; else a second kernel
+  does). NUM_SPLITS comes from shapes only (the block table's width: a full CUDA graph
+  launches for max_model_len), so with the fused merge the kernel sizes the splits for
+  the *live* context: at least MIN_SPLIT_TILES key tiles each, the programs past the
+  last used split exit at once, and a context that needs one split is written straight
+  to `out` with no partials or merge. E.g. NUM_SPLITS 32, BLOCK_N 64, MIN_SPLIT_TILES 2:
+  a 140-key context (3 tiles) uses 2 splits (tiles 0-1, tile 2), an 8192-key one 32
+  splits of 4 tiles.
 """
 
 from __future__ import annotations
@@ -112,7 +119,7 @@ def _unified_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CONVERT_KV: tl.constexpr,
+    CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -133,13 +140,33 @@ def _unified_attention_kernel(
         hi = tl.where(mid_first <= tile, hi, mid - 1)
     req = lo
 
+    # The three loads in one round trip (seq_len before the branch that may not need it).
     q_start = tl.load(query_start_loc_ptr + req)
     num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
     q_lo = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query of the tile in req
     if q_lo >= num_q:  # surplus tile (or a padding request with no tokens)
         return
-    seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - num_q  # cached prefix before this step's tokens
+
+    # Keys the tile's last query can see; earlier rows are cut by the causal mask.
+    kv_end = ctx_len + tl.minimum(q_lo + BLOCK_Q, num_q)
+    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    if NUM_SPLITS > 1:
+        per_split = (num_kv_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+        if FUSED_MERGE:  # sized for the live context (see the module doc)
+            per_split = tl.maximum(per_split, MIN_SPLIT_TILES)
+            num_used = (num_kv_tiles + per_split - 1) // per_split
+            if split >= num_used:
+                return
+        else:  # the merge kernel reads every split: all write partials, some empty
+            num_used = NUM_SPLITS
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
+    else:
+        num_used = 1
+        tile_lo = 0
+        tile_hi = num_kv_tiles
 
     # Row m of the tile is token q_lo + m // GROUP_P, query head kv_head*GROUP + m % GROUP_P.
     offs_m = tl.arange(0, BLOCK_M)
@@ -160,16 +187,6 @@ def _unified_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys the tile's last query can see; earlier rows are cut by the causal mask.
-    kv_end = ctx_len + tl.minimum(q_lo + BLOCK_Q, num_q)
-    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    if NUM_SPLITS > 1:
-        per_split = (num_kv_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_kv_tiles
 
     # A finite floor instead of -inf keeps fully masked rows NaN-free: exp2(-inf - m) = 0.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -193,7 +210,7 @@ def _unified_attention_kernel(
         HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION, CONVERT_KV,
     )
 
-    if NUM_SPLITS == 1:
+    if num_used == 1:  # (NUM_SPLITS == 1, or a live context one split covers)
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_i[:, None]
         tl.store(
@@ -213,45 +230,45 @@ def _unified_attention_kernel(
             mask=row_valid[:, None],
         )
         if FUSED_MERGE:
-            # The last of the tile's NUM_SPLITS programs to finish merges them: one
+            # The last of the tile's num_used programs to finish merges them: one
             # launch instead of two. The barrier makes every thread's partial stores
             # precede the (gpu-scope, acq_rel) arrival; the last arrival's acquire makes
             # all splits' partials visible, read past L1 (.cg). It resets the counter
-            # for the next launch or graph replay. Surplus tiles returned above in all
-            # their splits alike, so every counter touched reaches NUM_SPLITS.
+            # for the next launch or graph replay. Every program of a tile computes the
+            # same num_used, and surplus tiles and unused splits returned above, so
+            # every counter touched reaches num_used.
             tl.debug_barrier()
             counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
+            if arrived == num_used - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head,
-                            row_valid, offs_d, d_valid, num_tokens, stride_ot, stride_oh,
-                            stride_od, NUM_HEADS, HEAD_DIM_P, NUM_SPLITS)
+                            row_valid, offs_d, d_valid, num_tokens, num_used, stride_ot,
+                            stride_oh, stride_od, NUM_HEADS, HEAD_DIM_P, NUM_SPLITS)
 
 
 @triton.jit
 def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, row_valid,
-                offs_d, d_valid, num_tokens, stride_ot, stride_oh, stride_od,
+                offs_d, d_valid, num_tokens, num_used, stride_ot, stride_oh, stride_od,
                 NUM_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max_s m_s), for one tile's
-    rows (empty splits hold m = -1e30, l = 0, acc = 0: weight 0)."""
-    m_max = tl.full(token.shape, -1.0e30, dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        row = (s * num_tokens + token) * NUM_HEADS + head
-        m_s = tl.load(part_max_ptr + row, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_s)
-    l_sum = tl.zeros(token.shape, dtype=tl.float32)
+    """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max_s m_s), over splits
+    s < num_used, for one tile's rows. Every split's max and sum come in one load (one
+    round trip instead of one per split); then one acc load per split."""
+    offs_s = tl.arange(0, NUM_SPLITS)
+    rows = (offs_s[:, None] * num_tokens + token[None, :]) * NUM_HEADS + head[None, :]
+    used = (offs_s[:, None] < num_used) & row_valid[None, :]  # [NUM_SPLITS, BLOCK_M]
+    m = tl.load(part_max_ptr + rows, mask=used, other=-1.0e30, cache_modifier=".cg")
+    l_s = tl.load(part_sum_ptr + rows, mask=used, other=0.0, cache_modifier=".cg")
+    w = tl.math.exp2(m - tl.max(m, axis=0)[None, :])  # unused splits: weight 0
+    l_sum = tl.sum(w * l_s, axis=0)
+    l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
     acc = tl.zeros([token.shape[0], HEAD_DIM_P], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_used):
+        w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # row s of w
         row = (s * num_tokens + token) * NUM_HEADS + head
-        m_s = tl.load(part_max_ptr + row, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
-        w = tl.math.exp2(m_s - m_max)
-        l_s = tl.load(part_sum_ptr + row, mask=row_valid, other=0.0, cache_modifier=".cg")
-        l_sum += w * l_s
         part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * part
-    l_sum = tl.where(l_sum > 0.0, l_sum, 1.0)
+        acc += w_s[:, None] * part
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
         + offs_d[None, :] * stride_od,

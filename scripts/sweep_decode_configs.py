@@ -1,0 +1,107 @@
+"""Sweep the decode attention launch configuration on a GPU: keys per tile (BLOCK_N),
+pipeline stages, and the fused merge's minimum tiles per split, at the fixed launch a
+full CUDA graph uses (a block table --max-model-len wide, so the split count is the
+width's; the kernel sizes the splits for the live context). Graph-replayed, L2 flushed,
+median device µs; beside each shape the configuration `select_config` picks now and
+the best one measured (needs a CUDA GPU).
+
+    python scripts/sweep_decode_configs.py --head-dim 64 --json decode_configs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_kernels_lib import L2_FLUSH_BYTES, graph_replay, paged_copy, time_us
+
+from llmfast.kernels import attention
+from llmfast.kernels.workspaces import AttentionWorkspaces
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[140, 512, 2048, 8192])
+    p.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--min-split-tiles", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sweep_decode_configs.py needs a CUDA GPU (none found); nothing was measured.")
+    dtype, dev = torch.bfloat16, torch.device("cuda", 0)
+    heads, kv_heads, hd, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    gen = torch.Generator("cuda").manual_seed(0)
+    width = -(-args.max_model_len // bs)
+    rows = []
+    print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}; head_dim {hd}, "
+          f"{heads}/{kv_heads} heads, block table {width * bs} keys wide", flush=True)
+    for batch, ctx in itertools.product(args.batches, args.contexts):
+        q = torch.randn(batch, heads, hd, dtype=dtype, device=dev, generator=gen)
+        k = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device=dev, generator=gen)
+        v = torch.randn_like(k)
+        k_cache, v_cache, table = paged_copy(k, v, bs, gen)
+        wide = torch.zeros(batch, max(width, table.shape[1]), dtype=torch.int32, device=dev)
+        wide[:, : table.shape[1]] = table
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        out = torch.empty_like(q)
+        workspaces = AttentionWorkspaces([k_cache])  # noqa: F841 - the runner's scratch
+        chosen = attention.select_config(
+            batch, batch, heads, kv_heads, hd, bs, wide.shape[1], dtype,
+            attention._num_sms(dev), attention._device_split_tables(dev))
+        ref = torch.empty_like(out)
+        attention.unified_attention(q, k_cache, v_cache, wide, qsl, seq_lens, hd**-0.5, ref)
+        timings = {}
+        for block_n, stages, min_tiles in itertools.product(
+                args.block_n, args.stages, args.min_split_tiles):
+            cfg = replace(chosen, block_n=block_n, num_stages=stages, min_split_tiles=min_tiles)
+
+            def run(cfg=cfg):
+                attention.unified_attention(q, k_cache, v_cache, wide, qsl, seq_lens,
+                                            hd**-0.5, out, config=cfg)
+
+            try:
+                run()
+                err = (out.float() - ref.float()).abs().max().item()
+                us = time_us(graph_replay(run), args.iters, flush)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile/fit
+                print(f"  {block_n}/{stages}/{min_tiles}: {type(e).__name__}: {e}"[:200])
+                continue
+            timings[f"{block_n}/{stages}/{min_tiles}"] = dict(us=us, max_diff=err)
+        key_now = f"{chosen.block_n}/{chosen.num_stages}/{chosen.min_split_tiles}"
+        best = min(timings, key=lambda c: timings[c]["us"])
+        row = dict(batch=batch, ctx=ctx, splits=chosen.num_splits, chosen=asdict(chosen),
+                   now=key_now, now_us=timings.get(key_now, {}).get("us"), best=best,
+                   best_us=timings[best]["us"], timings=timings)
+        rows.append(row)
+        now_us = row["now_us"]
+        now_txt = f"{now_us:.1f}" if now_us is not None else "n/a"
+        print(f"B={batch:4d} ctx={ctx:5d} splits={chosen.num_splits:2d}  now {key_now} "
+              f"{now_txt} us  best {best} {timings[best]['us']:.1f} us  | "
+              + " ".join(f"{c}:{t['us']:.1f}" for c, t in timings.items()), flush=True)
+        del k, v
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(0),
+                                             torch=torch.__version__, head_dim=hd,
+                                             rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
