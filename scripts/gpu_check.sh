@@ -22,7 +22,8 @@
 #
 #   step        est/limit s  what (issue: bar); est = measured on an H200 on 2026-11-26
 #                            (warm machine, cold compile caches) with a margin
-#   full          100/330    tests/test_full_graphs_gpu.py: every CUDA-graph mode vs HF at
+#   full          100/330    tests/test_full_graphs_gpu.py and test_layer_kernels.py's GPU test:
+#                            every CUDA-graph mode vs HF at
 #                            batch 1/3/17/256, seeded sampling, 1B default-size capture
 #                            (#15: identical tokens; capture <= 10 s)   [63 s]
 #   async_tests   220/300    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
@@ -57,6 +58,9 @@
 #                            [quick: 36 s]
 #   kernels64      30/240    the same decode rows and split sweep at head dim 64 (the 1B
 #                            default's shape), added to splits.json   [11 s]
+#   install_splits  5/60     this call's splits.json (kernels, kernels64 --sweep-splits)
+#                            copied over this GPU's shipped split table on the machine:
+#                            the steps after it run with the table that will ship
 #   diag           60/240    bench_modes full + linears at B=1,64 with each kernel's device
 #                            time per step (traces/full_B*_kernels.md) and Inductor's
 #                            generated code (inductor_output_code.log): what #15's full
@@ -127,7 +131,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
-decode_configs"
+decode_configs install_splits"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels kernels64 load sweep full}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -246,7 +250,8 @@ run_step() {  # name, estimate s, limit s, command...
 for step in $STEPS; do
     case $step in
         full)
-            run_step full 100 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py ;;
+            run_step full 100 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py \
+                tests/test_layer_kernels.py ;;
         async_tests)
             run_step async_tests 220 300 "${PYTEST[@]}" tests/test_async_gpu.py \
                 tests/test_sampling.py ;;
@@ -280,6 +285,20 @@ for step in $STEPS; do
                     --tune off --prefill-tokens --mixed --batches 1 4 16 64 256 \
                     --iters 30 --json "$OUT/kernels64.json" \
                     --markdown "$OUT/kernels64.md" --sweep-splits "$OUT/splits.json"
+            fi ;;
+        install_splits)  # the split sweeps of this call (kernels, kernels64) become this
+            # machine's shipped table, so that the later steps run with what will ship
+            if [[ ! -f $OUT/splits.json ]]; then
+                STATUS[install_splits]="skipped (no splits.json: run kernels or kernels64 first)"
+            else
+                run_step install_splits 5 60 python3 -c 'import json, shutil, sys, torch
+from llmfast.kernels.tuning.split_table import parse_tables, table_path
+parse_tables(json.load(open(sys.argv[1])))
+name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu dry run"
+dest = table_path(name)
+if torch.cuda.is_available():
+    shutil.copy(sys.argv[1], dest)
+print("installed", sys.argv[1], "as", dest)' "$OUT/splits.json"
             fi ;;
         diag)  # what the full graph launches: kernels per step and Inductor's code
             rm -rf "$OUT/traces"

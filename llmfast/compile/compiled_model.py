@@ -38,6 +38,7 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile.backend import PiecewiseBackend
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key
 from llmfast.compile.stats import CompileStats
+from llmfast.kernels.triton_ops import register_triton_ops
 from llmfast.config import CompileConfig, CudaGraphMode
 from llmfast.graphs.capture_context import CaptureStream, graph_capture
 from llmfast.graphs.dispatch import GraphDispatcher
@@ -180,6 +181,7 @@ class CompiledModel:
             piece_compiler=piece_compiler,
             wrap_piece=wrap,
         )
+        register_triton_ops()  # the norms and RoPE the model records when compiling
         self._forward = torch.compile(
             _private_forward(model), backend=self.backend, fullgraph=True
         )

@@ -52,7 +52,10 @@ def select_config(
         # Decode-like: ~1 token per request, memory bound. 16 rows is tl.dot's minimum;
         # padding the group up to it costs no extra K/V traffic.
         block_q = max(1, 16 // group_p)
-        block_n = 32 if wide else 64
+        # 128 keys a step: a paged tile's loads are latency-bound at decode, so fewer,
+        # larger steps win (H200, hd 64 and 128, B=1..64: 4-25 % faster than 64 keys,
+        # profiles/h200-2026-11-26b; 74 KB of shared memory at hd 128, 3 stages).
+        block_n = 32 if wide else 128
         num_warps = 8 if wide else 4
         # Split tables are measured per (q, cache) dtype: an fp8 cache reads half the
         # bytes, so a bf16 cache's table does not hold for it (kv_dtype_name).
@@ -63,7 +66,8 @@ def select_config(
             splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
             return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
         programs = num_reqs * num_kv_heads
-        max_kv_tiles = -(-max_blocks_per_req * block_size // block_n)  # (triton.cdiv: ~10 us)
+        # Counted in 64-key tiles whatever block_n (the rule was set with 64).
+        max_kv_tiles = -(-max_blocks_per_req * block_size // 64)  # (triton.cdiv: ~10 us)
         splits = 1
         # Double the splits while the grid stays within ~2 programs per SM and every
         # split still gets >= 4 key tiles of the longest possible context (the partials

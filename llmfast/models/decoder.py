@@ -24,6 +24,7 @@ from llmfast.config import ModelConfig
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
+from llmfast.kernels.rms_norm import add_rms_norm_impl, rms_norm_impl  # (and its ops)
 from llmfast.models.parallel_layers import (
     gather_logits,
     row_parallel_linear,
@@ -34,16 +35,23 @@ from llmfast.models.sharding import rank_model_config, vocab_shard
 
 
 class RMSNorm(nn.Module):
+    """weight * rms_norm(x), or with `residual`: (weight * rms_norm(x + residual),
+    x + residual). One Triton kernel on CUDA (kernels/rms_norm.py), HF's numerics."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the input dtype (as HF does); one fused op
-        # instead of five keeps the per-layer op count, and so eager overhead, down.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # Compiled graphs record the op (Inductor launches its kernel); eager calls skip
+        # the op's dispatcher, which costs more than a small norm on CPU.
+        compiling = torch.compiler.is_compiling()
+        if residual is None:
+            norm = torch.ops.llmfast.rms_norm if compiling else rms_norm_impl
+            return norm(x, self.weight, self.eps)
+        add_norm = torch.ops.llmfast.add_rms_norm if compiling else add_rms_norm_impl
+        return add_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -130,10 +138,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next norm adds
+        the two (with the norm, in one kernel) instead of a separate add."""
+        if residual is None:  # the first layer: the embeddings are the residual
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -157,9 +174,12 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

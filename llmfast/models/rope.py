@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from llmfast.config import RopeScaling
+from llmfast.kernels.rotary import rotary_impl  # (and its op)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -108,13 +109,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [num_tokens, heads, head_dim] by each token's position. The caller
-        passes queries and keys together (one pass instead of two)."""
-        # out = [x1 cos - x2 sin, x2 cos + x1 sin] for halves x1, x2, written without a
-        # cat: the halves as an axis of size 2, swapped by a flip. Inductor makes one
-        # pointwise kernel of that (the cat form was three on CUDA: two per half, one
-        # for the cat), and eager runs no more ops.
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2]
-        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-        halves = x.float().unflatten(-1, (2, -1))  # [num_tokens, heads, 2, head_dim / 2]
-        rotated = halves * cos + halves.flip(-2) * sin * self.rotate_sign
-        return rotated.flatten(-2).to(x.dtype)
+        passes queries and keys together (one pass instead of two). One Triton kernel on
+        CUDA (kernels/rotary.py); compiled graphs record the op, eager calls skip its
+        dispatcher."""
+        rotate = torch.ops.llmfast.rotary_embedding if torch.compiler.is_compiling() else rotary_impl
+        return rotate(positions, x, self.cos_sin, self.rotate_sign)

@@ -1,0 +1,79 @@
+"""RMSNorm, with or without the residual add before it, as one Triton kernel per call.
+
+Compiled code calls them as the triton ops `llmfast::rms_norm` and `llmfast::add_rms_norm`
+(kernels/triton_ops.py): Inductor sees through a triton op to its kernel and launches it
+from the compiled piece itself.
+Left to Inductor, the norm was two kernels on CUDA (a looped sum-of-squares reduction,
+then a pointwise kernel: 2048 columns are past its persistent-reduction limit) and the
+residual add went into the GEMM before it as an addmm, whose cuBLAS call copies the
+residual first (`memcpy32_post`): four launches a norm where one does.
+
+Numerics are HF's (and the torch reference's): the residual sum rounded to the model
+dtype, normalised in float32, rounded, then scaled by the weight in the model dtype.
+On CPU (and for shapes the kernel does not take) the same maths in torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmfast.kernels.ops import triton_interpret_enabled
+
+_MAX_COLS = 16384  # one row per program, held whole in registers
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, scale in the input dtype (as HF does)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        (x.is_cuda or triton_interpret_enabled())
+        and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+        and weight.dtype == x.dtype and x.shape[-1] <= _MAX_COLS
+    )
+
+
+def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
+    rows, cols = x.shape
+    if rows == 0:
+        return
+    from llmfast.kernels.layer_kernels import rms_norm_kernel  # (imports Triton)
+
+    block = 1 << (cols - 1).bit_length()
+    kernel = rms_norm_kernel
+    if x.is_cuda:  # through wrap_triton, so that Inductor traces the launch
+        kernel = torch.library.wrap_triton(rms_norm_kernel)
+    add = residual is not None
+    kernel[(rows,)](
+        x, residual if add else x, weight, out, residual_out if add else out,
+        x.stride(0), residual.stride(0) if add else 0, out.stride(0),
+        residual_out.stride(0) if add else 0, cols, eps,
+        ADD_RESIDUAL=add, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+    )
+
+
+def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[rows, cols] -> weight * rms_norm(x). Eager callers may call this directly (the
+    op's dispatcher costs more than a small norm on CPU); compiled code uses the op."""
+    if not _kernel_takes(x, weight):
+        return rms_norm_reference(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, out, None, eps)
+    return out
+
+
+def add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + residual), x + residual), the sum in x's dtype."""
+    if not (_kernel_takes(x, weight) and residual.shape == x.shape
+            and residual.dtype == x.dtype and residual.stride(-1) == 1):
+        summed = x + residual
+        return rms_norm_reference(summed, weight, eps), summed
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, residual, weight, out, residual_out, eps)
+    return out, residual_out

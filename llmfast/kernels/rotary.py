@@ -1,0 +1,57 @@
+"""Rotary embedding of queries and keys as one Triton kernel per call, called by
+compiled code as the triton op `llmfast::rotary_embedding` (kernels/triton_ops.py:
+Inductor launches the kernel from its compiled piece). Left to Inductor, the rotation was three to five kernels on CUDA: the cos and
+sin gathers, a float32 copy of the input and the rotation apart.
+
+Numerics: the input rotated in float32 with the float32 cos/sin table, rounded once to
+the input's dtype (the torch reference, models/rope.py, and HF do the same). On CPU
+(and for inputs the kernel does not take) the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmfast.kernels.ops import triton_interpret_enabled
+
+
+def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
+                     rotate_sign: torch.Tensor) -> torch.Tensor:
+    """out = [x1 cos - x2 sin, x2 cos + x1 sin] for halves x1, x2, written without a cat:
+    the halves as an axis of size 2, swapped by a flip (`rotate_sign`: [[-1], [1]]).
+    Inductor makes fewer kernels of that than of the cat form, and eager runs no more
+    ops."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2]
+    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+    halves = x.float().unflatten(-1, (2, -1))  # [num_tokens, heads, 2, head_dim / 2]
+    rotated = halves * cos + halves.flip(-2) * sin * rotate_sign
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def _kernel_takes(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+    return ((x.is_cuda or triton_interpret_enabled()) and x.dim() == 3
+            and x.stride(-1) == 1 and cos_sin.stride(-1) == 1
+            and cos_sin.dtype == torch.float32 and x.shape[-1] % 2 == 0)
+
+
+def rotary_impl(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
+                rotate_sign: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim] rotated by each token's position -> a new
+    contiguous tensor. Eager callers may call this directly; compiled code the op."""
+    if not _kernel_takes(x, cos_sin):
+        return rotary_reference(positions, x, cos_sin, rotate_sign)
+    from llmfast.kernels.layer_kernels import rotary_kernel  # (imports Triton)
+
+    num_tokens, heads, head_dim = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    half = head_dim // 2
+    kernel = torch.library.wrap_triton(rotary_kernel) if x.is_cuda else rotary_kernel
+    heads_p, half_p = 1 << (heads - 1).bit_length(), 1 << (half - 1).bit_length()
+    kernel[(num_tokens,)](
+        x, positions, cos_sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        cos_sin.stride(0), heads, HALF=half, HALF_P=half_p, HEADS_P=heads_p,
+        num_warps=max(1, min(8, heads_p * half_p // 512)),
+    )
+    return out
