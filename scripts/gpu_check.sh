@@ -251,7 +251,14 @@ for step in $STEPS; do
     case $step in
         full)
             run_step full 100 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py \
-                tests/test_layer_kernels.py ;;
+                tests/test_layer_kernels.py
+            if [[ ${STATUS[full]} == FAILED* && $DRY != 1 \
+                  && -z ${LLMFAST_LAYER_KERNELS:-} ]]; then
+                # Measure the rest with the torch norms and RoPE rather than not at all.
+                export LLMFAST_LAYER_KERNELS=0
+                echo "NOTE     full failed: the steps after it run with LLMFAST_LAYER_KERNELS=0" \
+                    | tee -a "$OUT/verdicts.txt"
+            fi ;;
         async_tests)
             run_step async_tests 220 300 "${PYTEST[@]}" tests/test_async_gpu.py \
                 tests/test_sampling.py ;;

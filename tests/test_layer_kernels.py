@@ -140,6 +140,68 @@ def test_eager_cpu_runs_the_torch_reference():
     assert torch.equal(out, norm_ops.rms_norm_reference(x + x, w, 1e-6))
 
 
+def test_ops_trace_to_triton_kernels_with_an_unbacked_token_count(monkeypatch):
+    # What torch.compile does to the ops on CUDA, short of Inductor's codegen: Dynamo
+    # runs their bodies on fake tensors whose token count is an unbacked symbol (a
+    # branch on it fails: "could not guard on data-dependent expression"), then AOT
+    # turns each into the user-kernel op Inductor launches itself, with the token count
+    # as the grid. Triton compiles for sm_90 through a stand-in driver; nothing runs.
+    import triton
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.decorators import mark_unbacked
+
+    from llmfast.kernels.launch.offline_target import offline_hopper
+    from llmfast.kernels.layer_switch import layer_kernels
+    from llmfast.kernels.triton_ops import register_triton_ops
+
+    if torch.cuda.is_available():
+        pytest.skip("the gpu tests compile the model for real")
+    if not isinstance(layer_kernels().rms_norm_kernel, triton.runtime.JITFunction):
+        pytest.skip("triton was imported with TRITON_INTERPRET=1")
+    register_triton_ops()
+    monkeypatch.setattr(norm_ops, "_kernel_takes", lambda x, w: True)  # as on CUDA
+    monkeypatch.setattr(rotary_ops, "_kernel_takes", lambda x, cos_sin: True)
+    graphs = []
+
+    def trace_only(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(args):
+            raise _Traced
+
+        run._boxed_call = True
+        return run
+
+    def f(x, residual, weight, positions, qk, cos_sin, sign):
+        a = torch.ops.llmfast.rms_norm(x, weight, 1e-5)
+        b, c = torch.ops.llmfast.add_rms_norm(x, residual, weight, 1e-5)
+        return a, b, c, torch.ops.llmfast.rotary_embedding(positions, qk, cos_sin, sign)
+
+    x, residual, qk = torch.randn(3, 64), torch.randn(3, 64), torch.randn(3, 4, 16)
+    positions = torch.tensor([0, 1, 2])
+    for t in (x, residual, positions, qk):
+        mark_unbacked(t, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=aot_autograd(fw_compiler=trace_only), fullgraph=True)
+    with offline_hopper(), pytest.raises(_Traced):
+        compiled(x, residual, torch.ones(64), positions, qk, torch.randn(10, 16),
+                 torch.tensor([[-1.0], [1.0]]))
+    torch._dynamo.reset()
+    launches = [n for n in graphs[0].graph.nodes
+                if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    assert len(launches) == 3
+    for node in launches:
+        (grid,) = node.kwargs["grid"]
+        assert isinstance(grid[0], torch.fx.Node) and grid[1:] == (1, 1)  # the token count
+    # The outputs, and only they, are what the kernels write.
+    assert [sorted(n.kwargs["tensors_to_clone"]) for n in launches] == [
+        ["out_ptr"], ["out_ptr", "residual_out_ptr"], ["out_ptr"]]
+
+
+class _Traced(Exception):
+    pass
+
+
 def test_model_import_does_not_register_the_triton_ops():
     # Registering a triton op imports torch._inductor (and Dynamo, Triton): ~1 s an
     # eager engine must not pay. The compiler registers them before tracing.

@@ -163,6 +163,7 @@ def test_select_config_takes_the_tiles():
     assert cfg(PrefillTiles(128, 32, 8, 4), group=3).block_q == 32  # group padded to 4
     heuristic = cfg(None)
     assert (heuristic.block_q * 4, heuristic.block_n) == (128, 64)
-    assert cfg(PrefillTiles(64, 128, 4, 2), num_tokens=1).block_n == 64  # decode: no tiles
+    decode = cfg(PrefillTiles(64, 32, 8, 2), num_tokens=1)  # decode: not the tiles'
+    assert (decode.block_n, decode.num_warps, decode.num_stages) == (128, 4, 3)
     for tiles in CANDIDATES:
         tiles.check()

@@ -67,8 +67,8 @@ def test_split_launch_scratch_comes_from_the_owner(monkeypatch):
 
 
 def test_split_launch_scratch_is_fresh_while_a_graph_is_captured(monkeypatch):
-    # A CUDA plan under capture takes fresh buffers (the graph's pool) and fresh zeroed
-    # counters, never the owner's; outside capture the owner's. The capture state is
+    # A CUDA plan under capture takes fresh buffers (the graph's pool) and, until an
+    # eager launch made the owner's, fresh zeroed counters; outside capture the owner's. The capture state is
     # stood in for (no GPU here); the device check is the plan's.
     k_cache = torch.empty(4, 16, 2, 64)
     owner = AttentionWorkspaces([k_cache])
@@ -84,6 +84,17 @@ def test_split_launch_scratch_is_fresh_while_a_graph_is_captured(monkeypatch):
     eager = attention._split_scratch(plan, k_cache)
     assert owner.num_partials == 1 and owner.num_arrival_buffers == 1
     assert all(x is not y for x, y in zip(captured, eager))
+    # Once an eager launch made the owner's counters (the warm-up before a capture), a
+    # capture takes those (zero between launches: no memset in the graph); the partials
+    # stay fresh. The counters outlive any number of other shapes (a graph holds them).
+    capturing[0] = True
+    after_warmup = attention._split_scratch(plan, k_cache)
+    assert after_warmup[3] is eager[3]
+    assert all(x is not y for x, y in zip(after_warmup[:3], eager[:3]))
+    capturing[0] = False
+    for n in range(1, 3 * owner.max_shapes):
+        owner.arrivals(CPU, 1000 + n)
+    assert owner.existing_arrivals(plan.num_arrivals) is eager[3]
     # A CPU plan never asks (torch without CUDA raises there).
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
                         lambda: (_ for _ in ()).throw(AssertionError("asked")))

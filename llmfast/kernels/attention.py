@@ -131,21 +131,27 @@ def _split_scratch(plan: _LaunchPlan, k_cache: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Split partials and (fused merge) arrival counters, or None for the counters.
 
-    Partials are reused across calls of the same shape, from the workspaces of the
-    runner that owns the cache. While a CUDA graph is being captured fresh buffers are
-    taken instead, so they come from (and stay in) the graph's private pool rather than
-    aliasing memory eager calls keep using; fresh counters are zeroed there by a memset
-    that is part of the graph, so every replay starts from zero whatever ran before.
-    Between launches the owner's counters are zero (the last arrival resets its
-    counter)."""
+    Eager launches reuse the partials and counters of the runner that owns the cache
+    (its workspaces), by shape. While a CUDA graph is being captured the partials are
+    fresh, so they come from (and stay in) the graph's private pool rather than aliasing
+    memory eager calls keep using. The counters are the owner's there too when an eager
+    launch of the same shape made them (the warm-up before a capture does): zero between
+    launches (the last arrival resets its counter), kept for the owner's life (a graph
+    may hold them), and used by one launch at a time (one stream), so a graph needs no
+    zeroing of its own. Otherwise fresh counters, zeroed by a memset the graph records:
+    one small kernel per attention call of every replay."""
     device, shape, n = plan.device, plan.partials_shape, plan.num_arrivals if plan.fused else 0
+    owner = AttentionWorkspaces.of(k_cache)  # the runner's, freed with it
     if not (plan.is_cuda and torch.cuda.is_current_stream_capturing()):
-        owner = AttentionWorkspaces.of(k_cache)  # the runner's, freed with it
         if owner is not None:
             (part_acc, part_max, part_sum), arrivals = owner.split_scratch(device, shape, n)
             return part_acc, part_max, part_sum, arrivals
     part_acc, part_max, part_sum = new_partials(device, *shape)
-    arrivals = torch.zeros(n, dtype=torch.int32, device=device) if n else None
+    arrivals = None
+    if n:
+        arrivals = owner.existing_arrivals(n) if owner is not None else None
+        if arrivals is None:
+            arrivals = torch.zeros(n, dtype=torch.int32, device=device)
     return part_acc, part_max, part_sum, arrivals
 
 
@@ -247,6 +253,9 @@ class _LaunchPlan:
 # sizes x prefill/decode), but tests and benchmarks see many: bounded, oldest dropped.
 _PLANS: dict[tuple, _LaunchPlan] = {}
 _MAX_PLANS = 256
+# Up to this many requests the kernel loads every request's start and length at once
+# (attention_kernels.py) instead of a binary search: 8 registers a thread at 4 warps.
+_MAX_REQS_IN_REGISTERS = 1024
 
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
@@ -266,6 +275,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     head_dim_p = max(16, next_pow2(head_dim))
     num_tiles = num_tokens // bq + num_reqs
     fused = splits > 1 and fused_merge
+    reqs_p = next_pow2(num_reqs + 1)  # query_start_loc's num_reqs + 1 entries
     # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
     upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -293,7 +303,8 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
                         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                         BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
                         UPCAST=upcast, DOT_PRECISION=dot_precision, CONVERT_KV=convert_kv,
-                        MIN_SPLIT_TILES=cfg.min_split_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                        MIN_SPLIT_TILES=cfg.min_split_tiles,
+                        REQS_P=reqs_p if reqs_p <= _MAX_REQS_IN_REGISTERS else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                               NUM_SPLITS=splits,
                               num_warps=4 if splits * head_dim_p > 2048 else 2),

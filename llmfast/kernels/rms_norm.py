@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from llmfast.kernels.layer_switch import layer_kernels, layer_kernels_enabled
 from llmfast.kernels.ops import triton_interpret_enabled
 
 _MAX_COLS = 16384  # one row per program, held whole in registers
@@ -30,8 +33,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Static properties only: under torch.compile Dynamo traces this (the triton op's
+    # body) with the token count an unbacked symbol, and a branch on it cannot be traced.
     return (
-        (x.is_cuda or triton_interpret_enabled())
+        (x.is_cuda or triton_interpret_enabled()) and layer_kernels_enabled()
         and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
         and weight.dtype == x.dtype and x.shape[-1] <= _MAX_COLS
     )
@@ -39,17 +44,15 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
     rows, cols = x.shape
-    if rows == 0:
+    if guard_or_false(rows == 0):  # (eager only: a traced count is never known 0)
         return
-    from llmfast.kernels.layer_kernels import rms_norm_kernel  # (imports Triton)
-
     block = 1 << (cols - 1).bit_length()
-    kernel = rms_norm_kernel
-    if x.is_cuda:  # through wrap_triton, so that Inductor traces the launch
-        kernel = torch.library.wrap_triton(rms_norm_kernel)
+    kernel = layer_kernels().rms_norm_kernel
+    if not triton_interpret_enabled():  # wrapped, so that Dynamo and Inductor trace it
+        kernel = torch.library.wrap_triton(kernel)
     add = residual is not None
     kernel[(rows,)](
-        x, residual if add else x, weight, out, residual_out if add else out,
+        x, residual, weight, out, residual_out,  # (None: the residual pointers unused)
         x.stride(0), residual.stride(0) if add else 0, out.stride(0),
         residual_out.stride(0) if add else 0, cols, eps,
         ADD_RESIDUAL=add, BLOCK=block, num_warps=max(1, min(16, block // 512)),
@@ -69,8 +72,9 @@ def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rms_norm(x + residual), x + residual), the sum in x's dtype."""
-    if not (_kernel_takes(x, weight) and residual.shape == x.shape
-            and residual.dtype == x.dtype and residual.stride(-1) == 1):
+    if not (_kernel_takes(x, weight) and residual.dim() == 2
+            and residual.shape[-1] == x.shape[-1] and residual.dtype == x.dtype
+            and residual.stride(-1) == 1):
         summed = x + residual
         return rms_norm_reference(summed, weight, eps), summed
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

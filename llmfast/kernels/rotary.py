@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from llmfast.kernels.layer_switch import layer_kernels, layer_kernels_enabled
 from llmfast.kernels.ops import triton_interpret_enabled
 
 
@@ -29,7 +32,9 @@ def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Te
 
 
 def _kernel_takes(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
-    return ((x.is_cuda or triton_interpret_enabled()) and x.dim() == 3
+    # Static properties only (traced by Dynamo under torch.compile: see rms_norm.py).
+    return ((x.is_cuda or triton_interpret_enabled()) and layer_kernels_enabled()
+            and x.dim() == 3
             and x.stride(-1) == 1 and cos_sin.stride(-1) == 1
             and cos_sin.dtype == torch.float32 and x.shape[-1] % 2 == 0)
 
@@ -40,14 +45,14 @@ def rotary_impl(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
     contiguous tensor. Eager callers may call this directly; compiled code the op."""
     if not _kernel_takes(x, cos_sin):
         return rotary_reference(positions, x, cos_sin, rotate_sign)
-    from llmfast.kernels.layer_kernels import rotary_kernel  # (imports Triton)
-
     num_tokens, heads, head_dim = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
+    if guard_or_false(num_tokens == 0):  # (eager only: a traced count is never known 0)
         return out
     half = head_dim // 2
-    kernel = torch.library.wrap_triton(rotary_kernel) if x.is_cuda else rotary_kernel
+    kernel = layer_kernels().rotary_kernel
+    if not triton_interpret_enabled():  # wrapped, so that Dynamo and Inductor trace it
+        kernel = torch.library.wrap_triton(kernel)
     heads_p, half_p = 1 << (heads - 1).bit_length(), 1 << (half - 1).bit_length()
     kernel[(num_tokens,)](
         x, positions, cos_sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),

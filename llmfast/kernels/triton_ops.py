@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from llmfast.kernels.layer_switch import layer_kernels, layer_kernels_enabled
 from llmfast.kernels.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.rotary import rotary_impl
 
@@ -31,7 +32,11 @@ def _rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.T
 
 @functools.cache
 def register_triton_ops() -> None:
-    """Once per process. (Typed wrappers: the op schemas are inferred from them.)"""
+    """Once per process. (Typed wrappers: the op schemas are inferred from them.) The
+    kernels' module is imported here, before Dynamo traces the ops' bodies, which then
+    find it loaded."""
+    if layer_kernels_enabled():
+        layer_kernels()
     for name, fn in (("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm),
                      ("rotary_embedding", _rotary_embedding)):
         torch.library.triton_op(f"llmfast::{name}", fn, mutates_args=())

@@ -61,7 +61,9 @@ class AttentionWorkspaces:
         self.max_shapes, self.max_plans = max_shapes, max_plans
         self._partials: OrderedDict[tuple[int, ...], Partials] = OrderedDict()
         self._plans: OrderedDict[Hashable, Any] = OrderedDict()
-        self._arrivals: OrderedDict[int, torch.Tensor] = OrderedDict()
+        # Never evicted: CUDA graphs captured with them hold their addresses (they are
+        # a few int32 per query tile and KV head, one tensor per launch shape).
+        self._arrivals: dict[int, torch.Tensor] = {}
         for cache in caches:
             _OWNERS[_storage_key(cache)] = self
 
@@ -77,8 +79,15 @@ class AttentionWorkspaces:
 
     def arrivals(self, device: torch.device, n: int) -> torch.Tensor:
         """The fused merge's `n` int32 arrival counters (zero between launches)."""
-        return _lru(self._arrivals, n,
-                    lambda: torch.zeros(n, dtype=torch.int32, device=device), self.max_shapes)
+        counters = self._arrivals.get(n)
+        if counters is None:
+            counters = self._arrivals[n] = torch.zeros(n, dtype=torch.int32, device=device)
+        return counters
+
+    def existing_arrivals(self, n: int) -> torch.Tensor | None:
+        """The `n` counters if an eager launch made them (none are made here: a CUDA
+        graph capture asks, and memory allocated there would be the graph's)."""
+        return self._arrivals.get(n)
 
     def split_scratch(self, device: torch.device, shape: tuple[int, int, int, int],
                       num_arrivals: int) -> tuple[Partials, torch.Tensor | None]:
@@ -95,8 +104,6 @@ class AttentionWorkspaces:
         arrivals = self._arrivals.get(num_arrivals)
         if arrivals is None:
             arrivals = self.arrivals(device, num_arrivals)
-        else:
-            self._arrivals.move_to_end(num_arrivals)
         return partials, arrivals
 
     def cpu_plan(self, key: Hashable, build: Callable[[], T]) -> T:

@@ -1,0 +1,36 @@
+"""Whether the decoder's norms and RoPE run llmfast's Triton kernels (the default) or
+torch ops, and the kernels' module, imported on first use.
+
+`LLMFAST_LAYER_KERNELS=0` selects torch ops everywhere (on CUDA Inductor then fuses them
+as it can): a switch for comparing the two and for working around a kernel, read once
+per process.
+
+Both are plain module globals once set: Dynamo traces the triton ops' bodies that ask
+(kernels/triton_ops.py sets them before tracing), and reads a global as a constant where
+a cached function's wrapper would be one more thing to trace.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+_ENABLED: bool | None = None
+_KERNELS: ModuleType | None = None
+
+
+def layer_kernels_enabled() -> bool:
+    global _ENABLED
+    if _ENABLED is None:
+        _ENABLED = os.environ.get("LLMFAST_LAYER_KERNELS", "1") != "0"
+    return _ENABLED
+
+
+def layer_kernels() -> ModuleType:
+    """llmfast.kernels.layer_kernels (imports Triton: not before a kernel is needed)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from llmfast.kernels import layer_kernels as module
+
+        _KERNELS = module
+    return _KERNELS
