@@ -154,12 +154,17 @@ def test_kv_cache_rebind_does_not_recompile(compiled):
     assert cm.stats.num_dynamo_graphs == 1
 
 
-def test_compile_cache_key_changes_with_inputs():
+def test_compile_cache_key_changes_with_inputs(monkeypatch):
     cfg = resolve_model("random:tiny").config
     key = compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())
     assert key == compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.bfloat16, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.float32, "cuda", CompileConfig())
+    from llmfast.kernels import layer_switch  # LLMFAST_LAYER_KERNELS=0: other pieces
+
+    monkeypatch.setattr(layer_switch, "_ENABLED", not layer_switch.layer_kernels_enabled())
+    assert key != compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())
+    monkeypatch.undo()
     other = resolve_model("random:smollm2-135m").config
     assert key != compile_cache_key(other, torch.float32, "cpu", CompileConfig())
 

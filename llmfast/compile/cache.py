@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from llmfast.config import CompileConfig, ModelConfig, dtype_name
+from llmfast.kernels.layer_switch import layer_kernels_enabled
 from llmfast.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ def compile_cache_key(
         "triton": triton_version,
         "splitting_ops": sorted(compile_config.splitting_ops),
         "llmfast": source_hash(),
+        # Inside the same op nodes, the layers' triton ops trace to llmfast's kernels or
+        # to torch ops (kernels/layer_switch.py): Inductor's cache keys cannot tell.
+        "layer_kernels": layer_kernels_enabled(),
     }
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24]

@@ -253,9 +253,6 @@ class _LaunchPlan:
 # sizes x prefill/decode), but tests and benchmarks see many: bounded, oldest dropped.
 _PLANS: dict[tuple, _LaunchPlan] = {}
 _MAX_PLANS = 256
-# Up to this many requests the kernel loads every request's start and length at once
-# (attention_kernels.py) instead of a binary search: 8 registers a thread at 4 warps.
-_MAX_REQS_IN_REGISTERS = 1024
 
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
@@ -275,7 +272,6 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     head_dim_p = max(16, next_pow2(head_dim))
     num_tiles = num_tokens // bq + num_reqs
     fused = splits > 1 and fused_merge
-    reqs_p = next_pow2(num_reqs + 1)  # query_start_loc's num_reqs + 1 entries
     # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
     upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -303,8 +299,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
                         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                         BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
                         UPCAST=upcast, DOT_PRECISION=dot_precision, CONVERT_KV=convert_kv,
-                        MIN_SPLIT_TILES=cfg.min_split_tiles,
-                        REQS_P=reqs_p if reqs_p <= _MAX_REQS_IN_REGISTERS else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                        MIN_SPLIT_TILES=cfg.min_split_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                               NUM_SPLITS=splits,
                               num_warps=4 if splits * head_dim_p > 2048 else 2),

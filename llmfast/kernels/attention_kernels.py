@@ -119,7 +119,7 @@ def _unified_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, REQS_P: tl.constexpr,
+    CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -131,32 +131,19 @@ def _unified_attention_kernel(
     # Request r owns tiles [qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1): find the
     # last r whose first tile is <= tile. E.g. BLOCK_Q 4, qsl [0, 1, 18, 19]: requests
     # start at tiles 0, 1, 6 and tile 3 belongs to request 1 (its tokens 8..11).
-    if REQS_P > 0:
-        # Every request's start and length in one round trip (vector loads), the search
-        # a count: first tiles strictly increase with r, so the last r with first <= tile
-        # is (how many have first <= tile) - 1. A binary search would be log2(num_reqs)
-        # dependent loads, ~0.5 us each: 3 us of a 10 us decode launch at batch 64.
-        offs_r = tl.arange(0, REQS_P)
-        qsl_all = tl.load(query_start_loc_ptr + offs_r, mask=offs_r <= num_reqs, other=0)
-        lens_all = tl.load(seq_lens_ptr + offs_r, mask=offs_r < num_reqs, other=0)
-        first = qsl_all // BLOCK_Q + offs_r
-        req = tl.sum(((first <= tile) & (offs_r < num_reqs)).to(tl.int32), axis=0) - 1
-        q_start = tl.sum(tl.where(offs_r == req, qsl_all, 0), axis=0)
-        num_q = tl.sum(tl.where(offs_r == req + 1, qsl_all, 0), axis=0) - q_start
-        seq_len = tl.sum(tl.where(offs_r == req, lens_all, 0), axis=0)
-    else:  # too many requests to hold in registers
-        lo = tl.zeros([], dtype=tl.int32)
-        hi = num_reqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            mid_first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-            lo = tl.where(mid_first <= tile, mid, lo)
-            hi = tl.where(mid_first <= tile, hi, mid - 1)
-        req = lo
-        # The three loads in one round trip (seq_len before the branch not needing it).
-        q_start = tl.load(query_start_loc_ptr + req)
-        num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
-        seq_len = tl.load(seq_lens_ptr + req)
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mid_first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(mid_first <= tile, mid, lo)
+        hi = tl.where(mid_first <= tile, hi, mid - 1)
+    req = lo
+
+    # The three loads in one round trip (seq_len before the branch that may not need it).
+    q_start = tl.load(query_start_loc_ptr + req)
+    num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
     q_lo = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query of the tile in req
     if q_lo >= num_q:  # surplus tile (or a padding request with no tokens)
         return
