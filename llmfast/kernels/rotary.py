@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from torch.fx.experimental.symbolic_shapes import guard_or_false
-
 from llmfast.kernels.layer_switch import layer_kernels, layer_kernels_enabled
 from llmfast.kernels.ops import triton_interpret_enabled
 
@@ -47,7 +45,7 @@ def rotary_impl(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
         return rotary_reference(positions, x, cos_sin, rotate_sign)
     num_tokens, heads, head_dim = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if guard_or_false(num_tokens == 0):  # (eager only: a traced count is never known 0)
+    if type(num_tokens) is int and num_tokens == 0:  # eager only (traced: a SymInt, never 0)
         return out
     half = head_dim // 2
     kernel = layer_kernels().rotary_kernel
