@@ -12,8 +12,8 @@
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
 #     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh
 #
-# Steps: arguments, else GPU_CHECK_STEPS, else "modes async startup kernels kernels64
-# load sweep full" (call 1 of the plan below). Each has a
+# Steps: arguments, else GPU_CHECK_STEPS, else "full modes diag kernels async startup
+# sweep" (call 1 of the plan below). Each has a
 # time limit, and an estimate (warm machine, cold compile caches; GPU_CHECK_QUICK's in
 # brackets) used to keep one call within GPU_CHECK_BUDGET_S (default 560; one device call
 # may run 600 s): a step that would not fit in what is left is skipped with a SKIPPED
@@ -91,16 +91,20 @@
 # results while the next runs); a later call starts a bare machine (cold caches).
 # GPU_CHECK_QUICK=1 trims modes (B=1,64,256; eager, graphs, full, linears), async (two
 # repeats) and kernels (the bars' rows only: B=1,8,64 x 512/8k, prefill 2k/8k, one
-# mixed batch). The plan, from the 2026-11-26 timings (profiles/h200-2026-11-26-gpu-check.md):
-#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh modes async startup kernels kernels64 load sweep full
-#        every issue's headline bar again (est. 45+45+120+60+30+45+40+100 = 485 s of 560;
-#        measured ~300 s): what does not fit is SKIPPED and remembered on the machine
-#   2. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s - 60> ... gpu_check.sh \
-#        skipped async_tests profile throughput fp8 kvfp8
+# mixed batch). The plan, from the 2026-11-26 timings (profiles/h200-2026-11-26-gpu-check.md,
+# profiles/h200-2026-11-26b-gpu-check.md; machines start in ~30 s, but each call after
+# the machine went back starts a fresh one with cold caches):
+#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh full modes diag kernels async startup sweep
+#        correctness first (the layer kernels and the attention kernel at B=17/256),
+#        then every issue's headline bar (measured 65+27+23+69+31+71+34 = 320 s on
+#        2026-11-26): what does not fit is SKIPPED and remembered on the machine
+#   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
+#        - 60> ... gpu_check.sh skipped throughput kernels64 load async_tests
 #        `skipped` = the steps the previous call of this machine skipped (a file under
-#        /tmp); then #16's sync-free proof and phase table, #18's 10x, the fp8 figures.
+#        /tmp); then #18's 10x, the split table, #16's sync-free proof.
 #   3. with what is left (no machine starts with < 4 min left; use it while warm):
-#        `tests`, `families`, `serve_procs serve`, `defaults`, as time allows.
+#        `decode_configs`, `fp8 kvfp8`, `tests`, `families`, `serve_procs serve`,
+#        `defaults`, as time allows.
 # Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s when that is under 620.
 # Compile caches persist between calls while the machine stays warm (LLMFAST_CACHE
 # below). What comes back of $OUT: report.md, verdicts.txt and results.tar.gz
@@ -132,7 +136,7 @@ export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
 decode_configs install_splits"
-if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-modes async startup kernels kernels64 load sweep full}; fi
+if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels async startup sweep}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
 # What a call skipped for lack of time, kept on the machine (it stays warm between calls)

@@ -78,6 +78,27 @@ def modes(out: Path) -> Iterator[Line]:
     yield from _modes_agreement(data.get("agreement"))
 
 
+def diag(out: Path) -> Iterator[Line]:
+    """#15 again from `diag` (full + linears only), and what its kernel traces show: the
+    step's kernel time and whether the norms and RoPE ran as llmfast's Triton kernels."""
+    data = _load(out, "diag_modes.json")
+    if data is None:
+        yield ("MISSING", "#15 diag: no diag_modes.json")
+        return
+    lat = data["latency_ms"]
+    for batch, bar in ((1, 1.25), (64, 1.3)):
+        full, floor = lat.get("full", {}).get(str(batch)), lat.get("linears", {}).get(str(batch))
+        yield _ratio_line("#15", f"diag: B={batch} full / linears",
+                          full / floor if full and floor else None, bar)
+    for trace in sorted((out / "traces").glob("full_B*_kernels.md")):
+        text = trace.read_text()
+        head = text.splitlines()[0].lstrip("# ") if text else ""
+        kernels = {name: text.count(f"`{name}") for name in
+                   ("rms_norm_kernel", "rotary_kernel", "memcpy32_post", "triton_red_fused")}
+        yield info(f"#15 diag: {head}; layer kernels in the trace: "
+                   + ", ".join(f"{k} {'yes' if n else 'no'}" for k, n in kernels.items()))
+
+
 # bf16 rounding moves a 1B model's logits by a few % of the largest (compiled vs eager,
 # measured on the CPU: 3 %); a decode that reads one context token less moves them 16 %.
 MODES_MAX_REL_DIFF = 0.1
@@ -430,7 +451,7 @@ def pytest_collected(step: str, out: Path) -> Iterator[Line]:
 
 
 STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
-    "modes": modes, "async": async_bench, "load": load, "startup": startup, "sweep": sweep,
+    "modes": modes, "diag": diag, "async": async_bench, "load": load, "startup": startup, "sweep": sweep,
     "throughput": throughput, "profile": profile, "kernels": kernels,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
     "fp8": lambda out: itertools.chain(pytest_step("fp8", out), fp8_modes(out)),
