@@ -260,7 +260,7 @@ for step in $STEPS; do
             # their files), measure the rest with the torch norms and RoPE rather than not
             # at all; any other failure leaves them on.
             if [[ ${STATUS[full]} == FAILED* && $DRY != 1 && -z ${LLMFAST_LAYER_KERNELS:-} ]] \
-                && grep -Eq 'test_layer_kernels\.py::[a-z_]+ FAILED|llmfast/kernels/(rms_norm|rotary|triton_ops|layer_kernels|layer_switch)\.py' \
+                && grep -Eq 'test_layer_kernels\.py::[a-z_]+ FAILED|llmfast/kernels/layers/' \
                     "$OUT/full.log"; then
                 export LLMFAST_LAYER_KERNELS=0
                 echo "NOTE     full failed in the layer kernels: the steps after it run with" \

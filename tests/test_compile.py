@@ -160,7 +160,7 @@ def test_compile_cache_key_changes_with_inputs(monkeypatch):
     assert key == compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.bfloat16, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.float32, "cuda", CompileConfig())
-    from llmfast.kernels import layer_switch  # LLMFAST_LAYER_KERNELS=0: other pieces
+    from llmfast.kernels.layers import switch as layer_switch  # LLMFAST_LAYER_KERNELS=0: other pieces
 
     monkeypatch.setattr(layer_switch, "_ENABLED", not layer_switch.layer_kernels_enabled())
     assert key != compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())

@@ -1,5 +1,5 @@
 """The decoder's RMSNorm (with and without the residual add) and RoPE Triton kernels
-(kernels/layer_kernels.py), run under the Triton interpreter in a child process, against
+(kernels/layers/triton_kernels.py), run under the Triton interpreter in a child process, against
 float64 oracles written out here and against the torch references the CPU path runs.
 Plus: the ops register only when asked (no Inductor/Dynamo import at model import), and
 eager CPU calls take the torch reference."""
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from llmfast.kernels import rms_norm as norm_ops
-from llmfast.kernels import rotary as rotary_ops
+from llmfast.kernels.layers import rms_norm as norm_ops
+from llmfast.kernels.layers import rotary as rotary_ops
 from tests.test_attention_kernels import _serve, interpreter_child
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8}
@@ -151,8 +151,8 @@ def test_ops_trace_to_triton_kernels_with_an_unbacked_token_count(monkeypatch):
     from torch._dynamo.decorators import mark_unbacked
 
     from llmfast.kernels.launch.offline_target import offline_hopper
-    from llmfast.kernels.layer_switch import layer_kernels
-    from llmfast.kernels.triton_ops import register_triton_ops
+    from llmfast.kernels.layers.switch import layer_kernels
+    from llmfast.kernels.layers.triton_ops import register_triton_ops
 
     if torch.cuda.is_available():
         pytest.skip("the gpu tests compile the model for real")
@@ -208,11 +208,11 @@ def test_model_import_does_not_register_the_triton_ops():
     code = ("import sys, torch, llmfast.models.decoder\n"
             "assert 'torch._dynamo' not in sys.modules and 'triton' not in sys.modules\n"
             "assert not hasattr(torch.ops.llmfast, 'rms_norm')\n"
-            "from llmfast.kernels.triton_ops import register_triton_ops\n"
+            "from llmfast.kernels.layers.triton_ops import register_triton_ops\n"
             "register_triton_ops(); register_triton_ops()\n"
             "x = torch.randn(2, 8); w = torch.ones(8)\n"
             "out = torch.ops.llmfast.rms_norm(x, w, 1e-6)\n"
-            "from llmfast.kernels.rms_norm import rms_norm_reference\n"
+            "from llmfast.kernels.layers.rms_norm import rms_norm_reference\n"
             "assert torch.equal(out, rms_norm_reference(x, w, 1e-6))\n"
             "n, r = torch.ops.llmfast.add_rms_norm(x, x, w, 1e-6)\n"
             "assert torch.equal(r, x + x)\n")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from llmfast.config import CompileConfig, ModelConfig, dtype_name
-from llmfast.kernels.layer_switch import layer_kernels_enabled
+from llmfast.kernels.layers.switch import layer_kernels_enabled
 from llmfast.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def compile_cache_key(
         "splitting_ops": sorted(compile_config.splitting_ops),
         "llmfast": source_hash(),
         # Inside the same op nodes, the layers' triton ops trace to llmfast's kernels or
-        # to torch ops (kernels/layer_switch.py): Inductor's cache keys cannot tell.
+        # to torch ops (kernels/layers/switch.py): Inductor's cache keys cannot tell.
         "layer_kernels": layer_kernels_enabled(),
     }
     blob = json.dumps(fields, sort_keys=True, default=str).encode()

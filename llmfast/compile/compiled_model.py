@@ -38,7 +38,7 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile.backend import PiecewiseBackend
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key
 from llmfast.compile.stats import CompileStats
-from llmfast.kernels.triton_ops import register_triton_ops
+from llmfast.kernels.layers.triton_ops import register_triton_ops
 from llmfast.config import CompileConfig, CudaGraphMode
 from llmfast.graphs.capture_context import CaptureStream, graph_capture
 from llmfast.graphs.dispatch import GraphDispatcher

@@ -24,7 +24,7 @@ from llmfast.config import ModelConfig
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
-from llmfast.kernels.rms_norm import add_rms_norm_impl, rms_norm_impl  # (and its ops)
+from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl  # (and its ops)
 from llmfast.models.parallel_layers import (
     gather_logits,
     row_parallel_linear,
@@ -36,7 +36,7 @@ from llmfast.models.sharding import rank_model_config, vocab_shard
 
 class RMSNorm(nn.Module):
     """weight * rms_norm(x), or with `residual`: (weight * rms_norm(x + residual),
-    x + residual). One Triton kernel on CUDA (kernels/rms_norm.py), HF's numerics."""
+    x + residual). One Triton kernel on CUDA (kernels/layers/rms_norm.py), HF's numerics."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

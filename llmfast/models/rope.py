@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from llmfast.config import RopeScaling
-from llmfast.kernels.rotary import rotary_impl  # (and its op)
+from llmfast.kernels.layers.rotary import rotary_impl  # (and its op)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -110,7 +110,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [num_tokens, heads, head_dim] by each token's position. The caller
         passes queries and keys together (one pass instead of two). One Triton kernel on
-        CUDA (kernels/rotary.py); compiled graphs record the op, eager calls skip its
+        CUDA (kernels/layers/rotary.py); compiled graphs record the op, eager calls skip its
         dispatcher."""
         rotate = torch.ops.llmfast.rotary_embedding if torch.compiler.is_compiling() else rotary_impl
         return rotate(positions, x, self.cos_sin, self.rotate_sign)

@@ -11,9 +11,9 @@ import functools
 
 import torch
 
-from llmfast.kernels.layer_switch import layer_kernels, layer_kernels_enabled
-from llmfast.kernels.rms_norm import add_rms_norm_impl, rms_norm_impl
-from llmfast.kernels.rotary import rotary_impl
+from llmfast.kernels.layers.switch import layer_kernels, layer_kernels_enabled
+from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
+from llmfast.kernels.layers.rotary import rotary_impl
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Rotary embedding of queries and keys as one Triton kernel per call, called by
-compiled code as the triton op `llmfast::rotary_embedding` (kernels/triton_ops.py:
+compiled code as the triton op `llmfast::rotary_embedding` (kernels/layers/triton_ops.py:
 Inductor launches the kernel from its compiled piece). Left to Inductor, the rotation was three to five kernels on CUDA: the cos and
 sin gathers, a float32 copy of the input and the rotation apart.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from llmfast.kernels.layer_switch import layer_kernels, layer_kernels_enabled
+from llmfast.kernels.layers.switch import layer_kernels, layer_kernels_enabled
 from llmfast.kernels.ops import triton_interpret_enabled
 
 

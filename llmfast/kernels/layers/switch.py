@@ -6,7 +6,7 @@ as it can): a switch for comparing the two and for working around a kernel, read
 per process.
 
 Both are plain module globals once set: Dynamo traces the triton ops' bodies that ask
-(kernels/triton_ops.py sets them before tracing), and reads a global as a constant where
+(layers/triton_ops.py sets them before tracing), and reads a global as a constant where
 a cached function's wrapper would be one more thing to trace.
 """
 
@@ -27,10 +27,10 @@ def layer_kernels_enabled() -> bool:
 
 
 def layer_kernels() -> ModuleType:
-    """llmfast.kernels.layer_kernels (imports Triton: not before a kernel is needed)."""
+    """llmfast.kernels.layers.triton_kernels (imports Triton: not before a kernel is needed)."""
     global _KERNELS
     if _KERNELS is None:
-        from llmfast.kernels import layer_kernels as module
+        from llmfast.kernels.layers import triton_kernels as module
 
         _KERNELS = module
     return _KERNELS

@@ -1,7 +1,7 @@
 """RMSNorm, with or without the residual add before it, as one Triton kernel per call.
 
 Compiled code calls them as the triton ops `llmfast::rms_norm` and `llmfast::add_rms_norm`
-(kernels/triton_ops.py): Inductor sees through a triton op to its kernel and launches it
+(kernels/layers/triton_ops.py): Inductor sees through a triton op to its kernel and launches it
 from the compiled piece itself.
 Left to Inductor, the norm was two kernels on CUDA (a looped sum-of-squares reduction,
 then a pointwise kernel: 2048 columns are past its persistent-reduction limit) and the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmfast.kernels.layer_switch import layer_kernels, layer_kernels_enabled
+from llmfast.kernels.layers.switch import layer_kernels, layer_kernels_enabled
 from llmfast.kernels.ops import triton_interpret_enabled
 
 _MAX_COLS = 16384  # one row per program, held whole in registers
