@@ -78,13 +78,19 @@ class LLMEngine:
         # tensor-parallel rank (mp, ray). Workers boot while the tokenizer loads; they
         # are stopped if the rest of start-up fails.
         self.executor: Executor = create_executor(config, source, progress=progress)
+        # Start-up seconds of the engine's own stages (the runner keeps its own).
+        self._startup_times: dict[str, float] = {}
         try:
+            t0 = time.perf_counter()
             self.eos_token_ids = self._load_tokenizer()
+            self._startup_times["tokenizer"] = time.perf_counter() - t0
             num_blocks = self.executor.initialize(self.eos_token_ids, progress)
         except BaseException:
             self.executor.shutdown()
             raise
+        t0 = time.perf_counter()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self._startup_times["scheduler"] = time.perf_counter() - t0
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.async_scheduling = config.scheduler.async_scheduling
@@ -135,8 +141,9 @@ class LLMEngine:
 
     @property
     def startup_times(self) -> dict[str, float]:
-        """Seconds per start-up stage of the model runner (rank 0's with workers)."""
-        return self.executor.startup_times
+        """Seconds per start-up stage: the model runner's (rank 0's with workers), then
+        the engine's own (tokenizer, scheduler)."""
+        return {**self.executor.startup_times, **self._startup_times}
 
     @property
     def runner_info(self) -> RunnerInfo:

@@ -140,7 +140,8 @@ def _check_startup_report(result, out_json) -> dict:
     for which in ("cold", "warm"):
         run = startup[which]
         assert set(run) == STARTUP_RUN_KEYS, which
-        assert {"load", "kv_cache"} <= set(run["stages"])
+        # The runner's stages and the engine's (tokenizer, scheduler): what "other" is not.
+        assert {"load", "setup", "tokenizer", "kv_cache", "scheduler"} <= set(run["stages"])
         assert run["device"] == "cpu" and run["device_facts"] == {"device": "cpu"}
         # Spawn -> first token covers the imports, the engine and the first step.
         assert run["time_to_first_token_s"] >= run["import_s"] + run["engine_s"]

@@ -128,9 +128,12 @@ def latency_table(result: dict) -> Table:
 
 
 STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load weights"),
+                ("setup", "runner buffers + compiler set-up"),
+                ("tokenizer", "load tokenizer"),
                 ("tune", "tune prefill tiles (once per GPU)"),
                 ("profile", "profile memory"), ("compile", "compile"),
-                ("capture", "capture CUDA graphs"), ("kv_cache", "allocate KV cache"))
+                ("capture", "capture CUDA graphs"), ("kv_cache", "allocate KV cache"),
+                ("scheduler", "scheduler + KV block pool"))
 
 
 def startup_table(report: dict) -> Table:
@@ -150,7 +153,7 @@ def startup_table(report: dict) -> Table:
         if key in cold["stages"] or key in warm["stages"]:
             row(label, cold["stages"].get(key), warm["stages"].get(key))
     workers = "join_group" in cold["stages"]  # rank 0's stages; the ranks start in parallel
-    row("other (config, buffers, gc" + ("; the workers' start)" if workers else ")"),
+    row("other (config, gc" + ("; the workers' start)" if workers else ")"),
         cold["engine_s"] - sum(cold["stages"].values()),
         warm["engine_s"] - sum(warm["stages"].values()))
     row("engine (all of LLM(...))", cold["engine_s"], warm["engine_s"])

@@ -99,6 +99,7 @@ class ModelRunner:
             ram = physical_memory_bytes()
             prepack_linears(self.model, None if ram is None else ram // 4)
         self.startup_times["load"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.vocab_size = source.config.vocab_size
 
         # The persistent buffers the model reads (filled by StepInputs.prepare), also by
@@ -132,6 +133,9 @@ class ModelRunner:
         self.capture_inputs = CaptureInputs(self.inputs, self.input_batch, self.model,
                                             self.compiled)
         self.num_blocks = 0
+        # The persistent buffers, and the compiler's set-up (its imports: Dynamo, and
+        # Inductor for the layers' triton ops).
+        self.startup_times["setup"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ start-up
 

@@ -27,8 +27,10 @@ from typing import Any
 
 from llmfast.bench.workload import BenchError
 
-# The runner's stages, in start-up order (ModelRunner.startup_times' keys).
-STARTUP_STAGES = ("load", "tune", "profile", "compile", "capture", "kv_cache")
+# The stages, in start-up order (LLMEngine.startup_times' keys: the runner's, then the
+# engine's tokenizer and scheduler).
+STARTUP_STAGES = ("load", "setup", "tokenizer", "tune", "profile", "compile", "capture",
+                  "kv_cache", "scheduler")
 
 
 @dataclass
