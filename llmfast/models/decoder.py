@@ -23,8 +23,8 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.config import ModelConfig
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
+from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
-from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl  # (and its ops)
 from llmfast.models.parallel_layers import (
     gather_logits,
     row_parallel_linear,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from llmfast.config import RopeScaling
-from llmfast.kernels.layers.rotary import rotary_impl  # (and its op)
+from llmfast.kernels.layers.rotary import rotary_impl
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
