@@ -38,13 +38,13 @@ from llmfast.attention_metadata import AttentionMetadata
 from llmfast.compile.backend import PiecewiseBackend
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key
 from llmfast.compile.stats import CompileStats
-from llmfast.kernels.layers.triton_ops import register_triton_ops
 from llmfast.config import CompileConfig, CudaGraphMode
 from llmfast.graphs.capture_context import CaptureStream, graph_capture
 from llmfast.graphs.dispatch import GraphDispatcher
 from llmfast.graphs.full import FullGraphRunner
 from llmfast.graphs.piecewise import CudaGraphCapturer, EmulatedGraphCapturer, GraphCaptureState
 from llmfast.graphs.sizes import capture_sizes
+from llmfast.kernels.layers.triton_ops import register_triton_ops
 
 # `full_forward(size, dummy)` -> (fn, inputs): a closure running the whole forward and
 # lm_head at `size` tokens/request rows from the runner's persistent buffers, and those

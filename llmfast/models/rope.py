@@ -112,5 +112,6 @@ class RotaryEmbedding(nn.Module):
         passes queries and keys together (one pass instead of two). One Triton kernel on
         CUDA (kernels/layers/rotary.py); compiled graphs record the op, eager calls skip its
         dispatcher."""
-        rotate = torch.ops.llmfast.rotary_embedding if torch.compiler.is_compiling() else rotary_impl
+        compiling = torch.compiler.is_compiling()
+        rotate = torch.ops.llmfast.rotary_embedding if compiling else rotary_impl
         return rotate(positions, x, self.cos_sin, self.rotate_sign)

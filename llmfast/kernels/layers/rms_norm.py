@@ -1,9 +1,8 @@
 """RMSNorm, with or without the residual add before it, as one Triton kernel per call.
 
-Compiled code calls them as the triton ops `llmfast::rms_norm` and `llmfast::add_rms_norm`
-(kernels/layers/triton_ops.py): Inductor sees through a triton op to its kernel and launches it
-from the compiled piece itself.
-Left to Inductor, the norm was two kernels on CUDA (a looped sum-of-squares reduction,
+Compiled code calls them as the triton ops `llmfast::rms_norm` and
+`llmfast::add_rms_norm` (kernels/layers/triton_ops.py): Inductor sees through a triton op
+to its kernel and launches it from the compiled piece itself. Left to Inductor, the norm was two kernels on CUDA (a looped sum-of-squares reduction,
 then a pointwise kernel: 2048 columns are past its persistent-reduction limit) and the
 residual add went into the GEMM before it as an addmm, whose cuBLAS call copies the
 residual first (`memcpy32_post`): four launches a norm where one does.
@@ -18,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmfast.kernels.layers.switch import layer_kernels, layer_kernels_enabled
-from llmfast.kernels.ops import triton_interpret_enabled
+from llmfast.kernels.layers.switch import launchable, takes_layer_kernels
 
 _MAX_COLS = 16384  # one row per program, held whole in registers
 
@@ -34,8 +32,7 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # Static properties only: under torch.compile Dynamo traces this (the triton op's
     # body) with the token count an unbacked symbol, and a branch on it cannot be traced.
     return (
-        (x.is_cuda or triton_interpret_enabled()) and layer_kernels_enabled()
-        and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+        takes_layer_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
         and weight.dtype == x.dtype and x.shape[-1] <= _MAX_COLS
     )
 
@@ -45,11 +42,8 @@ def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
     if type(rows) is int and rows == 0:  # eager only (traced: a SymInt, never 0)
         return
     block = 1 << (cols - 1).bit_length()
-    kernel = layer_kernels().rms_norm_kernel
-    if not triton_interpret_enabled():  # wrapped, so that Dynamo and Inductor trace it
-        kernel = torch.library.wrap_triton(kernel)
     add = residual is not None
-    kernel[(rows,)](
+    launchable("rms_norm_kernel")[(rows,)](
         x, residual, weight, out, residual_out,  # (None: the residual pointers unused)
         x.stride(0), residual.stride(0) if add else 0, out.stride(0),
         residual_out.stride(0) if add else 0, cols, eps,

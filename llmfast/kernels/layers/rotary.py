@@ -1,7 +1,8 @@
 """Rotary embedding of queries and keys as one Triton kernel per call, called by
 compiled code as the triton op `llmfast::rotary_embedding` (kernels/layers/triton_ops.py:
-Inductor launches the kernel from its compiled piece). Left to Inductor, the rotation was three to five kernels on CUDA: the cos and
-sin gathers, a float32 copy of the input and the rotation apart.
+Inductor launches the kernel from its compiled piece). Left to Inductor, the rotation
+was three to five kernels on CUDA: the cos and sin gathers, a float32 copy of the input
+and the rotation apart.
 
 Numerics: the input rotated in float32 with the float32 cos/sin table, rounded once to
 the input's dtype (the torch reference, models/rope.py, and HF do the same). On CPU
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from llmfast.kernels.layers.switch import layer_kernels, layer_kernels_enabled
-from llmfast.kernels.ops import triton_interpret_enabled
+from llmfast.kernels.layers.switch import launchable, takes_layer_kernels
 
 
 def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
@@ -31,9 +31,7 @@ def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Te
 
 def _kernel_takes(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
     # Static properties only (traced by Dynamo under torch.compile: see rms_norm.py).
-    return ((x.is_cuda or triton_interpret_enabled()) and layer_kernels_enabled()
-            and x.dim() == 3
-            and x.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    return (takes_layer_kernels(x) and x.dim() == 3 and x.stride(-1) == 1 and cos_sin.stride(-1) == 1
             and cos_sin.dtype == torch.float32 and x.shape[-1] % 2 == 0)
 
 
@@ -48,11 +46,8 @@ def rotary_impl(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
     if type(num_tokens) is int and num_tokens == 0:  # eager only (traced: a SymInt, never 0)
         return out
     half = head_dim // 2
-    kernel = layer_kernels().rotary_kernel
-    if not triton_interpret_enabled():  # wrapped, so that Dynamo and Inductor trace it
-        kernel = torch.library.wrap_triton(kernel)
     heads_p, half_p = 1 << (heads - 1).bit_length(), 1 << (half - 1).bit_length()
-    kernel[(num_tokens,)](
+    launchable("rotary_kernel")[(num_tokens,)](
         x, positions, cos_sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         cos_sin.stride(0), heads, HALF=half, HALF_P=half_p, HEADS_P=heads_p,
         num_warps=max(1, min(8, heads_p * half_p // 512)),

@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+import torch
+
+from llmfast.kernels.ops import triton_interpret_enabled, use_triton
+
 _ENABLED: bool | None = None
 _KERNELS: ModuleType | None = None
 
@@ -34,3 +38,17 @@ def layer_kernels() -> ModuleType:
 
         _KERNELS = module
     return _KERNELS
+
+
+def takes_layer_kernels(x: torch.Tensor) -> bool:
+    """Whether `x`'s device runs the layers' Triton kernels (CUDA, or the interpreter) and
+    they are on. A static property of `x`: Dynamo traces this in the ops' bodies."""
+    return use_triton(x) and layer_kernels_enabled()
+
+
+def launchable(name: str):
+    """The layers' Triton kernel `name`, wrapped (`torch.library.wrap_triton`) so that
+    Dynamo and Inductor trace its launch; as is under the interpreter, whose kernels
+    wrap_triton does not take."""
+    kernel = getattr(layer_kernels(), name)
+    return kernel if triton_interpret_enabled() else torch.library.wrap_triton(kernel)
