@@ -65,10 +65,7 @@ def modes(out: Path) -> Iterator[Line]:
     def ms(mode: str, batch: int) -> float | None:
         return lat.get(mode, {}).get(str(batch))
 
-    for batch, bar in ((1, 1.25), (64, 1.3)):
-        full, floor = ms("full", batch), ms("linears", batch)
-        value = full / floor if full and floor else None
-        yield _ratio_line("#15", f"modes: B={batch} full / linears", value, bar)
+    yield from _full_over_linears(lat, "modes")
     full, eager = ms("full", 1), ms("eager", 1)
     yield _ratio_line("#15", "modes: B=1 eager / full (speed-up)",
                       eager / full if full and eager else None, 6.0, at_most=False)
@@ -78,6 +75,15 @@ def modes(out: Path) -> Iterator[Line]:
     yield from _modes_agreement(data.get("agreement"))
 
 
+def _full_over_linears(lat: dict, step: str) -> Iterator[Line]:
+    """#15's bars on a bench_modes latency table: full <= 1.25x linears at B=1, <= 1.3x
+    at B=64."""
+    for batch, bar in ((1, 1.25), (64, 1.3)):
+        full, floor = lat.get("full", {}).get(str(batch)), lat.get("linears", {}).get(str(batch))
+        yield _ratio_line("#15", f"{step}: B={batch} full / linears",
+                          full / floor if full and floor else None, bar)
+
+
 def diag(out: Path) -> Iterator[Line]:
     """#15 again from `diag` (full + linears only), and what its kernel traces show: the
     step's kernel time and whether the norms and RoPE ran as llmfast's Triton kernels."""
@@ -85,11 +91,7 @@ def diag(out: Path) -> Iterator[Line]:
     if data is None:
         yield ("MISSING", "#15 diag: no diag_modes.json")
         return
-    lat = data["latency_ms"]
-    for batch, bar in ((1, 1.25), (64, 1.3)):
-        full, floor = lat.get("full", {}).get(str(batch)), lat.get("linears", {}).get(str(batch))
-        yield _ratio_line("#15", f"diag: B={batch} full / linears",
-                          full / floor if full and floor else None, bar)
+    yield from _full_over_linears(data["latency_ms"], "diag")
     for trace in sorted((out / "traces").glob("full_B*_kernels.md")):
         text = trace.read_text()
         head = text.splitlines()[0].lstrip("# ") if text else ""
@@ -451,8 +453,8 @@ def pytest_collected(step: str, out: Path) -> Iterator[Line]:
 
 
 STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
-    "modes": modes, "diag": diag, "async": async_bench, "load": load, "startup": startup, "sweep": sweep,
-    "throughput": throughput, "profile": profile, "kernels": kernels,
+    "modes": modes, "diag": diag, "async": async_bench, "load": load, "startup": startup,
+    "sweep": sweep, "throughput": throughput, "profile": profile, "kernels": kernels,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
     "fp8": lambda out: itertools.chain(pytest_step("fp8", out), fp8_modes(out)),
     "kvfp8": lambda out: itertools.chain(pytest_step("kvfp8", out), kvfp8_kernels(out)),
