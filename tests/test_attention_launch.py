@@ -47,13 +47,19 @@ def call(inputs, **kw):
     attention.unified_attention(q, k_cache, k_cache, table, qsl, seq_lens, 0.1, out, **kw)
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
-    monkeypatch.setattr(attention, "_ATTENTION_LAUNCHES",
-                        launch_cache.LaunchCache(attention._unified_attention_kernel))
+def _record_launches(monkeypatch, module, cache_name: str, kernel):
+    """Fixture body: `module`'s launches of `kernel` through a fresh LaunchCache,
+    recorded by the offline sm_90 target (launchability check off)."""
+    monkeypatch.setattr(module, "check_launchable", lambda *args: None)
+    monkeypatch.setattr(module, cache_name, launch_cache.LaunchCache(kernel))
     with offline_hopper(record_launches=True) as launches:
         yield launches
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    yield from _record_launches(monkeypatch, attention, "_ATTENTION_LAUNCHES",
+                                attention._unified_attention_kernel)
 
 
 def same_launch(a: tuple, b: tuple) -> bool:
@@ -206,11 +212,8 @@ def kv_write_inputs(num_tokens, k_offset=0, heads=8, cache_dtype=torch.bfloat16,
 
 @pytest.fixture
 def recorded_kv_write(monkeypatch):
-    monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
-    monkeypatch.setattr(kv_write, "_KV_WRITE_LAUNCHES",
-                        launch_cache.LaunchCache(kv_write._reshape_and_cache_kernel))
-    with offline_hopper(record_launches=True) as launches:
-        yield launches
+    yield from _record_launches(monkeypatch, kv_write, "_KV_WRITE_LAUNCHES",
+                                kv_write._reshape_and_cache_kernel)
 
 
 def test_kv_write_planned_launch_passes_what_the_jit_launch_passes(recorded_kv_write,
