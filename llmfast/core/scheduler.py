@@ -73,6 +73,20 @@ class SchedulerStats:
     kv_cache_usage: float  # fraction of usable blocks held
 
 
+def _append_token(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Append one sampled token to `request`; the status it finishes with, if any: a stop
+    token past min_tokens, else max_tokens or the model's length reached."""
+    out_ids = request.output_token_ids
+    out_ids.append(token)
+    request.all_token_ids.append(token)
+    num_out = len(out_ids)
+    if token in request.stop_token_set and num_out > request.min_tokens:
+        return _STOPPED
+    if num_out >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
+        return _LENGTH
+    return None
+
+
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
@@ -323,19 +337,10 @@ class Scheduler:
             if request.num_output_placeholders < 1:
                 raise RuntimeError(f"request {rid}: a token arrived that was never scheduled")
             request.num_output_placeholders -= 1
-            all_ids = request.all_token_ids
-            out_ids = request.output_token_ids
             if len(sampled) == 1:  # a decode step's one token: the loop below, unrolled
-                token = sampled[0]
+                status = _append_token(request, sampled[0], max_model_len)
                 logprobs = None if all_logprobs is None else all_logprobs[idx][:1]
-                out_ids.append(token)
-                all_ids.append(token)
-                num_out = len(out_ids)
-                if token in request.stop_token_set and num_out > request.min_tokens:
-                    status = _STOPPED
-                elif num_out >= request.max_tokens or len(all_ids) >= max_model_len:
-                    status = _LENGTH
-                else:
+                if status is None:
                     updates.append(RequestUpdate(rid, sampled, None, logprobs))
                     continue
                 updates.append(RequestUpdate(rid, sampled, status.finish_reason, logprobs))
@@ -344,17 +349,10 @@ class Scheduler:
             status = None
             num_accepted = 0
             for token in sampled:
-                out_ids.append(token)
-                all_ids.append(token)
                 num_accepted += 1
-                num_out = len(out_ids)
-                if token in request.stop_token_set and num_out > request.min_tokens:
-                    status = _STOPPED
-                elif num_out >= request.max_tokens or len(all_ids) >= max_model_len:
-                    status = _LENGTH
-                else:
-                    continue
-                break
+                status = _append_token(request, token, max_model_len)
+                if status is not None:
+                    break
             new_ids = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
             logprobs = None
             if all_logprobs is not None:
