@@ -283,6 +283,42 @@ def check_full_graph_decode(dtype: str, contexts: list[int], padded: int,
     check_step(b, _dtype(dtype))
 
 
+# Decodes (1 and 2 query tokens: speculative rows) over long and short contexts, one
+# request one token past the decode region's 2-token tiles (the query tiles take it),
+# prefill chunks over a prefix and fresh, a decode whose only key is its own.
+REGION_MIX = [(150, 1), (20, 13), (70, 2), (33, 3), (0, 9), (0, 1), (95, 1)]
+
+
+def check_decode_region(dtype: str, region_splits: int, min_split_tiles: int = 1,
+                        prefill_block_q: int = 8):
+    """A prefill-like launch whose decodes run in the decode region (2-token tiles,
+    `region_splits` KV splits merged in the launch) beside 8-token query tiles: every
+    row matches the reference, and the region's counters are zero again afterwards."""
+    group = 2
+    b = make_batch(REGION_MIX, num_heads=2 * group, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype=_dtype(dtype), pad_tokens=3, pad_reqs=1)
+    region = attention.DecodeRegion(block_q=2, block_n=16, num_splits=region_splits)
+    config = attention.AttentionConfig(prefill_block_q, 16, 1, num_warps=4, num_stages=2,
+                                       min_split_tiles=min_split_tiles, decode_region=region)
+    num_tokens, num_reqs = b["q"].shape[0], b["seq_lens"].shape[0]
+    plan = attention._plan(b["q"], b["k_cache"], b["v_cache"], b["block_table"],
+                           b["q"], num_reqs, None, None, True, None, config)
+    main_tiles = num_tokens // prefill_block_q + num_reqs
+    assert plan.grid == (main_tiles + num_reqs * region_splits, 2, 1), plan.grid
+    assert plan.partials_shape[:2] == (region_splits, num_reqs * 2)
+    check_step(b, _dtype(dtype), config=config)
+    if region_splits > 1:
+        k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+        owner = AttentionWorkspaces([k_cache])
+        attention.reshape_and_cache(b["k"], b["v"], k_cache, v_cache, b["slot_mapping"])
+        attention.unified_attention(
+            b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
+            b["scale"], torch.empty_like(b["q"]), config=config)
+        counters = owner.arrivals(b["q"].device, plan.num_arrivals)
+        assert owner.num_arrival_buffers == 1
+        assert not counters.any(), counters
+
+
 # Prefill chunks ending one before, at and one past a tile edge (16 keys, 16 rows), over
 # no prefix and over a prefix of one and of two key tiles minus one, plus a decode.
 TILE_EDGES = [(0, 15), (0, 17), (16, 16), (31, 2), (40, 1)]
@@ -406,6 +442,14 @@ def test_full_graph_decode_with_padding_rows_and_max_len_splits(interpreter, dty
                 max_model_len=4096)
 
 
+@pytest.mark.parametrize("dtype, region_splits, min_split_tiles", [
+    ("float32", 1, 1), ("float32", 4, 1), ("bfloat16", 8, 2),
+])
+def test_decode_region_of_a_mixed_batch(interpreter, dtype, region_splits, min_split_tiles):
+    interpreter("check_decode_region", dtype=dtype, region_splits=region_splits,
+                min_split_tiles=min_split_tiles)
+
+
 def test_split_kv_mixed_batch(interpreter):
     # The split path is general: prefill tiles with causal masks split as well.
     interpreter(
@@ -473,6 +517,56 @@ def test_tiles_cover_every_token_once():
         assert sorted(seen) == list(range(starts[-1])), (block_q, counts)
 
 
+def test_decode_region_and_query_tiles_cover_every_token_once():
+    # Host replay of the kernel's two regions (attention_kernels.py): query tiles skip
+    # requests of <= dec_block_q tokens, the decode region takes exactly those; with
+    # dec_splits programs per request, only split 0's share of the rows is counted.
+    rng = random.Random(1)
+    for _ in range(200):
+        block_q = rng.choice([4, 8, 16, 32])
+        dec_block_q = rng.choice([1, 2, 4])
+        dec_splits = rng.choice([1, 2, 8])
+        counts = [rng.choice([0, 1, 1, 2, 3, 4, 5, 17, 40]) for _ in range(rng.randint(1, 9))]
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        num_tokens, num_reqs = starts[-1] + rng.randint(0, 5), len(counts)
+        num_tiles = num_tokens // block_q + num_reqs
+        seen = []
+        for program in range(num_tiles + num_reqs * dec_splits):
+            if program >= num_tiles:
+                req, split = divmod(program - num_tiles, dec_splits)
+                num_q = counts[req]
+                if num_q <= dec_block_q and split == 0:
+                    seen += [starts[req] + i for i in range(num_q)]
+                continue
+            tile = num_tiles - 1 - program
+            req = max(r for r in range(num_reqs) if starts[r] // block_q + r <= tile)
+            if counts[req] <= dec_block_q:
+                continue
+            q_lo = (tile - (starts[req] // block_q + req)) * block_q
+            seen += [starts[req] + i for i in range(q_lo, min(q_lo + block_q, counts[req]))]
+        assert sorted(seen) == list(range(starts[-1])), (block_q, dec_block_q, counts)
+
+
+def test_decode_region_config():
+    def cfg(num_tokens, num_reqs, ctx=2048, sms=132):
+        return attention.select_config(num_tokens, num_reqs, 32, 8, 128, 16, ctx // 16,
+                                       torch.bfloat16, sms)
+
+    mixed = cfg(2048 + 64, 65)
+    decode_alone = cfg(64, 64)
+    # The region is configured as the decodes' own launch would be.
+    assert mixed.decode_region == attention.DecodeRegion(
+        decode_alone.block_q, decode_alone.block_n, cfg(65, 65).num_splits)
+    assert mixed.num_splits == 1 and mixed.decode_region.block_q < mixed.block_q
+    assert cfg(2048, 1).decode_region is None  # one request: nothing to serve
+    assert cfg(64, 64).decode_region is None  # a decode launch is all decode tiles
+    # A few decodes at a long context split their keys, as they would alone.
+    few = cfg(4096 + 2, 3, ctx=8192)
+    assert few.decode_region.num_splits == cfg(3, 3, ctx=8192).num_splits > 1
+
+
 def test_split_heuristic():
     def cfg(num_reqs, ctx, num_tokens=None):
         return attention.select_config(
@@ -514,14 +608,18 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     # compiles them (PTX and cubin) for an H100 through the real launch path, with every
     # way of reading a tensor value on the host disabled.
     compiled = compile_launches_only(monkeypatch)
-    batches = [  # (num_tokens, num_reqs, num_splits, fused_merge): decode with splits
-        # (merged in the launch, or by the second kernel), without, prefill
-        (8, 8, 8, True), (8, 8, 8, False), (64, 64, 1, True), (512, 2, 1, True),
+    region = attention.AttentionConfig(32, 64, 1, 8, 3, decode_region=attention.DecodeRegion(
+        4, 128, 8))
+    batches = [  # (num_tokens, num_reqs, num_splits, fused_merge, config): decode with
+        # splits (merged in the launch, or by the second kernel), without, prefill, a
+        # mixed batch whose decode region splits
+        (8, 8, 8, True, None), (8, 8, 8, False, None), (64, 64, 1, True, None),
+        (512, 2, 1, True, None), (512, 9, None, True, region),
     ]
     with offline_hopper():
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
             monkeypatch.setattr(torch.Tensor, name, _no_host_read(name))
-        for num_tokens, num_reqs, num_splits, fused_merge in batches:
+        for num_tokens, num_reqs, num_splits, fused_merge, config in batches:
             q = torch.empty(num_tokens, 32, 128, dtype=torch.bfloat16)
             k = torch.empty(num_tokens, 8, 128, dtype=torch.bfloat16)
             k_cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
@@ -532,11 +630,11 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
             attention.reshape_and_cache(k, k, k_cache, k_cache, slots)
             attention.unified_attention(
                 q, k_cache, k_cache, block_table, qsl, seq_lens, 0.1, q, num_splits=num_splits,
-                fused_merge=fused_merge,
+                fused_merge=fused_merge, config=config,
             )
         monkeypatch.undo()
     names = [name for name, _ in compiled]
-    assert names.count("_unified_attention_kernel") == 4 and "_merge_splits_kernel" in names
+    assert names.count("_unified_attention_kernel") == 5 and "_merge_splits_kernel" in names
     for name, kernel in compiled:
         assert "cubin" in kernel.asm, name
         assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)

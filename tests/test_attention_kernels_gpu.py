@@ -86,6 +86,22 @@ def test_forced_splits_on_mixed_batch(num_splits):
     check(b, torch.bfloat16, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_region_splits_a_few_long_decodes_beside_a_chunk(dtype):
+    # Three decodes at 4-8k keys beside a chunk: the region splits their keys (as
+    # they would be alone), and rows of 2-4 query tokens take decode tiles too.
+    rng = random.Random(3)
+    reqs = [(2000, 700)] + decodes(3, 8192, rng, min_ctx=4096) + [(5000, 2), (90, 4)]
+    b = batch(reqs, pad_tokens=3, pad_reqs=1, dtype=dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_tokens, num_reqs = b["q"].shape[0], b["seq_lens"].shape[0]
+    cfg = attention.select_config(num_tokens, num_reqs, 32, 8, 128, 16,
+                                  b["block_table"].shape[1], dtype, sms,
+                                  attention._device_split_tables(b["q"].device))
+    assert cfg.decode_region is not None and cfg.decode_region.num_splits > 1, cfg
+    check(b, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_4096_tokens(dtype):
     check(batch([(0, 4096)], dtype=dtype), dtype)

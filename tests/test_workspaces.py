@@ -46,7 +46,7 @@ def _split_plan(**changes):
     k_cache = torch.empty(4, 16, 2, 64)
     table = torch.empty(1, 8, dtype=torch.int32)
     plan = attention._plan(q, k_cache, k_cache, table, q, 1, 4, None, True, None)
-    assert plan.splits == 4 and plan.fused
+    assert plan.scratch_splits == 4 and plan.fused
     return dataclasses.replace(plan, **changes)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from llmfast.kernels.attention_config import AttentionConfig, select_config
+from llmfast.kernels.attention_config import AttentionConfig, DecodeRegion, select_config
 from llmfast.kernels.attention_kernels import _merge_splits_kernel, _unified_attention_kernel
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
 from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
@@ -28,7 +28,7 @@ from llmfast.kernels.tuning.split_table import SplitTable, split_tables_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 from llmfast.utils.progress import Progress
 
-__all__ = ["AttentionConfig", "reshape_and_cache", "select_config", "tune_model_prefill_tiles",
+__all__ = ["AttentionConfig", "DecodeRegion", "reshape_and_cache", "select_config", "tune_model_prefill_tiles",
            "tune_prefill_tiles", "unified_attention"]
 
 _LOG2E = 1.4426950408889634
@@ -205,7 +205,7 @@ def unified_attention(
                                    num_splits, block_q, fused_merge, prefill_tiles, config)
     if not plan.is_cuda:
         check_launchable(_unified_attention_kernel, q)
-    if plan.splits > 1:
+    if plan.scratch_splits > 1:
         part_acc, part_max, part_sum, arrivals = _split_scratch(plan, k_cache)
         if arrivals is None:
             arrivals = out
@@ -222,7 +222,7 @@ def unified_attention(
     else:
         _ATTENTION_LAUNCHES.launch(plan.grid, tensors, scalars, plan.const_key,
                                    plan.constexprs, plan.strides)
-    if plan.splits > 1 and not plan.fused:
+    if plan.merge_kernel:
         _merge_splits_kernel[(num_tokens, q_shape[1])](
             out, part_acc, part_max, part_sum, query_start_loc,
             num_reqs, num_tokens, *out.stride(), **plan.merge_constexprs,
@@ -234,9 +234,14 @@ class _LaunchPlan:
     device: torch.device
     is_cuda: bool
     grid: tuple[int, int, int]
-    splits: int
-    fused: bool
-    partials_shape: tuple[int, int, int, int]  # (splits, num_tokens, num_heads, head_dim_p)
+    # KV splits whose partials the launch writes: the query tiles' (NUM_SPLITS), or
+    # with a decode region its DEC_SPLITS; 1: no scratch.
+    scratch_splits: int
+    merge_kernel: bool  # split partials merged by a second kernel (fused_merge=False)
+    fused: bool  # the launch merges its own splits (arrival counters)
+    # (splits, rows: num_tokens, or num_reqs * DEC_BLOCK_Q with a decode region,
+    # num_heads, head_dim_p)
+    partials_shape: tuple[int, int, int, int]
     # The partials and counters (or `out` in their place) are 16-byte aligned: only the
     # caller's tensors' addresses need reading per launch. Scratch comes from torch's
     # allocators (64-byte aligned on CPU, 512 on CUDA), so only the sum buffer, a view
@@ -272,6 +277,18 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     head_dim_p = max(16, next_pow2(head_dim))
     num_tiles = num_tokens // bq + num_reqs
     fused = splits > 1 and fused_merge
+    # The decode region: only beside unsplit query tiles (one partials layout per
+    # launch), and with split decodes only where the launch merges them itself.
+    region = cfg.decode_region
+    if region is not None and (splits > 1 or region.block_q >= bq
+                               or (region.num_splits > 1 and not fused_merge)):
+        region = None
+    if region is not None:
+        # Scratch rows per request, not per token (attention_kernels.py).
+        scratch_splits, scratch_rows = region.num_splits, num_reqs * region.block_q
+        region_programs = num_reqs * region.num_splits
+    else:
+        scratch_splits, scratch_rows, region_programs = splits, num_tokens, 0
     # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
     upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -286,21 +303,27 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     return _LaunchPlan(
         device=q.device,
         is_cuda=q.device.type == "cuda",
-        grid=(num_tiles, num_kv_heads, splits),
-        splits=splits,
-        fused=fused,
-        partials_shape=(splits, num_tokens, num_heads, head_dim_p),
-        scratch_aligned=splits == 1 or splits * num_tokens * num_heads % 4 == 0,
-        num_arrivals=num_tiles * num_kv_heads,
+        grid=(num_tiles + region_programs, num_kv_heads, splits),
+        scratch_splits=scratch_splits,
+        merge_kernel=splits > 1 and not fused,
+        fused=fused or (region is not None and region.num_splits > 1),
+        partials_shape=(scratch_splits, scratch_rows, num_heads, head_dim_p),
+        scratch_aligned=(scratch_splits == 1
+                         or scratch_splits * scratch_rows * num_heads % 4 == 0),
+        # Fused-merge counters: one per (query tile or decode request, kv head).
+        num_arrivals=(num_tiles + (num_reqs if region is not None else 0)) * num_kv_heads,
         strides=strides,
-        const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, upcast,
-                   dot_precision, convert_kv, specialization_key((), strides)),
+        const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, region,
+                   upcast, dot_precision, convert_kv, specialization_key((), strides)),
         constexprs=dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
                         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
                         BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
                         UPCAST=upcast, DOT_PRECISION=dot_precision, CONVERT_KV=convert_kv,
-                        MIN_SPLIT_TILES=cfg.min_split_tiles, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages),
+                        MIN_SPLIT_TILES=cfg.min_split_tiles, DECODE_REGION=region is not None,
+                        DEC_BLOCK_Q=region.block_q if region else 1,
+                        DEC_BLOCK_N=region.block_n if region else 16,
+                        DEC_SPLITS=region.num_splits if region else 1,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                               NUM_SPLITS=splits,
                               num_warps=4 if splits * head_dim_p > 2048 else 2),

@@ -15,6 +15,17 @@ from llmfast.kernels.tuning.split_table import SplitTable, find_table
 
 
 @dataclass(frozen=True)
+class DecodeRegion:
+    """How a prefill-like launch serves its decode requests (at most `block_q` query
+    tokens each): programs of their own with decode tiles, `num_splits` per request
+    (attention_kernels.py), instead of prefill-sized tiles that are mostly padding."""
+
+    block_q: int
+    block_n: int
+    num_splits: int
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     block_q: int  # query tokens per tile; rows per tile = block_q * next_pow2(group)
     block_n: int  # keys per inner-loop step
@@ -24,6 +35,8 @@ class AttentionConfig:
     # With the fused merge, splits hold at least this many key tiles of the *live*
     # context (attention_kernels.py): fewer splits than num_splits at short contexts.
     min_split_tiles: int = 2
+    # Prefill-like launches of several requests: the decode requests' programs.
+    decode_region: DecodeRegion | None = None
 
 
 def select_config(
@@ -81,7 +94,18 @@ def select_config(
             splits *= 2
         return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
     # Prefill-like: compute bound. One launch whatever the mix (chunks and decodes), no
-    # splits: the grid has a program per query tile already.
+    # splits: the grid has a program per query tile already. Decodes among the chunks
+    # get the decode region, configured as a decode launch of every request would be
+    # (the launch's two parts run apart take those tiles; the region's split count is
+    # what lets it match them at long decode contexts).
     tiles = prefill_tiles or heuristic_tiles(head_dim, dtype)
-    return AttentionConfig(max(1, tiles.block_m // group_p), tiles.block_n, 1,
-                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    block_q = max(1, tiles.block_m // group_p)
+    region = None
+    if num_reqs > 1:
+        decode = select_config(num_reqs, num_reqs, num_heads, num_kv_heads, head_dim,
+                               block_size, max_blocks_per_req, dtype, num_sms, split_tables,
+                               kv_dtype=kv_dtype)
+        if decode.block_q < block_q:
+            region = DecodeRegion(decode.block_q, decode.block_n, decode.num_splits)
+    return AttentionConfig(block_q, tiles.block_n, 1, num_warps=tiles.num_warps,
+                           num_stages=tiles.num_stages, decode_region=region)

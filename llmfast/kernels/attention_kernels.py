@@ -7,6 +7,14 @@ Design
   which bounds the total by `num_tokens // BLOCK_Q + num_reqs` (a host-known count). A
   program finds its request by binary search over query_start_loc inside the kernel, so
   the launch never reads a device value (CUDA-graph safe); surplus tiles exit at once.
+- Decode region (DECODE_REGION, prefill-like launches of several requests): a request
+  with at most DEC_BLOCK_Q query tokens (a decode among chunked prefills) is not given a
+  prefill-sized tile, most of whose rows would be padding (16x the tensor-core work at
+  64 rows per tile and a group of 4), but programs of its own past the query tiles:
+  DEC_SPLITS per request, each with decode-sized tiles (DEC_BLOCK_Q tokens,
+  DEC_BLOCK_N keys) over its share of the context, merged like a decode launch's. The
+  query tiles of such a request exit at once, and the region's programs of a longer
+  request. The program count stays host-known: query tiles + num_reqs * DEC_SPLITS.
 - GQA packing: a program holds BLOCK_Q tokens x all query heads of one kv head
   (BLOCK_M = BLOCK_Q * GROUP_P rows), so each K/V tile is loaded once per group.
 - The loop walks the context in BLOCK_N-key tiles, gathering physical blocks through the
@@ -120,12 +128,42 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+    DECODE_REGION: tl.constexpr, DEC_BLOCK_Q: tl.constexpr, DEC_BLOCK_N: tl.constexpr,
+    DEC_SPLITS: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    kv_head = tl.program_id(1)
+    # Query tiles of BLOCK_Q tokens (the main region); with DECODE_REGION, the programs
+    # past them are the decode region's, num_reqs x DEC_SPLITS of them (module doc).
+    num_tiles = num_tokens // BLOCK_Q + num_reqs
+    if DECODE_REGION:
+        if tl.program_id(0) >= num_tiles:
+            # Program num_tiles + r * DEC_SPLITS + s: request r's split s. E.g. 3
+            # requests, 2 splits, 40 main tiles: programs 40..45 = (r0 s0, r0 s1, r1 s0,
+            # r1 s1, r2 s0, r2 s1).
+            index = tl.program_id(0) - num_tiles
+            req = index // DEC_SPLITS
+            q_start = tl.load(query_start_loc_ptr + req)
+            num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
+            seq_len = tl.load(seq_lens_ptr + req)
+            if num_q > DEC_BLOCK_Q:  # the main region's request
+                return
+            _attend_query_tile(
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
+                block_table_ptr, req, q_start, num_q, seq_len, 0, kv_head,
+                index % DEC_SPLITS, num_tiles + req, req * DEC_BLOCK_Q, num_reqs * DEC_BLOCK_Q,
+                scale_log2,
+                stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+                stride_bt,
+                NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
+                DEC_BLOCK_Q, DEC_BLOCK_N, DEC_SPLITS, DEC_SPLITS > 1, UPCAST, DOT_PRECISION,
+                CONVERT_KV, MIN_SPLIT_TILES,
+            )
+            return
     # Highest tiles first: in a prefill they see the longest context, and starting the
     # longest programs first shortens the tail of the launch.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    tile = num_tiles - 1 - tl.program_id(0)
     split = tl.program_id(2)
 
     # Request r owns tiles [qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1): find the
@@ -144,7 +182,49 @@ def _unified_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
+    if DECODE_REGION:
+        if num_q <= DEC_BLOCK_Q:  # the decode region's request
+            return
     q_lo = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query of the tile in req
+    _attend_query_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
+        block_table_ptr, req, q_start, num_q, seq_len, q_lo, kv_head,
+        split, tile, q_start + q_lo, num_tokens, scale_log2,
+        stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+        stride_bt,
+        NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
+        BLOCK_Q, BLOCK_N, NUM_SPLITS, FUSED_MERGE, UPCAST, DOT_PRECISION,
+        CONVERT_KV, MIN_SPLIT_TILES,
+    )
+
+
+@triton.jit
+def _attend_query_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
+    block_table_ptr, req, q_start, num_q, seq_len, q_lo, kv_head,
+    split, counter_tile, part_first, part_rows, scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+):
+    """One program's share of attention: query tokens [q_lo, q_lo + BLOCK_Q) of request
+    `req` (starting at token q_start, num_q of them, seq_len keys with them) for the
+    query heads of `kv_head`, over KV split `split` of NUM_SPLITS.
+
+    With splits, the partials' token rows of this tile start at `part_first` of
+    `part_rows` (the main region: the token's own index of num_tokens; the decode
+    region: req * BLOCK_Q of num_reqs * BLOCK_Q, so its scratch scales with requests,
+    not with the launch's tokens), and the fused merge's counter is `counter_tile`'s."""
     if q_lo >= num_q:  # surplus tile (or a padding request with no tokens)
         return
     ctx_len = seq_len - num_q  # cached prefix before this step's tokens
@@ -168,6 +248,7 @@ def _unified_attention_kernel(
         tile_lo = 0
         tile_hi = num_kv_tiles
 
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Row m of the tile is token q_lo + m // GROUP_P, query head kv_head*GROUP + m % GROUP_P.
     offs_m = tl.arange(0, BLOCK_M)
     q_local = q_lo + offs_m // GROUP_P
@@ -186,7 +267,6 @@ def _unified_attention_kernel(
     )  # [BLOCK_M, HEAD_DIM_P]
     if UPCAST:
         q = q.to(tl.float32)
-
 
     # A finite floor instead of -inf keeps fully masked rows NaN-free: exp2(-inf - m) = 0.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -220,8 +300,9 @@ def _unified_attention_kernel(
             mask=row_valid[:, None] & d_valid[None, :],
         )
     else:
-        # Partials laid out [NUM_SPLITS, num_tokens, NUM_HEADS(, HEAD_DIM_P)], fp32.
-        row = (split * num_tokens + token) * NUM_HEADS + head  # [BLOCK_M]
+        # Partials laid out [NUM_SPLITS, part_rows, NUM_HEADS(, HEAD_DIM_P)], fp32.
+        part_token = (part_first + offs_m // GROUP_P).to(tl.int64)  # [BLOCK_M]
+        row = (split * part_rows + part_token) * NUM_HEADS + head
         tl.store(part_max_ptr + row, m_i, mask=row_valid)
         tl.store(part_sum_ptr + row, l_i, mask=row_valid)
         tl.store(
@@ -238,24 +319,27 @@ def _unified_attention_kernel(
             # same num_used, and surplus tiles and unused splits returned above, so
             # every counter touched reaches num_used.
             tl.debug_barrier()
-            counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
+            counter = arrivals_ptr + counter_tile * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_used - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head,
-                            row_valid, offs_d, d_valid, num_tokens, num_used, stride_ot,
-                            stride_oh, stride_od, NUM_HEADS, HEAD_DIM_P, NUM_SPLITS)
+                _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token,
+                            part_token, head, row_valid, offs_d, d_valid, part_rows,
+                            num_used, stride_ot, stride_oh, stride_od, NUM_HEADS,
+                            HEAD_DIM_P, NUM_SPLITS)
 
 
 @triton.jit
-def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, row_valid,
-                offs_d, d_valid, num_tokens, num_used, stride_ot, stride_oh, stride_od,
-                NUM_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, part_token, head,
+                row_valid, offs_d, d_valid, part_rows, num_used, stride_ot, stride_oh,
+                stride_od, NUM_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                NUM_SPLITS: tl.constexpr):
     """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max_s m_s), over splits
-    s < num_used, for one tile's rows. Every split's max and sum come in one load (one
+    s < num_used, for one tile's rows (`token`: their rows of `out`; `part_token`: of the
+    partials, `part_rows` each split). Every split's max and sum come in one load (one
     round trip instead of one per split); then one acc load per split."""
     offs_s = tl.arange(0, NUM_SPLITS)
-    rows = (offs_s[:, None] * num_tokens + token[None, :]) * NUM_HEADS + head[None, :]
+    rows = (offs_s[:, None] * part_rows + part_token[None, :]) * NUM_HEADS + head[None, :]
     used = (offs_s[:, None] < num_used) & row_valid[None, :]  # [NUM_SPLITS, BLOCK_M]
     m = tl.load(part_max_ptr + rows, mask=used, other=-1.0e30, cache_modifier=".cg")
     l_s = tl.load(part_sum_ptr + rows, mask=used, other=0.0, cache_modifier=".cg")
@@ -265,7 +349,7 @@ def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, 
     acc = tl.zeros([token.shape[0], HEAD_DIM_P], dtype=tl.float32)
     for s in range(num_used):
         w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # row s of w
-        row = (s * num_tokens + token) * NUM_HEADS + head
+        row = (s * part_rows + part_token) * NUM_HEADS + head
         part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
         acc += w_s[:, None] * part
