@@ -44,6 +44,9 @@
 #                            llmfast bench --startup with tuning on auto (#18: TTFT warm
 #                            <= 10 s, cold <= 25 s; #15: capture <= 10 s; graphs, memory)
 #                            [83 s]
+#   startup_profile 90/300   scripts/profile_startup.py: a cold start, then a cProfile of
+#                            a warm one and `-X importtime` (#18: where the warm start's
+#                            unstaged seconds go; startup_profile.md)   [unmeasured]
 #   sweep          40/240    llmfast bench --sizes 1..512 (#18: every row pure decode,
 #                            tok/s, % of HBM)   [21 s]
 #   throughput    110/330    llmfast vs HF generate, HF batch probed (#18: >= 10x output
@@ -98,8 +101,10 @@
 #        correctness first (the layer kernels and the attention kernel at B=17/256),
 #        then every issue's headline bar (measured 65+27+23+69+31+71+34 = 320 s on
 #        2026-11-26): what does not fit is SKIPPED and remembered on the machine
+#        (`kernels`' mixed rows measure the decode region, new since; `full` checks
+#        it at B=17/256 through the engine, `tests` with long decodes beside a chunk)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
-#        - 60> ... gpu_check.sh skipped throughput kernels64 load async_tests
+#        - 60> ... gpu_check.sh skipped throughput startup_profile kernels64 load async_tests
 #        `skipped` = the steps the previous call of this machine skipped (a file under
 #        /tmp); then #18's 10x, the split table, #16's sync-free proof.
 #   3. with what is left (no machine starts with < 4 min left; use it while warm):
@@ -135,7 +140,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
-decode_configs install_splits"
+decode_configs install_splits startup_profile"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels async startup sweep}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -358,6 +363,9 @@ print("installed", sys.argv[1], "as", dest)' "$OUT/splits.json"
                 LLMFAST_ATTENTION_TUNING=auto python3 -m llmfast bench --model "$model" \
                     --dtype "$dtype" "$@" --startup --json "$out/startup.json"' \
                 _ "$MODEL" "$DTYPE" "$OUT" "${DEV[@]}" ;;
+        startup_profile)  # what the seconds of a warm start no stage claims ran
+            run_step startup_profile 90 300 python3 scripts/profile_startup.py \
+                --model "$MODEL" --dtype "$DTYPE" "${DEV[@]}" --out "$OUT" ;;
         sweep)
             run_step sweep 40 240 python3 -m llmfast bench --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" "${SWEEP_ARGS[@]}" --json "$OUT/sweep.json" ;;
