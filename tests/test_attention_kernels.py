@@ -283,6 +283,13 @@ def check_full_graph_decode(dtype: str, contexts: list[int], padded: int,
     check_step(b, _dtype(dtype))
 
 
+def check_decode_like(reqs):
+    b = make_batch([tuple(r) for r in reqs], num_heads=8, num_kv_heads=2, head_dim=32,
+                   block_size=16, dtype=torch.float32, pad_tokens=2, pad_reqs=1)
+    # 2-token tiles (block_q 2): requests' first tiles are r + r // 2 in a decode step
+    check_step(b, torch.float32, block_q=2)
+
+
 # Decodes (1 and 2 query tokens: speculative rows) over long and short contexts, one
 # request one token past the decode region's 2-token tiles (the query tiles take it),
 # prefill chunks over a prefix and fresh, a decode whose only key is its own.
@@ -450,6 +457,14 @@ def test_decode_region_of_a_mixed_batch(interpreter, dtype, region_splits, min_s
                 min_split_tiles=min_split_tiles)
 
 
+@pytest.mark.parametrize("reqs", [
+    [(5, 1), (7, 3), (2, 1), (9, 1)],  # a 3-token request: the later tiles miss the guess
+    [(40, 1), (3, 1), (0, 1), (17, 1), (8, 1), (1, 1)],  # one token each: every guess hits
+])
+def test_decode_like_launch_tile_search(interpreter, reqs):
+    interpreter("check_decode_like", reqs=reqs)
+
+
 def test_split_kv_mixed_batch(interpreter):
     # The split path is general: prefill tiles with causal masks split as well.
     interpreter(
@@ -493,27 +508,46 @@ def test_op_dispatches_to_triton_when_interpreting(interpreter):
     interpreter("check_op_dispatch")
 
 
+def _tile_request(tile: int, starts: list[int], block_q: int) -> tuple[int, bool]:
+    """The kernel's tile -> request search, replayed: (request, whether the guess hit)."""
+    num_reqs = len(starts) - 1
+    guess = min(tile - (tile + 1) // (block_q + 1), num_reqs - 1)
+    if starts[guess] // block_q + guess <= tile and (
+            tile < starts[guess + 1] // block_q + guess + 1 or guess == num_reqs - 1):
+        return guess, True
+    lo, hi = 0, num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if starts[mid] // block_q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, False
+
+
 def test_tiles_cover_every_token_once():
-    # Host-side replay of the kernel's tile -> request search (pure Python, fast).
+    # Host-side replay of the kernel's tile -> request search (pure Python, fast),
+    # against the naive answer: the last request whose first tile is <= the tile.
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(300):
         block_q = rng.choice([1, 2, 4, 16, 32])
-        counts = [rng.choice([0, 1, 1, 3, 17, 40]) for _ in range(rng.randint(1, 9))]
+        if rng.random() < 0.3:  # a decode step: one token each, padding requests last
+            counts = [1] * rng.randint(1, 40) + [0] * rng.randint(0, 3)
+        else:
+            counts = [rng.choice([0, 1, 1, 3, 17, 40]) for _ in range(rng.randint(1, 9))]
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
         num_tokens = starts[-1] + rng.randint(0, 5)
         seen = []
         for tile in range(num_tokens // block_q + len(counts)):
-            lo, hi = 0, len(counts) - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if starts[mid] // block_q + mid <= tile:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            q_lo = (tile - (starts[lo] // block_q + lo)) * block_q
-            seen += [starts[lo] + i for i in range(q_lo, min(q_lo + block_q, counts[lo]))]
+            req, hit = _tile_request(tile, starts, block_q)
+            naive = max(r for r in range(len(counts)) if starts[r] // block_q + r <= tile)
+            assert req == naive, (tile, block_q, counts)
+            if counts[req] == 1 and all(n == 1 for n in counts[:req]):
+                assert hit, (tile, block_q, counts)  # decode rows: one round trip
+            q_lo = (tile - (starts[req] // block_q + req)) * block_q
+            seen += [starts[req] + i for i in range(q_lo, min(q_lo + block_q, counts[req]))]
         assert sorted(seen) == list(range(starts[-1])), (block_q, counts)
 
 

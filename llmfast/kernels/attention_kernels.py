@@ -5,8 +5,9 @@ Design
 - Grid (query tiles, kv heads, kv splits). Each request's query tokens are cut into tiles
   of BLOCK_Q tokens; request r's tiles are numbered from `query_start_loc[r] // BLOCK_Q + r`,
   which bounds the total by `num_tokens // BLOCK_Q + num_reqs` (a host-known count). A
-  program finds its request by binary search over query_start_loc inside the kernel, so
-  the launch never reads a device value (CUDA-graph safe); surplus tiles exit at once.
+  program finds its request inside the kernel (a guess exact for decode steps, checked,
+  else a binary search over query_start_loc), so the launch never reads a device value
+  (CUDA-graph safe); surplus tiles exit at once.
 - Decode region (DECODE_REGION, prefill-like launches of several requests): a request
   with at most DEC_BLOCK_Q query tokens (a decode among chunked prefills) is not given a
   prefill-sized tile, most of whose rows would be padding (16x the tensor-core work at
@@ -169,19 +170,34 @@ def _unified_attention_kernel(
     # Request r owns tiles [qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1): find the
     # last r whose first tile is <= tile. E.g. BLOCK_Q 4, qsl [0, 1, 18, 19]: requests
     # start at tiles 0, 1, 6 and tile 3 belongs to request 1 (its tokens 8..11).
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        mid_first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(mid_first <= tile, mid, lo)
-        hi = tl.where(mid_first <= tile, hi, mid - 1)
-    req = lo
-
-    # The three loads in one round trip (seq_len before the branch that may not need it).
-    q_start = tl.load(query_start_loc_ptr + req)
-    num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + req)
+    # First a guess, right whenever every request so far has one token (a decode step):
+    # then qsl[r] = r, request r starts at tile r + r // BLOCK_Q, and tile t belongs to
+    # request t - (t + 1) // (BLOCK_Q + 1) (BLOCK_Q 4: tiles 0..10 -> requests 0, 1, 2,
+    # 3, 3, 4, 5, 6, 7, 7, 8; tiles 4 and 9 are surplus). Checked against the request's
+    # bounds, loaded with its seq_len in one round trip; a miss (prefill tiles) falls
+    # back to the binary search, log2(num_reqs) dependent loads.
+    guess = tl.minimum(tile - (tile + 1) // (BLOCK_Q + 1), num_reqs - 1)
+    q_start = tl.load(query_start_loc_ptr + guess)
+    q_end = tl.load(query_start_loc_ptr + guess + 1)
+    seq_len = tl.load(seq_lens_ptr + guess)
+    # Tiles past the last request's belong to it (surplus): no upper bound for it.
+    found = (q_start // BLOCK_Q + guess <= tile) & (
+        (tile < q_end // BLOCK_Q + guess + 1) | (guess == num_reqs - 1))
+    req = guess
+    if not found:
+        lo = tl.zeros([], dtype=tl.int32)
+        hi = num_reqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            mid_first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(mid_first <= tile, mid, lo)
+            hi = tl.where(mid_first <= tile, hi, mid - 1)
+        req = lo
+        # The three loads in one round trip.
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_end = tl.load(query_start_loc_ptr + req + 1)
+        seq_len = tl.load(seq_lens_ptr + req)
+    num_q = q_end - q_start
     if DECODE_REGION:
         if num_q <= DEC_BLOCK_Q:  # the decode region's request
             return
