@@ -642,13 +642,17 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     # compiles them (PTX and cubin) for an H100 through the real launch path, with every
     # way of reading a tensor value on the host disabled.
     compiled = compile_launches_only(monkeypatch)
-    region = attention.AttentionConfig(32, 64, 1, 8, 3, decode_region=attention.DecodeRegion(
-        4, 128, 8))
+    # Mixed batches whose decode region splits, beside query tiles of 8 warps and 3
+    # stages, and of 4 stages (tuning candidates; the region takes their stages).
+    region = attention.DecodeRegion(4, 128, 8)
+    regions = [attention.AttentionConfig(32, 64, 1, 8, 3, decode_region=region),
+               attention.AttentionConfig(16, 64, 1, 4, 4, decode_region=region),
+               attention.AttentionConfig(32, 32, 1, 4, 4, decode_region=region)]
     batches = [  # (num_tokens, num_reqs, num_splits, fused_merge, config): decode with
-        # splits (merged in the launch, or by the second kernel), without, prefill, a
-        # mixed batch whose decode region splits
+        # splits (merged in the launch, or by the second kernel), without, prefill,
+        # mixed batches with a decode region
         (8, 8, 8, True, None), (8, 8, 8, False, None), (64, 64, 1, True, None),
-        (512, 2, 1, True, None), (512, 9, None, True, region),
+        (512, 2, 1, True, None), *((512, 9, None, True, cfg) for cfg in regions),
     ]
     with offline_hopper():
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
@@ -668,7 +672,7 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
             )
         monkeypatch.undo()
     names = [name for name, _ in compiled]
-    assert names.count("_unified_attention_kernel") == 5 and "_merge_splits_kernel" in names
+    assert names.count("_unified_attention_kernel") == 7 and "_merge_splits_kernel" in names
     for name, kernel in compiled:
         assert "cubin" in kernel.asm, name
         assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)

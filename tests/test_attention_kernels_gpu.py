@@ -8,6 +8,7 @@ of the op, which fails at capture if anything in the launch path syncs with the 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from llmfast.kernels import attention
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,10 +88,15 @@ def test_forced_splits_on_mixed_batch(num_splits):
     check(b, torch.bfloat16, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_region_splits_a_few_long_decodes_beside_a_chunk(dtype):
-    # Three decodes at 4-8k keys beside a chunk: the region splits their keys (as
-    # they would be alone), and rows of 2-4 query tokens take decode tiles too.
+@pytest.mark.parametrize("dtype, region_splits", [
+    (torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 4), (torch.bfloat16, 16),
+])
+def test_decode_region_splits_a_few_long_decodes_beside_a_chunk(dtype, region_splits):
+    # Three decodes at 4-8k keys beside a chunk: the decode region serves them with
+    # decode tiles (the split count of the device's table, or forced), and rows of 2-4
+    # query tokens too. Twice on one runner's workspaces: the merge counters the
+    # launches share must be zero after each (a race in the fused merge would leave
+    # one behind, or a wrong row).
     rng = random.Random(3)
     reqs = [(2000, 700)] + decodes(3, 8192, rng, min_ctx=4096) + [(5000, 2), (90, 4)]
     b = batch(reqs, pad_tokens=3, pad_reqs=1, dtype=dtype)
@@ -98,8 +105,26 @@ def test_decode_region_splits_a_few_long_decodes_beside_a_chunk(dtype):
     cfg = attention.select_config(num_tokens, num_reqs, 32, 8, 128, 16,
                                   b["block_table"].shape[1], dtype, sms,
                                   attention._device_split_tables(b["q"].device))
-    assert cfg.decode_region is not None and cfg.decode_region.num_splits > 1, cfg
-    check(b, dtype)
+    assert cfg.decode_region is not None, cfg
+    if region_splits is not None:
+        cfg = dataclasses.replace(cfg, decode_region=dataclasses.replace(
+            cfg.decode_region, num_splits=region_splits))
+    k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+    owner = AttentionWorkspaces([k_cache])  # as a runner's: scratch kept between calls
+    attention.reshape_and_cache(b["k"], b["v"], k_cache, v_cache, b["slot_mapping"])
+    ref = H.reference_out(b)
+    n = int(b["query_start_loc"][-1])
+    for _ in range(2):
+        out = torch.full_like(b["q"], float("nan"))
+        attention.unified_attention(b["q"], k_cache, v_cache, b["block_table"],
+                                    b["query_start_loc"], b["seq_lens"], b["scale"], out,
+                                    config=cfg)
+        torch.cuda.synchronize()
+        H.assert_rel_close(out[:n], ref[:n], H.TOL[dtype])
+        if cfg.decode_region.num_splits > 1:
+            assert owner.num_arrival_buffers == 1
+            counters = owner.arrivals(b["q"].device, num_reqs * 8)
+            assert not counters.any(), counters
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -5,6 +5,7 @@ tiles), workspaces, and the cached launch of the Triton kernels in attention_ker
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -280,6 +281,8 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     # The decode region: only beside unsplit query tiles (one partials layout per
     # launch), and with split decodes only where the launch merges them itself.
     region = cfg.decode_region
+    if region is not None and q.is_cuda and region.block_q < 16 // next_pow2(group):
+        region = dataclasses.replace(region, block_q=16 // next_pow2(group))  # tl.dot
     if region is not None and (splits > 1 or region.block_q >= bq
                                or (region.num_splits > 1 and not fused_merge)):
         region = None
@@ -310,8 +313,11 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         partials_shape=(scratch_splits, scratch_rows, num_heads, head_dim_p),
         scratch_aligned=(scratch_splits == 1
                          or scratch_splits * scratch_rows * num_heads % 4 == 0),
-        # Fused-merge counters: one per (query tile or decode request, kv head).
-        num_arrivals=(num_tiles + (num_reqs if region is not None else 0)) * num_kv_heads,
+        # Fused-merge counters, one per kv head and split query tile, or with a decode
+        # region per request (then only its programs split): a count that depends on
+        # the launch's request count alone, not on its tokens (the runner keeps one
+        # buffer per count for its life, and eager mixed steps vary their tokens).
+        num_arrivals=(num_reqs if region is not None else num_tiles) * num_kv_heads,
         strides=strides,
         const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, region,
                    upcast, dot_precision, convert_kv, specialization_key((), strides)),

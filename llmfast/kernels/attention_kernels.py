@@ -140,7 +140,8 @@ def _unified_attention_kernel(
         if tl.program_id(0) >= num_tiles:
             # Program num_tiles + r * DEC_SPLITS + s: request r's split s. E.g. 3
             # requests, 2 splits, 40 main tiles: programs 40..45 = (r0 s0, r0 s1, r1 s0,
-            # r1 s1, r2 s0, r2 s1).
+            # r1 s1, r2 s0, r2 s1). Their merge counters are indexed by request: the
+            # query tiles beside a region never split, so they use none.
             index = tl.program_id(0) - num_tiles
             req = index // DEC_SPLITS
             q_start = tl.load(query_start_loc_ptr + req)
@@ -152,7 +153,7 @@ def _unified_attention_kernel(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                 part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
                 block_table_ptr, req, q_start, num_q, seq_len, 0, kv_head,
-                index % DEC_SPLITS, num_tiles + req, req * DEC_BLOCK_Q, num_reqs * DEC_BLOCK_Q,
+                index % DEC_SPLITS, req, req * DEC_BLOCK_Q, num_reqs * DEC_BLOCK_Q,
                 scale_log2,
                 stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
