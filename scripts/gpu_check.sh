@@ -69,8 +69,10 @@
 #                            generated code (inductor_output_code.log): what #15's full
 #                            graph spends beside the GEMMs
 #   decode_configs 100/300   scripts/sweep_decode_configs.py: decode attention BLOCK_N x
-#                            stages x min tiles per split at the full graph's launch,
-#                            head dim 64 (B=1,8,64 x 140..8k) and 128 (B=1,8 x 512, 8k)
+#                            min tiles per split x one or two key-tile loops (3 stages:
+#                            4 made no difference) at the full graph's launch, head dim
+#                            64 (B=1,8,64 x 140..8k) and 128 (B=1,8 x 512, 8k); its last
+#                            line says whether DECODE_ONE_KV_LOOP should be on
 #   families      300/560    tests/test_families_gpu.py (#19)
 #   defaults      300/330    throughput at step budgets 2048 / 8192 / 16384 tokens
 #   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
@@ -329,13 +331,14 @@ print("installed", sys.argv[1], "as", dest)' "$OUT/splits.json"
         decode_configs)  # BLOCK_N x stages x min split tiles at the full graph's launch
             if [[ $DRY == 1 ]]; then
                 run_step decode_configs 10 60 bash -c 'python3 scripts/sweep_decode_configs.py \
-                    --help | grep -q -- --min-split-tiles && echo flags ok'
+                    --help | grep -q -- --loops && echo flags ok'
             else
                 run_step decode_configs 100 300 bash -c 'set -e
-                    python3 scripts/sweep_decode_configs.py --head-dim 64 \
+                    python3 scripts/sweep_decode_configs.py --head-dim 64 --stages 3 \
                         --json "$1/decode_configs64.json"
                     python3 scripts/sweep_decode_configs.py --head-dim 128 --batches 1 8 \
-                        --contexts 512 8192 --json "$1/decode_configs128.json"' _ "$OUT"
+                        --stages 3 --contexts 512 8192 --json "$1/decode_configs128.json"' \
+                    _ "$OUT"
             fi ;;
         modes)
             run_step modes "$MODES_EST" 560 python3 scripts/bench_modes.py --model "$MODEL" \

@@ -1,5 +1,7 @@
 """Sweep the decode attention launch configuration on a GPU: keys per tile (BLOCK_N),
-pipeline stages, and the fused merge's minimum tiles per split, at the fixed launch a
+pipeline stages, the fused merge's minimum tiles per split, and one masked loop over the
+key tiles vs an unmasked bulk loop and a masked tail (`one_kv_loop`: keys L1 / L2), at
+the fixed launch a
 full CUDA graph uses (a block table --max-model-len wide, so the split count is the
 width's; the kernel sizes the splits for the live context). Graph-replayed, L2 flushed,
 median device µs; beside each shape the configuration `select_config` picks now and
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -38,6 +41,8 @@ def main() -> None:
     p.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
     p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     p.add_argument("--min-split-tiles", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--loops", type=int, nargs="+", default=[2, 1], choices=[1, 2],
+                   help="key-tile loops: 2 (unmasked bulk + masked tail) and/or 1")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", type=Path)
@@ -69,9 +74,11 @@ def main() -> None:
         ref = torch.empty_like(out)
         attention.unified_attention(q, k_cache, v_cache, wide, qsl, seq_lens, hd**-0.5, ref)
         timings = {}
-        for block_n, stages, min_tiles in itertools.product(
-                args.block_n, args.stages, args.min_split_tiles):
-            cfg = replace(chosen, block_n=block_n, num_stages=stages, min_split_tiles=min_tiles)
+        for block_n, stages, min_tiles, loops in itertools.product(
+                args.block_n, args.stages, args.min_split_tiles, args.loops):
+            cfg = replace(chosen, block_n=block_n, num_stages=stages, min_split_tiles=min_tiles,
+                          one_kv_loop=loops == 1)
+            name = _key(cfg)
 
             def run(cfg=cfg):
                 attention.unified_attention(q, k_cache, v_cache, wide, qsl, seq_lens,
@@ -82,14 +89,18 @@ def main() -> None:
                 err = (out.float() - ref.float()).abs().max().item()
                 us = time_us(graph_replay(run), args.iters, flush)
             except Exception as e:  # noqa: BLE001 - a config that does not compile/fit
-                print(f"  {block_n}/{stages}/{min_tiles}: {type(e).__name__}: {e}"[:200])
+                print(f"  {name}: {type(e).__name__}: {e}"[:200])
                 continue
-            timings[f"{block_n}/{stages}/{min_tiles}"] = dict(us=us, max_diff=err)
-        key_now = f"{chosen.block_n}/{chosen.num_stages}/{chosen.min_split_tiles}"
+            timings[name] = dict(us=us, max_diff=err)
+        key_now = _key(chosen)
         best = min(timings, key=lambda c: timings[c]["us"])
+        # The loop choice alone: each loop count's best over the other settings.
+        by_loops = {n: min((t["us"] for c, t in timings.items() if c.endswith(f"L{n}")),
+                           default=None) for n in (1, 2)}
         row = dict(batch=batch, ctx=ctx, splits=chosen.num_splits, chosen=asdict(chosen),
                    now=key_now, now_us=timings.get(key_now, {}).get("us"), best=best,
-                   best_us=timings[best]["us"], timings=timings)
+                   best_us=timings[best]["us"], best_one_loop_us=by_loops[1],
+                   best_two_loops_us=by_loops[2], timings=timings)
         rows.append(row)
         now_us = row["now_us"]
         now_txt = f"{now_us:.1f}" if now_us is not None else "n/a"
@@ -97,10 +108,21 @@ def main() -> None:
               f"{now_txt} us  best {best} {timings[best]['us']:.1f} us  | "
               + " ".join(f"{c}:{t['us']:.1f}" for c, t in timings.items()), flush=True)
         del k, v
+    ratios = [r["best_one_loop_us"] / r["best_two_loops_us"] for r in rows
+              if r["best_one_loop_us"] and r["best_two_loops_us"]]
+    if ratios:
+        print(f"one loop / two loops (each's best): median {statistics.median(ratios):.3f}, "
+              f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} shapes "
+              "(< 1: set attention_config.DECODE_ONE_KV_LOOP = True)", flush=True)
     if args.json:
         args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(0),
                                              torch=torch.__version__, head_dim=hd,
                                              rows=rows), indent=1))
+
+
+def _key(cfg: attention.AttentionConfig) -> str:
+    loops = 1 if cfg.one_kv_loop else 2
+    return f"{cfg.block_n}/{cfg.num_stages}/{cfg.min_split_tiles}/L{loops}"
 
 
 if __name__ == "__main__":

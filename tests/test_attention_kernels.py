@@ -26,6 +26,7 @@ import torch
 import triton
 
 from llmfast.kernels import attention, kv_write, ops
+from llmfast.kernels.kv_write import next_pow2
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.tuning import prefill_measure
 from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, ShapeClass
@@ -290,6 +291,31 @@ def check_decode_like(reqs):
     check_step(b, torch.float32, block_q=2)
 
 
+def check_one_kv_loop(dtype: str, kind: str):
+    """One masked loop over the key tiles (AttentionConfig.one_kv_loop) computes what
+    the unmasked bulk loop + masked tail do, bit for bit (masks that keep every key of
+    a tile change no value), for decode splits, prefill tiles and a decode region."""
+    if kind == "decode":
+        b = make_batch([(150, 1), (3, 1), (70, 1)], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16, dtype=_dtype(dtype), pad_tokens=1)
+        cfg = attention.AttentionConfig(4, 32, 4, 4, 2, min_split_tiles=1)
+    else:
+        b = make_batch(REGION_MIX, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=_dtype(dtype), pad_tokens=3, pad_reqs=1)
+        region = attention.DecodeRegion(2, 16, 4) if kind == "region" else None
+        cfg = attention.AttentionConfig(8, 16, 1, 4, 2, min_split_tiles=1,
+                                        decode_region=region)
+    one = dataclasses.replace(cfg, one_kv_loop=True)
+    if cfg.decode_region is not None:
+        one = dataclasses.replace(one, decode_region=dataclasses.replace(
+            cfg.decode_region, one_kv_loop=True))
+    out_two, _, _ = run_triton_step(b, config=cfg)
+    out_one, _, _ = run_triton_step(b, config=one)
+    n = int(b["query_start_loc"][-1])
+    assert_rel_close(out_one[:n], reference_out(b)[:n], TOL[_dtype(dtype)])
+    assert_same_bits(out_one[:n], out_two[:n])
+
+
 # Decodes (1 and 2 query tokens: speculative rows) over long and short contexts, one
 # request one token past the decode region's 2-token tiles (the query tiles take it),
 # prefill chunks over a prefix and fresh, a decode whose only key is its own.
@@ -337,7 +363,7 @@ def check_tile_boundaries(dtype, group, head_dim, block_m, block_n):
     check_step(b, _dtype(dtype), prefill_tiles=PrefillTiles(block_m, block_n, 4, 2))
 
 
-def check_causal_skip(dtype, group, ctx, num_new, cut, block_m, block_n):
+def check_causal_skip(dtype, group, ctx, num_new, cut, block_m, block_n, one_kv_loop=False):
     """Keys past a query tile's last causal position are never read: after the KV write,
     every key at position >= ctx + cut (a tile edge) is NaN; rows before `cut` must still
     match the reference (a loop that ran past its tile's bound, masking instead of
@@ -352,9 +378,14 @@ def check_causal_skip(dtype, group, ctx, num_new, cut, block_m, block_n):
     for cache in (k_cache, v_cache):
         cache.view(-1, 2, 64)[slots] = float("nan")
     out = torch.full_like(b["q"], float("nan"))
+    tiles = PrefillTiles(block_m, block_n, 4, 2)
+    config = None
+    if one_kv_loop:
+        config = attention.AttentionConfig(max(1, block_m // next_pow2(group)), block_n, 1, 4,
+                                           2, one_kv_loop=True)
     attention.unified_attention(
         b["q"], k_cache, v_cache, b["block_table"], b["query_start_loc"], b["seq_lens"],
-        b["scale"], out, prefill_tiles=PrefillTiles(block_m, block_n, 4, 2))
+        b["scale"], out, prefill_tiles=tiles, config=config)
     assert_rel_close(out[:cut], ref[:cut], TOL[_dtype(dtype)])
     assert not torch.isfinite(out[cut:]).any()  # the poison is there for whoever reads it
 
@@ -465,6 +496,14 @@ def test_decode_like_launch_tile_search(interpreter, reqs):
     interpreter("check_decode_like", reqs=reqs)
 
 
+@pytest.mark.parametrize("dtype, kind", [
+    ("float32", "decode"), ("bfloat16", "decode"), ("float32", "prefill"),
+    ("float32", "region"),
+])
+def test_one_kv_loop_equals_bulk_and_tail_loops(interpreter, dtype, kind):
+    interpreter("check_one_kv_loop", dtype=dtype, kind=kind)
+
+
 def test_split_kv_mixed_batch(interpreter):
     # The split path is general: prefill tiles with causal masks split as well.
     interpreter(
@@ -489,10 +528,11 @@ def test_tile_boundaries_and_gqa_groups(interpreter, dtype, group, head_dim, blo
     (2, 8, 24, 8, 16, 16),  # over a cached prefix, the diagonal inside a key tile
     (4, 0, 33, 16, 32, 32),  # 8-token tiles, 32-key steps: the bound mid-step
 ])
+@pytest.mark.parametrize("one_kv_loop", [False, True])
 def test_causal_tiles_past_the_diagonal_are_not_read(interpreter, group, ctx, num_new, cut,
-                                                     block_m, block_n):
+                                                     block_m, block_n, one_kv_loop):
     interpreter("check_causal_skip", dtype="float32", group=group, ctx=ctx, num_new=num_new,
-                cut=cut, block_m=block_m, block_n=block_n)
+                cut=cut, block_m=block_m, block_n=block_n, one_kv_loop=one_kv_loop)
 
 
 @pytest.mark.parametrize("kind", ["causal", "mixed"])
@@ -653,6 +693,8 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
         # mixed batches with a decode region
         (8, 8, 8, True, None), (8, 8, 8, False, None), (64, 64, 1, True, None),
         (512, 2, 1, True, None), *((512, 9, None, True, cfg) for cfg in regions),
+        # decode tiles walking their keys in one loop (DECODE_ONE_KV_LOOP's candidate)
+        (8, 8, None, True, attention.AttentionConfig(4, 128, 8, 4, 3, one_kv_loop=True)),
     ]
     with offline_hopper():
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
@@ -672,7 +714,7 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
             )
         monkeypatch.undo()
     names = [name for name, _ in compiled]
-    assert names.count("_unified_attention_kernel") == 7 and "_merge_splits_kernel" in names
+    assert names.count("_unified_attention_kernel") == 8 and "_merge_splits_kernel" in names
     for name, kernel in compiled:
         assert "cubin" in kernel.asm, name
         assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)

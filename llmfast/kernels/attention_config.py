@@ -23,6 +23,7 @@ class DecodeRegion:
     block_q: int
     block_n: int
     num_splits: int
+    one_kv_loop: bool = False  # as AttentionConfig's
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,14 @@ class AttentionConfig:
     min_split_tiles: int = 2
     # Prefill-like launches of several requests: the decode requests' programs.
     decode_region: DecodeRegion | None = None
+    # Walk the key tiles in one masked loop instead of an unmasked bulk loop and a
+    # masked tail loop (attention_kernels.py): the tail's loads pipelined with the rest.
+    one_kv_loop: bool = False
+
+
+# Decode tiles walk their keys in one loop (AttentionConfig.one_kv_loop). Off until
+# measured: scripts/sweep_decode_configs.py times both (gpu_check step decode_configs).
+DECODE_ONE_KV_LOOP = False
 
 
 def select_config(
@@ -77,7 +86,8 @@ def select_config(
                                  dtype_name, block_size)
         if split_table is not None:
             splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
-            return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
+            return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3,
+                                   one_kv_loop=DECODE_ONE_KV_LOOP)
         programs = num_reqs * num_kv_heads
         # Counted in 64-key tiles whatever block_n (the rule was set with 64).
         max_kv_tiles = -(-max_blocks_per_req * block_size // 64)  # (triton.cdiv: ~10 us)
@@ -92,7 +102,8 @@ def select_config(
             and 4 * 2 * splits <= max_kv_tiles
         ):
             splits *= 2
-        return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3)
+        return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3,
+                               one_kv_loop=DECODE_ONE_KV_LOOP)
     # Prefill-like: compute bound. One launch whatever the mix (chunks and decodes), no
     # splits: the grid has a program per query tile already. Decodes among the chunks
     # get the decode region, configured as a decode launch of every request would be
@@ -106,6 +117,7 @@ def select_config(
                                block_size, max_blocks_per_req, dtype, num_sms, split_tables,
                                kv_dtype=kv_dtype)
         if decode.block_q < block_q:
-            region = DecodeRegion(decode.block_q, decode.block_n, decode.num_splits)
+            region = DecodeRegion(decode.block_q, decode.block_n, decode.num_splits,
+                                  decode.one_kv_loop)
     return AttentionConfig(block_q, tiles.block_n, 1, num_warps=tiles.num_warps,
                            num_stages=tiles.num_stages, decode_region=region)

@@ -130,7 +130,7 @@ def _unified_attention_kernel(
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE_REGION: tl.constexpr, DEC_BLOCK_Q: tl.constexpr, DEC_BLOCK_N: tl.constexpr,
-    DEC_SPLITS: tl.constexpr,
+    DEC_SPLITS: tl.constexpr, ONE_KV_LOOP: tl.constexpr, DEC_ONE_KV_LOOP: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Query tiles of BLOCK_Q tokens (the main region); with DECODE_REGION, the programs
@@ -160,7 +160,7 @@ def _unified_attention_kernel(
                 stride_bt,
                 NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
                 DEC_BLOCK_Q, DEC_BLOCK_N, DEC_SPLITS, DEC_SPLITS > 1, UPCAST, DOT_PRECISION,
-                CONVERT_KV, MIN_SPLIT_TILES,
+                CONVERT_KV, MIN_SPLIT_TILES, DEC_ONE_KV_LOOP,
             )
             return
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -213,7 +213,7 @@ def _unified_attention_kernel(
         stride_bt,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
         BLOCK_Q, BLOCK_N, NUM_SPLITS, FUSED_MERGE, UPCAST, DOT_PRECISION,
-        CONVERT_KV, MIN_SPLIT_TILES,
+        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP,
     )
 
 
@@ -232,7 +232,7 @@ def _attend_query_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+    CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
 ):
     """One program's share of attention: query tokens [q_lo, q_lo + BLOCK_Q) of request
     `req` (starting at token q_start, num_q of them, seq_len keys with them) for the
@@ -293,14 +293,20 @@ def _attend_query_tile(
     v_base = v_cache_ptr + kv_head * stride_vh
     table = block_table_ptr + req.to(tl.int64) * stride_bt
     # Keys < ctx_len + q_lo + 1 are visible to every row of the tile: those whole
-    # tiles run unmasked, the rest (the causal diagonal) masked.
-    num_full = (ctx_len + q_lo + 1) // BLOCK_N
-    tile_mid = tl.maximum(tl.minimum(num_full, tile_hi), tile_lo)
-    acc, l_i, m_i = _attend_kv_tiles(
-        acc, l_i, m_i, q, q_pos, tile_lo, tile_mid, kv_end, k_base, v_base, table, offs_d, q_ptr,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
-        HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION, CONVERT_KV,
-    )
+    # tiles run unmasked, the rest (the causal diagonal) masked. ONE_KV_LOOP: every
+    # tile masked, in one loop, so the tail tile's loads are pipelined with the bulk's
+    # instead of waiting for that loop to drain (a decode's last split: 1 of ~2-3
+    # tiles at short contexts).
+    if ONE_KV_LOOP:
+        tile_mid = tile_lo
+    else:
+        num_full = (ctx_len + q_lo + 1) // BLOCK_N
+        tile_mid = tl.maximum(tl.minimum(num_full, tile_hi), tile_lo)
+        acc, l_i, m_i = _attend_kv_tiles(
+            acc, l_i, m_i, q, q_pos, tile_lo, tile_mid, kv_end, k_base, v_base, table, offs_d,
+            q_ptr, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION, CONVERT_KV,
+        )
     acc, l_i, m_i = _attend_kv_tiles(
         acc, l_i, m_i, q, q_pos, tile_mid, tile_hi, kv_end, k_base, v_base, table, offs_d, q_ptr,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
