@@ -73,6 +73,8 @@ def same_launch(a: tuple, b: tuple) -> bool:
 @pytest.mark.parametrize("num_tokens, num_reqs, kw", [
     (1, 1, dict(num_splits=8)),  # batch-1 decode, splits merged in the launch
     (70, 5, {}),  # a mixed batch: a 66-token chunk and 4 decodes, one launch
+    (70, 5, dict(config=attention.AttentionConfig(  # ... its decodes' region split
+        32, 64, 1, 8, 3, decode_region=attention.DecodeRegion(4, 128, 4)))),
     (1, 1, {}),  # the heuristic's split count
     (8, 8, dict(num_splits=4)),  # batch-8 decode
     (3, 3, dict(num_splits=2)),  # partials' second stats row 16-byte aligned: no
