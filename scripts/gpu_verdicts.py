@@ -86,7 +86,8 @@ def _full_over_linears(lat: dict, step: str) -> Iterator[Line]:
 
 def diag(out: Path) -> Iterator[Line]:
     """#15 again from `diag` (full + linears only), and what its kernel traces show: the
-    step's kernel time and whether the norms and RoPE ran as llmfast's Triton kernels."""
+    step's kernel time and whether the norms and RoPE ran as llmfast's Triton kernels
+    (RoPE in the attention op's KV write: `_rope_and_cache_kernel`, no rotary kernel)."""
     data = _load(out, "diag_modes.json")
     if data is None:
         yield ("MISSING", "#15 diag: no diag_modes.json")
@@ -96,7 +97,9 @@ def diag(out: Path) -> Iterator[Line]:
         text = trace.read_text()
         head = text.splitlines()[0].lstrip("# ") if text else ""
         kernels = {name: text.count(f"`{name}") for name in
-                   ("rms_norm_kernel", "rotary_kernel", "memcpy32_post", "triton_red_fused")}
+                   ("rms_norm_kernel", "_rope_and_cache_kernel", "rotary_kernel",
+                    "_reshape_and_cache_kernel", "memcpy32_post", "triton_red_fused",
+                    "direct_copy_kernel")}
         yield info(f"#15 diag: {head}; layer kernels in the trace: "
                    + ", ".join(f"{k} {'yes' if n else 'no'}" for k, n in kernels.items()))
 

@@ -16,6 +16,7 @@ from llmfast.kernels.attention_config import AttentionConfig, DecodeRegion, sele
 from llmfast.kernels.attention_kernels import _merge_splits_kernel, _unified_attention_kernel
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
 from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
+from llmfast.kernels.rope_cache import rope_and_cache
 from llmfast.kernels.tuning.prefill_measure import median_device_us, synthetic_batch
 from llmfast.kernels.tuning.prefill_tuning import (
     TUNE_MIN_TOKENS,
@@ -29,8 +30,9 @@ from llmfast.kernels.tuning.split_table import SplitTable, split_tables_for
 from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
 from llmfast.utils.progress import Progress
 
-__all__ = ["AttentionConfig", "DecodeRegion", "reshape_and_cache", "select_config", "tune_model_prefill_tiles",
-           "tune_prefill_tiles", "unified_attention"]
+__all__ = ["AttentionConfig", "DecodeRegion", "reshape_and_cache", "rope_and_cache",
+           "select_config", "tune_model_prefill_tiles", "tune_prefill_tiles",
+           "unified_attention"]
 
 _LOG2E = 1.4426950408889634
 

@@ -23,10 +23,13 @@ Design
   fp32 (exp2, scale folded in) and a causal mask against each row's position.
 - KV cache dtype: the cache is in q's dtype, or in float8_e4m3fn (--kv-cache-dtype fp8,
   scale 1.0) whose loads are converted to q's dtype before the dots (CONVERT_KV).
-- This step's own tokens: the op writes their K/V into the cache (kv_write.py) before
-  this kernel runs, and the kernel reads every key, the step's own included, from the
-  cache: with an fp8 cache the step attends to its own K/V as rounded to fp8, never to
+- This step's own tokens: the op writes their K/V into the cache (kv_write.py, or
+  rope_cache.py, which rotates q and k first) before this kernel runs, and the kernel
+  reads every key, the step's own included, from the cache: with an fp8 cache the step attends to its own K/V as rounded to fp8, never to
   the fresh higher-precision k/v.
+- `q` may be `out` itself (the fused rotation leaves the rotated queries there): a
+  program reads its rows of q before it, or the last split of its tile, writes those
+  rows of out, and no two tiles share a row.
 - Flash-decoding: with few decode rows and long contexts the kv-split axis cuts the
   context into up to NUM_SPLITS ranges; each writes unnormalised partials (acc, max, sum)
   to a workspace and the last to finish merges them (FUSED_MERGE; else a second kernel

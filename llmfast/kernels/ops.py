@@ -17,6 +17,9 @@ Shapes (T = tokens in the step, padded; R = requests):
         query_start_loc[R] are padding and their `out` rows are left unspecified)
     seq_lens [R] int32 (context length after this step, new tokens included)
     out  [T, num_heads, head_dim]
+    positions [T] int, cos_sin [max_positions, head_dim] float32 (optional, together):
+        q and k are not rotated yet; the op applies the rotary embedding first (on the
+        Triton path in its KV write, kernels/rope_cache.py)
 """
 
 from __future__ import annotations
@@ -173,12 +176,30 @@ def unified_attention_impl(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> None:
     """The op's body. Eager callers may call it directly: the custom-op dispatcher adds
     ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op."""
+    if positions is not None:
+        from llmfast.kernels.layers.rotary import rope_fuses_into_attention
+
+        if not (use_triton(q) and rope_fuses_into_attention(q, k, v, cos_sin, k_cache,
+                                                            v_cache)):
+            q, k = _rotate_reference(positions, q, cos_sin), _rotate_reference(
+                positions, k, cos_sin)
+            positions = None
     if use_triton(q):
         attention = _ATTENTION or _triton_attention()
-        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        if positions is not None:
+            # The rotated queries go to `out`, which the attention then reads and
+            # overwrites: each of its programs reads its rows of q before any program
+            # writes those rows of out (attention_kernels.py), so no other buffer.
+            attention.rope_and_cache(q, k, v, positions, cos_sin, out, k_cache, v_cache,
+                                     slot_mapping)
+            q = out
+        else:
+            attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         attention.unified_attention(
             q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
         )
@@ -204,16 +225,30 @@ def unified_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> None:
-    """Write the new tokens' k/v into the paged cache, then attend (see module doc)."""
+    """(Rotate q and k, when positions are given,) write the new tokens' k/v into the
+    paged cache, then attend (see module doc)."""
     unified_attention_impl(
-        q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale, out
+        q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale,
+        out, positions, cos_sin,
     )
 
 
 @unified_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale, out):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale,
+      out, positions=None, cos_sin=None):
     return None
+
+
+def _rotate_reference(positions: torch.Tensor, x: torch.Tensor,
+                      cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated as the rotary reference does (layers/rotary.py)."""
+    from llmfast.kernels.layers.rotary import rotary_reference
+
+    sign = torch.tensor([[-1.0], [1.0]], device=x.device)
+    return rotary_reference(positions, x, cos_sin, sign)
 
 
 def direct_impl(target) -> object | None:

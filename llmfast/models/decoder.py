@@ -24,6 +24,7 @@ from llmfast.config import ModelConfig
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
+from llmfast.kernels.layers.rotary import rope_fuses_into_attention
 from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.models.parallel_layers import (
     gather_logits,
@@ -88,10 +89,18 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = self.rotary(positions, qk)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = torch.empty_like(q)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        cos_sin = self.rotary.cos_sin
+        if rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache, self.v_cache):
+            # The op rotates q and k in its KV write (kernels/rope_cache.py): one kernel
+            # a layer fewer than rotating here.
+            rope_args = (positions, cos_sin)
+        else:
+            qk = self.rotary(positions, qk)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            rope_args = ()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # Compiled graphs record the custom op (the backend splits there); eager calls
         # skip its dispatcher, which costs more than the CPU attention itself at batch 1.
         attention = (
@@ -111,6 +120,7 @@ class Attention(nn.Module):
             attn_metadata.seq_lens,
             self.scale,
             out,
+            *rope_args,
         )
         return self.o_proj(out.view(-1, self.q_size))
 

@@ -35,6 +35,19 @@ def _kernel_takes(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
             and cos_sin.dtype == torch.float32 and x.shape[-1] % 2 == 0)
 
 
+def rope_fuses_into_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor) -> bool:
+    """Whether the attention op can rotate q and k itself, in its KV write
+    (kernels/rope_cache.py), instead of this module's kernel before it: the layer
+    kernels are on for q's device, head dims contiguous and even, a float32 cos/sin
+    table as wide as a head, caches of one dtype. Static properties only (traced)."""
+    head_dim = q.shape[-1]
+    return (takes_layer_kernels(q) and head_dim % 2 == 0 and cos_sin.dtype == torch.float32
+            and cos_sin.shape[-1] == head_dim and k_cache.dtype == v_cache.dtype
+            and all(t.stride(-1) == 1 for t in (q, k, v, cos_sin, k_cache, v_cache)))
+
+
 def rotary_impl(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
                 rotate_sign: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, heads, head_dim] rotated by each token's position -> a new

@@ -1,0 +1,170 @@
+"""Rotary embedding fused into the KV write: one Triton kernel rotates a step's queries
+(into a buffer the attention then reads) and keys (straight into the paged cache) and
+copies the values, instead of a rotary kernel in the compiled piece before the
+attention op and the KV write inside it (one kernel a layer fewer; at batch 1 the
+rotation was ~1.3 us and a launch gap of its own).
+
+Numerics are the unfused path's, bit for bit: the rotary kernel's float32 rotation
+(kernels/layers/triton_kernels.py), rounded to the queries' dtype, and for the keys then
+the KV write's conversion to the cache's dtype (an fp8 cache: clamped, rounded to
+nearest even; kv_write.py). Queries are rotated for every token, padding included
+(their attention rows are never read, but a dummy run's are), keys and values written
+only where the slot is >= 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from llmfast.kernels.kv_write import _round_to_e4m3, cache_clamp, check_launchable, next_pow2
+from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
+
+
+@triton.jit
+def _rotate(x_ptr, stride_h, num_heads, cos, sin, HALF: tl.constexpr, HALF_P: tl.constexpr,
+            HEADS_P: tl.constexpr):
+    """[HEADS_P, HALF_P] first and second halves of `num_heads` heads at x_ptr, rotated
+    in float32: (x1 cos - x2 sin, x2 cos + x1 sin); the row mask."""
+    offs_h = tl.arange(0, HEADS_P)
+    offs_d = tl.arange(0, HALF_P)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
+    x = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
+
+
+@triton.jit
+def _rope_and_cache_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    positions_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cs,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_P: tl.constexpr,
+    KV_HEADS_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CLAMP: tl.constexpr,
+):
+    # One program per token: all its query heads, then its key and value heads.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF_P)
+    d_mask = offs_d < HALF
+    # The table's row: cos of the half, then sin.
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+
+    q1, q2, q_mask = _rotate(q_ptr + t * stride_qt, stride_qh, NUM_HEADS, cos, sin,
+                             HALF, HALF_P, Q_HEADS_P)
+    offs_qh = tl.arange(0, Q_HEADS_P)
+    o = q_out_ptr + t * stride_ot + offs_qh[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(o + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    if slot < 0:  # a padding token: nothing to cache
+        return
+
+    k1, k2, kv_mask = _rotate(k_ptr + t * stride_kt, stride_kh, NUM_KV_HEADS, cos, sin,
+                              HALF, HALF_P, KV_HEADS_P)
+    # Rounded to the queries' dtype first, as the rotary kernel stores keys before the
+    # KV write reads them.
+    k1 = k1.to(q_out_ptr.dtype.element_ty)
+    k2 = k2.to(q_out_ptr.dtype.element_ty)
+    offs_kh = tl.arange(0, KV_HEADS_P)
+    v_src = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
+    v1 = tl.load(v_src, mask=kv_mask)
+    v2 = tl.load(v_src + HALF, mask=kv_mask)
+    if CLAMP > 0:  # fp8 cache: e4m3fn has no inf (kv_write.py)
+        k1 = _round_to_e4m3(tl.minimum(tl.maximum(k1.to(tl.float32), -CLAMP), CLAMP))
+        k2 = _round_to_e4m3(tl.minimum(tl.maximum(k2.to(tl.float32), -CLAMP), CLAMP))
+        v1 = _round_to_e4m3(tl.minimum(tl.maximum(v1.to(tl.float32), -CLAMP), CLAMP))
+        v2 = _round_to_e4m3(tl.minimum(tl.maximum(v2.to(tl.float32), -CLAMP), CLAMP))
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k_dst = (k_cache_ptr + block * stride_kcb + offset * stride_kcs
+             + offs_kh[:, None] * stride_kch + offs_d[None, :])
+    v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vcs
+             + offs_kh[:, None] * stride_vch + offs_d[None, :])
+    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(v_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(v_dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def rope_and_cache(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], not rotated
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not rotated
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_sin: torch.Tensor,  # [max_positions, head_dim] float32: cos of the half, then sin
+    q_out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the rotated queries
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+) -> None:
+    """q_out = rope(q); the cache at slot_mapping[i] = rope(k[i]), v[i] (inputs
+    `layers.rotary.rope_fuses_into_attention` takes; one program per slot_mapping
+    entry, a shape: CUDA-graph safe)."""
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.stride(),
+           v.dtype, q_out.stride(), q_out.dtype, k_cache.shape, k_cache.stride(),
+           k_cache.dtype, v_cache.stride(), v_cache.dtype, slot_mapping.shape,
+           slot_mapping.dtype, positions.dtype, cos_sin.stride(), cos_sin.dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, cos_sin)
+        if len(_PLANS) >= _MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
+    if plan.grid is None:  # no tokens
+        return
+    if not plan.is_cuda:
+        check_launchable(_rope_and_cache_kernel, q)
+    _LAUNCHES.launch_planned(
+        plan, plan.grid, (q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin),
+        (), plan.const_key, plan.constexprs, plan.strides)
+
+
+@dataclass(frozen=True, eq=False, slots=True)  # hashed by identity: a launch key
+class _RopeCachePlan:
+    is_cuda: bool
+    grid: tuple[int, int, int] | None  # None: no tokens, nothing to launch
+    strides: tuple[int, ...]
+    const_key: tuple  # stands for `constexprs` and the strides in the launch cache's key
+    constexprs: dict
+
+
+_PLANS: dict[tuple, _RopeCachePlan] = {}
+_MAX_PLANS = 256
+
+
+def _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, cos_sin) -> _RopeCachePlan:
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k.shape[1]
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens > min(q.shape[0], k.shape[0], v.shape[0], q_out.shape[0]):
+        raise ValueError(f"slot_mapping has {num_tokens} slots for {q.shape[0]} queries, "
+                         f"{k.shape[0]} keys and {v.shape[0]} values")
+    clamp = cache_clamp(k_cache.dtype)
+    half = head_dim // 2
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+               cos_sin.stride(0))
+    q_heads_p = next_pow2(num_heads)
+    return _RopeCachePlan(
+        is_cuda=q.device.type == "cuda",
+        grid=(num_tokens, 1, 1) if num_tokens else None,
+        strides=strides,
+        const_key=(num_heads, num_kv_heads, head_dim, k_cache.shape[1], clamp,
+                   specialization_key((), strides)),
+        constexprs=dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_P=q_heads_p,
+                        KV_HEADS_P=next_pow2(num_kv_heads), HALF=half, HALF_P=next_pow2(half),
+                        BLOCK_SIZE=k_cache.shape[1], CLAMP=clamp,
+                        num_warps=max(1, min(8, q_heads_p * next_pow2(half) // 512))),
+    )
+
+
+# Compiled kernels per specialization (kernels/launch/launch_cache.py).
+_LAUNCHES = LaunchCache(_rope_and_cache_kernel)

@@ -1,0 +1,309 @@
+"""The rotary embedding fused into the KV write (kernels/rope_cache.py) and the attention
+op that uses it: bit for bit what the rotary kernel, the KV write and the attention do
+apart, in the Triton interpreter (a child process, as in test_attention_kernels.py), on
+the CPU path, and compiled for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmfast.config import RopeScaling
+from llmfast.kernels import attention, ops
+from llmfast.kernels.launch.offline_target import offline_hopper
+from llmfast.kernels.layers import rotary as rotary_ops
+from llmfast.models.rope import rope_table
+
+from tests import test_attention_kernels as attn_tests
+
+SIGN = torch.tensor([[-1.0], [1.0]])
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    yield from attn_tests.interpreter_child(__file__)
+
+
+def _qkv(tokens, heads, kv_heads, head_dim, dtype, seed=0):
+    """q, k, v as the model has them: views into one fused projection's rows."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    return q, k, v
+
+
+# ----------------------------------------------------------------------------- child checks
+
+
+def check_rope_and_cache(dtype: str, cache_dtype: str, heads: int, kv_heads: int,
+                         head_dim: int, device: str = "cpu"):
+    """q_out and the cache equal the rotary kernel's output and the KV write of it (bit
+    for bit in the interpreter; on a GPU, where each kernel's compile may contract
+    multiply-adds its own way, to one rounding); padding slots write nothing, slots no
+    token names stay NaN."""
+    dt, cdt = getattr(torch, dtype), getattr(torch, cache_dtype)
+    tokens, block_size = 7, 16
+    q, k, v = (t.to(device) for t in _qkv(tokens, heads, kv_heads, head_dim, dt))
+    k = k * 300  # past fp8's +-448 after rotation for some: the clamp is exercised
+    table = rope_table(head_dim, 64, 10000.0, RopeScaling()).to(device)
+    positions = torch.tensor([0, 5, 63, 17, 2, 40, 9], device=device)
+    slots = torch.tensor([3, 80, -1, 17, 95, -1, 0], device=device)
+    shape = (6, block_size, kv_heads, head_dim)
+    nan = torch.full(shape, float("nan"), device=device).to(cdt)
+    k_cache, v_cache = nan.clone(), nan.clone()
+    q_out = torch.full_like(q, float("nan")).contiguous()
+    attention.rope_and_cache(q, k, v, positions, table, q_out, k_cache, v_cache, slots)
+
+    sign = SIGN.to(device)
+    want_q = rotary_ops.rotary_impl(positions, q, table, sign)  # the rotary kernel
+    want_k = rotary_ops.rotary_impl(positions, k, table, sign)
+    ref_k, ref_v = nan.clone(), nan.clone()
+    attention.reshape_and_cache(want_k, v, ref_k, ref_v, slots)  # the KV write kernel
+    if device == "cpu":
+        attn_tests.assert_same_bits(q_out, want_q)
+        _same_cache(k_cache, ref_k)
+        _same_cache(v_cache, ref_v)
+    else:
+        _close_to_one_rounding(q_out, want_q, dt)
+        _close_to_one_rounding(k_cache, ref_k, cdt)
+        _same_cache(v_cache, ref_v)  # copied, not computed
+    # And the oracle: the rotation in float64, rounded once.
+    half = head_dim // 2
+    cos = table.double()[positions][:, None, :half]
+    sin = table.double()[positions][:, None, half:]
+    x1, x2 = q.double()[..., :half], q.double()[..., half:]
+    exact = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    assert (q_out.double() - exact).abs().max() <= 2 * _ULP[dt] * exact.abs().max()
+
+
+_ULP = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-10,
+        torch.float8_e4m3fn: 2**-3}
+
+
+def _close_to_one_rounding(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal NaN poison, and values within one rounding of `dtype` of each other."""
+    a, b = a.float(), b.float()
+    assert torch.equal(a.isnan(), b.isnan())
+    a, b = a.nan_to_num(), b.nan_to_num()
+    assert ((a - b).abs() <= _ULP[dtype] * b.abs() + 1e-6).all()
+
+
+def check_fused_op_equals_unfused(dtype: str, kind: str, device: str = "cpu"):
+    """The attention op given positions (rotating in its KV write, the queries in
+    `out`, read and overwritten by the attention) = the op given rotated q and k (bit
+    for bit in the interpreter; on a GPU to rounding, and right against float64)."""
+    dt = getattr(torch, dtype)
+    reqs = attn_tests.MIXED if kind == "mixed" else [(40, 1), (3, 1), (17, 1), (0, 1)]
+    b = attn_tests.make_batch(reqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                              dtype=dt, pad_tokens=2, pad_reqs=1, device=device)
+    num_tokens = b["q"].shape[0]
+    table = rope_table(64, 128, 10000.0, RopeScaling()).to(device)
+    # Each token's position in its sequence (padding tokens: 0).
+    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    starts = b["query_start_loc"].tolist()
+    for r, seq_len in enumerate(b["seq_lens"].tolist()):
+        n = starts[r + 1] - starts[r]
+        positions[starts[r]: starts[r + 1]] = torch.arange(seq_len - n, seq_len)
+    positions = positions.to(device)
+    sign = SIGN.to(device)
+    args = (b["block_table"], b["query_start_loc"], b["seq_lens"], b["scale"])
+
+    k_fused, v_fused = b["k_cache"].clone(), b["v_cache"].clone()
+    out_fused = torch.full_like(b["q"], float("nan"))
+    ops.unified_attention_impl(b["q"], b["k"], b["v"], k_fused, v_fused, b["slot_mapping"],
+                               *args, out_fused, positions, table)
+    q_rot = rotary_ops.rotary_impl(positions, b["q"], table, sign)
+    k_rot = rotary_ops.rotary_impl(positions, b["k"], table, sign)
+    k_apart, v_apart = b["k_cache"].clone(), b["v_cache"].clone()
+    out_apart = torch.full_like(b["q"], float("nan"))
+    ops.unified_attention_impl(q_rot, k_rot, b["v"], k_apart, v_apart, b["slot_mapping"],
+                               *args, out_apart)
+    n = starts[-1]
+    assert torch.isfinite(out_fused[:n]).all()
+    if device == "cpu":
+        attn_tests.assert_same_bits(out_fused[:n], out_apart[:n])
+        attn_tests.assert_same_bits(k_fused, k_apart)
+        attn_tests.assert_same_bits(v_fused, v_apart)
+        return
+    _close_to_one_rounding(k_fused, k_apart, dt)
+    attn_tests.assert_same_bits(v_fused, v_apart)
+    # The float64 oracle over the rotated inputs: the fused op's rows are right.
+    rotated = dict(b, q=q_rot, k=k_rot)
+    attn_tests.assert_rel_close(out_fused[:n], attn_tests.reference_out(rotated)[:n],
+                                attn_tests.TOL[dt])
+
+
+def check_model_steps_fused_equal_unfused():
+    """A whole model (random:tiny, eager, Triton kernels under the interpreter): logits
+    of prefill, chunk and decode steps with the rotation fused into the attention op
+    equal those with the rotary kernel before it, bit for bit, and the torch CPU path's
+    to float32 rounding."""
+    from unittest import mock
+
+    from llmfast.models import decoder
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+    from tests.helpers.paged import PagedSequences
+
+    steps = [{0: [5, 6, 7]}, {0: [8], 1: list(range(20, 31))}, {0: [9], 1: [12]}]
+    fused_calls = []
+    real = decoder.rope_fuses_into_attention
+
+    def counting(*args):
+        fused_calls.append(real(*args))
+        return fused_calls[-1]
+
+    def run(fuse: bool | None) -> list[torch.Tensor]:
+        model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
+        seqs = PagedSequences(model, 2, 32)
+        if fuse is None:  # the plain CPU path: torch rotation and attention
+            with mock.patch.object(ops, "use_triton", lambda x: False), \
+                    mock.patch("llmfast.kernels.layers.switch.use_triton", lambda x: False):
+                return [seqs.step(chunks) for chunks in steps]
+        target = counting if fuse else (lambda *args: False)
+        with mock.patch.object(decoder, "rope_fuses_into_attention", target):
+            return [seqs.step(chunks) for chunks in steps]
+
+    fused, apart, torch_path = run(True), run(False), run(None)
+    assert fused_calls and all(fused_calls)  # every layer of every step took the fused path
+    for a, b, c in zip(fused, apart, torch_path):
+        attn_tests.assert_same_bits(a, b)
+        assert (a - c).abs().max() <= 1e-4 * c.abs().max()
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_model_steps_fused_equal_unfused(interpreter):
+    interpreter("check_model_steps_fused_equal_unfused")
+
+
+
+ROPE_CACHE_CASES = [
+    ("bfloat16", "bfloat16", 8, 2, 64),
+    ("float32", "float32", 5, 1, 128),  # heads not a power of two
+    ("bfloat16", "float8_e4m3fn", 4, 4, 80),  # head dim padded inside; an fp8 cache
+]
+FUSED_OP_CASES = [("float32", "mixed"), ("bfloat16", "mixed"), ("bfloat16", "decode")]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, heads, kv_heads, head_dim", ROPE_CACHE_CASES)
+def test_rope_and_cache_equals_rotary_then_kv_write(interpreter, dtype, cache_dtype, heads,
+                                                    kv_heads, head_dim):
+    interpreter("check_rope_and_cache", dtype=dtype, cache_dtype=cache_dtype, heads=heads,
+                kv_heads=kv_heads, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("dtype, kind", FUSED_OP_CASES)
+def test_fused_op_equals_rotating_first(interpreter, dtype, kind):
+    interpreter("check_fused_op_equals_unfused", dtype=dtype, kind=kind)
+
+
+@pytest.mark.gpu
+def test_rope_and_cache_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for dtype, cache_dtype, heads, kv_heads, head_dim in ROPE_CACHE_CASES:
+        check_rope_and_cache(dtype, cache_dtype, heads, kv_heads, head_dim, device="cuda")
+    for dtype, kind in FUSED_OP_CASES:
+        check_fused_op_equals_unfused(dtype, kind, device="cuda")
+        torch.cuda.synchronize()
+
+
+def test_cpu_op_given_positions_rotates_with_the_reference():
+    # Plain CPU (no Triton): the op rotates with the torch reference, then as before.
+    b = attn_tests.make_batch([(5, 1), (0, 6)], num_heads=4, num_kv_heads=2, head_dim=32,
+                              block_size=16, dtype=torch.float32, pad_tokens=1)
+    table = rope_table(32, 16, 10000.0, RopeScaling())
+    positions = torch.tensor([5, 0, 1, 2, 3, 4, 5, 0])
+    args = (b["block_table"], b["query_start_loc"], b["seq_lens"], b["scale"])
+    k1, v1, out1 = b["k_cache"].clone(), b["v_cache"].clone(), torch.zeros_like(b["q"])
+    ops.unified_attention_impl(b["q"], b["k"], b["v"], k1, v1, b["slot_mapping"], *args, out1,
+                               positions, table)
+    q = rotary_ops.rotary_reference(positions, b["q"], table, SIGN)
+    k = rotary_ops.rotary_reference(positions, b["k"], table, SIGN)
+    k2, v2, out2 = b["k_cache"].clone(), b["v_cache"].clone(), torch.zeros_like(b["q"])
+    ops.unified_attention_impl(q, k, b["v"], k2, v2, b["slot_mapping"], *args, out2)
+    attn_tests.assert_same_bits(out1[:7], out2[:7])
+    attn_tests.assert_same_bits(k1, k2)
+    assert not torch.equal(q, b["q"])  # positions > 0 rotate
+
+
+def test_compiled_model_passes_positions_through_the_split(monkeypatch, tmp_path):
+    # The model asking the op to rotate (as on CUDA; on CPU the op then rotates with the
+    # torch reference): Dynamo records the op with positions and the cos/sin table, the
+    # backend splits there and the split graph calls the implementation with them; the
+    # pieces hold no rotation. Logits equal eager's unfused ones to float32 rounding.
+    from llmfast.compile import CompiledModel
+    from llmfast.config import CompileConfig
+    from llmfast.models import decoder
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+    from tests.helpers.paged import PagedSequences
+    from tests.test_compile import STEPS, _CallThrough
+
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    eager_model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
+    model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
+    monkeypatch.setattr(decoder, "rope_fuses_into_attention", lambda *args: True)
+    torch._dynamo.reset()
+    cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)
+    eager_seqs, compiled_seqs = PagedSequences(eager_model, 4, 64), PagedSequences(model, 4, 64)
+    compiled_seqs.model = _CallThrough(cm, model)
+    for chunks in STEPS[:4]:
+        compiled = compiled_seqs.step(chunks)
+        with monkeypatch.context() as m:
+            m.setattr(decoder, "rope_fuses_into_attention", lambda *args: False)
+            eager = eager_seqs.step(chunks)
+        assert (compiled - eager).abs().max() <= 1e-4 * eager.abs().max()
+    split = cm.backend.split_gm
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    pieces = [split._modules[str(n.target)] for n in calls]
+    attention_calls = [node for piece in pieces for node in piece.graph.nodes
+                       if node.target is ops.unified_attention_impl]
+    assert len(attention_calls) == model.config.num_hidden_layers
+    assert all(len(node.args) + len(node.kwargs) == 13 for node in attention_calls)
+    called = {str(node.target) for piece in pieces for node in piece.graph.nodes
+              if node.op == "call_function"}
+    assert not any("rotary" in t for t in called), called  # no rotation in the pieces
+    torch._dynamo.reset()
+
+
+def test_opcheck_with_positions(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    b = attn_tests.make_batch([(3, 1), (0, 4)], num_heads=4, num_kv_heads=2, head_dim=16,
+                              block_size=16, dtype=torch.float32, pad_tokens=1)
+    k_cache, v_cache = torch.nan_to_num(b["k_cache"]), torch.nan_to_num(b["v_cache"])
+    torch.library.opcheck(
+        torch.ops.llmfast.unified_attention.default,
+        (b["q"], b["k"], b["v"], k_cache, v_cache, b["slot_mapping"], b["block_table"],
+         b["query_start_loc"], b["seq_lens"], b["scale"], torch.zeros_like(b["q"]),
+         torch.tensor([3, 0, 1, 2, 3, 0]), rope_table(16, 8, 10000.0, RopeScaling())),
+    )
+
+
+def test_rope_and_cache_compiles_for_sm90(monkeypatch):
+    compiled = attn_tests.compile_launches_only(monkeypatch)
+    monkeypatch.setattr("llmfast.kernels.rope_cache.check_launchable", lambda *args: None)
+    with offline_hopper():
+        for head_dim, cache_dtype in ((64, torch.bfloat16), (128, torch.float8_e4m3fn)):
+            q, k, v = _qkv(8, 32, 8, head_dim, torch.bfloat16)
+            cache = torch.empty(4, 16, 8, head_dim, dtype=cache_dtype)
+            attention.rope_and_cache(q, k, v, torch.zeros(8, dtype=torch.int64),
+                                     torch.empty(64, head_dim), torch.empty_like(q), cache,
+                                     cache, torch.zeros(8, dtype=torch.int64))
+    assert [name for name, _ in compiled] == ["_rope_and_cache_kernel"] * 2
+    for _, kernel in compiled:
+        assert "cubin" in kernel.asm
+
+
+def _same_cache(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == torch.float8_e4m3fn:  # compared as bytes (NaN poison included)
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    attn_tests.assert_same_bits(a, b)
+
+
+if __name__ == "__main__":
+    attn_tests._serve(globals())
