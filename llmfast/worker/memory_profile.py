@@ -19,11 +19,14 @@ from llmfast.worker.sampling.sampling_metadata import worst_case_sampling_metada
 
 def profile_peak_memory(model: DecoderForCausalLM, sampler: Sampler, max_num_tokens: int,
                         max_num_reqs: int, block_size: int, dtype: torch.dtype,
-                        device: torch.device) -> int:
+                        device: torch.device, max_model_len: int | None = None) -> int:
     """Run the largest forward and sampling once on a throwaway cache; return peak bytes
     in use."""
     cfg = model.rank_config  # this rank's KV heads
-    num_tokens = max_num_tokens
+    # No step holds more than max_model_len tokens of a request: with few sequences and
+    # a large token budget the largest step is smaller than the budget (and positions
+    # past max_model_len would read past the rotary table).
+    num_tokens = min(max_num_tokens, max_num_reqs * (max_model_len or max_num_tokens))
     num_reqs = min(max_num_reqs, num_tokens)
     tokens_per_req = -(-num_tokens // num_reqs)  # ceil
     blocks_per_req = -(-tokens_per_req // block_size)

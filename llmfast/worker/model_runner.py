@@ -164,7 +164,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             peak = profile_peak_memory(self.model, self.sampler, self.max_num_tokens,
                                        self.max_num_reqs, self.block_size, self.kv_dtype,
-                                       self.device)
+                                       self.device, self.max_model_len)
             self.startup_times["profile"] = time.perf_counter() - t0
             graph_bytes = self._compile_and_capture(progress)
             captured = True
