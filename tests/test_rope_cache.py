@@ -173,7 +173,46 @@ def check_model_steps_fused_equal_unfused():
         assert (a - c).abs().max() <= 1e-4 * c.abs().max()
 
 
+def check_attention_in_place(dtype: str, device: str = "cpu"):
+    """The attention reading q from `out` and overwriting it (what the fused op does)
+    is right with KV splits merged in the launch, merged by the second kernel, and in a
+    mixed batch's decode region: no program reads rows another has overwritten."""
+    dt = getattr(torch, dtype)
+    cuda = device != "cpu"
+    contexts = (6000, 8000, 2) if cuda else (150, 90, 2)
+    decodes = [(c, 1) for c in contexts]
+    group, block_n = 4, (128 if cuda else 16)
+    shape = dict(num_heads=2 * group, num_kv_heads=2, head_dim=64, block_size=16, dtype=dt,
+                 device=device)
+    region = attention.DecodeRegion(16 // group if cuda else 2, block_n, 4)
+    cases = [  # (requests, attention keyword arguments)
+        (decodes, dict(config=attention.AttentionConfig(16 // group, block_n, 8, 4, 2,
+                                                         min_split_tiles=1))),
+        (decodes, dict(config=attention.AttentionConfig(16 // group, block_n, 8, 4, 2,
+                                                         min_split_tiles=1),
+                       fused_merge=False)),
+        (decodes + [(20, 40), (0, 9)], dict(config=attention.AttentionConfig(
+            16, block_n, 1, 4, 2, min_split_tiles=1, decode_region=region))),
+    ]
+    for reqs, kw in cases:
+        b = attn_tests.make_batch(reqs, pad_tokens=1, **shape)
+        k_cache, v_cache = b["k_cache"].clone(), b["v_cache"].clone()
+        attention.reshape_and_cache(b["k"], b["v"], k_cache, v_cache, b["slot_mapping"])
+        out = b["q"].clone()
+        attention.unified_attention(out, k_cache, v_cache, b["block_table"],
+                                    b["query_start_loc"], b["seq_lens"], b["scale"], out, **kw)
+        n = int(b["query_start_loc"][-1])
+        attn_tests.assert_rel_close(out[:n], attn_tests.reference_out(b)[:n],
+                                    attn_tests.TOL[dt])
+
+
 # ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_in_place(interpreter, dtype):
+    interpreter("check_attention_in_place", dtype=dtype)
+
 
 
 def test_model_steps_fused_equal_unfused(interpreter):
@@ -209,6 +248,9 @@ def test_rope_and_cache_on_cuda():
         check_rope_and_cache(dtype, cache_dtype, heads, kv_heads, head_dim, device="cuda")
     for dtype, kind in FUSED_OP_CASES:
         check_fused_op_equals_unfused(dtype, kind, device="cuda")
+        torch.cuda.synchronize()
+    for dtype in ("float32", "bfloat16"):
+        check_attention_in_place(dtype, device="cuda")
         torch.cuda.synchronize()
 
 

@@ -181,14 +181,9 @@ def unified_attention_impl(
 ) -> None:
     """The op's body. Eager callers may call it directly: the custom-op dispatcher adds
     ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op."""
-    if positions is not None:
-        from llmfast.kernels.layers.rotary import rope_fuses_into_attention
-
-        if not (use_triton(q) and rope_fuses_into_attention(q, k, v, cos_sin, k_cache,
-                                                            v_cache)):
-            q, k = _rotate_reference(positions, q, cos_sin), _rotate_reference(
-                positions, k, cos_sin)
-            positions = None
+    if positions is not None and not use_triton(q):  # torch: rotate, then as usual
+        q, k = _rotate_reference(positions, q, cos_sin), _rotate_reference(positions, k, cos_sin)
+        positions = None
     if use_triton(q):
         attention = _ATTENTION or _triton_attention()
         if positions is not None:
@@ -244,11 +239,10 @@ def _(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq
 
 def _rotate_reference(positions: torch.Tensor, x: torch.Tensor,
                       cos_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated as the rotary reference does (layers/rotary.py)."""
-    from llmfast.kernels.layers.rotary import rotary_reference
+    """x [T, heads, head_dim] rotated as the rotary reference does."""
+    from llmfast.kernels.layers.rotary_reference import rotary_reference, rotate_sign
 
-    sign = torch.tensor([[-1.0], [1.0]], device=x.device)
-    return rotary_reference(positions, x, cos_sin, sign)
+    return rotary_reference(positions, x, cos_sin, rotate_sign(x.device))
 
 
 def direct_impl(target) -> object | None:

@@ -111,10 +111,11 @@ def rope_and_cache(
     key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.stride(),
            v.dtype, q_out.stride(), q_out.dtype, k_cache.shape, k_cache.stride(),
            k_cache.dtype, v_cache.stride(), v_cache.dtype, slot_mapping.shape,
-           slot_mapping.dtype, positions.dtype, cos_sin.stride(), cos_sin.dtype)
+           slot_mapping.dtype, positions.shape, positions.dtype, cos_sin.shape,
+           cos_sin.stride(), cos_sin.dtype)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, cos_sin)
+        plan = _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin)
         if len(_PLANS) >= _MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]
         _PLANS[key] = plan
@@ -140,13 +141,27 @@ _PLANS: dict[tuple, _RopeCachePlan] = {}
 _MAX_PLANS = 256
 
 
-def _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, cos_sin) -> _RopeCachePlan:
+def _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin
+          ) -> _RopeCachePlan:
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k.shape[1]
     num_tokens = slot_mapping.shape[0]
-    if num_tokens > min(q.shape[0], k.shape[0], v.shape[0], q_out.shape[0]):
+    if num_tokens > min(q.shape[0], k.shape[0], v.shape[0], q_out.shape[0],
+                        positions.shape[0]):
         raise ValueError(f"slot_mapping has {num_tokens} slots for {q.shape[0]} queries, "
-                         f"{k.shape[0]} keys and {v.shape[0]} values")
+                         f"{k.shape[0]} keys, {v.shape[0]} values and "
+                         f"{positions.shape[0]} positions")
+    # What the kernel assumes (the decoder checks the same before asking for it:
+    # layers/rotary.py, rope_fuses_into_attention).
+    if not (head_dim % 2 == 0 and cos_sin.dtype == torch.float32
+            and cos_sin.shape[-1] == head_dim and k.dtype == q.dtype == q_out.dtype
+            and k_cache.dtype == v_cache.dtype
+            and all(t.stride(-1) == 1 for t in (q, k, v, q_out, cos_sin, k_cache, v_cache))):
+        raise ValueError("rope_and_cache takes contiguous, even head dims, q/k/q_out of one "
+                         "dtype, a float32 cos/sin table as wide as a head and caches of one "
+                         f"dtype; got q {q.dtype} {tuple(q.stride())}, k {k.dtype}, "
+                         f"cos_sin {cos_sin.dtype} {tuple(cos_sin.shape)}, caches "
+                         f"{k_cache.dtype}/{v_cache.dtype}")
     clamp = cache_clamp(k_cache.dtype)
     half = head_dim // 2
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -13,20 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from llmfast.kernels.layers.rotary_reference import rotary_reference
 from llmfast.kernels.layers.switch import launchable, takes_layer_kernels
 
-
-def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
-                     rotate_sign: torch.Tensor) -> torch.Tensor:
-    """out = [x1 cos - x2 sin, x2 cos + x1 sin] for halves x1, x2, written without a cat:
-    the halves as an axis of size 2, swapped by a flip (`rotate_sign`: [[-1], [1]]).
-    Inductor makes fewer kernels of that than of the cat form, and eager runs no more
-    ops."""
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2]
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-    halves = x.float().unflatten(-1, (2, -1))  # [num_tokens, heads, 2, head_dim / 2]
-    rotated = halves * cos + halves.flip(-2) * sin * rotate_sign
-    return rotated.flatten(-2).to(x.dtype)
+__all__ = ["rope_fuses_into_attention", "rotary_impl", "rotary_reference"]
 
 
 def _kernel_takes(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
@@ -40,11 +30,13 @@ def rope_fuses_into_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               v_cache: torch.Tensor) -> bool:
     """Whether the attention op can rotate q and k itself, in its KV write
     (kernels/rope_cache.py), instead of this module's kernel before it: the layer
-    kernels are on for q's device, head dims contiguous and even, a float32 cos/sin
-    table as wide as a head, caches of one dtype. Static properties only (traced)."""
+    kernels are on for q's device, head dims contiguous and even, q and k of one dtype,
+    a float32 cos/sin table as wide as a head, caches of one dtype. Static properties
+    only (traced); rope_cache.py checks the same when it plans a launch."""
     head_dim = q.shape[-1]
     return (takes_layer_kernels(q) and head_dim % 2 == 0 and cos_sin.dtype == torch.float32
-            and cos_sin.shape[-1] == head_dim and k_cache.dtype == v_cache.dtype
+            and cos_sin.shape[-1] == head_dim and k.dtype == q.dtype
+            and k_cache.dtype == v_cache.dtype
             and all(t.stride(-1) == 1 for t in (q, k, v, cos_sin, k_cache, v_cache)))
 
 

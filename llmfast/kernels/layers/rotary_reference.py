@@ -1,0 +1,28 @@
+"""The rotary embedding in torch: the oracle of the Triton kernels (layers/rotary.py,
+rope_cache.py) and the CPU path. Imports torch only, so that the attention op
+(kernels/ops.py) can rotate with it without importing the layers' switch."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
+                     rotate_sign: torch.Tensor) -> torch.Tensor:
+    """out = [x1 cos - x2 sin, x2 cos + x1 sin] for halves x1, x2, written without a cat:
+    the halves as an axis of size 2, swapped by a flip (`rotate_sign`: [[-1], [1]]).
+    Inductor makes fewer kernels of that than of the cat form, and eager runs no more
+    ops."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2]
+    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+    halves = x.float().unflatten(-1, (2, -1))  # [num_tokens, heads, 2, head_dim / 2]
+    rotated = halves * cos + halves.flip(-2) * sin * rotate_sign
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def rotate_sign(device: torch.device) -> torch.Tensor:
+    """[[-1], [1]] on `device` (made by fills, not a host copy: safe while a CUDA graph
+    is being captured)."""
+    sign = torch.ones(2, 1, device=device)
+    sign[0] = -1.0
+    return sign
