@@ -22,10 +22,14 @@
 #
 #   step        est/limit s  what (issue: bar); est = measured on an H200 on 2026-11-26
 #                            (warm machine, cold compile caches) with a margin
-#   full          100/330    tests/test_full_graphs_gpu.py and test_layer_kernels.py's GPU test:
-#                            every CUDA-graph mode vs HF at
+#   full          130/330    tests/test_full_graphs_gpu.py, the GPU tests of the layer
+#                            kernels, of RoPE fused into the KV write (test_rope_cache.py)
+#                            and of mixed attention launches (the decode region): every
+#                            CUDA-graph mode vs HF at
 #                            batch 1/3/17/256, seeded sampling, 1B default-size capture
-#                            (#15: identical tokens; capture <= 10 s)   [63 s]
+#                            (#15: identical tokens; capture <= 10 s)   [63 s before the
+#                            last two files]; a failure in the layer kernels or the decode
+#                            region switches them off for the later steps (NOTE line)
 #   async_tests   220/300    tests/test_async_gpu.py + tests/test_sampling.py gpu tests
 #                            (#16: steady-state steps under sync-debug "error", with
 #                            every sampler stage and with prompt scoring; async == sync on
@@ -261,17 +265,27 @@ run_step() {  # name, estimate s, limit s, command...
 for step in $STEPS; do
     case $step in
         full)
-            run_step full 100 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py \
-                tests/test_layer_kernels.py
-            # When the failure is the layer kernels' (their GPU test, or a traceback through
-            # their files), measure the rest with the torch norms and RoPE rather than not
-            # at all; any other failure leaves them on.
+            run_step full 130 330 "${PYTEST[@]}" -s tests/test_full_graphs_gpu.py \
+                tests/test_layer_kernels.py tests/test_rope_cache.py \
+                tests/test_attention_kernels_gpu.py -k "not test_attention_kernels_gpu or mixed or decode_region"
+            # When the failure is the layer kernels' (their GPU tests, RoPE fused into the
+            # KV write included, or a traceback through their files), measure the rest
+            # with the torch norms and RoPE rather than not at all; when it is the mixed
+            # launches' decode region, without it; any other failure leaves them on.
             if [[ ${STATUS[full]} == FAILED* && $DRY != 1 && -z ${LLMFAST_LAYER_KERNELS:-} ]] \
-                && grep -Eq 'test_layer_kernels\.py::[a-z_]+ FAILED|llmfast/kernels/layers/' \
+                && grep -Eq 'test_(layer_kernels|rope_cache)\.py::[a-z_]+ FAILED|llmfast/kernels/(layers/|rope_cache)' \
                     "$OUT/full.log"; then
                 export LLMFAST_LAYER_KERNELS=0
                 echo "NOTE     full failed in the layer kernels: the steps after it run with" \
                     "LLMFAST_LAYER_KERNELS=0" | tee -a "$OUT/verdicts.txt"
+            fi
+            if [[ ${STATUS[full]} == FAILED* && $DRY != 1 \
+                    && -z ${LLMFAST_ATTENTION_DECODE_REGION:-} ]] \
+                && grep -Eq 'test_attention_kernels_gpu\.py::test_(mixed|decode_region|forced_splits_on_mixed)[a-z_]*\[?[^ ]* FAILED' \
+                    "$OUT/full.log"; then
+                export LLMFAST_ATTENTION_DECODE_REGION=0
+                echo "NOTE     full failed in mixed attention launches: the steps after it" \
+                    "run with LLMFAST_ATTENTION_DECODE_REGION=0" | tee -a "$OUT/verdicts.txt"
             fi ;;
         async_tests)
             run_step async_tests 220 300 "${PYTEST[@]}" tests/test_async_gpu.py \

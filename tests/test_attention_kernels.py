@@ -25,7 +25,7 @@ import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention, kv_write, ops
+from llmfast.kernels import attention, attention_config, kv_write, ops
 from llmfast.kernels.kv_write import next_pow2
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.tuning import prefill_measure
@@ -635,6 +635,9 @@ def test_decode_region_config():
         decode_alone.block_q, decode_alone.block_n, cfg(65, 65).num_splits)
     assert mixed.num_splits == 1 and mixed.decode_region.block_q < mixed.block_q
     assert cfg(2048, 1).decode_region is None  # one request: nothing to serve
+    with pytest.MonkeyPatch.context() as mp:  # LLMFAST_ATTENTION_DECODE_REGION=0
+        mp.setattr(attention_config, "_DECODE_REGION", False)
+        assert cfg(2048 + 64, 65).decode_region is None
     assert cfg(64, 64).decode_region is None  # a decode launch is all decode tiles
     # A few decodes at a long context split their keys, as they would alone.
     few = cfg(4096 + 2, 3, ctx=8192)

@@ -5,6 +5,7 @@ a CUDA graph captured at one padded size keeps its launch whatever the live leng
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,18 @@ class AttentionConfig:
 # Decode tiles walk their keys in one loop (AttentionConfig.one_kv_loop). Off until
 # measured: scripts/sweep_decode_configs.py times both (gpu_check step decode_configs).
 DECODE_ONE_KV_LOOP = False
+
+_DECODE_REGION: bool | None = None
+
+
+def decode_region_enabled() -> bool:
+    """Whether mixed launches serve their decodes in a decode region (the default);
+    `LLMFAST_ATTENTION_DECODE_REGION=0`: in query tiles, as before it (for comparing the
+    two, and a way around the region should it fail on a GPU). Read once per process."""
+    global _DECODE_REGION
+    if _DECODE_REGION is None:
+        _DECODE_REGION = os.environ.get("LLMFAST_ATTENTION_DECODE_REGION", "1") != "0"
+    return _DECODE_REGION
 
 
 def select_config(
@@ -112,7 +125,7 @@ def select_config(
     tiles = prefill_tiles or heuristic_tiles(head_dim, dtype)
     block_q = max(1, tiles.block_m // group_p)
     region = None
-    if num_reqs > 1:
+    if num_reqs > 1 and decode_region_enabled():
         decode = select_config(num_reqs, num_reqs, num_heads, num_kv_heads, head_dim,
                                block_size, max_blocks_per_req, dtype, num_sms, split_tables,
                                kv_dtype=kv_dtype)
