@@ -270,7 +270,9 @@ def test_specialization_key():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_every_tile_candidate_fits_an_h100(monkeypatch, head_dim):
     # The tuner skips candidates that fail, but a search space of mostly failing ones
-    # would tune nothing: each compiles for sm_90 within the H100's shared memory.
+    # would tune nothing: each compiles for sm_90 within the H100's shared memory, for
+    # one request (causal) and for several (mixed: with the decode region's programs,
+    # whose decode tiles take the candidate's warps and stages).
     from llmfast.kernels.tuning.prefill_tuning import CANDIDATES
 
     compiled = []
@@ -281,15 +283,16 @@ def test_every_tile_candidate_fits_an_h100(monkeypatch, head_dim):
 
     monkeypatch.setattr(triton.runtime.JITFunction, "run", compile_only)
     monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
+    cases = [(tiles, num_reqs) for tiles in CANDIDATES for num_reqs in (1, 9)]
     with offline_hopper():
-        for tiles in CANDIDATES:
+        for tiles, num_reqs in cases:
             q = torch.empty(2048, 32, head_dim, dtype=torch.bfloat16)
             k_cache = torch.empty(4, 16, 8, head_dim, dtype=torch.bfloat16)
-            table = torch.empty(1, 128, dtype=torch.int32)
+            table = torch.empty(num_reqs, 128, dtype=torch.int32)
             attention.unified_attention(q, k_cache, k_cache, table,
-                                        torch.empty(2, dtype=torch.int32),
-                                        torch.empty(1, dtype=torch.int32), 0.1, q,
+                                        torch.empty(num_reqs + 1, dtype=torch.int32),
+                                        torch.empty(num_reqs, dtype=torch.int32), 0.1, q,
                                         prefill_tiles=tiles)
-    assert len(compiled) == len(CANDIDATES)
-    for tiles, kernel in zip(CANDIDATES, compiled):
-        assert kernel.metadata.shared <= 227 * 1024, (tiles, kernel.metadata.shared)
+    assert len(compiled) == len(cases)
+    for case, kernel in zip(cases, compiled):
+        assert kernel.metadata.shared <= 227 * 1024, (case, kernel.metadata.shared)
