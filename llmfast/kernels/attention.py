@@ -15,7 +15,7 @@ import triton
 from llmfast.kernels.attention_config import AttentionConfig, DecodeRegion, select_config
 from llmfast.kernels.attention_kernels import _merge_splits_kernel, _unified_attention_kernel
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
-from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
+from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
 from llmfast.kernels.rope_cache import rope_and_cache
 from llmfast.kernels.tuning.prefill_measure import median_device_us, synthetic_batch
 from llmfast.kernels.tuning.prefill_tuning import (
@@ -204,8 +204,8 @@ def unified_attention(
            prefill_tiles, config, _num_sms)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(q, k_cache, v_cache, block_table, out, num_reqs,
-                                   num_splits, block_q, fused_merge, prefill_tiles, config)
+        plan = _PLANS.add(key, _plan(q, k_cache, v_cache, block_table, out, num_reqs,
+                                     num_splits, block_q, fused_merge, prefill_tiles, config))
     if not plan.is_cuda:
         check_launchable(_unified_attention_kernel, q)
     if plan.scratch_splits > 1:
@@ -257,10 +257,7 @@ class _LaunchPlan:
     merge_constexprs: dict
 
 
-# Launch plans by shape key; a process sees a handful of shapes per model (padded batch
-# sizes x prefill/decode), but tests and benchmarks see many: bounded, oldest dropped.
-_PLANS: dict[tuple, _LaunchPlan] = {}
-_MAX_PLANS = 256
+_PLANS = PlanCache()
 
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
@@ -301,8 +298,6 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     # A cache in another dtype than q (fp8) is converted to q's on load: its own variant.
     convert_kv = k_cache.dtype != q.dtype
-    if len(_PLANS) >= _MAX_PLANS:
-        del _PLANS[next(iter(_PLANS))]
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
                block_table.stride(0))
     return _LaunchPlan(

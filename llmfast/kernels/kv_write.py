@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from llmfast.config import FP8_E4M3_MAX
-from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
+from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
 
 
 def check_launchable(kernel, tensor: torch.Tensor) -> None:
@@ -112,10 +112,7 @@ def reshape_and_cache(
            slot_mapping.shape, slot_mapping.dtype)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(k, v, k_cache, v_cache, slot_mapping)
-        if len(_PLANS) >= _MAX_PLANS:
-            del _PLANS[next(iter(_PLANS))]
-        _PLANS[key] = plan
+        plan = _PLANS.add(key, _plan(k, v, k_cache, v_cache, slot_mapping))
     if plan.grid is None:  # no tokens
         return
     if not plan.is_cuda:
@@ -133,9 +130,7 @@ class _KVWritePlan:
     constexprs: dict
 
 
-# Launch plans by shape key; bounded, oldest dropped (tests and benchmarks see many).
-_PLANS: dict[tuple, _KVWritePlan] = {}
-_MAX_PLANS = 256
+_PLANS = PlanCache()
 
 
 def _plan(k, v, k_cache, v_cache, slot_mapping) -> _KVWritePlan:

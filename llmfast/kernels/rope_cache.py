@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from llmfast.kernels.kv_write import _round_to_e4m3, cache_clamp, check_launchable, next_pow2
-from llmfast.kernels.launch.launch_cache import LaunchCache, specialization_key
+from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
 
 
 @triton.jit
@@ -115,10 +115,8 @@ def rope_and_cache(
            cos_sin.stride(), cos_sin.dtype)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin)
-        if len(_PLANS) >= _MAX_PLANS:
-            del _PLANS[next(iter(_PLANS))]
-        _PLANS[key] = plan
+        plan = _PLANS.add(key, _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping,
+                                     positions, cos_sin))
     if plan.grid is None:  # no tokens
         return
     if not plan.is_cuda:
@@ -137,8 +135,7 @@ class _RopeCachePlan:
     constexprs: dict
 
 
-_PLANS: dict[tuple, _RopeCachePlan] = {}
-_MAX_PLANS = 256
+_PLANS = PlanCache()
 
 
 def _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin

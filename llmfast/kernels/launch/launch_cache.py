@@ -199,3 +199,19 @@ class LaunchCache:
         launcher(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device), function,
                  packed_metadata, None, None, None, *tensors, *scalars, *fixed_tail)
         self.fast_launches += 1
+
+
+class PlanCache(dict):
+    """Launch plans by shape key (attention, KV write, RoPE + KV write). A process sees a
+    handful of shapes per model (padded batch sizes x prefill/decode), tests and
+    benchmarks many: bounded, oldest dropped. Lookups are the dict's own `get`."""
+
+    def __init__(self, limit: int = 256) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def add(self, key: Hashable, plan: Any) -> Any:
+        if len(self) >= self.limit:
+            del self[next(iter(self))]
+        self[key] = plan
+        return plan
