@@ -107,15 +107,20 @@
 #        correctness first (the layer kernels and the attention kernel at B=17/256),
 #        then every issue's headline bar (measured 65+27+23+69+31+71+34 = 320 s on
 #        2026-11-26): what does not fit is SKIPPED and remembered on the machine
-#        (`kernels`' mixed rows measure the decode region, new since; `full` checks
-#        it at B=17/256 through the engine, `tests` with long decodes beside a chunk)
+#        (new since 2026-11-26b, never run on a GPU: RoPE fused into the KV write and
+#        the decode region of mixed launches, both checked by `full` first and switched
+#        off for the later steps if they fail; `kernels`' mixed rows time the region;
+#        `diag`'s trace should show `_rope_and_cache_kernel` x16 and no `rotary_kernel`)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
-#        - 60> ... gpu_check.sh skipped throughput startup_profile kernels64 load async_tests
+#        - 60> ... gpu_check.sh skipped throughput startup_profile decode_configs
+#        kernels64 async_tests
 #        `skipped` = the steps the previous call of this machine skipped (a file under
-#        /tmp); then #18's 10x, the split table, #16's sync-free proof.
+#        /tmp); then #18's 10x and where the warm start goes, whether decode tiles
+#        should walk their keys in one loop (decode_configs' last line), the split
+#        table, #16's sync-free proof.
 #   3. with what is left (no machine starts with < 4 min left; use it while warm):
-#        `decode_configs`, `fp8 kvfp8`, `tests`, `families`, `serve_procs serve`,
-#        `defaults`, as time allows.
+#        `tests`, `load`, `fp8 kvfp8`, `families`, `serve_procs serve`, `defaults`,
+#        as time allows.
 # Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s when that is under 620.
 # Compile caches persist between calls while the machine stays warm (LLMFAST_CACHE
 # below). What comes back of $OUT: report.md, verdicts.txt and results.tar.gz
