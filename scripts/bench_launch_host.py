@@ -1,4 +1,5 @@
-"""Host cost of one attention / KV-write launch on CPU, cached launch path vs Triton's JIT.
+"""Host cost of one attention / KV-write (/ RoPE + KV-write) launch on CPU, cached launch
+path vs Triton's JIT.
 
 No GPU needed: Triton compiles the kernels for sm_90 (llmfast/kernels/launch/offline_target.py)
 and each launch ends in a recorder where the C launcher would be called, so this times
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 BASELINE = sys.argv[sys.argv.index("--baseline") + 1] if "--baseline" in sys.argv else None
 sys.path.insert(0, BASELINE or str(REPO))
 
-from llmfast.kernels import attention, kv_write
+from llmfast.kernels import attention, kv_write, rope_cache
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
@@ -71,7 +72,9 @@ def per_call_us(fn, calls: int, repeats: int, launches: list, both: bool = True
 
 def set_fast_launch(on: bool | None) -> None:
     if on is not None:
-        attention._ATTENTION_LAUNCHES.enabled = kv_write._KV_WRITE_LAUNCHES.enabled = on
+        for cache in (attention._ATTENTION_LAUNCHES, kv_write._KV_WRITE_LAUNCHES,
+                      rope_cache._LAUNCHES):
+            cache.enabled = on
 
 
 def main() -> None:
@@ -88,6 +91,7 @@ def main() -> None:
     # CPU tensors are refused by the launch guard (they would crash a real launch); here
     # nothing is launched.
     attention.check_launchable = kv_write.check_launchable = lambda *a: None
+    rope_cache.check_launchable = lambda *a: None
 
     bf16 = dict(dtype=torch.bfloat16)
     k_cache = torch.empty(64, 16, 8, 128, **bf16)
@@ -108,6 +112,10 @@ def main() -> None:
     slots = torch.zeros(1, dtype=torch.int64)
     cases["KV write, 1 token"] = lambda: attention.reshape_and_cache(k, k, k_cache, k_cache,
                                                                      slots)
+    q1, q1_out = torch.empty(1, 32, 128, **bf16), torch.empty(1, 32, 128, **bf16)
+    positions, cos_sin = torch.zeros(1, dtype=torch.int64), torch.empty(64, 128)
+    cases["RoPE + KV write, 1 token"] = lambda: attention.rope_and_cache(
+        q1, k, k, positions, cos_sin, q1_out, k_cache, k_cache, slots)
     rows = []
     if args.baseline:
         with _offline_hopper()(record_launches=True) as launches:
