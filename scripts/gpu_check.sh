@@ -48,6 +48,9 @@
 #                            llmfast bench --startup with tuning on auto (#18: TTFT warm
 #                            <= 10 s, cold <= 25 s; #15: capture <= 10 s; graphs, memory)
 #                            [83 s]
+#   startup_thin  120/300    the startup step with --piecewise-graph-sizes 1..512 (10
+#                            piecewise sizes instead of 51; full graphs at every size):
+#                            what fewer piecewise graphs save of #18's TTFT  [unmeasured]
 #   startup_profile 90/300   scripts/profile_startup.py: a cold start, then a cProfile of
 #                            a warm one and `-X importtime` (#18: where the warm start's
 #                            unstaged seconds go; startup_profile.md)   [unmeasured]
@@ -151,7 +154,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
-decode_configs install_splits startup_profile"
+decode_configs install_splits startup_profile startup_thin"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels async startup sweep}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -385,6 +388,11 @@ print("installed", sys.argv[1], "as", dest)' "$OUT/splits.json"
                 LLMFAST_ATTENTION_TUNING=auto python3 -m llmfast bench --model "$model" \
                     --dtype "$dtype" "$@" --startup --json "$out/startup.json"' \
                 _ "$MODEL" "$DTYPE" "$OUT" "${DEV[@]}" ;;
+        startup_thin)  # the same start-up with piecewise graphs at 10 sizes, not 51
+            run_step startup_thin 120 300 bash -c 'model=$1 dtype=$2 out=$3; shift 3
+                LLMFAST_ATTENTION_TUNING=auto python3 -m llmfast bench --model "$model" \
+                    --dtype "$dtype" "$@" --piecewise-graph-sizes 1..512 --startup \
+                    --json "$out/startup_thin.json"' _ "$MODEL" "$DTYPE" "$OUT" "${DEV[@]}" ;;
         startup_profile)  # what the seconds of a warm start no stage claims ran
             run_step startup_profile 90 300 python3 scripts/profile_startup.py \
                 --model "$MODEL" --dtype "$DTYPE" "${DEV[@]}" --out "$OUT" ;;

@@ -190,6 +190,23 @@ def startup(out: Path) -> Iterator[Line]:
                        + (f"; {summary}" if summary else ""))
 
 
+def startup_thin(out: Path) -> Iterator[Line]:
+    """#18 with fewer piecewise graphs (--piecewise-graph-sizes): the same start-up
+    figures, informational (the default sizes are what the bars are about)."""
+    data = _load(out, "startup_thin.json")
+    if data is None or "startup" not in data:
+        yield ("MISSING", "#18 startup_thin: no startup_thin.json")
+        return
+    report = data["startup"]
+    for run in ("cold", "warm"):
+        stages = report[run]["stages"]
+        summary = report[run].get("compile_summary")
+        yield info(f"#18 startup_thin: {run} time to first token "
+                   f"{report[run]['time_to_first_token_s']:.2f} s; stages "
+                   + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items())
+                   + (f"; {summary}" if summary else ""))
+
+
 def sweep(out: Path) -> Iterator[Line]:
     """#18: every reported row is pure decode; tok/s per row; % of HBM on CUDA."""
     data = _load(out, "sweep.json")
@@ -457,6 +474,7 @@ def pytest_collected(step: str, out: Path) -> Iterator[Line]:
 
 STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
     "modes": modes, "diag": diag, "async": async_bench, "load": load, "startup": startup,
+    "startup_thin": startup_thin,
     "sweep": sweep, "throughput": throughput, "profile": profile, "kernels": kernels,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
     "fp8": lambda out: itertools.chain(pytest_step("fp8", out), fp8_modes(out)),

@@ -130,8 +130,22 @@ def test_cuda_graph_sizes_read_like_bench_sizes(spec, expected):
     assert EngineArgs.from_kwargs(cuda_graph_sizes=spec).cuda_graph_sizes == expected
 
 
+def test_piecewise_graph_sizes_reach_the_compile_config():
+    code, opts, output = _parse(["--piecewise-graph-sizes", "1..512"])
+    assert code == 0, output
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert opts.engine_kwargs["piecewise_graph_sizes"] == sizes
+    args = EngineArgs.from_kwargs(model="random:tiny", device="cpu",
+                                  max_num_batched_tokens=200, **opts.engine_kwargs)
+    compile_config = args.create_engine_config()[0].compile
+    assert compile_config.piecewise_graph_sizes == sizes[:8]  # <= the step budget
+    default = EngineArgs.from_kwargs(model="random:tiny", device="cpu")
+    assert default.create_engine_config()[0].compile.piecewise_graph_sizes is None
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--cuda-graph-sizes", "8..1"], "backwards"),
+    (["--piecewise-graph-sizes", "8..1"], "backwards"),
     (["--cuda-graph-sizes", "none"], "cannot parse"),
     (["--kv-cache-memory", "lots"], "512MiB"),
 ])

@@ -147,12 +147,15 @@ def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
 
 
 
-def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream():
+@pytest.mark.parametrize("piecewise_sizes", [None, (2, 4)])
+def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(piecewise_sizes):
     """The CUDA start-up order, on CPU with emulated graphs: compile and capture on a
     one-block scratch cache, bind the real cache (views of one tensor, as the runner
     allocates it), capture the full graphs again. No recompile (a recompile inside a
     real capture fails); the largest size runs once uncaptured before its recapture;
-    every capture uses the one side stream; replays read the real cache."""
+    every capture uses the one side stream; replays read the real cache. With
+    `piecewise_sizes` (--piecewise-graph-sizes) the piecewise graphs are captured at
+    those sizes alone, the full graphs at every size."""
     import torch
 
     from llmfast.attention_metadata import AttentionMetadata
@@ -172,6 +175,7 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream():
     qsl, seq_lens = torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     cm = CompiledModel(model, CompileConfig(cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
                                             cuda_graph_sizes=sizes,
+                                            piecewise_graph_sizes=piecewise_sizes,
                                             check_static_addresses=True),
                        "cpu", max_num_tokens=8, max_num_reqs=4, graph_impl="emulated",
                        piece_compiler="eager")
@@ -201,6 +205,10 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream():
 
     cm.capture(run_dummy, full_forward)
     assert cm.stats.full_graph_sizes == sizes and cm._capture_stream.num_uses == 1
+    assert cm.stats.captured_sizes == (piecewise_sizes or sizes)
+    pieces = cm.stats.num_pieces
+    assert cm.stats.num_cuda_graphs == pieces * len(piecewise_sizes or sizes)
+    assert cm.padded_num_tokens(1) == (piecewise_sizes or sizes)[0]  # a 1-token prefill
     real = torch.randn(cfg.num_hidden_layers, 2, blocks, *one_block[1:])
     model.bind_kv_caches([(layer[0], layer[1]) for layer in real])
     calls.clear()

@@ -18,8 +18,10 @@ from llmfast.utils.gc_freeze import active_holds
 SIZES = (1, 2, 4, 8)
 
 
-def _naive(mode: CudaGraphMode, sizes, max_reqs, num_tokens, num_reqs, uniform):
-    """The rule spelled out: smallest size >= n by a linear scan."""
+def _naive(mode: CudaGraphMode, sizes, max_reqs, num_tokens, num_reqs, uniform,
+           piecewise_sizes=None):
+    """The rule spelled out: smallest size >= n by a linear scan (piecewise graphs at
+    `piecewise_sizes` when given)."""
     def smallest(cands):
         fits = [s for s in sorted(cands) if s >= num_tokens]
         return fits[0] if fits else None
@@ -29,7 +31,7 @@ def _naive(mode: CudaGraphMode, sizes, max_reqs, num_tokens, num_reqs, uniform):
         if full is not None:
             return RunnerKind.FULL, full, full
     if mode in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE):
-        padded = smallest(sizes)
+        padded = smallest(sizes if piecewise_sizes is None else piecewise_sizes)
         if padded is not None:
             return RunnerKind.PIECEWISE, padded, num_reqs
     return RunnerKind.NONE, num_tokens, num_reqs
@@ -47,6 +49,17 @@ def test_worked_example_of_the_module_doc():
     assert (step.runner, step.descriptor.num_tokens, step.num_reqs) == (RunnerKind.PIECEWISE, 8, 6)
     step = d.dispatch(9, 3, False)
     assert (step.runner, step.descriptor.num_tokens, step.num_reqs) == (RunnerKind.NONE, 9, 3)
+
+
+def test_piecewise_graphs_at_their_own_sizes():
+    # --piecewise-graph-sizes 4,16: decodes keep every full size, steps with prefill
+    # tokens pad to the piecewise graphs' coarser ones.
+    d = GraphDispatcher(CudaGraphMode.FULL_AND_PIECEWISE, (1, 2, 4, 8, 16), 16, (4, 16))
+    assert d.full_sizes == (1, 2, 4, 8, 16) and d.piecewise_sizes == (4, 16)
+    assert d.dispatch(2, 2, True).descriptor.num_tokens == 2  # full graph of 2
+    step = d.dispatch(5, 2, False)
+    assert (step.runner, step.descriptor.num_tokens) == (RunnerKind.PIECEWISE, 16)
+    assert d.dispatch(17, 2, False).runner is RunnerKind.NONE
 
 
 def test_each_mode_uses_only_its_kinds():
@@ -68,13 +81,16 @@ def test_each_mode_uses_only_its_kinds():
 @given(mode=st.sampled_from(list(CudaGraphMode)),
        sizes=st.sets(st.integers(1, 64), max_size=8),
        max_reqs=st.integers(1, 64), num_tokens=st.integers(1, 80),
-       num_reqs=st.integers(1, 80), uniform=st.booleans())
-def test_dispatch_matches_naive_rule(mode, sizes, max_reqs, num_tokens, num_reqs, uniform):
+       num_reqs=st.integers(1, 80), uniform=st.booleans(),
+       piecewise=st.none() | st.sets(st.integers(1, 64), max_size=5))
+def test_dispatch_matches_naive_rule(mode, sizes, max_reqs, num_tokens, num_reqs, uniform,
+                                     piecewise):
     if uniform:
         num_reqs = num_tokens
-    d = GraphDispatcher(mode, tuple(sizes), max_reqs)
+    d = GraphDispatcher(mode, tuple(sizes), max_reqs,
+                        None if piecewise is None else tuple(piecewise))
     step = d.dispatch(num_tokens, num_reqs, uniform)
-    want = _naive(mode, sizes, max_reqs, num_tokens, num_reqs, uniform)
+    want = _naive(mode, sizes, max_reqs, num_tokens, num_reqs, uniform, piecewise)
     assert (step.runner, step.descriptor.num_tokens, step.num_reqs) == want
     assert step.descriptor.num_tokens >= num_tokens
     if step.runner is RunnerKind.FULL:  # one row per token: padding rows never exceed it

@@ -138,6 +138,7 @@ class CompiledModel:
         self._graph_state: GraphCaptureState | None = None
         self.full_graphs: FullGraphRunner | None = None
         self.capture_sizes: tuple[int, ...] = ()
+        self.piecewise_capture_sizes: tuple[int, ...] | None = None  # None: capture_sizes
         self.dispatcher = GraphDispatcher(CudaGraphMode.NONE, (), 0)
         # One side stream for every capture, the full graphs' recapture included.
         self._capture_stream = CaptureStream(self.device)
@@ -161,11 +162,14 @@ class CompiledModel:
         if capturer is not None:
             self._graph_state = GraphCaptureState(capturer, config.check_static_addresses)
             self.capture_sizes = capture_sizes(max_num_tokens, config.cuda_graph_sizes)
+            if config.piecewise_graph_sizes is not None:
+                self.piecewise_capture_sizes = capture_sizes(max_num_tokens,
+                                                             config.piecewise_graph_sizes)
             if mode.has_full:
                 self.full_graphs = FullGraphRunner(capturer, config.check_static_addresses)
         self.dispatcher = GraphDispatcher(mode, self.capture_sizes,
                                           max_num_reqs if max_num_reqs is not None
-                                          else max_num_tokens)
+                                          else max_num_tokens, self.piecewise_capture_sizes)
         wrap = (self._graph_state.wrap
                 if self._graph_state is not None and mode.has_piecewise else None)
 
@@ -269,7 +273,7 @@ class CompiledModel:
             mode = self.config.cuda_graph_mode
             self.dispatcher = GraphDispatcher(
                 CudaGraphMode.PIECEWISE if mode.has_piecewise else CudaGraphMode.NONE,
-                self.capture_sizes, 0)
+                self.capture_sizes, 0, self.piecewise_capture_sizes)
             if not piecewise_sizes:
                 run_dummy(min(self.max_num_tokens, 8))  # triggers the compile
                 return 0

@@ -61,10 +61,12 @@ def is_uniform_decode(num_scheduled: np.ndarray) -> bool:
 
 class GraphDispatcher:
     def __init__(self, mode: CudaGraphMode, capture_sizes: Sequence[int],
-                 max_num_reqs: int) -> None:
+                 max_num_reqs: int, piecewise_sizes: Sequence[int] | None = None) -> None:
+        """`piecewise_sizes`: the piecewise graphs' own sizes (None: capture_sizes)."""
         sizes = tuple(sorted(capture_sizes))
         self.mode = mode
-        self.piecewise_sizes = sizes if mode.has_piecewise else ()
+        piecewise = sizes if piecewise_sizes is None else tuple(sorted(piecewise_sizes))
+        self.piecewise_sizes = piecewise if mode.has_piecewise else ()
         # A uniform-decode step has at most max_num_reqs tokens: no use for larger graphs.
         self.full_sizes = tuple(s for s in sizes if s <= max_num_reqs) if mode.has_full else ()
 
