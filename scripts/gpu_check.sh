@@ -116,7 +116,7 @@
 #        `diag`'s trace should show `_rope_and_cache_kernel` x16 and no `rotary_kernel`)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped throughput startup_profile decode_configs
-#        kernels64 async_tests
+#        kernels64 async_tests startup_thin
 #        `skipped` = the steps the previous call of this machine skipped (a file under
 #        /tmp); then #18's 10x and where the warm start goes, whether decode tiles
 #        should walk their keys in one loop (decode_configs' last line), the split
