@@ -206,7 +206,46 @@ def check_attention_in_place(dtype: str, device: str = "cpu"):
                                     attn_tests.TOL[dt])
 
 
+def check_engine_triton_path_equals_torch_path():
+    """The whole engine (scheduler, runner, chunked prefill mixing chunks and decodes)
+    with every Triton kernel in the interpreter (layer norms, RoPE in the KV write, the
+    attention with its decode region and tile lookup) gives the torch path's greedy
+    tokens. The fused RoPE and a launch with a decode region must have run."""
+    from unittest import mock
+
+    from llmfast.kernels import rope_cache
+    from llmfast.llm import LLM
+    from llmfast.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 200 + 5 for i in range(n)]}
+               for j, n in enumerate((30, 3, 17, 1))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def generate() -> list[list[int]]:
+        # A 24-token budget: the 30- and 17-token prompts are chunked beside decodes.
+        llm = LLM("random:tiny", device="cpu", dtype="float32", max_num_batched_tokens=24,
+                  max_num_seqs=4, max_model_len=128, seed=0)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+    fused = []
+    real = rope_cache.rope_and_cache
+    with mock.patch.object(attention, "rope_and_cache",
+                           lambda *a: fused.append(1) or real(*a)):
+        triton_tokens = generate()
+    with mock.patch.object(ops, "use_triton", lambda x: False), \
+            mock.patch("llmfast.kernels.layers.switch.use_triton", lambda x: False):
+        torch_tokens = generate()
+    assert triton_tokens == torch_tokens
+    assert fused, "the RoPE + KV-write kernel never ran"
+    assert any(plan.constexprs["DECODE_REGION"] for plan in attention._PLANS.values())
+
+
 # ----------------------------------------------------------------------------- tests
+
+
+def test_engine_triton_path_equals_torch_path(interpreter):
+    interpreter("check_engine_triton_path_equals_torch_path")
+
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
