@@ -50,6 +50,16 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
+def _cache_value(x, CLAMP: tl.constexpr):
+    """x as the cache stores it before the store's conversion: an fp8 cache (CLAMP > 0)
+    gets it clamped to +-CLAMP (e4m3fn has no inf: values past it would become NaN)
+    and rounded to nearest even in float32; other caches get x as it is."""
+    if CLAMP > 0:
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -CLAMP), CLAMP))
+    return x
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_kd,
@@ -73,9 +83,8 @@ def _reshape_and_cache_kernel(
 
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
-    if CLAMP > 0:  # fp8 cache: e4m3fn has no inf, values past CLAMP would become NaN
-        k = _round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32), -CLAMP), CLAMP))
-        v = _round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32), -CLAMP), CLAMP))
+    k = _cache_value(k, CLAMP)
+    v = _cache_value(v, CLAMP)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
     tl.store(

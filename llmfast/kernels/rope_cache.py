@@ -20,22 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfast.kernels.kv_write import _round_to_e4m3, cache_clamp, check_launchable, next_pow2
+from llmfast.kernels.kv_write import _cache_value, cache_clamp, check_launchable, next_pow2
+from llmfast.kernels.layers.rotary_reference import rope_cache_takes
+from llmfast.kernels.layers.triton_kernels import load_cos_sin, rotate_halves
 from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
-
-
-@triton.jit
-def _rotate(x_ptr, stride_h, num_heads, cos, sin, HALF: tl.constexpr, HALF_P: tl.constexpr,
-            HEADS_P: tl.constexpr):
-    """[HEADS_P, HALF_P] first and second halves of `num_heads` heads at x_ptr, rotated
-    in float32: (x1 cos - x2 sin, x2 cos + x1 sin); the row mask."""
-    offs_h = tl.arange(0, HEADS_P)
-    offs_d = tl.arange(0, HALF_P)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
-    x = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
 
 
 @triton.jit
@@ -53,13 +41,10 @@ def _rope_and_cache_kernel(
     pos = tl.load(positions_ptr + t).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF_P)
-    d_mask = offs_d < HALF
-    # The table's row: cos of the half, then sin.
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
-
-    q1, q2, q_mask = _rotate(q_ptr + t * stride_qt, stride_qh, NUM_HEADS, cos, sin,
-                             HALF, HALF_P, Q_HEADS_P)
+    # The rotary kernel's own helpers (layers/triton_kernels.py): the same rounding.
+    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, HALF, HALF_P)
+    q1, q2, q_mask = rotate_halves(q_ptr + t * stride_qt, stride_qh, NUM_HEADS, cos, sin,
+                                   HALF, HALF_P, Q_HEADS_P)
     offs_qh = tl.arange(0, Q_HEADS_P)
     o = q_out_ptr + t * stride_ot + offs_qh[:, None] * stride_oh + offs_d[None, :]
     tl.store(o, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
@@ -67,8 +52,8 @@ def _rope_and_cache_kernel(
     if slot < 0:  # a padding token: nothing to cache
         return
 
-    k1, k2, kv_mask = _rotate(k_ptr + t * stride_kt, stride_kh, NUM_KV_HEADS, cos, sin,
-                              HALF, HALF_P, KV_HEADS_P)
+    k1, k2, kv_mask = rotate_halves(k_ptr + t * stride_kt, stride_kh, NUM_KV_HEADS, cos, sin,
+                                    HALF, HALF_P, KV_HEADS_P)
     # Rounded to the queries' dtype first, as the rotary kernel stores keys before the
     # KV write reads them.
     k1 = k1.to(q_out_ptr.dtype.element_ty)
@@ -77,11 +62,8 @@ def _rope_and_cache_kernel(
     v_src = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(v_src, mask=kv_mask)
     v2 = tl.load(v_src + HALF, mask=kv_mask)
-    if CLAMP > 0:  # fp8 cache: e4m3fn has no inf (kv_write.py)
-        k1 = _round_to_e4m3(tl.minimum(tl.maximum(k1.to(tl.float32), -CLAMP), CLAMP))
-        k2 = _round_to_e4m3(tl.minimum(tl.maximum(k2.to(tl.float32), -CLAMP), CLAMP))
-        v1 = _round_to_e4m3(tl.minimum(tl.maximum(v1.to(tl.float32), -CLAMP), CLAMP))
-        v2 = _round_to_e4m3(tl.minimum(tl.maximum(v2.to(tl.float32), -CLAMP), CLAMP))
+    k1, k2 = _cache_value(k1, CLAMP), _cache_value(k2, CLAMP)  # the KV write's conversion
+    v1, v2 = _cache_value(v1, CLAMP), _cache_value(v2, CLAMP)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     k_dst = (k_cache_ptr + block * stride_kcb + offset * stride_kcs
@@ -148,12 +130,10 @@ def _plan(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin
         raise ValueError(f"slot_mapping has {num_tokens} slots for {q.shape[0]} queries, "
                          f"{k.shape[0]} keys, {v.shape[0]} values and "
                          f"{positions.shape[0]} positions")
-    # What the kernel assumes (the decoder checks the same before asking for it:
-    # layers/rotary.py, rope_fuses_into_attention).
-    if not (head_dim % 2 == 0 and cos_sin.dtype == torch.float32
-            and cos_sin.shape[-1] == head_dim and k.dtype == q.dtype == q_out.dtype
-            and k_cache.dtype == v_cache.dtype
-            and all(t.stride(-1) == 1 for t in (q, k, v, q_out, cos_sin, k_cache, v_cache))):
+    # What the kernel assumes (the decoder asks the same before passing positions:
+    # layers/rotary.py, rope_fuses_into_attention), and an output like q.
+    if not (rope_cache_takes(q, k, v, cos_sin, k_cache, v_cache)
+            and q_out.dtype == q.dtype and q_out.stride(-1) == 1):
         raise ValueError("rope_and_cache takes contiguous, even head dims, q/k/q_out of one "
                          "dtype, a float32 cos/sin table as wide as a head and caches of one "
                          f"dtype; got q {q.dtype} {tuple(q.stride())}, k {k.dtype}, "

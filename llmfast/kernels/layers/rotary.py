@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from llmfast.kernels.layers.rotary_reference import rotary_reference
+from llmfast.kernels.layers.rotary_reference import rope_cache_takes, rotary_reference
 from llmfast.kernels.layers.switch import launchable, takes_layer_kernels
 
 __all__ = ["rope_fuses_into_attention", "rotary_impl", "rotary_reference"]
@@ -30,14 +30,10 @@ def rope_fuses_into_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               v_cache: torch.Tensor) -> bool:
     """Whether the attention op can rotate q and k itself, in its KV write
     (kernels/rope_cache.py), instead of this module's kernel before it: the layer
-    kernels are on for q's device, head dims contiguous and even, q and k of one dtype,
-    a float32 cos/sin table as wide as a head, caches of one dtype. Static properties
-    only (traced); rope_cache.py checks the same when it plans a launch."""
-    head_dim = q.shape[-1]
-    return (takes_layer_kernels(q) and head_dim % 2 == 0 and cos_sin.dtype == torch.float32
-            and cos_sin.shape[-1] == head_dim and k.dtype == q.dtype
-            and k_cache.dtype == v_cache.dtype
-            and all(t.stride(-1) == 1 for t in (q, k, v, cos_sin, k_cache, v_cache)))
+    kernels are on for q's device and the kernel takes the inputs (`rope_cache_takes`,
+    which rope_cache.py checks again when it plans a launch). Static properties only
+    (traced)."""
+    return takes_layer_kernels(q) and rope_cache_takes(q, k, v, cos_sin, k_cache, v_cache)
 
 
 def rotary_impl(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,

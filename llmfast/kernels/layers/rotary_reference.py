@@ -1,6 +1,7 @@
 """The rotary embedding in torch: the oracle of the Triton kernels (layers/rotary.py,
-rope_cache.py) and the CPU path. Imports torch only, so that the attention op
-(kernels/ops.py) can rotate with it without importing the layers' switch."""
+rope_cache.py) and the CPU path; and which inputs the RoPE + KV-write kernel takes.
+Imports torch only, so that the attention op (kernels/ops.py) and rope_cache.py can use
+it without importing the layers' switch."""
 
 from __future__ import annotations
 
@@ -26,3 +27,15 @@ def rotate_sign(device: torch.device) -> torch.Tensor:
     sign = torch.ones(2, 1, device=device)
     sign[0] = -1.0
     return sign
+
+
+def rope_cache_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether kernels/rope_cache.py takes these: head dims contiguous and even, q and k
+    of one dtype, a float32 cos/sin table as wide as a head, caches of one dtype. Static
+    properties only (the decoder asks while Dynamo traces it)."""
+    head_dim = q.shape[-1]
+    return (head_dim % 2 == 0 and cos_sin.dtype == torch.float32
+            and cos_sin.shape[-1] == head_dim and k.dtype == q.dtype
+            and k_cache.dtype == v_cache.dtype
+            and all(t.stride(-1) == 1 for t in (q, k, v, cos_sin, k_cache, v_cache)))

@@ -31,25 +31,45 @@ def rms_norm_kernel(
 
 
 @triton.jit
+def load_cos_sin(cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """[1, HALF_P] cos and sin of position `pos` (the table's row: cos of the half, then
+    sin)."""
+    offs_d = tl.arange(0, HALF_P)
+    d_mask = offs_d < HALF
+    row = cos_sin_ptr + pos * stride_cs
+    cos = tl.load(row + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(row + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rotate_halves(x_ptr, stride_h, num_heads, cos, sin, HALF: tl.constexpr,
+                  HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
+    """[HEADS_P, HALF_P] first and second halves of `num_heads` heads at x_ptr, rotated
+    in float32: (x1 cos - x2 sin, x2 cos + x1 sin); and the mask of real elements."""
+    offs_h = tl.arange(0, HEADS_P)
+    offs_d = tl.arange(0, HALF_P)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
+    x = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
+
+
+@triton.jit
 def rotary_kernel(
     x_ptr, positions_ptr, cos_sin_ptr, out_ptr,
     stride_xt, stride_xh, stride_ot, stride_oh, stride_cs, num_heads,
     HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
 ):
     """One token per program, all its heads: out = [x1 cos - x2 sin, x2 cos + x1 sin]
-    for halves x1, x2 of each head, with cos and sin of the token's position (the table's
-    row: cos of the half, then sin)."""
+    for halves x1, x2 of each head, with cos and sin of the token's position."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
+    cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs, HALF, HALF_P)
+    o1, o2, mask = rotate_halves(x_ptr + t * stride_xt, stride_xh, num_heads, cos, sin,
+                                 HALF, HALF_P, HEADS_P)
     offs_h = tl.arange(0, HEADS_P)
-    offs_d = tl.arange(0, HALF_P)
-    d_mask = offs_d < HALF
-    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
-    x = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
-    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
-    o = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(o + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    o = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + tl.arange(0, HALF_P)[None, :]
+    tl.store(o, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
