@@ -12,8 +12,8 @@
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
 #     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh
 #
-# Steps: arguments, else GPU_CHECK_STEPS, else "full modes diag kernels async startup
-# sweep" (call 1 of the plan below). Each has a
+# Steps: arguments, else GPU_CHECK_STEPS, else "full modes diag kernels startup
+# throughput sweep startup_profile" (call 1 of the plan below). Each has a
 # time limit, and an estimate (warm machine, cold compile caches; GPU_CHECK_QUICK's in
 # brackets) used to keep one call within GPU_CHECK_BUDGET_S (default 560; one device call
 # may run 600 s): a step that would not fit in what is left is skipped with a SKIPPED
@@ -103,27 +103,28 @@
 # results while the next runs); a later call starts a bare machine (cold caches).
 # GPU_CHECK_QUICK=1 trims modes (B=1,64,256; eager, graphs, full, linears), async (two
 # repeats) and kernels (the bars' rows only: B=1,8,64 x 512/8k, prefill 2k/8k, one
-# mixed batch). The plan, from the 2026-11-26 timings (profiles/h200-2026-11-26-gpu-check.md,
-# profiles/h200-2026-11-26b-gpu-check.md; machines start in ~30 s, but each call after
-# the machine went back starts a fresh one with cold caches):
-#   1. GPU_CHECK_QUICK=1 ... gpu_check.sh full modes diag kernels async startup sweep
-#        correctness first (the layer kernels and the attention kernel at B=17/256),
-#        then every issue's headline bar (measured 65+27+23+69+31+71+34 = 320 s on
-#        2026-11-26): what does not fit is SKIPPED and remembered on the machine
-#        (new since 2026-11-26b, never run on a GPU: RoPE fused into the KV write and
-#        the decode region of mixed launches, both checked by `full` first and switched
-#        off for the later steps if they fail; `kernels`' mixed rows time the region;
-#        `diag`'s trace should show `_rope_and_cache_kernel` x16 and no `rotary_kernel`)
+# mixed batch). The plan, from the 2026-11-26 timings (H200: profiles/h200-2026-11-26*;
+# H100, session 15: profiles/h100-2026-11-26c, 15 min of device time: 3 calls, 484 +
+# 175 + 68 s; machines start in ~30-60 s, and each call after the machine went back
+# starts a fresh one with cold caches):
+#   1. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=540 ... gpu_check.sh full modes diag kernels
+#        startup throughput sweep startup_profile
+#        correctness first, then every issue's headline bar (on the H100: 129 + 25 + 20
+#        + 54 + 88 + 72 + 27 + 61 s). New since 51327d1, never run on a GPU: the split
+#        counts as runtime arguments (one compiled attention variant for every mixed
+#        launch, two for decode launches: `full` checks numerics, `throughput` and
+#        `sweep` now FAIL when a timed run compiled a Triton kernel), decode tiles
+#        walking their keys in one loop (DECODE_ONE_KV_LOOP on), the shipped H100 split
+#        and prefill tile tables, and the bytecode cache (device.txt's `bytecode:` line
+#        says whether this machine recompiles torch from source on every start: it did
+#        on 2026-11-26, 6.5 s of a warm start)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
-#        - 60> ... gpu_check.sh skipped throughput startup_profile decode_configs
-#        kernels64 async_tests startup_thin
+#        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
 #        `skipped` = the steps the previous call of this machine skipped (a file under
-#        /tmp); then #18's 10x and where the warm start goes, whether decode tiles
-#        should walk their keys in one loop (decode_configs' last line), the split
-#        table, #16's sync-free proof.
+#        /tmp)
 #   3. with what is left (no machine starts with < 4 min left; use it while warm):
-#        `tests`, `load`, `fp8 kvfp8`, `families`, `serve_procs serve`, `defaults`,
-#        as time allows.
+#        `async_tests`, `tests`, `fp8 kvfp8`, `families`, `serve_procs serve`,
+#        `defaults`, as time allows.
 # Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s when that is under 620.
 # Compile caches persist between calls while the machine stays warm (LLMFAST_CACHE
 # below). What comes back of $OUT: report.md, verdicts.txt and results.tar.gz
@@ -155,7 +156,7 @@ export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
 decode_configs install_splits startup_profile startup_thin"
-if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels async startup sweep}; fi
+if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
 # What a call skipped for lack of time, kept on the machine (it stays warm between calls)
@@ -268,6 +269,8 @@ run_step() {  # name, estimate s, limit s, command...
     if [[ $DRY == 1 ]]; then echo "DRY RUN on the CPU: $(uname -n)"; else nvidia-smi -L; fi
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
     echo "steps: $STEPS; budget $BUDGET s; commit ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+    # Whether starts compile torch from source each time (#18; llmfast/utils/bytecode.py).
+    python3 -c "import importlib.util as u, os, sys; o = u.find_spec('torch').origin; print('bytecode: torch .pyc beside its source', os.path.isfile(u.cache_from_source(o)), '| dont_write_bytecode', sys.dont_write_bytecode, '| site-packages writable', os.access(os.path.dirname(o), os.W_OK))"
 } 2>&1 | tee "$OUT/device.txt"
 
 for step in $STEPS; do

@@ -235,6 +235,11 @@ def sweep(out: Path) -> Iterator[Line]:
             missing = [p["batch_size"] for p in points if p.get("hbm_fraction") is None]
             yield check(not missing, f"#18 sweep ({name}): % of HBM bandwidth on every row"
                         + (f" (missing at {missing})" if missing else ""))
+        if points and "triton_compiles" in points[0]:
+            compiled = {p["batch_size"]: p["triton_compiles"] for p in points
+                        if p["triton_compiles"]}
+            yield check(not compiled, f"#18 sweep ({name}): no Triton kernel compiled after "
+                        "start-up" + (f" (at batch: variants {compiled})" if compiled else ""))
         for p in points:
             hbm = p.get("hbm_fraction")
             yield info(f"#18 sweep ({name}): B={p['batch_size']} "
@@ -344,6 +349,12 @@ def throughput(out: Path) -> Iterator[Line]:
                        f"{run.get('hf_batch_size')}: {hf.get('output_tokens_per_s', 0):.0f} / "
                        f"{hf.get('total_tokens_per_s', 0):.0f}; total speed-up "
                        f"{run.get('total_speedup_vs_hf', float('nan')):.2f}")
+        compiles = t.get("triton_compiles")
+        if compiles and compiles.get("watched"):
+            yield ("PASS" if compiles["count"] == 0 else "FAIL",
+                   f"#18 throughput: Triton kernels compiled inside the timed run = "
+                   f"{compiles['count']} ({compiles['seconds']:.1f} s: "
+                   f"{compiles['by_kernel']}) (bar == 0: start-up compiles every variant)")
 
 
 def profile(out: Path) -> Iterator[Line]:

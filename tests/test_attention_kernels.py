@@ -632,7 +632,8 @@ def test_decode_region_config():
     decode_alone = cfg(64, 64)
     # The region is configured as the decodes' own launch would be.
     assert mixed.decode_region == attention.DecodeRegion(
-        decode_alone.block_q, decode_alone.block_n, cfg(65, 65).num_splits)
+        decode_alone.block_q, decode_alone.block_n, cfg(65, 65).num_splits,
+        decode_alone.one_kv_loop)
     assert mixed.num_splits == 1 and mixed.decode_region.block_q < mixed.block_q
     assert cfg(2048, 1).decode_region is None  # one request: nothing to serve
     with pytest.MonkeyPatch.context() as mp:  # LLMFAST_ATTENTION_DECODE_REGION=0
@@ -721,6 +722,43 @@ def test_launch_path_compiles_for_sm90_and_reads_no_tensor_on_host(monkeypatch):
     for name, kernel in compiled:
         assert "cubin" in kernel.asm, name
         assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)
+
+
+def test_batch_sizes_share_compiled_variants(monkeypatch):
+    # A variant compiled after start-up costs a step ~1-2 s of Triton compilation: on an
+    # H100 (2026-11-26) a mixed step of 2, 4, 8 or 16 requests took 1.9 s each while
+    # the decode region's split count (16, 8, 4, 2 at those sizes) was a constexpr, and
+    # offline throughput fell 3x. The split counts (and the block table's row stride) now
+    # travel as unspecialized runtime arguments: every mixed launch of a model is one
+    # variant, and decode launches two (split or not), whatever their request counts and
+    # block tables (the start-up's memory profile launches 512 requests over a one-block
+    # table, and must compile the variant the steps after it use). Compiled for sm_90,
+    # with an H100's 132 SMs so that the heuristic picks every split count from 1 to 16.
+    compiled = compile_launches_only(monkeypatch)
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    variants: dict[str, set] = {"decode": set(), "mixed": set()}
+    wide = 512  # blocks per request: a block table 8192 keys wide (max_model_len)
+    launches = [*(("decode", n, wide) for n in (1, 2, 3, 4, 8, 16, 32, 64, 256)),
+                *(("mixed", n, wide) for n in (2, 3, 4, 8, 16, 32, 64, 256)),
+                ("mixed", 512, 1)]  # the memory profile's
+    with offline_hopper():
+        for kind, num_reqs, blocks_per_req in launches:
+            num_tokens = num_reqs if kind == "decode" else max(num_reqs - 1 + 300,
+                                                               16 * num_reqs)
+            q = torch.empty(num_tokens, 32, 64, dtype=torch.bfloat16)
+            k_cache = torch.empty(4, 16, 8, 64, dtype=torch.bfloat16)
+            block_table = torch.empty(num_reqs, blocks_per_req, dtype=torch.int32)
+            qsl = torch.empty(num_reqs + 1, dtype=torch.int32)
+            seq_lens = torch.empty(num_reqs, dtype=torch.int32)
+            before = len(compiled)
+            attention.unified_attention(q, k_cache, k_cache, block_table, qsl, seq_lens,
+                                        0.1, q)
+            assert len(compiled) == before + 1  # one kernel, no second merge kernel
+            variants[kind].add(compiled[-1][1].hash)
+    monkeypatch.undo()
+    assert len(variants["mixed"]) == 1
+    assert len(variants["decode"]) == 2
+    assert not variants["mixed"] & variants["decode"]
 
 
 def compile_launches_only(monkeypatch) -> list[tuple[str, object]]:

@@ -123,6 +123,14 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
     lines = _lines("throughput", tmp_path)
     assert _find(lines, "output tok/s = 10.40") == "PASS"
     assert _find(lines, "HF at batch 64: 1540 / 5300") == "INFO"
+    assert not any("compiled inside" in t for t in lines)  # an older throughput.json
+    _write(tmp_path / "throughput.json", {"runs": {"default": {
+        "speedup_vs_hf": 3.1, "hf_batch_size": 64, "baseline_hf": {},
+        "throughput": {"output_tokens_per_s": 16000.0, "total_tokens_per_s": 48000.0,
+                       "triton_compiles": {"watched": True, "count": 1, "seconds": 1.9,
+                                           "by_kernel": {"_unified_attention_kernel": 1}}}}}})
+    assert _find(_lines("throughput", tmp_path),
+                 "compiled inside the timed run = 1 (1.9 s") == "FAIL"
 
     point = {"batch_size": 1, "all_decode": True, "hbm_fraction": 0.6,
              "step_latency": {"median": 0.0012}, "decode_tokens_per_s": 830.0}
@@ -132,9 +140,16 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
         "sweep": [point, {**point, "batch_size": 512, "all_decode": False,
                           "hbm_fraction": None}]}}})
     lines = _lines("sweep", tmp_path)
+    assert not any("compiled after start-up" in t for t in lines)  # an older sweep.json
     assert _find(lines, "all pure decode except batch [512]") == "FAIL"
     assert _find(lines, "% of HBM bandwidth on every row (missing at [512])") == "FAIL"
     assert _find(lines, "B=1 1.20 ms, 830 tok/s, 60% of HBM") == "INFO"
+    _write(tmp_path / "sweep.json", {"runs": {"default": {
+        "engine_config": config, "sweep_skipped": [],
+        "sweep": [{**point, "triton_compiles": 0},
+                  {**point, "batch_size": 2, "triton_compiles": 1}]}}})
+    assert _find(_lines("sweep", tmp_path), "no Triton kernel compiled after start-up "
+                 "(at batch: variants {2: 1})") == "FAIL"
 
 
 def test_sweep_fails_on_a_skipped_or_missing_size(tmp_path):

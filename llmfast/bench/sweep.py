@@ -27,6 +27,7 @@ import numpy as np
 from llmfast.bench.bandwidth import DeviceBandwidth, device_bandwidth
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import BenchError, bench_params, warm_up
+from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.utils.progress import CountProgress
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class SweepPoint:
     weight_bytes: int = 0
     weight_stream_bytes_per_s: float = 0.0  # weight_bytes / median step time: one GPU's
     hbm_fraction: float | None = None  # of one device's bandwidth; None on CPU
+    # Triton kernel variants specialized during this size's prefill and timed steps
+    # (compile_watch.py): a prefill rate with one in it times the compiler.
+    triton_compiles: int = 0
+    triton_compile_s: float = 0.0
 
 
 @dataclass
@@ -207,8 +212,11 @@ def run_sweep(engine, sizes: Sequence[int], context_len: int, steps: int, seed: 
     points, skipped = [], []
     for i, size in enumerate(sizes):
         try:
-            points.append(run_sweep_point(engine, size, context_len, steps, seed=seed,
-                                          weight_bytes=weight_bytes, bandwidth=bandwidth))
+            with TritonCompileWatch() as watch:
+                point = run_sweep_point(engine, size, context_len, steps, seed=seed,
+                                        weight_bytes=weight_bytes, bandwidth=bandwidth)
+            point.triton_compiles, point.triton_compile_s = len(watch.compiles), watch.seconds
+            points.append(point)
         except NotPureDecode as e:
             logger.warning("%s", e)
             skipped.append(SweepSkip(size, str(e)))

@@ -12,6 +12,7 @@ from llmfast.bench.workload import (
     check_fits,
     warm_up,
 )
+from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.utils.progress import CountProgress
 
 
@@ -24,6 +25,9 @@ class ThroughputResult:
     requests_per_s: float
     output_tokens_per_s: float
     total_tokens_per_s: float
+    # Triton kernel variants specialized inside the timed run (compile_watch.py): start-up
+    # should leave none, or the run times the compiler.
+    triton_compiles: dict | None = None
 
 
 def throughput_result(requests: Sequence[BenchRequest], output_tokens: int,
@@ -42,6 +46,14 @@ def run_throughput(engine, requests: Sequence[BenchRequest],
     """All requests at once, stepped to completion (an offline batch job)."""
     check_fits(requests, engine.config.scheduler.max_model_len)
     warm_up(engine)
+    with TritonCompileWatch() as watch:
+        result = _timed_run(engine, requests, progress)
+    result.triton_compiles = watch.summary()
+    return result
+
+
+def _timed_run(engine, requests: Sequence[BenchRequest],
+               progress: CountProgress | None) -> ThroughputResult:
     t0 = time.perf_counter()
     ids = [engine.add_request({"prompt_token_ids": r.prompt_token_ids}, bench_params(r.output_len),
                               request_id=f"tput-{i}") for i, r in enumerate(requests)]

@@ -68,6 +68,13 @@ def sweep_table(runs: dict) -> Table:
         for skip in run.get("sweep_skipped", []):
             where = "" if name == "default" else f"{name}: "
             notes.append(f"{where}batch {skip['batch_size']} skipped: {skip['reason']}")
+        compiled = [p for p in run["sweep"] if p.get("triton_compiles")]
+        if compiled:
+            where = "" if name == "default" else f"{name}: "
+            sizes = ", ".join(f"{p['batch_size']} ({p['triton_compiles']}, "
+                              f"{p['triton_compile_s']:.1f} s)" for p in compiled)
+            notes.append(f"{where}Triton kernels compiled at batch {sizes}: start-up "
+                         "missed them; their prefill rates time the compiler")
     if notes:
         table.caption = "\n".join(dict.fromkeys(notes))
     return table
@@ -106,6 +113,12 @@ def throughput_table(run: dict) -> Table:
             lines.append(f"HF batch {run['hf_batch_size']} is the fastest probed "
                          f"(output tok/s by batch: {tried})")
         table.caption = "\n".join(lines)
+    compiles = run["throughput"].get("triton_compiles") or {}
+    if compiles.get("count"):
+        kernels = ", ".join(f"{k} x{n}" for k, n in compiles["by_kernel"].items())
+        note = (f"llmfast compiled {compiles['count']} Triton kernel variant(s) in the timed "
+                f"run ({compiles['seconds']:.1f} s: {kernels}): start-up missed them")
+        table.caption = f"{table.caption}\n{note}" if table.caption else note
     return table
 
 

@@ -20,6 +20,8 @@ from llmfast.cli.generate import GENERATE_EXAMPLES, generate
 from llmfast.cli.profile import PROFILE_EXAMPLES, profile
 from llmfast.cli.pull import PULL_EXAMPLES, pull
 from llmfast.cli.serve import SERVE_EXAMPLES, serve
+from llmfast.utils.bytecode import keep_bytecode
+from llmfast.utils.paths import cache_dir
 
 
 class _OneLineErrorGroup(TyperGroup):
@@ -73,4 +75,7 @@ app = build_app()
 
 
 def main() -> None:
+    # Before any command imports torch: a start-up without cached bytecode recompiles
+    # ~2,500 modules (llmfast/utils/bytecode.py).
+    keep_bytecode(cache_dir())
     app()

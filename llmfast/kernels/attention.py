@@ -12,7 +12,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from llmfast.kernels.attention_config import AttentionConfig, DecodeRegion, select_config
+from llmfast.kernels.attention_config import (
+    MAX_SPLITS,
+    AttentionConfig,
+    DecodeRegion,
+    select_config,
+    split_bound,
+)
 from llmfast.kernels.attention_kernels import _merge_splits_kernel, _unified_attention_kernel
 from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
 from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
@@ -212,11 +218,18 @@ def unified_attention(
         part_acc, part_max, part_sum, arrivals = _split_scratch(plan, k_cache)
         if arrivals is None:
             arrivals = out
+    elif plan.split_code:
+        # Compiled with split code that this launch's counts never run: pointers of
+        # the types that code has (fp32 partials, int32 counters), so that it compiles
+        # (an atomic needs an integer counter) and is the same variant as the launches
+        # that do split.
+        part_acc, arrivals = _unused_split_scratch(q.device)
+        part_max = part_sum = part_acc
     else:
         part_acc = part_max = part_sum = arrivals = out  # unused; any pointer of the device
     tensors = (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
                block_table, query_start_loc, seq_lens)
-    scalars = (num_reqs, num_tokens, scale * _LOG2E)
+    scalars = (num_reqs, num_tokens, scale * _LOG2E, *plan.split_counts)
     if type(scalars[2]) is float:  # the plan's specialization holds (a float scale)
         _ATTENTION_LAUNCHES.launch_planned(
             plan, plan.grid, tensors, scalars, plan.const_key, plan.constexprs, plan.strides,
@@ -232,13 +245,26 @@ def unified_attention(
         )
 
 
+@functools.lru_cache(maxsize=8)
+def _unused_split_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the partials (fp32) and counters (int32) of a launch compiled with
+    split code its split counts do not run: never read or written."""
+    return (torch.empty(4, dtype=torch.float32, device=device),
+            torch.empty(4, dtype=torch.int32, device=device))
+
+
 @dataclass(frozen=True, eq=False, slots=True)  # hashed by identity: a launch key
 class _LaunchPlan:
     device: torch.device
     is_cuda: bool
     grid: tuple[int, int, int]
-    # KV splits whose partials the launch writes: the query tiles' (NUM_SPLITS), or
-    # with a decode region its DEC_SPLITS; 1: no scratch.
+    # The kernel's runtime split counts: the query tiles' and the decode region's.
+    split_counts: tuple[int, int]
+    # The kernel is compiled with split code (a bound > 1): its partials and counters
+    # must have their own types even where this launch does not split.
+    split_code: bool
+    # KV splits whose partials the launch writes: the query tiles', or with a decode
+    # region its; 1: no scratch.
     scratch_splits: int
     merge_kernel: bool  # split partials merged by a second kernel (fused_merge=False)
     fused: bool  # the launch merges its own splits (arrival counters)
@@ -270,7 +296,8 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
         prefill_tiles, kv_dtype=k_cache.dtype,
     )
-    splits = next_pow2(num_splits) if num_splits is not None else cfg.num_splits
+    splits = min(next_pow2(num_splits) if num_splits is not None else cfg.num_splits,
+                 MAX_SPLITS)
     bq = block_q if block_q is not None else cfg.block_q
     if q.is_cuda:  # tl.dot needs >= 16 rows; only the interpreter takes smaller tiles
         bq = max(bq, 16 // next_pow2(group))
@@ -282,6 +309,8 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     region = cfg.decode_region
     if region is not None and q.is_cuda and region.block_q < 16 // next_pow2(group):
         region = dataclasses.replace(region, block_q=16 // next_pow2(group))  # tl.dot
+    if region is not None and region.num_splits > MAX_SPLITS:
+        region = dataclasses.replace(region, num_splits=MAX_SPLITS)
     if region is not None and (splits > 1 or region.block_q >= bq
                                or (region.num_splits > 1 and not fused_merge)):
         region = None
@@ -300,10 +329,25 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     convert_kv = k_cache.dtype != q.dtype
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
                block_table.stride(0))
+    # The split counts are runtime arguments; the kernel compiles against a bound (module
+    # doc of attention_kernels.py): 1 (no split code), or the most splits any decode
+    # launch of this shape takes on this device, so that the batch sizes of one model
+    # share one or two variants. The decode region always takes that bound: its mixed
+    # launches then share one variant whatever their request count (the start-up's
+    # memory profile compiles it). A second merge kernel reads every split, so without
+    # the fused merge the bound is the count itself.
+    bound = max(splits, region.num_splits if region else 1,
+                split_bound(num_heads, num_kv_heads, head_dim, block_size, q.dtype,
+                            _num_sms(q.device), _device_split_tables(q.device),
+                            kv_dtype=k_cache.dtype))
+    main_bound = bound if fused else splits
+    region_bound = bound if region is not None else 1
     return _LaunchPlan(
         device=q.device,
         is_cuda=q.device.type == "cuda",
         grid=(num_tiles + region_programs, num_kv_heads, splits),
+        split_counts=(splits, region.num_splits if region else 1),
+        split_code=main_bound > 1 or region_bound > 1,
         scratch_splits=scratch_splits,
         merge_kernel=splits > 1 and not fused,
         fused=fused or (region is not None and region.num_splits > 1),
@@ -317,15 +361,17 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         num_arrivals=(num_reqs if region is not None else num_tiles) * num_kv_heads,
         strides=strides,
         const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, region,
-                   upcast, dot_precision, convert_kv, specialization_key((), strides)),
+                   main_bound, region_bound, upcast, dot_precision, convert_kv,
+                   specialization_key((), strides)),
         constexprs=dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
                         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-                        BLOCK_Q=bq, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, FUSED_MERGE=fused,
+                        BLOCK_Q=bq, BLOCK_N=cfg.block_n, MAX_SPLITS=main_bound,
+                        FUSED_MERGE=fused,
                         UPCAST=upcast, DOT_PRECISION=dot_precision, CONVERT_KV=convert_kv,
                         MIN_SPLIT_TILES=cfg.min_split_tiles, DECODE_REGION=region is not None,
                         DEC_BLOCK_Q=region.block_q if region else 1,
                         DEC_BLOCK_N=region.block_n if region else 16,
-                        DEC_SPLITS=region.num_splits if region else 1,
+                        DEC_MAX_SPLITS=region_bound,
                         ONE_KV_LOOP=cfg.one_kv_loop,
                         DEC_ONE_KV_LOOP=region.one_kv_loop if region else False,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages),

@@ -5,6 +5,7 @@ a CUDA graph captured at one padded size keeps its launch whatever the live leng
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -44,9 +45,15 @@ class AttentionConfig:
     one_kv_loop: bool = False
 
 
-# Decode tiles walk their keys in one loop (AttentionConfig.one_kv_loop). Off until
-# measured: scripts/sweep_decode_configs.py times both (gpu_check step decode_configs).
-DECODE_ONE_KV_LOOP = False
+# The most KV splits a launch takes (the SM-count heuristic's cap, and the largest count
+# the split sweeps time): the bound the kernel compiles its split code against.
+MAX_SPLITS = 64
+
+# Decode tiles walk their keys in one loop (AttentionConfig.one_kv_loop): on an H100
+# (2026-11-26, scripts/sweep_decode_configs.py, profiles/h100-2026-11-26c) each form's
+# best config over 16 decode shapes (head dim 64 and 128, B=1..64, 140-8192 keys): one
+# loop / two = 0.976 (median; 0.93-1.03), B=64 never slower.
+DECODE_ONE_KV_LOOP = True
 
 _DECODE_REGION: bool | None = None
 
@@ -59,6 +66,37 @@ def decode_region_enabled() -> bool:
     if _DECODE_REGION is None:
         _DECODE_REGION = os.environ.get("LLMFAST_ATTENTION_DECODE_REGION", "1") != "0"
     return _DECODE_REGION
+
+
+def _heuristic_splits(programs: int, num_sms: int, max_kv_tiles: float) -> int:
+    """Double the splits while the grid stays within ~2 programs per SM and every split
+    still gets >= 4 key tiles of the longest possible context (the partials and the
+    merge are not free). Batch 1, 8 KV heads, a block table 8192 keys wide, 132 SMs:
+    32 splits of 256 keys each."""
+    splits = 1
+    while (
+        splits < MAX_SPLITS
+        and 2 * splits * programs <= 2 * num_sms
+        and 4 * 2 * splits <= max_kv_tiles
+    ):
+        splits *= 2
+    return splits
+
+
+def split_bound(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, num_sms: int, split_tables: tuple[SplitTable, ...] = (),
+                kv_dtype: torch.dtype | None = None) -> int:
+    """The most KV splits `select_config` gives any decode launch of this attention shape
+    on this device, whatever its request count and block table: the bound the kernel
+    compiles its split code against (attention_kernels.py), so that every launch that
+    splits shares one variant. From what is fixed for the process only (the shape, the
+    device's SMs and split table): the start-up's memory profile, with a one-block
+    table, must compile the variant later steps use."""
+    table = find_table(split_tables, num_heads, num_kv_heads, head_dim,
+                       kv_dtype_name(dtype, kv_dtype), block_size)
+    if table is not None:
+        return max(table.best.values())
+    return _heuristic_splits(num_kv_heads, num_sms, math.inf)
 
 
 def select_config(
@@ -101,20 +139,9 @@ def select_config(
             splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
             return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3,
                                    one_kv_loop=DECODE_ONE_KV_LOOP)
-        programs = num_reqs * num_kv_heads
         # Counted in 64-key tiles whatever block_n (the rule was set with 64).
         max_kv_tiles = -(-max_blocks_per_req * block_size // 64)  # (triton.cdiv: ~10 us)
-        splits = 1
-        # Double the splits while the grid stays within ~2 programs per SM and every
-        # split still gets >= 4 key tiles of the longest possible context (the partials
-        # and the merge are not free). Batch 1, 8 KV heads, a block table 8192 keys wide,
-        # 132 SMs: 32 splits of 256 keys each.
-        while (
-            splits < 64
-            and 2 * splits * programs <= 2 * num_sms
-            and 4 * 2 * splits <= max_kv_tiles
-        ):
-            splits *= 2
+        splits = _heuristic_splits(num_reqs * num_kv_heads, num_sms, max_kv_tiles)
         return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3,
                                one_kv_loop=DECODE_ONE_KV_LOOP)
     # Prefill-like: compute bound. One launch whatever the mix (chunks and decodes), no

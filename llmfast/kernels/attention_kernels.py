@@ -12,10 +12,10 @@ Design
   with at most DEC_BLOCK_Q query tokens (a decode among chunked prefills) is not given a
   prefill-sized tile, most of whose rows would be padding (16x the tensor-core work at
   64 rows per tile and a group of 4), but programs of its own past the query tiles:
-  DEC_SPLITS per request, each with decode-sized tiles (DEC_BLOCK_Q tokens,
+  `dec_splits` per request, each with decode-sized tiles (DEC_BLOCK_Q tokens,
   DEC_BLOCK_N keys) over its share of the context, merged like a decode launch's. The
   query tiles of such a request exit at once, and the region's programs of a longer
-  request. The program count stays host-known: query tiles + num_reqs * DEC_SPLITS.
+  request. The program count stays host-known: query tiles + num_reqs * dec_splits.
 - GQA packing: a program holds BLOCK_Q tokens x all query heads of one kv head
   (BLOCK_M = BLOCK_Q * GROUP_P rows), so each K/V tile is loaded once per group.
 - The loop walks the context in BLOCK_N-key tiles, gathering physical blocks through the
@@ -31,13 +31,19 @@ Design
   program reads its rows of q before it, or the last split of its tile, writes those
   rows of out, and no two tiles share a row.
 - Flash-decoding: with few decode rows and long contexts the kv-split axis cuts the
-  context into up to NUM_SPLITS ranges; each writes unnormalised partials (acc, max, sum)
-  to a workspace and the last to finish merges them (FUSED_MERGE; else a second kernel
-  does). NUM_SPLITS comes from shapes only (the block table's width: a full CUDA graph
+  context into up to `num_splits` ranges; each writes unnormalised partials (acc, max,
+  sum) to a workspace and the last to finish merges them (FUSED_MERGE; else a second
+  kernel does). The split counts (`num_splits`, and the decode region's `dec_splits`)
+  are runtime arguments under a constexpr bound (MAX_SPLITS, DEC_MAX_SPLITS: 1, or the
+  largest count any launch takes), so one compiled kernel serves every batch size
+  rather than one per split count: a variant not compiled at start-up costs ~1-2 s of
+  Triton compilation in the first step that needs it (a mixed step of 2-16 requests
+  took 1.9 s on an H100 while the region's split count was a constexpr). The count
+  comes from shapes only (the block table's width: a full CUDA graph
   launches for max_model_len), so with the fused merge the kernel sizes the splits for
   the *live* context: at least MIN_SPLIT_TILES key tiles each, the programs past the
   last used split exit at once, and a context that needs one split is written straight
-  to `out` with no partials or merge. E.g. NUM_SPLITS 32, BLOCK_N 64, MIN_SPLIT_TILES 2:
+  to `out` with no partials or merge. E.g. num_splits 32, BLOCK_N 64, MIN_SPLIT_TILES 2:
   a 140-key context (3 tiles) uses 2 splits (tiles 0-1, tile 2), an 8192-key one 32
   splits of 4 tiles.
 """
@@ -116,12 +122,17 @@ def _attend_kv_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
+# Not specialized on (Triton would compile a variant for a value of 1, another for
+# multiples of 16): counts that change with the batch, and the block table's row stride,
+# which is 1 for the start-up memory profile's one-block table and the table's width
+# after it (one variant, compiled by that profile, serves both).
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits", "dec_splits",
+                               "stride_bt"])
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    num_reqs, num_tokens, scale_log2,
+    num_reqs, num_tokens, scale_log2, num_splits, dec_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -129,24 +140,24 @@ def _unified_attention_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE_REGION: tl.constexpr, DEC_BLOCK_Q: tl.constexpr, DEC_BLOCK_N: tl.constexpr,
-    DEC_SPLITS: tl.constexpr, ONE_KV_LOOP: tl.constexpr, DEC_ONE_KV_LOOP: tl.constexpr,
+    DEC_MAX_SPLITS: tl.constexpr, ONE_KV_LOOP: tl.constexpr, DEC_ONE_KV_LOOP: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Query tiles of BLOCK_Q tokens (the main region); with DECODE_REGION, the programs
-    # past them are the decode region's, num_reqs x DEC_SPLITS of them (module doc).
+    # past them are the decode region's, num_reqs x dec_splits of them (module doc).
     num_tiles = num_tokens // BLOCK_Q + num_reqs
     if DECODE_REGION:
         if tl.program_id(0) >= num_tiles:
-            # Program num_tiles + r * DEC_SPLITS + s: request r's split s. E.g. 3
+            # Program num_tiles + r * dec_splits + s: request r's split s. E.g. 3
             # requests, 2 splits, 40 main tiles: programs 40..45 = (r0 s0, r0 s1, r1 s0,
             # r1 s1, r2 s0, r2 s1). Their merge counters are indexed by request: the
             # query tiles beside a region never split, so they use none.
             index = tl.program_id(0) - num_tiles
-            req = index // DEC_SPLITS
+            req = index // dec_splits
             q_start = tl.load(query_start_loc_ptr + req)
             num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
             seq_len = tl.load(seq_lens_ptr + req)
@@ -156,13 +167,14 @@ def _unified_attention_kernel(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                 part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
                 block_table_ptr, req, q_start, num_q, seq_len, 0, kv_head,
-                index % DEC_SPLITS, req, req * DEC_BLOCK_Q, num_reqs * DEC_BLOCK_Q,
-                scale_log2,
+                index % dec_splits, dec_splits, req, req * DEC_BLOCK_Q,
+                num_reqs * DEC_BLOCK_Q, scale_log2,
                 stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                 stride_bt,
                 NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
-                DEC_BLOCK_Q, DEC_BLOCK_N, DEC_SPLITS, DEC_SPLITS > 1, UPCAST, DOT_PRECISION,
+                DEC_BLOCK_Q, DEC_BLOCK_N, DEC_MAX_SPLITS, DEC_MAX_SPLITS > 1, UPCAST,
+                DOT_PRECISION,
                 CONVERT_KV, MIN_SPLIT_TILES, DEC_ONE_KV_LOOP,
             )
             return
@@ -210,12 +222,12 @@ def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
         block_table_ptr, req, q_start, num_q, seq_len, q_lo, kv_head,
-        split, tile, q_start + q_lo, num_tokens, scale_log2,
+        split, num_splits, tile, q_start + q_lo, num_tokens, scale_log2,
         stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
         stride_bt,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
-        BLOCK_Q, BLOCK_N, NUM_SPLITS, FUSED_MERGE, UPCAST, DOT_PRECISION,
+        BLOCK_Q, BLOCK_N, MAX_SPLITS, FUSED_MERGE, UPCAST, DOT_PRECISION,
         CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP,
     )
 
@@ -225,7 +237,7 @@ def _attend_query_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     block_table_ptr, req, q_start, num_q, seq_len, q_lo, kv_head,
-    split, counter_tile, part_first, part_rows, scale_log2,
+    split, num_splits, counter_tile, part_first, part_rows, scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -233,13 +245,15 @@ def _attend_query_tile(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
 ):
     """One program's share of attention: query tokens [q_lo, q_lo + BLOCK_Q) of request
     `req` (starting at token q_start, num_q of them, seq_len keys with them) for the
-    query heads of `kv_head`, over KV split `split` of NUM_SPLITS.
+    query heads of `kv_head`, over KV split `split` of `num_splits` (a runtime value:
+    one compiled variant serves every split count; MAX_SPLITS bounds it, and is 1 for
+    an unsplit launch, whose split code is not compiled in).
 
     With splits, the partials' token rows of this tile start at `part_first` of
     `part_rows` (the main region: the token's own index of num_tokens; the decode
@@ -252,15 +266,15 @@ def _attend_query_tile(
     # Keys the tile's last query can see; earlier rows are cut by the causal mask.
     kv_end = ctx_len + tl.minimum(q_lo + BLOCK_Q, num_q)
     num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    if NUM_SPLITS > 1:
-        per_split = (num_kv_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    if MAX_SPLITS > 1:
+        per_split = (num_kv_tiles + num_splits - 1) // num_splits
         if FUSED_MERGE:  # sized for the live context (see the module doc)
             per_split = tl.maximum(per_split, MIN_SPLIT_TILES)
             num_used = (num_kv_tiles + per_split - 1) // per_split
             if split >= num_used:
                 return
         else:  # the merge kernel reads every split: all write partials, some empty
-            num_used = NUM_SPLITS
+            num_used = num_splits
         tile_lo = split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
     else:
@@ -316,7 +330,7 @@ def _attend_query_tile(
         HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION, CONVERT_KV,
     )
 
-    if num_used == 1:  # (NUM_SPLITS == 1, or a live context one split covers)
+    if num_used == 1:  # (MAX_SPLITS == 1, or a live context one split covers)
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_i[:, None]
         tl.store(
@@ -326,7 +340,7 @@ def _attend_query_tile(
             mask=row_valid[:, None] & d_valid[None, :],
         )
     else:
-        # Partials laid out [NUM_SPLITS, part_rows, NUM_HEADS(, HEAD_DIM_P)], fp32.
+        # Partials laid out [num_splits, part_rows, NUM_HEADS(, HEAD_DIM_P)], fp32.
         part_token = (part_first + offs_m // GROUP_P).to(tl.int64)  # [BLOCK_M]
         row = (split * part_rows + part_token) * NUM_HEADS + head
         tl.store(part_max_ptr + row, m_i, mask=row_valid)
@@ -352,21 +366,21 @@ def _attend_query_tile(
                 _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token,
                             part_token, head, row_valid, offs_d, d_valid, part_rows,
                             num_used, stride_ot, stride_oh, stride_od, NUM_HEADS,
-                            HEAD_DIM_P, NUM_SPLITS)
+                            HEAD_DIM_P, MAX_SPLITS)
 
 
 @triton.jit
 def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, part_token, head,
                 row_valid, offs_d, d_valid, part_rows, num_used, stride_ot, stride_oh,
                 stride_od, NUM_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                NUM_SPLITS: tl.constexpr):
+                MAX_SPLITS: tl.constexpr):
     """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max_s m_s), over splits
     s < num_used, for one tile's rows (`token`: their rows of `out`; `part_token`: of the
     partials, `part_rows` each split). Every split's max and sum come in one load (one
     round trip instead of one per split); then one acc load per split."""
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_s = tl.arange(0, MAX_SPLITS)
     rows = (offs_s[:, None] * part_rows + part_token[None, :]) * NUM_HEADS + head[None, :]
-    used = (offs_s[:, None] < num_used) & row_valid[None, :]  # [NUM_SPLITS, BLOCK_M]
+    used = (offs_s[:, None] < num_used) & row_valid[None, :]  # [MAX_SPLITS, BLOCK_M]
     m = tl.load(part_max_ptr + rows, mask=used, other=-1.0e30, cache_modifier=".cg")
     l_s = tl.load(part_sum_ptr + rows, mask=used, other=0.0, cache_modifier=".cg")
     w = tl.math.exp2(m - tl.max(m, axis=0)[None, :])  # unused splits: weight 0

@@ -18,6 +18,11 @@ from pathlib import Path
 
 def main(argv: list[str]) -> None:
     spec, out = json.loads(argv[1]), Path(argv[2])
+    # As the `llmfast` command does first (cli/main.py): this process stands for one.
+    from llmfast.utils.bytecode import keep_bytecode
+    from llmfast.utils.paths import cache_dir
+
+    keep_bytecode(cache_dir())
     from llmfast.llm import LLM
     from llmfast.sampling_params import SamplingParams
 

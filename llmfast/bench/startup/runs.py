@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from llmfast.bench.workload import BenchError
+from llmfast.utils.bytecode import bytecode_cache_dir
+from llmfast.utils.paths import cache_dir
 
 # The stages, in start-up order (LLMEngine.startup_times' keys: the runner's, then the
 # engine's tokenizer and scheduler).
@@ -62,12 +64,19 @@ class StartupReport:
 
 
 def cache_env(root: Path) -> dict[str, str]:
-    """The variables that put every cache a start-up fills under `root`."""
-    return {
+    """The variables that put every cache a start-up fills under `root`. The bytecode
+    cache llmfast keeps where Python keeps none (utils/bytecode.py) is one of them: a
+    prefix this process set to its own cache moves under `root` too (the child sets it
+    again there), so that a cold start compiles its imports as a first start would; a
+    prefix of the user's own stays."""
+    env = {
         "LLMFAST_CACHE": str(root / "llmfast"),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         "TRITON_CACHE_DIR": str(root / "triton"),
     }
+    if os.environ.get("PYTHONPYCACHEPREFIX") == str(bytecode_cache_dir(cache_dir())):
+        env["PYTHONPYCACHEPREFIX"] = str(bytecode_cache_dir(root / "llmfast"))
+    return env
 
 
 def resolved_model(spec: str | None) -> str:
