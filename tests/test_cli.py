@@ -112,8 +112,9 @@ def test_bench_sweep_writes_json_and_png(tmp_path):
                           "decode_tokens_per_s", "prefill_tokens", "prefill_time_s",
                           "prefill_steps", "prefill_tokens_per_s", "all_decode",
                           "step_latencies_s", "weight_bytes", "weight_stream_bytes_per_s",
-                          "hbm_fraction"}
+                          "hbm_fraction", "triton_compiles", "triton_compile_s"}
         assert p["weight_bytes"] > 0 and p["hbm_fraction"] is None
+        assert p["triton_compiles"] == 0  # start-up and the warm-up compiled everything
         assert set(p["step_latency"]) == {"count", "mean", "median", "p90", "p99", "min", "max"}
         assert len(p["step_latencies_s"]) == 4 and p["all_decode"]
     from matplotlib.image import imread

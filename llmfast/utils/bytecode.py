@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 def bytecode_cache_dir(cache_dir: Path) -> Path:
-    """Where `keep_bytecode(cache_dir)` keeps bytecode."""
-    return cache_dir / "pycache"
+    """Where `keep_bytecode(cache_dir)` keeps bytecode (absolute: the processes it
+    starts may run elsewhere)."""
+    return (cache_dir / "pycache").absolute()
 
 
 def keep_bytecode(cache_dir: Path, probe: str = "torch") -> bool:
