@@ -34,8 +34,9 @@ Design
   context into up to `num_splits` ranges; each writes unnormalised partials (acc, max,
   sum) to a workspace and the last to finish merges them (FUSED_MERGE; else a second
   kernel does). The split counts (`num_splits`, and the decode region's `dec_splits`)
-  are runtime arguments under a constexpr bound (MAX_SPLITS, DEC_MAX_SPLITS: 1, or the
-  largest count any launch takes), so one compiled kernel serves every batch size
+  are runtime arguments under a constexpr bound (SPLIT_BOUND, DEC_SPLIT_BOUND: 1, or the
+  most splits any decode launch of the shape takes on the device:
+  attention_config.split_bound), so one compiled kernel serves every batch size
   rather than one per split count: a variant not compiled at start-up costs ~1-2 s of
   Triton compilation in the first step that needs it (a mixed step of 2-16 requests
   took 1.9 s on an H100 while the region's split count was a constexpr). The count
@@ -140,11 +141,11 @@ def _unified_attention_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BOUND: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE_REGION: tl.constexpr, DEC_BLOCK_Q: tl.constexpr, DEC_BLOCK_N: tl.constexpr,
-    DEC_MAX_SPLITS: tl.constexpr, ONE_KV_LOOP: tl.constexpr, DEC_ONE_KV_LOOP: tl.constexpr,
+    DEC_SPLIT_BOUND: tl.constexpr, ONE_KV_LOOP: tl.constexpr, DEC_ONE_KV_LOOP: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Query tiles of BLOCK_Q tokens (the main region); with DECODE_REGION, the programs
@@ -173,7 +174,7 @@ def _unified_attention_kernel(
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                 stride_bt,
                 NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
-                DEC_BLOCK_Q, DEC_BLOCK_N, DEC_MAX_SPLITS, DEC_MAX_SPLITS > 1, UPCAST,
+                DEC_BLOCK_Q, DEC_BLOCK_N, DEC_SPLIT_BOUND, DEC_SPLIT_BOUND > 1, UPCAST,
                 DOT_PRECISION,
                 CONVERT_KV, MIN_SPLIT_TILES, DEC_ONE_KV_LOOP,
             )
@@ -227,7 +228,7 @@ def _unified_attention_kernel(
         stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
         stride_bt,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
-        BLOCK_Q, BLOCK_N, MAX_SPLITS, FUSED_MERGE, UPCAST, DOT_PRECISION,
+        BLOCK_Q, BLOCK_N, SPLIT_BOUND, FUSED_MERGE, UPCAST, DOT_PRECISION,
         CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP,
     )
 
@@ -245,14 +246,14 @@ def _attend_query_tile(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BOUND: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
 ):
     """One program's share of attention: query tokens [q_lo, q_lo + BLOCK_Q) of request
     `req` (starting at token q_start, num_q of them, seq_len keys with them) for the
     query heads of `kv_head`, over KV split `split` of `num_splits` (a runtime value:
-    one compiled variant serves every split count; MAX_SPLITS bounds it, and is 1 for
+    one compiled variant serves every split count; SPLIT_BOUND bounds it, and is 1 for
     an unsplit launch, whose split code is not compiled in).
 
     With splits, the partials' token rows of this tile start at `part_first` of
@@ -266,7 +267,7 @@ def _attend_query_tile(
     # Keys the tile's last query can see; earlier rows are cut by the causal mask.
     kv_end = ctx_len + tl.minimum(q_lo + BLOCK_Q, num_q)
     num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    if MAX_SPLITS > 1:
+    if SPLIT_BOUND > 1:
         per_split = (num_kv_tiles + num_splits - 1) // num_splits
         if FUSED_MERGE:  # sized for the live context (see the module doc)
             per_split = tl.maximum(per_split, MIN_SPLIT_TILES)
@@ -330,7 +331,7 @@ def _attend_query_tile(
         HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION, CONVERT_KV,
     )
 
-    if num_used == 1:  # (MAX_SPLITS == 1, or a live context one split covers)
+    if num_used == 1:  # (SPLIT_BOUND == 1, or a live context one split covers)
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_i[:, None]
         tl.store(
@@ -366,21 +367,21 @@ def _attend_query_tile(
                 _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token,
                             part_token, head, row_valid, offs_d, d_valid, part_rows,
                             num_used, stride_ot, stride_oh, stride_od, NUM_HEADS,
-                            HEAD_DIM_P, MAX_SPLITS)
+                            HEAD_DIM_P, SPLIT_BOUND)
 
 
 @triton.jit
 def _merge_tile(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, part_token, head,
                 row_valid, offs_d, d_valid, part_rows, num_used, stride_ot, stride_oh,
                 stride_od, NUM_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                MAX_SPLITS: tl.constexpr):
+                SPLIT_BOUND: tl.constexpr):
     """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max_s m_s), over splits
     s < num_used, for one tile's rows (`token`: their rows of `out`; `part_token`: of the
     partials, `part_rows` each split). Every split's max and sum come in one load (one
     round trip instead of one per split); then one acc load per split."""
-    offs_s = tl.arange(0, MAX_SPLITS)
+    offs_s = tl.arange(0, SPLIT_BOUND)
     rows = (offs_s[:, None] * part_rows + part_token[None, :]) * NUM_HEADS + head[None, :]
-    used = (offs_s[:, None] < num_used) & row_valid[None, :]  # [MAX_SPLITS, BLOCK_M]
+    used = (offs_s[:, None] < num_used) & row_valid[None, :]  # [SPLIT_BOUND, BLOCK_M]
     m = tl.load(part_max_ptr + rows, mask=used, other=-1.0e30, cache_modifier=".cg")
     l_s = tl.load(part_sum_ptr + rows, mask=used, other=0.0, cache_modifier=".cg")
     w = tl.math.exp2(m - tl.max(m, axis=0)[None, :])  # unused splits: weight 0
