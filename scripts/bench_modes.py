@@ -95,7 +95,7 @@ def decode_batch(static: StaticBatch, batch: int, context_len: int) -> None:
 
 def make_step(static: StaticBatch, forward, batch: int, num_padded: int):
     def step() -> torch.Tensor:
-        hidden = static.run(forward, num_padded, batch)
+        hidden = static.run(forward, num_padded, batch, max_query_len=1)  # decodes
         with torch.inference_mode():
             return static.model.compute_logits(hidden[:batch])
 
@@ -108,7 +108,8 @@ def full_forward_of(static: StaticBatch, cm: CompiledModel):
     def full_forward(size: int, dummy: bool):
         ids, positions = static.input_ids[:size], static.positions[:size]
         md = AttentionMetadata(static.slot_mapping[:size], static.table[:size],
-                               static.query_start_loc[: size + 1], static.seq_lens[:size])
+                               static.query_start_loc[: size + 1], static.seq_lens[:size],
+                               torch.ones(1, dtype=torch.int32))  # uniform decode
         if dummy:
             ids.zero_()
             positions.zero_()
@@ -119,7 +120,9 @@ def full_forward_of(static: StaticBatch, cm: CompiledModel):
         def fn() -> torch.Tensor:
             return static.model.compute_logits(cm(ids, positions, md))
 
-        return fn, [ids, positions, *md.__dict__.values()]
+        # (What the graph reads on the device: not the host's max_query_len.)
+        return fn, [ids, positions, md.slot_mapping, md.block_table, md.query_start_loc,
+                    md.seq_lens]
 
     return full_forward
 

@@ -117,7 +117,11 @@
 #        walking their keys in one loop (DECODE_ONE_KV_LOOP on), the shipped H100 split
 #        and prefill tile tables, and the bytecode cache (device.txt's `bytecode:` line
 #        says whether this machine recompiles torch from source on every start: it did
-#        on 2026-11-26, 6.5 s of a warm start)
+#        on 2026-11-26, 6.5 s of a warm start), and uniform decode with RoPE and the KV
+#        write inside the attention kernel (`full`'s test_decode_rope_kernel_on_cuda;
+#        on its failure the later steps run with LLMFAST_ATTENTION_DECODE_ROPE=0;
+#        `diag`'s trace should show no `_rope_and_cache_kernel` at B=1 and 64, and
+#        `_decode_rope_attention_kernel` x16 instead of `_unified_attention_kernel`)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
 #        `skipped` = the steps the previous call of this machine skipped (a file under
@@ -284,8 +288,8 @@ for step in $STEPS; do
             # with the torch norms and RoPE rather than not at all; when it is the mixed
             # launches' decode region, without it; any other failure leaves them on.
             if [[ ${STATUS[full]} == FAILED* && $DRY != 1 && -z ${LLMFAST_LAYER_KERNELS:-} ]] \
-                && grep -Eq 'test_(layer_kernels|rope_cache)\.py::[a-z_]+ FAILED|llmfast/kernels/(layers/|rope_cache)' \
-                    "$OUT/full.log"; then
+                && [[ -n $(grep -E 'test_(layer_kernels|rope_cache)\.py::[a-z_]+ FAILED|llmfast/kernels/(layers/|rope_cache)' \
+                           "$OUT/full.log" | grep -v 'test_decode_rope_kernel_on_cuda') ]]; then
                 export LLMFAST_LAYER_KERNELS=0
                 echo "NOTE     full failed in the layer kernels: the steps after it run with" \
                     "LLMFAST_LAYER_KERNELS=0" | tee -a "$OUT/verdicts.txt"
@@ -297,6 +301,14 @@ for step in $STEPS; do
                 export LLMFAST_ATTENTION_DECODE_REGION=0
                 echo "NOTE     full failed in mixed attention launches: the steps after it" \
                     "run with LLMFAST_ATTENTION_DECODE_REGION=0" | tee -a "$OUT/verdicts.txt"
+            fi
+            # The uniform-decode kernel with RoPE and the KV write fused in: without it.
+            if [[ ${STATUS[full]} == FAILED* && $DRY != 1 \
+                    && -z ${LLMFAST_ATTENTION_DECODE_ROPE:-} ]] \
+                && grep -Eq 'test_decode_rope_kernel_on_cuda FAILED' "$OUT/full.log"; then
+                export LLMFAST_ATTENTION_DECODE_ROPE=0
+                echo "NOTE     full failed in the fused decode + RoPE kernel: the steps after" \
+                    "it run with LLMFAST_ATTENTION_DECODE_ROPE=0" | tee -a "$OUT/verdicts.txt"
             fi ;;
         async_tests)
             run_step async_tests 220 300 "${PYTEST[@]}" tests/test_async_gpu.py \

@@ -87,7 +87,8 @@ def _full_over_linears(lat: dict, step: str) -> Iterator[Line]:
 def diag(out: Path) -> Iterator[Line]:
     """#15 again from `diag` (full + linears only), and what its kernel traces show: the
     step's kernel time and whether the norms and RoPE ran as llmfast's Triton kernels
-    (RoPE in the attention op's KV write: `_rope_and_cache_kernel`, no rotary kernel)."""
+    (RoPE in the attention op's KV write: `_rope_and_cache_kernel`, no rotary kernel;
+    in a uniform decode step inside the attention: `_decode_rope_attention_kernel`)."""
     data = _load(out, "diag_modes.json")
     if data is None:
         yield ("MISSING", "#15 diag: no diag_modes.json")
@@ -97,9 +98,9 @@ def diag(out: Path) -> Iterator[Line]:
         text = trace.read_text()
         head = text.splitlines()[0].lstrip("# ") if text else ""
         kernels = {name: text.count(f"`{name}") for name in
-                   ("rms_norm_kernel", "_rope_and_cache_kernel", "rotary_kernel",
-                    "_reshape_and_cache_kernel", "memcpy32_post", "triton_red_fused",
-                    "direct_copy_kernel")}
+                   ("rms_norm_kernel", "_decode_rope_attention_kernel",
+                    "_rope_and_cache_kernel", "rotary_kernel", "_reshape_and_cache_kernel",
+                    "memcpy32_post", "triton_red_fused", "direct_copy_kernel")}
         yield info(f"#15 diag: {head}; layer kernels in the trace: "
                    + ", ".join(f"{k} {'yes' if n else 'no'}" for k, n in kernels.items()))
 

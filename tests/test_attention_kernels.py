@@ -730,35 +730,48 @@ def test_batch_sizes_share_compiled_variants(monkeypatch):
     # the decode region's split count (16, 8, 4, 2 at those sizes) was a constexpr, and
     # offline throughput fell 3x. The split counts (and the block table's row stride) now
     # travel as unspecialized runtime arguments: every mixed launch of a model is one
-    # variant, and decode launches two (split or not), whatever their request counts and
+    # variant, and every decode launch one (compiled with its split code, used or not;
+    # so is the fused decode + RoPE kernel), whatever their request counts and
     # block tables (the start-up's memory profile launches 512 requests over a one-block
     # table, and must compile the variant the steps after it use). Compiled for sm_90,
     # with an H100's 132 SMs so that the heuristic picks every split count from 1 to 16.
     compiled = compile_launches_only(monkeypatch)
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
-    variants: dict[str, set] = {"decode": set(), "mixed": set()}
+    variants: dict[str, set] = {"decode": set(), "mixed": set(), "decode+rope": set()}
     wide = 512  # blocks per request: a block table 8192 keys wide (max_model_len)
     launches = [*(("decode", n, wide) for n in (1, 2, 3, 4, 8, 16, 32, 64, 256)),
                 *(("mixed", n, wide) for n in (2, 3, 4, 8, 16, 32, 64, 256)),
-                ("mixed", 512, 1)]  # the memory profile's
+                ("mixed", 512, 1),  # the memory profile's
+                # uniform decode given its new tokens: the fused RoPE + KV-write kernel
+                *(("decode+rope", n, wide) for n in (1, 2, 4, 16, 64, 256))]
     with offline_hopper():
         for kind, num_reqs, blocks_per_req in launches:
-            num_tokens = num_reqs if kind == "decode" else max(num_reqs - 1 + 300,
-                                                               16 * num_reqs)
-            q = torch.empty(num_tokens, 32, 64, dtype=torch.bfloat16)
+            num_tokens = num_reqs if kind != "mixed" else max(num_reqs - 1 + 300,
+                                                              16 * num_reqs)
+            qkv = torch.empty(num_tokens, 48, 64, dtype=torch.bfloat16)
+            q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
             k_cache = torch.empty(4, 16, 8, 64, dtype=torch.bfloat16)
             block_table = torch.empty(num_reqs, blocks_per_req, dtype=torch.int32)
             qsl = torch.empty(num_reqs + 1, dtype=torch.int32)
             seq_lens = torch.empty(num_reqs, dtype=torch.int32)
+            new_tokens = None
+            if kind == "decode+rope":
+                new_tokens = (k, v, torch.empty(num_tokens, dtype=torch.int64),
+                              torch.empty(num_tokens, dtype=torch.int64),
+                              torch.empty(8192, 64, dtype=torch.float32))
             before = len(compiled)
             attention.unified_attention(q, k_cache, k_cache, block_table, qsl, seq_lens,
-                                        0.1, q)
+                                        0.1, torch.empty_like(q), new_tokens=new_tokens,
+                                        uniform_decode=new_tokens is not None)
             assert len(compiled) == before + 1  # one kernel, no second merge kernel
             variants[kind].add(compiled[-1][1].hash)
     monkeypatch.undo()
     assert len(variants["mixed"]) == 1
-    assert len(variants["decode"]) == 2
-    assert not variants["mixed"] & variants["decode"]
+    assert len(variants["decode"]) == 1
+    assert len(variants["decode+rope"]) == 1
+    assert len(set.union(*variants.values())) == 3
+    for name, kernel in compiled:
+        assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024, name
 
 
 def compile_launches_only(monkeypatch) -> list[tuple[str, object]]:

@@ -96,6 +96,42 @@ def test_cached_launch_passes_what_the_jit_launch_passes(recorded, monkeypatch, 
     assert same_launch(fast, jit) and same_launch(jit_again, jit)
 
 
+@pytest.fixture
+def recorded_rope(monkeypatch):
+    yield from _record_launches(monkeypatch, attention, "_DECODE_ROPE_LAUNCHES",
+                                attention._decode_rope_attention_kernel)
+
+
+@pytest.mark.parametrize("num_reqs, num_splits", [(1, 8), (1, None), (8, 4), (64, 1)])
+def test_cached_decode_rope_launch_passes_what_the_jit_launch_passes(
+        recorded_rope, monkeypatch, num_reqs, num_splits):
+    # The fused decode + RoPE kernel's launch: its five more tensors and strides.
+    cache = attention._DECODE_ROPE_LAUNCHES
+    qkv = torch.empty(num_reqs, 48, 128, dtype=torch.bfloat16)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    # (The workspaces kept alive: they own the cache's split scratch, reused per call.)
+    _, k_cache, table, qsl, seq_lens, workspaces, _ = step_inputs(num_reqs, num_reqs)
+    new_tokens = (k, v, torch.empty(num_reqs, dtype=torch.int64),
+                  torch.empty(num_reqs, dtype=torch.int64),
+                  torch.empty(4096, 128, dtype=torch.float32))
+    out = torch.empty_like(q)
+
+    def launch():
+        attention.unified_attention(q, k_cache, k_cache, table, qsl, seq_lens, 0.1, out,
+                                    num_splits=num_splits, new_tokens=new_tokens,
+                                    uniform_decode=True)
+
+    launch()
+    launch()
+    assert cache.compiled_launches == 1 and cache.fast_launches == 1
+    monkeypatch.setattr(cache, "enabled", False)
+    launch()
+    assert len(recorded_rope) == 3
+    jit, fast, jit_again = recorded_rope
+    assert same_launch(fast, jit) and same_launch(jit_again, jit)
+    assert workspaces is not None
+
+
 def _cached_again_equal_jit(variants, cache, recorded, monkeypatch) -> list:
     """After one round of `variants` (2 splits): a second round, recorded, then a third
     through Triton's JIT (the cache left off); each second-round launch must equal the JIT's.

@@ -201,7 +201,8 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(piecewi
 
         caches = [t for layer in model.attention_layers() for t in (layer.k_cache,
                                                                      layer.v_cache)]
-        return fn, [ids[:size], positions[:size], *md.__dict__.values(), *caches]
+        device_md = (md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens)
+        return fn, [ids[:size], positions[:size], *device_md, *caches]
 
     cm.capture(run_dummy, full_forward)
     assert cm.stats.full_graph_sizes == sizes and cm._capture_stream.num_uses == 1

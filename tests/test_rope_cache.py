@@ -95,9 +95,19 @@ def check_fused_op_equals_unfused(dtype: str, kind: str, device: str = "cpu"):
     `out`, read and overwritten by the attention) = the op given rotated q and k (bit
     for bit in the interpreter; on a GPU to rounding, and right against float64)."""
     dt = getattr(torch, dtype)
-    reqs = attn_tests.MIXED if kind == "mixed" else [(40, 1), (3, 1), (17, 1), (0, 1)]
+    reqs = {"mixed": attn_tests.MIXED, "decode": [(40, 1), (3, 1), (17, 1), (0, 1)],
+            # As many tokens as rows, but not uniform decode: a row whose last token is
+            # still in flight gets none (async scheduling), another two.
+            "zero_rows": [(40, 0), (3, 1), (17, 2)],
+            "uniform": [(40, 1), (3, 1), (17, 1), (0, 1)]}[kind]
+    pad = 1 if kind == "uniform" else 0 if kind == "zero_rows" else 2
     b = attn_tests.make_batch(reqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                              dtype=dt, pad_tokens=2, pad_reqs=1, device=device)
+                              dtype=dt, pad_tokens=pad, pad_reqs=min(pad, 1), device=device)
+    # What the runner tells the op (AttentionMetadata.max_query_len): 1 only when every
+    # row has at most one token; the op must not take shapes for it.
+    max_query_len = torch.tensor([max(n for _, n in reqs)], dtype=torch.int32)
+    if kind == "zero_rows":
+        assert b["q"].shape[0] == b["seq_lens"].shape[0]
     num_tokens = b["q"].shape[0]
     table = rope_table(64, 128, 10000.0, RopeScaling()).to(device)
     # Each token's position in its sequence (padding tokens: 0).
@@ -112,8 +122,12 @@ def check_fused_op_equals_unfused(dtype: str, kind: str, device: str = "cpu"):
 
     k_fused, v_fused = b["k_cache"].clone(), b["v_cache"].clone()
     out_fused = torch.full_like(b["q"], float("nan"))
+    before = {id(plan) for plan in attention._PLANS.values()}
     ops.unified_attention_impl(b["q"], b["k"], b["v"], k_fused, v_fused, b["slot_mapping"],
-                               *args, out_fused, positions, table)
+                               *args, out_fused, positions, table, max_query_len)
+    fused_kernel = any(plan.rope for plan in attention._PLANS.values()
+                       if id(plan) not in before)
+    assert fused_kernel == (kind in ("decode", "uniform")), kind  # rows of <= 1 token
     q_rot = rotary_ops.rotary_impl(positions, b["q"], table, sign)
     k_rot = rotary_ops.rotary_impl(positions, b["k"], table, sign)
     k_apart, v_apart = b["k_cache"].clone(), b["v_cache"].clone()
@@ -133,6 +147,65 @@ def check_fused_op_equals_unfused(dtype: str, kind: str, device: str = "cpu"):
     rotated = dict(b, q=q_rot, k=k_rot)
     attn_tests.assert_rel_close(out_fused[:n], attn_tests.reference_out(rotated)[:n],
                                 attn_tests.TOL[dt])
+
+
+def check_decode_rope_kernel(dtype: str, cache_dtype: str, num_splits: int | None,
+                             num_sms: int | None = None, device: str = "cpu"):
+    """A uniform decode step (one token per request; with a padding request and its
+    padding token, num_tokens == num_reqs) given its new tokens: the one fused kernel
+    (rotating q in registers, writing each new key and value from the split that reads
+    it) = rope_and_cache then the attention kernel, outputs and caches bit for bit in the
+    interpreter (on a GPU: to one rounding, and right against float64). Contexts from
+    1 to 300 keys, forced splits, a request whose slot is -1 (a dummy run's: nothing
+    written), an fp8 cache; with `num_sms` (an H100's 132) the split code is compiled in
+    (a bound of 16) also where the launch does not split."""
+    if num_sms is not None:
+        sms, attention._num_sms = attention._num_sms, lambda device: num_sms
+        try:
+            return check_decode_rope_kernel(dtype, cache_dtype, num_splits, None, device)
+        finally:
+            attention._num_sms = sms
+    dt = getattr(torch, dtype)
+    reqs = [(40, 1), (3, 1), (17, 1), (0, 1), (299, 1), (15, 1)]
+    b = attn_tests.make_batch(reqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                              dtype=dt, pad_tokens=1, pad_reqs=1, device=device)
+    num_tokens, num_reqs = b["q"].shape[0], b["seq_lens"].shape[0]
+    assert num_tokens == num_reqs
+    cache_dt = getattr(torch, cache_dtype)
+    k_cache, v_cache = b["k_cache"].to(cache_dt), b["v_cache"].to(cache_dt)
+    slots = b["slot_mapping"].clone()
+    slots[5] = -1  # the last real request writes nothing (its key stays NaN: read as is)
+    positions = (b["seq_lens"][: len(reqs)].long() - 1).tolist() + [0]
+    positions = torch.tensor(positions, dtype=torch.int64, device=device)
+    table = rope_table(64, 512, 10000.0, RopeScaling()).to(device)
+    args = (b["block_table"], b["query_start_loc"], b["seq_lens"], b["scale"])
+
+    k_fused, v_fused = k_cache.clone(), v_cache.clone()
+    out_fused = torch.full_like(b["q"], float("nan"))
+    before = {id(plan) for plan in attention._PLANS.values()}
+    attention.unified_attention(b["q"], k_fused, v_fused, *args, out_fused,
+                                num_splits=num_splits,
+                                new_tokens=(b["k"], b["v"], slots, positions, table),
+                                uniform_decode=True)
+    fresh = [plan for plan in attention._PLANS.values() if id(plan) not in before]
+    assert fresh and all(plan.rope for plan in fresh)  # the fused kernel's launch
+
+    k_apart, v_apart = k_cache.clone(), v_cache.clone()
+    out_apart = torch.full_like(b["q"], float("nan"))
+    attention.rope_and_cache(b["q"], b["k"], b["v"], positions, table, out_apart, k_apart,
+                             v_apart, slots)
+    attention.unified_attention(out_apart, k_apart, v_apart, *args, out_apart,
+                                num_splits=num_splits)
+    n = len(reqs)
+    assert torch.isfinite(out_fused[:5]).all()  # the NaN key poisons request 5 only
+    if device == "cpu":
+        attn_tests.assert_same_bits(out_fused[:n], out_apart[:n])
+        _same_cache(k_fused, k_apart)
+        _same_cache(v_fused, v_apart)
+        return
+    _close_to_one_rounding(out_fused[:5], out_apart[:5], dt)
+    _close_to_one_rounding(k_fused.to(dt), k_apart.to(dt), dt)
+    _same_cache(v_fused, v_apart)
 
 
 def check_model_steps_fused_equal_unfused():
@@ -264,7 +337,8 @@ ROPE_CACHE_CASES = [
     ("float32", "float32", 5, 1, 128),  # heads not a power of two
     ("bfloat16", "float8_e4m3fn", 4, 4, 80),  # head dim padded inside; an fp8 cache
 ]
-FUSED_OP_CASES = [("float32", "mixed"), ("bfloat16", "mixed"), ("bfloat16", "decode")]
+FUSED_OP_CASES = [("float32", "mixed"), ("bfloat16", "mixed"), ("bfloat16", "decode"),
+                  ("bfloat16", "zero_rows"), ("bfloat16", "uniform")]
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, heads, kv_heads, head_dim", ROPE_CACHE_CASES)
@@ -279,6 +353,18 @@ def test_fused_op_equals_rotating_first(interpreter, dtype, kind):
     interpreter("check_fused_op_equals_unfused", dtype=dtype, kind=kind)
 
 
+DECODE_ROPE_CASES = [("float32", "float32", None, None), ("bfloat16", "bfloat16", 4, None),
+                     ("bfloat16", "float8_e4m3fn", 2, None), ("bfloat16", "bfloat16", 1, None),
+                     ("bfloat16", "bfloat16", 1, 132), ("bfloat16", "bfloat16", None, 132)]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, num_splits, num_sms", DECODE_ROPE_CASES)
+def test_decode_rope_kernel_equals_rope_cache_then_attention(interpreter, dtype, cache_dtype,
+                                                              num_splits, num_sms):
+    interpreter("check_decode_rope_kernel", dtype=dtype, cache_dtype=cache_dtype,
+                num_splits=num_splits, num_sms=num_sms)
+
+
 @pytest.mark.gpu
 def test_rope_and_cache_on_cuda():
     if not torch.cuda.is_available():
@@ -290,6 +376,17 @@ def test_rope_and_cache_on_cuda():
         torch.cuda.synchronize()
     for dtype in ("float32", "bfloat16"):
         check_attention_in_place(dtype, device="cuda")
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_decode_rope_kernel_on_cuda():
+    # Its own test: gpu_check.sh turns the fusion off (LLMFAST_ATTENTION_DECODE_ROPE=0)
+    # for its later steps when this one fails.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for dtype, cache_dtype, num_splits, num_sms in DECODE_ROPE_CASES:
+        check_decode_rope_kernel(dtype, cache_dtype, num_splits, num_sms, device="cuda")
         torch.cuda.synchronize()
 
 
@@ -345,7 +442,8 @@ def test_compiled_model_passes_positions_through_the_split(monkeypatch, tmp_path
     attention_calls = [node for piece in pieces for node in piece.graph.nodes
                        if node.target is ops.unified_attention_impl]
     assert len(attention_calls) == model.config.num_hidden_layers
-    assert all(len(node.args) + len(node.kwargs) == 13 for node in attention_calls)
+    # q, k, v, caches, metadata (4), scale, out, positions, cos_sin, max_query_len
+    assert all(len(node.args) + len(node.kwargs) == 14 for node in attention_calls)
     called = {str(node.target) for piece in pieces for node in piece.graph.nodes
               if node.op == "call_function"}
     assert not any("rotary" in t for t in called), called  # no rotation in the pieces

@@ -67,15 +67,21 @@ class StaticBatch:
         self.table = torch.zeros_like(self.block_table)
         self.query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+        # AttentionMetadata.max_query_len (CPU): set by `run` for each call.
+        self.max_query_len = torch.zeros(1, dtype=torch.int32)
 
-    def run(self, forward: Forward, num_padded: int, num_reqs: int) -> torch.Tensor:
+    def run(self, forward: Forward, num_padded: int, num_reqs: int,
+            max_query_len: int | None = None) -> torch.Tensor:
         """`forward` over the first `num_padded` tokens and `num_reqs` requests of the
-        buffers, as they are filled now."""
+        buffers, as they are filled now; `max_query_len`: the most tokens a request has
+        (1: a uniform decode step), else taken as `num_padded`."""
+        self.max_query_len[0] = num_padded if max_query_len is None else max_query_len
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_padded],
             block_table=self.table[:num_reqs],
             query_start_loc=self.query_start_loc[: num_reqs + 1],
             seq_lens=self.seq_lens[:num_reqs],
+            max_query_len=self.max_query_len,
         )
         with torch.inference_mode():
             return forward(self.input_ids[:num_padded], self.positions[:num_padded], md)

@@ -16,11 +16,17 @@ from llmfast.kernels.attention_config import (
     MAX_SPLITS,
     AttentionConfig,
     DecodeRegion,
+    decode_rope_enabled,
     select_config,
     split_bound,
 )
-from llmfast.kernels.attention_kernels import _merge_splits_kernel, _unified_attention_kernel
-from llmfast.kernels.kv_write import check_launchable, next_pow2, reshape_and_cache
+from llmfast.kernels.attention_kernels import (
+    _decode_rope_attention_kernel,
+    _merge_splits_kernel,
+    _unified_attention_kernel,
+)
+from llmfast.kernels.kv_write import cache_clamp, check_launchable, next_pow2, reshape_and_cache
+from llmfast.kernels.layers.rotary_reference import rope_cache_takes
 from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
 from llmfast.kernels.rope_cache import rope_and_cache
 from llmfast.kernels.tuning.prefill_measure import median_device_us, synthetic_batch
@@ -46,6 +52,11 @@ _LOG2E = 1.4426950408889634
 # Compiled attention kernels per specialization, launched without Triton's JIT dispatch
 # (kernels/launch_cache.py).
 _ATTENTION_LAUNCHES = LaunchCache(_unified_attention_kernel)
+_DECODE_ROPE_LAUNCHES = LaunchCache(_decode_rope_attention_kernel)
+
+# What rope_and_cache takes besides q (kernels/rope_cache.py): the step's new keys and
+# values, their cache slots, positions, and the cos/sin table.
+NewTokens = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @functools.lru_cache(maxsize=8)
@@ -179,8 +190,18 @@ def unified_attention(
     fused_merge: bool = True,
     prefill_tiles: PrefillTiles | None = None,
     config: AttentionConfig | None = None,
+    new_tokens: NewTokens | None = None,
+    uniform_decode: bool = False,
 ) -> None:
     """Causal paged attention for every query row up to query_start_loc[-1] into `out`.
+
+    `new_tokens` = (k, v, slot_mapping, positions, cos_sin): q and k are not rotated
+    yet, and the new keys and values not cached: `rope_and_cache` first, into `out`,
+    then attention over q = out; or, when the caller knows the step is `uniform_decode`
+    (no request row has more than one token: the runner's max query length), both in
+    one kernel (`_decode_rope_attention_kernel`, unless LLMFAST_ATTENTION_DECODE_ROPE=0).
+    Shapes cannot tell: a step of rows scheduled [0, 1, 2] (a request whose last token
+    is still in flight gets none) has as many tokens as requests.
 
     `num_splits` / `block_q` override the heuristic (tests); `num_splits` is rounded up
     to a power of two. Rows past query_start_loc[num_reqs] are left unwritten. With KV
@@ -195,6 +216,14 @@ def unified_attention(
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
+    rope = None
+    if new_tokens is not None:
+        if uniform_decode and fused_merge and decode_rope_enabled():
+            rope = new_tokens
+        else:
+            k, v, slot_mapping, positions, cos_sin = new_tokens
+            rope_and_cache(q, k, v, positions, cos_sin, out, k_cache, v_cache, slot_mapping)
+            q = out
     if prefill_tiles is None and num_tokens > 2 * num_reqs and q.is_cuda:
         prefill_tiles = _prefill_tiles(q, k_cache.dtype, num_reqs,
                                        q_shape[1] // k_cache.shape[2])
@@ -207,13 +236,17 @@ def unified_attention(
            k_cache.dtype, v_cache.stride(), v_cache.dtype, out.stride(), out.dtype,
            block_table.shape, block_table.stride(), block_table.dtype,
            query_start_loc.dtype, seq_lens.dtype, num_splits, block_q, fused_merge,
-           prefill_tiles, config, _num_sms)
+           prefill_tiles, config, _num_sms,
+           None if rope is None else tuple((t.shape, t.stride(), t.dtype) for t in rope))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(q, k_cache, v_cache, block_table, out, num_reqs,
-                                     num_splits, block_q, fused_merge, prefill_tiles, config))
+                                     num_splits, block_q, fused_merge, prefill_tiles, config,
+                                     rope))
+    # (The module's launch caches read at each call: tests replace them.)
+    launches = _DECODE_ROPE_LAUNCHES if plan.rope else _ATTENTION_LAUNCHES
     if not plan.is_cuda:
-        check_launchable(_unified_attention_kernel, q)
+        check_launchable(launches.kernel, q)
     if plan.scratch_splits > 1:
         part_acc, part_max, part_sum, arrivals = _split_scratch(plan, k_cache)
         if arrivals is None:
@@ -228,16 +261,16 @@ def unified_attention(
     else:
         part_acc = part_max = part_sum = arrivals = out  # unused; any pointer of the device
     tensors = (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
-               block_table, query_start_loc, seq_lens)
+               block_table, query_start_loc, seq_lens, *(rope or ()))
     scalars = (num_reqs, num_tokens, scale * _LOG2E, *plan.split_counts)
     if type(scalars[2]) is float:  # the plan's specialization holds (a float scale)
-        _ATTENTION_LAUNCHES.launch_planned(
+        launches.launch_planned(
             plan, plan.grid, tensors, scalars, plan.const_key, plan.constexprs, plan.strides,
-            (q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens)
+            (q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, *(rope or ()))
             if plan.scratch_aligned else None)
     else:
-        _ATTENTION_LAUNCHES.launch(plan.grid, tensors, scalars, plan.const_key,
-                                   plan.constexprs, plan.strides)
+        launches.launch(plan.grid, tensors, scalars, plan.const_key, plan.constexprs,
+                        plan.strides)
     if plan.merge_kernel:
         _merge_splits_kernel[(num_tokens, q_shape[1])](
             out, part_acc, part_max, part_sum, query_start_loc,
@@ -257,9 +290,11 @@ def _unused_split_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Ten
 class _LaunchPlan:
     device: torch.device
     is_cuda: bool
+    rope: bool  # the fused decode + RoPE kernel's launch, not the unified kernel's
     grid: tuple[int, int, int]
-    # The kernel's runtime split counts: the query tiles' and the decode region's.
-    split_counts: tuple[int, int]
+    # The kernel's runtime split counts: the query tiles' and the decode region's (the
+    # fused decode + RoPE kernel: the first only).
+    split_counts: tuple[int, ...]
     # The kernel is compiled with split code (a bound > 1): its partials and counters
     # must have their own types even where this launch does not split.
     split_code: bool
@@ -287,7 +322,7 @@ _PLANS = PlanCache()
 
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
-          prefill_tiles, config=None) -> _LaunchPlan:
+          prefill_tiles, config=None, rope: NewTokens | None = None) -> _LaunchPlan:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -340,14 +375,48 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
                 split_bound(num_heads, num_kv_heads, head_dim, block_size, q.dtype,
                             _num_sms(q.device), _device_split_tables(q.device),
                             kv_dtype=k_cache.dtype))
-    main_bound = bound if fused else splits
+    main_bound, fused_code = (bound if fused else splits), fused
+    if fused_merge and (num_tokens <= 2 * num_reqs or rope is not None):
+        # Decode-like launches (and the fused decode + RoPE kernel) compile the split
+        # code whatever their count, so that all of them are one variant: the start-up
+        # captures compile it (those of uniform decode may take the fused kernel, and a
+        # decode-like step that is not uniform must find its variant compiled too).
+        main_bound, fused_code = bound, bound > 1
     region_bound = bound if region is not None else 1
+    constexprs = dict(
+        NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=bq, BLOCK_N=cfg.block_n,
+        SPLIT_BOUND=main_bound, FUSED_MERGE=fused_code, UPCAST=upcast,
+        DOT_PRECISION=dot_precision,
+        CONVERT_KV=convert_kv, MIN_SPLIT_TILES=cfg.min_split_tiles,
+        DECODE_REGION=region is not None, DEC_BLOCK_Q=region.block_q if region else 1,
+        DEC_BLOCK_N=region.block_n if region else 16, DEC_SPLIT_BOUND=region_bound,
+        ONE_KV_LOOP=cfg.one_kv_loop, DEC_ONE_KV_LOOP=region.one_kv_loop if region else False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (num_tiles + region_programs, num_kv_heads, splits)
+    split_counts: tuple[int, ...] = (splits, region.num_splits if region else 1)
+    if rope is not None:
+        # The fused decode + RoPE kernel: one program per request; always compiled with
+        # the split code (one variant whatever the batch: the captures compile it).
+        k, v, slot_mapping, positions, cos_sin = rope
+        if not rope_cache_takes(q, k, v, cos_sin, k_cache, v_cache) or min(
+                k.shape[0], v.shape[0], slot_mapping.shape[0], positions.shape[0]) < num_reqs:
+            raise ValueError("the fused decode + RoPE attention takes contiguous, even head "
+                             "dims, q and k of one dtype, a float32 cos/sin table as wide as "
+                             "a head, and a key, value, slot and position per token")
+        grid, split_counts = (num_reqs, num_kv_heads, splits), (splits,)
+        for name in ("DECODE_REGION", "DEC_BLOCK_Q", "DEC_BLOCK_N", "DEC_SPLIT_BOUND",
+                     "DEC_ONE_KV_LOOP"):
+            del constexprs[name]
+        constexprs.update(CLAMP=cache_clamp(k_cache.dtype))
+        strides += (k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0))
     return _LaunchPlan(
         device=q.device,
         is_cuda=q.device.type == "cuda",
-        grid=(num_tiles + region_programs, num_kv_heads, splits),
-        split_counts=(splits, region.num_splits if region else 1),
-        split_code=main_bound > 1 or region_bound > 1,
+        rope=rope is not None,
+        grid=grid,
+        split_counts=split_counts,
+        split_code=main_bound > 1 or (rope is None and region_bound > 1),
         scratch_splits=scratch_splits,
         merge_kernel=splits > 1 and not fused,
         fused=fused or (region is not None and region.num_splits > 1),
@@ -361,20 +430,10 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         num_arrivals=(num_reqs if region is not None else num_tiles) * num_kv_heads,
         strides=strides,
         const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, region,
-                   main_bound, region_bound, upcast, dot_precision, convert_kv,
+                   main_bound, fused_code, region_bound, upcast, dot_precision, convert_kv,
+                   rope is not None, constexprs.get("CLAMP"),
                    specialization_key((), strides)),
-        constexprs=dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
-                        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-                        BLOCK_Q=bq, BLOCK_N=cfg.block_n, SPLIT_BOUND=main_bound,
-                        FUSED_MERGE=fused,
-                        UPCAST=upcast, DOT_PRECISION=dot_precision, CONVERT_KV=convert_kv,
-                        MIN_SPLIT_TILES=cfg.min_split_tiles, DECODE_REGION=region is not None,
-                        DEC_BLOCK_Q=region.block_q if region else 1,
-                        DEC_BLOCK_N=region.block_n if region else 16,
-                        DEC_SPLIT_BOUND=region_bound,
-                        ONE_KV_LOOP=cfg.one_kv_loop,
-                        DEC_ONE_KV_LOOP=region.one_kv_loop if region else False,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        constexprs=constexprs,
         merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                               NUM_SPLITS=splits,
                               num_warps=4 if splits * head_dim_p > 2048 else 2),

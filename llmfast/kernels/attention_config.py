@@ -56,6 +56,18 @@ MAX_SPLITS = 64
 DECODE_ONE_KV_LOOP = True
 
 _DECODE_REGION: bool | None = None
+_DECODE_ROPE: bool | None = None
+
+
+def decode_rope_enabled() -> bool:
+    """Whether uniform decode steps rotate and cache their new tokens inside the attention
+    kernel (`_decode_rope_attention_kernel`; the default) rather than in a kernel of
+    their own first; `LLMFAST_ATTENTION_DECODE_ROPE=0`: the two kernels (for comparing,
+    and a way around the fusion should it fail on a GPU). Read once per process."""
+    global _DECODE_ROPE
+    if _DECODE_ROPE is None:
+        _DECODE_ROPE = os.environ.get("LLMFAST_ATTENTION_DECODE_ROPE", "1") != "0"
+    return _DECODE_ROPE
 
 
 def decode_region_enabled() -> bool:

@@ -25,8 +25,15 @@ Design
   scale 1.0) whose loads are converted to q's dtype before the dots (CONVERT_KV).
 - This step's own tokens: the op writes their K/V into the cache (kv_write.py, or
   rope_cache.py, which rotates q and k first) before this kernel runs, and the kernel
-  reads every key, the step's own included, from the cache: with an fp8 cache the step attends to its own K/V as rounded to fp8, never to
-  the fresh higher-precision k/v.
+  reads every key, the step's own included, from the cache: with an fp8 cache the step
+  attends to its own K/V as rounded to fp8, never to the fresh higher-precision k/v.
+- Uniform decode with RoPE (`_decode_rope_attention_kernel`: one new token per
+  request, the model's rotation fused into the op): one launch instead of rope_cache.py's
+  and this one. A program per (request, kv head, split); q is rotated after its load;
+  the split holding the last key tile writes the new key (rotated) and value into the
+  cache, then a CTA barrier, then its key loop reads them with the rest. Only that
+  program reads them: a request's one token is one query tile. The same numerics as the
+  two kernels (rotation, rounding, fp8 conversion).
 - `q` may be `out` itself (the fused rotation leaves the rotated queries there): a
   program reads its rows of q before it, or the last split of its tile, writes those
   rows of out, and no two tiles share a row.
@@ -53,6 +60,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from llmfast.kernels.kv_write import _cache_value
 
 
 @triton.jit
@@ -172,11 +181,11 @@ def _unified_attention_kernel(
                 num_reqs * DEC_BLOCK_Q, scale_log2,
                 stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                stride_bt,
+                stride_bt, q_ptr, 0, 0,
                 NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
                 DEC_BLOCK_Q, DEC_BLOCK_N, DEC_SPLIT_BOUND, DEC_SPLIT_BOUND > 1, UPCAST,
                 DOT_PRECISION,
-                CONVERT_KV, MIN_SPLIT_TILES, DEC_ONE_KV_LOOP,
+                CONVERT_KV, MIN_SPLIT_TILES, DEC_ONE_KV_LOOP, False,
             )
             return
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -226,11 +235,127 @@ def _unified_attention_kernel(
         split, num_splits, tile, q_start + q_lo, num_tokens, scale_log2,
         stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-        stride_bt,
+        stride_bt, q_ptr, 0, 0,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
         BLOCK_Q, BLOCK_N, SPLIT_BOUND, FUSED_MERGE, UPCAST, DOT_PRECISION,
-        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP,
+        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, False,
     )
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits", "stride_bt"])
+def _decode_rope_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    k_ptr, v_ptr, slot_mapping_ptr, positions_ptr, cos_sin_ptr,
+    num_reqs, num_tokens, scale_log2, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cs,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BOUND: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
+    CLAMP: tl.constexpr,
+):
+    """Uniform decode (one new token per request) with RoPE and the KV write fused in:
+    what rope_cache.py's kernel and this module's kernel do in two launches, in one.
+    Program (request, kv head, split). q is rotated after its load
+    (`_attend_query_tile`, ROTATE_Q), never stored. The new key and value of the kv
+    head are written by the one split that reads them, the one holding the last key
+    tile, before its key loop (the CTA barrier orders its stores before its loads); no
+    other program reads them, as every request has one query tile. Numerics are the
+    two kernels', element for element: the same rotation, rounding and fp8 conversion
+    (kv_write._cache_value)."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    token = q_start.to(tl.int64)
+    # (A padding request has no token: `_attend_query_tile` returns at once for it.)
+    pos = tl.load(positions_ptr + token, mask=num_q > 0, other=0)
+    slot = tl.load(slot_mapping_ptr + token, mask=num_q > 0, other=-1)
+    num_kv_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tile_lo, tile_hi, num_used = _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND,
+                                              FUSED_MERGE, MIN_SPLIT_TILES)
+    if (num_q > 0) & (split < num_used) & (tile_hi == num_kv_tiles) & (slot >= 0):
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_d = tl.arange(0, HEAD_DIM_P)
+        d_valid = (offs_d < HEAD_DIM)[None, :]
+        partner_d = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        k_row = k_ptr + token * stride_nkt + kv_head * stride_nkh
+        k = tl.load(k_row + offs_d[None, :], mask=d_valid, other=0.0)  # [1, HEAD_DIM_P]
+        k_partner = tl.load(k_row + partner_d[None, :], mask=d_valid, other=0.0)
+        k = _rope_tile(k, k_partner, cos_sin_ptr, pos, stride_cs, offs_d[None, :], HALF)
+        v = tl.load(v_ptr + token * stride_nvt + kv_head * stride_nvh + offs_d[None, :],
+                    mask=d_valid, other=0.0)
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh
+                 + offs_d[None, :] * stride_kd,
+                 _cache_value(k, CLAMP).to(k_cache_ptr.dtype.element_ty), mask=d_valid)
+        tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh
+                 + offs_d[None, :] * stride_vd,
+                 _cache_value(v, CLAMP).to(v_cache_ptr.dtype.element_ty), mask=d_valid)
+        tl.debug_barrier()
+    _attend_query_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
+        block_table_ptr, req, q_start, num_q, seq_len, 0, kv_head,
+        split, num_splits, req, q_start, num_tokens, scale_log2,
+        stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+        stride_bt, cos_sin_ptr, pos, stride_cs,
+        NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
+        BLOCK_Q, BLOCK_N, SPLIT_BOUND, FUSED_MERGE, UPCAST, DOT_PRECISION,
+        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, True,
+    )
+
+
+@triton.jit
+def _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND: tl.constexpr,
+                 FUSED_MERGE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """(tile_lo, tile_hi, num_used): the key tiles [tile_lo, tile_hi) of split `split`
+    of a request's `num_kv_tiles`, and how many splits hold any. With the fused merge
+    the splits are sized for the live context (module doc) and splits >= num_used hold
+    none; the second merge kernel reads every split, so then all are used, some empty."""
+    tile_lo = num_kv_tiles * 0
+    tile_hi = num_kv_tiles
+    num_used = num_kv_tiles * 0 + 1
+    if SPLIT_BOUND > 1:
+        per_split = (num_kv_tiles + num_splits - 1) // num_splits
+        if FUSED_MERGE:
+            per_split = tl.maximum(per_split, MIN_SPLIT_TILES)
+            num_used = (num_kv_tiles + per_split - 1) // per_split
+        else:
+            num_used = num_kv_tiles * 0 + num_splits
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
+    return tile_lo, tile_hi, num_used
+
+
+@triton.jit
+def _rope_tile(x, partner, cos_sin_ptr, pos, stride_cs, offs_d, HALF: tl.constexpr):
+    """`x` ([rows, HEAD_DIM_P], every row at position `pos`) rotated with the cos/sin
+    table's row of `pos`, in float32, rounded to x's dtype; `partner` holds x's other
+    half at each element (x[d + HALF] for d < HALF, x[d - HALF] after). The same
+    expressions as the rotary kernel's `rotate_halves`, element for element:
+    x1 cos - x2 sin, then x2 cos + x1 sin."""
+    first = offs_d < HALF
+    within = tl.where(first, offs_d, offs_d - HALF)  # the index into the half
+    valid = offs_d < 2 * HALF
+    row = cos_sin_ptr + pos.to(tl.int64) * stride_cs
+    cos = tl.load(row + within, mask=valid, other=0.0)
+    sin = tl.load(row + HALF + within, mask=valid, other=0.0)
+    xf = x.to(tl.float32)
+    pf = partner.to(tl.float32)
+    rotated = tl.where(first, xf * cos - pf * sin, xf * cos + pf * sin)
+    return rotated.to(x.dtype)
 
 
 @triton.jit
@@ -243,12 +368,13 @@ def _attend_query_tile(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
-    stride_bt,
+    stride_bt, cos_sin_ptr, rope_pos, stride_cs,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BOUND: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
 ):
     """One program's share of attention: query tokens [q_lo, q_lo + BLOCK_Q) of request
     `req` (starting at token q_start, num_q of them, seq_len keys with them) for the
@@ -259,7 +385,10 @@ def _attend_query_tile(
     With splits, the partials' token rows of this tile start at `part_first` of
     `part_rows` (the main region: the token's own index of num_tokens; the decode
     region: req * BLOCK_Q of num_reqs * BLOCK_Q, so its scratch scales with requests,
-    not with the launch's tokens), and the fused merge's counter is `counter_tile`'s."""
+    not with the launch's tokens), and the fused merge's counter is `counter_tile`'s.
+
+    ROTATE_Q: q is rotated here, after its load, every row at position `rope_pos` (one
+    token per request: the fused decode kernel below); else q comes rotated."""
     if q_lo >= num_q:  # surplus tile (or a padding request with no tokens)
         return
     ctx_len = seq_len - num_q  # cached prefix before this step's tokens
@@ -267,21 +396,10 @@ def _attend_query_tile(
     # Keys the tile's last query can see; earlier rows are cut by the causal mask.
     kv_end = ctx_len + tl.minimum(q_lo + BLOCK_Q, num_q)
     num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    if SPLIT_BOUND > 1:
-        per_split = (num_kv_tiles + num_splits - 1) // num_splits
-        if FUSED_MERGE:  # sized for the live context (see the module doc)
-            per_split = tl.maximum(per_split, MIN_SPLIT_TILES)
-            num_used = (num_kv_tiles + per_split - 1) // per_split
-            if split >= num_used:
-                return
-        else:  # the merge kernel reads every split: all write partials, some empty
-            num_used = num_splits
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
-    else:
-        num_used = 1
-        tile_lo = 0
-        tile_hi = num_kv_tiles
+    tile_lo, tile_hi, num_used = _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND,
+                                              FUSED_MERGE, MIN_SPLIT_TILES)
+    if split >= num_used:  # a split the live context leaves empty (fused merge)
+        return
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Row m of the tile is token q_lo + m // GROUP_P, query head kv_head*GROUP + m % GROUP_P.
@@ -294,12 +412,14 @@ def _attend_query_tile(
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_valid = offs_d < HEAD_DIM
 
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-        + offs_d[None, :] * stride_qd,
-        mask=row_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )  # [BLOCK_M, HEAD_DIM_P]
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if ROTATE_Q:  # [BLOCK_M, HEAD_DIM_P], each element's partner from its other half
+        HALF: tl.constexpr = HEAD_DIM // 2
+        partner_d = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        q_partner = tl.load(q_rows + partner_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+        q = _rope_tile(q, q_partner, cos_sin_ptr, rope_pos, stride_cs, offs_d[None, :], HALF)
     if UPCAST:
         q = q.to(tl.float32)
 

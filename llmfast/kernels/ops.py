@@ -178,6 +178,7 @@ def unified_attention_impl(
     out: torch.Tensor,
     positions: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
+    max_query_len: torch.Tensor | None = None,
 ) -> None:
     """The op's body. Eager callers may call it directly: the custom-op dispatcher adds
     ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op."""
@@ -187,14 +188,17 @@ def unified_attention_impl(
     if use_triton(q):
         attention = _ATTENTION or _triton_attention()
         if positions is not None:
-            # The rotated queries go to `out`, which the attention then reads and
-            # overwrites: each of its programs reads its rows of q before any program
-            # writes those rows of out (attention_kernels.py), so no other buffer.
-            attention.rope_and_cache(q, k, v, positions, cos_sin, out, k_cache, v_cache,
-                                     slot_mapping)
-            q = out
-        else:
-            attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+            # Rotation and KV write first (the rotated queries go to `out`, which the
+            # attention then reads and overwrites: each of its programs reads its rows
+            # of q before any program writes those rows of out), or for a uniform
+            # decode step inside the attention kernel itself (attention.py).
+            # (max_query_len lives on the CPU: reading it waits for nothing.)
+            uniform = max_query_len is not None and int(max_query_len[0]) <= 1
+            attention.unified_attention(
+                q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out,
+                new_tokens=(k, v, slot_mapping, positions, cos_sin), uniform_decode=uniform)
+            return
+        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         attention.unified_attention(
             q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
         )
@@ -222,18 +226,20 @@ def unified_attention(
     out: torch.Tensor,
     positions: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
+    max_query_len: torch.Tensor | None = None,
 ) -> None:
     """(Rotate q and k, when positions are given,) write the new tokens' k/v into the
-    paged cache, then attend (see module doc)."""
+    paged cache, then attend (see module doc). `max_query_len` ([1] int32, CPU): 1 for a
+    uniform decode step (AttentionMetadata)."""
     unified_attention_impl(
         q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale,
-        out, positions, cos_sin,
+        out, positions, cos_sin, max_query_len,
     )
 
 
 @unified_attention.register_fake
 def _(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale,
-      out, positions=None, cos_sin=None):
+      out, positions=None, cos_sin=None, max_query_len=None):
     return None
 
 

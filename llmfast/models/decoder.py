@@ -95,7 +95,7 @@ class Attention(nn.Module):
         if rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache, self.v_cache):
             # The op rotates q and k in its KV write (kernels/rope_cache.py): one kernel
             # a layer fewer than rotating here.
-            rope_args = (positions, cos_sin)
+            rope_args = (positions, cos_sin, attn_metadata.max_query_len)
         else:
             qk = self.rotary(positions, qk)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

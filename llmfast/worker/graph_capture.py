@@ -48,8 +48,10 @@ class CaptureInputs:
         inputs.query_start_loc.gpu[0] = 0
         inputs.query_start_loc.gpu[1] = 1
         inputs.seq_lens.gpu[:1].fill_(1)  # one request reading one (null-block) slot
+        inputs.max_query_len[0] = num_tokens  # (its tokens: uniform decode only at 1)
         md = AttentionMetadata(slots[:num_tokens], self.batch.block_table.table.gpu[:1],
-                               inputs.query_start_loc.gpu[:2], inputs.seq_lens.gpu[:1])
+                               inputs.query_start_loc.gpu[:2], inputs.seq_lens.gpu[:1],
+                               inputs.max_query_len)
         # The runner's forward_fn (the compiled model: it is only wrapped later, by
         # profilers of a started engine).
         self.compiled(inputs.input_ids.gpu[:num_tokens], inputs.positions.gpu[:num_tokens], md)
@@ -78,7 +80,10 @@ class CaptureInputs:
             slots.fill_(-1)
             query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
             seq_lens.fill_(1)
-        md = AttentionMetadata(slots, table, query_start_loc, seq_lens)
+        # A full graph holds a uniform decode step (one token a row): its capture takes
+        # the attention kernels such a step takes.
+        max_query_len = torch.ones(1, dtype=torch.int32)
+        md = AttentionMetadata(slots, table, query_start_loc, seq_lens, max_query_len)
         compiled, model = self.compiled, self.model
 
         def fn() -> torch.Tensor:

@@ -31,6 +31,10 @@ class StepInputs:
         self.query_start_loc = buf(max_num_reqs + 1, dtype=torch.int32)
         self.seq_lens = buf(max_num_reqs, dtype=torch.int32)
         self.logits_indices = buf(max_num_reqs, dtype=torch.int64)
+        # The step's most query tokens in a row: on the CPU only (the attention op reads
+        # it on the host, AttentionMetadata.max_query_len); one tensor for every step.
+        self.max_query_len = torch.zeros(1, dtype=torch.int32)
+        self._max_query_len_np = self.max_query_len.numpy()
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
 
     def prepare(
@@ -77,12 +81,16 @@ class StepInputs:
         # A row samples when this step reaches the end of its known tokens.
         sampling_rows = np.flatnonzero((num_sched > 0) & (seq_lens >= batch.num_tokens[:n]))
 
+        # Read by this step's attention ops on the host while the forward is issued,
+        # before the next step's prepare rewrites it.
+        self._max_query_len_np[0] = num_sched.max() if n else 0
         md = AttentionMetadata(
             slot_mapping=batch.block_table.slot_mapping.copy_to_gpu(num_padded),
             # Rows n.. of a full graph's table are not copied: no program reads them.
             block_table=batch.block_table.table.gpu[:num_rows],
             query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
             seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+            max_query_len=self.max_query_len,
         )
         batch.block_table.table.copy_to_gpu(n)
         self.input_ids.copy_to_gpu(num_padded)
