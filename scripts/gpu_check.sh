@@ -112,7 +112,7 @@
 #        correctness first, then every issue's headline bar (on the H100: 129 + 25 + 20
 #        + 54 + 88 + 72 + 27 + 61 s). New since 51327d1, never run on a GPU: the split
 #        counts as runtime arguments (one compiled attention variant for every mixed
-#        launch, two for decode launches: `full` checks numerics, `throughput` and
+#        launch, one for decode launches: `full` checks numerics, `throughput` and
 #        `sweep` now FAIL when a timed run compiled a Triton kernel), decode tiles
 #        walking their keys in one loop (DECODE_ONE_KV_LOOP on), the shipped H100 split
 #        and prefill tile tables, and the bytecode cache (device.txt's `bytecode:` line
