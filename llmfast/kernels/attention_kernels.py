@@ -61,7 +61,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from llmfast.kernels.kv_write import _cache_value
+from llmfast.kernels.kv_write import _store_at_slot
 
 
 @triton.jit
@@ -284,24 +284,18 @@ def _decode_rope_attention_kernel(
     tile_lo, tile_hi, num_used = _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND,
                                               FUSED_MERGE, MIN_SPLIT_TILES)
     if (num_q > 0) & (split < num_used) & (tile_hi == num_kv_tiles) & (slot >= 0):
-        HALF: tl.constexpr = HEAD_DIM // 2
-        offs_d = tl.arange(0, HEAD_DIM_P)
-        d_valid = (offs_d < HEAD_DIM)[None, :]
-        partner_d = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        offs_d = tl.arange(0, HEAD_DIM_P)[None, :]
+        d_valid = offs_d < HEAD_DIM
         k_row = k_ptr + token * stride_nkt + kv_head * stride_nkh
-        k = tl.load(k_row + offs_d[None, :], mask=d_valid, other=0.0)  # [1, HEAD_DIM_P]
-        k_partner = tl.load(k_row + partner_d[None, :], mask=d_valid, other=0.0)
-        k = _rope_tile(k, k_partner, cos_sin_ptr, pos, stride_cs, offs_d[None, :], HALF)
-        v = tl.load(v_ptr + token * stride_nvt + kv_head * stride_nvh + offs_d[None, :],
+        k = tl.load(k_row + offs_d, mask=d_valid, other=0.0)  # [1, HEAD_DIM_P]
+        k = _rope_tile(k, k_row, 1, d_valid, cos_sin_ptr, pos, stride_cs, offs_d,
+                       HEAD_DIM // 2)
+        v = tl.load(v_ptr + token * stride_nvt + kv_head * stride_nvh + offs_d,
                     mask=d_valid, other=0.0)
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
-        tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh
-                 + offs_d[None, :] * stride_kd,
-                 _cache_value(k, CLAMP).to(k_cache_ptr.dtype.element_ty), mask=d_valid)
-        tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh
-                 + offs_d[None, :] * stride_vd,
-                 _cache_value(v, CLAMP).to(v_cache_ptr.dtype.element_ty), mask=d_valid)
+        _store_at_slot(k_cache_ptr, slot, stride_kb, stride_ks,
+                       kv_head * stride_kh + offs_d * stride_kd, k, d_valid, BLOCK_SIZE, CLAMP)
+        _store_at_slot(v_cache_ptr, slot, stride_vb, stride_vs,
+                       kv_head * stride_vh + offs_d * stride_vd, v, d_valid, BLOCK_SIZE, CLAMP)
         tl.debug_barrier()
     _attend_query_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -340,14 +334,18 @@ def _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND: tl.constexpr,
 
 
 @triton.jit
-def _rope_tile(x, partner, cos_sin_ptr, pos, stride_cs, offs_d, HALF: tl.constexpr):
-    """`x` ([rows, HEAD_DIM_P], every row at position `pos`) rotated with the cos/sin
-    table's row of `pos`, in float32, rounded to x's dtype; `partner` holds x's other
-    half at each element (x[d + HALF] for d < HALF, x[d - HALF] after). The same
-    expressions as the rotary kernel's `rotate_halves`, element for element:
-    x1 cos - x2 sin, then x2 cos + x1 sin."""
+def _rope_tile(x, rows, stride_d, mask, cos_sin_ptr, pos, stride_cs, offs_d,
+               HALF: tl.constexpr):
+    """`x` ([rows, HEAD_DIM_P] loaded from `rows` + offs_d * stride_d under `mask`,
+    every row at position `pos`) rotated with the cos/sin table's row of `pos`, in
+    float32, rounded to x's dtype. Each element's partner from the other half
+    (x[d + HALF] for d < HALF, x[d - HALF] after) is loaded here. The same expressions
+    as the rotary kernel's `rotate_halves`, element for element: x1 cos - x2 sin, then
+    x2 cos + x1 sin."""
     first = offs_d < HALF
     within = tl.where(first, offs_d, offs_d - HALF)  # the index into the half
+    partner = tl.load(rows + tl.where(first, offs_d + HALF, within) * stride_d, mask=mask,
+                      other=0.0)
     valid = offs_d < 2 * HALF
     row = cos_sin_ptr + pos.to(tl.int64) * stride_cs
     cos = tl.load(row + within, mask=valid, other=0.0)
@@ -415,11 +413,9 @@ def _attend_query_tile(
     q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
     q_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    if ROTATE_Q:  # [BLOCK_M, HEAD_DIM_P], each element's partner from its other half
-        HALF: tl.constexpr = HEAD_DIM // 2
-        partner_d = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-        q_partner = tl.load(q_rows + partner_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-        q = _rope_tile(q, q_partner, cos_sin_ptr, rope_pos, stride_cs, offs_d[None, :], HALF)
+    if ROTATE_Q:  # [BLOCK_M, HEAD_DIM_P]
+        q = _rope_tile(q, q_rows, stride_qd, q_mask, cos_sin_ptr, rope_pos, stride_cs,
+                       offs_d[None, :], HEAD_DIM // 2)
     if UPCAST:
         q = q.to(tl.float32)
 

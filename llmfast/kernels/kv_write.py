@@ -60,6 +60,18 @@ def _cache_value(x, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _store_at_slot(cache_ptr, slot, stride_b, stride_s, offsets, x, mask,
+                   BLOCK_SIZE: tl.constexpr, CLAMP: tl.constexpr):
+    """A token's rows `x` into the paged cache at `slot` (block slot // BLOCK_SIZE, row
+    slot % BLOCK_SIZE; `offsets` within that row, over heads and dims), converted as the
+    cache stores them (`_cache_value`). The KV writes of kv_write.py, rope_cache.py and
+    the fused decode kernel (attention_kernels.py) all store through it."""
+    row = cache_ptr + (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_s
+    tl.store(row + offsets, _cache_value(x, CLAMP).to(cache_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_kd,
@@ -75,28 +87,16 @@ def _reshape_and_cache_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS_P)[:, None]
     dims = tl.arange(0, HEAD_DIM_P)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
 
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
-    k = _cache_value(k, CLAMP)
-    v = _cache_value(v, CLAMP)
-    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
-    tl.store(
-        k_dst + heads * stride_kch + dims * stride_kcd,
-        k.to(k_cache_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(
-        v_dst + heads * stride_vch + dims * stride_vcd,
-        v.to(v_cache_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    _store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs,
+                   heads * stride_kch + dims * stride_kcd, k, mask, BLOCK_SIZE, CLAMP)
+    _store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs,
+                   heads * stride_vch + dims * stride_vcd, v, mask, BLOCK_SIZE, CLAMP)
 
 
 def reshape_and_cache(

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfast.kernels.kv_write import _cache_value, cache_clamp, check_launchable, next_pow2
+from llmfast.kernels.kv_write import _store_at_slot, cache_clamp, check_launchable, next_pow2
 from llmfast.kernels.layers.rotary_reference import rope_cache_takes
 from llmfast.kernels.layers.triton_kernels import load_cos_sin, rotate_halves
 from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
@@ -62,18 +62,17 @@ def _rope_and_cache_kernel(
     v_src = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(v_src, mask=kv_mask)
     v2 = tl.load(v_src + HALF, mask=kv_mask)
-    k1, k2 = _cache_value(k1, CLAMP), _cache_value(k2, CLAMP)  # the KV write's conversion
-    v1, v2 = _cache_value(v1, CLAMP), _cache_value(v2, CLAMP)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    k_dst = (k_cache_ptr + block * stride_kcb + offset * stride_kcs
-             + offs_kh[:, None] * stride_kch + offs_d[None, :])
-    v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vcs
-             + offs_kh[:, None] * stride_vch + offs_d[None, :])
-    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(v_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(v_dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    # The KV write's store and conversion (kv_write._store_at_slot), half by half.
+    k_at = offs_kh[:, None] * stride_kch + offs_d[None, :]
+    v_at = offs_kh[:, None] * stride_vch + offs_d[None, :]
+    _store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs, k_at, k1, kv_mask,
+                   BLOCK_SIZE, CLAMP)
+    _store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs, k_at + HALF, k2, kv_mask,
+                   BLOCK_SIZE, CLAMP)
+    _store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs, v_at, v1, kv_mask,
+                   BLOCK_SIZE, CLAMP)
+    _store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs, v_at + HALF, v2, kv_mask,
+                   BLOCK_SIZE, CLAMP)
 
 
 def rope_and_cache(
