@@ -189,6 +189,11 @@ def startup(out: Path) -> Iterator[Line]:
         yield info(f"#18 startup: {run} stages "
                        + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items())
                        + (f"; {summary}" if summary else ""))
+    warm_summary = report["warm"].get("compile_summary") or ""
+    if "pieces" in warm_summary:  # a compiled start (not --enforce-eager)
+        # llmfast/compile/precompiled.py: the warm start loads the cold one's trace.
+        yield check("loaded without tracing" in warm_summary,
+                    "#18 startup: the warm start skipped Dynamo (precompiled model loaded)")
 
 
 def startup_thin(out: Path) -> Iterator[Line]:

@@ -200,4 +200,5 @@ def test_compiled_engine_matches_hf(ckpt, oracle, budget):
     prompts, lengths = random_workload(6)
     llm = _llm(ckpt, compile=True, max_num_batched_tokens=budget, max_num_seqs=8)
     _check(llm, prompts, lengths, oracle)
-    assert llm.engine.runner.compiled.stats.num_dynamo_graphs == 1
+    # One trace (or the saved trace of an earlier start, loaded), no recompile.
+    assert llm.engine.runner.compiled.stats.one_graph

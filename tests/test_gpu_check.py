@@ -115,6 +115,11 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
     assert _find(lines, "cold capture of the default sizes (s) = 11.00") == "FAIL"
     assert _find(lines, "warm capture") == "PASS"
     assert _find(lines, "warm stages load 0.50 s, capture 4.00 s; 17 pieces") == "INFO"
+    assert _find(lines, "warm start skipped Dynamo") == "FAIL"  # the summary says compiled
+    warm = {**run(9.0, 2.0), "compile_summary": "17 pieces (14 sharing another's code), "
+                                                "loaded without tracing in 2.0 s"}
+    _write(tmp_path / "startup.json", {"startup": {"cold": run(24.0, 11.0), "warm": warm}})
+    assert _find(_lines("startup", tmp_path), "warm start skipped Dynamo") == "PASS"
 
     _write(tmp_path / "throughput.json", {"runs": {"default": {
         "speedup_vs_hf": 10.4, "total_speedup_vs_hf": 9.0, "hf_batch_size": 64,

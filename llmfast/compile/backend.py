@@ -32,14 +32,17 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from llmfast.compile.cache import cache_counters, inductor_cache
+from llmfast.compile import precompiled
+from llmfast.compile.precompiled import PieceRecord
 from llmfast.compile.stats import CompileStats
+from llmfast.graphs.piecewise import data_arg_indices, token_arg_index
 
 logger = logging.getLogger(__name__)
 
-# (index among the compiled pieces, compiled callable, fake example args, the piece's FX
-# graph) -> the callable the split graph will call instead, e.g. a CUDA-graph runner
-# around the compiled piece.
-PieceWrapper = Callable[[int, Callable[..., Any], Sequence[Any], fx.GraphModule], Callable[..., Any]]
+# (index among the compiled pieces, compiled callable, the position of its token-count
+# argument (None: none), the positions of the arguments it reads as data) -> the
+# callable the split graph will call instead, e.g. a CUDA-graph runner around the piece.
+PieceWrapper = Callable[[int, Callable[..., Any], int | None, list[int]], Callable[..., Any]]
 
 
 def resolve_splitting_ops(names: Iterable[str]) -> set[Any]:
@@ -96,6 +99,26 @@ def _compile_with_inductor(piece: fx.GraphModule, fake_args: list[Any]) -> Calla
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(piece, fake_args)
+
+
+def _compile_eager(piece: fx.GraphModule, fake_args: list[Any]) -> Callable[..., Any]:
+    return piece.forward
+
+
+def _compile_to_artifact(piece: fx.GraphModule, fake_args: list[Any]) -> Callable[..., Any]:
+    """Inductor, keeping what it compiled as an artifact a later process can load
+    (compile/precompiled.py). Same Inductor settings as `_compile_with_inductor`:
+    standalone_compile would autotune Triton kernels at compile time, on the unbacked
+    token count's fallback size; left to the first call, as in a plain compile."""
+    from torch._inductor import standalone_compile
+
+    try:
+        return standalone_compile(
+            piece, fake_args, dynamic_shapes="from_tracing_context",
+            options={"config_patches": {"triton.autotune_at_compile_time": False}})
+    except Exception as exc:  # noqa: BLE001 - not saved then; compiled all the same
+        logger.warning("standalone_compile failed (%s): compiling without an artifact", exc)
+        return _compile_with_inductor(piece, fake_args)
 
 
 def _call_impls_directly(piece: fx.GraphModule) -> None:
@@ -187,7 +210,9 @@ class _PieceCompiler(fx.Interpreter):
         self.num_compiled = 0
         self.num_shared = 0  # pieces that reused another piece's compiled callable
         self.used_traced_args = False
-        self._by_signature: dict[str, Callable[..., Any]] = {}
+        self.compiled_fns: list[Callable[..., Any]] = []  # one per distinct piece
+        self.pieces: list[PieceRecord] = []  # per compiled piece, in call order
+        self._by_signature: dict[str, int] = {}  # -> index into compiled_fns
 
     def compile_all(self, fake_args: Sequence[Any]) -> None:
         targets = [n.target for n in self.module.graph.nodes if n.op == "call_module"]
@@ -213,31 +238,87 @@ class _PieceCompiler(fx.Interpreter):
     def _compile_submodule(self, target: str, args: list[Any]) -> None:
         submod = self.fetch_attr(target)
         if self.kinds[target] == "split":
-            _call_impls_directly(submod)
-            # Generate the code first: until then a lazy GraphModule's `forward` is
-            # `_lazy_forward`, which, bound here, would re-enter nn.Module.__call__ on
-            # every call. (Dynamo later marks the submodules lazy again when it
-            # recompiles the split graph; their graphs do not change, so the bound
-            # code stays theirs.)
-            _ = submod.code
-            # Call the generated forward directly: skips nn.Module.__call__ (hooks,
-            # ~10 us per call, 30 times per step on SmolLM2).
-            self.module.__dict__[target] = submod.forward
+            _install_splitting_op(self.module, target)
             return
         signature = piece_signature(submod, args)
-        fn = self._by_signature.get(signature) if signature is not None else None
-        if fn is None:
-            fn = self.compile_piece(submod, args)
+        unique = self._by_signature.get(signature) if signature is not None else None
+        if unique is None:
+            unique = len(self.compiled_fns)
+            self.compiled_fns.append(self.compile_piece(submod, args))
             if signature is not None:
-                self._by_signature[signature] = fn
+                self._by_signature[signature] = unique
         else:
             self.num_shared += 1
+        fn = self.compiled_fns[unique]
+        data_args = data_arg_indices(submod, len(args))
+        token_index = token_arg_index(args, data_args)
+        self.pieces.append(PieceRecord(unique, token_index))
         if self.wrap_piece is not None:
-            fn = self.wrap_piece(self.num_compiled, fn, args, submod)
+            fn = self.wrap_piece(self.num_compiled, fn, token_index, data_args)
         # An instance attribute shadows the submodule: the split graph's
         # `self.submod_i(...)` now calls the compiled piece.
         self.module.__dict__[target] = fn
         self.num_compiled += 1
+
+
+def _install_splitting_op(split: fx.GraphModule, target: str) -> None:
+    """Make the split graph call a splitting op's submodule as cheaply as possible."""
+    submod = getattr(split, target)
+    _call_impls_directly(submod)
+    # Generate the code first: until then a lazy GraphModule's `forward` is
+    # `_lazy_forward`, which, bound here, would re-enter nn.Module.__call__ on every
+    # call. (Dynamo later marks the submodules lazy again when it recompiles the split
+    # graph; their graphs do not change, so the bound code stays theirs.)
+    _ = submod.code
+    # Call the generated forward directly: skips nn.Module.__call__ (hooks, ~10 us per
+    # call, 30 times per step on SmolLM2).
+    split.__dict__[target] = submod.forward
+
+
+def _as_piece_returns(piece: fx.GraphModule, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A loaded artifact returns a flat list of outputs (Inductor compiles every graph
+    to one); the split graph expects what the piece returns: unflatten where that is
+    not already a flat tuple (a piece returning a single tensor)."""
+    from torch.utils import _pytree as pytree
+
+    returned = next(n for n in reversed(piece.graph.nodes) if n.op == "output").args[0]
+    if isinstance(returned, (tuple, list)) and all(isinstance(x, fx.Node) for x in returned):
+        return fn
+    _, spec = pytree.tree_flatten(returned)
+
+    def call(*args: Any) -> Any:
+        return pytree.tree_unflatten(list(fn(*args)), spec)
+
+    return call
+
+
+def assemble_split_graph(split: fx.GraphModule, targets: set[Any],
+                         compiled_fns: Sequence[Any], pieces: Sequence[PieceRecord],
+                         wrap_piece: PieceWrapper | None, stats: CompileStats) -> fx.GraphModule:
+    """`split` (a split graph as `split_graph` made it, nothing compiled) with the
+    compiled callables a warm start loaded (compile/precompiled.py) installed: what the
+    backend returns to Dynamo, built without Dynamo."""
+    modules = [str(n.target) for n in split.graph.nodes if n.op == "call_module"]
+    kinds = ["split" if any(is_splitting_node(n, targets) for n in getattr(split, m).graph.nodes)
+             else "compiled" for m in modules]
+    compiled_targets = [m for m, kind in zip(modules, kinds) if kind == "compiled"]
+    if len(compiled_targets) != len(pieces):
+        raise ValueError(f"{len(compiled_targets)} pieces in the graph, {len(pieces)} saved")
+    for target, kind in zip(modules, kinds):
+        if kind == "split":
+            _install_splitting_op(split, target)
+    for index, (target, record) in enumerate(zip(compiled_targets, pieces)):
+        submod = getattr(split, target)
+        fn = _as_piece_returns(submod, compiled_fns[record.artifact])
+        if wrap_piece is not None:
+            num_args = sum(1 for n in submod.graph.nodes if n.op == "placeholder")
+            fn = wrap_piece(index, fn, record.token_index, data_arg_indices(submod, num_args))
+        split.__dict__[target] = fn
+    stats.piece_kinds = kinds
+    stats.num_pieces = len(pieces)
+    stats.num_shared_pieces = len(pieces) - len(compiled_fns)
+    stats.num_splitting_ops = kinds.count("split")
+    return split
 
 
 class PiecewiseBackend:
@@ -246,6 +327,8 @@ class PiecewiseBackend:
     piece_compiler: "inductor", or "eager" (pieces run as plain FX code; for tests of
     the splitting and of the CUDA-graph wrapper without paying for Inductor).
     cache_dir: Inductor's cache directory while compiling; None disables its caches.
+    keep_artifacts: compile each piece into an artifact a later process can load, and
+    keep what a save needs in `last_trace` (compile/precompiled.py).
     """
 
     def __init__(
@@ -255,6 +338,7 @@ class PiecewiseBackend:
         cache_dir: Path | None = None,
         piece_compiler: str = "inductor",
         wrap_piece: PieceWrapper | None = None,
+        keep_artifacts: bool = False,
     ) -> None:
         if piece_compiler not in ("inductor", "eager"):
             raise ValueError(f"piece_compiler must be 'inductor' or 'eager', not {piece_compiler!r}")
@@ -263,7 +347,13 @@ class PiecewiseBackend:
         self.cache_dir = cache_dir
         self.piece_compiler = piece_compiler
         self.wrap_piece = wrap_piece
+        self.keep_artifacts = keep_artifacts and piece_compiler == "inductor"
         self.split_gm: fx.GraphModule | None = None  # the last split graph, for inspection
+        # (Dynamo's graph, its real example inputs, the pickled split graph, the piece
+        # records, the compiled artifacts) of the last compile, while `keep_artifacts`; the owner drops it
+        # once saved.
+        self.last_trace: tuple[fx.GraphModule, list[Any], bytes | None, list[PieceRecord],
+                               list[Any]] | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from torch._guards import detect_fake_mode
@@ -271,6 +361,9 @@ class PiecewiseBackend:
         start = time.perf_counter()
         before = cache_counters()
         split, kinds = split_graph(gm, self.targets)
+        # Pickled before the compile installs callables (and retargets the attention
+        # nodes) in it: what a warm start rebuilds the same split graph from.
+        split_bytes = precompiled.dump_graph(split) if self.keep_artifacts else None
         # The tracing context's fake mode memoises how Dynamo fakified each real input,
         # so `from_tensor` returns tensors with the graph's own (unbacked) symbols.
         fake_mode = detect_fake_mode(example_inputs)
@@ -279,11 +372,9 @@ class PiecewiseBackend:
         fake_args = [
             fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
         ]
-        compile_piece = (
-            _compile_with_inductor
-            if self.piece_compiler == "inductor"
-            else lambda piece, args: piece.forward
-        )
+        compile_piece = (_compile_eager if self.piece_compiler == "eager"
+                         else _compile_to_artifact if self.keep_artifacts
+                         else _compile_with_inductor)
         compiler = _PieceCompiler(split, kinds, compile_piece, self.wrap_piece)
         with inductor_cache(self.cache_dir), fake_mode:
             compiler.compile_all(fake_args)
@@ -306,4 +397,7 @@ class PiecewiseBackend:
                            stats.num_dynamo_graphs)
         logger.info("compiled with %s: %s", self.piece_compiler, stats.summary())
         self.split_gm = split
+        if self.keep_artifacts:
+            self.last_trace = (gm, list(example_inputs), split_bytes, compiler.pieces,
+                               compiler.compiled_fns)
         return split.forward

@@ -30,6 +30,7 @@ import torch
 
 from llmfast.config import CompileConfig, ModelConfig, dtype_name
 from llmfast.kernels.layers.switch import layer_kernels_enabled
+from llmfast.kernels.ops import triton_interpret_enabled
 from llmfast.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,10 @@ def compile_cache_key(
         # Inside the same op nodes, the layers' triton ops trace to llmfast's kernels or
         # to torch ops (kernels/layers/switch.py): Inductor's cache keys cannot tell.
         "layer_kernels": layer_kernels_enabled(),
+        # Likewise on the CPU under Triton's interpreter (kernels/ops.py:use_triton). A
+        # warm start loads the graph traced under this key without tracing again
+        # (compile/precompiled.py): whatever changes the trace must be in it.
+        "triton_interpret": triton_interpret_enabled(),
     }
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24]

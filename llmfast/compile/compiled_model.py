@@ -23,20 +23,31 @@ their sizes), so they may be captured before it is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmfast.attention_metadata import AttentionMetadata
-from llmfast.compile.backend import PiecewiseBackend
-from llmfast.compile.cache import compile_cache_dir, compile_cache_key
+from llmfast.compile import precompiled
+from llmfast.compile.backend import PiecewiseBackend, assemble_split_graph
+from llmfast.compile.cache import compile_cache_dir, compile_cache_key, inductor_cache
+from llmfast.compile.graph_inputs import (
+    InputsChanged,
+    bind_slots,
+    describe,
+    first_mismatch,
+    model_fingerprint,
+    record_slots,
+)
 from llmfast.compile.stats import CompileStats
 from llmfast.config import CompileConfig, CudaGraphMode
 from llmfast.graphs.capture_context import CaptureStream, graph_capture
@@ -134,7 +145,11 @@ class CompiledModel:
         self.max_num_tokens = max_num_tokens
         self.stats = CompileStats()
         self.eager = config.enforce_eager
-        self._marked = False
+        self._started = False  # the first call (which traces or loads) has happened
+        self._cache_dir: Path | None = None
+        # Where a warm start skips Dynamo: <compile cache>/precompiled, then (first call)
+        # its subdirectory for this model's fingerprint.
+        self._precompiled_dir: Path | None = None
         self._graph_state: GraphCaptureState | None = None
         self.full_graphs: FullGraphRunner | None = None
         self.capture_sizes: tuple[int, ...] = ()
@@ -170,25 +185,28 @@ class CompiledModel:
         self.dispatcher = GraphDispatcher(mode, self.capture_sizes,
                                           max_num_reqs if max_num_reqs is not None
                                           else max_num_tokens, self.piecewise_capture_sizes)
-        wrap = (self._graph_state.wrap
-                if self._graph_state is not None and mode.has_piecewise else None)
+        self._wrap = (self._graph_state.wrap
+                      if self._graph_state is not None and mode.has_piecewise else None)
 
-        cache_dir = None
         if config.use_compile_cache:
             dtype = next(model.parameters()).dtype
             key = compile_cache_key(model.config, dtype, self.device.type, config)
-            cache_dir = compile_cache_dir(key)
+            self._cache_dir = compile_cache_dir(key)
+            if piece_compiler == "inductor" and precompiled.precompiled_enabled():
+                self._precompiled_dir = self._cache_dir / precompiled.DIRNAME
         self.backend = PiecewiseBackend(
             config.splitting_ops,
             self.stats,
-            cache_dir=cache_dir,
+            cache_dir=self._cache_dir,
             piece_compiler=piece_compiler,
-            wrap_piece=wrap,
+            wrap_piece=self._wrap,
+            keep_artifacts=self._precompiled_dir is not None,
         )
         register_triton_ops()  # the norms and RoPE the model records when compiling
-        self._forward = torch.compile(
+        self._dynamo_forward = torch.compile(
             _private_forward(model), backend=self.backend, fullgraph=True
         )
+        self._forward = self._dynamo_forward
         weakref.finalize(self, _release_graphs, self.backend, self._graph_state)
 
     # ------------------------------------------------------------------ per step
@@ -217,9 +235,123 @@ class CompiledModel:
 
         Under CUDA graphs the result lives in the graph pool: use it before the next
         call (the runner does: it samples, then syncs, every step)."""
-        if not self._marked and not self.eager:
-            self._mark_dynamic(input_ids, positions, attn_metadata)
-        return self._forward(input_ids, positions, attn_metadata)
+        if not self._started and not self.eager:
+            return self._first_call(input_ids, positions, attn_metadata)
+        try:
+            return self._forward(input_ids, positions, attn_metadata)
+        except InputsChanged as exc:  # raised before any piece ran: nothing to undo
+            self._fall_back_to_dynamo(exc, input_ids, positions, attn_metadata)
+            out = self._forward(input_ids, positions, attn_metadata)
+            self.backend.last_trace = None  # not saved: the saved entry stays
+            return out
+
+    def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Load what a cold start traced (compile/precompiled.py), else trace with
+        Dynamo now, and save what the trace compiled for the next start."""
+        self._started = True
+        if self._precompiled_dir is not None:
+            # Now, not at construction: the KV caches are bound (their dtype counts).
+            self._precompiled_dir = self._precompiled_dir / model_fingerprint(self.model)
+            loaded = self._load_precompiled(self._precompiled_dir,
+                                            (input_ids, positions, attn_metadata))
+            if loaded is not None:
+                self._forward = loaded
+                return self(input_ids, positions, attn_metadata)
+            precompiled.discard(self._precompiled_dir)  # unusable: make room for a new one
+        self._mark_dynamic(input_ids, positions, attn_metadata)
+        out = self._forward(input_ids, positions, attn_metadata)
+        if self.backend.last_trace is not None:
+            self._save_precompiled((input_ids, positions, attn_metadata), out)
+        return out
+
+    def _load_precompiled(self, directory: Path,
+                          call: tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
+                          ) -> Callable[..., torch.Tensor] | None:
+        """The saved model's forward, or None (none saved, or unusable: traced with
+        inputs other than this first call's)."""
+        start = time.perf_counter()
+        with inductor_cache(self._cache_dir):
+            record = precompiled.load(directory)
+        if record is None:
+            return None
+        try:
+            flatten = bind_slots(record.slots, self.model, record.none_fields)
+            described = describe(record.slots, flatten(*call))
+            if described != record.described:
+                at = next(i for i, (a, b) in enumerate(zip(described, record.described))
+                          if a != b) if len(described) == len(record.described) else -1
+                raise ValueError(f"traced for other inputs (input {at}: "
+                                 f"{record.described[at]} then, {described[at]} now)")
+            split = assemble_split_graph(record.split, self.backend.targets, record.artifacts,
+                                         record.pieces, self._wrap, self.stats)
+        except Exception as exc:  # noqa: BLE001 - a stale entry means tracing again
+            logger.warning("ignoring the precompiled model in %s: %s", directory, exc)
+            if self._graph_state is not None:
+                self._graph_state.runners.clear()
+            return None
+        run, index = split.forward, record.output_index
+        self.backend.split_gm = split
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    attn_metadata: AttentionMetadata) -> torch.Tensor:
+            return run(*flatten(input_ids, positions, attn_metadata))[index]
+
+        stats = self.stats
+        stats.precompiled = True
+        stats.cache_dir = str(self._cache_dir)
+        stats.cache_hits += len(record.artifacts)
+        stats.compile_time_s += time.perf_counter() - start
+        logger.info("loaded the precompiled model from %s: %s", directory, stats.summary())
+        return forward
+
+    def _save_precompiled(self, call: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
+                          out: torch.Tensor) -> None:
+        """After the traced first call: name the graph's inputs, check that the split
+        graph called on them returns Dynamo's `out` exactly, and save."""
+        assert self._precompiled_dir is not None and self.backend.last_trace is not None
+        gm, example_inputs, split_bytes, pieces, compiled_fns = self.backend.last_trace
+        self.backend.last_trace = None  # holds the first call's tensors
+        start = time.perf_counter()
+        try:
+            slots = record_slots(gm, example_inputs, self.model, call)
+            if slots is None or self.backend.split_gm is None or self.stats.num_dynamo_graphs != 1:
+                logger.info("not saving a precompiled model: a graph input has no name")
+                return
+            if not all(hasattr(fn, "save") for fn in compiled_fns):
+                return  # a piece compiled without an artifact (logged there)
+            md = call[2]
+            none_fields = tuple(f.name for f in dataclasses.fields(md)
+                                if getattr(md, f.name) is None)
+            flatten = bind_slots(slots, self.model, none_fields)
+            flat = flatten(*call)
+            mismatch = first_mismatch(flat, example_inputs)
+            if mismatch is not None:
+                logger.warning("not saving a precompiled model: graph input %d gathered as "
+                               "%s differs from Dynamo's", mismatch, slots[mismatch])
+                return
+            index = precompiled.output_index(self.backend.split_gm.forward(*flat), out)
+            if index is None:
+                logger.warning("not saving a precompiled model: the split graph called "
+                               "without Dynamo did not return Dynamo's result")
+                return
+            precompiled.save(self._precompiled_dir, precompiled.Precompiled(
+                self.backend.split_gm, slots, none_fields, describe(slots, flat), index,
+                pieces, compiled_fns, split_bytes))
+        finally:
+            self.stats.compile_time_s += time.perf_counter() - start
+
+    def _fall_back_to_dynamo(self, exc: InputsChanged, input_ids: torch.Tensor,
+                             positions: torch.Tensor, md: AttentionMetadata) -> None:
+        logger.warning("the precompiled model does not fit this call (%s): tracing with "
+                       "Dynamo instead", exc)
+        if self._graph_state is not None:  # the loaded pieces' runners
+            for runner in self._graph_state.runners:
+                runner.graphs.clear()
+            self._graph_state.runners.clear()
+        self.stats.precompiled = False
+        self._mark_dynamic(input_ids, positions, md)
+        self._forward = self._dynamo_forward
 
     def _mark_dynamic(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       md: AttentionMetadata) -> None:
@@ -236,7 +368,6 @@ class CompiledModel:
         for layer in layers() if layers is not None else ():
             _mark_unbacked(layer.k_cache, 0, "num_blocks")
             _mark_unbacked(layer.v_cache, 0, "num_blocks")
-        self._marked = True
 
     # ------------------------------------------------------------------ start-up
 

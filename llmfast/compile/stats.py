@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class CompileStats:
     num_dynamo_graphs: int = 0  # graphs the backend compiled; 1 means no recompiles
+    precompiled: bool = False  # loaded what a cold start traced: no Dynamo at all
     num_pieces: int = 0  # pieces compiled by Inductor (num_layers + 1 for Llama)
     num_shared_pieces: int = 0  # of those, reusing an identical piece's compiled code
     num_splitting_ops: int = 0  # attention calls left between the pieces
@@ -22,11 +23,18 @@ class CompileStats:
     capture_time_s: float = 0.0
     graph_memory_bytes: int = 0  # device memory taken by capture (pool + graph objects)
 
+    @property
+    def one_graph(self) -> bool:
+        """Everything ran on one graph: traced once (or loaded, precompiled), never
+        recompiled."""
+        return self.num_dynamo_graphs == (0 if self.precompiled else 1)
+
     def summary(self) -> str:
+        how = (f"loaded without tracing in {self.compile_time_s:.1f} s" if self.precompiled
+               else f"compiled in {self.compile_time_s:.1f} s")
         line = (
             f"{self.num_pieces} pieces around {self.num_splitting_ops} attention calls "
-            f"({self.num_shared_pieces} sharing another's code), "
-            f"compiled in {self.compile_time_s:.1f} s "
+            f"({self.num_shared_pieces} sharing another's code), {how} "
             f"(cache hits {self.cache_hits}, misses {self.cache_misses})"
         )
         if self.captured_sizes or self.full_graph_sizes:

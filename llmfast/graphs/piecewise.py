@@ -184,12 +184,10 @@ class GraphCaptureState:
         finally:
             self.in_full_graph = previous
 
-    def wrap(self, index: int, fn: Callable[..., Any], fake_args: Sequence[Any],
-             piece: fx.GraphModule | None = None) -> Callable[..., Any]:
-        """A `PieceWrapper` for `PiecewiseBackend`."""
-        data_args = data_arg_indices(piece, len(fake_args))
-        runner = PiecewiseGraphRunner(index, fn, token_arg_index(fake_args, data_args),
-                                      data_args, self)
+    def wrap(self, index: int, fn: Callable[..., Any], token_index: int | None,
+             data_args: Sequence[int]) -> Callable[..., Any]:
+        """A `PieceWrapper` for `PiecewiseBackend` (`token_arg_index`, `data_arg_indices`)."""
+        runner = PiecewiseGraphRunner(index, fn, token_index, data_args, self)
         self.runners.append(runner)
         return runner
 

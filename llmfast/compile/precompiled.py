@@ -1,0 +1,168 @@
+"""A warm start without Dynamo (issue #18): what a cold start traced and compiled, saved
+beside the compile cache, and loaded by the next start in place of tracing again.
+
+A warm start with Inductor's caches alone still runs Dynamo over the whole model (2.7 s
+of the 1B shape's warm start on an H100, 3.4 s for SmolLM2 on the CPU VM), only to
+arrive at the graph it traced last time. Saved here, under the compile cache's keyed
+directory (so a changed model, dtype, torch or llmfast source never meets it):
+
+    precompiled/<model fingerprint>/   (graph_inputs.model_fingerprint: weights' shapes...)
+      manifest.json   format, torch version, how to gather the graph's inputs from a call
+                      (compile/graph_inputs.py), which output is the result, and per
+                      compiled piece its artifact and token-count argument
+      graph.pkl       Dynamo's graph split at the attention calls, before compiling
+      piece-<i>.bin   Inductor's artifact of each distinct piece (standalone_compile)
+
+What makes it safe without Dynamo's guards: the directory's key covers everything the
+trace depends on (the model config, dtype, device type, torch/triton and llmfast's
+compiled sources, the layer-kernel switch); the cold start saves only after calling the
+assembled graph on the first call's own inputs and getting Dynamo's result bit for bit;
+and a call whose inputs differ in kind from the traced one's (a tensor field that was
+None, or the reverse) falls back to Dynamo. `LLMFAST_PRECOMPILED=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from llmfast.compile.graph_inputs import InputSlot
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+DIRNAME = "precompiled"
+
+
+def precompiled_enabled() -> bool:
+    return os.environ.get("LLMFAST_PRECOMPILED", "1") != "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceRecord:
+    artifact: int  # index into the artifacts: identical layers share one
+    token_index: int | None  # the argument whose leading dim is the token count
+
+
+@dataclasses.dataclass
+class Precompiled:
+    split: fx.GraphModule  # Dynamo's graph split at the attention calls, nothing compiled
+    slots: list[InputSlot]
+    none_fields: tuple[str, ...]  # metadata fields that were None when traced
+    described: list[str]  # graph_inputs.describe of the traced call's inputs
+    output_index: int  # the graph output the forward returns
+    pieces: list[PieceRecord]
+    artifacts: list[Any]  # callables (Inductor's CompiledArtifact)
+    split_bytes: bytes | None = None  # `split` as saved (the cold start pickles it early)
+
+
+def dump_graph(split: fx.GraphModule) -> bytes:
+    """The split graph and its submodules' graphs, node by node (torch's GraphPickler:
+    nodes and targets as they are; pickling a GraphModule itself would save its code
+    and re-trace that symbolically at load, which does not give back the same graph),
+    without node metadata (fake tensors, stack traces): the assembly needs none."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    options = Options(ops_filter=None, node_metadata_key_filter=lambda key: False)
+    return GraphPickler.dumps(split, options)
+
+
+def _load_graph(data: bytes) -> fx.GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    split = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    if not isinstance(split, fx.GraphModule):
+        raise TypeError(f"graph.pkl holds a {type(split).__name__}, not a GraphModule")
+    for module in (split, *split.children()):
+        if isinstance(module, fx.GraphModule):
+            module.recompile()
+    return split
+
+
+def save(directory: Path, record: Precompiled) -> bool:
+    """Write `record` to `directory` (atomically: a temporary directory renamed into
+    place; a concurrent start that got there first wins). False if anything failed."""
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "graph.pkl").write_bytes(record.split_bytes or dump_graph(record.split))
+        for i, artifact in enumerate(record.artifacts):
+            artifact.save(path=str(tmp / f"piece-{i}.bin"), format="binary")
+        manifest = {
+            "format": FORMAT,
+            "torch": torch.__version__,
+            "slots": [slot.to_json() for slot in record.slots],
+            "none_fields": list(record.none_fields),
+            "described": record.described,
+            "output_index": record.output_index,
+            "pieces": [dataclasses.asdict(p) for p in record.pieces],
+            "num_artifacts": len(record.artifacts),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        os.replace(tmp, directory)
+    except Exception as exc:  # noqa: BLE001 - saving is an optimisation; never fatal
+        shutil.rmtree(tmp, ignore_errors=True)
+        if directory.is_dir() and (directory / "manifest.json").is_file():
+            return True  # another process saved the same thing first
+        logger.warning("could not save the precompiled model to %s: %s", directory, exc)
+        return False
+    return True
+
+
+def load(directory: Path) -> Precompiled | None:
+    """What `save` wrote, or None (absent, another format or torch, unreadable)."""
+    manifest_path = directory / "manifest.json"
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != FORMAT or manifest.get("torch") != torch.__version__:
+            return None
+        from torch._inductor import CompiledArtifact
+
+        split = _load_graph((directory / "graph.pkl").read_bytes())
+        artifacts = [CompiledArtifact.load(path=str(directory / f"piece-{i}.bin"),
+                                           format="binary")
+                     for i in range(manifest["num_artifacts"])]
+        return Precompiled(
+            split=split,
+            slots=[InputSlot.from_json(s) for s in manifest["slots"]],
+            none_fields=tuple(manifest["none_fields"]),
+            described=list(manifest["described"]),
+            output_index=int(manifest["output_index"]),
+            pieces=[PieceRecord(**p) for p in manifest["pieces"]],
+            artifacts=artifacts,
+        )
+    except Exception as exc:  # noqa: BLE001 - a bad entry means tracing again, not failing
+        logger.warning("ignoring the precompiled model in %s: %s", directory, exc)
+        return None
+
+
+def discard(directory: Path) -> None:
+    """Remove an entry `load` could not use (a damaged one, an older format), so that
+    this start's trace can save a new one in its place."""
+    if directory.exists():
+        logger.info("discarding the unusable precompiled model in %s", directory)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def output_index(result: Sequence[Any], expected: torch.Tensor) -> int | None:
+    """The position in the graph's outputs of the forward's result, judged by value (the
+    assembled graph's re-run against Dynamo's call), or None if none matches."""
+    for i, value in enumerate(result):
+        if (isinstance(value, torch.Tensor) and value.shape == expected.shape
+                and value.dtype == expected.dtype and torch.equal(value, expected)):
+            return i
+    return None
