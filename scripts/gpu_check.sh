@@ -121,7 +121,10 @@
 #        write inside the attention kernel (`full`'s test_decode_rope_kernel_on_cuda;
 #        on its failure the later steps run with LLMFAST_ATTENTION_DECODE_ROPE=0;
 #        `diag`'s trace should show no `_rope_and_cache_kernel` at B=1 and 64, and
-#        `_decode_rope_attention_kernel` x16 instead of `_unified_attention_kernel`)
+#        `_decode_rope_attention_kernel` x16 instead of `_unified_attention_kernel`),
+#        and the warm start without Dynamo (llmfast/compile/precompiled.py: `startup`'s
+#        new verdict line says whether the warm start loaded the cold one's trace;
+#        `full` and every compiled step after the first start load it too)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
 #        `skipped` = the steps the previous call of this machine skipped (a file under

@@ -264,7 +264,7 @@ def test_graphs_survive_binding_the_real_kv_cache_after_capture(cache_root):
     first = cm.backend.split_gm._modules["submod_0"]
     placeholders = [n for n in first.graph.nodes if n.op == "placeholder"]
     caches = [i for i, n in enumerate(placeholders) if n.name.endswith(("k_cache", "v_cache"))]
-    data = data_arg_indices(first, len(placeholders))
+    data = data_arg_indices(first)
     assert caches and not set(caches) & set(data)
     assert all(r.token_index in r.data_args for r in cm._graph_state.runners)
     real = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in static.caches]

@@ -229,8 +229,9 @@ def test_a_later_call_unlike_the_trace_falls_back_to_dynamo(cold, caplog):
         calls.append(cm.stats.precompiled)
         return cm(ids, positions, md)
 
-    seqs = PagedSequences(model, 4, 64, forward=forward)
-    eager = PagedSequences(eager_model, 4, 64)
+    # Blocks of 16 tokens, as the cold start's: the same fingerprint.
+    seqs = PagedSequences(model, 4, 64, block_size=16, forward=forward)
+    eager = PagedSequences(eager_model, 4, 64, block_size=16)
     try:
         for chunks in STEPS[:4]:
             torch.testing.assert_close(seqs.step(chunks), eager.step(chunks),
@@ -244,15 +245,15 @@ def test_a_later_call_unlike_the_trace_falls_back_to_dynamo(cold, caplog):
 
 
 def test_a_model_unlike_the_traced_one_is_not_given_its_graph(cold, caplog):
-    """The directory's key misses something that changes the model's weights (a
-    quantization, a tensor-parallel shard): the loaded graph is held against the
-    inputs' dtypes and the weights' shapes, and refused."""
+    """Should the directory's key and fingerprint miss something that changes the
+    model's inputs (here: the trace claims a bfloat16 weight), the loaded graph is held
+    against the first call's inputs and refused."""
     cold_cm, _, _ = cold
     manifest = _entry(cold_cm) / "manifest.json"
     saved = manifest.read_text()
     data = json.loads(saved)
     const = next(i for i, slot in enumerate(data["slots"]) if slot["kind"] == "const")
-    data["described"][const] = data["described"][const].replace("float32", "bfloat16")
+    data["patterns"][const]["dtype"] = "torch.bfloat16"
     manifest.write_text(json.dumps(data))
     try:
         model = tiny_model()
@@ -308,3 +309,56 @@ def test_a_damaged_entry_is_traced_again_and_replaced(cold, caplog):
     for got, want in zip(logits, cold_logits):
         assert torch.equal(got, want)
     assert json.loads(manifest.read_text()) == saved  # saved again, the same
+
+
+def test_a_loaded_model_failing_on_its_first_call_is_replaced(cold, caplog, monkeypatch):
+    """Whatever the checks miss and Inductor's own asserts catch at the first call: the
+    entry is discarded, the start traces with Dynamo (nothing the failed call ran is
+    kept) and saves anew."""
+    import llmfast.compile.backend as backend
+
+    def failing(piece, fn):
+        def call(*args):
+            raise AssertionError("expected size 96==128")  # what Inductor raises
+        return call
+
+    monkeypatch.setattr(backend, "_as_piece_returns", failing)
+    cold_cm, cold_logits, _ = cold
+    model = tiny_model()
+    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    logits = run_steps(cm, model)
+    assert "ignoring the precompiled model" in caplog.text and "96==128" in caplog.text
+    assert cm.stats.num_dynamo_graphs == 1 and not cm.stats.precompiled
+    assert len(cm._graph_state.runners) == cm.stats.num_pieces  # Dynamo's alone
+    for got, want in zip(logits, cold_logits):
+        assert torch.equal(got, want)
+    assert (_entry(cm) / "manifest.json").is_file()
+
+
+def test_the_fingerprint_separates_what_the_trace_is_specialised_to():
+    from llmfast.compile.graph_inputs import model_fingerprint
+
+    def with_caches(model, block_size: int = 16):
+        StaticBatch(model, 4, 64, 64, block_size)
+        one_allocation(model)
+        return model
+
+    fingerprint = model_fingerprint(with_caches(tiny_model()))
+    other = with_caches(tiny_model())
+    assert model_fingerprint(other) == fingerprint  # another process, the same model
+    one_allocation(other)  # new caches of the same kind (the real after the scratch)
+    assert model_fingerprint(other) == fingerprint
+    # A plain int attribute: Dynamo bakes it in (a tensor-parallel rank's vocab offset).
+    other.model.embed_tokens.vocab_offset_for_test = 7
+    assert model_fingerprint(other) != fingerprint
+    # Another block size in the KV caches.
+    assert model_fingerprint(with_caches(tiny_model(), block_size=8)) != fingerprint
+    # A longer RoPE table (another max_model_len).
+    longer = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0,
+                         max_positions=512)
+    assert model_fingerprint(with_caches(longer)) != fingerprint
+
+
+def test_no_precompiling_where_asked_not_to(cache_root):
+    cm = CompiledModel(tiny_model(), CONFIG, "cpu", max_num_tokens=64, precompile=False)
+    assert cm._precompiled_dir is None and not cm.backend.keep_artifacts

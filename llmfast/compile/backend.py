@@ -250,7 +250,7 @@ class _PieceCompiler(fx.Interpreter):
         else:
             self.num_shared += 1
         fn = self.compiled_fns[unique]
-        data_args = data_arg_indices(submod, len(args))
+        data_args = data_arg_indices(submod)
         token_index = token_arg_index(args, data_args)
         self.pieces.append(PieceRecord(unique, token_index))
         if self.wrap_piece is not None:
@@ -311,8 +311,7 @@ def assemble_split_graph(split: fx.GraphModule, targets: set[Any],
         submod = getattr(split, target)
         fn = _as_piece_returns(submod, compiled_fns[record.artifact])
         if wrap_piece is not None:
-            num_args = sum(1 for n in submod.graph.nodes if n.op == "placeholder")
-            fn = wrap_piece(index, fn, record.token_index, data_arg_indices(submod, num_args))
+            fn = wrap_piece(index, fn, record.token_index, data_arg_indices(submod))
         split.__dict__[target] = fn
     stats.piece_kinds = kinds
     stats.num_pieces = len(pieces)
@@ -327,8 +326,9 @@ class PiecewiseBackend:
     piece_compiler: "inductor", or "eager" (pieces run as plain FX code; for tests of
     the splitting and of the CUDA-graph wrapper without paying for Inductor).
     cache_dir: Inductor's cache directory while compiling; None disables its caches.
-    keep_artifacts: compile each piece into an artifact a later process can load, and
-    keep what a save needs in `last_trace` (compile/precompiled.py).
+    keep_artifacts: compile each piece into an artifact a later process can load (one
+    set of Inductor cache entries whether or not a start saves), and keep what a save
+    needs in `last_trace` (compile/precompiled.py) while `keep_trace`.
     """
 
     def __init__(
@@ -348,10 +348,13 @@ class PiecewiseBackend:
         self.piece_compiler = piece_compiler
         self.wrap_piece = wrap_piece
         self.keep_artifacts = keep_artifacts and piece_compiler == "inductor"
+        # Whether the next compile keeps `last_trace` (the owner turns it off after its
+        # first call: recompiles are not saved, and hold nothing).
+        self.keep_trace = self.keep_artifacts
         self.split_gm: fx.GraphModule | None = None  # the last split graph, for inspection
         # (Dynamo's graph, its real example inputs, the pickled split graph, the piece
-        # records, the compiled artifacts) of the last compile, while `keep_artifacts`; the owner drops it
-        # once saved.
+        # records, the compiled artifacts) of the last compile while `keep_trace`; the
+        # owner drops it once saved.
         self.last_trace: tuple[fx.GraphModule, list[Any], bytes | None, list[PieceRecord],
                                list[Any]] | None = None
 
@@ -363,7 +366,7 @@ class PiecewiseBackend:
         split, kinds = split_graph(gm, self.targets)
         # Pickled before the compile installs callables (and retargets the attention
         # nodes) in it: what a warm start rebuilds the same split graph from.
-        split_bytes = precompiled.dump_graph(split) if self.keep_artifacts else None
+        split_bytes = precompiled.dump_graph(split) if self.keep_trace else None
         # The tracing context's fake mode memoises how Dynamo fakified each real input,
         # so `from_tensor` returns tensors with the graph's own (unbacked) symbols.
         fake_mode = detect_fake_mode(example_inputs)
@@ -397,7 +400,7 @@ class PiecewiseBackend:
                            stats.num_dynamo_graphs)
         logger.info("compiled with %s: %s", self.piece_compiler, stats.summary())
         self.split_gm = split
-        if self.keep_artifacts:
+        if self.keep_trace:
             self.last_trace = (gm, list(example_inputs), split_bytes, compiler.pieces,
                                compiler.compiled_fns)
         return split.forward

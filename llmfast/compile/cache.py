@@ -64,6 +64,15 @@ def source_hash(package_dir: Path = _PACKAGE_DIR) -> str:
     return h.hexdigest()
 
 
+def _hardware(device_type: str) -> str:
+    if device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} sm_{major}{minor}"
+    if device_type == "cpu":
+        return torch.backends.cpu.get_cpu_capability()
+    return device_type
+
+
 def compile_cache_key(
     model_config: ModelConfig,
     dtype: torch.dtype,
@@ -80,6 +89,9 @@ def compile_cache_key(
         "model": dataclasses.asdict(model_config),
         "dtype": dtype_name(dtype),
         "device": device_type,
+        # Inductor's code is built for this GPU's architecture or this CPU's vector ISA;
+        # a warm start loads it without Inductor's own checks (compile/precompiled.py).
+        "hardware": _hardware(device_type),
         "torch": torch.__version__,
         "triton": triton_version,
         "splitting_ops": sorted(compile_config.splitting_ops),

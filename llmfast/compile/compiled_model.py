@@ -43,8 +43,9 @@ from llmfast.compile.cache import compile_cache_dir, compile_cache_key, inductor
 from llmfast.compile.graph_inputs import (
     InputsChanged,
     bind_slots,
-    describe,
     first_mismatch,
+    first_unfit,
+    input_patterns,
     model_fingerprint,
     record_slots,
 )
@@ -117,6 +118,7 @@ def _release_graphs(backend: PiecewiseBackend, state: GraphCaptureState | None) 
     outlive every engine (`memory_reserved` never coming back)."""
     backend.wrap_piece = None  # a bound method of `state`
     backend.split_gm = None
+    backend.last_trace = None  # the first call's tensors (a save that never came)
     if state is not None:
         for runner in state.runners:
             runner.graphs.clear()
@@ -126,7 +128,9 @@ def _release_graphs(backend: PiecewiseBackend, state: GraphCaptureState | None) 
 class CompiledModel:
     """graph_impl: "auto" (CUDA graphs on CUDA when enabled), "emulated" (the CPU
     stand-in, for tests) or "off". piece_compiler: "inductor" or "eager" (tests).
-    max_num_reqs bounds the full graphs' sizes (default: max_num_tokens)."""
+    max_num_reqs bounds the full graphs' sizes (default: max_num_tokens). precompile:
+    save the first trace for the next start and load a saved one (compile/precompiled.py;
+    with the compile cache on, unless LLMFAST_PRECOMPILED=0)."""
 
     def __init__(
         self,
@@ -138,6 +142,7 @@ class CompiledModel:
         max_num_reqs: int | None = None,
         graph_impl: str = "auto",
         piece_compiler: str = "inductor",
+        precompile: bool = True,
     ) -> None:
         self.model = model
         self.config = config
@@ -192,7 +197,7 @@ class CompiledModel:
             dtype = next(model.parameters()).dtype
             key = compile_cache_key(model.config, dtype, self.device.type, config)
             self._cache_dir = compile_cache_dir(key)
-            if piece_compiler == "inductor" and precompiled.precompiled_enabled():
+            if precompile and piece_compiler == "inductor" and precompiled.precompiled_enabled():
                 self._precompiled_dir = self._cache_dir / precompiled.DIRNAME
         self.backend = PiecewiseBackend(
             config.splitting_ops,
@@ -241,35 +246,35 @@ class CompiledModel:
             return self._forward(input_ids, positions, attn_metadata)
         except InputsChanged as exc:  # raised before any piece ran: nothing to undo
             self._fall_back_to_dynamo(exc, input_ids, positions, attn_metadata)
-            out = self._forward(input_ids, positions, attn_metadata)
-            self.backend.last_trace = None  # not saved: the saved entry stays
-            return out
+            return self._forward(input_ids, positions, attn_metadata)
 
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Load what a cold start traced (compile/precompiled.py), else trace with
         Dynamo now, and save what the trace compiled for the next start."""
         self._started = True
+        call = (input_ids, positions, attn_metadata)
         if self._precompiled_dir is not None:
             # Now, not at construction: the KV caches are bound (their dtype counts).
             self._precompiled_dir = self._precompiled_dir / model_fingerprint(self.model)
-            loaded = self._load_precompiled(self._precompiled_dir,
-                                            (input_ids, positions, attn_metadata))
-            if loaded is not None:
-                self._forward = loaded
-                return self(input_ids, positions, attn_metadata)
+            out = self._run_precompiled(self._precompiled_dir, call)
+            if out is not None:
+                return out
             precompiled.discard(self._precompiled_dir)  # unusable: make room for a new one
-        self._mark_dynamic(input_ids, positions, attn_metadata)
-        out = self._forward(input_ids, positions, attn_metadata)
+        self._mark_dynamic(*call)
+        out = self._forward(*call)
         if self.backend.last_trace is not None:
-            self._save_precompiled((input_ids, positions, attn_metadata), out)
+            self._save_precompiled(call, out)
+        self.backend.keep_trace = False  # recompiles (if any) are not saved
+        self.backend.last_trace = None
         return out
 
-    def _load_precompiled(self, directory: Path,
-                          call: tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
-                          ) -> Callable[..., torch.Tensor] | None:
-        """The saved model's forward, or None (none saved, or unusable: traced with
-        inputs other than this first call's)."""
+    def _run_precompiled(self, directory: Path,
+                         call: tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
+                         ) -> torch.Tensor | None:
+        """Load the saved model and run this first call on it; None if there is none
+        or it is unusable (traced for other inputs, or failing on this call: nothing
+        it ran is kept, the caller traces)."""
         start = time.perf_counter()
         with inductor_cache(self._cache_dir):
             record = precompiled.load(directory)
@@ -277,15 +282,15 @@ class CompiledModel:
             return None
         try:
             flatten = bind_slots(record.slots, self.model, record.none_fields)
-            described = describe(record.slots, flatten(*call))
-            if described != record.described:
-                at = next(i for i, (a, b) in enumerate(zip(described, record.described))
-                          if a != b) if len(described) == len(record.described) else -1
-                raise ValueError(f"traced for other inputs (input {at}: "
-                                 f"{record.described[at]} then, {described[at]} now)")
+            flat = flatten(*call)
+            unfit = first_unfit(record.patterns, flat)
+            if unfit is not None:
+                then = record.patterns[unfit] if unfit < len(record.patterns) else "absent"
+                raise ValueError(f"traced for other inputs: {record.slots[unfit]} was {then}")
             split = assemble_split_graph(record.split, self.backend.targets, record.artifacts,
                                          record.pieces, self._wrap, self.stats)
-        except Exception as exc:  # noqa: BLE001 - a stale entry means tracing again
+            out = split.forward(*flat)[record.output_index]
+        except Exception as exc:  # noqa: BLE001 - an unusable entry means tracing again
             logger.warning("ignoring the precompiled model in %s: %s", directory, exc)
             if self._graph_state is not None:
                 self._graph_state.runners.clear()
@@ -297,13 +302,15 @@ class CompiledModel:
                     attn_metadata: AttentionMetadata) -> torch.Tensor:
             return run(*flatten(input_ids, positions, attn_metadata))[index]
 
+        self._forward = forward
+        self.backend.keep_trace = False  # a fallback's trace is not saved
         stats = self.stats
         stats.precompiled = True
         stats.cache_dir = str(self._cache_dir)
-        stats.cache_hits += len(record.artifacts)
+        stats.cache_hits += len(record.artifacts)  # each an AOTAutograd cache entry
         stats.compile_time_s += time.perf_counter() - start
         logger.info("loaded the precompiled model from %s: %s", directory, stats.summary())
-        return forward
+        return out
 
     def _save_precompiled(self, call: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
                           out: torch.Tensor) -> None:
@@ -314,12 +321,15 @@ class CompiledModel:
         self.backend.last_trace = None  # holds the first call's tensors
         start = time.perf_counter()
         try:
+            if self.backend.split_gm is None or self.stats.num_dynamo_graphs != 1:
+                return
+            if not all(getattr(fn, "is_saveable", lambda: False)() for fn in compiled_fns):
+                logger.info("not saving a precompiled model: a piece has no artifact")
+                return
             slots = record_slots(gm, example_inputs, self.model, call)
-            if slots is None or self.backend.split_gm is None or self.stats.num_dynamo_graphs != 1:
+            if slots is None:
                 logger.info("not saving a precompiled model: a graph input has no name")
                 return
-            if not all(hasattr(fn, "save") for fn in compiled_fns):
-                return  # a piece compiled without an artifact (logged there)
             md = call[2]
             none_fields = tuple(f.name for f in dataclasses.fields(md)
                                 if getattr(md, f.name) is None)
@@ -335,20 +345,27 @@ class CompiledModel:
                 logger.warning("not saving a precompiled model: the split graph called "
                                "without Dynamo did not return Dynamo's result")
                 return
+            traced = [n.meta.get("example_value") for n in gm.graph.nodes
+                      if n.op == "placeholder"]
             precompiled.save(self._precompiled_dir, precompiled.Precompiled(
-                self.backend.split_gm, slots, none_fields, describe(slots, flat), index,
+                self.backend.split_gm, slots, none_fields, input_patterns(traced), index,
                 pieces, compiled_fns, split_bytes))
         finally:
             self.stats.compile_time_s += time.perf_counter() - start
 
     def _fall_back_to_dynamo(self, exc: InputsChanged, input_ids: torch.Tensor,
                              positions: torch.Tensor, md: AttentionMetadata) -> None:
-        logger.warning("the precompiled model does not fit this call (%s): tracing with "
-                       "Dynamo instead", exc)
-        if self._graph_state is not None:  # the loaded pieces' runners
-            for runner in self._graph_state.runners:
+        state = self._graph_state
+        lost = state.num_graphs if state is not None else 0
+        logger.log(logging.ERROR if lost else logging.WARNING,
+                   "the precompiled model does not fit this call (%s): tracing with Dynamo "
+                   "instead%s", exc,
+                   f"; its {lost} piecewise CUDA graphs are dropped, and the new pieces "
+                   "run without graphs" if lost else "")
+        if state is not None:  # the loaded pieces' runners
+            for runner in state.runners:
                 runner.graphs.clear()
-            self._graph_state.runners.clear()
+            state.runners.clear()
         self.stats.precompiled = False
         self._mark_dynamic(input_ids, positions, md)
         self._forward = self._dynamo_forward

@@ -178,36 +178,70 @@ def bind_slots(slots: Sequence[InputSlot], model: nn.Module,
     return flatten
 
 
+_SCALARS = (bool, int, float, str)
+
+
 def model_fingerprint(model: nn.Module) -> str:
     """A short hash of what the model's traced graph is specialised to beyond the
-    compile cache's key: every parameter's and buffer's name, dtype and shape (a
-    max_model_len sizes the RoPE table, a quantization or a tensor-parallel shard the
-    weights) and every other tensor attribute's dtype and rank (the KV caches', whose
-    sizes the graph leaves free). One saved trace per fingerprint, so that two
-    configurations under one key do not take turns replacing each other's."""
-    parts = [f"{name} {t.dtype} {tuple(t.shape)}" for name, t in
+    compile cache's key, for one saved trace per configuration (two under one key do
+    not then take turns replacing each other's):
+
+    - every parameter's and buffer's name, dtype, device (with its index: Inductor's
+      code sets it) and shape: a max_model_len sizes the RoPE table, a quantization or
+      a tensor-parallel shard the weights;
+    - every other tensor attribute's dtype, device and sizes but the first (the KV
+      caches: block size, heads, head dim; their block count is left free);
+    - every plain int, float, str or bool attribute of every module: Dynamo bakes them
+      into the graph as constants (a tensor-parallel rank's vocabulary offset)."""
+    parts = [f"{name} {t.dtype} {t.device} {tuple(t.shape)}" for name, t in
              [*model.named_parameters(remove_duplicate=False),
               *model.named_buffers(remove_duplicate=False)]]
     for path, module in model.named_modules():
         for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor):
-                parts.append(f"{path}.{attr} {value.dtype} {value.dim()}")
+                parts.append(f"{path}.{attr} {value.dtype} {value.device} "
+                             f"{tuple(value.shape[1:])}")
+            elif isinstance(value, _SCALARS) and not attr.startswith("_"):
+                parts.append(f"{path}.{attr} = {value!r}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def describe(slots: Sequence[InputSlot], flat: Sequence[Any]) -> list[str]:
-    """What the traced graph assumed of each input, to hold a later call against: a
-    constant's dtype and shape (fp8 weights, a tensor-parallel shard, another model
-    under the same key would differ), a per-call tensor's dtype and rank (its sizes
-    vary: the graph is dynamic there), an int's kind."""
-    out = []
-    for slot, value in zip(slots, flat):
+def _static(values: Sequence[Any]) -> list[int | None]:
+    return [v if type(v) is int else None for v in values]
+
+
+def input_patterns(traced: Sequence[Any]) -> list[dict[str, Any]]:
+    """What the traced graph assumed of each input (the values Dynamo traced, fake
+    tensors and symbolic ints): a tensor's dtype, device, and its sizes and strides
+    where the trace fixed them (None where they are symbolic). Inductor's code asserts
+    those sizes and strides; Dynamo would have guarded on them all."""
+    out: list[dict[str, Any]] = []
+    for value in traced:
         if isinstance(value, torch.Tensor):
-            dims = list(value.shape) if slot.kind == "const" else value.dim()
-            out.append(f"{value.dtype} {dims} {value.device.type}")
+            out.append({"dtype": str(value.dtype), "device": str(value.device),
+                        "shape": _static(value.shape), "stride": _static(value.stride())})
         else:
-            out.append(type(value).__name__)
+            out.append({"type": "int"})
     return out
+
+
+def _fits(pattern: dict[str, Any], value: Any) -> bool:
+    if "type" in pattern:
+        return type(value) is int
+    if not isinstance(value, torch.Tensor) or str(value.dtype) != pattern["dtype"] \
+            or str(value.device) != pattern["device"] or value.dim() != len(pattern["shape"]):
+        return False
+    return all(want is None or got == want
+               for key, got_all in (("shape", value.shape), ("stride", value.stride()))
+               for got, want in zip(got_all, pattern[key]))
+
+
+def first_unfit(patterns: Sequence[dict[str, Any]], flat: Sequence[Any]) -> int | None:
+    """The first input of a call that the traced graph's `input_patterns` do not
+    admit, or None."""
+    if len(patterns) != len(flat):
+        return min(len(patterns), len(flat))
+    return next((i for i, (p, v) in enumerate(zip(patterns, flat)) if not _fits(p, v)), None)
 
 
 def first_mismatch(flat: Sequence[Any], example_inputs: Sequence[Any]) -> int | None:

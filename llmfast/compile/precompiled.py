@@ -13,21 +13,33 @@ directory (so a changed model, dtype, torch or llmfast source never meets it):
       graph.pkl       Dynamo's graph split at the attention calls, before compiling
       piece-<i>.bin   Inductor's artifact of each distinct piece (standalone_compile)
 
-What makes it safe without Dynamo's guards: the directory's key covers everything the
-trace depends on (the model config, dtype, device type, torch/triton and llmfast's
-compiled sources, the layer-kernel switch); the cold start saves only after calling the
-assembled graph on the first call's own inputs and getting Dynamo's result bit for bit;
-and a call whose inputs differ in kind from the traced one's (a tensor field that was
-None, or the reverse) falls back to Dynamo. `LLMFAST_PRECOMPILED=0` turns it off.
+What stands in for Dynamo's guards:
+- the directory: the compile cache's key (model config, dtype, device type and
+  hardware, torch/triton, llmfast's compiled sources, the kernel switches) and the
+  model's fingerprint (graph_inputs.model_fingerprint: the weights' dtypes, devices and
+  shapes, the KV caches' fixed sizes, every module's plain scalar attributes);
+- at the first call, every input against what the trace fixed (dtype, device, the
+  sizes and strides the graph does not leave free: graph_inputs.input_patterns), and
+  that call itself: if the loaded graph fails on it, the entry is discarded and the
+  start traces with Dynamo;
+- at every call, the attention metadata's None fields against the trace's: a call
+  unlike the trace falls back to Dynamo (before any piece runs).
+The cold start saves only after calling the split graph on the gathered inputs and
+getting Dynamo's result bit for bit. Not used with tensor parallelism (the ranks would
+have to agree on loading, and the check's extra forward runs collectives).
+`LLMFAST_PRECOMPILED=0` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,7 +70,7 @@ class Precompiled:
     split: fx.GraphModule  # Dynamo's graph split at the attention calls, nothing compiled
     slots: list[InputSlot]
     none_fields: tuple[str, ...]  # metadata fields that were None when traced
-    described: list[str]  # graph_inputs.describe of the traced call's inputs
+    patterns: list[dict[str, Any]]  # graph_inputs.input_patterns of the traced inputs
     output_index: int  # the graph output the forward returns
     pieces: list[PieceRecord]
     artifacts: list[Any]  # callables (Inductor's CompiledArtifact)
@@ -93,10 +105,10 @@ def _load_graph(data: bytes) -> fx.GraphModule:
 def save(directory: Path, record: Precompiled) -> bool:
     """Write `record` to `directory` (atomically: a temporary directory renamed into
     place; a concurrent start that got there first wins). False if anything failed."""
-    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(directory.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{directory.name}.tmp-", dir=directory.parent))
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         (tmp / "graph.pkl").write_bytes(record.split_bytes or dump_graph(record.split))
         for i, artifact in enumerate(record.artifacts):
             artifact.save(path=str(tmp / f"piece-{i}.bin"), format="binary")
@@ -105,7 +117,7 @@ def save(directory: Path, record: Precompiled) -> bool:
             "torch": torch.__version__,
             "slots": [slot.to_json() for slot in record.slots],
             "none_fields": list(record.none_fields),
-            "described": record.described,
+            "patterns": record.patterns,
             "output_index": record.output_index,
             "pieces": [dataclasses.asdict(p) for p in record.pieces],
             "num_artifacts": len(record.artifacts),
@@ -114,11 +126,21 @@ def save(directory: Path, record: Precompiled) -> bool:
         os.replace(tmp, directory)
     except Exception as exc:  # noqa: BLE001 - saving is an optimisation; never fatal
         shutil.rmtree(tmp, ignore_errors=True)
-        if directory.is_dir() and (directory / "manifest.json").is_file():
+        if (directory / "manifest.json").is_file():
             return True  # another process saved the same thing first
         logger.warning("could not save the precompiled model to %s: %s", directory, exc)
         return False
     return True
+
+
+def _remove_stale_temporaries(parent: Path, max_age_s: float = 3600.0) -> None:
+    """Temporary and discarded directories older than an hour: left by a process
+    killed while saving or discarding."""
+    now = time.time()
+    for path in parent.glob("*.tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime > max_age_s:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def load(directory: Path) -> Precompiled | None:
@@ -140,7 +162,7 @@ def load(directory: Path) -> Precompiled | None:
             split=split,
             slots=[InputSlot.from_json(s) for s in manifest["slots"]],
             none_fields=tuple(manifest["none_fields"]),
-            described=list(manifest["described"]),
+            patterns=list(manifest["patterns"]),
             output_index=int(manifest["output_index"]),
             pieces=[PieceRecord(**p) for p in manifest["pieces"]],
             artifacts=artifacts,
@@ -151,18 +173,24 @@ def load(directory: Path) -> Precompiled | None:
 
 
 def discard(directory: Path) -> None:
-    """Remove an entry `load` could not use (a damaged one, an older format), so that
-    this start's trace can save a new one in its place."""
-    if directory.exists():
-        logger.info("discarding the unusable precompiled model in %s", directory)
-        shutil.rmtree(directory, ignore_errors=True)
+    """Remove an entry `load` could not use (damaged, an older format, made for other
+    inputs), so that this start's trace can save a new one in its place. Renamed aside
+    first: a process reading it meanwhile finds it whole or not at all."""
+    if not directory.exists():
+        return
+    logger.info("discarding the unusable precompiled model in %s", directory)
+    aside = Path(tempfile.mkdtemp(prefix=f"{directory.name}.tmp-", dir=directory.parent))
+    try:
+        os.replace(directory, aside / "old")
+    except OSError:
+        pass  # another process moved or replaced it first
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def output_index(result: Sequence[Any], expected: torch.Tensor) -> int | None:
     """The position in the graph's outputs of the forward's result, judged by value (the
-    assembled graph's re-run against Dynamo's call), or None if none matches."""
-    for i, value in enumerate(result):
-        if (isinstance(value, torch.Tensor) and value.shape == expected.shape
-                and value.dtype == expected.dtype and torch.equal(value, expected)):
-            return i
-    return None
+    assembled graph's re-run against Dynamo's call); None unless exactly one matches."""
+    matches = [i for i, value in enumerate(result)
+               if isinstance(value, torch.Tensor) and value.shape == expected.shape
+               and value.dtype == expected.dtype and torch.equal(value, expected)]
+    return matches[0] if len(matches) == 1 else None

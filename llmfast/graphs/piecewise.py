@@ -44,11 +44,9 @@ _SIZE_QUERIES = (
 )
 
 
-def data_arg_indices(piece: fx.GraphModule | None, num_args: int) -> list[int]:
+def data_arg_indices(piece: fx.GraphModule) -> list[int]:
     """Positions of the arguments whose data `piece` reads: every placeholder with a
-    use other than a size query. None (no graph to inspect): all of them."""
-    if piece is None:
-        return list(range(num_args))
+    use other than a size query."""
     placeholders = [n for n in piece.graph.nodes if n.op == "placeholder"]
     return [i for i, node in enumerate(placeholders)
             if any(not (u.op == "call_function" and u.target in _SIZE_QUERIES)

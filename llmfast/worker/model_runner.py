@@ -128,7 +128,10 @@ class ModelRunner:
         self.compiled = CompiledModel(
             self.model, config.compile, self.device, self.max_num_tokens,
             max_num_reqs=self.max_num_reqs,
-            graph_impl="emulated" if config.compile.emulate_cuda_graphs else "auto")
+            graph_impl="emulated" if config.compile.emulate_cuda_graphs else "auto",
+            # Not under tensor parallelism: every rank would have to load alike, and
+            # the saving start's check runs a forward (collectives) on one rank's say.
+            precompile=self.tp_group.world_size == 1)
         self.forward_fn = self.compiled
         self.capture_inputs = CaptureInputs(self.inputs, self.input_batch, self.model,
                                             self.compiled)
