@@ -311,28 +311,41 @@ def test_a_damaged_entry_is_traced_again_and_replaced(cold, caplog):
     assert json.loads(manifest.read_text()) == saved  # saved again, the same
 
 
-def test_a_loaded_model_failing_on_its_first_call_is_replaced(cold, caplog, monkeypatch):
-    """Whatever the checks miss and Inductor's own asserts catch at the first call: the
-    entry is discarded, the start traces with Dynamo (nothing the failed call ran is
-    kept) and saves anew."""
+def test_a_loaded_model_failing_on_its_first_call_is_not_tried_again(cold, caplog,
+                                                                      monkeypatch):
+    """Whatever the checks miss and the loaded code itself raises at the first call
+    (here: what Inductor's size asserts raise): the start traces with Dynamo (nothing
+    the failed call ran is kept), and this configuration traces from then on instead of
+    loading and failing first at every start."""
     import llmfast.compile.backend as backend
 
     def failing(piece, fn):
         def call(*args):
-            raise AssertionError("expected size 96==128")  # what Inductor raises
+            raise AssertionError("expected size 96==128")
         return call
 
-    monkeypatch.setattr(backend, "_as_piece_returns", failing)
     cold_cm, cold_logits, _ = cold
-    model = tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
-    logits = run_steps(cm, model)
-    assert "ignoring the precompiled model" in caplog.text and "96==128" in caplog.text
-    assert cm.stats.num_dynamo_graphs == 1 and not cm.stats.precompiled
-    assert len(cm._graph_state.runners) == cm.stats.num_pieces  # Dynamo's alone
-    for got, want in zip(logits, cold_logits):
-        assert torch.equal(got, want)
-    assert (_entry(cm) / "manifest.json").is_file()
+    with monkeypatch.context() as patch:
+        patch.setattr(backend, "_as_piece_returns", failing)
+        model = tiny_model()
+        cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+        logits = run_steps(cm, model)
+    marker = _entry(cold_cm).with_name(_entry(cold_cm).name + ".failed")
+    try:
+        assert "failed on its first call" in caplog.text and "96==128" in caplog.text
+        assert cm.stats.num_dynamo_graphs == 1 and not cm.stats.precompiled
+        assert len(cm._graph_state.runners) == cm.stats.num_pieces  # Dynamo's alone
+        for got, want in zip(logits, cold_logits):
+            assert torch.equal(got, want)
+        assert "96==128" in marker.read_text() and not _entry(cm).exists()
+        # The next start traces without trying (nothing to load, nothing saved).
+        model = tiny_model()
+        again = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+        for got, want in zip(run_steps(again, model), cold_logits):
+            assert torch.equal(got, want)
+        assert again.stats.num_dynamo_graphs == 1 and not _entry(again).exists()
+    finally:
+        marker.unlink(missing_ok=True)
 
 
 def test_the_fingerprint_separates_what_the_trace_is_specialised_to():

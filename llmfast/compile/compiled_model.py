@@ -257,10 +257,15 @@ class CompiledModel:
         if self._precompiled_dir is not None:
             # Now, not at construction: the KV caches are bound (their dtype counts).
             self._precompiled_dir = self._precompiled_dir / model_fingerprint(self.model)
-            out = self._run_precompiled(self._precompiled_dir, call)
-            if out is not None:
-                return out
-            precompiled.discard(self._precompiled_dir)  # unusable: make room for a new one
+            if precompiled.failed_before(self._precompiled_dir):
+                self.backend.keep_trace = False  # neither loaded nor saved again
+            else:
+                out = self._run_precompiled(self._precompiled_dir, call)
+                if out is not None:
+                    return out
+                precompiled.discard(self._precompiled_dir)  # unusable: room for a new one
+                if precompiled.failed_before(self._precompiled_dir):  # it just failed
+                    self.backend.keep_trace = False
         self._mark_dynamic(*call)
         out = self._forward(*call)
         if self.backend.last_trace is not None:
@@ -289,9 +294,20 @@ class CompiledModel:
                 raise ValueError(f"traced for other inputs: {record.slots[unfit]} was {then}")
             split = assemble_split_graph(record.split, self.backend.targets, record.artifacts,
                                          record.pieces, self._wrap, self.stats)
-            out = split.forward(*flat)[record.output_index]
         except Exception as exc:  # noqa: BLE001 - an unusable entry means tracing again
             logger.warning("ignoring the precompiled model in %s: %s", directory, exc)
+            if self._graph_state is not None:
+                self._graph_state.runners.clear()
+            return None
+        try:
+            out = split.forward(*flat)[record.output_index]
+        except Exception as exc:  # noqa: BLE001 - traced instead; not tried again
+            # Everything checkable held, and the loaded model still failed: likely to
+            # fail the same way next time (an artifact this torch cannot run), so this
+            # configuration traces from now on rather than loading and failing first.
+            logger.warning("ignoring the precompiled model in %s, which failed on its first "
+                           "call: %s; this configuration traces from now on", directory, exc)
+            precompiled.mark_failed(directory, exc)
             if self._graph_state is not None:
                 self._graph_state.runners.clear()
             return None

@@ -20,8 +20,9 @@ What stands in for Dynamo's guards:
   shapes, the KV caches' fixed sizes, every module's plain scalar attributes);
 - at the first call, every input against what the trace fixed (dtype, device, the
   sizes and strides the graph does not leave free: graph_inputs.input_patterns), and
-  that call itself: if the loaded graph fails on it, the entry is discarded and the
-  start traces with Dynamo;
+  that call itself: if the loaded graph fails on it, the entry is discarded, the start
+  traces with Dynamo, and a `<fingerprint>.failed` marker keeps later starts from
+  saving and loading one again (it would likely fail the same way);
 - at every call, the attention metadata's None fields against the trace's: a call
   unlike the trace falls back to Dynamo (before any piece runs).
 The cold start saves only after calling the split graph on the gathered inputs and
@@ -185,6 +186,22 @@ def discard(directory: Path) -> None:
     except OSError:
         pass  # another process moved or replaced it first
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _failure_marker(directory: Path) -> Path:
+    return directory.with_name(f"{directory.name}.failed")
+
+
+def mark_failed(directory: Path, exc: BaseException) -> None:
+    """Record that the entry in `directory` failed when run: `failed_before` then keeps
+    later starts from saving and loading one for this fingerprint (delete the marker,
+    or the compile cache, to try again)."""
+    with contextlib.suppress(OSError):
+        _failure_marker(directory).write_text(f"{type(exc).__name__}: {exc}\n")
+
+
+def failed_before(directory: Path) -> bool:
+    return _failure_marker(directory).is_file()
 
 
 def output_index(result: Sequence[Any], expected: torch.Tensor) -> int | None:
