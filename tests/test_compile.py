@@ -27,20 +27,12 @@ from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
 from llmfast.kernels.ops import unified_attention_impl
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import resolve_model
-from tests.helpers.paged import PagedSequences
+from tests.helpers.paged import MIXED_STEPS, PagedSequences
 from tests.helpers.static_batch import StaticBatch
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Token counts 1, 2, 3, 7, 16, 33: decodes, a new prompt, chunks and mixes of both.
-STEPS = [
-    {0: [5]},
-    {0: [6], 1: [9]},
-    {0: [7], 1: [10], 2: [3]},
-    {0: [8], 1: [11], 2: [4, 5, 6, 7, 8]},
-    {3: list(range(20, 33)), 0: [9], 1: [12], 2: [9]},
-    {0: list(range(40, 60)), 1: [13], 2: [10], 3: list(range(60, 71))},
-]
+STEPS = MIXED_STEPS  # token counts 1, 2, 3, 7, 16, 33
 
 
 def tiny_model():
@@ -179,7 +171,7 @@ _SECOND_START = textwrap.dedent("""
     from llmfast.config import CompileConfig
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
-    from tests.helpers.paged import PagedSequences
+    from tests.helpers.paged import MIXED_STEPS, PagedSequences
 
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
     cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)

@@ -15,6 +15,7 @@ from llmfast.compile import CompiledModel
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import resolve_model
+from tests.helpers.paged import MIXED_STEPS
 from tests.helpers.static_batch import StaticBatch
 
 pytestmark = [
@@ -25,12 +26,7 @@ pytestmark = [
 # Token counts 1, 2, 3, 7, 16, 33 (mixed prefill chunks and decodes), then decodes of
 # 4 requests, then a step past the largest graph size.
 STEPS = [
-    {0: [5]},
-    {0: [6], 1: [9]},
-    {0: [7], 1: [10], 2: [3]},
-    {0: [8], 1: [11], 2: [4, 5, 6, 7, 8]},
-    {3: list(range(20, 33)), 0: [9], 1: [12], 2: [9]},
-    {0: list(range(40, 60)), 1: [13], 2: [10], 3: list(range(60, 71))},
+    *MIXED_STEPS,
     {0: [1], 1: [2], 2: [3], 3: [4]},
     {0: [5], 1: [6], 2: [7], 3: [8]},
     {0: list(range(100, 150)), 1: [9]},

@@ -26,21 +26,13 @@ from llmfast.compile.precompiled import DIRNAME
 from llmfast.config import CompileConfig
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import resolve_model
-from tests.helpers.paged import PagedSequences
+from tests.helpers.paged import MIXED_STEPS, PagedSequences
 from tests.helpers.static_batch import StaticBatch
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = CompileConfig(cuda_graph_sizes=(1, 2, 4, 8, 16))
-# Decodes, a new prompt, chunks and a mix: padded sizes 1, 2, 4, 8 and 16 replay graphs,
-# 33 tokens run the pieces directly.
-STEPS = [
-    {0: [5]},
-    {0: [6], 1: [9]},
-    {0: [7], 1: [10], 2: [3]},
-    {0: [8], 1: [11], 2: [4, 5, 6, 7, 8]},
-    {3: list(range(20, 33)), 0: [9], 1: [12], 2: [9]},
-    {0: list(range(40, 60)), 1: [13], 2: [10], 3: list(range(60, 71))},
-]
+# Padded to 1, 2, 4, 8 and 16 tokens they replay graphs; 33 tokens run the pieces.
+STEPS = MIXED_STEPS
 
 
 def tiny_model():

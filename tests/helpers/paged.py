@@ -79,3 +79,15 @@ class PagedSequences:
             ids = torch.tensor(s.ids, device=dev)
             hidden = (self.forward or self.model)(ids, torch.tensor(s.positions, device=dev), md)
             return self.model.compute_logits(hidden)
+
+
+# A step sequence over 4 sequences (seq -> new token ids) of 1, 2, 3, 7, 16 and 33
+# tokens: decodes, a new prompt, chunks and mixes of both.
+MIXED_STEPS = [
+    {0: [5]},
+    {0: [6], 1: [9]},
+    {0: [7], 1: [10], 2: [3]},
+    {0: [8], 1: [11], 2: [4, 5, 6, 7, 8]},
+    {3: list(range(20, 33)), 0: [9], 1: [12], 2: [9]},
+    {0: list(range(40, 60)), 1: [13], 2: [10], 3: list(range(60, 71))},
+]
