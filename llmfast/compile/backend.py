@@ -73,26 +73,29 @@ def split_graph(gm: fx.GraphModule, targets: set[Any]) -> tuple[fx.GraphModule, 
     "split" (a splitting op, left as is) or "compiled".
     """
     partition: dict[fx.Node, int] = {}
-    current, split_ids = 0, set()
+    current = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         if is_splitting_node(node, targets):
             current += 1
             partition[node] = current
-            split_ids.add(current)
             current += 1
         else:
             partition[node] = current
     # keep_original_order: without it split_module may hoist nodes across the
     # (side-effecting) attention call, e.g. read `out` before attention wrote it.
     split = split_module(gm, gm, lambda node: partition[node], keep_original_order=True)
-    kinds = []
-    for node in split.graph.nodes:
-        if node.op == "call_module":
-            index = int(str(node.target).removeprefix("submod_"))
-            kinds.append("split" if index in split_ids else "compiled")
-    return split, kinds
+    return split, piece_kinds(split, targets)
+
+
+def piece_kinds(split: fx.GraphModule, targets: set[Any]) -> list[str]:
+    """Per submodule of a split graph, in call order: "split" where it holds a
+    splitting op (split_graph gives each one a submodule of its own), else "compiled".
+    Read from the graphs, so a warm start's loaded split graph has them too."""
+    modules = [str(n.target) for n in split.graph.nodes if n.op == "call_module"]
+    return ["split" if any(is_splitting_node(n, targets) for n in getattr(split, m).graph.nodes)
+            else "compiled" for m in modules]
 
 
 def _compile_with_inductor(piece: fx.GraphModule, fake_args: list[Any]) -> Callable[..., Any]:
@@ -284,6 +287,12 @@ def _as_piece_returns(piece: fx.GraphModule, fn: Callable[..., Any]) -> Callable
     returned = next(n for n in reversed(piece.graph.nodes) if n.op == "output").args[0]
     if isinstance(returned, (tuple, list)) and all(isinstance(x, fx.Node) for x in returned):
         return fn
+    if isinstance(returned, fx.Node):  # the common case: one value, no pytree per call
+
+        def first(*args: Any) -> Any:
+            return fn(*args)[0]
+
+        return first
     _, spec = pytree.tree_flatten(returned)
 
     def call(*args: Any) -> Any:
@@ -299,11 +308,11 @@ def assemble_split_graph(split: fx.GraphModule, targets: set[Any],
     compiled callables a warm start loaded (compile/precompiled.py) installed: what the
     backend returns to Dynamo, built without Dynamo."""
     modules = [str(n.target) for n in split.graph.nodes if n.op == "call_module"]
-    kinds = ["split" if any(is_splitting_node(n, targets) for n in getattr(split, m).graph.nodes)
-             else "compiled" for m in modules]
+    kinds = piece_kinds(split, targets)
     compiled_targets = [m for m, kind in zip(modules, kinds) if kind == "compiled"]
     if len(compiled_targets) != len(pieces):
         raise ValueError(f"{len(compiled_targets)} pieces in the graph, {len(pieces)} saved")
+    stats.record_pieces(kinds, num_shared=len(pieces) - len(compiled_fns))
     for target, kind in zip(modules, kinds):
         if kind == "split":
             _install_splitting_op(split, target)
@@ -313,10 +322,6 @@ def assemble_split_graph(split: fx.GraphModule, targets: set[Any],
         if wrap_piece is not None:
             fn = wrap_piece(index, fn, record.token_index, data_arg_indices(submod))
         split.__dict__[target] = fn
-    stats.piece_kinds = kinds
-    stats.num_pieces = len(pieces)
-    stats.num_shared_pieces = len(pieces) - len(compiled_fns)
-    stats.num_splitting_ops = kinds.count("split")
     return split
 
 
@@ -355,7 +360,7 @@ class PiecewiseBackend:
         # (Dynamo's graph, its real example inputs, the pickled split graph, the piece
         # records, the compiled artifacts) of the last compile while `keep_trace`; the
         # owner drops it once saved.
-        self.last_trace: tuple[fx.GraphModule, list[Any], bytes | None, list[PieceRecord],
+        self.last_trace: tuple[fx.GraphModule, list[Any], bytes, list[PieceRecord],
                                list[Any]] | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -385,10 +390,7 @@ class PiecewiseBackend:
 
         stats = self.stats
         stats.num_dynamo_graphs += 1
-        stats.piece_kinds = kinds
-        stats.num_pieces = kinds.count("compiled")
-        stats.num_shared_pieces = compiler.num_shared
-        stats.num_splitting_ops = kinds.count("split")
+        stats.record_pieces(kinds, num_shared=compiler.num_shared)
         stats.compile_time_s += time.perf_counter() - start
         stats.cache_dir = str(self.cache_dir) if self.cache_dir is not None else None
         stats.cache_hits += after["fx_hits"] - before["fx_hits"] + after["aot_hits"] - before["aot_hits"]
@@ -400,7 +402,7 @@ class PiecewiseBackend:
                            stats.num_dynamo_graphs)
         logger.info("compiled with %s: %s", self.piece_compiler, stats.summary())
         self.split_gm = split
-        if self.keep_trace:
+        if split_bytes is not None:  # keep_trace
             self.last_trace = (gm, list(example_inputs), split_bytes, compiler.pieces,
                                compiler.compiled_fns)
         return split.forward

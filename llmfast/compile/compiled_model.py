@@ -120,9 +120,7 @@ def _release_graphs(backend: PiecewiseBackend, state: GraphCaptureState | None) 
     backend.split_gm = None
     backend.last_trace = None  # the first call's tensors (a save that never came)
     if state is not None:
-        for runner in state.runners:
-            runner.graphs.clear()
-        state.runners.clear()
+        state.drop_runners()
 
 
 class CompiledModel:
@@ -264,8 +262,6 @@ class CompiledModel:
                 if out is not None:
                     return out
                 precompiled.discard(self._precompiled_dir)  # unusable: room for a new one
-                if precompiled.failed_before(self._precompiled_dir):  # it just failed
-                    self.backend.keep_trace = False
         self._mark_dynamic(*call)
         out = self._forward(*call)
         if self.backend.last_trace is not None:
@@ -296,8 +292,7 @@ class CompiledModel:
                                          record.pieces, self._wrap, self.stats)
         except Exception as exc:  # noqa: BLE001 - an unusable entry means tracing again
             logger.warning("ignoring the precompiled model in %s: %s", directory, exc)
-            if self._graph_state is not None:
-                self._graph_state.runners.clear()
+            self._drop_runners()
             return None
         try:
             out = split.forward(*flat)[record.output_index]
@@ -308,8 +303,8 @@ class CompiledModel:
             logger.warning("ignoring the precompiled model in %s, which failed on its first "
                            "call: %s; this configuration traces from now on", directory, exc)
             precompiled.mark_failed(directory, exc)
-            if self._graph_state is not None:
-                self._graph_state.runners.clear()
+            self.backend.keep_trace = False  # nor saved again
+            self._drop_runners()
             return None
         run, index = split.forward, record.output_index
         self.backend.split_gm = split
@@ -365,7 +360,7 @@ class CompiledModel:
                       if n.op == "placeholder"]
             precompiled.save(self._precompiled_dir, precompiled.Precompiled(
                 self.backend.split_gm, slots, none_fields, input_patterns(traced), index,
-                pieces, compiled_fns, split_bytes))
+                pieces, compiled_fns), split_bytes)
         finally:
             self.stats.compile_time_s += time.perf_counter() - start
 
@@ -378,13 +373,14 @@ class CompiledModel:
                    "instead%s", exc,
                    f"; its {lost} piecewise CUDA graphs are dropped, and the new pieces "
                    "run without graphs" if lost else "")
-        if state is not None:  # the loaded pieces' runners
-            for runner in state.runners:
-                runner.graphs.clear()
-            state.runners.clear()
+        self._drop_runners()  # the loaded pieces'
         self.stats.precompiled = False
         self._mark_dynamic(input_ids, positions, md)
         self._forward = self._dynamo_forward
+
+    def _drop_runners(self) -> None:
+        if self._graph_state is not None:
+            self._graph_state.drop_runners()
 
     def _mark_dynamic(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       md: AttentionMetadata) -> None:

@@ -67,14 +67,19 @@ def _sources(model: nn.Module, call: Sequence[Any]) -> dict[int, InputSlot]:
         value = getattr(md, field.name)
         if isinstance(value, torch.Tensor):
             found.setdefault(id(value), InputSlot("metadata", field.name))
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
+    for name, tensor in _constants(model):
         found.setdefault(id(tensor), InputSlot("const", name))
     for path, module in model.named_modules():
         for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor):
                 found.setdefault(id(value), InputSlot("attr", path, attr))
     return found
+
+
+def _constants(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by name (tied ones under each name)."""
+    return [*model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False)]
 
 
 def _symbol(value: Any) -> str | None:
@@ -193,9 +198,7 @@ def model_fingerprint(model: nn.Module) -> str:
       caches: block size, heads, head dim; their block count is left free);
     - every plain int, float, str or bool attribute of every module: Dynamo bakes them
       into the graph as constants (a tensor-parallel rank's vocabulary offset)."""
-    parts = [f"{name} {t.dtype} {t.device} {tuple(t.shape)}" for name, t in
-             [*model.named_parameters(remove_duplicate=False),
-              *model.named_buffers(remove_duplicate=False)]]
+    parts = [f"{name} {t.dtype} {t.device} {tuple(t.shape)}" for name, t in _constants(model)]
     for path, module in model.named_modules():
         for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor):

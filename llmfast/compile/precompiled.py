@@ -68,14 +68,15 @@ class PieceRecord:
 
 @dataclasses.dataclass
 class Precompiled:
-    split: fx.GraphModule  # Dynamo's graph split at the attention calls, nothing compiled
+    # Dynamo's graph split at the attention calls: as loaded, nothing compiled in it; as
+    # saved, the cold start's (pickled before compiling: `save`'s graph_bytes).
+    split: fx.GraphModule
     slots: list[InputSlot]
     none_fields: tuple[str, ...]  # metadata fields that were None when traced
     patterns: list[dict[str, Any]]  # graph_inputs.input_patterns of the traced inputs
     output_index: int  # the graph output the forward returns
     pieces: list[PieceRecord]
     artifacts: list[Any]  # callables (Inductor's CompiledArtifact)
-    split_bytes: bytes | None = None  # `split` as saved (the cold start pickles it early)
 
 
 def dump_graph(split: fx.GraphModule) -> bytes:
@@ -103,14 +104,16 @@ def _load_graph(data: bytes) -> fx.GraphModule:
     return split
 
 
-def save(directory: Path, record: Precompiled) -> bool:
-    """Write `record` to `directory` (atomically: a temporary directory renamed into
-    place; a concurrent start that got there first wins). False if anything failed."""
+def save(directory: Path, record: Precompiled, graph_bytes: bytes) -> bool:
+    """Write `record`, its split graph as `graph_bytes` (`dump_graph` of it before its
+    pieces were compiled in), to `directory` (atomically: a temporary directory renamed
+    into place; a concurrent start that got there first wins). False if anything
+    failed."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(directory.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{directory.name}.tmp-", dir=directory.parent))
     try:
-        (tmp / "graph.pkl").write_bytes(record.split_bytes or dump_graph(record.split))
+        (tmp / "graph.pkl").write_bytes(graph_bytes)
         for i, artifact in enumerate(record.artifacts):
             artifact.save(path=str(tmp / f"piece-{i}.bin"), format="binary")
         manifest = {

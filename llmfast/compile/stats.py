@@ -23,6 +23,13 @@ class CompileStats:
     capture_time_s: float = 0.0
     graph_memory_bytes: int = 0  # device memory taken by capture (pool + graph objects)
 
+    def record_pieces(self, kinds: list[str], num_shared: int) -> None:
+        """The split graph's pieces (`split_graph`'s kinds, in call order)."""
+        self.piece_kinds = kinds
+        self.num_pieces = kinds.count("compiled")
+        self.num_shared_pieces = num_shared
+        self.num_splitting_ops = kinds.count("split")
+
     @property
     def one_graph(self) -> bool:
         """Everything ran on one graph: traced once (or loaded, precompiled), never

@@ -182,6 +182,13 @@ class GraphCaptureState:
         finally:
             self.in_full_graph = previous
 
+    def drop_runners(self) -> None:
+        """Forget every piece runner and its graphs (a discarded model, or pieces
+        replaced by others): what they hold returns to the pool."""
+        for runner in self.runners:
+            runner.graphs.clear()
+        self.runners.clear()
+
     def wrap(self, index: int, fn: Callable[..., Any], token_index: int | None,
              data_args: Sequence[int]) -> Callable[..., Any]:
         """A `PieceWrapper` for `PiecewiseBackend` (`token_arg_index`, `data_arg_indices`)."""
