@@ -189,6 +189,11 @@ def startup(out: Path) -> Iterator[Line]:
         yield info(f"#18 startup: {run} stages "
                        + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items())
                        + (f"; {summary}" if summary else ""))
+    prime_s = report.get("bytecode_prime_s")
+    if prime_s is not None:  # llmfast/bench/startup/bytecode_prime.py
+        yield info(f"#18 startup: no bytecode installed; a start's imports compiled into "
+                   f"llmfast's bytecode cache before the cold start in {prime_s:.2f} s "
+                   f"(a very first start: cold + that)")
     warm_summary = report["warm"].get("compile_summary") or ""
     if "pieces" in warm_summary:  # a compiled start (not --enforce-eager)
         # llmfast/compile/precompiled.py: the warm start loads the cold one's trace.

@@ -6,7 +6,10 @@ a 17 s warm engine start before the runner's set-up, tokenizer and scheduler bec
 stages of their own).
 
     PYTHONPATH=$PWD python scripts/profile_startup.py --model random:llama-3.2-1b \\
-        --dtype bfloat16 [--device cuda] [--top 45] [--out DIR]
+        --dtype bfloat16 [--device cuda] [--top 45] [--out DIR] [-- ENGINE FLAGS]
+
+Engine flags after `--` go to the engine as `llmfast` commands take them (on CPU,
+`-- --compile` profiles a compiled start).
 
 Writes DIR/startup_profile.md (the tables) and DIR/startup_warm.prof (pstats) when
 --out is given. cProfile inflates Python-heavy parts (Dynamo, fake tensors) about 2x:
@@ -17,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pstats
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from llmfast.bench.startup.runs import cache_env, resolved_model, run_child
+from llmfast.bench.startup.runs import child_env, resolved_model, run_child
+from llmfast.engine_args import engine_kwargs_from_argv
 
 
 def import_times(env: dict[str, str], top: int) -> list[tuple[float, str]]:
@@ -72,8 +75,9 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("engine_flags", nargs="*", help="engine flags, after --")
     args = parser.parse_args()
-    engine_args = {"dtype": args.dtype}
+    engine_args = {"dtype": args.dtype, **engine_kwargs_from_argv(args.engine_flags)}
     if args.device:
         engine_args["device"] = args.device
     model = resolved_model(args.model)
@@ -85,7 +89,7 @@ def main() -> None:
                       f"time to first token {cold.time_to_first_token_s:.2f} s.")
         prof = root / "warm.prof"
         spec = json.dumps({"model": model, "engine_args": engine_args})
-        env = {**os.environ, **cache_env(root)}
+        env = child_env(root)
         subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m",
                         "llmfast.bench.startup.child", spec, str(root / "warm.json")],
                        env=env, check=True)

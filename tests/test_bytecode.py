@@ -104,18 +104,48 @@ def test_the_command_sets_it_up_before_any_command_runs(monkeypatch, tmp_path):
     assert calls == [("keep", tmp_path), ("app", None)]
 
 
-def test_a_cold_start_benchmark_compiles_its_imports_afresh(monkeypatch, tmp_path):
-    # `llmfast bench --startup` keeps the bytecode prefix it set for itself out of its
-    # children: the cold one compiles under its own empty cache root, as a first start
-    # would, and the warm one reads what the cold one wrote there.
-    from llmfast.bench.startup.runs import cache_env
+def test_a_cold_start_benchmark_shares_the_bytecode_and_primes_it(probe, monkeypatch,
+                                                                   tmp_path):
+    # `llmfast bench --startup` moves llmfast's caches to an empty root for its cold
+    # child, not Python's bytecode: a prefix it keeps for llmfast passes on to the
+    # children, which may write there, and a first process fills it with a start's
+    # imports (here the probe's) before the cold start.
+    from llmfast.bench.startup import runs
 
-    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path / "users"))
-    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "users" / "pycache"))
+    users = tmp_path / "users"
+    monkeypatch.setenv("LLMFAST_CACHE", str(users))
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(users / "pycache"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(probe.parent), str(REPO)]))
     root = tmp_path / "root"
-    assert cache_env(root)["PYTHONPYCACHEPREFIX"] == str(root / "llmfast" / "pycache")
+    assert runs.keeps_own_bytecode()
+    env = runs.child_env(root)
+    assert env["PYTHONPYCACHEPREFIX"] == str(users / "pycache")
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["LLMFAST_CACHE"] == str(root / "llmfast")
+    assert runs.prime_bytecode(env, ("probe_pkg",), timeout_s=120) > 0
+    assert len(cached_files(users)) == 1 and not root.exists()
+    with pytest.raises(runs.BenchError, match="priming the bytecode failed"):
+        runs.prime_bytecode(env, ("probe_pkg", "no_such_module_here"), timeout_s=120)
+
+    # A prefix of the user's own passes on as it is, and so does their choice not to
+    # write bytecode.
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "users_own"))
-    assert "PYTHONPYCACHEPREFIX" not in cache_env(root)  # the user's own: inherited
+    assert not runs.keeps_own_bytecode()
+    env = runs.child_env(root)
+    assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "users_own")
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
+
+
+def test_the_primed_imports_exist():
+    """Every module the priming imports is one this installation has (a renamed module
+    would leave the cold start compiling it)."""
+    import importlib.util
+
+    from llmfast.bench.startup.bytecode_prime import PRIME_IMPORTS
+
+    missing = [name for name, _ in PRIME_IMPORTS if importlib.util.find_spec(name) is None]
+    assert missing == []
 
 
 def test_a_child_of_llmfast_writes_into_the_prefix_it_was_given(probe, tmp_path):

@@ -137,12 +137,16 @@ def _check_startup_report(result, out_json) -> dict:
     assert report["config"]["mode"] == "startup" and report["runs"] == {}
     assert report["environment"]["device"] == "cpu" and "gpu" not in report["environment"]
     startup = report["startup"]
-    assert set(startup) == {"model", "engine_args", "cache_root", "cold", "warm"}
+    assert set(startup) == {"model", "engine_args", "cache_root", "cold", "warm",
+                            "bytecode_prime_s"}
+    # Bytecode beside the installed packages here: nothing to prime.
+    assert startup["bytecode_prime_s"] is None
     for which in ("cold", "warm"):
         run = startup[which]
         assert set(run) == STARTUP_RUN_KEYS, which
         # The runner's stages and the engine's (tokenizer, scheduler): what "other" is not.
-        assert {"load", "setup", "tokenizer", "kv_cache", "scheduler"} <= set(run["stages"])
+        # (uni: the tokenizer loads in a thread beside the runner; its wait is a stage.)
+        assert {"load", "setup", "tokenizer_wait", "kv_cache", "scheduler"} <= set(run["stages"])
         assert run["device"] == "cpu" and run["device_facts"] == {"device": "cpu"}
         # Spawn -> first token covers the imports, the engine and the first step.
         assert run["time_to_first_token_s"] >= run["import_s"] + run["engine_s"]

@@ -47,6 +47,12 @@ class Executor(ABC):
     backend: str = ""
     world_size: int = 1
 
+    #: `initialize` may run before the end-of-sequence ids are known, which then come
+    #: through `set_eos_token_ids` before the first step: the engine loads its tokenizer
+    #: in a thread meanwhile. (Workers get them with their start-up message instead, and
+    #: boot while the engine loads its tokenizer.)
+    late_eos_token_ids: bool = False
+
     @abstractmethod
     def initialize(self, eos_token_ids: tuple[int, ...] = (),
                    progress: Progress | None = None) -> int:
@@ -54,6 +60,12 @@ class Executor(ABC):
         graphs on the way); returns the number of KV blocks the scheduler may use: the
         fewest any rank has. Constructing the executor only starts the workers (they boot
         while the engine loads its tokenizer, which decides `eos_token_ids`)."""
+
+    def set_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> None:
+        """The end-of-sequence ids, after an `initialize` without them (only where
+        `late_eos_token_ids`)."""
+        raise ExecutorError(f"the {self.backend} executor takes the end-of-sequence ids "
+                            "at initialize")
 
     @abstractmethod
     def execute_async(self, sched_out: SchedulerOutput, then_collect: bool = False

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class UniExecutor(Executor):
     backend = "uni"
+    late_eos_token_ids = True  # the runner reads them at each step, not at start-up
 
     def __init__(self, config: EngineConfig, source: ModelSource,
                  progress: Progress | None = None) -> None:
@@ -34,6 +35,9 @@ class UniExecutor(Executor):
         self._runner = ModelRunner(self._config, self._source, eos_token_ids=eos_token_ids,
                                    progress=progress)
         return self._runner.initialize(progress)
+
+    def set_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> None:
+        self._runner.eos_token_ids = tuple(eos_token_ids)
 
     # The runner is looked up on every call (not bound once) so that tests and profilers
     # that wrap the runner's methods see every step.

@@ -8,6 +8,13 @@ kernels). The cold child starts with the root empty; the warm one is the same co
 again. Each child (`llmfast.bench.startup.child`) writes its figures to a JSON file;
 nothing is printed by this module.
 
+Python's bytecode is not one of those caches: a cold start finds it as the installation
+has it (a pip install compiles it). Where the packages have none and llmfast keeps its
+own (utils/bytecode.py), the children share the user's, and a first process fills it
+with a start's imports before the cold child runs (bench/startup/bytecode_prime.py);
+the report gives the seconds that took (`bytecode_prime_s`: about what a first start
+on such a machine adds).
+
 The model is resolved here, once: a default or GGUF model is fetched or converted into
 the user's cache before the children run, and they get its directory, so an empty
 cache root never means a download.
@@ -32,7 +39,7 @@ from llmfast.utils.paths import cache_dir
 # The stages, in start-up order (LLMEngine.startup_times' keys: the runner's, then the
 # engine's tokenizer and scheduler).
 STARTUP_STAGES = ("load", "setup", "tokenizer", "tune", "profile", "compile", "capture",
-                  "kv_cache", "scheduler")
+                  "kv_cache", "tokenizer_wait", "scheduler")
 
 
 @dataclass
@@ -61,22 +68,55 @@ class StartupReport:
     cache_root: str
     cold: StartupRun
     warm: StartupRun
+    # Seconds the imports took to fill llmfast's bytecode cache before the cold start;
+    # None where Python keeps bytecode itself (module doc).
+    bytecode_prime_s: float | None = None
 
 
 def cache_env(root: Path) -> dict[str, str]:
-    """The variables that put every cache a start-up fills under `root`. The bytecode
-    cache llmfast keeps where Python keeps none (utils/bytecode.py) is one of them: a
-    prefix this process set to its own cache moves under `root` too (the child sets it
-    again there), so that a cold start compiles its imports as a first start would; a
-    prefix of the user's own stays."""
-    env = {
+    """The variables that put every cache a start-up fills under `root`. Python's
+    bytecode stays where it is: a prefix this process was given or set for llmfast's
+    bytecode cache (PYTHONPYCACHEPREFIX) passes on to the children (module doc)."""
+    return {
         "LLMFAST_CACHE": str(root / "llmfast"),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         "TRITON_CACHE_DIR": str(root / "triton"),
     }
-    if os.environ.get("PYTHONPYCACHEPREFIX") == str(bytecode_cache_dir(cache_dir())):
-        env["PYTHONPYCACHEPREFIX"] = str(bytecode_cache_dir(root / "llmfast"))
+
+
+def child_env(root: Path) -> dict[str, str]:
+    """The environment of a child with its caches under `root`. Where this process keeps
+    its bytecode in llmfast's cache the child writes there too, whatever
+    PYTHONDONTWRITEBYTECODE says (as utils/bytecode.py decides for this process): else
+    what the priming left out would compile again in the warm start."""
+    env = {**os.environ, **cache_env(root)}
+    if keeps_own_bytecode():
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
+
+
+def keeps_own_bytecode() -> bool:
+    """This process keeps its bytecode in llmfast's cache (utils/bytecode.py), and so
+    will the children it starts."""
+    return os.environ.get("PYTHONPYCACHEPREFIX") == str(bytecode_cache_dir(cache_dir()))
+
+
+def prime_bytecode(env: dict[str, str], modules: tuple[str, ...] = (),
+                   timeout_s: float | None = None) -> float:
+    """Seconds a fresh process took to import what a start-up imports (or `modules`),
+    writing their bytecode where `env` says (bench/startup/bytecode_prime.py)."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "llmfast.bench.startup.bytecode_prime", *modules],
+            env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"priming the bytecode ran past {timeout_s:g} s") from None
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        raise BenchError("priming the bytecode failed: "
+                         + (lines[-1] if lines else f"exit status {proc.returncode}"))
+    return time.perf_counter() - t0
 
 
 def resolved_model(spec: str | None) -> str:
@@ -105,15 +145,20 @@ def run_startup(model: str | None, engine_args: dict[str, Any],
 def _cold_and_warm(model: str, engine_args: dict[str, Any], root: Path,
                    timeout_s: float | None) -> StartupReport:
     root.mkdir(parents=True, exist_ok=True)
+    prime_s = None
+    if keeps_own_bytecode():
+        with tempfile.TemporaryDirectory(prefix="llmfast_prime_") as scratch:
+            # (Its other caches apart: nothing of it may land in the cold start's root.)
+            prime_s = prime_bytecode(child_env(Path(scratch)), timeout_s=timeout_s)
     cold = run_child(model, engine_args, root, timeout_s)
     warm = run_child(model, engine_args, root, timeout_s)
-    return StartupReport(model, dict(engine_args), str(root), cold, warm)
+    return StartupReport(model, dict(engine_args), str(root), cold, warm, prime_s)
 
 
 def run_child(model: str, engine_args: dict[str, Any], root: Path,
               timeout_s: float | None = None) -> StartupRun:
     """One fresh `python -m llmfast.bench.startup.child` with its caches under `root`."""
-    env = {**os.environ, **cache_env(root)}
+    env = child_env(root)
     with tempfile.TemporaryDirectory(prefix="llmfast_child_") as tmp:
         out = Path(tmp) / "startup.json"
         spec = json.dumps({"model": model, "engine_args": engine_args})
