@@ -46,8 +46,9 @@
 #   startup       120/300    scripts/ship_prefill_tiles.py (the model's prefill tiles tuned
 #                            and installed as shipped: prefill_tiles_model.json), then
 #                            llmfast bench --startup with tuning on auto (#18: TTFT warm
-#                            <= 10 s, cold <= 25 s; #15: capture <= 10 s; graphs, memory)
-#                            [83 s]
+#                            <= 10 s, cold <= 25 s; #15: capture <= 10 s; graphs, memory;
+#                            where torch has no bytecode, a first process compiles the
+#                            imports' before the cold start: ~7 s more)   [83 s]
 #   startup_thin  120/300    the startup step with --piecewise-graph-sizes 1..512 (10
 #                            piecewise sizes instead of 51; full graphs at every size):
 #                            what fewer piecewise graphs save of #18's TTFT  [unmeasured]
@@ -124,7 +125,11 @@
 #        `_decode_rope_attention_kernel` x16 instead of `_unified_attention_kernel`),
 #        and the warm start without Dynamo (llmfast/compile/precompiled.py: `startup`'s
 #        new verdict line says whether the warm start loaded the cold one's trace;
-#        `full` and every compiled step after the first start load it too)
+#        `full` and every compiled step after the first start load it too); since
+#        a5229f2: the tokenizer loads in a thread beside the runner's start (`startup`'s
+#        stages show `tokenizer_wait`, the part it still cost), and `startup`'s cold
+#        start finds the imports' bytecode primed (an info line gives the priming's
+#        seconds: what a machine's very first start adds)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
 #        `skipped` = the steps the previous call of this machine skipped (a file under

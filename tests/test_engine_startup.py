@@ -114,3 +114,31 @@ def test_a_failed_runner_start_wins_over_the_tokenizer(chat_model, monkeypatch):
     with pytest.raises(ConfigError, match="no room for the KV cache"):
         LLM(str(chat_model), device="cpu", max_model_len=128, block_size=8)
     assert loaded.wait(timeout=60)  # the thread ends on its own
+
+
+def test_graph_capture_minds_only_its_own_thread(monkeypatch):
+    """The tokenizer's thread runs while CUDA graphs are captured: captures check the
+    capturing thread's CUDA calls only (thread_local), so a call from another thread
+    cannot fail them (the default, global mode, would)."""
+    import torch
+
+    from llmfast.graphs.piecewise import CudaGraphCapturer
+
+    begun = []
+
+    class RecordingGraph:
+        def capture_begin(self, **kw):
+            begun.append(kw)
+
+        def capture_end(self):
+            pass
+
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    capturer = CudaGraphCapturer(torch.device("cuda"))
+    _, out = capturer.capture(lambda x: x + 1, (1,))
+    assert out == 2
+    assert begun == [{"pool": "pool", "capture_error_mode": "thread_local"}]

@@ -100,7 +100,10 @@ class CudaGraphCapturer:
         # capture_begin/end rather than `with torch.cuda.graph(...)`: the context
         # manager runs gc.collect() and empty_cache() per capture (hundreds of times).
         # The caller has already made a side stream current (capture needs one).
-        graph.capture_begin(pool=self.pool)
+        # Thread-local: a CUDA call another thread of the process makes meanwhile (the
+        # engine loads its tokenizer in one during start-up) is not this capture's
+        # concern; in the default global mode an unsafe one would fail the capture.
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         try:
             out = fn(*args)
         finally:
