@@ -249,3 +249,64 @@ def test_async_scheduling_defaults_off_on_cpu_and_can_be_forced():
     forced, _ = EngineArgs(model="random:tiny", device="cpu",
                            async_scheduling=True).create_engine_config()
     assert not default.scheduler.async_scheduling and forced.scheduler.async_scheduling
+
+
+# Run in a child with TRITON_INTERPRET=1: the model's Triton kernels (the path CUDA
+# takes) instead of the CPU's torch ops, async scheduling against the synchronous loop.
+_TRITON_ASYNC_CHILD = """
+import json, sys
+from llmfast import LLM, SamplingParams
+from llmfast.kernels import attention
+
+calls = []
+launch = attention.unified_attention
+
+def recording(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *args, **kw):
+    calls.append((q.shape[0], seq_lens.shape[0], kw.get("uniform_decode", False)))
+    return launch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *args, **kw)
+
+attention.unified_attention = recording
+
+def run(async_scheduling):
+    engine = LLM("random:tiny", device="cpu", max_model_len=64, block_size=4,
+                 num_gpu_blocks_override=48, max_num_batched_tokens=32, max_num_seqs=8,
+                 seed=0, async_scheduling=async_scheduling).engine
+    ids = {}
+    for i, (prompt, n) in enumerate((([5, 6, 7], 2), ([8, 9, 10], 6), ([11, 12, 13], 6),
+                                     ([1, 2], 3))):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        ids[engine.add_request({"prompt_token_ids": prompt}, params)] = i
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[ids[out.request_id]] = list(out.outputs[0].token_ids)
+    return tokens
+
+result = {"async": run(True)}
+# Uniform decode launches with fewer tokens than rows: a request whose last token was
+# in flight got none.
+result["zero_row_decodes"] = sum(1 for t, r, uniform in calls if uniform and t < r)
+result["sync"] = run(False)
+print(json.dumps(result))
+"""
+
+
+def test_triton_kernels_under_async_scheduling_match_the_synchronous_loop():
+    """A decode step in which a row has no token (its last token still in flight) is
+    uniform decode with fewer tokens than rows: the fused decode + RoPE kernel serves it
+    (it once refused it: a key per row, not per token, was asked for)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
+    proc = subprocess.run([sys.executable, "-c", _TRITON_ASYNC_CHILD], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["zero_row_decodes"] > 0
+    assert result["async"] == result["sync"]
+    assert [len(result["sync"][str(i)]) for i in range(4)] == [2, 6, 6, 3]

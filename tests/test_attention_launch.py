@@ -132,6 +132,41 @@ def test_cached_decode_rope_launch_passes_what_the_jit_launch_passes(
     assert workspaces is not None
 
 
+def test_padded_uniform_decode_is_configured_as_decode(recorded_rope, monkeypatch):
+    """A uniform decode step padded past twice its requests (3 rows to a graph size of
+    64 tokens: a sparse --cuda-graph-sizes) takes the decode launch its 3 rows would:
+    decode tiles, the table's splits and the one compiled decode variant, never prefill
+    tiles (nor their tuning)."""
+    monkeypatch.setattr(attention, "_prefill_tiles",
+                        lambda *a: pytest.fail("a decode step looked up prefill tiles"))
+    _, k_cache, table, qsl, seq_lens, workspaces, _ = step_inputs(64, 3)
+    qkv = torch.empty(64, 48, 128, dtype=torch.bfloat16)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    new_tokens = (k, v, torch.empty(64, dtype=torch.int64), torch.empty(64, dtype=torch.int64),
+                  torch.empty(4096, 128, dtype=torch.float32))
+    before = set(map(id, attention._PLANS.values()))
+
+    def fresh_plan(**kw):
+        attention.unified_attention(q, k_cache, k_cache, table, qsl, seq_lens, 0.1,
+                                    torch.empty_like(q), **kw)
+        plans = [p for p in attention._PLANS.values() if id(p) not in before]
+        before.update(map(id, plans))
+        assert len(plans) == 1
+        return plans[0]
+
+    padded = fresh_plan(new_tokens=new_tokens, uniform_decode=True)
+    unpadded = attention._plan(q[:3], k_cache, k_cache, table, q[:3], 3, None, None, True,
+                               None, rope=tuple(t[:3] if t.shape[0] == 64 else t
+                                                for t in new_tokens))
+    assert padded.rope and padded.constexprs == unpadded.constexprs
+    assert padded.split_counts == unpadded.split_counts
+    assert padded.grid == unpadded.grid == (3, 8, padded.split_counts[0])
+    # Told nothing of its rows, 64 tokens over 3 requests is prefill-like.
+    prefill = fresh_plan()
+    assert prefill.constexprs["BLOCK_Q"] > padded.constexprs["BLOCK_Q"]
+    assert workspaces is not None
+
+
 def _cached_again_equal_jit(variants, cache, recorded, monkeypatch) -> list:
     """After one round of `variants` (2 splits): a second round, recorded, then a third
     through Triton's JIT (the cache left off); each second-round launch must equal the JIT's.

@@ -99,8 +99,12 @@ def check_fused_op_equals_unfused(dtype: str, kind: str, device: str = "cpu"):
             # As many tokens as rows, but not uniform decode: a row whose last token is
             # still in flight gets none (async scheduling), another two.
             "zero_rows": [(40, 0), (3, 1), (17, 2)],
-            "uniform": [(40, 1), (3, 1), (17, 1), (0, 1)]}[kind]
-    pad = 1 if kind == "uniform" else 0 if kind == "zero_rows" else 2
+            "uniform": [(40, 1), (3, 1), (17, 1), (0, 1)],
+            # Uniform decode with fewer tokens than rows (a row's last token in flight,
+            # the live count a capture size, so no padding): the fused kernel, which
+            # reads a key, value, slot and position per token, not per row.
+            "uniform_zero_row": [(40, 0), (3, 1), (17, 1)]}[kind]
+    pad = 1 if kind == "uniform" else 0 if "zero_row" in kind else 2
     b = attn_tests.make_batch(reqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                               dtype=dt, pad_tokens=pad, pad_reqs=min(pad, 1), device=device)
     # What the runner tells the op (AttentionMetadata.max_query_len): 1 only when every
@@ -127,7 +131,8 @@ def check_fused_op_equals_unfused(dtype: str, kind: str, device: str = "cpu"):
                                *args, out_fused, positions, table, max_query_len)
     fused_kernel = any(plan.rope for plan in attention._PLANS.values()
                        if id(plan) not in before)
-    assert fused_kernel == (kind in ("decode", "uniform")), kind  # rows of <= 1 token
+    # Rows of <= 1 token: the fused decode kernel.
+    assert fused_kernel == (kind in ("decode", "uniform", "uniform_zero_row")), kind
     q_rot = rotary_ops.rotary_impl(positions, b["q"], table, sign)
     k_rot = rotary_ops.rotary_impl(positions, b["k"], table, sign)
     k_apart, v_apart = b["k_cache"].clone(), b["v_cache"].clone()
@@ -338,7 +343,8 @@ ROPE_CACHE_CASES = [
     ("bfloat16", "float8_e4m3fn", 4, 4, 80),  # head dim padded inside; an fp8 cache
 ]
 FUSED_OP_CASES = [("float32", "mixed"), ("bfloat16", "mixed"), ("bfloat16", "decode"),
-                  ("bfloat16", "zero_rows"), ("bfloat16", "uniform")]
+                  ("bfloat16", "zero_rows"), ("bfloat16", "uniform"),
+                  ("bfloat16", "uniform_zero_row")]
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, heads, kv_heads, head_dim", ROPE_CACHE_CASES)

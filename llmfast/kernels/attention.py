@@ -224,7 +224,11 @@ def unified_attention(
             k, v, slot_mapping, positions, cos_sin = new_tokens
             rope_and_cache(q, k, v, positions, cos_sin, out, k_cache, v_cache, slot_mapping)
             q = out
-    if prefill_tiles is None and num_tokens > 2 * num_reqs and q.is_cuda:
+    # Decode-like: ~1 token per request, or known to be at most one (a uniform decode
+    # step padded to a sparse graph size may hold more tokens than twice its requests:
+    # still decode, its own variant and splits, not prefill tiles).
+    decode_like = uniform_decode or num_tokens <= 2 * num_reqs
+    if prefill_tiles is None and not decode_like and q.is_cuda:
         prefill_tiles = _prefill_tiles(q, k_cache.dtype, num_reqs,
                                        q_shape[1] // k_cache.shape[2])
     # Everything the launch derives from shapes, computed once per shape (a step's
@@ -236,13 +240,13 @@ def unified_attention(
            k_cache.dtype, v_cache.stride(), v_cache.dtype, out.stride(), out.dtype,
            block_table.shape, block_table.stride(), block_table.dtype,
            query_start_loc.dtype, seq_lens.dtype, num_splits, block_q, fused_merge,
-           prefill_tiles, config, _num_sms,
+           prefill_tiles, config, _num_sms, decode_like,
            None if rope is None else tuple((t.shape, t.stride(), t.dtype) for t in rope))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(q, k_cache, v_cache, block_table, out, num_reqs,
                                      num_splits, block_q, fused_merge, prefill_tiles, config,
-                                     rope))
+                                     rope, decode_like))
     # (The module's launch caches read at each call: tests replace them.)
     launches = _DECODE_ROPE_LAUNCHES if plan.rope else _ATTENTION_LAUNCHES
     if not plan.is_cuda:
@@ -322,12 +326,18 @@ _PLANS = PlanCache()
 
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
-          prefill_tiles, config=None, rope: NewTokens | None = None) -> _LaunchPlan:
+          prefill_tiles, config=None, rope: NewTokens | None = None,
+          decode_like: bool | None = None) -> _LaunchPlan:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if decode_like is None:
+        decode_like = num_tokens <= 2 * num_reqs
+    # (select_config tells decode from prefill by the counts: a decode-like launch with
+    # padding tokens past twice its requests is configured as its requests alone.)
     cfg = config or select_config(
-        num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+        num_tokens if not decode_like else min(num_tokens, 2 * num_reqs), num_reqs,
+        num_heads, num_kv_heads, head_dim, block_size,
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
         prefill_tiles, kv_dtype=k_cache.dtype,
     )
@@ -376,7 +386,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
                             _num_sms(q.device), _device_split_tables(q.device),
                             kv_dtype=k_cache.dtype))
     main_bound, fused_code = (bound if fused else splits), fused
-    if fused_merge and (num_tokens <= 2 * num_reqs or rope is not None):
+    if fused_merge and (decode_like or rope is not None):
         # Decode-like launches (and the fused decode + RoPE kernel) compile the split
         # code whatever their count, so that all of them are one variant: the start-up
         # captures compile it (those of uniform decode may take the fused kernel, and a
@@ -397,10 +407,14 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     split_counts: tuple[int, ...] = (splits, region.num_splits if region else 1)
     if rope is not None:
         # The fused decode + RoPE kernel: one program per request; always compiled with
-        # the split code (one variant whatever the batch: the captures compile it).
+        # the split code (one variant whatever the batch: the captures compile it). A
+        # request reads its token's key, value, slot and position (none for a row of no
+        # token: async scheduling gives one to a request whose last token is in flight),
+        # so each has a row per token: there may be fewer tokens than requests.
         k, v, slot_mapping, positions, cos_sin = rope
         if not rope_cache_takes(q, k, v, cos_sin, k_cache, v_cache) or min(
-                k.shape[0], v.shape[0], slot_mapping.shape[0], positions.shape[0]) < num_reqs:
+                k.shape[0], v.shape[0], slot_mapping.shape[0], positions.shape[0]
+        ) < num_tokens:
             raise ValueError("the fused decode + RoPE attention takes contiguous, even head "
                              "dims, q and k of one dtype, a float32 cos/sin table as wide as "
                              "a head, and a key, value, slot and position per token")

@@ -53,9 +53,12 @@ def _round_to_e4m3(x):
 def _cache_value(x, CLAMP: tl.constexpr):
     """x as the cache stores it before the store's conversion: an fp8 cache (CLAMP > 0)
     gets it clamped to +-CLAMP (e4m3fn has no inf: values past it would become NaN)
-    and rounded to nearest even in float32; other caches get x as it is."""
+    and rounded to nearest even in float32; other caches get x as it is. A NaN stays
+    NaN, as torch's clamp keeps it (the GPU's max/min would otherwise return the other
+    operand, -CLAMP, where the interpreter's numpy keeps the NaN)."""
     if CLAMP > 0:
-        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -CLAMP), CLAMP))
+        x = tl.maximum(x.to(tl.float32), -CLAMP, propagate_nan=tl.PropagateNan.ALL)
+        x = _round_to_e4m3(tl.minimum(x, CLAMP, propagate_nan=tl.PropagateNan.ALL))
     return x
 
 
