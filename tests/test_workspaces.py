@@ -31,14 +31,15 @@ def test_split_scratch_is_partials_and_arrivals():
         assert [p.shape for p in partials] == [p.shape for p in expected]
         assert (arrivals is None) == (n == 0)
         if n:
-            assert arrivals.shape == (n,) and arrivals.dtype == torch.int32
+            assert arrivals.numel() >= n and arrivals.dtype == torch.int32
             assert not arrivals.any()
     for i in range(len(calls)):  # reuse: call i got call j's buffer exactly when slow did
         for j in range(i):
             for a, b, c, d in zip(fast_seen[i], fast_seen[j], slow_seen[i], slow_seen[j]):
                 assert (a is not None and a is b) == (c is not None and c is d), (i, j)
     assert list(fast._partials) == list(slow._partials)
-    assert list(fast._arrivals) == list(slow._arrivals)
+    assert fast._arrivals.numel() == slow._arrivals.numel()
+    assert fast.num_arrival_buffers == slow.num_arrival_buffers == 2  # 4, then grown to 8
 
 
 def _split_plan(**changes):
@@ -57,7 +58,7 @@ def test_split_launch_scratch_comes_from_the_owner(monkeypatch):
     first = attention._split_scratch(plan, k_cache)
     assert all(a is b for a, b in zip(first, attention._split_scratch(plan, k_cache)))
     assert owner.num_partials == 1 and owner.num_arrival_buffers == 1
-    assert first[3].shape == (plan.num_arrivals,)
+    assert first[3].numel() >= plan.num_arrivals
     unfused = attention._split_scratch(dataclasses.replace(plan, fused=False), k_cache)
     assert unfused[3] is None and all(a is b for a, b in zip(first[:3], unfused[:3]))
     # Nobody owns this cache: fresh scratch each call, counters zeroed.
@@ -77,16 +78,16 @@ def test_split_launch_scratch_is_fresh_while_a_graph_is_captured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     captured = attention._split_scratch(plan, k_cache)
     assert owner.num_partials == 0 and owner.num_arrival_buffers == 0
-    assert captured[3].shape == (plan.num_arrivals,) and not captured[3].any()
+    assert captured[3].numel() == plan.num_arrivals and not captured[3].any()
     again = attention._split_scratch(plan, k_cache)
     assert all(x is not y for x, y in zip(captured, again))
     capturing[0] = False
     eager = attention._split_scratch(plan, k_cache)
     assert owner.num_partials == 1 and owner.num_arrival_buffers == 1
     assert all(x is not y for x, y in zip(captured, eager))
-    # Once an eager launch made the owner's counters (the warm-up before a capture), a
-    # capture takes those (zero between launches: no memset in the graph); the partials
-    # stay fresh. The counters outlive any number of other shapes (a graph holds them).
+    # Once the owner has counters enough (an eager launch made them, or the runner
+    # reserved them), a capture takes those (zero between launches: no memset in the
+    # graph); the partials stay fresh. Outgrown counters are kept (a graph holds them).
     capturing[0] = True
     after_warmup = attention._split_scratch(plan, k_cache)
     assert after_warmup[3] is eager[3]
@@ -94,11 +95,45 @@ def test_split_launch_scratch_is_fresh_while_a_graph_is_captured(monkeypatch):
     capturing[0] = False
     for n in range(1, 3 * owner.max_shapes):
         owner.arrivals(CPU, 1000 + n)
-    assert owner.existing_arrivals(plan.num_arrivals) is eager[3]
+    assert any(c is eager[3] for c in owner._outgrown_arrivals)
+    grown = owner.existing_arrivals(plan.num_arrivals)
+    assert grown is not eager[3] and grown.numel() >= 1000 + 3 * owner.max_shapes - 1
+    assert not grown.any()
     # A CPU plan never asks (torch without CUDA raises there).
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
                         lambda: (_ for _ in ()).throw(AssertionError("asked")))
     attention._split_scratch(_split_plan(), k_cache)
+
+
+def test_reserved_counters_serve_every_capture(monkeypatch):
+    """The runner reserves `arrivals_bound` counters with its KV cache: every split
+    launch its steps can make (here _plan's num_arrivals over token and request counts
+    up to the bound's, decode-like and mixed) then finds them while a CUDA graph is
+    captured, so no graph records a memset of its own."""
+    from llmfast.kernels.workspaces import arrivals_bound
+
+    max_tokens, max_reqs, kv_heads = 64, 16, 2
+    k_cache = torch.empty(4, 16, kv_heads, 64)
+    owner = AttentionWorkspaces([k_cache])
+    owner.reserve_arrivals(CPU, arrivals_bound(max_tokens, max_reqs, kv_heads))
+    reserved = owner.existing_arrivals(1)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    checked = 0
+    for num_reqs in (1, 3, 8, max_reqs):
+        for num_tokens in sorted({num_reqs, 2 * num_reqs, 3 * num_reqs, max_tokens}):
+            if num_tokens > max_tokens:
+                continue
+            for splits, block_q in ((4, 1), (8, None), (None, None)):
+                q = torch.empty(num_tokens, 8, 64)
+                table = torch.empty(num_reqs, 8, dtype=torch.int32)
+                plan = attention._plan(q, k_cache, k_cache, table, q, num_reqs, splits,
+                                       block_q, True, None)
+                if not plan.fused:
+                    continue
+                plan = dataclasses.replace(plan, is_cuda=True)
+                assert attention._split_scratch(plan, k_cache)[3] is reserved
+                checked += 1
+    assert checked > 10 and owner.num_arrival_buffers == 1
 
 
 def test_plan_knows_the_scratch_alignment():

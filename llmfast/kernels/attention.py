@@ -154,8 +154,8 @@ def _split_scratch(plan: _LaunchPlan, k_cache: torch.Tensor
     Eager launches reuse the partials and counters of the runner that owns the cache
     (its workspaces), by shape. While a CUDA graph is being captured the partials are
     fresh, so they come from (and stay in) the graph's private pool rather than aliasing
-    memory eager calls keep using. The counters are the owner's there too when an eager
-    launch of the same shape made them (the warm-up before a capture does): zero between
+    memory eager calls keep using. The counters are the owner's there too when it has
+    enough (the runner reserves its largest launch's with the KV cache): zero between
     launches (the last arrival resets its counter), kept for the owner's life (a graph
     may hold them), and used by one launch at a time (one stream), so a graph needs no
     zeroing of its own. Otherwise fresh counters, zeroed by a memset the graph records:

@@ -35,6 +35,14 @@ def new_partials(device: torch.device, num_splits: int, num_tokens: int, num_hea
     return acc, stats[0], stats[1]
 
 
+def arrivals_bound(max_num_tokens: int, max_num_reqs: int, num_kv_heads: int) -> int:
+    """The most fused-merge counters an attention launch of at most `max_num_tokens`
+    tokens and `max_num_reqs` requests takes: one per KV head and query tile (at most
+    one a token, plus one a request: the plan's `num_tiles`) or, with a decode region,
+    per KV head and request (kernels/attention.py `_plan`)."""
+    return (max_num_tokens + max_num_reqs) * num_kv_heads
+
+
 def _storage_key(cache: torch.Tensor) -> int:
     # The runner's layers' k and v caches are views of one tensor: one storage, one key.
     # Live allocations never share an address, host or device (CUDA's unified virtual
@@ -61,9 +69,14 @@ class AttentionWorkspaces:
         self.max_shapes, self.max_plans = max_shapes, max_plans
         self._partials: OrderedDict[tuple[int, ...], Partials] = OrderedDict()
         self._plans: OrderedDict[Hashable, Any] = OrderedDict()
-        # Never evicted: CUDA graphs captured with them hold their addresses (they are
-        # a few int32 per query tile and KV head, one tensor per launch shape).
-        self._arrivals: dict[int, torch.Tensor] = {}
+        # The fused merge's arrival counters: one int32 buffer of which each split
+        # launch uses the first n (a few per query tile and KV head), zero between
+        # launches (the last arrival resets its own; launches run one at a time, on one
+        # stream), so any launch shape finds them, a CUDA graph's capture too (no memset
+        # recorded in the graph). A launch needing more replaces it with a larger one;
+        # the outgrown ones are kept, since graphs captured with them hold their addresses.
+        self._arrivals: torch.Tensor | None = None
+        self._outgrown_arrivals: list[torch.Tensor] = []
         for cache in caches:
             _OWNERS[_storage_key(cache)] = self
 
@@ -78,16 +91,26 @@ class AttentionWorkspaces:
                     self.max_shapes)
 
     def arrivals(self, device: torch.device, n: int) -> torch.Tensor:
-        """The fused merge's `n` int32 arrival counters (zero between launches)."""
-        counters = self._arrivals.get(n)
-        if counters is None:
-            counters = self._arrivals[n] = torch.zeros(n, dtype=torch.int32, device=device)
+        """At least `n` int32 arrival counters for the fused merge, zero between launches
+        (the buffer every launch shares; grown, never shrunk). The runner reserves what
+        its largest launch needs when it allocates the KV cache (`reserve_arrivals`)."""
+        counters = self._arrivals
+        if counters is None or counters.numel() < n:
+            if counters is not None:
+                self._outgrown_arrivals.append(counters)
+            size = max(n, 2 * counters.numel() if counters is not None else 0)
+            counters = self._arrivals = torch.zeros(size, dtype=torch.int32, device=device)
         return counters
 
+    def reserve_arrivals(self, device: torch.device, n: int) -> None:
+        """Make the counters at least `n` long now, outside any CUDA graph capture."""
+        self.arrivals(device, n)
+
     def existing_arrivals(self, n: int) -> torch.Tensor | None:
-        """The `n` counters if an eager launch made them (none are made here: a CUDA
-        graph capture asks, and memory allocated there would be the graph's)."""
-        return self._arrivals.get(n)
+        """The counters, if at least `n` exist (none are made here: a CUDA graph capture
+        asks, and memory allocated there would be the graph's)."""
+        counters = self._arrivals
+        return counters if counters is not None and counters.numel() >= n else None
 
     def split_scratch(self, device: torch.device, shape: tuple[int, int, int, int],
                       num_arrivals: int) -> tuple[Partials, torch.Tensor | None]:
@@ -101,8 +124,8 @@ class AttentionWorkspaces:
             self._partials.move_to_end(shape)
         if not num_arrivals:
             return partials, None
-        arrivals = self._arrivals.get(num_arrivals)
-        if arrivals is None:
+        arrivals = self._arrivals
+        if arrivals is None or arrivals.numel() < num_arrivals:
             arrivals = self.arrivals(device, num_arrivals)
         return partials, arrivals
 
@@ -116,7 +139,8 @@ class AttentionWorkspaces:
 
     @property
     def num_arrival_buffers(self) -> int:
-        return len(self._arrivals)
+        """Counter buffers made so far (the current one and the outgrown)."""
+        return len(self._outgrown_arrivals) + (self._arrivals is not None)
 
     @property
     def num_plans(self) -> int:

@@ -33,7 +33,7 @@ from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind
 from llmfast.kernels.attention import tune_model_prefill_tiles
 from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.kernels.workspaces import AttentionWorkspaces, arrivals_bound
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.profiling.nvtx_ranges import nvtx_range
@@ -186,8 +186,13 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model_cfg, cfg.cache, num_blocks, block_bytes,
                                           self.kv_dtype, self.device)
         self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
-        # The attention kernels' scratch for this cache: freed with the runner.
+        # The attention kernels' scratch for this cache: freed with the runner. The split
+        # launches' counters for the largest step now, outside the full graphs' captures
+        # below, which then record no memset to make their own.
         self.attention_workspaces = AttentionWorkspaces([self.kv_cache])
+        if self.device.type == "cuda":
+            self.attention_workspaces.reserve_arrivals(self.device, arrivals_bound(
+                self.max_num_tokens, self.max_num_reqs, model_cfg.num_key_value_heads))
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0
         if captured and self.compiled.full_graphs is not None:
