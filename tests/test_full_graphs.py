@@ -147,15 +147,11 @@ def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
 
 
 
-@pytest.mark.parametrize("piecewise_sizes", [None, (2, 4)])
-def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(piecewise_sizes):
-    """The CUDA start-up order, on CPU with emulated graphs: compile and capture on a
-    one-block scratch cache, bind the real cache (views of one tensor, as the runner
-    allocates it), capture the full graphs again. No recompile (a recompile inside a
-    real capture fails); the largest size runs once uncaptured before its recapture;
-    every capture uses the one side stream; replays read the real cache. With
-    `piecewise_sizes` (--piecewise-graph-sizes) the piecewise graphs are captured at
-    those sizes alone, the full graphs at every size."""
+def _scratch_capture_rig(piecewise_sizes=None):
+    """A tiny compiled model with emulated graphs on a one-block scratch cache, as the
+    runner has it before sizing the KV cache: its dummy run and full forward."""
+    from types import SimpleNamespace
+
     import torch
 
     from llmfast.attention_metadata import AttentionMetadata
@@ -204,8 +200,41 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(piecewi
         device_md = (md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens)
         return fn, [ids[:size], positions[:size], *device_md, *caches]
 
-    cm.capture(run_dummy, full_forward)
+    return SimpleNamespace(cm=cm, model=model, run_dummy=run_dummy,
+                           full_forward=full_forward, calls=calls, sizes=sizes,
+                           blocks=blocks, one_block=one_block, ids=ids,
+                           positions=positions, slots=slots, table=table, qsl=qsl,
+                           seq_lens=seq_lens)
+
+
+@pytest.mark.parametrize("piecewise_sizes, full_graphs_later",
+                         [(None, False), ((2, 4), False), (None, True)])
+def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(
+        piecewise_sizes, full_graphs_later):
+    """The CUDA start-up order, on CPU with emulated graphs: compile and capture on a
+    one-block scratch cache, bind the real cache (views of one tensor, as the runner
+    allocates it), capture the full graphs again. No recompile (a recompile inside a
+    real capture fails); the largest size runs once uncaptured before its recapture;
+    every capture uses the one side stream; replays read the real cache. With
+    `piecewise_sizes` (--piecewise-graph-sizes) the piecewise graphs are captured at
+    those sizes alone, the full graphs at every size. With `full_graphs_later` (the
+    runner's order) the first capture takes the largest full graph alone, and the
+    recapture every size."""
+    import torch
+
+    rig = _scratch_capture_rig(piecewise_sizes)
+    cm, model, cfg, calls = rig.cm, rig.model, rig.model.config, rig.calls
+    run_dummy, full_forward, sizes, blocks, one_block = (
+        rig.run_dummy, rig.full_forward, rig.sizes, rig.blocks, rig.one_block)
+    ids, positions, slots, table, qsl, seq_lens = (
+        rig.ids, rig.positions, rig.slots, rig.table, rig.qsl, rig.seq_lens)
+    from llmfast.attention_metadata import AttentionMetadata
+
+    cm.capture(run_dummy, full_forward, full_graphs_later=full_graphs_later)
     assert cm.stats.full_graph_sizes == sizes and cm._capture_stream.num_uses == 1
+    # A warm-up and a capture for each full graph captured now.
+    assert calls == ({4: 2} if full_graphs_later else {4: 2, 2: 2, 1: 2})
+    assert cm.full_graphs.sizes == ((4,) if full_graphs_later else sizes)
     assert cm.stats.captured_sizes == (piecewise_sizes or sizes)
     pieces = cm.stats.num_pieces
     assert cm.stats.num_cuda_graphs == pieces * len(piecewise_sizes or sizes)
@@ -215,7 +244,10 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(piecewi
     calls.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         cm.recapture_full(full_forward)
-    assert calls == {4: 2, 2: 1, 1: 1}  # the emulated capture runs fn once per size
+    # The emulated capture runs fn once per size, after a warm-up for the largest and
+    # for every size not captured before.
+    assert calls == ({4: 2, 2: 2, 1: 2} if full_graphs_later else {4: 2, 2: 1, 1: 1})
+    assert cm.full_graphs.sizes == sizes
     assert cm._capture_stream.num_uses == 2 and cm.stats.one_graph
     # A decode of 3 requests padded to 4, reading real (random) cache blocks 1..8.
     ids[:4] = torch.tensor([5, 6, 7, 0])
@@ -229,6 +261,47 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(piecewi
         got = cm.replay_full(4, full_forward(4, False)[1])[:3].clone()
         want = model.compute_logits(model(ids[:4], positions[:4], md))[:3]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_full_graphs_measured_from_the_largest(monkeypatch, caplog):
+    """With the full graphs captured later (on the real KV cache), the first capture
+    takes the largest alone and counts its graph's own memory (device memory its
+    capture took outside torch's allocator) once for every full size; the recapture
+    reports what the rest took against that. The device's memory is stood in for
+    (a free-memory reading per measurement: 1000 MiB before, 900 after the captures;
+    the largest full graph's own 7 MiB)."""
+    import logging
+
+    from llmfast.compile import compiled_model
+    from llmfast.graphs.piecewise import EmulatedGraphCapturer
+
+    MiB = 2**20
+    rig = _scratch_capture_rig()
+    cm = rig.cm
+    measured = []
+    capture_full = compiled_model.CompiledModel._capture_full
+
+    def capture_full_measured(self, size, full_forward, warm_up, measure=False):
+        capture_full(self, size, full_forward, warm_up)
+        measured.append((size, measure))
+        return 7 * MiB if measure else 0
+
+    # "On CUDA": the emulated capturer stands for the real one.
+    monkeypatch.setattr(compiled_model, "CudaGraphCapturer", EmulatedGraphCapturer)
+    monkeypatch.setattr(compiled_model.CompiledModel, "_capture_full", capture_full_measured)
+    free = iter([1000 * MiB, 900 * MiB, 880 * MiB, 865 * MiB])
+    monkeypatch.setattr(compiled_model.CompiledModel, "_free_device_memory",
+                        lambda self, on_cuda: next(free))
+    graph_bytes = cm.capture(rig.run_dummy, rig.full_forward, full_graphs_later=True)
+    assert measured == [(4, True)]  # the largest of the full sizes (1, 2, 4)
+    assert graph_bytes == 100 * MiB + 2 * 7 * MiB
+    measured.clear()
+    with caplog.at_level(logging.INFO, logger=compiled_model.__name__):
+        cm.recapture_full(rig.full_forward)
+    assert measured == [(4, False), (2, False), (1, False)]
+    assert rig.calls == {4: 2 + 2, 2: 2, 1: 2}  # the smaller sizes warmed up first
+    assert "full graphs took 15 MiB more than the largest's alone (14 MiB reserved" \
+        in caplog.text
 
 
 _INTERPRETED_FULL_GRAPHS_CHILD = """

@@ -147,6 +147,9 @@ class CompiledModel:
         self.device = torch.device(device)
         self.max_num_tokens = max_num_tokens
         self.stats = CompileStats()
+        # What the full graphs past the largest were estimated to take when only the
+        # largest was captured (`capture`'s full_graphs_later), for recapture_full's check.
+        self._full_graphs_estimate = 0
         self.eager = config.enforce_eager
         self._started = False  # the first call (which traces or loads) has happened
         self._cache_dir: Path | None = None
@@ -401,7 +404,8 @@ class CompiledModel:
     # ------------------------------------------------------------------ start-up
 
     def capture(self, run_dummy: Callable[[int], None],
-                full_forward: FullForward | None = None) -> int:
+                full_forward: FullForward | None = None, *,
+                full_graphs_later: bool = False) -> int:
         """Compile now (not at the first request) and capture the CUDA graphs.
 
         `run_dummy(n)` must run one forward through this object at `n` tokens from the
@@ -409,6 +413,12 @@ class CompiledModel:
         (no KV write); `full_forward` (see `FullForward`) is needed for full graphs.
         Returns the device memory the graphs took, in bytes (0 without graphs), to be
         reserved when sizing the KV cache.
+
+        `full_graphs_later`: the caller captures the full graphs itself afterwards
+        (`recapture_full`, once the real KV cache they read exists). Only the largest is
+        captured now, to measure what they take: whatever it adds to the shared pool
+        (the smaller sizes reuse that memory), and its graph's own device memory, counted
+        once for every full size. (Capturing every size twice cost ~0.5 s of a start.)
         """
         if self.eager:
             return 0
@@ -416,10 +426,10 @@ class CompiledModel:
             if self._graph_state is None or not self.capture_sizes:
                 run_dummy(min(self.max_num_tokens, 8))  # triggers the compile
                 return 0
-            return self._capture_graphs(run_dummy, full_forward)
+            return self._capture_graphs(run_dummy, full_forward, full_graphs_later)
 
     def _capture_graphs(self, run_dummy: Callable[[int], None],
-                        full_forward: FullForward | None) -> int:
+                        full_forward: FullForward | None, full_graphs_later: bool) -> int:
         assert self._graph_state is not None
         state = self._graph_state
         on_cuda = isinstance(state.capturer, CudaGraphCapturer)
@@ -437,9 +447,13 @@ class CompiledModel:
             if not piecewise_sizes:
                 run_dummy(min(self.max_num_tokens, 8))  # triggers the compile
                 return 0
-        sizes = sorted(set(piecewise_sizes) | set(full_sizes), reverse=True)
+        # The full sizes captured now: all, or the largest alone (its measure stands for
+        # the rest, which the caller captures later).
+        capture_full_now = full_sizes[-1:] if full_graphs_later else full_sizes
+        sizes = sorted(set(piecewise_sizes) | set(capture_full_now), reverse=True)
         run_dummy(sizes[0])  # compile before measuring memory
         free_before = self._free_device_memory(on_cuda)
+        later_bytes = 0
         start = time.perf_counter()
         with self._capture_stream.current(), graph_capture("cuda graph capture"):
             # Largest first, both kinds into the one pool: smaller sizes reuse the
@@ -449,9 +463,12 @@ class CompiledModel:
                     run_dummy(size)  # warm-up at this size
                     with state.capturing(size):
                         run_dummy(size)
-                if size in full_sizes:
-                    self._capture_full(size, full_forward, warm_up=True)
-        graph_bytes = max(free_before - self._free_device_memory(on_cuda), 0)
+                if size in capture_full_now:
+                    graph_own = self._capture_full(size, full_forward, warm_up=True,
+                                                   measure=on_cuda and full_graphs_later)
+                    later_bytes = graph_own * (len(full_sizes) - 1) if full_graphs_later else 0
+        graph_bytes = max(free_before - self._free_device_memory(on_cuda), 0) + later_bytes
+        self._full_graphs_estimate = later_bytes
         stats = self.stats
         stats.captured_sizes = tuple(sorted(piecewise_sizes))
         stats.full_graph_sizes = tuple(sorted(full_sizes))
@@ -464,32 +481,60 @@ class CompiledModel:
         return graph_bytes
 
     def recapture_full(self, full_forward: FullForward) -> None:
-        """Capture the full graphs again, e.g. after binding the real KV cache: they
-        read the caches at their capture-time addresses. The dropped graphs' memory
-        returns to the shared pool first, so the new ones take no more than measured.
+        """Capture the full graphs of every full size (again), e.g. after binding the
+        real KV cache: they read the caches at their capture-time addresses. Those
+        captured before (every size, or the largest alone: `capture`'s
+        `full_graphs_later`) are dropped first, their memory back to the shared pool,
+        so the new ones take no more than measured.
 
         The largest size runs once uncaptured first, on the new cache: should anything
         differ for it (a Dynamo guard, a Triton specialisation), the recompile happens
-        there and not inside a capture, where it would fail. Every size ran before at
-        the first capture, so one warm-up suffices."""
+        there and not inside a capture, where it would fail. So does every size not
+        captured before: a size's launch may be a Triton variant of its own (e.g. split
+        partials whose sum buffer is not 16-byte aligned at that size), compiled in its
+        warm-up, never inside the capture."""
         if self.full_graphs is None or not self.full_graphs.graphs:
             return
-        sizes = sorted(self.full_graphs.sizes, reverse=True)
+        sizes = sorted(self.stats.full_graph_sizes or self.full_graphs.sizes, reverse=True)
+        ran_before = set(self.full_graphs.sizes)
         self.full_graphs.clear()
+        on_cuda = isinstance(self._graph_state.capturer, CudaGraphCapturer)
+        free_before = self._free_device_memory(on_cuda)
         start = time.perf_counter()
         with torch.inference_mode(), self._capture_stream.current(), \
                 graph_capture("full cuda graph recapture"):
             for size in sizes:
-                self._capture_full(size, full_forward, warm_up=size == sizes[0])
+                self._capture_full(size, full_forward,
+                                   warm_up=size == sizes[0] or size not in ran_before)
         self.stats.capture_time_s += time.perf_counter() - start
+        if on_cuda and self._full_graphs_estimate:
+            # What the graphs past the measured one took, against the estimate the KV
+            # cache was sized with (the measured one's memory is in both).
+            taken = max(free_before - self._free_device_memory(on_cuda), 0)
+            log = logger.warning if taken > 2 * self._full_graphs_estimate + 2**26 else logger.info
+            log("full graphs took %.0f MiB more than the largest's alone (%.0f MiB reserved "
+                "for them)", taken / 2**20, self._full_graphs_estimate / 2**20)
 
-    def _capture_full(self, size: int, full_forward: FullForward, warm_up: bool) -> None:
+    def _capture_full(self, size: int, full_forward: FullForward, warm_up: bool,
+                      measure: bool = False) -> int:
+        """Capture the full graph of `size`; with `measure` (CUDA), returns the device
+        memory its capture took outside torch's allocator (the graph's own: its nodes
+        and their parameters), else 0."""
         assert self.full_graphs is not None and self._graph_state is not None
         fn, inputs = full_forward(size, True)
         with self._graph_state.whole_forward():
             if warm_up:  # Triton compiles the decode-shaped attention launch here
                 fn()
+            if not measure:
+                self.full_graphs.capture(size, fn, inputs)
+                return 0
+            torch.cuda.synchronize(self.device)
+            free, reserved = torch.cuda.mem_get_info(self.device)[0], \
+                torch.cuda.memory_reserved(self.device)
             self.full_graphs.capture(size, fn, inputs)
+            torch.cuda.synchronize(self.device)
+            grown = free - torch.cuda.mem_get_info(self.device)[0]
+            return max(grown - (torch.cuda.memory_reserved(self.device) - reserved), 0)
 
     def _free_device_memory(self, on_cuda: bool) -> int:
         if not on_cuda:

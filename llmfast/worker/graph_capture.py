@@ -93,9 +93,12 @@ class CaptureInputs:
 
 
 def compile_and_capture(capture: CaptureInputs, enforce_eager: bool,
-                        progress: Progress | None, startup_times: dict[str, float]) -> int:
+                        progress: Progress | None, startup_times: dict[str, float],
+                        full_graphs_later: bool = False) -> int:
     """Compile (the first call) and capture the CUDA graphs of every size; returns the
-    graphs' device memory in bytes and notes the stages' seconds in `startup_times`."""
+    graphs' device memory in bytes and notes the stages' seconds in `startup_times`.
+    `full_graphs_later`: the caller captures the full graphs on the real KV cache
+    afterwards (`CompiledModel.capture`)."""
     if enforce_eager:
         return 0
     compiled = capture.compiled
@@ -103,7 +106,8 @@ def compile_and_capture(capture: CaptureInputs, enforce_eager: bool,
         progress("compiling" + (" and capturing CUDA graphs"
                                 if compiled.capture_sizes else ""), None)
     t0 = time.perf_counter()
-    graph_bytes = compiled.capture(capture.dummy_run, capture.full_forward)
+    graph_bytes = compiled.capture(capture.dummy_run, capture.full_forward,
+                                   full_graphs_later=full_graphs_later)
     stats = compiled.stats
     # The whole first call, not only the backend's share (stats.compile_time_s):
     # Dynamo's tracing of the model comes before the backend and is most of a warm

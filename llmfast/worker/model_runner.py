@@ -150,8 +150,9 @@ class ModelRunner:
         the largest step on a scratch cache -> compile and capture on that scratch cache
         (the piecewise graphs never touch the KV cache, so rebinding it later needs no
         recapture) -> size the KV cache from what is left (graph memory of both kinds
-        known) -> capture the full graphs again on the real cache (they read it; the
-        dropped ones' pool memory is reused).
+        known: the full graphs' from the largest one's capture) -> capture the full
+        graphs of every size on the real cache (they read it; the measured one's pool
+        memory is reused).
         """
         cfg = self.config
         model_cfg = self.model.rank_config  # this rank's KV heads
@@ -169,7 +170,9 @@ class ModelRunner:
                                        self.max_num_reqs, self.block_size, self.kv_dtype,
                                        self.device, self.max_model_len)
             self.startup_times["profile"] = time.perf_counter() - t0
-            graph_bytes = self._compile_and_capture(progress)
+            # The full graphs read the KV cache: captured on the real one below (only
+            # the largest now, to measure them).
+            graph_bytes = self._compile_and_capture(progress, full_graphs_later=True)
             captured = True
             num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.kv_dtype, self.device,
                                         peak + graph_bytes)
@@ -196,7 +199,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0
         if captured and self.compiled.full_graphs is not None:
-            # Full graphs read the KV cache: capture them again on the real one.
+            # Full graphs read the KV cache: capture them on the real one.
             self.compiled.recapture_full(self.capture_inputs.full_forward)
             self.startup_times["capture"] = self.compiled.stats.capture_time_s
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks,
@@ -206,9 +209,10 @@ class ModelRunner:
             self._compile_and_capture(progress)
         return num_blocks
 
-    def _compile_and_capture(self, progress: Progress | None) -> int:
+    def _compile_and_capture(self, progress: Progress | None,
+                             full_graphs_later: bool = False) -> int:
         return compile_and_capture(self.capture_inputs, self.config.compile.enforce_eager,
-                                   progress, self.startup_times)
+                                   progress, self.startup_times, full_graphs_later)
 
     def _full_inputs(self, size: int) -> list[torch.Tensor]:
         """What a full graph of `size` reads (the persistent buffers, the KV caches)."""
