@@ -129,7 +129,11 @@
 #        a5229f2: the tokenizer loads in a thread beside the runner's start (`startup`'s
 #        stages show `tokenizer_wait`, the part it still cost), and `startup`'s cold
 #        start finds the imports' bytecode primed (an info line gives the priming's
-#        seconds: what a machine's very first start adds)
+#        seconds: what a machine's very first start adds); the fused decode kernel now
+#        takes async steps with a token-less row (it raised before: `full`'s async
+#        tests and every engine step after would have failed); the full graphs are
+#        captured once (the largest measured first); one merge-counter buffer per
+#        runner (the engine's full graphs record no memsets: `sweep`'s small batches)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
 #        `skipped` = the steps the previous call of this machine skipped (a file under
