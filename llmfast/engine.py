@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -124,15 +125,21 @@ class LLMEngine:
         Only the wait for it after the runner's start counts as a stage
         (`tokenizer_wait`). A --chat-template loads first instead: a bad one should fail
         before the start-up's seconds, not after them."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmfast-tokenizer")
-        try:
-            loading = pool.submit(_timed, self._load_tokenizer)
-            num_blocks = self.executor.initialize((), progress)
-            t0 = time.perf_counter()
-            self.eos_token_ids, load_s = loading.result()
-            self._startup_times["tokenizer_wait"] = time.perf_counter() - t0
-        finally:
-            pool.shutdown(wait=False)  # (a failed start does not wait for the tokenizer)
+        loading: Future = Future()
+
+        def load() -> None:
+            try:
+                loading.set_result(_timed(self._load_tokenizer))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                loading.set_exception(e)
+
+        # A daemon: a start that fails meanwhile (or is interrupted) exits at once, not
+        # after the tokenizer's load.
+        threading.Thread(target=load, name="llmfast-tokenizer", daemon=True).start()
+        num_blocks = self.executor.initialize((), progress)
+        t0 = time.perf_counter()
+        self.eos_token_ids, load_s = loading.result()
+        self._startup_times["tokenizer_wait"] = time.perf_counter() - t0
         self.executor.set_eos_token_ids(self.eos_token_ids)
         logger.debug("tokenizer loaded in %.2f s beside the runner's start-up", load_s)
         return num_blocks

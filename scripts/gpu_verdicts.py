@@ -191,9 +191,10 @@ def startup(out: Path) -> Iterator[Line]:
                        + (f"; {summary}" if summary else ""))
     prime_s = report.get("bytecode_prime_s")
     if prime_s is not None:  # llmfast/bench/startup/bytecode_prime.py
-        yield info(f"#18 startup: no bytecode installed; a start's imports compiled into "
-                   f"llmfast's bytecode cache before the cold start in {prime_s:.2f} s "
-                   f"(a very first start: cold + that)")
+        modules = report.get("bytecode_primed_modules") or 0
+        yield info(f"#18 startup: no bytecode installed; priming llmfast's bytecode cache "
+                   f"before the cold start took {prime_s:.2f} s and compiled {modules} "
+                   f"modules (a machine's very first start: cold + that)")
     warm_summary = report["warm"].get("compile_summary") or ""
     if "pieces" in warm_summary:  # a compiled start (not --enforce-eager)
         # llmfast/compile/precompiled.py: the warm start loads the cold one's trace.

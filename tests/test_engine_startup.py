@@ -97,11 +97,14 @@ def test_a_failed_tokenizer_load_fails_the_start(chat_model, monkeypatch):
 
 
 def test_a_failed_runner_start_wins_over_the_tokenizer(chat_model, monkeypatch):
-    loaded = threading.Event()
+    """The runner's error comes as soon as it fails, the tokenizer still loading; its
+    thread is a daemon, so that the process may exit without waiting for it."""
+    loaded, release = threading.Event(), threading.Event()
     load = ModelSource.load_tokenizer
 
     def load_tokenizer(self):
         try:
+            release.wait(timeout=60)
             return load(self)
         finally:
             loaded.set()
@@ -113,6 +116,9 @@ def test_a_failed_runner_start_wins_over_the_tokenizer(chat_model, monkeypatch):
     monkeypatch.setattr(UniExecutor, "initialize", failing_initialize)
     with pytest.raises(ConfigError, match="no room for the KV cache"):
         LLM(str(chat_model), device="cpu", max_model_len=128, block_size=8)
+    loading = [t for t in threading.enumerate() if t.name == "llmfast-tokenizer"]
+    assert len(loading) == 1 and loading[0].daemon and not loaded.is_set()
+    release.set()
     assert loaded.wait(timeout=60)  # the thread ends on its own
 
 

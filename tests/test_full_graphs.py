@@ -263,13 +263,14 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_full_graphs_measured_from_the_largest(monkeypatch, caplog):
+@pytest.mark.parametrize("own_mib, counted_mib", [(7, 7), (0, 2)])
+def test_full_graphs_measured_from_the_largest(monkeypatch, caplog, own_mib, counted_mib):
     """With the full graphs captured later (on the real KV cache), the first capture
     takes the largest alone and counts its graph's own memory (device memory its
-    capture took outside torch's allocator) once for every full size; the recapture
-    reports what the rest took against that. The device's memory is stood in for
-    (a free-memory reading per measurement: 1000 MiB before, 900 after the captures;
-    the largest full graph's own 7 MiB)."""
+    capture took outside torch's allocator; at least FULL_GRAPH_MIN_BYTES, 2 MiB) once
+    for every full size; the recapture reports what they took against that. The
+    device's memory is stood in for (a free-memory reading per measurement: 1000 MiB
+    before, 900 after the captures; the largest full graph's own `own_mib`)."""
     import logging
 
     from llmfast.compile import compiled_model
@@ -284,7 +285,7 @@ def test_full_graphs_measured_from_the_largest(monkeypatch, caplog):
     def capture_full_measured(self, size, full_forward, warm_up, measure=False):
         capture_full(self, size, full_forward, warm_up)
         measured.append((size, measure))
-        return 7 * MiB if measure else 0
+        return own_mib * MiB if measure else 0
 
     # "On CUDA": the emulated capturer stands for the real one.
     monkeypatch.setattr(compiled_model, "CudaGraphCapturer", EmulatedGraphCapturer)
@@ -294,14 +295,14 @@ def test_full_graphs_measured_from_the_largest(monkeypatch, caplog):
                         lambda self, on_cuda: next(free))
     graph_bytes = cm.capture(rig.run_dummy, rig.full_forward, full_graphs_later=True)
     assert measured == [(4, True)]  # the largest of the full sizes (1, 2, 4)
-    assert graph_bytes == 100 * MiB + 2 * 7 * MiB
+    assert graph_bytes == 100 * MiB + 2 * counted_mib * MiB  # 2 more full sizes
     measured.clear()
     with caplog.at_level(logging.INFO, logger=compiled_model.__name__):
         cm.recapture_full(rig.full_forward)
     assert measured == [(4, False), (2, False), (1, False)]
     assert rig.calls == {4: 2 + 2, 2: 2, 1: 2}  # the smaller sizes warmed up first
-    assert "full graphs took 15 MiB more than the largest's alone (14 MiB reserved" \
-        in caplog.text
+    assert f"3 full graphs took 15 MiB on the KV cache ({3 * counted_mib} MiB left for " \
+        "them)" in caplog.text
 
 
 _INTERPRETED_FULL_GRAPHS_CHILD = """

@@ -15,7 +15,8 @@ import torch
 
 from llmfast import LLM, SamplingParams
 from tests.test_attention_kernels import TOL, reference_out, run_triton_step
-from tests.test_kv_cache_fp8_kernels import FP8, expected_fp8, fp8_batch, same_bytes
+from llmfast.kernels import attention
+from tests.test_kv_cache_fp8_kernels import FP8, expected_fp8, fp8_batch, nan_keys, same_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,6 +36,22 @@ def _check(reqs, *, num_heads: int, num_kv_heads: int, head_dim: int, **kw) -> N
     err = (out[:n].double() - ref).abs().max().item() / ref.abs().max().item()
     print(f"fp8 cache, head_dim {head_dim}, {num_heads}/{num_kv_heads} heads: rel err {err:.2e}")
     assert torch.isfinite(out[:n]).all() and err < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_keeps_nan(dtype):
+    """A NaN key or value is stored as NaN, whatever its bits (the write puts back the
+    NaN its clamp and rounding lose); the rest as the reference write stores them."""
+    k = nan_keys(dtype, "cuda")
+    v = k.flip(0)
+    k_cache = torch.zeros(2, 4, 3, 8, dtype=FP8, device="cuda")
+    v_cache = k_cache.clone()
+    slots = torch.tensor([5, 0, 7, 2], device="cuda")
+    attention.reshape_and_cache(k, v, k_cache, v_cache, slots)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        got = cache.view(-1, 3, 8)[slots].float()
+        assert torch.equal(got.isnan(), x.isnan())
+        assert same_bytes(cache.view(-1, 3, 8)[slots], expected_fp8(x))
 
 
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 32, 8), (128, 32, 8),

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from llmfast.kernels import attention, kv_write, ops
+from llmfast.kernels.kv_write import _cache_value
 from llmfast.kernels.cpu.attention import paged_attention_cpu
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.tuning import prefill_measure
@@ -112,6 +115,46 @@ def check_write(dtype: str):
     assert same_bytes(cpu_k, ref_k) and same_bytes(cpu_v, ref_v)
 
 
+# NaN bit patterns, quiet and signalling-style payloads of both signs, the all-ones
+# payload among them (0x7FFFFFFF: what a GPU's NaN-propagating max returns, whatever
+# NaN went in).
+NAN_BITS = {"float32": (0x7FFFFFFF, 0x7FC00000, -1, -0x3FFFFF, 0x7F800001),
+            "bfloat16": (0x7FFF, 0x7FC0, -1, -0x7F, 0x7F81)}
+
+
+def nan_keys(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """[4, 3, 8] keys with every NAN_BITS pattern twice among normal values."""
+    int_dtype = torch.int32 if dtype == torch.float32 else torch.int16
+    k = torch.randn(4, 3, 8, dtype=dtype) * 10
+    nans = torch.tensor(NAN_BITS[str(dtype).removeprefix("torch.")], dtype=int_dtype)
+    k.view(-1)[: nans.numel()] = nans.view(dtype)
+    k.view(-1)[-nans.numel():] = nans.view(dtype)
+    assert k.isnan().sum() == 2 * nans.numel()
+    return k.to(device)
+
+
+@triton.jit
+def cache_values(x_ptr, out_ptr, n, N: tl.constexpr, CLAMP: tl.constexpr):
+    """out = what an fp8 KV write stores for x, before the store's conversion."""
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, _cache_value(x, CLAMP), mask=offs < n)
+
+
+def check_write_nan(dtype: str):
+    """What an fp8 KV write stores before the store's conversion: a NaN stays NaN
+    whatever its bits (the write's rounding works on the bits: a NaN whose payload is
+    all ones came out of it as -0), every other value clamped and rounded as expected.
+    (The interpreter's float32 -> fp8 conversion garbles NaN, a GPU's gives NaN: the
+    stored bytes are checked on a GPU, test_kv_cache_fp8_gpu.py.)"""
+    x = nan_keys(getattr(torch, dtype)).view(-1)
+    out = torch.empty(x.numel(), dtype=torch.float32)
+    cache_values[(1,)](x, out, x.numel(), N=triton.next_power_of_2(x.numel()), CLAMP=448.0)
+    assert torch.equal(out.isnan(), x.isnan())
+    finite = ~x.isnan()
+    assert torch.equal(out[finite], expected_fp8(x[finite]).float())
+
+
 def check_mixed(dtype: str, group: int, head_dim: int, block_size: int, **kw):
     torch_dtype = getattr(torch, dtype)
     b = fp8_batch(MIXED, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
@@ -158,6 +201,11 @@ def check_tuner_batch():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_write_is_clamped_fp8_rounding(interpreter, dtype):
     interpreter("check_write", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_keeps_nan(interpreter, dtype):
+    interpreter("check_write_nan", dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype, group, head_dim, block_size, kw", [

@@ -174,11 +174,8 @@ def startup_table(report: dict) -> Table:
     row("first token (one step)", cold["first_step_s"], warm["first_step_s"])
     row("time to first token", cold["time_to_first_token_s"], warm["time_to_first_token_s"],
         style="bold")
-    prime_s = report.get("bytecode_prime_s")
-    table.caption = ((f"python bytecode: none installed, llmfast keeps its own; a start's "
-                      f"imports compiled into it before the cold start in {prime_s:.2f} s "
-                      "(a machine's very first start pays that too)\n"
-                      if prime_s is not None else "")
+    table.caption = (_bytecode_note(report.get("bytecode_prime_s"),
+                                    report.get("bytecode_primed_modules"))
                      + f"compile cache hits/misses: cold {cold['compile_cache_hits']}/"
                      f"{cold['compile_cache_misses']}, warm {warm['compile_cache_hits']}/"
                      f"{warm['compile_cache_misses']}; device {cold['device']}"
@@ -186,6 +183,18 @@ def startup_table(report: dict) -> Table:
                                for name, run in (("cold", cold), ("warm", warm))
                                if run.get("compile_summary")))
     return table
+
+
+def _bytecode_note(prime_s: float | None, modules: int | None) -> str:
+    """The caption's line on the bytecode priming before the cold start, if any ran."""
+    if prime_s is None:
+        return ""
+    if modules:
+        return (f"python bytecode: none installed, llmfast keeps its own; {modules} modules "
+                f"of a start compiled into it before the cold start in {prime_s:.2f} s (a "
+                "machine's very first start pays that too)\n")
+    return (f"python bytecode: none installed, llmfast keeps its own, which held a start's "
+            f"imports already ({prime_s:.2f} s to import them before the cold start)\n")
 
 
 def _secs(value: float | None) -> str:

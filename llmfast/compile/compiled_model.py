@@ -123,6 +123,12 @@ def _release_graphs(backend: PiecewiseBackend, state: GraphCaptureState | None) 
         state.drop_runners()
 
 
+# The least device memory counted for a full graph's own structures when one graph's
+# capture stands for all (`capture`'s full_graphs_later): a reading below the driver's
+# allocation granularity may show none.
+FULL_GRAPH_MIN_BYTES = 2 * 2**20
+
+
 class CompiledModel:
     """graph_impl: "auto" (CUDA graphs on CUDA when enabled), "emulated" (the CPU
     stand-in, for tests) or "off". piece_compiler: "inductor" or "eager" (tests).
@@ -466,18 +472,23 @@ class CompiledModel:
                 if size in capture_full_now:
                     graph_own = self._capture_full(size, full_forward, warm_up=True,
                                                    measure=on_cuda and full_graphs_later)
-                    later_bytes = graph_own * (len(full_sizes) - 1) if full_graphs_later else 0
+                    if on_cuda and full_graphs_later:
+                        # Free memory moves in the driver's chunks: a reading of one
+                        # graph may be 0, and is multiplied by ~50, hence a floor.
+                        graph_own = max(graph_own, FULL_GRAPH_MIN_BYTES)
+                        later_bytes = graph_own * (len(full_sizes) - 1)
+                        self._full_graphs_estimate = graph_own * len(full_sizes)
         graph_bytes = max(free_before - self._free_device_memory(on_cuda), 0) + later_bytes
-        self._full_graphs_estimate = later_bytes
         stats = self.stats
         stats.captured_sizes = tuple(sorted(piecewise_sizes))
         stats.full_graph_sizes = tuple(sorted(full_sizes))
         stats.num_cuda_graphs = state.num_graphs
         stats.capture_time_s = time.perf_counter() - start
         stats.graph_memory_bytes = graph_bytes
-        logger.info("captured %d piecewise graphs at %d sizes and %d full graphs in %.1f s, "
-                    "%.0f MiB", state.num_graphs, len(piecewise_sizes), len(full_sizes),
-                    stats.capture_time_s, graph_bytes / 2**20)
+        logger.info("captured %d piecewise graphs at %d sizes and %d of %d full graphs in "
+                    "%.1f s, %.0f MiB", state.num_graphs, len(piecewise_sizes),
+                    len(capture_full_now), len(full_sizes), stats.capture_time_s,
+                    graph_bytes / 2**20)
         return graph_bytes
 
     def recapture_full(self, full_forward: FullForward) -> None:
@@ -508,12 +519,13 @@ class CompiledModel:
                                    warm_up=size == sizes[0] or size not in ran_before)
         self.stats.capture_time_s += time.perf_counter() - start
         if on_cuda and self._full_graphs_estimate:
-            # What the graphs past the measured one took, against the estimate the KV
-            # cache was sized with (the measured one's memory is in both).
+            # What the full graphs took (the one measured before was dropped first),
+            # against what the KV cache was sized to leave them.
             taken = max(free_before - self._free_device_memory(on_cuda), 0)
-            log = logger.warning if taken > 2 * self._full_graphs_estimate + 2**26 else logger.info
-            log("full graphs took %.0f MiB more than the largest's alone (%.0f MiB reserved "
-                "for them)", taken / 2**20, self._full_graphs_estimate / 2**20)
+            estimate = self._full_graphs_estimate
+            log = logger.warning if taken > max(2 * estimate, estimate + 2**26) else logger.info
+            log("%d full graphs took %.0f MiB on the KV cache (%.0f MiB left for them)",
+                len(sizes), taken / 2**20, estimate / 2**20)
 
     def _capture_full(self, size: int, full_forward: FullForward, warm_up: bool,
                       measure: bool = False) -> int:

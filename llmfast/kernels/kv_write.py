@@ -54,11 +54,13 @@ def _cache_value(x, CLAMP: tl.constexpr):
     """x as the cache stores it before the store's conversion: an fp8 cache (CLAMP > 0)
     gets it clamped to +-CLAMP (e4m3fn has no inf: values past it would become NaN)
     and rounded to nearest even in float32; other caches get x as it is. A NaN stays
-    NaN, as torch's clamp keeps it (the GPU's max/min would otherwise return the other
-    operand, -CLAMP, where the interpreter's numpy keeps the NaN)."""
+    NaN, as torch's clamp keeps it: put back after the clamp and the rounding, which
+    lose it (a GPU's max returns the other operand, -CLAMP; the interpreter's numpy
+    keeps the NaN, but the rounding's bit arithmetic turns some NaN payloads into 0)."""
     if CLAMP > 0:
-        x = tl.maximum(x.to(tl.float32), -CLAMP, propagate_nan=tl.PropagateNan.ALL)
-        x = _round_to_e4m3(tl.minimum(x, CLAMP, propagate_nan=tl.PropagateNan.ALL))
+        xf = x.to(tl.float32)
+        rounded = _round_to_e4m3(tl.minimum(tl.maximum(xf, -CLAMP), CLAMP))
+        x = tl.where(xf != xf, xf, rounded)
     return x
 
 

@@ -68,9 +68,11 @@ class StartupReport:
     cache_root: str
     cold: StartupRun
     warm: StartupRun
-    # Seconds the imports took to fill llmfast's bytecode cache before the cold start;
-    # None where Python keeps bytecode itself (module doc).
+    # Seconds the imports took to fill llmfast's bytecode cache before the cold start,
+    # and how many modules' bytecode they wrote (0: an earlier start had); None where
+    # Python keeps bytecode itself (module doc).
     bytecode_prime_s: float | None = None
+    bytecode_primed_modules: int | None = None
 
 
 def cache_env(root: Path) -> dict[str, str]:
@@ -102,9 +104,12 @@ def keeps_own_bytecode() -> bool:
 
 
 def prime_bytecode(env: dict[str, str], modules: tuple[str, ...] = (),
-                   timeout_s: float | None = None) -> float:
-    """Seconds a fresh process took to import what a start-up imports (or `modules`),
-    writing their bytecode where `env` says (bench/startup/bytecode_prime.py)."""
+                   timeout_s: float | None = None) -> tuple[float, int]:
+    """(seconds, modules written): a fresh process importing what a start-up imports
+    (or `modules`), writing their bytecode where `env`'s PYTHONPYCACHEPREFIX says
+    (bench/startup/bytecode_prime.py)."""
+    prefix = Path(env["PYTHONPYCACHEPREFIX"])
+    before = _count_bytecode(prefix)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -116,7 +121,11 @@ def prime_bytecode(env: dict[str, str], modules: tuple[str, ...] = (),
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         raise BenchError("priming the bytecode failed: "
                          + (lines[-1] if lines else f"exit status {proc.returncode}"))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, _count_bytecode(prefix) - before
+
+
+def _count_bytecode(prefix: Path) -> int:
+    return sum(1 for _ in prefix.rglob("*.pyc")) if prefix.is_dir() else 0
 
 
 def resolved_model(spec: str | None) -> str:
@@ -145,14 +154,14 @@ def run_startup(model: str | None, engine_args: dict[str, Any],
 def _cold_and_warm(model: str, engine_args: dict[str, Any], root: Path,
                    timeout_s: float | None) -> StartupReport:
     root.mkdir(parents=True, exist_ok=True)
-    prime_s = None
+    prime_s = primed = None
     if keeps_own_bytecode():
         with tempfile.TemporaryDirectory(prefix="llmfast_prime_") as scratch:
             # (Its other caches apart: nothing of it may land in the cold start's root.)
-            prime_s = prime_bytecode(child_env(Path(scratch)), timeout_s=timeout_s)
+            prime_s, primed = prime_bytecode(child_env(Path(scratch)), timeout_s=timeout_s)
     cold = run_child(model, engine_args, root, timeout_s)
     warm = run_child(model, engine_args, root, timeout_s)
-    return StartupReport(model, dict(engine_args), str(root), cold, warm, prime_s)
+    return StartupReport(model, dict(engine_args), str(root), cold, warm, prime_s, primed)
 
 
 def run_child(model: str, engine_args: dict[str, Any], root: Path,
