@@ -17,6 +17,7 @@ import pytest
 from llmfast import LLM, SamplingParams
 from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID
 from tests.helpers.chat_model import make_chat_model
+from tests.helpers.interpreted import run_interpreted
 
 
 def _engine(async_scheduling: bool, **kw):
@@ -296,17 +297,7 @@ def test_triton_kernels_under_async_scheduling_match_the_synchronous_loop():
     """A decode step in which a row has no token (its last token still in flight) is
     uniform decode with fewer tokens than rows: the fused decode + RoPE kernel serves it
     (it once refused it: a key per row, not per token, was asked for)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
-    proc = subprocess.run([sys.executable, "-c", _TRITON_ASYNC_CHILD], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(_TRITON_ASYNC_CHILD, timeout_s=300)
     assert result["zero_row_decodes"] > 0
     assert result["async"] == result["sync"]
     assert [len(result["sync"][str(i)]) for i in range(4)] == [2, 6, 6, 3]

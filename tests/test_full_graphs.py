@@ -305,48 +305,21 @@ def test_full_graphs_measured_from_the_largest(monkeypatch, caplog, own_mib, cou
         "them)" in caplog.text
 
 
+# The child: this module's engine (on random:tiny) and workload, the eager synchronous
+# loop against full graphs under async scheduling.
 _INTERPRETED_FULL_GRAPHS_CHILD = """
-import dataclasses, json, random
+import json
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
-from llmfast.engine import LLMEngine
-from llmfast.engine_args import EngineArgs
+from tests.test_full_graphs import _engine, _run, _workload
 
-def engine(mode, async_scheduling):
-    args = EngineArgs(model="random:tiny", device="cpu", max_model_len=96, block_size=4,
-                      seed=0, compile=mode is not None, max_num_seqs=6,
-                      max_num_batched_tokens=32, cuda_graph_sizes=(1, 2, 4, 8, 16, 32),
-                      async_scheduling=async_scheduling)
-    config, source = args.create_engine_config()
-    if mode is not None:
-        config = dataclasses.replace(config, compile=dataclasses.replace(
-            config.compile, cuda_graph_mode=mode, emulate_cuda_graphs=True,
-            check_static_addresses=True))
-    return LLMEngine(config, source)
-
-rng = random.Random(0)
-prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(1, 31))] for _ in range(10)]
-lengths = [rng.randrange(3, 25) for _ in range(10)]
-arrivals = [0, 0, 0, 0, 2, 5, 9, 14, 20, 27]
-
-def run(e):
-    ids, tokens, step = {}, {}, 0
-    while len(tokens) < len(prompts):
-        for i, at in enumerate(arrivals):
-            if at == step:
-                params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
-                ids[e.add_request({"prompt_token_ids": prompts[i]}, params, stream=False)] = i
-        for out in e.step():
-            if out.finished:
-                tokens[ids[out.request_id]] = list(out.outputs[0].token_ids)
-        step += 1
-        assert step < 1000
-    return [tokens[i] for i in range(len(prompts))]
-
-full = engine(CudaGraphMode.FULL_AND_PIECEWISE, True)
-replays = full.runner.compiled.full_graphs
-print(json.dumps({"eager_sync": run(engine(None, False)), "full_async": run(full),
-                  "full_replays": replays.num_replays}))
+prompts, lengths, arrivals = _workload()
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+full = _engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
+full.set_async_scheduling(True)
+result = {"eager_sync": _run(_engine("random:tiny", None), prompts, params, arrivals),
+          "full_async": _run(full, prompts, params, arrivals)}
+print(json.dumps(dict(result, full_replays=full.runner.compiled.full_graphs.num_replays)))
 """
 
 
@@ -356,16 +329,9 @@ def test_full_graphs_with_triton_attention_under_async_scheduling():
     full and piecewise graphs, async scheduling, and the attention op's Triton kernels in
     the interpreter (the layers' norm and RoPE kernels off: Dynamo cannot trace their
     interpreted launches), against the eager synchronous loop: the same greedy tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.helpers.interpreted import run_interpreted
 
-    env = dict(os.environ, TRITON_INTERPRET="1", LLMFAST_LAYER_KERNELS="0",
-               PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_FULL_GRAPHS_CHILD], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(_INTERPRETED_FULL_GRAPHS_CHILD, timeout_s=900,
+                             LLMFAST_LAYER_KERNELS="0")
     assert result["full_replays"] > 0
     assert result["full_async"] == result["eager_sync"]
