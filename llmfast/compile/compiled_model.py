@@ -153,8 +153,8 @@ class CompiledModel:
         self.device = torch.device(device)
         self.max_num_tokens = max_num_tokens
         self.stats = CompileStats()
-        # What the full graphs past the largest were estimated to take when only the
-        # largest was captured (`capture`'s full_graphs_later), for recapture_full's check.
+        # What all the full graphs were estimated to take when only the largest was
+        # captured (`capture`'s full_graphs_later), for recapture_full's check; 0 else.
         self._full_graphs_estimate = 0
         self.eager = config.enforce_eager
         self._started = False  # the first call (which traces or loads) has happened
@@ -424,7 +424,8 @@ class CompiledModel:
         (`recapture_full`, once the real KV cache they read exists). Only the largest is
         captured now, to measure what they take: whatever it adds to the shared pool
         (the smaller sizes reuse that memory), and its graph's own device memory, counted
-        once for every full size. (Capturing every size twice cost ~0.5 s of a start.)
+        once for every full size. (Before, every size was captured twice, with a
+        warm-up each time.)
         """
         if self.eager:
             return 0

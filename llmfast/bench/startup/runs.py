@@ -12,8 +12,9 @@ Python's bytecode is not one of those caches: a cold start finds it as the insta
 has it (a pip install compiles it). Where the packages have none and llmfast keeps its
 own (utils/bytecode.py), the children share the user's, and a first process fills it
 with a start's imports before the cold child runs (bench/startup/bytecode_prime.py);
-the report gives the seconds that took (`bytecode_prime_s`: about what a first start
-on such a machine adds).
+the report gives the seconds that took and the modules it compiled
+(`bytecode_prime_s`, `bytecode_primed_modules`: about what a first start on such a
+machine adds).
 
 The model is resolved here, once: a default or GGUF model is fetched or converted into
 the user's cache before the children run, and they get its directory, so an empty
