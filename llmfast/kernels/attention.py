@@ -16,6 +16,7 @@ from llmfast.kernels.attention_config import (
     MAX_SPLITS,
     AttentionConfig,
     DecodeRegion,
+    decode_like,
     decode_rope_enabled,
     select_config,
     split_bound,
@@ -224,11 +225,8 @@ def unified_attention(
             k, v, slot_mapping, positions, cos_sin = new_tokens
             rope_and_cache(q, k, v, positions, cos_sin, out, k_cache, v_cache, slot_mapping)
             q = out
-    # Decode-like: ~1 token per request, or known to be at most one (a uniform decode
-    # step padded to a sparse graph size may hold more tokens than twice its requests:
-    # still decode, its own variant and splits, not prefill tiles).
-    decode_like = uniform_decode or num_tokens <= 2 * num_reqs
-    if prefill_tiles is None and not decode_like and q.is_cuda:
+    decode = decode_like(num_tokens, num_reqs, uniform_decode)
+    if prefill_tiles is None and not decode and q.is_cuda:
         prefill_tiles = _prefill_tiles(q, k_cache.dtype, num_reqs,
                                        q_shape[1] // k_cache.shape[2])
     # Everything the launch derives from shapes, computed once per shape (a step's
@@ -240,13 +238,13 @@ def unified_attention(
            k_cache.dtype, v_cache.stride(), v_cache.dtype, out.stride(), out.dtype,
            block_table.shape, block_table.stride(), block_table.dtype,
            query_start_loc.dtype, seq_lens.dtype, num_splits, block_q, fused_merge,
-           prefill_tiles, config, _num_sms, decode_like,
+           prefill_tiles, config, _num_sms, decode,
            None if rope is None else tuple((t.shape, t.stride(), t.dtype) for t in rope))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(q, k_cache, v_cache, block_table, out, num_reqs,
                                      num_splits, block_q, fused_merge, prefill_tiles, config,
-                                     rope, decode_like))
+                                     rope, uniform_decode))
     # (The module's launch caches read at each call: tests replace them.)
     launches = _DECODE_ROPE_LAUNCHES if plan.rope else _ATTENTION_LAUNCHES
     if not plan.is_cuda:
@@ -327,19 +325,15 @@ _PLANS = PlanCache()
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
           prefill_tiles, config=None, rope: NewTokens | None = None,
-          decode_like: bool | None = None) -> _LaunchPlan:
+          uniform_decode: bool = False) -> _LaunchPlan:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if decode_like is None:
-        decode_like = num_tokens <= 2 * num_reqs
-    # (select_config tells decode from prefill by the counts: a decode-like launch with
-    # padding tokens past twice its requests is configured as its requests alone.)
+    decode = decode_like(num_tokens, num_reqs, uniform_decode)
     cfg = config or select_config(
-        num_tokens if not decode_like else min(num_tokens, 2 * num_reqs), num_reqs,
-        num_heads, num_kv_heads, head_dim, block_size,
+        num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
-        prefill_tiles, kv_dtype=k_cache.dtype,
+        prefill_tiles, kv_dtype=k_cache.dtype, uniform_decode=uniform_decode,
     )
     splits = min(next_pow2(num_splits) if num_splits is not None else cfg.num_splits,
                  MAX_SPLITS)
@@ -386,7 +380,7 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
                             _num_sms(q.device), _device_split_tables(q.device),
                             kv_dtype=k_cache.dtype))
     main_bound, fused_code = (bound if fused else splits), fused
-    if fused_merge and (decode_like or rope is not None):
+    if fused_merge and (decode or rope is not None):
         # Decode-like launches (and the fused decode + RoPE kernel) compile the split
         # code whatever their count, so that all of them are one variant: the start-up
         # captures compile it (those of uniform decode may take the fused kernel, and a

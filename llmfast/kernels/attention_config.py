@@ -111,6 +111,14 @@ def split_bound(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     return _heuristic_splits(num_kv_heads, num_sms, math.inf)
 
 
+def decode_like(num_tokens: int, num_reqs: int, uniform_decode: bool = False) -> bool:
+    """Whether a launch is configured as decode (memory bound, KV splits) rather than
+    prefill (compute bound, tuned tiles): about one token per request, or at most one
+    known (`uniform_decode`: a uniform decode step padded to a sparse graph size may
+    hold more tokens than twice its requests)."""
+    return uniform_decode or num_tokens <= 2 * num_reqs
+
+
 def select_config(
     num_tokens: int,
     num_reqs: int,
@@ -124,8 +132,10 @@ def select_config(
     split_tables: tuple[SplitTable, ...] = (),
     prefill_tiles: PrefillTiles | None = None,
     kv_dtype: torch.dtype | None = None,
+    uniform_decode: bool = False,
 ) -> AttentionConfig:
     """Tile sizes and split count from host-known shapes only (same for a padded batch).
+    Decode or prefill: `decode_like`.
 
     The split count of a decode comes from `split_tables` (measured on this GPU model,
     kernels/tuning/split_table.py) when one holds this shape, else from the SM count. A
@@ -133,7 +143,7 @@ def select_config(
     kernels/prefill_tuning.py) when given, else the fixed heuristic."""
     group_p = next_pow2(num_heads // num_kv_heads)
     wide = dtype == torch.float32 or head_dim > 128  # smaller tiles, more warps: no spills
-    if num_tokens <= 2 * num_reqs:
+    if decode_like(num_tokens, num_reqs, uniform_decode):
         # Decode-like: ~1 token per request, memory bound. 16 rows is tl.dot's minimum;
         # padding the group up to it costs no extra K/V traffic.
         block_q = max(1, 16 // group_p)
