@@ -17,10 +17,9 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from llmfast.config import ConfigError, EngineConfig
 from llmfast.core.request import Request, RequestRejected, check_prompt_length
@@ -44,14 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
-T = TypeVar("T")
-
-
-def _timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """fn()'s result and the seconds it took."""
-    t0 = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - t0
 
 
 @dataclass
@@ -128,10 +119,13 @@ class LLMEngine:
         loading: Future = Future()
 
         def load() -> None:
+            t0 = time.perf_counter()
             try:
-                loading.set_result(_timed(self._load_tokenizer))
+                eos_token_ids = self._load_tokenizer()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 loading.set_exception(e)
+            else:
+                loading.set_result((eos_token_ids, time.perf_counter() - t0))
 
         # A daemon: a start that fails meanwhile (or is interrupted) exits at once, not
         # after the tokenizer's load.

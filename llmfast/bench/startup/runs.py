@@ -112,21 +112,28 @@ def prime_bytecode(env: dict[str, str], modules: tuple[str, ...] = (),
     prefix = Path(env["PYTHONPYCACHEPREFIX"])
     before = _count_bytecode(prefix)
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "llmfast.bench.startup.bytecode_prime", *modules],
-            env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"priming the bytecode ran past {timeout_s:g} s") from None
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        raise BenchError("priming the bytecode failed: "
-                         + (lines[-1] if lines else f"exit status {proc.returncode}"))
+    _run_module("llmfast.bench.startup.bytecode_prime", list(modules), env, timeout_s,
+                "priming the bytecode")
     return time.perf_counter() - t0, _count_bytecode(prefix) - before
 
 
 def _count_bytecode(prefix: Path) -> int:
     return sum(1 for _ in prefix.rglob("*.pyc")) if prefix.is_dir() else 0
+
+
+def _run_module(module: str, args: list[str], env: dict[str, str], timeout_s: float | None,
+                what: str, writes: Path | None = None) -> None:
+    """`python -m module args` in a fresh process; a one-line BenchError naming `what`
+    when it runs past `timeout_s`, fails, or leaves no `writes` file."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args], env=env,
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{what} ran past {timeout_s:g} s") from None
+    if proc.returncode != 0 or (writes is not None and not writes.is_file()):
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        raise BenchError(f"{what} failed: "
+                         + (lines[-1] if lines else f"exit status {proc.returncode}"))
 
 
 def resolved_model(spec: str | None) -> str:
@@ -173,17 +180,9 @@ def run_child(model: str, engine_args: dict[str, Any], root: Path,
         out = Path(tmp) / "startup.json"
         spec = json.dumps({"model": model, "engine_args": engine_args})
         spawned = time.time()
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "llmfast.bench.startup.child", spec, str(out)],
-                env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"the start-up process ran past {timeout_s:g} s") from None
+        _run_module("llmfast.bench.startup.child", [spec, str(out)], env, timeout_s,
+                    "the start-up process", writes=out)
         exited = time.time()
-        if proc.returncode != 0 or not out.is_file():
-            lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-            raise BenchError("the start-up process failed: "
-                             + (lines[-1] if lines else f"exit status {proc.returncode}"))
         data = json.loads(out.read_text())
     return StartupRun(
         stages=data["stages"],
