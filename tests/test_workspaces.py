@@ -115,7 +115,7 @@ def test_reserved_counters_serve_every_capture(monkeypatch):
     max_tokens, max_reqs, kv_heads = 64, 16, 2
     k_cache = torch.empty(4, 16, kv_heads, 64)
     owner = AttentionWorkspaces([k_cache])
-    owner.reserve_arrivals(CPU, arrivals_bound(max_tokens, max_reqs, kv_heads))
+    owner.arrivals(CPU, arrivals_bound(max_tokens, max_reqs, kv_heads))
     reserved = owner.existing_arrivals(1)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     checked = 0

@@ -89,13 +89,17 @@ def split_graph(gm: fx.GraphModule, targets: set[Any]) -> tuple[fx.GraphModule, 
     return split, piece_kinds(split, targets)
 
 
+def _submodules(split: fx.GraphModule) -> list[str]:
+    """The split graph's submodule targets, in call order."""
+    return [str(n.target) for n in split.graph.nodes if n.op == "call_module"]
+
+
 def piece_kinds(split: fx.GraphModule, targets: set[Any]) -> list[str]:
     """Per submodule of a split graph, in call order: "split" where it holds a
     splitting op (split_graph gives each one a submodule of its own), else "compiled".
     Read from the graphs, so a warm start's loaded split graph has them too."""
-    modules = [str(n.target) for n in split.graph.nodes if n.op == "call_module"]
     return ["split" if any(is_splitting_node(n, targets) for n in getattr(split, m).graph.nodes)
-            else "compiled" for m in modules]
+            else "compiled" for m in _submodules(split)]
 
 
 def _compile_with_inductor(piece: fx.GraphModule, fake_args: list[Any]) -> Callable[..., Any]:
@@ -205,9 +209,7 @@ class _PieceCompiler(fx.Interpreter):
                  compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
                  wrap_piece: PieceWrapper | None) -> None:
         super().__init__(split)
-        self.kinds = dict(
-            zip((n.target for n in split.graph.nodes if n.op == "call_module"), kinds)
-        )
+        self.kinds = dict(zip(_submodules(split), kinds))
         self.compile_piece = compile_piece
         self.wrap_piece = wrap_piece
         self.num_compiled = 0
@@ -218,7 +220,7 @@ class _PieceCompiler(fx.Interpreter):
         self._by_signature: dict[str, int] = {}  # -> index into compiled_fns
 
     def compile_all(self, fake_args: Sequence[Any]) -> None:
-        targets = [n.target for n in self.module.graph.nodes if n.op == "call_module"]
+        targets = _submodules(self.module)
         traced = [traced_piece_args(self.fetch_attr(t)) for t in targets]
         if all(args is not None for args in traced):
             self.used_traced_args = True
@@ -307,7 +309,7 @@ def assemble_split_graph(split: fx.GraphModule, targets: set[Any],
     """`split` (a split graph as `split_graph` made it, nothing compiled) with the
     compiled callables a warm start loaded (compile/precompiled.py) installed: what the
     backend returns to Dynamo, built without Dynamo."""
-    modules = [str(n.target) for n in split.graph.nodes if n.op == "call_module"]
+    modules = _submodules(split)
     kinds = piece_kinds(split, targets)
     compiled_targets = [m for m, kind in zip(modules, kinds) if kind == "compiled"]
     if len(compiled_targets) != len(pieces):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -69,11 +69,18 @@ def _sources(model: nn.Module, call: Sequence[Any]) -> dict[int, InputSlot]:
             found.setdefault(id(value), InputSlot("metadata", field.name))
     for name, tensor in _constants(model):
         found.setdefault(id(tensor), InputSlot("const", name))
+    for path, attr, value in _attributes(model):
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), InputSlot("attr", path, attr))
+    return found
+
+
+def _attributes(model: nn.Module) -> Iterator[tuple[str, str, Any]]:
+    """(module path, name, value) of every module's own instance attributes: the plain
+    tensors (KV caches) a trace reads, the scalars it bakes in."""
     for path, module in model.named_modules():
         for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor):
-                found.setdefault(id(value), InputSlot("attr", path, attr))
-    return found
+            yield path, attr, value
 
 
 def _constants(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -199,13 +206,12 @@ def model_fingerprint(model: nn.Module) -> str:
     - every plain int, float, str or bool attribute of every module: Dynamo bakes them
       into the graph as constants (a tensor-parallel rank's vocabulary offset)."""
     parts = [f"{name} {t.dtype} {t.device} {tuple(t.shape)}" for name, t in _constants(model)]
-    for path, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor):
-                parts.append(f"{path}.{attr} {value.dtype} {value.device} "
-                             f"{tuple(value.shape[1:])}")
-            elif isinstance(value, _SCALARS) and not attr.startswith("_"):
-                parts.append(f"{path}.{attr} = {value!r}")
+    for path, attr, value in _attributes(model):
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{path}.{attr} {value.dtype} {value.device} "
+                         f"{tuple(value.shape[1:])}")
+        elif isinstance(value, _SCALARS) and not attr.startswith("_"):
+            parts.append(f"{path}.{attr} = {value!r}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

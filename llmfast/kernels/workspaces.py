@@ -92,8 +92,8 @@ class AttentionWorkspaces:
 
     def arrivals(self, device: torch.device, n: int) -> torch.Tensor:
         """At least `n` int32 arrival counters for the fused merge, zero between launches
-        (the buffer every launch shares; grown, never shrunk). The runner reserves what
-        its largest launch needs when it allocates the KV cache (`reserve_arrivals`)."""
+        (the buffer every launch shares; grown, never shrunk). The runner asks for what
+        its largest launch needs when it allocates the KV cache, before any capture."""
         counters = self._arrivals
         if counters is None or counters.numel() < n:
             if counters is not None:
@@ -101,10 +101,6 @@ class AttentionWorkspaces:
             size = max(n, 2 * counters.numel() if counters is not None else 0)
             counters = self._arrivals = torch.zeros(size, dtype=torch.int32, device=device)
         return counters
-
-    def reserve_arrivals(self, device: torch.device, n: int) -> None:
-        """Make the counters at least `n` long now, outside any CUDA graph capture."""
-        self.arrivals(device, n)
 
     def existing_arrivals(self, n: int) -> torch.Tensor | None:
         """The counters, if at least `n` exist (none are made here: a CUDA graph capture

@@ -194,7 +194,7 @@ class ModelRunner:
         # below, which then record no memset to make their own.
         self.attention_workspaces = AttentionWorkspaces([self.kv_cache])
         if self.device.type == "cuda":
-            self.attention_workspaces.reserve_arrivals(self.device, arrivals_bound(
+            self.attention_workspaces.arrivals(self.device, arrivals_bound(
                 self.max_num_tokens, self.max_num_reqs, model_cfg.num_key_value_heads))
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0
