@@ -274,9 +274,8 @@ class CompiledModel:
         self._mark_dynamic(*call)
         out = self._forward(*call)
         if self.backend.last_trace is not None:
-            self._save_precompiled(call, out)
+            self._save_precompiled(call, out)  # (and drops the trace)
         self.backend.keep_trace = False  # recompiles (if any) are not saved
-        self.backend.last_trace = None
         return out
 
     def _run_precompiled(self, directory: Path,
