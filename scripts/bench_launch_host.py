@@ -135,12 +135,12 @@ def main() -> None:
         cache.launch_planned = lambda *a: seen.append(a) or launch(*a)
         cases["attention, decode B=1"]()
         del cache.launch_planned  # the method again
-        plan, grid, tensors, scalars, const_key, constexprs, fixed, addressed = seen[0]
+        plan, grid, tensors, scalars, const_key, constexprs, fixed = seen[0]
         kernel = attention._unified_attention_kernel
 
         def launch_only():
             if cache.enabled:
-                launch(plan, grid, tensors, scalars, const_key, constexprs, fixed, addressed)
+                launch(plan, grid, tensors, scalars, const_key, constexprs, fixed)
             else:  # what unified_attention did before the cached path
                 kernel[grid](*tensors, *scalars, *fixed, **constexprs)
 

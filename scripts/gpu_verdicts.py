@@ -310,6 +310,11 @@ def kernels(out: Path) -> Iterator[Line]:
         yield info(f"#17 decode B={r['batch']} ctx {r['ctx']}: {r['ours_us']:.1f} us vs SDPA "
                    f"{r['sdpa_us']:.1f} us ({speed(r):.2f}x), "
                    f"{100 * r['ours_gbs'] / data['copy_gbs']:.0f}% of copy bandwidth")
+    hosts = [r for r in decode if "launch_host_tensors_us" in r]
+    if hosts:  # what handing the launcher addresses saved of an eager launch's host time
+        yield info("#17 host us per launch, addresses / tensors to the launcher: " + ", ".join(
+            f"B={r['batch']} ctx {r['ctx']} {r['launch_host_us']:.1f} / "
+            f"{r['launch_host_tensors_us']:.1f}" for r in hosts))
 
 
 def fp8_modes(out: Path) -> Iterator[Line]:

@@ -25,7 +25,7 @@ import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention, attention_config, kv_write, ops
+from llmfast.kernels import attention, attention_config, kv_write, ops, rope_cache
 from llmfast.kernels.kv_write import next_pow2
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.tuning import prefill_measure
@@ -795,6 +795,10 @@ def compile_launches_only(monkeypatch) -> list[tuple[str, object]]:
     monkeypatch.setattr(jit_function, "run", compile_only)
     monkeypatch.setattr(attention, "check_launchable", lambda *args: None)
     monkeypatch.setattr(kv_write, "check_launchable", lambda *args: None)
+    # Every launch through the JIT: a launcher an earlier test remembered would be called.
+    for cache in (attention._ATTENTION_LAUNCHES, attention._DECODE_ROPE_LAUNCHES,
+                  kv_write._KV_WRITE_LAUNCHES, rope_cache._LAUNCHES):
+        monkeypatch.setattr(cache, "enabled", False)
     return compiled
 
 

@@ -64,10 +64,21 @@ def recorded(monkeypatch):
 
 def same_launch(a: tuple, b: tuple) -> bool:
     """Grid, stream, compiled function, packed metadata and every kernel argument (the
-    launch metadata and hooks, positions 6-8, may differ: None vs empty hook chains)."""
+    launch metadata and hooks, positions 6-8, may differ: None vs empty hook chains). A
+    tensor argument is the tensor itself or its address (what the cached path passes)."""
     return len(a) == len(b) and all(
-        x is y or (not isinstance(x, torch.Tensor) and x == y)
-        for x, y in zip(a[:6] + a[9:], b[:6] + b[9:]))
+        _same_argument(x, y) for x, y in zip(a[:6] + a[9:], b[:6] + b[9:]))
+
+
+def _same_argument(x, y) -> bool:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return x is y
+    x, y = (t.data_ptr() if isinstance(t, torch.Tensor) else t for t in (x, y))
+    return x == y
+
+
+def tensor_positions(launch: tuple) -> list[int]:
+    return [i for i, x in enumerate(launch) if isinstance(x, torch.Tensor)]
 
 
 @pytest.mark.parametrize("num_tokens, num_reqs, kw", [
@@ -94,6 +105,22 @@ def test_cached_launch_passes_what_the_jit_launch_passes(recorded, monkeypatch, 
     assert len(recorded) == 3  # one launch per call: no merge kernel, mixed or not
     jit, fast, jit_again = recorded
     assert same_launch(fast, jit) and same_launch(jit_again, jit)
+    # The cached path hands the launcher addresses, which it takes as they are, where
+    # the JIT hands it tensors (whose address it reads and has the driver check).
+    assert tensor_positions(jit) and not tensor_positions(fast)
+
+
+def test_cached_launch_passes_the_tensors_when_asked(recorded, monkeypatch):
+    # raw_pointers off: what bench_kernels.py times against (the launcher's own checks).
+    cache = attention._ATTENTION_LAUNCHES
+    monkeypatch.setattr(cache, "raw_pointers", False)
+    inputs = step_inputs(8, 8)
+    call(inputs, num_splits=4)
+    call(inputs, num_splits=4)
+    assert cache.fast_launches == 1
+    jit, fast = recorded
+    assert tensor_positions(fast) == tensor_positions(jit) != []
+    assert all(fast[i] is jit[i] for i in tensor_positions(jit))
 
 
 @pytest.fixture

@@ -197,6 +197,12 @@ def test_kernels_bars_of_issue_17(tmp_path):
     assert [w for w in lines.values() if w != "INFO"] == ["PASS"] * 6, lines
     assert _find(lines, "decode B<=8 speed vs SDPA (eager): worst 1.02 at batch 8, "
                         "ctx 8192 over 2 rows") == "PASS"
+    assert not any("host us per launch" in line for line in lines)  # older JSON: none
+    _write(tmp_path / "kernels.json", _kernels_json(
+        decode__0__launch_host_us=9.5, decode__0__launch_host_tensors_us=13.25))
+    lines = _lines("kernels", tmp_path)
+    assert _find(lines, "host us per launch, addresses / tensors to the launcher: "
+                        "B=1 ctx 512 9.5 / 13.2") == "INFO"
     _write(tmp_path / "kernels.json", _kernels_json(
         decode__0__ours_us=15.0, decode__3__ours_gbs=2100.0, prefill__0__ours_us=120.0,
         prefill__0__max_abs_diff=0.005, mixed__0__mixed_us=61.0, decode__2__sdpa_us=85.0,

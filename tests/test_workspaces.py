@@ -134,25 +134,3 @@ def test_reserved_counters_serve_every_capture(monkeypatch):
                 assert attention._split_scratch(plan, k_cache)[3] is reserved
                 checked += 1
     assert checked > 10 and owner.num_arrival_buffers == 1
-
-
-def test_plan_knows_the_scratch_alignment():
-    # The plan's scratch_aligned lets the launch skip reading the scratch's addresses;
-    # the oracle is those addresses, for shapes whose sum buffer lands on and off a
-    # 16-byte boundary.
-    seen = set()
-    for heads, kv_heads in ((3, 1), (4, 1), (6, 2), (8, 2), (5, 5)):
-        for num_tokens in (1, 2, 3, 5):
-            for splits in (2, 4, 8):
-                q = torch.empty(num_tokens, heads, 64)
-                k_cache = torch.empty(4, 16, kv_heads, 64)
-                table = torch.empty(num_tokens, 8, dtype=torch.int32)
-                plan = attention._plan(q, k_cache, k_cache, table, q, num_tokens, splits,
-                                       None, True, None)
-                owner = AttentionWorkspaces([k_cache])  # noqa: F841 - owns the scratch
-                for scratch in (attention._split_scratch(plan, k_cache),
-                                attention._split_scratch(plan, torch.empty(1))):  # fresh
-                    aligned = all(t.data_ptr() % 16 == 0 for t in scratch)
-                    assert plan.scratch_aligned == aligned, (heads, num_tokens, splits)
-                    seen.add(aligned)
-    assert seen == {True, False}

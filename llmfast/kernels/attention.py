@@ -266,10 +266,8 @@ def unified_attention(
                block_table, query_start_loc, seq_lens, *(rope or ()))
     scalars = (num_reqs, num_tokens, scale * _LOG2E, *plan.split_counts)
     if type(scalars[2]) is float:  # the plan's specialization holds (a float scale)
-        launches.launch_planned(
-            plan, plan.grid, tensors, scalars, plan.const_key, plan.constexprs, plan.strides,
-            (q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, *(rope or ()))
-            if plan.scratch_aligned else None)
+        launches.launch_planned(plan, plan.grid, tensors, scalars, plan.const_key,
+                                plan.constexprs, plan.strides)
     else:
         launches.launch(plan.grid, tensors, scalars, plan.const_key, plan.constexprs,
                         plan.strides)
@@ -308,11 +306,6 @@ class _LaunchPlan:
     # (splits, rows: num_tokens, or num_reqs * DEC_BLOCK_Q with a decode region,
     # num_heads, head_dim_p)
     partials_shape: tuple[int, int, int, int]
-    # The partials and counters (or `out` in their place) are 16-byte aligned: only the
-    # caller's tensors' addresses need reading per launch. Scratch comes from torch's
-    # allocators (64-byte aligned on CPU, 512 on CUDA), so only the sum buffer, a view
-    # splits * num_tokens * num_heads floats into its allocation, may not be.
-    scratch_aligned: bool
     num_arrivals: int  # fused-merge counters: one per (query tile, kv head)
     strides: tuple[int, ...]  # q, k_cache, v_cache, out, block_table rows
     const_key: tuple  # stands for `constexprs` and the strides in the launch cache's key
@@ -429,8 +422,6 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         merge_kernel=splits > 1 and not fused,
         fused=fused or (region is not None and region.num_splits > 1),
         partials_shape=(scratch_splits, scratch_rows, num_heads, head_dim_p),
-        scratch_aligned=(scratch_splits == 1
-                         or scratch_splits * scratch_rows * num_heads % 4 == 0),
         # Fused-merge counters, one per kv head and split query tile, or with a decode
         # region per request (then only its programs split): a count that depends on
         # the launch's request count alone, not on its tokens (the runner keeps one

@@ -21,6 +21,13 @@ and KV-write launches), uses `launch_planned` instead: per call it reads only th
 addresses (for their alignment) and looks up (plan, device, alignment); the plan's first
 launch of each goes through `launch` and the key above.
 
+`launch_planned` hands the launcher those addresses as integers, not the tensors. Given
+a tensor, Triton's C launcher calls its `data_ptr()` and then asks the CUDA driver
+whether the address is device memory (`cuPointerGetAttribute`), per tensor and launch
+(11 tensors for the attention kernel, 16 for the fused decode + RoPE one); given an
+integer it takes it as the address. The check it skips is a plan's to make: a plan is
+per device, and its first launch (through the JIT, with the tensors) is checked.
+
 The launcher itself (`CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`, every parameter of the
 kernel in order, constexprs included) has the same signature in Triton 3.6 and 3.7. When
@@ -122,6 +129,9 @@ class LaunchCache:
         self.max_planned = max_planned
         self._interpreted = not isinstance(kernel, triton.runtime.JITFunction)
         self.enabled: bool | None = None  # from the environment at the first launch
+        # launch_planned passes the tensors' addresses (False: the tensors, for timing
+        # what the launcher's own pointer checks cost: bench_kernels.py).
+        self.raw_pointers = True
 
     def _jit_only(self) -> bool:
         """Whether this launch must take Triton's JIT path (see the module docstring)."""
@@ -162,26 +172,22 @@ class LaunchCache:
     def launch_planned(self, plan: Hashable, grid: tuple[int, int, int],
                        tensors: tuple[torch.Tensor, ...], scalars: tuple[Any, ...],
                        const_key: Hashable, constexprs: dict[str, Any],
-                       fixed: tuple[Any, ...] = (),
-                       addressed: tuple[torch.Tensor, ...] | None = None) -> None:
+                       fixed: tuple[Any, ...] = ()) -> None:
         """`launch(grid, tensors, scalars, const_key, constexprs, fixed)` for a caller
-        whose `plan` (hashable by identity, kept by the caller per shape) determines
-        everything of the specialization but the tensors' addresses: their dtypes, the
-        scalars' specialization, `const_key`, `constexprs` and `fixed`. The first launch
-        of a (plan, device, alignment) takes `launch`; later ones only read the tensors'
-        addresses, the device and the stream before calling the launcher.
-
-        `addressed`: the tensors whose addresses are to be read, when the caller knows
-        every other one of `tensors` to be 16-byte aligned (e.g. its own scratch, or the
-        same tensor again); None: all of them."""
+        whose `plan` (hashable by identity, kept by the caller per shape and device)
+        determines everything of the specialization but the tensors' addresses: their
+        dtypes, the scalars' specialization, `const_key`, `constexprs` and `fixed`. The
+        first launch of a (plan, device, alignment) takes `launch`; later ones only read
+        the tensors' addresses, the device and the stream before calling the launcher,
+        and pass it the addresses (see the module docstring)."""
         if self._jit_only() or _hooks_registered():
             self.kernel[grid](*tensors, *scalars, *fixed, **constexprs)
             return
+        addresses = tuple(map(_data_ptr, tensors))
         # Triton specializes a tensor on 16-byte alignment: all aligned (the usual case)
         # is one key, any other mix its own.
-        aligned = (True if not _or_all(map(_data_ptr, tensors if addressed is None
-                                            else addressed)) & 15
-                   else tuple([t.data_ptr() % 16 == 0 for t in tensors]))
+        aligned = (True if not _or_all(addresses) & 15
+                   else tuple([address % 16 == 0 for address in addresses]))
         device = _driver.active.get_current_device()
         entry = self._planned.get((plan, device, aligned))
         if entry is None:
@@ -197,7 +203,8 @@ class LaunchCache:
             return
         launcher, function, packed_metadata, fixed_tail = entry
         launcher(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device), function,
-                 packed_metadata, None, None, None, *tensors, *scalars, *fixed_tail)
+                 packed_metadata, None, None, None,
+                 *(addresses if self.raw_pointers else tensors), *scalars, *fixed_tail)
         self.fast_launches += 1
 
 
