@@ -133,7 +133,10 @@
 #        takes async steps with a token-less row (it raised before: `full`'s async
 #        tests and every engine step after would have failed); the full graphs are
 #        captured once (the largest measured first); one merge-counter buffer per
-#        runner (the engine's full graphs record no memsets: `sweep`'s small batches)
+#        runner (the engine's full graphs record no memsets: `sweep`'s small batches);
+#        since 97a09ce: the cached launch path hands Triton's launcher addresses, not
+#        tensors (no data_ptr() call or driver pointer check per tensor: `kernels`' decode
+#        rows show host us per launch both ways, and an info line sums them up)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
 #        `skipped` = the steps the previous call of this machine skipped (a file under
