@@ -18,5 +18,19 @@ class AttentionMetadata:
     # [1] int32 on the CPU (no device sync to read): the most query tokens any request
     # row has this step. 1 tells the attention op that the step is uniform decode (it
     # may rotate and cache the new tokens inside the attention kernel); None: unknown.
-    # A tensor, not an int, so that Dynamo does not specialize on its value.
+    # A tensor, not an int, so that Dynamo does not specialize on its value; made by
+    # `host_max_query_len`.
     max_query_len: torch.Tensor | None = None
+
+
+def host_max_query_len(value: int = 0) -> torch.Tensor:
+    """A [1] int32 CPU tensor holding `value`, for AttentionMetadata.max_query_len: always
+    a normal tensor, also when made under torch.inference_mode (as captures run).
+
+    Where the model hands it to the attention op (RoPE in the op: the CUDA default) it is
+    a graph input, and Dynamo guards on its dispatch keys, which differ between normal
+    and inference tensors: a full graph's tensor made in its capture, among steps' made
+    at start-up, recompiled the model mid-capture (the piecewise graphs' pieces then
+    never ran at the next size, and the start failed). Whoever makes one makes it here."""
+    with torch.inference_mode(False):
+        return torch.full((1,), value, dtype=torch.int32)

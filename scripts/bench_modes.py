@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
 from llmfast.bench.static_batch import StaticBatch
 from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
@@ -109,7 +109,7 @@ def full_forward_of(static: StaticBatch, cm: CompiledModel):
         ids, positions = static.input_ids[:size], static.positions[:size]
         md = AttentionMetadata(static.slot_mapping[:size], static.table[:size],
                                static.query_start_loc[: size + 1], static.seq_lens[:size],
-                               torch.ones(1, dtype=torch.int32))  # uniform decode
+                               host_max_query_len(1))  # uniform decode
         if dummy:
             ids.zero_()
             positions.zero_()

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 _CHILD = """
 import statistics, time, torch
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
 from llmfast.compile import CompiledModel
 from tests.helpers.static_batch import StaticBatch
 from tests.test_precompiled import CONFIG, one_allocation, tiny_model
@@ -33,7 +33,7 @@ one_allocation(model)
 cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64)
 batch.step({0: [5]}, cm)
 md = AttentionMetadata(batch.slot_mapping[:1], batch.table[:1], batch.query_start_loc[:2],
-                       batch.seq_lens[:1], torch.ones(1, dtype=torch.int32))
+                       batch.seq_lens[:1], host_max_query_len(1))
 ids, pos = batch.input_ids[:1], batch.positions[:1]
 times = []
 with torch.inference_mode():

@@ -135,6 +135,30 @@ def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode
         spy.replay(2, inputs)
 
 
+def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noqa: F811
+                                                           monkeypatch, tmp_path):
+    # The model hands RoPE to the attention op, as on CUDA (on the CPU the op rotates
+    # with the torch reference), so the step's host max_query_len is a graph input that
+    # Dynamo guards: the full graphs' (made in their capture) must pass the guards the
+    # steps' passed (host_max_query_len). Before it, the capture recompiled the model
+    # and failed. A compile cache of its own: the start traces.
+    from llmfast.kernels.layers.rotary_reference import rope_cache_takes
+    from llmfast.models import decoder
+
+    monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    prompts, lengths, arrivals = _workload()
+    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    engine.set_async_scheduling(True)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = _run(engine, prompts, params, arrivals)
+    for p, n, tokens in zip(prompts, lengths, got):
+        assert tokens == oracle(p, n)
+    compiled = engine.runner.compiled
+    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+    assert compiled.stats.num_dynamo_graphs == 1  # one trace: every capture and step
+
+
 @pytest.mark.slow  # ~30 s on 2 cores; the GPU suite checks the same on real graphs
 def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
     prompts, lengths, arrivals = _workload(seed=1)
@@ -335,3 +359,46 @@ def test_full_graphs_with_triton_attention_under_async_scheduling():
                              LLMFAST_LAYER_KERNELS="0")
     assert result["full_replays"] > 0
     assert result["full_async"] == result["eager_sync"]
+
+
+@pytest.mark.slow
+def test_full_graphs_with_rope_in_the_attention_op_under_async_scheduling(tmp_path):
+    """The same (~60 s), with RoPE inside the attention op as on CUDA (the layer kernels
+    stay off for Dynamo, so the model is told the op rotates): uniform decode steps take
+    the fused decode + RoPE kernel, in the full graphs too, and mixed steps rotate in
+    the KV write. Greedy tokens equal the eager synchronous loop's with the torch RoPE
+    before the op, and with the op rotating. A compile cache of its own: the start traces
+    (a warm one would load the graph, the patched model's fingerprint being the same).
+    It failed so before host_max_query_len: the full graphs' max_query_len, made in their
+    capture, recompiled the model mid-capture."""
+    from tests.helpers.interpreted import run_interpreted
+
+    result = run_interpreted(_INTERPRETED_ROPE_IN_OP_CHILD, timeout_s=900,
+                             LLMFAST_LAYER_KERNELS="0", LLMFAST_CACHE=str(tmp_path))
+    assert result["full_replays"] > 0 and result["fused_decode_plans"] > 0
+    assert result["full_async"] == result["eager_sync_rope_in_op"] == result["eager_sync"]
+
+
+# The child: as above, the model told that its attention op rotates q and k (what
+# rope_fuses_into_attention answers on CUDA) once the torch-RoPE oracle has run.
+_INTERPRETED_ROPE_IN_OP_CHILD = """
+import json
+from llmfast import SamplingParams
+from llmfast.config import CudaGraphMode
+from llmfast.kernels import attention
+from llmfast.kernels.layers.rotary_reference import rope_cache_takes
+from llmfast.models import decoder
+from tests.test_full_graphs import _engine, _run, _workload
+
+prompts, lengths, arrivals = _workload()
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+result = {"eager_sync": _run(_engine("random:tiny", None), prompts, params, arrivals)}
+decoder.rope_fuses_into_attention = rope_cache_takes
+result["eager_sync_rope_in_op"] = _run(_engine("random:tiny", None), prompts, params, arrivals)
+full = _engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
+full.set_async_scheduling(True)
+result["full_async"] = _run(full, prompts, params, arrivals)
+result["fused_decode_plans"] = sum(plan.rope for plan in attention._PLANS.values())
+print(json.dumps(dict(result, full_replays=full.runner.compiled.full_graphs.num_replays)))
+"""
+

@@ -78,12 +78,15 @@ def check_rope_and_cache(dtype: str, cache_dtype: str, heads: int, kv_heads: int
     assert (q_out.double() - exact).abs().max() <= 2 * _ULP[dt] * exact.abs().max()
 
 
-_ULP = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-10,
+# One unit in the last place, relative to the value: at most 2^-(explicit mantissa bits).
+_ULP = {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10,
         torch.float8_e4m3fn: 2**-3}
 
 
 def _close_to_one_rounding(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
-    """Equal NaN poison, and values within one rounding of `dtype` of each other."""
+    """Equal NaN poison, and values within one unit in the last place of `dtype` of each
+    other (two kernels computing the same rotation may round apart: the compiler fuses
+    multiply-adds where it likes)."""
     a, b = a.float(), b.float()
     assert torch.equal(a.isnan(), b.isnan())
     a, b = a.nan_to_num(), b.nan_to_num()
@@ -209,7 +212,7 @@ def check_decode_rope_kernel(dtype: str, cache_dtype: str, num_splits: int | Non
         _same_cache(v_fused, v_apart)
         return
     _close_to_one_rounding(out_fused[:5], out_apart[:5], dt)
-    _close_to_one_rounding(k_fused.to(dt), k_apart.to(dt), dt)
+    _close_to_one_rounding(k_fused, k_apart, cache_dt)  # (an fp8 key: one fp8 step)
     _same_cache(v_fused, v_apart)
 
 
@@ -342,9 +345,13 @@ ROPE_CACHE_CASES = [
     ("float32", "float32", 5, 1, 128),  # heads not a power of two
     ("bfloat16", "float8_e4m3fn", 4, 4, 80),  # head dim padded inside; an fp8 cache
 ]
-FUSED_OP_CASES = [("float32", "mixed"), ("bfloat16", "mixed"), ("bfloat16", "decode"),
-                  ("bfloat16", "zero_rows"), ("bfloat16", "uniform"),
-                  ("bfloat16", "uniform_zero_row")]
+# The op's cases that rotate in the KV write, and those that take the fused decode
+# kernel (on a GPU their tests are apart: gpu_check.sh turns off what failed).
+FUSED_OP_CASES_KV_WRITE = [("float32", "mixed"), ("bfloat16", "mixed"),
+                           ("bfloat16", "zero_rows")]
+FUSED_OP_CASES_DECODE_KERNEL = [("bfloat16", "decode"), ("bfloat16", "uniform"),
+                                ("bfloat16", "uniform_zero_row")]
+FUSED_OP_CASES = FUSED_OP_CASES_KV_WRITE + FUSED_OP_CASES_DECODE_KERNEL
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, heads, kv_heads, head_dim", ROPE_CACHE_CASES)
@@ -377,7 +384,7 @@ def test_rope_and_cache_on_cuda():
         pytest.skip("needs CUDA")
     for dtype, cache_dtype, heads, kv_heads, head_dim in ROPE_CACHE_CASES:
         check_rope_and_cache(dtype, cache_dtype, heads, kv_heads, head_dim, device="cuda")
-    for dtype, kind in FUSED_OP_CASES:
+    for dtype, kind in FUSED_OP_CASES_KV_WRITE:
         check_fused_op_equals_unfused(dtype, kind, device="cuda")
         torch.cuda.synchronize()
     for dtype in ("float32", "bfloat16"):
@@ -393,6 +400,9 @@ def test_decode_rope_kernel_on_cuda():
         pytest.skip("needs CUDA")
     for dtype, cache_dtype, num_splits, num_sms in DECODE_ROPE_CASES:
         check_decode_rope_kernel(dtype, cache_dtype, num_splits, num_sms, device="cuda")
+        torch.cuda.synchronize()
+    for dtype, kind in FUSED_OP_CASES_DECODE_KERNEL:  # the op's steps that take it
+        check_fused_op_equals_unfused(dtype, kind, device="cuda")
         torch.cuda.synchronize()
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
 from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.models.decoder import DecoderForCausalLM
 
@@ -68,7 +68,7 @@ class StaticBatch:
         self.query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
         # AttentionMetadata.max_query_len (CPU): set by `run` for each call.
-        self.max_query_len = torch.zeros(1, dtype=torch.int32)
+        self.max_query_len = host_max_query_len()
 
     def run(self, forward: Forward, num_padded: int, num_reqs: int,
             max_query_len: int | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
 from llmfast.compile import CompiledModel
 from llmfast.utils.progress import Progress
 from llmfast.worker.input_batch import InputBatch
@@ -82,7 +82,7 @@ class CaptureInputs:
             seq_lens.fill_(1)
         # A full graph holds a uniform decode step (one token a row): its capture takes
         # the attention kernels such a step takes.
-        max_query_len = torch.ones(1, dtype=torch.int32)
+        max_query_len = host_max_query_len(1)  # (made in a capture: see there)
         md = AttentionMetadata(slots, table, query_start_loc, seq_lens, max_query_len)
         compiled, model = self.compiled, self.model
 

@@ -13,7 +13,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.graphs.dispatch import GraphDispatcher, StepDispatch, is_uniform_decode
 from llmfast.worker.buffers import CpuGpuBuffer
@@ -33,7 +33,7 @@ class StepInputs:
         self.logits_indices = buf(max_num_reqs, dtype=torch.int64)
         # The step's most query tokens in a row: on the CPU only (the attention op reads
         # it on the host, AttentionMetadata.max_query_len); one tensor for every step.
-        self.max_query_len = torch.zeros(1, dtype=torch.int32)
+        self.max_query_len = host_max_query_len()
         self._max_query_len_np = self.max_query_len.numpy()
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
 
