@@ -141,22 +141,26 @@ def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noq
     # with the torch reference), so the step's host max_query_len is a graph input that
     # Dynamo guards: the full graphs' (made in their capture) must pass the guards the
     # steps' passed (host_max_query_len). Before it, the capture recompiled the model
-    # and failed. A compile cache of its own: the start traces.
+    # and failed. A compile cache of its own: the first start traces, the second loads.
     from llmfast.kernels.layers.rotary_reference import rope_cache_takes
     from llmfast.models import decoder
 
     monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
     monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
     prompts, lengths, arrivals = _workload()
-    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
-    engine.set_async_scheduling(True)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    got = _run(engine, prompts, params, arrivals)
-    for p, n, tokens in zip(prompts, lengths, got):
-        assert tokens == oracle(p, n)
-    compiled = engine.runner.compiled
-    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
-    assert compiled.stats.num_dynamo_graphs == 1  # one trace: every capture and step
+    # Cold (traced and saved), then warm (the saved split graph loaded: no Dynamo).
+    for warm in (False, True):
+        engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+        engine.set_async_scheduling(True)
+        got = _run(engine, prompts, params, arrivals)
+        for p, n, tokens in zip(prompts, lengths, got):
+            assert tokens == oracle(p, n)
+        compiled = engine.runner.compiled
+        assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+        assert compiled.stats.precompiled == warm
+        if not warm:
+            assert compiled.stats.num_dynamo_graphs == 1  # one trace: every capture, step
 
 
 @pytest.mark.slow  # ~30 s on 2 cores; the GPU suite checks the same on real graphs
