@@ -136,7 +136,13 @@
 #        runner (the engine's full graphs record no memsets: `sweep`'s small batches);
 #        since 97a09ce: the cached launch path hands Triton's launcher addresses, not
 #        tensors (no data_ptr() call or driver pointer check per tensor: `kernels`' decode
-#        rows show host us per launch both ways, and an info line sums them up)
+#        rows show host us per launch both ways, and an info line sums them up); every
+#        cold start since 6cf0f3a would have failed in capture (the full graphs' host
+#        max_query_len, made under inference_mode, recompiled the model: fixed in
+#        84c6757, found on the CPU by forcing RoPE into the op), so `full` is the first
+#        run of that path; test_decode_rope_kernel_on_cuda now also holds the op's
+#        uniform-decode cases (their failure turns the fused kernel off, not the layer
+#        kernels)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
 #        `skipped` = the steps the previous call of this machine skipped (a file under
