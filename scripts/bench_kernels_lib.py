@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -27,6 +28,32 @@ def time_us(fn, iters: int, flush: torch.Tensor, idle: bool = False) -> float:
         torch.cuda.synchronize()
 
     return median_device_us(fn, iters, warmup=3, before=flush_and_wait)
+
+
+def time_us_interleaved(fns, iters: int, flush: torch.Tensor, idle: bool = False
+                        ) -> list[float]:
+    """time_us of each of `fns`, their calls interleaved (f0, f1, f0, f1, ...) rather than
+    one function's run after the other's: for a ratio between them. An eager figure
+    holds host time, which drifts (clocks, the other processes), so two runs taken one
+    after the other can differ by ~10 % for the same kernel (2026-11-26's H100 table:
+    13 µs between two launches of one variant at batch 8, 8k)."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    events: list[list[tuple]] = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, timed in zip(fns, events):
+            flush.zero_()
+            if idle:
+                torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            timed.append((start, end))
+    torch.cuda.synchronize()
+    return [1000 * statistics.median(s.elapsed_time(e) for s, e in timed) for timed in events]
 
 
 ULP_FLOOR = 2.0**-4  # values below this are measured in the ulps of this

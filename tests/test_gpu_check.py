@@ -376,3 +376,41 @@ def test_kvfp8_step_reads_its_decode_rows(tmp_path):
                         "50% of copy bandwidth") == "INFO"
     assert _find(lines, "max abs diff vs SDPA: worst 0.005 at batch 64, ctx 8192") == "FAIL"
     assert _find(lines, "test_prefill_attention did not run") == "MISSING"
+
+
+def test_interleaved_timing_alternates_the_calls_and_takes_each_ones_median(monkeypatch):
+    # bench_kernels' decode ratio vs SDPA: the two timed call by call in turn, each
+    # figure the median of its own calls. A fake clock stands for CUDA events: each call
+    # advances it by its cost (the second function's drifting), a record reads it.
+    import bench_kernels_lib
+    import torch
+
+    clock, calls = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, end):  # ms
+            return end.at - self.at
+
+    def fn(name, costs):
+        costs = iter(costs)
+
+        def call():
+            calls.append(name)
+            clock[0] += next(costs)
+        return call
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    flush = torch.zeros(4)
+    a = fn("a", [9.0] * 3 + [0.010, 0.012, 0.011])
+    b = fn("b", [9.0] * 3 + [0.020, 0.050, 0.030])
+    got = bench_kernels_lib.time_us_interleaved([a, b], 3, flush, idle=True)
+    assert got == pytest.approx([11.0, 30.0])  # µs: each one's median, warm-up left out
+    timed = calls[calls.index("sync") + 1:]
+    assert timed == ["sync", "a", "sync", "b"] * 3 + ["sync"]  # idle: a sync before each
