@@ -163,6 +163,59 @@ def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noq
             assert compiled.stats.num_dynamo_graphs == 1  # one trace: every capture, step
 
 
+def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path):  # noqa: F811
+    # What a CUDA start does, on the CPU (emulated graphs, RoPE in the op, async): the
+    # model compiled and every graph captured on one-block scratch caches (as the memory
+    # profile leaves them), only the largest full graph among them; then the real KV
+    # cache bound and the full graphs captured again on it (recapture_full). The
+    # profile's and the device's figures are stand-ins; the order is the runner's.
+    import torch
+
+    from llmfast.kernels.layers.rotary_reference import rope_cache_takes
+    from llmfast.models import decoder
+    from llmfast.worker import model_runner
+
+    calls = []
+
+    def profile(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype, device,
+                max_model_len=None):
+        cfg = model.rank_config
+        shape = (1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        model.bind_kv_caches([(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                              for _ in range(cfg.num_hidden_layers)])
+        calls.append("profile")
+        return 0
+
+    def blocks(cache, model, dtype, device, peak):
+        calls.append("size")
+        return 256
+
+    monkeypatch.setattr(model_runner, "profile_peak_memory", profile)
+    monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
+    monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
+                        lambda self: True)
+    monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    assert calls == ["profile", "size"] and engine.runner.num_blocks == 256
+    compiled = engine.runner.compiled
+    assert compiled.stats.full_graph_sizes == (1, 2, 4)
+    assert sorted(compiled.full_graphs.sizes) == [1, 2, 4]  # all of them, on the real cache
+    real = engine.runner.kv_cache  # every layer's caches are views into it
+    start, end = real.data_ptr(), real.data_ptr() + real.numel() * real.element_size()
+    for graph in compiled.full_graphs.graphs.values():  # captured reading the real cache
+        caches = graph.input_addresses[6:]  # (after ids, positions and the metadata)
+        assert caches and all(start <= address < end for address in caches)
+    engine.set_async_scheduling(True)
+    prompts, lengths, arrivals = _workload()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = _run(engine, prompts, params, arrivals)
+    for p, n, tokens in zip(prompts, lengths, got):
+        assert tokens == oracle(p, n)
+    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+    assert compiled.stats.num_dynamo_graphs == 1
+
+
 @pytest.mark.slow  # ~30 s on 2 cores; the GPU suite checks the same on real graphs
 def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
     prompts, lengths, arrivals = _workload(seed=1)
