@@ -17,9 +17,9 @@ Decode rows also show: the same call replayed from a CUDA graph (what a full-gra
 decode step pays), the host time of one eager launch (wall clock per call of a burst of
 launches, no sync between: the cached launch path, the same handing the launcher the
 tensors instead of their addresses, and Triton's JIT dispatch), and the *fixed* launch a
-full CUDA graph uses: the split count chosen from a block table as wide as --max-model-len instead of the live context
-(eager and graph-replayed), i.e. what fixing the launch per captured size costs at short
-and long contexts.
+full CUDA graph uses: the split count chosen from a block table as wide as
+--max-model-len instead of the live context (eager and graph-replayed), i.e. what fixing
+the launch per captured size costs at short and long contexts.
 
 `--kv-cache-dtype fp8`: the decode rows read a float8_e4m3fn cache (the engine's
 --kv-cache-dtype fp8), holding K/V rounded to fp8; SDPA gets the same rounded values in

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
-from llmfast.kernels.tuning.prefill_measure import median_device_us
+from llmfast.kernels.tuning.prefill_measure import median_device_us_interleaved
 
 L2_FLUSH_BYTES = 256 << 20
 
@@ -20,14 +19,7 @@ def time_us(fn, iters: int, flush: torch.Tensor, idle: bool = False) -> float:
     figures: what a call costs when launched on its own). Otherwise the ~90 µs flush
     still runs when fn() is launched and hides any launch time under it (CUDA-graph
     replays and bandwidth, where the kernel's own time is the figure)."""
-    if not idle:
-        return median_device_us(fn, iters, warmup=3, before=flush.zero_)
-
-    def flush_and_wait() -> None:
-        flush.zero_()
-        torch.cuda.synchronize()
-
-    return median_device_us(fn, iters, warmup=3, before=flush_and_wait)
+    return time_us_interleaved([fn], iters, flush, idle)[0]
 
 
 def time_us_interleaved(fns, iters: int, flush: torch.Tensor, idle: bool = False
@@ -37,23 +29,14 @@ def time_us_interleaved(fns, iters: int, flush: torch.Tensor, idle: bool = False
     holds host time, which drifts (clocks, the other processes), so two runs taken one
     after the other can differ by ~10 % for the same kernel (2026-11-26's H100 table:
     13 µs between two launches of one variant at batch 8, 8k)."""
-    for fn in fns:
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    events: list[list[tuple]] = [[] for _ in fns]
-    for _ in range(iters):
-        for fn, timed in zip(fns, events):
-            flush.zero_()
-            if idle:
-                torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            timed.append((start, end))
-    torch.cuda.synchronize()
-    return [1000 * statistics.median(s.elapsed_time(e) for s, e in timed) for timed in events]
+    if not idle:
+        return median_device_us_interleaved(fns, iters, warmup=3, before=flush.zero_)
+
+    def flush_and_wait() -> None:
+        flush.zero_()
+        torch.cuda.synchronize()
+
+    return median_device_us_interleaved(fns, iters, warmup=3, before=flush_and_wait)
 
 
 ULP_FLOOR = 2.0**-4  # values below this are measured in the ulps of this

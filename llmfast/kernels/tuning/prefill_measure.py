@@ -11,7 +11,7 @@ never written): 8 KV heads x the class's group, block size 16, random values.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -60,17 +60,28 @@ def median_device_us(fn: Callable[[], None], iters: int = 25, warmup: int = 1,
                      before: Callable[[], object] | None = None) -> float:
     """Median µs of fn() between CUDA events, after `warmup` untimed calls (the first
     compiles); `before` runs ahead of each timed call, outside its events (an L2 flush)."""
-    for _ in range(warmup):
-        fn()
+    return median_device_us_interleaved([fn], iters, warmup, before)[0]
+
+
+def median_device_us_interleaved(fns: Sequence[Callable[[], None]], iters: int = 25,
+                                 warmup: int = 1, before: Callable[[], object] | None = None
+                                 ) -> list[float]:
+    """median_device_us of each of `fns`, their timed calls taken in turn (f0, f1, f0,
+    f1, ...), so that drift (clocks, host load) falls on all of them alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    events = []
+    events: list[list[tuple]] = [[] for _ in fns]
     for _ in range(iters):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
+        for fn, timed in zip(fns, events):
+            if before is not None:
+                before()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            timed.append((start, end))
     torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
+    return [1000 * statistics.median(s.elapsed_time(e) for s, e in timed) for timed in events]
