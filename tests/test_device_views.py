@@ -17,7 +17,14 @@ from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.worker import buffers
 from tests.test_engine import oracle  # noqa: F401  (fixture)
-from tests.test_full_graphs import _engine, _run, _workload, ckpt  # noqa: F401  (fixture)
+from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
+    _engine,
+    _run,
+    _workload,
+    ckpt,
+    greedy_matches_hf,
+    rope_in_the_op,
+)
 
 JUNK = 77  # what a device view holds before its first copy
 
@@ -42,21 +49,11 @@ def _separate_device_views(monkeypatch) -> None:
 
 def test_cuda_default_path_with_separate_device_views_matches_hf(ckpt, oracle,  # noqa: F811
                                                                   monkeypatch, tmp_path):
-    from llmfast.kernels.layers.rotary_reference import rope_cache_takes
-    from llmfast.models import decoder
-
     _separate_device_views(monkeypatch)
-    monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
-    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
-    prompts, lengths, arrivals = _workload()
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    rope_in_the_op(monkeypatch, tmp_path)
     engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
     assert engine.runner.inputs.input_ids.gpu is not engine.runner.inputs.input_ids.cpu
-    engine.set_async_scheduling(True)
-    got = _run(engine, prompts, params, arrivals)
-    for p, n, tokens in zip(prompts, lengths, got):
-        assert tokens == oracle(p, n)
-    assert engine.runner.compiled.full_graphs.num_replays > 0
+    greedy_matches_hf(engine, oracle)
 
 
 def test_sampling_features_with_separate_device_views(ckpt, monkeypatch):  # noqa: F811

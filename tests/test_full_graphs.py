@@ -135,6 +135,30 @@ def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode
         spy.replay(2, inputs)
 
 
+def rope_in_the_op(monkeypatch, cache_dir) -> None:
+    """The decoder hands RoPE to the attention op, as on CUDA (on the CPU the op then
+    rotates with the torch reference), with a compile cache of its own (`cache_dir`), so
+    the first start traces: a guard problem shows on a cold start only."""
+    from llmfast.kernels.layers.rotary_reference import rope_cache_takes
+    from llmfast.models import decoder
+
+    monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
+    monkeypatch.setenv("LLMFAST_CACHE", str(cache_dir))
+
+
+def greedy_matches_hf(engine: LLMEngine, oracle) -> None:  # noqa: F811 (the fixture's value)
+    """The workload, greedy, under async scheduling: every request's tokens are HF's,
+    and both graph kinds were replayed."""
+    prompts, lengths, arrivals = _workload()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    engine.set_async_scheduling(True)
+    got = _run(engine, prompts, params, arrivals)
+    for p, n, tokens in zip(prompts, lengths, got):
+        assert tokens == oracle(p, n)
+    compiled = engine.runner.compiled
+    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+
+
 def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noqa: F811
                                                            monkeypatch, tmp_path):
     # The model hands RoPE to the attention op, as on CUDA (on the CPU the op rotates
@@ -142,22 +166,12 @@ def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noq
     # Dynamo guards: the full graphs' (made in their capture) must pass the guards the
     # steps' passed (host_max_query_len). Before it, the capture recompiled the model
     # and failed. A compile cache of its own: the first start traces, the second loads.
-    from llmfast.kernels.layers.rotary_reference import rope_cache_takes
-    from llmfast.models import decoder
-
-    monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
-    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
-    prompts, lengths, arrivals = _workload()
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    rope_in_the_op(monkeypatch, tmp_path)
     # Cold (traced and saved), then warm (the saved split graph loaded: no Dynamo).
     for warm in (False, True):
         engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
-        engine.set_async_scheduling(True)
-        got = _run(engine, prompts, params, arrivals)
-        for p, n, tokens in zip(prompts, lengths, got):
-            assert tokens == oracle(p, n)
+        greedy_matches_hf(engine, oracle)
         compiled = engine.runner.compiled
-        assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
         assert compiled.stats.precompiled == warm
         if not warm:
             assert compiled.stats.num_dynamo_graphs == 1  # one trace: every capture, step
@@ -171,8 +185,6 @@ def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path)
     # profile's and the device's figures are stand-ins; the order is the runner's.
     import torch
 
-    from llmfast.kernels.layers.rotary_reference import rope_cache_takes
-    from llmfast.models import decoder
     from llmfast.worker import model_runner
 
     calls = []
@@ -194,8 +206,7 @@ def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path)
     monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
     monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
                         lambda self: True)
-    monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
-    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    rope_in_the_op(monkeypatch, tmp_path)
     engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
     assert calls == ["profile", "size"] and engine.runner.num_blocks == 256
     compiled = engine.runner.compiled
@@ -206,13 +217,7 @@ def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path)
     for graph in compiled.full_graphs.graphs.values():  # captured reading the real cache
         caches = graph.input_addresses[6:]  # (after ids, positions and the metadata)
         assert caches and all(start <= address < end for address in caches)
-    engine.set_async_scheduling(True)
-    prompts, lengths, arrivals = _workload()
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    got = _run(engine, prompts, params, arrivals)
-    for p, n, tokens in zip(prompts, lengths, got):
-        assert tokens == oracle(p, n)
-    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+    greedy_matches_hf(engine, oracle)
     assert compiled.stats.num_dynamo_graphs == 1
 
 
