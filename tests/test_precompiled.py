@@ -130,6 +130,27 @@ def test_warm_start_in_process_never_traces(cold, monkeypatch):
     assert cm._graph_state.num_replays == cold_cm._graph_state.num_replays > 0
 
 
+def test_compile_workers_are_started_only_where_a_trace_is_coming(cold, monkeypatch):
+    """Inductor's compile workers (compile/workers.py) are asked for at construction
+    when nothing saved could be loaded, and again when the first call traces; a warm
+    start that loads the saved model never asks (on CUDA that would start processes
+    it never uses). (Before the tests that damage or mark the saved entry.)"""
+    from llmfast.compile import compiled_model
+
+    asked: list[torch.device] = []
+    monkeypatch.setattr(compiled_model, "start_compile_workers", asked.append)
+    model = tiny_model()
+    warm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    run_steps(warm, model)
+    assert warm.stats.precompiled and asked == []
+
+    model = tiny_model()
+    traced = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated",
+                           precompile=False)
+    assert asked == [torch.device("cpu")]
+    run_steps(traced, model)
+    assert not traced.stats.precompiled and asked == [torch.device("cpu")] * 2
+
 def test_warm_start_reads_the_kv_caches_bound_at_each_call(cold):
     """The caches are re-bound after the memory profile (the runner's scratch cache,
     then the real one): the loaded graph must read the layers' current caches, not the
@@ -367,3 +388,4 @@ def test_the_fingerprint_separates_what_the_trace_is_specialised_to():
 def test_no_precompiling_where_asked_not_to(cache_root):
     cm = CompiledModel(tiny_model(), CONFIG, "cpu", max_num_tokens=64, precompile=False)
     assert cm._precompiled_dir is None and not cm.backend.keep_artifacts
+

@@ -50,6 +50,7 @@ from llmfast.compile.graph_inputs import (
     record_slots,
 )
 from llmfast.compile.stats import CompileStats
+from llmfast.compile.workers import start_compile_workers, trace_expected
 from llmfast.config import CompileConfig, CudaGraphMode
 from llmfast.graphs.capture_context import CaptureStream, graph_capture
 from llmfast.graphs.dispatch import GraphDispatcher
@@ -206,6 +207,11 @@ class CompiledModel:
             self._cache_dir = compile_cache_dir(key)
             if precompile and piece_compiler == "inductor" and precompiled.precompiled_enabled():
                 self._precompiled_dir = self._cache_dir / precompiled.DIRNAME
+        # Inductor's Triton compile workers, started while the model is profiled and
+        # traced (compile/workers.py); not for a start that will load a saved model.
+        self._starts_workers = piece_compiler == "inductor"
+        if self._starts_workers and trace_expected(self._precompiled_dir):
+            start_compile_workers(self.device)
         self.backend = PiecewiseBackend(
             config.splitting_ops,
             self.stats,
@@ -271,6 +277,8 @@ class CompiledModel:
                 if out is not None:
                     return out
                 precompiled.discard(self._precompiled_dir)  # unusable: room for a new one
+        if self._starts_workers:
+            start_compile_workers(self.device)  # (already started, unless a saved one was expected)
         self._mark_dynamic(*call)
         out = self._forward(*call)
         if self.backend.last_trace is not None:
