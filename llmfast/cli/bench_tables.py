@@ -144,6 +144,7 @@ STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load 
                 ("setup", "runner buffers + compiler set-up"),
                 ("tokenizer", "load tokenizer"),
                 ("tune", "tune prefill tiles (once per GPU)"),
+                ("precompile", "submit Triton compiles (threads)"),
                 ("profile", "profile memory"), ("compile", "compile"),
                 ("capture", "capture CUDA graphs"), ("kv_cache", "allocate KV cache"),
                 ("tokenizer_wait", "wait for the tokenizer (loaded beside the above)"),
@@ -181,7 +182,11 @@ def startup_table(report: dict) -> Table:
                      f"{warm['compile_cache_misses']}; device {cold['device']}"
                      + "".join(f"\n{name}: {run['compile_summary']}"
                                for name, run in (("cold", cold), ("warm", warm))
-                               if run.get("compile_summary")))
+                               if run.get("compile_summary"))
+                     + "".join(f"\n{name}: Triton variants {v['precompiled']} compiled in "
+                               f"threads ahead, {v['compiled_at_launch']} at their launch"
+                               for name, run in (("cold", cold), ("warm", warm))
+                               if (v := run.get("triton_variants"))))
     return table
 
 

@@ -39,6 +39,10 @@ class RunnerInfo:
     decode_weight_bytes: int
     # What compiling and capturing did by the end of start-up; None in eager mode.
     compile_stats: CompileStats | None
+    # Triton variants the start-up compiled in threads ahead of their launches, and how
+    # many more it compiled at a launch (worker/kernel_precompile.py); None: no
+    # precompile ran (CPU, or switched off).
+    triton_variants: dict[str, int] | None = None
 
 
 def runner_info(runner: ModelRunner) -> RunnerInfo:
@@ -57,4 +61,5 @@ def runner_info(runner: ModelRunner) -> RunnerInfo:
         cuda_version=torch.version.cuda if on_cuda else None,
         decode_weight_bytes=decode_weight_bytes(runner.model),
         compile_stats=None if compiled.eager else copy.deepcopy(compiled.stats),
+        triton_variants=dict(runner.triton_variants) if runner.triton_variants else None,
     )

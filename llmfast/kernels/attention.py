@@ -28,6 +28,7 @@ from llmfast.kernels.attention_kernels import (
 )
 from llmfast.kernels.kv_write import cache_clamp, check_launchable, next_pow2, reshape_and_cache
 from llmfast.kernels.layers.rotary_reference import rope_cache_takes
+from llmfast.kernels.launch import precompile
 from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
 from llmfast.kernels.rope_cache import rope_and_cache
 from llmfast.kernels.tuning.prefill_measure import median_device_us, synthetic_batch
@@ -104,7 +105,8 @@ def _prefill_tiles(q: torch.Tensor, kv_dtype: torch.dtype, num_reqs: int, group:
     prefill and never while a CUDA graph is being captured."""
     cls = shape_class(num_reqs, q.shape[2], group, q.dtype, kv_dtype)
     may_tune = (q.shape[0] >= TUNE_MIN_TOKENS and prefill_tunable(q.shape[2], q.dtype)
-                and not torch.cuda.is_current_stream_capturing())
+                and not torch.cuda.is_current_stream_capturing()
+                and precompile.ACTIVE is None)  # (a dry launch times nothing)
     return _device_tile_table(q.device).tiles_for(
         cls, may_tune, _tile_timer(q.device, cls))
 
@@ -272,10 +274,14 @@ def unified_attention(
         launches.launch(plan.grid, tensors, scalars, plan.const_key, plan.constexprs,
                         plan.strides)
     if plan.merge_kernel:
-        _merge_splits_kernel[(num_tokens, q_shape[1])](
-            out, part_acc, part_max, part_sum, query_start_loc,
-            num_reqs, num_tokens, *out.stride(), **plan.merge_constexprs,
-        )
+        merge_args = (out, part_acc, part_max, part_sum, query_start_loc, num_reqs,
+                      num_tokens, *out.stride())
+        if precompile.ACTIVE is not None:  # a dry launch (launch/precompile.py)
+            precompile.ACTIVE.submit(_merge_splits_kernel, (num_tokens, q_shape[1]),
+                                     merge_args, plan.merge_constexprs)
+        else:
+            _merge_splits_kernel[(num_tokens, q_shape[1])](*merge_args,
+                                                           **plan.merge_constexprs)
 
 
 @functools.lru_cache(maxsize=8)

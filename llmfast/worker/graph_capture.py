@@ -40,6 +40,14 @@ class CaptureInputs:
     def dummy_run(self, num_tokens: int) -> None:
         """One forward at `num_tokens` from the persistent buffers; slot_mapping all -1,
         so nothing is written to the KV cache."""
+        # The runner's forward_fn (the compiled model: it is only wrapped later, by
+        # profilers of a started engine).
+        self.compiled(*self.dummy_batch(num_tokens))
+
+    def dummy_batch(self, num_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, metadata) of `dummy_run`'s forward, in the buffers: one
+        request of `num_tokens` tokens reading one (null-block) slot."""
         inputs = self.inputs
         slots = self.batch.block_table.slot_mapping.gpu
         inputs.input_ids.gpu[:num_tokens].zero_()
@@ -52,9 +60,7 @@ class CaptureInputs:
         md = AttentionMetadata(slots[:num_tokens], self.batch.block_table.table.gpu[:1],
                                inputs.query_start_loc.gpu[:2], inputs.seq_lens.gpu[:1],
                                inputs.max_query_len)
-        # The runner's forward_fn (the compiled model: it is only wrapped later, by
-        # profilers of a started engine).
-        self.compiled(inputs.input_ids.gpu[:num_tokens], inputs.positions.gpu[:num_tokens], md)
+        return inputs.input_ids.gpu[:num_tokens], inputs.positions.gpu[:num_tokens], md
 
     def full_inputs(self, size: int) -> list[torch.Tensor]:
         """What a full graph of `size` reads: the persistent buffers' first `size`
@@ -73,7 +79,19 @@ class CaptureInputs:
         dummy batch: `size` one-token requests at position 0, slot -1 (nothing written),
         each reading one slot of the block its table row names."""
         inputs = self.full_inputs(size)
-        ids, positions, slots, table, query_start_loc, seq_lens = inputs[:6]
+        ids, positions, md = self.full_batch(size, dummy)
+        compiled, model = self.compiled, self.model
+
+        def fn() -> torch.Tensor:
+            return model.compute_logits(compiled(ids, positions, md))
+
+        return fn, inputs
+
+    def full_batch(self, size: int, dummy: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, metadata) a full graph of `size` runs on: the buffers'
+        first `size` rows, first filled with the dummy batch if `dummy`."""
+        ids, positions, slots, table, query_start_loc, seq_lens = self.full_inputs(size)[:6]
         if dummy:
             ids.zero_()
             positions.zero_()
@@ -83,13 +101,8 @@ class CaptureInputs:
         # A full graph holds a uniform decode step (one token a row): its capture takes
         # the attention kernels such a step takes.
         max_query_len = host_max_query_len(1)  # (made in a capture: see there)
-        md = AttentionMetadata(slots, table, query_start_loc, seq_lens, max_query_len)
-        compiled, model = self.compiled, self.model
-
-        def fn() -> torch.Tensor:
-            return model.compute_logits(compiled(ids, positions, md))
-
-        return fn, inputs
+        return ids, positions, AttentionMetadata(slots, table, query_start_loc, seq_lens,
+                                                 max_query_len)
 
 
 def compile_and_capture(capture: CaptureInputs, enforce_eager: bool,

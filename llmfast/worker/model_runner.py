@@ -33,6 +33,8 @@ from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind
 from llmfast.kernels.attention import tune_model_prefill_tiles
 from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
+from llmfast.kernels.launch.compile_watch import TritonCompileWatch
+from llmfast.kernels.launch.precompile import kernel_precompile_enabled
 from llmfast.kernels.workspaces import AttentionWorkspaces, arrivals_bound
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource
@@ -40,6 +42,7 @@ from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.utils.progress import Progress
 from llmfast.worker.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
+from llmfast.worker.kernel_precompile import precompile_kernels
 from llmfast.worker.kv_cache_sizing import (
     allocate_kv_cache,
     check_fits_one_request,
@@ -136,6 +139,9 @@ class ModelRunner:
         self.capture_inputs = CaptureInputs(self.inputs, self.input_batch, self.model,
                                             self.compiled)
         self.num_blocks = 0
+        # {"precompiled": n, "compiled_at_launch": m} once a start-up precompiled its
+        # Triton variants (initialize); None where it did not.
+        self.triton_variants: dict[str, int] | None = None
         # The persistent buffers, and the compiler's set-up (its imports: Dynamo, and
         # Inductor for the layers' triton ops).
         self.startup_times["setup"] = time.perf_counter() - t0
@@ -146,7 +152,8 @@ class ModelRunner:
         """Size and allocate the KV cache, compiling (and on CUDA capturing graphs) on the
         way; returns the number of blocks.
 
-        Order on CUDA: tune the prefill attention tiles no table knows yet -> profile
+        Order on CUDA: tune the prefill attention tiles no table knows yet -> compile
+        the Triton variants the rest will launch, in threads (dry forwards) -> profile
         the largest step on a scratch cache -> compile and capture on that scratch cache
         (the piecewise graphs never touch the KV cache, so rebinding it later needs no
         recapture) -> size the KV cache from what is left (graph memory of both kinds
@@ -154,14 +161,36 @@ class ModelRunner:
         graphs of every size on the real cache (they read it; the measured one's pool
         memory is reused).
         """
-        cfg = self.config
         model_cfg = self.model.rank_config  # this rank's KV heads
-        captured = False
         t0 = time.perf_counter()
         group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
         if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype,
                                     progress, kv_dtype=self.kv_dtype):  # CUDA only
             self.startup_times["tune"] = time.perf_counter() - t0
+        # The Triton variants the rest launches, compiled in threads now (the tiles are
+        # known); what it still compiles at a launch is counted.
+        if not self._precompiles_kernels():
+            return self._size_and_capture(progress)
+        t0 = time.perf_counter()
+        if progress:
+            progress("compiling the attention and layer kernels", None)
+        precompiled = precompile_kernels(self)
+        self.startup_times["precompile"] = time.perf_counter() - t0
+        if precompiled is None:  # a Triton without asynchronous compiles
+            return self._size_and_capture(progress)
+        with TritonCompileWatch() as watch:
+            num_blocks = self._size_and_capture(progress)
+        self.triton_variants = {"precompiled": precompiled,
+                                "compiled_at_launch": len(watch.compiles)}
+        logger.info("Triton variants: %d compiled in threads, %d more at their launch",
+                    precompiled, len(watch.compiles))
+        return num_blocks
+
+    def _size_and_capture(self, progress: Progress | None) -> int:
+        """`initialize` after the prefill tiles are tuned (see there)."""
+        cfg = self.config
+        model_cfg = self.model.rank_config
+        captured = False
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self._sizes_cache_by_profiling():
@@ -208,6 +237,12 @@ class ModelRunner:
         if not captured:
             self._compile_and_capture(progress)
         return num_blocks
+
+    def _precompiles_kernels(self) -> bool:
+        """Whether the start-up compiles its Triton variants in threads ahead of their
+        launches (worker/kernel_precompile.py): on CUDA, unless
+        LLMFAST_KERNEL_PRECOMPILE=0. A method, for the CPU tests that force it."""
+        return self.device.type == "cuda" and kernel_precompile_enabled()
 
     def _sizes_cache_by_profiling(self) -> bool:
         """Whether the KV cache takes what the profiled step and the graphs leave of the

@@ -51,6 +51,7 @@ def main(argv: list[str]) -> None:
         "compile_cache_misses": stats.cache_misses if stats else 0,
         # Graphs of each kind, capture time and memory (empty in eager mode).
         "compile_summary": stats.summary() if stats else "",
+        "triton_variants": info.triton_variants,
         "device": engine.config.device,
         "device_facts": rank_device_facts(info),
         "engine_config": dataclasses.asdict(engine.config),

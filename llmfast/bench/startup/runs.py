@@ -39,8 +39,8 @@ from llmfast.utils.paths import cache_dir
 
 # The stages, in start-up order (LLMEngine.startup_times' keys: the runner's, then the
 # engine's tokenizer and scheduler).
-STARTUP_STAGES = ("load", "setup", "tokenizer", "tune", "profile", "compile", "capture",
-                  "kv_cache", "tokenizer_wait", "scheduler")
+STARTUP_STAGES = ("load", "setup", "tokenizer", "tune", "precompile", "profile", "compile",
+                  "capture", "kv_cache", "tokenizer_wait", "scheduler")
 
 
 @dataclass
@@ -59,6 +59,9 @@ class StartupRun:
     device: str = ""
     device_facts: dict[str, Any] = field(default_factory=dict)  # rank 0's (environment.py)
     compile_summary: str = ""  # pieces, CUDA graphs of each kind, capture s and MiB
+    # {"precompiled", "compiled_at_launch"}: Triton variants compiled in threads ahead of
+    # their launches and at them (RunnerInfo.triton_variants); None: no precompile
+    triton_variants: dict[str, int] | None = None
     engine_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -197,5 +200,6 @@ def run_child(model: str, engine_args: dict[str, Any], root: Path,
         device=data["device"],
         device_facts=data["device_facts"],
         compile_summary=data.get("compile_summary", ""),
+        triton_variants=data.get("triton_variants"),
         engine_config=data["engine_config"],
     )

@@ -35,6 +35,9 @@ anything differs from that contract (an interpreted kernel, a compiled kernel wi
 those attributes, launch hooks registered by a profiler, pre-run hooks), every call takes
 the ordinary JIT path instead: slower, never wrong. `LLMFAST_TRITON_FAST_LAUNCH=0` (read
 at the first launch) or `cache.enabled = False` forces the JIT path (for A/B timing).
+
+While a start-up's dry launches run (launch/precompile.py), both methods submit the
+variant's compile instead of launching.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from typing import Any
 import torch
 import triton
 from triton.runtime.driver import driver as _driver  # the active driver, as the JIT uses
+
+from llmfast.kernels.launch import precompile
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # Bound once: each is read per launch (an import statement in the launch cost ~1 us).
@@ -144,6 +149,9 @@ class LaunchCache:
                scalars: tuple[Any, ...], const_key: Hashable, constexprs: dict[str, Any],
                fixed: tuple[Any, ...] = ()) -> None:
         args = tensors + scalars + fixed
+        if precompile.ACTIVE is not None:  # a dry launch: compile, do not run
+            precompile.ACTIVE.submit(self.kernel, grid, args, constexprs)
+            return
         if self._jit_only():
             self.kernel[grid](*args, **constexprs)
             return
@@ -180,6 +188,10 @@ class LaunchCache:
         first launch of a (plan, device, alignment) takes `launch`; later ones only read
         the tensors' addresses, the device and the stream before calling the launcher,
         and pass it the addresses (see the module docstring)."""
+        if precompile.ACTIVE is not None:  # a dry launch: compile, do not run
+            precompile.ACTIVE.submit(self.kernel, grid, (*tensors, *scalars, *fixed),
+                                     constexprs)
+            return
         if self._jit_only() or _hooks_registered():
             self.kernel[grid](*tensors, *scalars, *fixed, **constexprs)
             return

@@ -17,6 +17,7 @@ from types import ModuleType
 
 import torch
 
+from llmfast.kernels.launch import precompile
 from llmfast.kernels.ops import triton_interpret_enabled, use_triton
 
 _ENABLED: bool | None = None
@@ -49,6 +50,32 @@ def takes_layer_kernels(x: torch.Tensor) -> bool:
 def launchable(name: str):
     """The layers' Triton kernel `name`, wrapped (`torch.library.wrap_triton`) so that
     Dynamo and Inductor trace its launch; as is under the interpreter, whose kernels
-    wrap_triton does not take."""
+    wrap_triton does not take. During a start-up's dry launches (eager only: Dynamo
+    folds `is_compiling()` and never reads the global), a stand-in that compiles."""
     kernel = getattr(layer_kernels(), name)
+    if not torch.compiler.is_compiling() and precompile.ACTIVE is not None:
+        return _DryLaunch(kernel, precompile.ACTIVE)  # a start-up's dry launches
     return kernel if triton_interpret_enabled() else torch.library.wrap_triton(kernel)
+
+
+class _DryLaunch:
+    """`kernel[grid](*args, **kwargs)` submitting the variant's compile instead of
+    running (kernels/launch/precompile.py), with the options the real launch passes:
+    `wrap_triton` runs an eager launch through a one-config autotuner, whose config
+    passes every compile option it has (num_stages and num_ctas at their defaults
+    too), and Triton keys its variants by the options passed."""
+
+    def __init__(self, kernel, precompiler) -> None:
+        self.kernel, self.precompiler = kernel, precompiler
+
+    def __getitem__(self, grid):
+        def submit(*args, **kwargs):
+            import triton
+
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "num_ctas")
+                       if k in kwargs}
+            if not triton_interpret_enabled():
+                options = triton.Config({}, **options).all_kwargs()
+            self.precompiler.submit(self.kernel, grid, args, {**kwargs, **options})
+
+        return submit

@@ -1,0 +1,173 @@
+"""The start-up's Triton variants compiled in threads ahead of their launches
+(worker/kernel_precompile.py, kernels/launch/precompile.py), on the CPU: llmfast's
+Triton path forced, compiled for sm_90 offline, each launch recorded instead of run
+(kernels/launch/offline_target.py). Nothing computes, so the engines' tokens mean
+nothing here; what is checked is which variants get compiled where.
+
+The oracle: Triton's own compile hook. After the dry forwards, neither the rest of the
+start-up nor a workload of mixed steps may compile a variant at its launch (each finds
+the one a thread compiled), and every dry launch ran nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import triton
+
+from llmfast.config import CudaGraphMode
+from llmfast.kernels import attention, attention_kernels, kv_write, ops, rope_cache
+from llmfast.kernels.launch import launch_cache, precompile
+from llmfast.kernels.launch.compile_watch import TritonCompileWatch
+from llmfast.kernels.launch.offline_target import offline_hopper
+from llmfast.kernels.layers import switch, triton_kernels
+from llmfast.worker import model_runner
+from llmfast.worker.memory_profile import bind_one_block_caches, profile_batch
+from tests.test_full_graphs import _engine, _run, _workload, ckpt, rope_in_the_op  # noqa: F401
+
+pytestmark = pytest.mark.skipif(
+    precompile.KernelPrecompiler().available is False,
+    reason="this Triton has no asynchronous compile mode")
+
+KERNEL_MODULES = (attention_kernels, rope_cache, kv_write, triton_kernels)
+
+
+def _jit_kernels() -> list[triton.runtime.JITFunction]:
+    return [k for m in KERNEL_MODULES for k in vars(m).values()
+            if isinstance(k, triton.runtime.JITFunction)]
+
+
+@pytest.fixture
+def offline_triton(monkeypatch):
+    """llmfast's kernels on the CPU through Triton's compiler for sm_90, launches
+    recorded (yielded); every kernel's compiled variants forgotten for the test (and
+    restored after it), so the compiles seen are the test's own."""
+    monkeypatch.setattr(ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(switch, "use_triton", lambda x: True)
+    for module in (attention, kv_write, rope_cache):
+        monkeypatch.setattr(module, "check_launchable", lambda *args: None)
+    for module, name in ((attention, "_ATTENTION_LAUNCHES"), (attention, "_DECODE_ROPE_LAUNCHES"),
+                         (kv_write, "_KV_WRITE_LAUNCHES"), (rope_cache, "_LAUNCHES")):
+        monkeypatch.setattr(module, name, launch_cache.LaunchCache(getattr(module, name).kernel))
+    saved = {k: dict(k.device_caches) for k in _jit_kernels()}
+    for kernel in saved:
+        kernel.device_caches.clear()
+    try:
+        with offline_hopper(record_launches=True) as launches:
+            yield launches
+    finally:
+        for kernel, caches in saved.items():
+            kernel.device_caches.clear()
+            kernel.device_caches.update(caches)
+
+
+def _profile_on_the_cpu(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,
+                        device, max_model_len=None):
+    """The memory profile's forward (its batch, a scratch cache) without CUDA's memory
+    statistics."""
+    ids, positions, md, num_blocks = profile_batch(max_num_tokens, max_num_reqs, block_size,
+                                                   device, max_model_len)
+    bind_one_block_caches(model, block_size, dtype, device)
+    with torch.inference_mode():
+        model(ids, positions, md)
+    return 0
+
+
+def _cuda_start_up(monkeypatch) -> list[str]:
+    """The runner starts in CUDA's order with the precompile on; returns the threads in
+    which Triton compiled a variant."""
+    monkeypatch.setattr(model_runner, "profile_peak_memory", _profile_on_the_cpu)
+    monkeypatch.setattr(model_runner, "num_gpu_blocks", lambda *args: 256)
+    monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
+                        lambda self: True)
+    monkeypatch.setattr(model_runner.ModelRunner, "_precompiles_kernels", lambda self: True)
+    compiling_threads: list[str] = []
+    compile = triton.compiler.compile  # what a kernel's binder imports when made
+
+    def recording_compile(*args, **kwargs):
+        compiling_threads.append(threading.current_thread().name)
+        return compile(*args, **kwargs)
+
+    monkeypatch.setattr(triton.compiler, "compile", recording_compile)
+    return compiling_threads
+
+
+def _workload_compiles_nothing(engine) -> None:
+    prompts, lengths, arrivals = _workload()
+    from llmfast import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    engine.set_async_scheduling(True)
+    with TritonCompileWatch() as watch:
+        _run(engine, prompts, params, arrivals)
+    assert watch.available and watch.compiles == []
+
+
+def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton,  # noqa: F811
+                                                          monkeypatch):
+    threads = _cuda_start_up(monkeypatch)
+    engine = _engine(ckpt, None)  # eager: the layers' norm kernels, RoPE in the op
+    variants = engine.runner.triton_variants
+    assert variants is not None and variants["compiled_at_launch"] == 0
+    assert variants["precompiled"] >= 4  # 2 norms, RoPE + KV write, attention kinds
+    assert threads and all(t.startswith("llmfast-triton-compile") for t in threads)
+    assert "precompile" in engine.runner.startup_times
+    _workload_compiles_nothing(engine)
+    assert offline_triton  # the workload's launches were recorded (the dry ones: none)
+
+
+def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
+        ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
+    # The CUDA default's path: compiled, piecewise and full graphs (emulated), RoPE in
+    # the attention op, async scheduling. The layers' norms stay torch ops here (Inductor
+    # on the CPU cannot take their Triton kernels); on CUDA the compiled pieces launch
+    # Inductor's copies of them, which the dry forwards do not compile anyway.
+    threads = _cuda_start_up(monkeypatch)
+    monkeypatch.setattr(switch, "_ENABLED", False)
+    monkeypatch.setenv("LLMFAST_PRECOMPILED", "0")  # nothing computes: no check forward
+    rope_in_the_op(monkeypatch, tmp_path)
+    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    variants = engine.runner.triton_variants
+    assert variants is not None and variants["compiled_at_launch"] == 0
+    assert variants["precompiled"] >= 3  # RoPE + KV write, decode + RoPE, attention kinds
+    assert threads and all(t.startswith("llmfast-triton-compile") for t in threads)
+    compiled = engine.runner.compiled
+    assert compiled.stats.full_graph_sizes and compiled.stats.captured_sizes
+    _workload_compiles_nothing(engine)
+    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, factor, BLOCK: triton.language.constexpr):
+    offs = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
+    mask = offs < n
+    x = triton.language.load(x_ptr + offs, mask=mask)
+    triton.language.store(out_ptr + offs, x * factor, mask=mask)
+
+
+def test_dry_launches_run_nothing_and_compile_each_variant_once(monkeypatch):
+    monkeypatch.setattr(_scale_kernel, "device_caches", type(_scale_kernel.device_caches)(
+        _scale_kernel.create_binder))  # this test's compiles only
+    cache = launch_cache.LaunchCache(_scale_kernel)
+    x = torch.empty(256, dtype=torch.float16)
+    unaligned = torch.empty(257, dtype=torch.float16)[1:]
+    with offline_hopper(record_launches=True) as launches:
+        precompiler = precompile.KernelPrecompiler(max_workers=2)
+        with precompiler.dry_launches():
+            for n in (200, 100, 300):  # one variant: n is never 1 or a multiple of 16
+                cache.launch((1, 1, 1), (x, x), (n, 0.5), "c", {"BLOCK": 256})
+            cache.launch((1, 1, 1), (unaligned, x), (200, 0.5), "c", {"BLOCK": 256})
+            cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 128})
+        assert launches == [] and precompile.ACTIVE is None  # nothing ran; mode left
+        assert precompiler.dry_launch_count == 5 and precompiler.num_submitted == 3
+        precompiler.wait()
+        with TritonCompileWatch() as watch:  # the real launches find their variants
+            cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 256})
+            cache.launch((1, 1, 1), (unaligned, x), (100, 0.5), "c", {"BLOCK": 256})
+            cache.launch((1, 1, 1), (x, x), (300, 0.5), "c", {"BLOCK": 128})
+        assert watch.compiles == [] and len(launches) == 3
+        with TritonCompileWatch() as watch:  # a variant no dry launch had: compiled now
+            cache.launch((1, 1, 1), (x, x), (16, 0.5), "c", {"BLOCK": 256})
+        assert [c.name for c in watch.compiles] == ["_scale_kernel"]
