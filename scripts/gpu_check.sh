@@ -52,6 +52,11 @@
 #   startup_thin  120/300    the startup step with --piecewise-graph-sizes 1..512 (10
 #                            piecewise sizes instead of 51; full graphs at every size):
 #                            what fewer piecewise graphs save of #18's TTFT  [unmeasured]
+#   startup_serial 100/300   the startup step's start-up with LLMFAST_KERNEL_PRECOMPILE=0
+#                            TORCH_WARM_POOL=0 (Triton variants compiled at their
+#                            launches, Inductor's workers started by its first kernel,
+#                            as before session 19): what the two save of the cold start
+#                            (an info line against startup.json)   [unmeasured]
 #   startup_profile 90/300   scripts/profile_startup.py: a cold start, then a cProfile of
 #                            a warm one and `-X importtime` (#18: where the warm start's
 #                            unstaged seconds go; startup_profile.md)   [unmeasured]
@@ -142,9 +147,15 @@
 #        84c6757, found on the CPU by forcing RoPE into the op), so `full` is the first
 #        run of that path; test_decode_rope_kernel_on_cuda now also holds the op's
 #        uniform-decode cases (their failure turns the fused kernel off, not the layer
-#        kernels)
+#        kernels); session 19: a start compiles its Triton variants in threads before
+#        the memory profile (dry forwards; `startup`'s stages show `precompile`, and a
+#        verdict line says no variant was compiled at a launch after it) and starts
+#        Inductor's compile workers while it profiles and traces, not at its first
+#        kernel (cold start only; compile/workers.py)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
-#        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async
+#        - 60> ... gpu_check.sh skipped decode_configs kernels64 load async startup_serial
+#        (startup_serial: the cold start without session 19's two start-up changes, for
+#        what they save)
 #        `skipped` = the steps the previous call of this machine skipped (a file under
 #        /tmp)
 #   3. with what is left (no machine starts with < 4 min left; use it while warm):
@@ -180,7 +191,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
-decode_configs install_splits startup_profile startup_thin"
+decode_configs install_splits startup_profile startup_thin startup_serial"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -429,6 +440,12 @@ print("installed", sys.argv[1], "as", dest)' "$OUT/splits.json"
                 LLMFAST_ATTENTION_TUNING=auto python3 -m llmfast bench --model "$model" \
                     --dtype "$dtype" "$@" --piecewise-graph-sizes 1..512 --startup \
                     --json "$out/startup_thin.json"' _ "$MODEL" "$DTYPE" "$OUT" "${DEV[@]}" ;;
+        startup_serial)  # the cold start compiling as before session 19: Triton
+            # variants at their launches, Inductor's workers started by its first kernel
+            run_step startup_serial 100 300 bash -c 'model=$1 dtype=$2 out=$3; shift 3
+                LLMFAST_KERNEL_PRECOMPILE=0 TORCH_WARM_POOL=0 LLMFAST_ATTENTION_TUNING=auto \
+                python3 -m llmfast bench --model "$model" --dtype "$dtype" "$@" --startup \
+                    --json "$out/startup_serial.json"' _ "$MODEL" "$DTYPE" "$OUT" "${DEV[@]}" ;;
         startup_profile)  # what the seconds of a warm start no stage claims ran
             run_step startup_profile 90 300 python3 scripts/profile_startup.py \
                 --model "$MODEL" --dtype "$DTYPE" "${DEV[@]}" --out "$OUT" ;;

@@ -195,6 +195,13 @@ def startup(out: Path) -> Iterator[Line]:
         yield info(f"#18 startup: no bytecode installed; priming llmfast's bytecode cache "
                    f"before the cold start took {prime_s:.2f} s and compiled {modules} "
                    f"modules (a machine's very first start: cold + that)")
+    variants = report["cold"].get("triton_variants")
+    if variants is not None:  # llmfast/worker/startup/kernel_precompile.py
+        # A variant compiled at its launch: one the dry forwards missed (their batches
+        # need another kind), on the start's critical path again.
+        yield check(variants["compiled_at_launch"] == 0,
+                    f"#18 startup: cold start compiled {variants['precompiled']} Triton "
+                    f"variants in threads, {variants['compiled_at_launch']} at a launch")
     warm_summary = report["warm"].get("compile_summary") or ""
     if "pieces" in warm_summary:  # a compiled start (not --enforce-eager)
         # llmfast/compile/precompiled.py: the warm start loads the cold one's trace.
@@ -217,6 +224,28 @@ def startup_thin(out: Path) -> Iterator[Line]:
                    f"{report[run]['time_to_first_token_s']:.2f} s; stages "
                    + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items())
                    + (f"; {summary}" if summary else ""))
+
+
+def startup_serial(out: Path) -> Iterator[Line]:
+    """#18: the cold start with the Triton variants compiled at their launches and
+    Inductor's compile workers started at its first kernel (LLMFAST_KERNEL_PRECOMPILE=0
+    TORCH_WARM_POOL=0: as before 2026-11-26's session 19), against `startup`'s cold
+    start on the same machine: what the two save. Informational."""
+    data, default = _load(out, "startup_serial.json"), _load(out, "startup.json")
+    if data is None or "startup" not in data:
+        yield ("MISSING", "#18 startup_serial: no startup_serial.json")
+        return
+    serial = data["startup"]["cold"]
+    line = (f"#18 startup_serial: cold time to first token {serial['time_to_first_token_s']:.2f}"
+            " s with compiles serial; stages "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in serial["stages"].items()))
+    if default is not None and "startup" in default:
+        cold = default["startup"]["cold"]
+        line += (f"; startup's cold start (precompile, early workers) "
+                 f"{cold['time_to_first_token_s']:.2f} s: "
+                 f"{serial['time_to_first_token_s'] - cold['time_to_first_token_s']:+.2f} s "
+                 "saved")
+    yield info(line)
 
 
 def sweep(out: Path) -> Iterator[Line]:
@@ -503,6 +532,7 @@ def pytest_collected(step: str, out: Path) -> Iterator[Line]:
 STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
     "modes": modes, "diag": diag, "async": async_bench, "load": load, "startup": startup,
     "startup_thin": startup_thin,
+    "startup_serial": startup_serial,
     "sweep": sweep, "throughput": throughput, "profile": profile, "kernels": kernels,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
     "fp8": lambda out: itertools.chain(pytest_step("fp8", out), fp8_modes(out)),

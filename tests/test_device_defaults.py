@@ -7,7 +7,7 @@ import torch
 
 from llmfast.engine_args import DEFAULT_STEP_LIMITS, EngineArgs, default_step_limits
 from llmfast.config import CacheConfig
-from llmfast.worker.kv_cache_sizing import (
+from llmfast.worker.startup.kv_cache_sizing import (
     GiB,
     KVCacheOutOfMemory,
     KVCacheTooSmall,

@@ -11,8 +11,8 @@ import torch
 
 from llmfast import LLM
 from llmfast.core.request import RequestRejected
-from llmfast.worker import kv_cache_sizing
-from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory
+from llmfast.worker.startup import kv_cache_sizing
+from llmfast.worker.startup.kv_cache_sizing import KVCacheOutOfMemory
 from tests.helpers.chat_model import make_chat_model
 from tests.helpers.cli import assert_one_line_error, invoke
 

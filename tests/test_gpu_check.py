@@ -120,6 +120,19 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
                                                 "loaded without tracing in 2.0 s"}
     _write(tmp_path / "startup.json", {"startup": {"cold": run(24.0, 11.0), "warm": warm}})
     assert _find(_lines("startup", tmp_path), "warm start skipped Dynamo") == "PASS"
+    assert not any("Triton variants" in t for t in _lines("startup", tmp_path))  # older
+    # The start-up's Triton precompile: a variant compiled at its launch is one missed.
+    for at_launch, verdict in ((0, "PASS"), (1, "FAIL")):
+        cold = {**run(24.0, 11.0),
+                "triton_variants": {"precompiled": 6, "compiled_at_launch": at_launch}}
+        _write(tmp_path / "startup.json", {"startup": {"cold": cold, "warm": warm}})
+        assert _find(_lines("startup", tmp_path), f"cold start compiled 6 Triton variants in "
+                                                  f"threads, {at_launch} at a launch") == verdict
+    _write(tmp_path / "startup_serial.json", {"startup": {"cold": run(27.5, 12.0)}})
+    assert _find(_lines("startup_serial", tmp_path),
+                 "cold time to first token 27.50 s with compiles serial; stages load 0.50 s, "
+                 "capture 12.00 s; startup's cold start (precompile, early workers) 24.00 s: "
+                 "+3.50 s saved") == "INFO"
 
     _write(tmp_path / "throughput.json", {"runs": {"default": {
         "speedup_vs_hf": 10.4, "total_speedup_vs_hf": 9.0, "hf_batch_size": 64,

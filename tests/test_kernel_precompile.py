@@ -1,5 +1,5 @@
 """The start-up's Triton variants compiled in threads ahead of their launches
-(worker/kernel_precompile.py, kernels/launch/precompile.py), on the CPU: llmfast's
+(worker/startup/kernel_precompile.py, kernels/launch/precompile.py), on the CPU: llmfast's
 Triton path forced, compiled for sm_90 offline, each launch recorded instead of run
 (kernels/launch/offline_target.py). Nothing computes, so the engines' tokens mean
 nothing here; what is checked is which variants get compiled where.
@@ -24,7 +24,7 @@ from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import switch, triton_kernels
 from llmfast.worker import model_runner
-from llmfast.worker.memory_profile import bind_one_block_caches, profile_batch
+from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
 from tests.test_full_graphs import _engine, _run, _workload, ckpt, rope_in_the_op  # noqa: F401
 
 pytestmark = pytest.mark.skipif(

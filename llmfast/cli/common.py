@@ -142,7 +142,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from llmfast.models.sources.default_model import DefaultModelError
     from llmfast.models.loading.load_error import LoadError
     from llmfast.sampling_params import SamplingParamsError
-    from llmfast.worker.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
+    from llmfast.worker.startup.kv_cache_sizing import KVCacheOutOfMemory, KVCacheTooSmall
 
     return (ConfigError, LoadError, RequestRejected, SamplingParamsError, KVCacheTooSmall,
             KVCacheOutOfMemory, DefaultModelError, ExecutorError, ValueError, OSError)

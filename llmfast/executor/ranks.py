@@ -9,7 +9,7 @@ import torch
 
 from llmfast.config import ConfigError, EngineConfig
 from llmfast.utils.host_memory import available_host_memory
-from llmfast.worker.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES
+from llmfast.worker.startup.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def rank_devices(device: str, world_size: int) -> list[str]:

@@ -40,7 +40,7 @@ class RunnerInfo:
     # What compiling and capturing did by the end of start-up; None in eager mode.
     compile_stats: CompileStats | None
     # Triton variants the start-up compiled in threads ahead of their launches, and how
-    # many more it compiled at a launch (worker/kernel_precompile.py); None: no
+    # many more it compiled at a launch (worker/startup/kernel_precompile.py); None: no
     # precompile ran (CPU, or switched off).
     triton_variants: dict[str, int] | None = None
 

@@ -14,8 +14,8 @@ host can prepare step N+1 while the device still runs step N.
 The runner coordinates; each idea lives in its own module: state_updates.py (apply the
 SchedulerOutput), step_inputs.py (the persistent input buffers and their filling),
 placeholders.py (not-yet-known sampled tokens), sampling/prompt_logprobs.py (the prompt
-tokens' logprobs, for the requests that ask), graph_capture.py (compile and capture at
-start-up), kv_cache_sizing.py (the cache's size and allocation), step_output.py (the
+tokens' logprobs, for the requests that ask), startup/ (the Triton precompile, memory
+profile, compile and capture, the KV cache's size and allocation), step_output.py (the
 sampled ids' copy to the host).
 """
 
@@ -40,17 +40,17 @@ from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.utils.progress import Progress
-from llmfast.worker.graph_capture import CaptureInputs, compile_and_capture
+from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
-from llmfast.worker.kernel_precompile import precompile_kernels
-from llmfast.worker.kv_cache_sizing import (
+from llmfast.worker.startup.kernel_precompile import precompile_kernels
+from llmfast.worker.startup.kv_cache_sizing import (
     allocate_kv_cache,
     check_fits_one_request,
     kv_block_bytes,
     num_cpu_blocks,
     num_gpu_blocks,
 )
-from llmfast.worker.memory_profile import profile_peak_memory
+from llmfast.worker.startup.memory_profile import profile_peak_memory
 from llmfast.worker.placeholders import PlaceholderFill, record_placeholders, write_sampled_tokens
 from llmfast.worker.sampling.prompt_logprobs import (
     PromptLogprobsPlan,
@@ -240,7 +240,7 @@ class ModelRunner:
 
     def _precompiles_kernels(self) -> bool:
         """Whether the start-up compiles its Triton variants in threads ahead of their
-        launches (worker/kernel_precompile.py): on CUDA, unless
+        launches (worker/startup/kernel_precompile.py): on CUDA, unless
         LLMFAST_KERNEL_PRECOMPILE=0. A method, for the CPU tests that force it."""
         return self.device.type == "cuda" and kernel_precompile_enabled()
 

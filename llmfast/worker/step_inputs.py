@@ -3,7 +3,7 @@ scheduled tokens fill them: vectorised numpy on the host views, then one copy ea
 the device, padded to the size the step runs at (a CUDA graph's).
 
 The buffers are allocated once; their device tensors' addresses never change, which
-CUDA-graph replay relies on (graph_capture.py captures from the same buffers).
+CUDA-graph replay relies on (startup/graph_capture.py captures from the same buffers).
 """
 
 from __future__ import annotations

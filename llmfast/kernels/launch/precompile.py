@@ -6,7 +6,7 @@ it: the memory profile's forward, then the graph captures, one after another on 
 start's critical path (on an H100 machine an attention variant took ~1.9 s).
 
 `KernelPrecompiler.dry_launches()` runs a stretch of work (the runner's dry forwards:
-worker/kernel_precompile.py) in which every launch of llmfast's kernels submits its
+worker/startup/kernel_precompile.py) in which every launch of llmfast's kernels submits its
 variant's compilation to a thread pool instead of running: no kernel runs, outputs are
 left as allocated. It uses Triton's asynchronous compile mode
 (`triton.runtime._async_compile`): under it `kernel.warmup(...)` binds the arguments as a

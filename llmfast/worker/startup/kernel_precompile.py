@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmfast.kernels.launch.precompile import KernelPrecompiler
-from llmfast.worker.memory_profile import bind_one_block_caches, profile_batch
+from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
 
 if TYPE_CHECKING:
     from llmfast.worker.model_runner import ModelRunner
