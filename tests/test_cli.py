@@ -125,7 +125,8 @@ def test_bench_sweep_writes_json_and_png(tmp_path):
 
 STARTUP_RUN_KEYS = {"stages", "import_s", "engine_s", "first_step_s", "time_to_first_token_s",
                     "process_s", "compile_cache_hits", "compile_cache_misses", "cache_files",
-                    "device", "device_facts", "compile_summary", "engine_config"}
+                    "device", "device_facts", "compile_summary", "engine_config",
+                    "triton_variants"}
 
 
 def _check_startup_report(result, out_json) -> dict:
@@ -144,6 +145,7 @@ def _check_startup_report(result, out_json) -> dict:
     for which in ("cold", "warm"):
         run = startup[which]
         assert set(run) == STARTUP_RUN_KEYS, which
+        assert run["triton_variants"] is None  # the CPU precompiles nothing
         # The runner's stages and the engine's (tokenizer, scheduler): what "other" is not.
         # (uni: the tokenizer loads in a thread beside the runner; its wait is a stage.)
         assert {"load", "setup", "tokenizer_wait", "kv_cache", "scheduler"} <= set(run["stages"])

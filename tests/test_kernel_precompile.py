@@ -11,12 +11,14 @@ the one a thread compiled), and every dry launch ran nothing.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
 import torch
 import triton
 
+from llmfast.compile import CompiledModel
 from llmfast.config import CudaGraphMode
 from llmfast.kernels import attention, attention_kernels, kv_write, ops, rope_cache
 from llmfast.kernels.launch import launch_cache, precompile
@@ -121,12 +123,15 @@ def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton, 
 def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
         ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
     # The CUDA default's path: compiled, piecewise and full graphs (emulated), RoPE in
-    # the attention op, async scheduling. The layers' norms stay torch ops here (Inductor
-    # on the CPU cannot take their Triton kernels); on CUDA the compiled pieces launch
-    # Inductor's copies of them, which the dry forwards do not compile anyway.
+    # the attention op, async scheduling. The layers' norms stay torch ops here, and the
+    # pieces run as traced, not through Inductor: under the sm_90 stand-in driver
+    # Inductor would key its cache for that target for the rest of the process (a later
+    # test's saved pieces would then not load in a fresh process). On CUDA the compiled
+    # pieces launch Inductor's copies of the norms, which the dry forwards leave alone.
     threads = _cuda_start_up(monkeypatch)
     monkeypatch.setattr(switch, "_ENABLED", False)
-    monkeypatch.setenv("LLMFAST_PRECOMPILED", "0")  # nothing computes: no check forward
+    monkeypatch.setattr(model_runner, "CompiledModel",
+                        functools.partial(CompiledModel, piece_compiler="eager"))
     rope_in_the_op(monkeypatch, tmp_path)
     engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
     variants = engine.runner.triton_variants
