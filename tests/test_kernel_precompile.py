@@ -85,6 +85,9 @@ def _cuda_start_up(monkeypatch) -> list[str]:
     monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
                         lambda self: True)
     monkeypatch.setattr(model_runner.ModelRunner, "_precompiles_kernels", lambda self: True)
+    # Several compiles at once, as on the GPU machine (16 cores: 8 threads), not one at a
+    # time as default_workers() gives a 2-core CI machine.
+    monkeypatch.setattr(precompile, "default_workers", lambda: 4)
     compiling_threads: list[str] = []
     compile = triton.compiler.compile  # what a kernel's binder imports when made
 
@@ -115,6 +118,7 @@ def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton, 
     assert variants is not None and variants["compiled_at_launch"] == 0
     assert variants["precompiled"] >= 4  # 2 norms, RoPE + KV write, attention kinds
     assert threads and all(t.startswith("llmfast-triton-compile") for t in threads)
+    assert len(set(threads)) > 1  # compiled side by side
     assert "precompile" in engine.runner.startup_times
     _workload_compiles_nothing(engine)
     assert offline_triton  # the workload's launches were recorded (the dry ones: none)
@@ -176,3 +180,24 @@ def test_dry_launches_run_nothing_and_compile_each_variant_once(monkeypatch):
         with TritonCompileWatch() as watch:  # a variant no dry launch had: compiled now
             cache.launch((1, 1, 1), (x, x), (16, 0.5), "c", {"BLOCK": 256})
         assert [c.name for c in watch.compiles] == ["_scale_kernel"]
+
+
+@pytest.mark.parametrize("options", [{}, {"num_warps": 2}, {"num_warps": 8, "num_stages": 2}])
+def test_a_layer_dry_launch_compiles_the_variant_wrap_triton_launches(monkeypatch, options):
+    """`launchable`'s stand-in (_DryLaunch) keys its compile as the eager wrap_triton
+    launch does: with options, wrap_triton's one-config autotuner passes every option
+    its Config has; without any, it launches the kernel as is (no Config defaults)."""
+    monkeypatch.setattr(_scale_kernel, "device_caches", type(_scale_kernel.device_caches)(
+        _scale_kernel.create_binder))  # this test's compiles only
+    x, out = torch.empty(256, dtype=torch.float16), torch.empty(256, dtype=torch.float16)
+    with offline_hopper(record_launches=True) as launches:
+        precompiler = precompile.KernelPrecompiler(max_workers=1)
+        with precompiler.dry_launches():
+            switch._DryLaunch(_scale_kernel, precompiler)[(1,)](x, out, 200, 0.5, BLOCK=256,
+                                                                **options)
+        precompiler.wait()
+        assert launches == [] and precompiler.num_submitted == 1
+        with TritonCompileWatch() as watch:
+            torch.library.wrap_triton(_scale_kernel)[(1,)](x, out, 200, 0.5, BLOCK=256,
+                                                           **options)
+        assert len(launches) == 1 and watch.compiles == []

@@ -63,7 +63,8 @@ class _DryLaunch:
     running (kernels/launch/precompile.py), with the options the real launch passes:
     `wrap_triton` runs an eager launch through a one-config autotuner, whose config
     passes every compile option it has (num_stages and num_ctas at their defaults
-    too), and Triton keys its variants by the options passed."""
+    too), and Triton keys its variants by the options passed; a launch passing none is
+    not wrapped in one (nor given the Config's defaults)."""
 
     def __init__(self, kernel, precompiler) -> None:
         self.kernel, self.precompiler = kernel, precompiler
@@ -74,7 +75,7 @@ class _DryLaunch:
 
             options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "num_ctas")
                        if k in kwargs}
-            if not triton_interpret_enabled():
+            if options and not triton_interpret_enabled():  # (none: launched as is)
                 options = triton.Config({}, **options).all_kwargs()
             self.precompiler.submit(self.kernel, grid, args, {**kwargs, **options})
 
