@@ -171,7 +171,24 @@ def test_dry_launches_run_nothing_and_compile_each_variant_once(monkeypatch):
             cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 128})
         assert launches == [] and precompile.ACTIVE is None  # nothing ran; mode left
         assert precompiler.dry_launch_count == 5 and precompiler.num_submitted == 3
+        # Each variant's launcher is built in the pool too (Triton 3.6 on CUDA: C,
+        # compiled per signature at the first launch otherwise). The stand-in driver
+        # has no launcher class: a recording one.
+        built: list[tuple[str, str]] = []
+
+        class RecordingLauncher:
+            def __init__(self, src, metadata):
+                built.append((src.fn.__name__, threading.current_thread().name))
+
+        from triton.runtime.driver import driver
+
+        monkeypatch.setattr(type(driver.active), "launcher_cls", RecordingLauncher,
+                            raising=False)
         precompiler.wait()
+        assert precompiler.launchers_built == 3 and len(built) == 3
+        assert all(name == "_scale_kernel" and thread.startswith("llmfast-triton-compile")
+                   for name, thread in built)
+        monkeypatch.delattr(type(driver.active), "launcher_cls")
         with TritonCompileWatch() as watch:  # the real launches find their variants
             cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 256})
             cache.launch((1, 1, 1), (unaligned, x), (100, 0.5), "c", {"BLOCK": 256})

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,9 @@ def kernel_precompile_enabled() -> bool:
 
 
 def default_workers() -> int:
-    """Threads for the compiles: a start-up has ~6 variants to compile."""
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+    """Threads for the compiles: a start-up has ~6 variants to compile, and the start
+    waits for them (its own thread idle)."""
+    return max(1, min(8, os.cpu_count() or 2))
 
 
 class KernelPrecompiler:
@@ -74,6 +75,7 @@ class KernelPrecompiler:
             # (as it would have compiled there), not in the dry launch.
             self._mode = self._module.AsyncCompileMode(self._executor, ignore_errors=True)
         self.dry_launch_count = 0
+        self.launchers_built = 0  # by `wait` (Triton 3.6 on CUDA: see _build_launcher)
         self._seen: set = set()  # _variant_key of each launch submitted
 
     @property
@@ -117,16 +119,52 @@ class KernelPrecompiler:
 
     def wait(self) -> float:
         """Join the compiles, each finalized into its kernel's cache (a failure is left to
-        its launch, which compiles it again and raises); returns the seconds waited. The
-        pool is shut down: the precompiler is spent."""
+        its launch, which compiles it again and raises), and build their launchers;
+        returns the seconds waited. The pool is shut down: the precompiler is spent."""
         if self._executor is None:
             return 0.0
         start = time.perf_counter()
+        launcher_cls = _launcher_class()
+        builds = []
+        if launcher_cls is not None:
+            # Each variant's launcher, built in the pool as soon as its compile is done.
+            for compiled in as_completed(list(self._mode.raw_futures)):
+                if compiled.exception() is None:
+                    builds.append(self._executor.submit(_build_launcher, launcher_cls,
+                                                        compiled.result()))
         for future in list(self._mode.future_kernels.values()):
             future.result(ignore_errors=True)
+        self.launchers_built = sum(build.result() for build in builds)
         self._executor.shutdown(wait=True)
         self._executor = None
         return time.perf_counter() - start
+
+
+def _launcher_class() -> Any:
+    """The active Triton driver's launcher class (`CompiledKernel._init_handles` makes
+    one per variant at its first launch), or None (a driver without one: the sm_90
+    stand-in)."""
+    from triton.runtime.driver import driver
+
+    try:
+        return getattr(driver.active, "launcher_cls", None)
+    except Exception:  # noqa: BLE001 - no driver: nothing to build
+        return None
+
+
+def _build_launcher(launcher_cls: Any, compiled: Any) -> bool:
+    """Make `compiled`'s launcher once, here, so that its first launch finds it built.
+    On Triton 3.6 a CUDA launcher is C generated per kernel signature and built by the
+    C compiler (~0.25 s each, cached on disk by its source), at the first launch, in the
+    launching thread: one after another on the start's critical path. Building it here
+    fills that cache; the launch then only loads it. (Triton 3.7's launcher is generic:
+    nothing to build.) No CUDA call is made. Returns whether it was built."""
+    try:
+        launcher_cls(compiled.src, compiled.metadata)
+    except Exception as exc:  # noqa: BLE001 - the launch builds it again, and reports
+        logger.debug("could not build a launcher ahead of its launch: %s", exc)
+        return False
+    return True
 
 
 def _variant_key(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple | None:

@@ -60,7 +60,9 @@ def precompile_kernels(runner: ModelRunner) -> int | None:
     The wait comes at once rather than at each variant's first launch: Triton 3.6 keeps
     a submitted compile out of the kernel's cache until it is finalized (3.7 puts its
     future there), so a launch before that would compile its variant again; and the
-    threads have the GIL to themselves while this one waits."""
+    threads have the GIL to themselves while this one waits. The variants' launchers
+    are built in the threads too (Triton 3.6: a C compile per variant otherwise, at its
+    first launch)."""
     precompiler = KernelPrecompiler()
     if not precompiler.available:
         return None
@@ -73,7 +75,8 @@ def precompile_kernels(runner: ModelRunner) -> int | None:
     finally:
         submitted = time.perf_counter() - start
         waited = precompiler.wait()
-    logger.info("compiled %d Triton variants in threads (%d dry launches, %.2f s, of which "
-                "%.2f s waiting)", precompiler.num_submitted, precompiler.dry_launch_count,
+    logger.info("compiled %d Triton variants and built %d launchers in threads (%d dry "
+                "launches, %.2f s, of which %.2f s waiting)", precompiler.num_submitted,
+                precompiler.launchers_built, precompiler.dry_launch_count,
                 submitted + waited, waited)
     return precompiler.num_submitted
