@@ -75,6 +75,11 @@ def precompile_kernels(runner: ModelRunner) -> int | None:
     finally:
         submitted = time.perf_counter() - start
         waited = precompiler.wait()
+    if runner.device.type == "cuda":
+        # The dry forwards' activations (the largest step's), cached by the allocator:
+        # given back before anything is sized (the memory profile does so too, but a
+        # configured block count skips it).
+        torch.cuda.empty_cache()
     logger.info("compiled %d Triton variants and built %d launchers in threads (%d dry "
                 "launches, %.2f s, of which %.2f s waiting)", precompiler.num_submitted,
                 precompiler.launchers_built, precompiler.dry_launch_count,
