@@ -177,35 +177,41 @@ def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noq
             assert compiled.stats.num_dynamo_graphs == 1  # one trace: every capture, step
 
 
+def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=None) -> None:
+    """The runner starts in its CUDA order on the CPU: the memory profile (by default a
+    stand-in leaving one-block scratch caches bound, as the real one does) -> compile and
+    capture on them -> the KV cache sized (256 blocks: a stand-in for the device's free
+    memory) and bound -> the full graphs captured again on it. `calls` records "profile"
+    and "size" as they happen."""
+    from llmfast.worker import model_runner
+    from llmfast.worker.startup.memory_profile import bind_one_block_caches
+
+    def one_block_profile(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,
+                          device, max_model_len=None):
+        bind_one_block_caches(model, block_size, dtype, device)
+        if calls is not None:
+            calls.append("profile")
+        return 0
+
+    def blocks(*args):
+        if calls is not None:
+            calls.append("size")
+        return 256
+
+    monkeypatch.setattr(model_runner, "profile_peak_memory", profile or one_block_profile)
+    monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
+    monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
+                        lambda self: True)
+
+
 def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path):  # noqa: F811
     # What a CUDA start does, on the CPU (emulated graphs, RoPE in the op, async): the
     # model compiled and every graph captured on one-block scratch caches (as the memory
     # profile leaves them), only the largest full graph among them; then the real KV
     # cache bound and the full graphs captured again on it (recapture_full). The
     # profile's and the device's figures are stand-ins; the order is the runner's.
-    import torch
-
-    from llmfast.worker import model_runner
-
-    calls = []
-
-    def profile(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype, device,
-                max_model_len=None):
-        cfg = model.rank_config
-        shape = (1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        model.bind_kv_caches([(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                              for _ in range(cfg.num_hidden_layers)])
-        calls.append("profile")
-        return 0
-
-    def blocks(cache, model, dtype, device, peak):
-        calls.append("size")
-        return 256
-
-    monkeypatch.setattr(model_runner, "profile_peak_memory", profile)
-    monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
-    monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
-                        lambda self: True)
+    calls: list[str] = []
+    cuda_start_up_order(monkeypatch, calls)
     rope_in_the_op(monkeypatch, tmp_path)
     engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
     assert calls == ["profile", "size"] and engine.runner.num_blocks == 256

@@ -35,6 +35,7 @@ from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
     _run,
     _workload,
     ckpt,
+    cuda_start_up_order,
     rope_in_the_op,
 )
 
@@ -202,26 +203,6 @@ class GraphInputRecorder:
         self.full_replays_checked += 1
 
 
-def _cuda_start_up_order(monkeypatch) -> None:
-    """The runner's CUDA start-up order (as in test_the_cuda_start_up_order_matches_hf):
-    compile and capture on one-block scratch caches (what the memory profile leaves
-    bound; its figures stood in for), then bind the real cache and capture the full
-    graphs again on it."""
-
-    def profile(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype, device,
-                max_model_len=None):
-        cfg = model.rank_config
-        shape = (1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        model.bind_kv_caches([(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                              for _ in range(cfg.num_hidden_layers)])
-        return 0
-
-    monkeypatch.setattr(model_runner, "profile_peak_memory", profile)
-    monkeypatch.setattr(model_runner, "num_gpu_blocks", lambda *args: 256)
-    monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
-                        lambda self: True)
-
-
 def _separate_zeroed_device_views(monkeypatch) -> None:
     """The persistent buffers' device views apart from their host views
     (test_device_views.py), zeroed as CUDA allocates them (`torch.zeros_like`): the
@@ -248,7 +229,7 @@ def test_graph_inputs_at_every_replay_are_those_of_their_capture(ckpt, monkeypat
                                                                  tmp_path, pieces):
     _separate_zeroed_device_views(monkeypatch)
     rope_in_the_op(monkeypatch, tmp_path)  # max_query_len a graph input; a cold trace
-    _cuda_start_up_order(monkeypatch)
+    cuda_start_up_order(monkeypatch)
     if pieces == "eager":
         monkeypatch.setattr(model_runner, "CompiledModel",
                             functools.partial(CompiledModel, piece_compiler="eager"))

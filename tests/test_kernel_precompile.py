@@ -27,7 +27,14 @@ from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import switch, triton_kernels
 from llmfast.worker import model_runner
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
-from tests.test_full_graphs import _engine, _run, _workload, ckpt, rope_in_the_op  # noqa: F401
+from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
+    _engine,
+    _run,
+    _workload,
+    ckpt,
+    cuda_start_up_order,
+    rope_in_the_op,
+)
 
 pytestmark = pytest.mark.skipif(
     precompile.KernelPrecompiler().available is False,
@@ -80,13 +87,10 @@ def _profile_on_the_cpu(model, sampler, max_num_tokens, max_num_reqs, block_size
 def _cuda_start_up(monkeypatch) -> list[str]:
     """The runner starts in CUDA's order with the precompile on; returns the threads in
     which Triton compiled a variant."""
-    monkeypatch.setattr(model_runner, "profile_peak_memory", _profile_on_the_cpu)
-    monkeypatch.setattr(model_runner, "num_gpu_blocks", lambda *args: 256)
-    monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
-                        lambda self: True)
+    cuda_start_up_order(monkeypatch, profile=_profile_on_the_cpu)
     monkeypatch.setattr(model_runner.ModelRunner, "_precompiles_kernels", lambda self: True)
-    # Several compiles at once, as on the GPU machine (16 cores: 8 threads), not one at a
-    # time as default_workers() gives a 2-core CI machine.
+    # Several compiles at once, as on the GPU machine (16 cores: 8 threads), more than
+    # default_workers() gives a 2-core CI machine.
     monkeypatch.setattr(precompile, "default_workers", lambda: 4)
     compiling_threads: list[str] = []
     compile = triton.compiler.compile  # what a kernel's binder imports when made
