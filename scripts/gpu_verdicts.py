@@ -199,9 +199,12 @@ def startup(out: Path) -> Iterator[Line]:
     if variants is not None:  # llmfast/worker/startup/kernel_precompile.py
         # A variant compiled at its launch: one the dry forwards missed (their batches
         # need another kind), on the start's critical path again.
-        yield check(variants["compiled_at_launch"] == 0,
+        failed = " (the precompile raised: a warning in the log)" if variants.get(
+            "precompile_failed") else ""
+        yield check(variants["compiled_at_launch"] == 0 and not failed,
                     f"#18 startup: cold start compiled {variants['precompiled']} Triton "
-                    f"variants in threads, {variants['compiled_at_launch']} at a launch")
+                    f"variants in threads, {variants['compiled_at_launch']} at a "
+                    f"launch{failed}")
     warm_summary = report["warm"].get("compile_summary") or ""
     if "pieces" in warm_summary:  # a compiled start (not --enforce-eager)
         # llmfast/compile/precompiled.py: the warm start loads the cold one's trace.

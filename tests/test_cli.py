@@ -180,6 +180,17 @@ def test_bench_startup_cold_and_warm_eager(tmp_path):
         console.print(startup_table(dict(startup, bytecode_prime_s=7.5,
                                          bytecode_primed_modules=modules)))
         assert says in " ".join(console.export_text().split())  # (the caption wraps)
+    # A CUDA start's Triton variants (none on the CPU): compiled ahead, or the failure.
+    for variants, says in (({"precompiled": 6, "compiled_at_launch": 0},
+                            "cold: Triton variants 6 compiled in threads ahead, 0 at their "
+                            "launch"),
+                           ({"precompiled": 0, "compiled_at_launch": 6, "precompile_failed": 1},
+                            "cold: Triton variants: compiling them ahead failed (see the log), "
+                            "6 compiled at their launch")):
+        console = Console(width=400, record=True)
+        console.print(startup_table(dict(startup, cold=dict(startup["cold"],
+                                                            triton_variants=variants))))
+        assert says in " ".join(console.export_text().split())
 
 
 @pytest.mark.slow

@@ -128,6 +128,12 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
         _write(tmp_path / "startup.json", {"startup": {"cold": cold, "warm": warm}})
         assert _find(_lines("startup", tmp_path), f"cold start compiled 6 Triton variants in "
                                                   f"threads, {at_launch} at a launch") == verdict
+    # A precompile that raised (the launches compiled the variants): a FAIL that says so.
+    cold = {**run(24.0, 11.0), "triton_variants": {"precompiled": 0, "compiled_at_launch": 6,
+                                                   "precompile_failed": 1}}
+    _write(tmp_path / "startup.json", {"startup": {"cold": cold, "warm": warm}})
+    assert _find(_lines("startup", tmp_path), "0 Triton variants in threads, 6 at a launch "
+                                              "(the precompile raised") == "FAIL"
     _write(tmp_path / "startup_serial.json", {"startup": {"cold": run(27.5, 12.0)}})
     assert _find(_lines("startup_serial", tmp_path),
                  "cold time to first token 27.50 s with compiles serial; stages load 0.50 s, "

@@ -12,6 +12,7 @@ the one a thread compiled), and every dry launch ran nothing.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import pytest
@@ -150,6 +151,39 @@ def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
     assert compiled.stats.full_graph_sizes and compiled.stats.captured_sizes
     _workload_compiles_nothing(engine)
     assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+
+
+def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
+        ckpt, offline_triton, monkeypatch, caplog):  # noqa: F811
+    # The precompile is an optimisation: should its dry forwards raise on some GPU (a
+    # bind failure, say), the start goes on and each variant compiles at its launch, as
+    # without it; the start-up report counts them and says the precompile failed.
+    threads = _cuda_start_up(monkeypatch)
+    submit = precompile.KernelPrecompiler.submit
+
+    def failing_submit(self, kernel, grid, args, kwargs):
+        if self.dry_launch_count >= 3:  # some variants submitted, then a failure
+            raise RuntimeError("stand-in bind failure")
+        return submit(self, kernel, grid, args, kwargs)
+
+    monkeypatch.setattr(precompile.KernelPrecompiler, "submit", failing_submit)
+    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+        engine = _engine(ckpt, None)
+    variants = engine.runner.triton_variants
+    assert variants["precompile_failed"] == 1 and variants["precompiled"] == 0
+    assert variants["compiled_at_launch"] > 0  # the start's launches compiled the rest
+    assert any(t.startswith("llmfast-triton-compile") for t in threads)  # those submitted
+    assert precompile.ACTIVE is None  # the launches after it ran
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("stand-in bind failure" in m and "first launch" in m for m in warnings)
+    # It serves: the workload's steps launch (and compile what the start did not).
+    from llmfast import SamplingParams
+
+    prompts, lengths, arrivals = _workload()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    tokens = _run(engine, prompts, params, arrivals)
+    assert [len(t) for t in tokens] == lengths
+    assert offline_triton
 
 
 @triton.jit

@@ -183,11 +183,20 @@ def startup_table(report: dict) -> Table:
                      + "".join(f"\n{name}: {run['compile_summary']}"
                                for name, run in (("cold", cold), ("warm", warm))
                                if run.get("compile_summary"))
-                     + "".join(f"\n{name}: Triton variants {v['precompiled']} compiled in "
-                               f"threads ahead, {v['compiled_at_launch']} at their launch"
+                     + "".join(f"\n{name}: {_variants_note(v)}"
                                for name, run in (("cold", cold), ("warm", warm))
                                if (v := run.get("triton_variants"))))
     return table
+
+
+def _variants_note(variants: dict) -> str:
+    """The caption's line on a start's Triton variants (RunnerInfo.triton_variants)."""
+    at_launch = variants["compiled_at_launch"]
+    if variants.get("precompile_failed"):
+        return (f"Triton variants: compiling them ahead failed (see the log), {at_launch} "
+                f"compiled at their launch")
+    return (f"Triton variants {variants['precompiled']} compiled in threads ahead, "
+            f"{at_launch} at their launch")
 
 
 def _bytecode_note(prime_s: float | None, modules: int | None) -> str:

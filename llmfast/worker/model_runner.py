@@ -140,7 +140,8 @@ class ModelRunner:
                                             self.compiled)
         self.num_blocks = 0
         # {"precompiled": n, "compiled_at_launch": m} once a start-up precompiled its
-        # Triton variants (initialize); None where it did not.
+        # Triton variants (initialize), with "precompile_failed": 1 where that raised (the
+        # launches compiled them then); None where it did not try.
         self.triton_variants: dict[str, int] | None = None
         # The persistent buffers, and the compiler's set-up (its imports: Dynamo, and
         # Inductor for the layers' triton ops).
@@ -174,7 +175,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         if progress:
             progress("compiling the attention and layer kernels", None)
-        precompiled = precompile_kernels(self)
+        failed = False
+        try:
+            precompiled = precompile_kernels(self)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the launches compile
+            # Nothing is lost: each variant compiles at its first launch, as without the
+            # precompile (counted below, so the start-up report shows the failure).
+            logger.warning("compiling the Triton kernels ahead of their launches failed "
+                           "(%s: %s); each compiles at its first launch instead "
+                           "(LLMFAST_KERNEL_PRECOMPILE=0 skips the attempt)",
+                           type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.DEBUG))
+            precompiled, failed = 0, True
         self.startup_times["precompile"] = time.perf_counter() - t0
         if precompiled is None:  # a Triton without asynchronous compiles
             return self._size_and_capture(progress)
@@ -182,6 +193,8 @@ class ModelRunner:
             num_blocks = self._size_and_capture(progress)
         self.triton_variants = {"precompiled": precompiled,
                                 "compiled_at_launch": len(watch.compiles)}
+        if failed:
+            self.triton_variants["precompile_failed"] = 1
         logger.info("Triton variants: %d compiled in threads, %d more at their launch",
                     precompiled, len(watch.compiles))
         return num_blocks
