@@ -31,6 +31,7 @@ from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.tuning import prefill_measure
 from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, ShapeClass
 from llmfast.kernels.workspaces import AttentionWorkspaces
+from tests.helpers.triton_compat import fix_interpreter_scalar_index
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 CHILD_TIMEOUT_S = 600
@@ -77,6 +78,7 @@ def _serve(checks: dict | None = None) -> None:
     """Child loop: one JSON [check_name, kwargs] per line in, "" or a traceback out;
     `checks`: the serving module's globals (default: this module's)."""
     checks = globals() if checks is None else checks
+    fix_interpreter_scalar_index()
     interpreted = triton.runtime.interpreter.InterpretedFunction
     assert isinstance(attention._unified_attention_kernel, interpreted)
     replies, sys.stdout = sys.stdout, sys.stderr  # keep the reply channel clean

@@ -20,6 +20,7 @@ import torch
 from llmfast import LLM, SamplingParams
 from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.utils.gc_freeze import active_holds, gc_frozen, hold_gc_freeze
+from tests.helpers.triton_compat import CHILD_PRELUDE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,7 +192,8 @@ def test_split_workspaces_belong_to_the_cache_owner():
     """Triton's split-KV path (interpreter, CPU): partials come from the owner of the KV
     cache, are reused across calls, and die with it; an unowned cache gets fresh ones."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(_KERNEL_CHILD)],
+    code = CHILD_PRELUDE + textwrap.dedent(_KERNEL_CHILD)
+    result = subprocess.run([sys.executable, "-c", code],
                             capture_output=True, text=True, env=env, timeout=300,
                             check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
