@@ -15,6 +15,7 @@ A step without bars (serve, defaults, presets, families) prints nothing here.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import re
@@ -406,6 +407,35 @@ def throughput(out: Path) -> Iterator[Line]:
                    f"{compiles['by_kernel']}) (bar == 0: start-up compiles every variant)")
 
 
+def defaults(out: Path, step: str) -> Iterator[Line]:
+    """#18: the CUDA step limits' default decided by measurement. Each `defaults_<budget>`
+    step is an offline throughput run (512 prompts, max_num_seqs 512) at one token budget,
+    `defaults_default` at the engine's own; once the default and another are in, the
+    default must come within 5 % of the best budget measured."""
+    data = _load(out, f"{step}.json")
+    if data is None:
+        yield ("MISSING", f"#18 {step}: no {step}.json")
+        return
+    measured: dict[str, tuple[float, int | None]] = {}  # budget name -> (tok/s, tokens)
+    for path in sorted(out.glob("defaults_*.json")):
+        run = json.loads(path.read_text())["runs"]["default"]
+        tokens = ((run.get("engine_config") or {}).get("scheduler") or {}).get(
+            "max_num_batched_tokens")
+        measured[path.stem.removeprefix("defaults_")] = (
+            run["throughput"]["output_tokens_per_s"], tokens)
+    name = step.removeprefix("defaults_")
+    tok_s, tokens = measured[name]
+    yield info(f"#18 defaults: token budget {tokens} ({name}): {tok_s:.0f} output tok/s")
+    if "default" in measured and len(measured) > 1:
+        best = max(measured, key=lambda b: measured[b][0])
+        default_tok_s, default_tokens = measured["default"]
+        ratio = default_tok_s / measured[best][0]
+        yield check(ratio >= 0.95,
+                    f"#18 defaults: the default budget ({default_tokens} tokens) gives "
+                    f"{ratio:.2f}x the output tok/s of the best measured ({measured[best][1]} "
+                    f"tokens: {measured[best][0]:.0f}) (bar >= 0.95)")
+
+
 def profile(out: Path) -> Iterator[Line]:
     """#16: the phase table has device time under CUDA graphs, and overlap when async."""
     for mode in ("sync", "async"):
@@ -546,6 +576,8 @@ STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
 def verdicts(step: str, out: Path, dry_run: bool = False) -> list[str]:
     """The step's lines; [] for a step without bars."""
     judge = STEPS.get(step)
+    if step.startswith("defaults_"):
+        judge = functools.partial(defaults, step=step)
     if judge is None:
         return []
     if dry_run and step in _PYTEST_KEY_TESTS:

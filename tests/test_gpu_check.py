@@ -176,6 +176,26 @@ def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
                  "(at batch: variants {2: 1})") == "FAIL"
 
 
+def test_defaults_judge_the_default_budget_against_the_best_measured(tmp_path):
+    def run(tok_s: float, budget: int) -> dict:
+        return {"runs": {"default": {"engine_config": {"scheduler": {
+            "max_num_batched_tokens": budget}}, "throughput": {"output_tokens_per_s": tok_s}}}}
+
+    _write(tmp_path / "defaults_default.json", run(50000.0, 8192))
+    lines = _lines("defaults_default", tmp_path)
+    assert lines == {"#18 defaults: token budget 8192 (default): 50000 output tok/s": "INFO"}
+    _write(tmp_path / "defaults_16384.json", run(51000.0, 16384))  # within 5 %
+    assert _find(_lines("defaults_16384", tmp_path),
+                 "default budget (8192 tokens) gives 0.98x the output tok/s of the best "
+                 "measured (16384 tokens: 51000)") == "PASS"
+    _write(tmp_path / "defaults_2048.json", run(56000.0, 2048))  # the default loses 11 %
+    lines = _lines("defaults_2048", tmp_path)
+    assert _find(lines, "token budget 2048 (2048): 56000") == "INFO"
+    assert _find(lines, "gives 0.89x the output tok/s of the best measured (2048") == "FAIL"
+    assert _lines("defaults_4096", tmp_path) == {"#18 defaults_4096: no defaults_4096.json":
+                                                 "MISSING"}
+
+
 def test_sweep_fails_on_a_skipped_or_missing_size(tmp_path):
     point = {"batch_size": 1, "all_decode": True, "hbm_fraction": 0.6,
              "step_latency": {"median": 0.0012}, "decode_tokens_per_s": 830.0}
