@@ -61,7 +61,7 @@ from bench_kernels_prefill import (
 )
 
 from llmfast.kernels import attention
-from llmfast.kernels.tuning.split_table import merge_sweep
+from llmfast.kernels.tuning.split_table import SWEEP_SPLITS, best_split, merge_sweep
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
@@ -172,9 +172,9 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
         )
         result["fixed_max_abs_diff"] = max_diff(fixed)
         if args.sweep_splits:
-            # Issue 17's split table: each power-of-two split count, graph-replayed.
+            # Issue 17's split table: each count of SWEEP_SPLITS, graph-replayed.
             sweep = {}
-            for splits in (1, 2, 4, 8, 16, 32, 64):
+            for splits in SWEEP_SPLITS:
                 def forced(splits=splits):
                     attention.unified_attention(q_flat, k_cache, v_cache, block_table, qsl,
                                                 seq_lens, scale, out, num_splits=splits)
@@ -308,7 +308,7 @@ def main() -> None:
         lines += tuning_lines(tuning) + tuned_table_note(args.tuned_table)
     if args.sweep_splits:
         best = [dict(batch=r["batch"], ctx=r["ctx"], chosen=r["splits"],
-                     best=min(r["split_sweep_graph_us"], key=r["split_sweep_graph_us"].get),
+                     best=best_split(r["split_sweep_graph_us"], r["splits"]),
                      graph_us=r["split_sweep_graph_us"]) for r in decode]
         lines += ["", "KV-split sweep (graph-replayed µs per split count):", "",
                   "| batch | context | chosen now | best | " + " | ".join(

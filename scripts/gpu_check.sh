@@ -12,8 +12,8 @@
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 \
 #     || exit; GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh
 #
-# Steps: arguments, else GPU_CHECK_STEPS, else "full modes diag kernels startup
-# throughput sweep startup_profile" (call 1 of the plan below). Each has a
+# Steps: arguments, else GPU_CHECK_STEPS, else "full modes diag kernels install_splits
+# kernels_table startup throughput sweep startup_profile" (call 1 of the plan below). Each has a
 # time limit, and an estimate (warm machine, cold compile caches; GPU_CHECK_QUICK's in
 # brackets) used to keep one call within GPU_CHECK_BUDGET_S (default 560; one device call
 # may run 600 s): a step that would not fit in what is left is skipped with a SKIPPED
@@ -75,8 +75,12 @@
 #   kernels64      30/240    the same decode rows and split sweep at head dim 64 (the 1B
 #                            default's shape), added to splits.json   [11 s]
 #   install_splits  5/60     this call's splits.json (kernels, kernels64 --sweep-splits)
-#                            copied over this GPU's shipped split table on the machine:
-#                            the steps after it run with the table that will ship
+#                            merged into this GPU's shipped split table on the machine
+#                            (splits_installed.json: the file to ship): the steps after
+#                            it run with the table that will ship
+#   kernels_table  25/180    after install_splits: bench_kernels' decode rows again (B=1,
+#                            8, 64 x 512/2k/8k, head dim 128) with that table: #17's
+#                            decode bars as they will ship   [unmeasured]
 #   diag           60/240    bench_modes full + linears at B=1,64 with each kernel's device
 #                            time per step (traces/full_B*_kernels.md) and Inductor's
 #                            generated code (inductor_output_code.log): what #15's full
@@ -116,9 +120,14 @@
 # 175 + 68 s; machines start in ~30-60 s, and each call after the machine went back
 # starts a fresh one with cold caches):
 #   1. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=540 ... gpu_check.sh full modes diag kernels
-#        startup throughput sweep startup_profile
+#        install_splits kernels_table startup throughput sweep startup_profile
 #        correctness first, then every issue's headline bar (on the H100: 129 + 25 + 20
-#        + 54 + 88 + 72 + 27 + 61 s). New since 51327d1, never run on a GPU: the split
+#        + 54 + 88 + 72 + 27 + 61 s, and ~30 s for the table's decode rows). Since
+#        session 20 the split sweep also times the counts between the powers of two (3,
+#        6, 12, 24, 48: B=8 x 8 KV heads fills 132 SMs at 6 splits, not 4 or 8), the
+#        installed table merges into the shipped one, and `kernels_table` re-times #17's
+#        decode rows with it: its verdicts are the bars as they will ship once
+#        splits_installed.json is committed. New since 51327d1, never run on a GPU: the split
 #        counts as runtime arguments (one compiled attention variant for every mixed
 #        launch, one for decode launches: `full` checks numerics, `throughput` and
 #        `sweep` now FAIL when a timed run compiled a Triton kernel), decode tiles
@@ -198,8 +207,8 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
-decode_configs install_splits startup_profile startup_thin startup_serial"
-if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels startup throughput sweep startup_profile}; fi
+decode_configs install_splits kernels_table startup_profile startup_thin startup_serial"
+if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels install_splits kernels_table startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
 # What a call skipped for lack of time, kept on the machine (it stays warm between calls)
@@ -383,19 +392,36 @@ for step in $STEPS; do
                     --iters 30 --json "$OUT/kernels64.json" \
                     --markdown "$OUT/kernels64.md" --sweep-splits "$OUT/splits.json"
             fi ;;
-        install_splits)  # the split sweeps of this call (kernels, kernels64) become this
-            # machine's shipped table, so that the later steps run with what will ship
+        install_splits)  # the split sweeps of this call (kernels, kernels64) merged into
+            # this machine's shipped table (their head dims replaced, the others kept), so
+            # that the later steps run with what will ship: splits_installed.json
             if [[ ! -f $OUT/splits.json ]]; then
                 STATUS[install_splits]="skipped (no splits.json: run kernels or kernels64 first)"
             else
-                run_step install_splits 5 60 python3 -c 'import json, shutil, sys, torch
-from llmfast.kernels.tuning.split_table import parse_tables, table_path
-parse_tables(json.load(open(sys.argv[1])))
+                run_step install_splits 5 60 python3 -c 'import json, sys, torch
+from llmfast.kernels.tuning.split_table import merge_tables, parse_tables, table_path
 name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu dry run"
 dest = table_path(name)
+shipped = json.loads(dest.read_text()) if dest.is_file() else None
+merged = merge_tables(shipped, json.load(open(sys.argv[1])))
+tables = parse_tables(merged)
+open(sys.argv[2], "w").write(json.dumps(merged, indent=2))
 if torch.cuda.is_available():
-    shutil.copy(sys.argv[1], dest)
-print("installed", sys.argv[1], "as", dest)' "$OUT/splits.json"
+    dest.write_text(json.dumps(merged, indent=2))
+print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.head_dim for t in tables))' \
+                    "$OUT/splits.json" "$OUT/splits_installed.json"
+            fi ;;
+        kernels_table)  # #17's decode rows again, with the split table install_splits
+            # merged in this call (kernels' own rows ran with the table shipped before)
+            if [[ $DRY == 1 ]]; then
+                run_step kernels_table 10 60 bash -c 'python3 scripts/bench_kernels.py --help \
+                    | grep -q -- --prefill-tokens && echo flags ok'
+            elif [[ ${STATUS[install_splits]:-} != ok* ]]; then
+                STATUS[kernels_table]="skipped (install_splits did not run in this call)"
+            else
+                run_step kernels_table 25 180 python3 scripts/bench_kernels.py --tune off \
+                    --prefill-tokens --mixed --batches 1 8 64 --contexts 512 2048 8192 \
+                    --json "$OUT/kernels_table.json" --markdown "$OUT/kernels_table.md"
             fi ;;
         diag)  # what the full graph launches: kernels per step and Inductor's code
             rm -rf "$OUT/traces"

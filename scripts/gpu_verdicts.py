@@ -317,35 +317,51 @@ def kernels(out: Path) -> Iterator[Line]:
     if data is None:
         yield ("MISSING", "#17 kernels: no kernels.json")
         return
+    yield from _kernel_lines(data, "#17")
+
+
+def kernels_table(out: Path) -> Iterator[Line]:
+    """#17's decode bars again from `kernels_table` (decode rows only, run after the
+    call's split sweeps were installed: the table that will ship)."""
+    data = _load(out, "kernels_table.json")
+    if data is None:
+        yield ("MISSING", "#17 kernels_table: no kernels_table.json")
+        return
+    yield from _kernel_lines(data, "#17 (this call's split table)", decode_only=True)
+
+
+def _kernel_lines(data: dict, label: str, decode_only: bool = False) -> Iterator[Line]:
     decode, prefill, mixed = data["decode"], data["prefill"], data["mixed"]
     speed = lambda r: r["sdpa_us"] / r["ours_us"]  # noqa: E731 - >1: faster than SDPA
     small = [r for r in decode if r["batch"] <= 8 and 512 <= r["ctx"] <= 8192]
-    yield _worst(small, speed, "decode B<=8 speed vs SDPA (eager)", "#17", 1.0)
+    yield _worst(small, speed, "decode B<=8 speed vs SDPA (eager)", label, 1.0)
     large = [r for r in decode if r["batch"] >= 64 and r["ctx"] >= 2048]
-    yield _worst(large, speed, "decode B>=64 ctx>=2k speed vs SDPA (eager)", "#17", 0.9)
+    yield _worst(large, speed, "decode B>=64 ctx>=2k speed vs SDPA (eager)", label, 0.9)
     yield _worst(large, lambda r: r["ours_gbs"] / data["copy_gbs"],
-                 "decode B>=64 ctx>=2k fraction of copy bandwidth", "#17", 0.8)
+                 "decode B>=64 ctx>=2k fraction of copy bandwidth", label, 0.8)
     long = [r for r in prefill if 2048 <= r["tokens"] <= 8192]
-    yield _worst(long, speed, "prefill 2k-8k causal speed vs SDPA flash", "#17", 0.8)
+    if not decode_only:
+        yield _worst(long, speed, "prefill 2k-8k causal speed vs SDPA flash", label, 0.8)
     diffs = ([r for r in decode + prefill if "max_abs_diff" in r]
              + [dict(r, max_abs_diff=r["fixed_max_abs_diff"]) for r in decode
                 if "fixed_max_abs_diff" in r])
-    yield _worst(diffs, lambda r: r["max_abs_diff"], "max abs diff vs SDPA", "#17", 4e-3,
+    yield _worst(diffs, lambda r: r["max_abs_diff"], "max abs diff vs SDPA", label, 4e-3,
                  at_most=True)
     ulps = [r for r in prefill if "max_diff_ulps" in r]
     if ulps:  # to read a FAIL above: a unit or two in the last place is rounding
         worst = max(ulps, key=lambda r: r["max_diff_ulps"])
         yield info(f"#17 prefill max diff vs SDPA in units of the last place: "
                    f"{worst['max_diff_ulps']:.1f} at {worst['tokens']} tokens")
-    yield _worst(mixed, lambda r: r["mixed_us"] / r["parts_us"],
-                 "mixed batch time / its two parts' time", "#17", 1.0, at_most=True)
+    if not decode_only:
+        yield _worst(mixed, lambda r: r["mixed_us"] / r["parts_us"],
+                     "mixed batch time / its two parts' time", label, 1.0, at_most=True)
     for r in small + large:
-        yield info(f"#17 decode B={r['batch']} ctx {r['ctx']}: {r['ours_us']:.1f} us vs SDPA "
+        yield info(f"{label} decode B={r['batch']} ctx {r['ctx']}: {r['ours_us']:.1f} us vs SDPA "
                    f"{r['sdpa_us']:.1f} us ({speed(r):.2f}x), "
                    f"{100 * r['ours_gbs'] / data['copy_gbs']:.0f}% of copy bandwidth")
     hosts = [r for r in decode if "launch_host_tensors_us" in r]
     if hosts:  # what handing the launcher addresses saved of an eager launch's host time
-        yield info("#17 host us per launch, addresses / tensors to the launcher: " + ", ".join(
+        yield info(f"{label} host us per launch, addresses / tensors to the launcher: " + ", ".join(
             f"B={r['batch']} ctx {r['ctx']} {r['launch_host_us']:.1f} / "
             f"{r['launch_host_tensors_us']:.1f}" for r in hosts))
 
@@ -567,6 +583,7 @@ STEPS: dict[str, Callable[[Path], Iterator[Line]]] = {
     "startup_thin": startup_thin,
     "startup_serial": startup_serial,
     "sweep": sweep, "throughput": throughput, "profile": profile, "kernels": kernels,
+    "kernels_table": kernels_table,
     **{step: (lambda out, s=step: pytest_step(s, out)) for step in _PYTEST_KEY_TESTS},
     "fp8": lambda out: itertools.chain(pytest_step("fp8", out), fp8_modes(out)),
     "kvfp8": lambda out: itertools.chain(pytest_step("kvfp8", out), kvfp8_kernels(out)),

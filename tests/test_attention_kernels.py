@@ -466,7 +466,10 @@ def test_mixed_batch_matches_reference(interpreter, dtype, group, head_dim, bloc
 
 @pytest.mark.parametrize("dtype, num_splits, fused_merge, min_split_tiles",
                          [("float32", 4, True, None), ("bfloat16", 8, True, None),
-                          ("float32", 4, False, None), ("float32", 8, True, 1)])
+                          ("float32", 4, False, None), ("float32", 8, True, 1),
+                          # counts between the powers of two (split tables may hold them)
+                          ("float32", 3, True, 1), ("bfloat16", 6, True, 1),
+                          ("float32", 3, False, 1)])
 def test_split_kv_decode(interpreter, dtype, num_splits, fused_merge, min_split_tiles):
     interpreter("check_split_decode", dtype=dtype, num_splits=num_splits,
                 fused_merge=fused_merge, min_split_tiles=min_split_tiles)

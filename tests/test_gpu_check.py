@@ -259,6 +259,15 @@ def test_kernels_bars_of_issue_17(tmp_path):
     assert _find(lines, "mixed batch time / its two parts' time: worst 1.02") == "FAIL"
     _write(tmp_path / "kernels.json", {**_kernels_json(), "prefill": []})
     assert _find(_lines("kernels", tmp_path), "prefill 2k-8k") == "MISSING"
+    # kernels_table: the decode rows again with the call's installed split table; its
+    # lines say so, and it judges no prefill or mixed rows (it runs none).
+    _write(tmp_path / "kernels_table.json", {**_kernels_json(decode__0__ours_us=15.0),
+                                             "prefill": [], "mixed": []})
+    lines = _lines("kernels_table", tmp_path)
+    assert _find(lines, "#17 (this call's split table) decode B<=8 speed vs SDPA (eager): "
+                        "worst 0.8 at batch 1") == "FAIL"
+    assert [w for t, w in lines.items() if w != "INFO" and "B<=8" not in t] == ["PASS"] * 3
+    assert not any("prefill" in t or "mixed" in t for t in lines)
 
 
 def test_missing_results_and_pytest_logs(tmp_path):

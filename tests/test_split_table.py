@@ -13,6 +13,7 @@ from llmfast.kernels import attention
 from llmfast.kernels.tuning import split_table
 from llmfast.kernels.tuning.split_table import (
     merge_sweep,
+    merge_tables,
     parse_table,
     parse_tables,
     split_tables_for,
@@ -45,9 +46,29 @@ def test_lookup_takes_the_next_measured_row_up():
 
 
 def test_bad_tables_are_refused():
-    data = _sweep_json(lambda b, c: 3)
-    with pytest.raises(ValueError, match="power-of-two"):
-        parse_table(data)
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="split counts from 1 to 64"):
+            parse_table(_sweep_json(lambda b, c, bad=bad: bad))
+
+
+def test_split_counts_between_the_powers_of_two():
+    # A table may hold any count (the sweep times 3, 6, 12, ... too); the kernel's split
+    # code compiles against the largest rounded up to a power of two (its merge's arange).
+    assert set(split_table.SWEEP_SPLITS) > {1, 2, 4, 8, 16, 32, 64}
+    tables = (parse_table(_sweep_json(lambda b, c: 6 if b == 8 else 3)),)
+    cfg = attention.select_config(8, 8, 32, 8, 128, 16, 512, torch.bfloat16, 132, tables)
+    assert cfg.num_splits == 6
+    assert attention.split_bound(32, 8, 128, 16, torch.bfloat16, 132, tables) == 8
+    tables = (parse_table(_sweep_json(lambda b, c: 24 if c == 8192 else 1)),)
+    assert attention.split_bound(32, 8, 128, 16, torch.bfloat16, 132, tables) == 32
+
+
+def test_a_sweep_row_keeps_its_count_unless_another_is_clearly_faster():
+    timings = {1: 150.0, 2: 129.6, 3: 112.0, 4: 110.3, 6: 109.9, 8: 116.0}
+    assert split_table.best_split(timings, chosen=4) == 4  # 6 is faster by 0.4 %: noise
+    assert split_table.best_split(timings, chosen=8) == 6  # 8 is 5.5 % slower
+    assert split_table.best_split(timings, chosen=16) == 6  # not timed: the fastest
+    assert split_table.best_split({1: 10.0, 2: 9.0}, chosen=1, keep_within=0.2) == 1
 
 
 def test_select_config_uses_the_table_only_for_its_shape():
@@ -105,3 +126,30 @@ def test_tables_are_found_by_gpu_name(tmp_path, monkeypatch):
         assert sorted(t.head_dim for t in split_tables_for("Test GPU")) == [64, 128]
     finally:
         split_tables_for.cache_clear()
+
+
+def test_a_launch_takes_its_split_count_as_is_under_a_power_of_two_bound():
+    # The plan of a decode launch at 6 splits: 6 along the grid's split axis (no CTA
+    # of a rounded-up count idles), the split code compiled for 8; the second merge
+    # kernel's launch (fused_merge=False) spans a power of two: 8.
+    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
+    k_cache = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16)
+    table = torch.zeros(8, 512, dtype=torch.int32)
+    for fused, grid_splits in ((True, 6), (False, 8)):
+        plan = attention._plan(q, k_cache, k_cache, table, q, 8, 6, None, fused, None,
+                               uniform_decode=True)
+        assert plan.grid[2] == grid_splits and plan.split_counts[0] == grid_splits
+        assert plan.constexprs["SPLIT_BOUND"] == 8
+        assert plan.partials_shape[0] == grid_splits
+
+
+def test_installing_a_sweep_keeps_the_shipped_tables_of_other_head_dims():
+    # A session's `kernels` step sweeps head dim 128 only: installed over a shipped file
+    # holding 64 and 128, it replaces 128 and keeps 64 (the 1B default's).
+    shipped = merge_sweep(merge_sweep(None, _sweep_json(lambda b, c: 4)),
+                          _sweep_json(lambda b, c: 16, head_dim=64))
+    session = merge_sweep(None, _sweep_json(lambda b, c: 6))
+    tables = {t.head_dim: t for t in parse_tables(merge_tables(shipped, session))}
+    assert sorted(tables) == [64, 128]
+    assert tables[128].lookup(8, 8192) == 6 and tables[64].lookup(8, 8192) == 16
+    assert parse_tables(merge_tables(None, session))[0].lookup(1, 512) == 6

@@ -206,8 +206,9 @@ def unified_attention(
     Shapes cannot tell: a step of rows scheduled [0, 1, 2] (a request whose last token
     is still in flight gets none) has as many tokens as requests.
 
-    `num_splits` / `block_q` override the heuristic (tests); `num_splits` is rounded up
-    to a power of two. Rows past query_start_loc[num_reqs] are left unwritten. With KV
+    `num_splits` / `block_q` override the heuristic (tests, sweeps); any split count
+    works with the fused merge (the second merge kernel of `fused_merge=False` rounds it
+    up to a power of two). Rows past query_start_loc[num_reqs] are left unwritten. With KV
     splits, `fused_merge` merges them in the same launch (the last split of each tile);
     False: a second kernel does (the previous design, kept for comparison).
     `prefill_tiles` overrides the tuned (or heuristic) tiles of a prefill-like batch;
@@ -334,8 +335,10 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
         prefill_tiles, kv_dtype=k_cache.dtype, uniform_decode=uniform_decode,
     )
-    splits = min(next_pow2(num_splits) if num_splits is not None else cfg.num_splits,
-                 MAX_SPLITS)
+    splits = num_splits if num_splits is not None else cfg.num_splits
+    if not fused_merge:  # the merge kernel spans its splits with one arange
+        splits = next_pow2(splits)
+    splits = max(1, min(splits, MAX_SPLITS))
     bq = block_q if block_q is not None else cfg.block_q
     if q.is_cuda:  # tl.dot needs >= 16 rows; only the interpreter takes smaller tiles
         bq = max(bq, 16 // next_pow2(group))
@@ -374,10 +377,10 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     # launches then share one variant whatever their request count (the start-up's
     # memory profile compiles it). A second merge kernel reads every split, so without
     # the fused merge the bound is the count itself.
-    bound = max(splits, region.num_splits if region else 1,
-                split_bound(num_heads, num_kv_heads, head_dim, block_size, q.dtype,
-                            _num_sms(q.device), _device_split_tables(q.device),
-                            kv_dtype=k_cache.dtype))
+    bound = next_pow2(max(splits, region.num_splits if region else 1,
+                          split_bound(num_heads, num_kv_heads, head_dim, block_size, q.dtype,
+                                      _num_sms(q.device), _device_split_tables(q.device),
+                                      kv_dtype=k_cache.dtype)))
     main_bound, fused_code = (bound if fused else splits), fused
     if fused_merge and (decode or rope is not None):
         # Decode-like launches (and the fused decode + RoPE kernel) compile the split

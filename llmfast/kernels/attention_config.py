@@ -13,7 +13,7 @@ import torch
 
 from llmfast.kernels.kv_write import next_pow2
 from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, heuristic_tiles, kv_dtype_name
-from llmfast.kernels.tuning.split_table import SplitTable, find_table
+from llmfast.kernels.tuning.split_table import MAX_SPLITS, SplitTable, find_table
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,6 @@ class AttentionConfig:
     # masked tail loop (attention_kernels.py): the tail's loads pipelined with the rest.
     one_kv_loop: bool = False
 
-
-# The most KV splits a launch takes (the SM-count heuristic's cap, and the largest count
-# the split sweeps time): the bound the kernel compiles its split code against.
-MAX_SPLITS = 64
 
 # Decode tiles walk their keys in one loop (AttentionConfig.one_kv_loop): on an H100
 # (2026-11-26, scripts/sweep_decode_configs.py, profiles/h100-2026-11-26c) each form's
@@ -99,15 +95,15 @@ def split_bound(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
                 dtype: torch.dtype, num_sms: int, split_tables: tuple[SplitTable, ...] = (),
                 kv_dtype: torch.dtype | None = None) -> int:
     """The most KV splits `select_config` gives any decode launch of this attention shape
-    on this device, whatever its request count and block table: the bound the kernel
-    compiles its split code against (attention_kernels.py), so that every launch that
-    splits shares one variant. From what is fixed for the process only (the shape, the
+    on this device, whatever its request count and block table, rounded up to a power of
+    two: the bound the kernel compiles its split code against (attention_kernels.py: its
+    merge spans the bound), so that every launch that splits shares one variant. From what is fixed for the process only (the shape, the
     device's SMs and split table): the start-up's memory profile, with a one-block
     table, must compile the variant later steps use."""
     table = find_table(split_tables, num_heads, num_kv_heads, head_dim,
                        kv_dtype_name(dtype, kv_dtype), block_size)
     if table is not None:
-        return max(table.best.values())
+        return next_pow2(max(table.best.values()))
     return _heuristic_splits(num_kv_heads, num_sms, math.inf)
 
 

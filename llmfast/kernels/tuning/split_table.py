@@ -1,6 +1,6 @@
 """Measured KV-split counts for decode attention, per GPU model.
 
-`scripts/bench_kernels.py --sweep-splits FILE` times every power-of-two split count for
+`scripts/bench_kernels.py --sweep-splits FILE` times the split counts of SWEEP_SPLITS for
 each decode shape (batch x context, graph-replayed) and adds the best to FILE, one table
 per attention shape (heads, KV heads, head dim, dtype, block size; a second sweep of
 another shape into the same file keeps the first). A copy of that file under
@@ -23,6 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TABLE_DIR = Path(__file__).parent / "split_tables"
+
+# The most KV splits a launch takes (the SM-count heuristic's cap, and the largest count
+# the sweeps time).
+MAX_SPLITS = 64
+
+# The counts a sweep times: the powers of two and the 1.5x steps between them. A launch
+# of `programs` (request, KV head) pairs at `s` splits puts programs x s CTAs on the
+# GPU; where a power of two leaves a partial last wave (or idle SMs), the step between
+# may fill it: B=8 x 8 KV heads on 132 SMs of 3 CTAs each holds 6 splits in one wave,
+# not 8. The kernel takes any count: its split code compiles against a power-of-two
+# bound (attention_config.split_bound).
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 @dataclass(frozen=True)
@@ -50,11 +62,21 @@ class SplitTable:
         return self.best[min(self.best, key=lambda k: (abs(k[0] - batch), abs(k[1] - ctx)))]
 
 
+def best_split(graph_us: dict[int, float], chosen: int, keep_within: float = 0.02) -> int:
+    """A sweep row's split count: the fastest, unless the count chosen now is within
+    `keep_within` of it (timing noise, at 12 counts a row, would otherwise move the table
+    at every sweep). E.g. {4: 110.3, 6: 109.9, 8: 116.0}, chosen 4 -> 4; chosen 8 -> 6."""
+    fastest = min(graph_us, key=graph_us.get)
+    if chosen in graph_us and graph_us[chosen] <= graph_us[fastest] * (1 + keep_within):
+        return chosen
+    return fastest
+
+
 def parse_table(data: dict) -> SplitTable:
     """One shape's sweep: an entry of the file's "shapes"."""
     best = {(int(r["batch"]), int(r["ctx"])): int(r["best"]) for r in data["table"]}
-    if not best or any(s < 1 or s & (s - 1) for s in best.values()):
-        raise ValueError("a split table needs rows with power-of-two split counts")
+    if not best or any(not 1 <= s <= MAX_SPLITS for s in best.values()):
+        raise ValueError(f"a split table needs rows with split counts from 1 to {MAX_SPLITS}")
     return SplitTable(int(data["heads"]), int(data["kv_heads"]), int(data["head_dim"]),
                       str(data["dtype"]), int(data["block_size"]), best)
 
@@ -77,6 +99,16 @@ def merge_sweep(existing: dict | None, sweep: dict) -> dict:
     merged = {k: sweep[k] for k in ("device", "torch", "num_sms") if k in sweep}
     merged["shapes"] = [*kept, sweep]
     parse_tables(merged)
+    return merged
+
+
+def merge_tables(existing: dict | None, new: dict) -> dict:
+    """`existing` (a table file's JSON, or None) with every shape of `new` (another's)
+    merged in: `new`'s tables replace those of their shape, the rest are kept. What a
+    GPU session installs: its sweeps (often of one head dim) over the shipped file."""
+    merged = existing
+    for sweep in new.get("shapes", [new]):
+        merged = merge_sweep(merged, sweep)
     return merged
 
 
