@@ -183,15 +183,16 @@ def test_defaults_judge_the_default_budget_against_the_best_measured(tmp_path):
 
     _write(tmp_path / "defaults_default.json", run(50000.0, 8192))
     lines = _lines("defaults_default", tmp_path)
-    assert lines == {"#18 defaults: token budget 8192 (default): 50000 output tok/s": "INFO"}
+    assert lines == {"#18 defaults_default: token budget 8192: 50000 output tok/s": "INFO"}
     _write(tmp_path / "defaults_16384.json", run(51000.0, 16384))  # within 5 %
     assert _find(_lines("defaults_16384", tmp_path),
                  "default budget (8192 tokens) gives 0.98x the output tok/s of the best "
-                 "measured (16384 tokens: 51000)") == "PASS"
+                 "of 2 measured so far (16384 tokens: 51000)") == "PASS"
     _write(tmp_path / "defaults_2048.json", run(56000.0, 2048))  # the default loses 11 %
     lines = _lines("defaults_2048", tmp_path)
-    assert _find(lines, "token budget 2048 (2048): 56000") == "INFO"
-    assert _find(lines, "gives 0.89x the output tok/s of the best measured (2048") == "FAIL"
+    assert _find(lines, "defaults_2048: token budget 2048: 56000") == "INFO"
+    assert _find(lines, "gives 0.89x the output tok/s of the best of 3 measured so far (2048") \
+        == "FAIL"
     assert _lines("defaults_4096", tmp_path) == {"#18 defaults_4096: no defaults_4096.json":
                                                  "MISSING"}
 
@@ -264,8 +265,8 @@ def test_kernels_bars_of_issue_17(tmp_path):
     _write(tmp_path / "kernels_table.json", {**_kernels_json(decode__0__ours_us=15.0),
                                              "prefill": [], "mixed": []})
     lines = _lines("kernels_table", tmp_path)
-    assert _find(lines, "#17 (this call's split table) decode B<=8 speed vs SDPA (eager): "
-                        "worst 0.8 at batch 1") == "FAIL"
+    assert _find(lines, "#17 kernels_table (this call's split table): decode B<=8 speed vs "
+                        "SDPA (eager): worst 0.8 at batch 1") == "FAIL"
     assert [w for t, w in lines.items() if w != "INFO" and "B<=8" not in t] == ["PASS"] * 3
     assert not any("prefill" in t or "mixed" in t for t in lines)
 
@@ -333,6 +334,22 @@ def test_report_has_each_steps_command_outcome_verdicts_and_table(tmp_path):
     assert "decode step latency, m\nbatch eager ms\n     1 9.0" in modes
     assert "## async: SKIPPED: needs ~120 s" in text
     assert "- FAIL     #16 async: B=1" in text.split("## async")[1]
+    # Steps of one benchmark at several settings, and a step's lines naming what they
+    # judge: each section gets its own step's lines.
+    (tmp_path / "steps.log").write_text(
+        "=== kernels: ok in 50 s\n=== kernels_table: ok in 20 s\n"
+        "=== defaults_default: ok in 30 s\n=== defaults_16384: ok in 30 s\n")
+    (tmp_path / "verdicts.txt").write_text(
+        "PASS     #17 kernels: decode B<=8 speed vs SDPA (eager): worst 1.02\n"
+        "FAIL     #17 kernels_table (this call's split table): decode B<=8 speed: worst 0.9\n"
+        "INFO     #18 defaults_default: token budget 8192: 50000 output tok/s\n"
+        "INFO     #18 defaults_16384: token budget 16384: 51000 output tok/s\n"
+        "PASS     #18 defaults_16384: the default budget (8192 tokens) gives 0.98x\n")
+    sections = dict(part.split("\n", 1) for part in report(tmp_path).split("## ")[1:])
+    assert sections["kernels: ok in 50 s"].count("- ") == 1
+    assert "worst 0.9" in sections["kernels_table: ok in 20 s"]
+    assert "8192: 50000" in sections["defaults_default: ok in 30 s"]
+    assert sections["defaults_16384: ok in 30 s"].count("- ") == 2
 
 
 def test_every_script_imports():

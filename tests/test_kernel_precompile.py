@@ -21,11 +21,19 @@ import triton
 
 from llmfast.compile import CompiledModel
 from llmfast.config import CudaGraphMode
-from llmfast.kernels import attention, attention_kernels, kv_write, ops, rope_cache
+from llmfast.kernels import (
+    attention,
+    attention_config,
+    attention_kernels,
+    kv_write,
+    ops,
+    rope_cache,
+)
 from llmfast.kernels.launch import launch_cache, precompile
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import switch, triton_kernels
+from llmfast.kernels.tuning.split_table import SplitTable
 from llmfast.worker import model_runner
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
 from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
@@ -186,6 +194,29 @@ def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
     assert offline_triton
 
 
+def test_graphs_start_up_with_split_counts_between_the_powers_of_two(
+        ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
+    # A split table giving 3 and 6 splits (no power of two): the dry forwards compile
+    # the variants (split code bound 8) that every later launch takes, whatever its
+    # count; the CUDA default's path, as in the test above.
+    best = {(b, c): (3 if b <= 2 else 6) for b in (1, 2, 4, 8) for c in (16, 96)}
+    monkeypatch.setattr(attention_config, "find_table", lambda tables, *shape: SplitTable(
+        *shape, best))
+    # Plans are kept per shape for the process (its table is fixed): none of earlier tests'.
+    monkeypatch.setattr(attention, "_PLANS", launch_cache.PlanCache())
+    _cuda_start_up(monkeypatch)
+    monkeypatch.setattr(switch, "_ENABLED", False)
+    monkeypatch.setattr(model_runner, "CompiledModel",
+                        functools.partial(CompiledModel, piece_compiler="eager"))
+    rope_in_the_op(monkeypatch, tmp_path)
+    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    assert engine.runner.triton_variants["compiled_at_launch"] == 0
+    _workload_compiles_nothing(engine)
+    plans = list(attention._PLANS.values())
+    assert {3, 6} <= {c for plan in plans for c in plan.split_counts}
+    assert {plan.constexprs["SPLIT_BOUND"] for plan in plans} <= {1, 8}
+
+
 @triton.jit
 def _scale_kernel(x_ptr, out_ptr, n, factor, BLOCK: triton.language.constexpr):
     offs = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
@@ -256,3 +287,30 @@ def test_a_layer_dry_launch_compiles_the_variant_wrap_triton_launches(monkeypatc
             torch.library.wrap_triton(_scale_kernel)[(1,)](x, out, 200, 0.5, BLOCK=256,
                                                            **options)
         assert len(launches) == 1 and watch.compiles == []
+
+
+def test_a_variant_whose_threaded_compile_failed_compiles_again_at_its_launch(monkeypatch):
+    # Triton 3.7 puts a submitted compile's FutureKernel in the kernel's cache at once;
+    # one that failed in a thread must not stay there (its launch would re-raise the
+    # thread's error for the life of the process): the launch compiles it, as without
+    # the precompile. (Triton 3.6 keeps it out of the cache until it is finalized.)
+    real = triton.compiler.compile
+
+    def fails_in_the_pool(*args, **kwargs):
+        if threading.current_thread().name.startswith("llmfast-triton-compile"):
+            raise RuntimeError("a compile failing in a thread")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton.compiler, "compile", fails_in_the_pool)
+    # Binders made from now on import the patched compile.
+    monkeypatch.setattr(_scale_kernel, "device_caches", type(_scale_kernel.device_caches)(
+        _scale_kernel.create_binder))
+    cache = launch_cache.LaunchCache(_scale_kernel)
+    x = torch.empty(256, dtype=torch.float16)
+    with offline_hopper(record_launches=True) as launches:
+        precompiler = precompile.KernelPrecompiler(max_workers=1)
+        with precompiler.dry_launches():
+            cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 256})
+        precompiler.wait()
+        cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 256})  # compiles here
+    assert len(launches) == 1

@@ -77,6 +77,7 @@ class KernelPrecompiler:
         self.dry_launch_count = 0
         self.launchers_built = 0  # by `wait` (Triton 3.6 on CUDA: see _build_launcher)
         self._seen: set = set()  # _variant_key of each launch submitted
+        self._kernels: dict[int, Any] = {}  # the JITFunctions submitted to, by id
 
     @property
     def num_submitted(self) -> int:
@@ -115,6 +116,7 @@ class KernelPrecompiler:
             if seen in self._seen:  # every layer repeats its launches: bind them once
                 return
             self._seen.add(seen)
+        self._kernels[id(kernel)] = kernel
         kernel.warmup(*args, grid=tuple(grid), **kwargs)
 
     def wait(self) -> float:
@@ -124,20 +126,38 @@ class KernelPrecompiler:
         if self._executor is None:
             return 0.0
         start = time.perf_counter()
-        launcher_cls = _launcher_class()
-        builds = []
-        if launcher_cls is not None:
-            # Each variant's launcher, built in the pool as soon as its compile is done.
-            for compiled in as_completed(list(self._mode.raw_futures)):
-                if compiled.exception() is None:
-                    builds.append(self._executor.submit(_build_launcher, launcher_cls,
-                                                        compiled.result()))
-        for future in list(self._mode.future_kernels.values()):
-            future.result(ignore_errors=True)
-        self.launchers_built = sum(build.result() for build in builds)
-        self._executor.shutdown(wait=True)
-        self._executor = None
+        try:
+            launcher_cls = _launcher_class()
+            builds = []
+            if launcher_cls is not None:
+                # Each variant's launcher, built in the pool as soon as its compile is done.
+                for compiled in as_completed(list(self._mode.raw_futures)):
+                    if compiled.exception() is None:
+                        builds.append(self._executor.submit(_build_launcher, launcher_cls,
+                                                            compiled.result()))
+            for future in list(self._mode.future_kernels.values()):
+                future.result(ignore_errors=True)
+            self.launchers_built = sum(build.result() for build in builds)
+        finally:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+            self._forget_failed()
         return time.perf_counter() - start
+
+    def _forget_failed(self) -> None:
+        """Triton 3.7 puts each submitted compile's FutureKernel in the kernel's cache
+        at once; one whose compile failed would stay there, and its launch re-raise the
+        thread's error instead of compiling: dropped, so that the launch compiles."""
+        future_cls = getattr(self._module, "FutureKernel", None)
+        if future_cls is None:
+            return
+        for kernel in self._kernels.values():
+            for caches in kernel.device_caches.values():
+                cache = caches[0]
+                for key, value in list(cache.items()):
+                    if (isinstance(value, future_cls) and value.kernel is None
+                            and value.future.exception() is not None):
+                        del cache[key]
 
 
 def _launcher_class() -> Any:
