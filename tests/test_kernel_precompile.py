@@ -137,20 +137,25 @@ def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton, 
     assert offline_triton  # the workload's launches were recorded (the dry ones: none)
 
 
-def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
-        ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
-    # The CUDA default's path: compiled, piecewise and full graphs (emulated), RoPE in
-    # the attention op, async scheduling. The layers' norms stay torch ops here, and the
-    # pieces run as traced, not through Inductor: under the sm_90 stand-in driver
-    # Inductor would key its cache for that target for the rest of the process (a later
-    # test's saved pieces would then not load in a fresh process). On CUDA the compiled
-    # pieces launch Inductor's copies of the norms, which the dry forwards leave alone.
+def _graphs_engine(checkpoint, monkeypatch, tmp_path):
+    """(engine, compiling threads) started on the CUDA default's path: compiled,
+    piecewise and full graphs (emulated), RoPE in the attention op, async scheduling.
+    The layers' norms stay torch ops here, and the pieces run as traced, not through
+    Inductor: under the sm_90 stand-in driver Inductor would key its cache for that
+    target for the rest of the process (a later test's saved pieces would then not load
+    in a fresh process). On CUDA the compiled pieces launch Inductor's copies of the
+    norms, which the dry forwards leave alone."""
     threads = _cuda_start_up(monkeypatch)
     monkeypatch.setattr(switch, "_ENABLED", False)
     monkeypatch.setattr(model_runner, "CompiledModel",
                         functools.partial(CompiledModel, piece_compiler="eager"))
     rope_in_the_op(monkeypatch, tmp_path)
-    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    return _engine(checkpoint, CudaGraphMode.FULL_AND_PIECEWISE), threads
+
+
+def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
+        ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
+    engine, threads = _graphs_engine(ckpt, monkeypatch, tmp_path)
     variants = engine.runner.triton_variants
     assert variants is not None and variants["compiled_at_launch"] == 0
     assert variants["precompiled"] >= 3  # RoPE + KV write, decode + RoPE, attention kinds
@@ -198,18 +203,13 @@ def test_graphs_start_up_with_split_counts_between_the_powers_of_two(
         ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
     # A split table giving 3 and 6 splits (no power of two): the dry forwards compile
     # the variants (split code bound 8) that every later launch takes, whatever its
-    # count; the CUDA default's path, as in the test above.
+    # count; the CUDA default's path.
     best = {(b, c): (3 if b <= 2 else 6) for b in (1, 2, 4, 8) for c in (16, 96)}
     monkeypatch.setattr(attention_config, "find_table", lambda tables, *shape: SplitTable(
         *shape, best))
     # Plans are kept per shape for the process (its table is fixed): none of earlier tests'.
     monkeypatch.setattr(attention, "_PLANS", launch_cache.PlanCache())
-    _cuda_start_up(monkeypatch)
-    monkeypatch.setattr(switch, "_ENABLED", False)
-    monkeypatch.setattr(model_runner, "CompiledModel",
-                        functools.partial(CompiledModel, piece_compiler="eager"))
-    rope_in_the_op(monkeypatch, tmp_path)
-    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    engine, _ = _graphs_engine(ckpt, monkeypatch, tmp_path)
     assert engine.runner.triton_variants["compiled_at_launch"] == 0
     _workload_compiles_nothing(engine)
     plans = list(attention._PLANS.values())

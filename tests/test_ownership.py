@@ -5,14 +5,10 @@ workspaces belong to the runner whose KV cache they serve; deleting an LLM frees
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +16,7 @@ import torch
 from llmfast import LLM, SamplingParams
 from llmfast.kernels.workspaces import AttentionWorkspaces
 from llmfast.utils.gc_freeze import active_holds, gc_frozen, hold_gc_freeze
-from tests.helpers.triton_compat import CHILD_PRELUDE
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.interpreted import run_interpreted
 
 
 def _earlier_engines_gone(timeout_s: float = 10.0) -> None:
@@ -144,7 +138,7 @@ def test_deleting_an_llm_gives_its_gpu_memory_back():
 
 
 _KERNEL_CHILD = """
-import gc, weakref
+import gc, json, weakref
 import torch
 from llmfast.kernels import attention, ops
 from llmfast.kernels.workspaces import AttentionWorkspaces
@@ -184,16 +178,11 @@ del owner, partials
 gc.collect()
 assert all(r() is None for r in refs), "partials outlived their owner"
 assert AttentionWorkspaces.of(args[1]) is None
-print("ok")
+print(json.dumps({"ok": True}))
 """
 
 
 def test_split_workspaces_belong_to_the_cache_owner():
     """Triton's split-KV path (interpreter, CPU): partials come from the owner of the KV
     cache, are reused across calls, and die with it; an unowned cache gets fresh ones."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    code = CHILD_PRELUDE + textwrap.dedent(_KERNEL_CHILD)
-    result = subprocess.run([sys.executable, "-c", code],
-                            capture_output=True, text=True, env=env, timeout=300,
-                            check=False)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    assert run_interpreted(textwrap.dedent(_KERNEL_CHILD), timeout_s=300) == {"ok": True}

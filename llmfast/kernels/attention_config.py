@@ -97,9 +97,10 @@ def split_bound(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     """The most KV splits `select_config` gives any decode launch of this attention shape
     on this device, whatever its request count and block table, rounded up to a power of
     two: the bound the kernel compiles its split code against (attention_kernels.py: its
-    merge spans the bound), so that every launch that splits shares one variant. From what is fixed for the process only (the shape, the
-    device's SMs and split table): the start-up's memory profile, with a one-block
-    table, must compile the variant later steps use."""
+    merge spans the bound), so that every launch that splits shares one variant. From
+    what is fixed for the process only (the shape, the device's SMs and split table): the
+    start-up's memory profile, with a one-block table, must compile the variant later
+    steps use."""
     table = find_table(split_tables, num_heads, num_kv_heads, head_dim,
                        kv_dtype_name(dtype, kv_dtype), block_size)
     if table is not None:
