@@ -289,6 +289,23 @@ verdict() {  # step name: its PASS/FAIL lines, printed and kept in verdicts.txt
     python3 scripts/gpu_verdicts.py "${flags[@]}" "$1" "$OUT" 2>&1 | tee -a "$OUT/verdicts.txt"
 }
 
+after_skipped() {  # step, its prerequisite steps: whether one of those was skipped for
+    # time in this call; if so the step is queued behind it for `skipped` (the next call
+    # runs them in order) and 0 is returned
+    local step=$1 prior
+    shift
+    for prior in "$@"; do
+        if [[ " ${SKIPPED_STEPS[*]} " == *" $prior "* ]]; then
+            STATUS[$step]="SKIPPED: after $prior, which was skipped for time"
+            echo "SKIPPED  $step: after $prior; run it in the next call" \
+                | tee -a "$OUT/verdicts.txt"
+            SKIPPED_STEPS+=("$step")
+            return 0
+        fi
+    done
+    return 1
+}
+
 run_step() {  # name, estimate s, limit s, command...
     local name=$1 est=$2 limit=$3
     shift 3
@@ -396,7 +413,8 @@ for step in $STEPS; do
             # this machine's shipped table (their head dims replaced, the others kept), so
             # that the later steps run with what will ship: splits_installed.json
             if [[ ! -f $OUT/splits.json ]]; then
-                STATUS[install_splits]="skipped (no splits.json: run kernels or kernels64 first)"
+                after_skipped install_splits kernels kernels64 \
+                    || STATUS[install_splits]="skipped (no splits.json: run kernels or kernels64 first)"
             else
                 run_step install_splits 5 60 python3 -c 'import json, sys, torch
 from llmfast.kernels.tuning.split_table import merge_tables, parse_tables, table_path
@@ -417,7 +435,8 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                 run_step kernels_table 10 60 bash -c 'python3 scripts/bench_kernels.py --help \
                     | grep -q -- --prefill-tokens && echo flags ok'
             elif [[ ${STATUS[install_splits]:-} != ok* ]]; then
-                STATUS[kernels_table]="skipped (install_splits did not run in this call)"
+                after_skipped kernels_table install_splits \
+                    || STATUS[kernels_table]="skipped (install_splits did not run in this call)"
             else
                 run_step kernels_table 25 180 python3 scripts/bench_kernels.py --tune off \
                     --prefill-tokens --mixed --batches 1 8 64 --contexts 512 2048 8192 \

@@ -386,6 +386,22 @@ def test_dry_run_of_the_quick_steps(tmp_path):
     assert "=== full: ok" in proc.stdout
 
 
+def test_steps_behind_a_step_skipped_for_time_are_queued_behind_it(tmp_path):
+    """`kernels` skipped for lack of time leaves no split sweep: install_splits (and
+    kernels_table after it) cannot run in this call, and are queued with it for the next
+    call's step `skipped`, in order, instead of being dropped."""
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path),
+           "GPU_CHECK_STATE": str(tmp_path / "state"), "GPU_CHECK_BUDGET_S": "3",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "kernels",
+                           "install_splits", "kernels_table"], env=env, capture_output=True,
+                          check=False, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "SKIPPED  install_splits: after kernels" in proc.stdout
+    queued = (tmp_path / "state" / "skipped").read_text().split()
+    assert queued == ["kernels", "install_splits", "kernels_table"]
+
+
 def test_bench_modes_logits_of_every_mode_agree_with_eager_on_cpu(tmp_path):
     """The modes step's own correctness check, run for real (fp32; on the CPU the full
     graph is emulated): every mode's logits equal eager's, and its verdict lines say so."""
