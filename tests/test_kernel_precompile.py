@@ -200,7 +200,7 @@ def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
 
 
 def test_graphs_start_up_with_split_counts_between_the_powers_of_two(
-        ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
+        ckpt, offline_triton, monkeypatch, tmp_path, caplog):  # noqa: F811
     # A split table giving 3 and 6 splits (no power of two): the dry forwards compile
     # the variants (split code bound 8) that every later launch takes, whatever its
     # count; the CUDA default's path.
@@ -209,8 +209,9 @@ def test_graphs_start_up_with_split_counts_between_the_powers_of_two(
         *shape, best))
     # Plans are kept per shape for the process (its table is fixed): none of earlier tests'.
     monkeypatch.setattr(attention, "_PLANS", launch_cache.PlanCache())
-    engine, _ = _graphs_engine(ckpt, monkeypatch, tmp_path)
-    assert engine.runner.triton_variants["compiled_at_launch"] == 0
+    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+        engine, _ = _graphs_engine(ckpt, monkeypatch, tmp_path)
+    assert engine.runner.triton_variants["compiled_at_launch"] == 0, caplog.text[-2000:]
     _workload_compiles_nothing(engine)
     plans = list(attention._PLANS.values())
     assert {3, 6} <= {c for plan in plans for c in plan.split_counts}

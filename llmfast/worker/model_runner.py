@@ -195,8 +195,9 @@ class ModelRunner:
                                 "compiled_at_launch": len(watch.compiles)}
         if failed:
             self.triton_variants["precompile_failed"] = 1
-        logger.info("Triton variants: %d compiled in threads, %d more at their launch",
-                    precompiled, len(watch.compiles))
+        logger.info("Triton variants: %d compiled in threads, %d more at their launch%s",
+                    precompiled, len(watch.compiles),
+                    f" ({', '.join(c.name for c in watch.compiles)})" if watch.compiles else "")
         return num_blocks
 
     def _size_and_capture(self, progress: Progress | None) -> int:
