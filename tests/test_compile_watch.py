@@ -6,6 +6,7 @@ when a timed run compiled something. Kernels compile for sm_90 here, without a G
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -59,6 +60,20 @@ def test_watch_counts_each_new_variant_once_and_restores_the_hooks():
         assert runtime.jit_cache_hook is None
     finally:
         runtime.jit_post_compile_hook = None
+
+
+def test_watch_counts_only_the_compiles_of_its_own_thread():
+    """The hooks are process-wide; a variant another thread compiles meanwhile is not
+    the watched work's (the start-up's watch once counted one, in a CI run)."""
+    if not isinstance(_scale_kernel, triton.runtime.JITFunction):
+        pytest.skip("TRITON_INTERPRET=1: nothing is compiled")
+    target = contextlib.nullcontext() if torch.cuda.is_available() else offline_hopper()
+    with target, TritonCompileWatch() as watch:
+        other = threading.Thread(target=_compile, args=(256,))
+        other.start()
+        other.join()
+        _compile(512)
+    assert [c.name for c in watch.compiles] == ["_scale_kernel"]  # the 512 one's only
 
 
 def test_throughput_and_sweep_tables_say_when_the_timed_run_compiled():

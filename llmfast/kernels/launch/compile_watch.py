@@ -10,13 +10,16 @@ the benchmarks run their timed part inside one and report what it saw.
 It uses Triton's process-wide JIT hooks (`triton.knobs.runtime.jit_cache_hook`, called
 before a variant not in the process's kernel cache is compiled or loaded, and
 `jit_post_compile_hook`, after), chaining any hooks already set and restoring them on
-exit. Inductor's own kernels do not go through these hooks: they are compiled before
+exit. It counts the compiles of the thread that entered it, the one doing the watched
+work (a launch compiles in its own thread): the hooks are process-wide, and a compile
+another thread happens to run meanwhile is not that work's. Inductor's own kernels do not go through these hooks: they are compiled before
 the CUDA graphs are captured. Where Triton has no such hooks the watch sees nothing and
 says so (`available`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,21 +39,25 @@ class TritonCompileWatch:
     available: bool = False
     _previous: tuple[Any, Any] | None = None
     _started: dict[str, float] = field(default_factory=dict)
+    _thread: int | None = None  # the ident of the thread watched
 
     def __enter__(self) -> TritonCompileWatch:
         runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
         if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
             return self
         self.available = True
+        self._thread = threading.get_ident()
         self._previous = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
         previous_before, previous_after = self._previous
 
         def before(**kwargs: Any) -> Any:
-            self._started[kwargs["repr"]] = time.perf_counter()
+            if threading.get_ident() == self._thread:
+                self._started[kwargs["repr"]] = time.perf_counter()
             return previous_before(**kwargs) if previous_before else None
 
         def after(**kwargs: Any) -> Any:
-            started = self._started.pop(kwargs["repr"], None)
+            started = (self._started.pop(kwargs["repr"], None)
+                       if threading.get_ident() == self._thread else None)
             if started is not None:
                 self.compiles.append(
                     KernelCompile(kwargs["fn"].name, time.perf_counter() - started))
