@@ -290,7 +290,8 @@ def test_a_layer_dry_launch_compiles_the_variant_wrap_triton_launches(monkeypatc
         assert len(launches) == 1 and watch.compiles == []
 
 
-def test_a_variant_whose_threaded_compile_failed_compiles_again_at_its_launch(monkeypatch):
+def test_a_variant_whose_threaded_compile_failed_compiles_again_at_its_launch(monkeypatch,
+                                                                               caplog):
     # Triton 3.7 puts a submitted compile's FutureKernel in the kernel's cache at once;
     # one that failed in a thread must not stay there (its launch would re-raise the
     # thread's error for the life of the process): the launch compiles it, as without
@@ -312,6 +313,10 @@ def test_a_variant_whose_threaded_compile_failed_compiles_again_at_its_launch(mo
         precompiler = precompile.KernelPrecompiler(max_workers=1)
         with precompiler.dry_launches():
             cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 256})
-        precompiler.wait()
+        with caplog.at_level(logging.WARNING, logger=precompile.__name__):
+            precompiler.wait()
         cache.launch((1, 1, 1), (x, x), (200, 0.5), "c", {"BLOCK": 256})  # compiles here
     assert len(launches) == 1
+    # Said, with the thread's error.
+    assert any("failed to compile in its thread (RuntimeError: a compile failing in a "
+               "thread)" in r.getMessage() for r in caplog.records), caplog.text

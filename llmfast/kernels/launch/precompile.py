@@ -135,6 +135,11 @@ class KernelPrecompiler:
                     if compiled.exception() is None:
                         builds.append(self._executor.submit(_build_launcher, launcher_cls,
                                                             compiled.result()))
+            for compiled in as_completed(list(self._mode.raw_futures)):
+                if compiled.exception() is not None:
+                    logger.warning("a Triton variant failed to compile in its thread (%s: "
+                                   "%s); its first launch compiles it",
+                                   type(compiled.exception()).__name__, compiled.exception())
             for future in list(self._mode.future_kernels.values()):
                 future.result(ignore_errors=True)
             self.launchers_built = sum(build.result() for build in builds)
