@@ -293,15 +293,16 @@ verdict() {  # step name: its PASS/FAIL lines, printed and kept in verdicts.txt
     python3 scripts/gpu_verdicts.py "${flags[@]}" "$1" "$OUT" 2>&1 | tee -a "$OUT/verdicts.txt"
 }
 
-after_skipped() {  # step, its prerequisite steps: whether one of those was skipped for
+queued_after() {  # step, its prerequisite steps: whether one of those was skipped for
     # time in this call; if so the step is queued behind it for `skipped` (the next call
-    # runs them in order) and 0 is returned
+    # runs them in order; the step may still run now, on what this call has) and 0 is
+    # returned
     local step=$1 prior
     shift
     for prior in "$@"; do
         if [[ " ${SKIPPED_STEPS[*]} " == *" $prior "* ]]; then
             STATUS[$step]="SKIPPED: after $prior, which was skipped for time"
-            echo "SKIPPED  $step: after $prior; run it in the next call" \
+            echo "QUEUED   $step: after $prior, skipped for time; the next call runs it" \
                 | tee -a "$OUT/verdicts.txt"
             SKIPPED_STEPS+=("$step")
             return 0
@@ -416,8 +417,12 @@ for step in $STEPS; do
         install_splits)  # the split sweeps of this call (kernels, kernels64) merged into
             # this machine's shipped table (their head dims replaced, the others kept), so
             # that the later steps run with what will ship: splits_installed.json
+            # Queued again when a sweep of this call was skipped (the next call's sweep
+            # needs installing), even if the other one's is installed now.
+            queued=0
+            queued_after install_splits kernels kernels64 && queued=1
             if [[ ! -f $OUT/splits.json ]]; then
-                after_skipped install_splits kernels kernels64 \
+                (( queued )) \
                     || STATUS[install_splits]="skipped (no splits.json: run kernels or kernels64 first)"
             else
                 run_step install_splits 5 60 python3 -c 'import json, sys, torch
@@ -434,12 +439,15 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                     "$OUT/splits.json" "$OUT/splits_installed.json"
             fi ;;
         kernels_table)  # #17's decode rows again, with the split table install_splits
-            # merged in this call (kernels' own rows ran with the table shipped before)
+            # merged in this call (kernels' own rows ran with the table shipped before);
+            # queued behind install_splits when that is (and run now if it ran)
+            queued=0
+            queued_after kernels_table install_splits && queued=1
             if [[ $DRY == 1 ]]; then
                 run_step kernels_table 10 60 bash -c 'python3 scripts/bench_kernels.py --help \
                     | grep -q -- --prefill-tokens && echo flags ok'
             elif [[ ${STATUS[install_splits]:-} != ok* ]]; then
-                after_skipped kernels_table install_splits \
+                (( queued )) \
                     || STATUS[kernels_table]="skipped (install_splits did not run in this call)"
             else
                 run_step kernels_table 25 180 python3 scripts/bench_kernels.py --tune off \

@@ -95,23 +95,28 @@ def test_json_that_cannot_be_written_after_the_run_is_saved_elsewhere(tmp_path):
         saved.unlink()
 
 
-def test_bench_failing_in_its_second_mode_keeps_the_first(tmp_path, monkeypatch):
-    """`--modes eager,compiled` whose compiled run fails (at its engine's start, where a
-    compiler crashes; failing there rather than after its compile keeps the test ~30 s
-    shorter): the eager sweep is printed and written to --json (marked incomplete)
-    before the one error line."""
+@pytest.mark.parametrize("where", ["start", "sweep"])
+def test_bench_failing_in_its_second_mode_keeps_the_first(where, tmp_path, monkeypatch):
+    """`--modes eager,compiled` whose compiled run fails, at its engine's start (where a
+    compiler crashes) or in its sweep (the engine up): the eager sweep is printed and
+    written to --json (marked incomplete) before the one error line. The second run's
+    engine is an eager one (its mode's overrides replaced): compiling the model only to
+    fail after it cost the test ~30 s."""
+    import llmfast.bench as bench_pkg
     import llmfast.cli.bench as bench_cli
 
-    real_load_llm = bench_cli.load_llm
+    monkeypatch.setitem(bench_cli.EXEC_MODES, "compiled", bench_cli.EXEC_MODES["eager"])
+    module, name = (bench_cli, "load_llm") if where == "start" else (bench_pkg, "run_sweep")
+    real = getattr(module, name)
     calls = []
 
-    def second_start_fails(*args, **kwargs):
+    def second_call_fails(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("compiler crashed")
-        return real_load_llm(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench_cli, "load_llm", second_start_fails)
+    monkeypatch.setattr(module, name, second_call_fails)
     out = tmp_path / "sweep.json"
     result = invoke("bench", *TINY, "--sizes", "1,2", "--context", "4", "--steps", "2",
                     "--modes", "eager,compiled", "--json", str(out))

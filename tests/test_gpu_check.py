@@ -387,19 +387,35 @@ def test_dry_run_of_the_quick_steps(tmp_path):
 
 
 def test_steps_behind_a_step_skipped_for_time_are_queued_behind_it(tmp_path):
-    """`kernels` skipped for lack of time leaves no split sweep: install_splits (and
-    kernels_table after it) cannot run in this call, and are queued with it for the next
-    call's step `skipped`, in order, instead of being dropped."""
+    """`kernels` skipped for lack of time leaves its split sweep undone: install_splits
+    (and kernels_table after it) are queued with it for the next call's step `skipped`,
+    in order, instead of being dropped; and install_splits is queued even when it can
+    install another sweep of this call now (kernels64's here, a splits.json already in
+    $OUT), since the next call's `kernels` sweep will need installing too."""
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path),
            "GPU_CHECK_STATE": str(tmp_path / "state"), "GPU_CHECK_BUDGET_S": "3",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "kernels",
-                           "install_splits", "kernels_table"], env=env, capture_output=True,
-                          check=False, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "SKIPPED  install_splits: after kernels" in proc.stdout
-    queued = (tmp_path / "state" / "skipped").read_text().split()
-    assert queued == ["kernels", "install_splits", "kernels_table"]
+    steps = ["kernels", "install_splits", "kernels_table"]
+
+    def run(budget: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), *steps],
+                              env={**env, "GPU_CHECK_BUDGET_S": budget}, capture_output=True,
+                              check=False, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        return proc
+
+    proc = run("3")  # no sweep in $OUT: nothing to install now
+    assert "QUEUED   install_splits: after kernels" in proc.stdout
+    assert "QUEUED   kernels_table: after install_splits" in proc.stdout
+    assert (tmp_path / "state" / "skipped").read_text().split() == steps
+    assert not (tmp_path / "splits_installed.json").exists()
+
+    shipped = REPO / "llmfast/kernels/tuning/split_tables/nvidia-h100-80gb-hbm3.json"
+    (tmp_path / "splits.json").write_text(shipped.read_text())
+    proc = run("8")  # kernels (~10 s) skipped, install_splits (~5 s) fits
+    assert "=== install_splits: ok" in proc.stdout
+    assert (tmp_path / "splits_installed.json").exists()
+    assert (tmp_path / "state" / "skipped").read_text().split() == steps
 
 
 def test_bench_modes_logits_of_every_mode_agree_with_eager_on_cpu(tmp_path):

@@ -29,10 +29,10 @@ Design
   attends to its own K/V as rounded to fp8, never to the fresh higher-precision k/v.
 - Uniform decode with RoPE (`_decode_rope_attention_kernel`: one new token per
   request, the model's rotation fused into the op): one launch instead of rope_cache.py's
-  and this one. A program per (request, kv head, split); q is loaded and rotated
-  first (its loads in flight with the new key's), then the split holding the last key
-  tile writes the new key (rotated) and value into the cache, then a CTA barrier, then
-  its key loop reads them with the rest. Only that
+  and this one. A program per (request, kv head, split); q is loaded first (its loads
+  in flight with the new key's), the split holding the last key tile writes the new key
+  (rotated) and value into the cache, then a CTA barrier, q is rotated, and the key
+  loop reads the new key and value with the rest. Only that
   program reads them: a request's one token is one query tile. The same numerics as the
   two kernels (rotation, rounding, fp8 conversion).
 - `q` may be `out` itself (the fused rotation leaves the rotated queries there): a
@@ -365,17 +365,6 @@ def _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND: tl.constexpr,
         tile_lo = split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
     return tile_lo, tile_hi, num_used
-
-
-@triton.jit
-def _rope_tile(x, rows, stride_d, mask, cos_sin_ptr, pos, stride_cs, offs_d,
-               HALF: tl.constexpr):
-    """`x` ([rows, HEAD_DIM_P] loaded from `rows` + offs_d * stride_d under `mask`,
-    every row at position `pos`) rotated with the cos/sin table's row of `pos`, in
-    float32, rounded to x's dtype (`_rope_operands`, then `_rotate`)."""
-    partner, cos, sin = _rope_operands(rows, stride_d, mask, cos_sin_ptr, pos, stride_cs,
-                                       offs_d, HALF)
-    return _rotate(x, partner, cos, sin, offs_d, HALF)
 
 
 @triton.jit

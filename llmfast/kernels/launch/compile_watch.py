@@ -12,7 +12,10 @@ before a variant not in the process's kernel cache is compiled or loaded, and
 `jit_post_compile_hook`, after), chaining any hooks already set and restoring them on
 exit. It counts the compiles of the thread that entered it, the one doing the watched
 work (a launch compiles in its own thread): the hooks are process-wide, and a compile
-another thread happens to run meanwhile is not that work's. Inductor's own kernels do not go through these hooks: they are compiled before
+another thread happens to run meanwhile is not that work's. Watches nest within a
+thread; watches of two threads must not overlap (each saves the hooks it finds and puts
+them back on exit, so the first to exit would unhook the other). llmfast's (the
+start-up's, the benchmarks' timed runs) are in the engine's thread, one at a time. Inductor's own kernels do not go through these hooks: they are compiled before
 the CUDA graphs are captured. Where Triton has no such hooks the watch sees nothing and
 says so (`available`).
 """
