@@ -613,7 +613,7 @@ if (( ${#SKIPPED_STEPS[@]} )); then
 fi
 if [[ -f "$OUT/verdicts.txt" ]]; then
     echo "--- verdicts of this call: $OUT/verdicts.txt"
-    grep -E '^(PASS|FAIL|MISSING|SKIPPED|DRY-PASS|DRY-FAIL) ' "$OUT/verdicts.txt" | tail -n 60
+    grep -E '^(PASS|FAIL|MISSING|SKIPPED|QUEUED|DRY-PASS|DRY-FAIL) ' "$OUT/verdicts.txt" | tail -n 60
 fi
 ran() { [[ " $(echo $STEPS) " == *" $1 "* ]]; }
 ran defaults && for budget in $BUDGETS; do

@@ -83,6 +83,10 @@ def report(out: Path) -> str:
                     text = top.read_text().split("## Top ops")[0].strip()
                     text = text.replace("## Engine phases", "#### Engine phases")
                     parts += [f"{mode}:", "", text, ""]
+    # Steps queued behind one skipped for time (gpu_check.sh `queued_after`).
+    queued = [v for v in verdicts if v.startswith("QUEUED ")]
+    if queued:
+        parts += ["## queued for the next call's `skipped`", "", *[f"- {v}" for v in queued], ""]
     return "\n".join(parts) + "\n"
 
 

@@ -409,6 +409,8 @@ def test_steps_behind_a_step_skipped_for_time_are_queued_behind_it(tmp_path):
     assert "QUEUED   kernels_table: after install_splits" in proc.stdout
     assert (tmp_path / "state" / "skipped").read_text().split() == steps
     assert not (tmp_path / "splits_installed.json").exists()
+    queued = report(tmp_path).split("## queued for the next call's `skipped`")[1]
+    assert "install_splits: after kernels" in queued and "kernels_table" in queued
 
     shipped = REPO / "llmfast/kernels/tuning/split_tables/nvidia-h100-80gb-hbm3.json"
     (tmp_path / "splits.json").write_text(shipped.read_text())
