@@ -163,11 +163,9 @@
 #        the memory profile (dry forwards; `startup`'s stages show `precompile`, and a
 #        verdict line says no variant was compiled at a launch after it) and starts
 #        Inductor's compile workers while it profiles and traces, not at its first
-#        kernel (cold start only; compile/workers.py); session 21: the fused decode
-#        kernel's KV write has no branch, its loads issued beside q's (one L2 round
-#        trip less per program: `diag`'s `_decode_rope_attention_kernel` µs per layer at
-#        B=64, 11.3 for the unfused attention at 51327d1), and a precompile thread's
-#        failed compile is logged (a warning in the `startup` and `full` logs)
+#        kernel (cold start only; compile/workers.py); session 21: a precompile
+#        thread's failed compile is logged with its root cause (a warning in the
+#        `startup` and `full` logs)
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped defaults startup_serial decode_configs
 #        (defaults: #18 asks for the CUDA step limits to be decided by measurement, and

@@ -137,9 +137,9 @@ class KernelPrecompiler:
                                                             compiled.result()))
             for compiled in as_completed(list(self._mode.raw_futures)):
                 if compiled.exception() is not None:
-                    logger.warning("a Triton variant failed to compile in its thread (%s: "
-                                   "%s); its first launch compiles it",
-                                   type(compiled.exception()).__name__, compiled.exception())
+                    logger.warning("a Triton variant failed to compile in its thread (%s); "
+                                   "its first launch compiles it",
+                                   _root_cause(compiled.exception()))
             for future in list(self._mode.future_kernels.values()):
                 future.result(ignore_errors=True)
             self.launchers_built = sum(build.result() for build in builds)
@@ -163,6 +163,15 @@ class KernelPrecompiler:
                     if (isinstance(value, future_cls) and value.kernel is None
                             and value.future.exception() is not None):
                         del cache[key]
+
+
+def _root_cause(exc: BaseException) -> str:
+    """`Type: message` of the innermost exception `exc` was raised from: Triton wraps a
+    nested function's error in a CompilationError at each call site, which shows where,
+    not what."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _launcher_class() -> Any:
