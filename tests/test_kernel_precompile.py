@@ -320,3 +320,22 @@ def test_a_variant_whose_threaded_compile_failed_compiles_again_at_its_launch(mo
     # Said, with the thread's error.
     assert any("failed to compile in its thread (RuntimeError: a compile failing in a "
                "thread)" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_compile_threads_parse_kernels_one_at_a_time():
+    """CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth
+    mismatch", CI dry run 45): once a precompiler exists, Triton's parse of a kernel's
+    source takes a process-wide lock, so a thread's parse waits for another's."""
+    precompile.KernelPrecompiler(max_workers=1).wait()
+    parsed = threading.Event()
+
+    def parse_in_a_thread():
+        _scale_kernel.parse()
+        parsed.set()
+
+    with precompile._PARSE_LOCK:  # another thread parsing
+        thread = threading.Thread(target=parse_in_a_thread)
+        thread.start()
+        assert not parsed.wait(0.5)  # waits for it
+    thread.join(10)
+    assert parsed.is_set()

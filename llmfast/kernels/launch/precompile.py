@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -69,6 +70,7 @@ class KernelPrecompiler:
         self._executor: ThreadPoolExecutor | None = None
         self._mode: Any = None
         if self.available:
+            _serialize_triton_parsing()
             self._executor = ThreadPoolExecutor(max_workers or default_workers(),
                                                 thread_name_prefix="llmfast-triton-compile")
             # ignore_errors: a variant that fails to compile raises where it is launched
@@ -163,6 +165,32 @@ class KernelPrecompiler:
                     if (isinstance(value, future_cls) and value.kernel is None
                             and value.future.exception() is not None):
                         del cache[key]
+
+
+_PARSE_LOCK = threading.Lock()
+
+
+def _serialize_triton_parsing() -> None:
+    """Make Triton parse its kernels' source one thread at a time, from now on in this
+    process (idempotent). CPython 3.11's `ast.parse` is not thread-safe: two threads
+    converting ASTs at once can fail with "SystemError: AST constructor recursion depth
+    mismatch" (CPython gh-106905), and the compile threads each parse every @triton.jit
+    function they reach (`JITCallable.parse`: CI dry run 45 lost a variant's threaded
+    compile to it). Parsing is milliseconds; the compiles' back ends still run side by
+    side."""
+    from triton.runtime import jit
+
+    owner = next((cls for cls in type.mro(jit.JITFunction) if "parse" in vars(cls)), None)
+    if owner is None or getattr(owner.parse, "_llmfast_serialized", False):
+        return
+    parse = owner.parse
+
+    def serialized_parse(self):
+        with _PARSE_LOCK:
+            return parse(self)
+
+    serialized_parse._llmfast_serialized = True
+    owner.parse = serialized_parse
 
 
 def _root_cause(exc: BaseException) -> str:
