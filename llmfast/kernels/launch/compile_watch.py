@@ -15,8 +15,9 @@ work (a launch compiles in its own thread): the hooks are process-wide, and a co
 another thread happens to run meanwhile is not that work's. Watches nest within a
 thread; watches of two threads must not overlap (each saves the hooks it finds and puts
 them back on exit, so the first to exit would unhook the other). llmfast's (the
-start-up's, the benchmarks' timed runs) are in the engine's thread, one at a time. Inductor's own kernels do not go through these hooks: they are compiled before
-the CUDA graphs are captured. Where Triton has no such hooks the watch sees nothing and
+start-up's, the benchmarks' timed runs) are in the engine's thread, one at a time.
+Inductor's own kernels do not go through these hooks: they are compiled before the CUDA
+graphs are captured. Where Triton has no such hooks the watch sees nothing and
 says so (`available`).
 """
 

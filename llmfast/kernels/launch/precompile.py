@@ -131,17 +131,16 @@ class KernelPrecompiler:
         try:
             launcher_cls = _launcher_class()
             builds = []
-            if launcher_cls is not None:
-                # Each variant's launcher, built in the pool as soon as its compile is done.
-                for compiled in as_completed(list(self._mode.raw_futures)):
-                    if compiled.exception() is None:
-                        builds.append(self._executor.submit(_build_launcher, launcher_cls,
-                                                            compiled.result()))
+            # Each variant's launcher, built in the pool as soon as its compile is done;
+            # a failed compile said.
             for compiled in as_completed(list(self._mode.raw_futures)):
                 if compiled.exception() is not None:
                     logger.warning("a Triton variant failed to compile in its thread (%s); "
                                    "its first launch compiles it",
                                    _root_cause(compiled.exception()))
+                elif launcher_cls is not None:
+                    builds.append(self._executor.submit(_build_launcher, launcher_cls,
+                                                        compiled.result()))
             for future in list(self._mode.future_kernels.values()):
                 future.result(ignore_errors=True)
             self.launchers_built = sum(build.result() for build in builds)
