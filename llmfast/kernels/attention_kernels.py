@@ -29,9 +29,10 @@ Design
   attends to its own K/V as rounded to fp8, never to the fresh higher-precision k/v.
 - Uniform decode with RoPE (`_decode_rope_attention_kernel`: one new token per
   request, the model's rotation fused into the op): one launch instead of rope_cache.py's
-  and this one. A program per (request, kv head, split); q is rotated after its load;
-  the split holding the last key tile writes the new key (rotated) and value into the
-  cache, then a CTA barrier, then its key loop reads them with the rest. Only that
+  and this one. A program per (request, kv head, split); q is loaded first (its loads
+  in flight with the new key's), the split holding the last key tile writes the new key
+  (rotated) and value into the cache, then a CTA barrier, q is rotated, and the key
+  loop reads the new key and value with the rest. Only that
   program reads them: a request's one token is one query tile. The same numerics as the
   two kernels (rotation, rounding, fp8 conversion).
 - `q` may be `out` itself (the fused rotation leaves the rotated queries there): a
@@ -181,7 +182,7 @@ def _unified_attention_kernel(
                 num_reqs * DEC_BLOCK_Q, scale_log2,
                 stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                stride_bt, q_ptr, 0, 0,
+                stride_bt, 0,
                 NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
                 DEC_BLOCK_Q, DEC_BLOCK_N, DEC_SPLIT_BOUND, DEC_SPLIT_BOUND > 1, UPCAST,
                 DOT_PRECISION,
@@ -235,7 +236,7 @@ def _unified_attention_kernel(
         split, num_splits, tile, q_start + q_lo, num_tokens, scale_log2,
         stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-        stride_bt, q_ptr, 0, 0,
+        stride_bt, 0,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
         BLOCK_Q, BLOCK_N, SPLIT_BOUND, FUSED_MERGE, UPCAST, DOT_PRECISION,
         CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, False,
@@ -264,7 +265,7 @@ def _decode_rope_attention_kernel(
     """Uniform decode (one new token per request) with RoPE and the KV write fused in:
     what rope_cache.py's kernel and this module's kernel do in two launches, in one.
     Program (request, kv head, split). q is rotated after its load
-    (`_attend_query_tile`, ROTATE_Q), never stored. The new key and value of the kv
+    (`_rotate`), never stored. The new key and value of the kv
     head are written by the one split that reads them, the one holding the last key
     tile, before its key loop (the CTA barrier orders its stores before its loads); no
     other program reads them, as every request has one query tile. Numerics are the
@@ -283,20 +284,35 @@ def _decode_rope_attention_kernel(
     num_kv_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     tile_lo, tile_hi, num_used = _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND,
                                               FUSED_MERGE, MIN_SPLIT_TILES)
-    if (num_q > 0) & (split < num_used) & (tile_hi == num_kv_tiles) & (slot >= 0):
-        offs_d = tl.arange(0, HEAD_DIM_P)[None, :]
-        d_valid = offs_d < HEAD_DIM
-        k_row = k_ptr + token * stride_nkt + kv_head * stride_nkh
-        k = tl.load(k_row + offs_d, mask=d_valid, other=0.0)  # [1, HEAD_DIM_P]
-        k = _rope_tile(k, k_row, 1, d_valid, cos_sin_ptr, pos, stride_cs, offs_d,
-                       HEAD_DIM // 2)
-        v = tl.load(v_ptr + token * stride_nvt + kv_head * stride_nvh + offs_d,
-                    mask=d_valid, other=0.0)
-        _store_at_slot(k_cache_ptr, slot, stride_kb, stride_ks,
-                       kv_head * stride_kh + offs_d * stride_kd, k, d_valid, BLOCK_SIZE, CLAMP)
-        _store_at_slot(v_cache_ptr, slot, stride_vb, stride_vs,
-                       kv_head * stride_vh + offs_d * stride_vd, v, d_valid, BLOCK_SIZE, CLAMP)
-        tl.debug_barrier()
+    # No branch around the write: its loads and the queries' (which need only the token)
+    # are all issued before any of them is used, one memory round trip for both instead
+    # of the queries' waiting behind the write and its barrier (or, the queries first,
+    # the write's behind the queries' rotation, which the compiler places before a
+    # branch). Masked off: the write where this program does not write, the queries of a
+    # split left empty.
+    write = (num_q > 0) & (split < num_used) & (tile_hi == num_kv_tiles) & (slot >= 0)
+    offs_d = tl.arange(0, HEAD_DIM_P)[None, :]  # [1, HEAD_DIM_P]
+    d_valid = offs_d < HEAD_DIM
+    write_mask = d_valid & write
+    q_rows, q_mask = _query_rows(q_ptr, q_start, num_q, 0, kv_head, split < num_used,
+                                 stride_qt, stride_qh, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P,
+                                 BLOCK_Q)
+    q = tl.load(q_rows + offs_d * stride_qd, mask=q_mask, other=0.0)
+    q_partner, q_cos, q_sin = _rope_operands(q_rows, stride_qd, q_mask, cos_sin_ptr, pos,
+                                             stride_cs, offs_d, HEAD_DIM // 2)
+    k_row = k_ptr + token * stride_nkt + kv_head * stride_nkh
+    k = tl.load(k_row + offs_d, mask=write_mask, other=0.0)
+    k_partner, k_cos, k_sin = _rope_operands(k_row, 1, write_mask, cos_sin_ptr, pos,
+                                             stride_cs, offs_d, HEAD_DIM // 2)
+    v = tl.load(v_ptr + token * stride_nvt + kv_head * stride_nvh + offs_d,
+                mask=write_mask, other=0.0)
+    k = _rotate(k, k_partner, k_cos, k_sin, offs_d, HEAD_DIM // 2)
+    _store_at_slot(k_cache_ptr, slot, stride_kb, stride_ks,
+                   kv_head * stride_kh + offs_d * stride_kd, k, write_mask, BLOCK_SIZE, CLAMP)
+    _store_at_slot(v_cache_ptr, slot, stride_vb, stride_vs,
+                   kv_head * stride_vh + offs_d * stride_vd, v, write_mask, BLOCK_SIZE, CLAMP)
+    tl.debug_barrier()
+    q = _rotate(q, q_partner, q_cos, q_sin, offs_d, HEAD_DIM // 2)
     _attend_query_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
@@ -304,11 +320,29 @@ def _decode_rope_attention_kernel(
         split, num_splits, req, q_start, num_tokens, scale_log2,
         stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-        stride_bt, cos_sin_ptr, pos, stride_cs,
+        stride_bt, q,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
         BLOCK_Q, BLOCK_N, SPLIT_BOUND, FUSED_MERGE, UPCAST, DOT_PRECISION,
         CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, True,
     )
+
+
+@triton.jit
+def _query_rows(q_ptr, q_start, num_q, q_lo, kv_head, live, stride_qt, stride_qh,
+                GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """(rows [BLOCK_M, 1], mask [BLOCK_M, HEAD_DIM_P]): where the query tile of tokens
+    [q_lo, q_lo + BLOCK_Q) of a request (starting at token q_start, num_q of them) for the
+    query heads of `kv_head` lies, row m being token q_lo + m // GROUP_P, head
+    kv_head * GROUP + m % GROUP_P; masked where there is no such row, or everywhere
+    unless `live`. Element d of a row: rows + d * stride_qd."""
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
+    q_local = q_lo + offs_m // GROUP_P
+    head = kv_head * GROUP + offs_m % GROUP_P
+    row_valid = (q_local < num_q) & (offs_m % GROUP_P < GROUP) & live
+    token = (q_start + q_local).to(tl.int64)
+    rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    return rows, row_valid[:, None] & (tl.arange(0, HEAD_DIM_P)[None, :] < HEAD_DIM)
 
 
 @triton.jit
@@ -334,14 +368,11 @@ def _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND: tl.constexpr,
 
 
 @triton.jit
-def _rope_tile(x, rows, stride_d, mask, cos_sin_ptr, pos, stride_cs, offs_d,
-               HALF: tl.constexpr):
-    """`x` ([rows, HEAD_DIM_P] loaded from `rows` + offs_d * stride_d under `mask`,
-    every row at position `pos`) rotated with the cos/sin table's row of `pos`, in
-    float32, rounded to x's dtype. Each element's partner from the other half
-    (x[d + HALF] for d < HALF, x[d - HALF] after) is loaded here. The same expressions
-    as the rotary kernel's `rotate_halves`, element for element: x1 cos - x2 sin, then
-    x2 cos + x1 sin."""
+def _rope_operands(rows, stride_d, mask, cos_sin_ptr, pos, stride_cs, offs_d,
+                   HALF: tl.constexpr):
+    """What rotating the rows at `rows` takes besides the rows themselves, loaded:
+    (partner, cos, sin). Each element's partner is from the other half (x[d + HALF] for
+    d < HALF, x[d - HALF] after); cos and sin are the table's row of `pos`."""
     first = offs_d < HALF
     within = tl.where(first, offs_d, offs_d - HALF)  # the index into the half
     partner = tl.load(rows + tl.where(first, offs_d + HALF, within) * stride_d, mask=mask,
@@ -350,6 +381,15 @@ def _rope_tile(x, rows, stride_d, mask, cos_sin_ptr, pos, stride_cs, offs_d,
     row = cos_sin_ptr + pos.to(tl.int64) * stride_cs
     cos = tl.load(row + within, mask=valid, other=0.0)
     sin = tl.load(row + HALF + within, mask=valid, other=0.0)
+    return partner, cos, sin
+
+
+@triton.jit
+def _rotate(x, partner, cos, sin, offs_d, HALF: tl.constexpr):
+    """x rotated (`_rope_operands`' operands), in float32, rounded to x's dtype. The same
+    expressions as the rotary kernel's `rotate_halves`, element for element: x1 cos - x2
+    sin, then x2 cos + x1 sin."""
+    first = offs_d < HALF
     xf = x.to(tl.float32)
     pf = partner.to(tl.float32)
     rotated = tl.where(first, xf * cos - pf * sin, xf * cos + pf * sin)
@@ -366,13 +406,13 @@ def _attend_query_tile(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
-    stride_bt, cos_sin_ptr, rope_pos, stride_cs,
+    stride_bt, q_given,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BOUND: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
-    ROTATE_Q: tl.constexpr,
+    Q_GIVEN: tl.constexpr,
 ):
     """One program's share of attention: query tokens [q_lo, q_lo + BLOCK_Q) of request
     `req` (starting at token q_start, num_q of them, seq_len keys with them) for the
@@ -385,8 +425,9 @@ def _attend_query_tile(
     region: req * BLOCK_Q of num_reqs * BLOCK_Q, so its scratch scales with requests,
     not with the launch's tokens), and the fused merge's counter is `counter_tile`'s.
 
-    ROTATE_Q: q is rotated here, after its load, every row at position `rope_pos` (one
-    token per request: the fused decode kernel below); else q comes rotated."""
+    Q_GIVEN: the tile's queries are `q_given` ([BLOCK_Q * GROUP_P, HEAD_DIM_P], rows as
+    `_query_rows` lays them out: the fused decode kernel loads them before its KV
+    write); else they are loaded here."""
     if q_lo >= num_q:  # surplus tile (or a padding request with no tokens)
         return
     ctx_len = seq_len - num_q  # cached prefix before this step's tokens
@@ -410,12 +451,12 @@ def _attend_query_tile(
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_valid = offs_d < HEAD_DIM
 
-    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-    q_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    if ROTATE_Q:  # [BLOCK_M, HEAD_DIM_P]
-        q = _rope_tile(q, q_rows, stride_qd, q_mask, cos_sin_ptr, rope_pos, stride_cs,
-                       offs_d[None, :], HEAD_DIM // 2)
+    if Q_GIVEN:
+        q = q_given
+    else:
+        q_rows, q_mask = _query_rows(q_ptr, q_start, num_q, q_lo, kv_head, True, stride_qt,
+                                     stride_qh, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_Q)
+        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
