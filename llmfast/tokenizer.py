@@ -190,6 +190,9 @@ def check_chat_template(template: str) -> None:
 
 
 def _rust_decode(hf: Any) -> Callable[..., str] | None:
+    direct = getattr(hf, "rust_decode", None)  # a wrapper of a `tokenizers` object, e.g.
+    if direct is not None:  # the random presets' (models/sources/preset_tokenizer.py)
+        return direct
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase

@@ -4,6 +4,8 @@ built-in byte-level ChatML one; chat and generate run on them (no download anywh
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -12,7 +14,12 @@ from llmfast.cli.main import app
 from llmfast.models.sources.default_model import DEFAULT_MODEL_NAME, cached_default_model
 from llmfast.models.formats.gguf import CONVERSION_VERSION, MARKER_NAME
 from llmfast.models.sources.model_source import resolve_model
-from llmfast.models.sources.preset_tokenizer import BYTE_TOKENIZER_NAME, preset_tokenizer
+from llmfast.models.sources.preset_tokenizer import (
+    BYTE_TOKENIZER_NAME,
+    CHATML_TEMPLATE,
+    byte_level_tokenizer,
+    preset_tokenizer,
+)
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from tests.helpers.chat_model import save_tiny_tokenizer
 
@@ -51,6 +58,59 @@ def test_byte_level_tokenizer_without_the_default_model(empty_cache):
     # A random model samples ids past the tokenizer: they decode to nothing.
     assert tokenizer.decode([104, 100_000, 105]) == "hi"
     assert not empty_cache.exists()  # nothing written
+
+
+def test_byte_level_tokenizer_answers_as_transformers_does():
+    """The oracle: transformers' PreTrainedTokenizerFast on a copy of the same `tokenizers`
+    object (what the built-in tokenizer was before it stopped importing transformers)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = byte_level_tokenizer()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=RawTokenizer.from_str(tokenizer.rust_tokenizer.to_str()),
+        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML_TEMPLATE
+    assert tokenizer.vocab_size == len(hf) and tokenizer.bos_token_id == hf.bos_token_id
+    assert tokenizer.eos_token_ids == (hf.eos_token_id,)
+    texts = [TEXT, "", " leading space", "<|im_end|><|endoftext|>", "emoji 🎉 and \x00"]
+    for text in texts:
+        for special in (True, False):
+            ids = tokenizer.encode(text, add_special_tokens=special)
+            assert ids == hf.encode(text, add_special_tokens=special)
+            for skip in (True, False):
+                assert tokenizer.decode(ids + [100_000], skip_special_tokens=skip) == hf.decode(
+                    ids + [100_000], skip_special_tokens=skip,
+                    clean_up_tokenization_spaces=False)
+    chats = [[{"role": "user", "content": TEXT}],
+             [{"role": "system", "content": "be {{ brief }}"},
+              {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
+    for chat in chats:
+        for prompt in (True, False):
+            expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+            assert tokenizer.render_chat(chat, add_generation_prompt=prompt) == expected
+            assert tokenizer.apply_chat_template(chat, add_generation_prompt=prompt) == (
+                hf.encode(expected, add_special_tokens=False))
+    # Another template (`--chat-template`) is transformers' to render.
+    custom = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}{% endfor %}"
+    assert tokenizer.with_chat_template(custom).render_chat(chats[1]) == (
+        hf.apply_chat_template(chats[1], tokenize=False, chat_template=custom,
+                               add_generation_prompt=True))
+
+
+def test_byte_level_tokenizer_leaves_transformers_unimported():
+    """A random preset's start (encode, chat, decode) imports no transformers: ~1 s of
+    import holding the GIL beside the engine's own start."""
+    code = ("import sys\n"
+            "from llmfast.models.sources.preset_tokenizer import byte_level_tokenizer\n"
+            "t = byte_level_tokenizer()\n"
+            "ids = t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
+            "assert t.decode(ids + t.encode('x'), skip_special_tokens=False).endswith('x')\n"
+            "assert t.rust_tokenizer is not None\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_default_model_tokenizer_when_cached_and_fitting(cached_default):

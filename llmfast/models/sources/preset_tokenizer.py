@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 from llmfast.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -61,18 +62,84 @@ def byte_level_tokenizer() -> Tokenizer:
     and the ChatML special tokens after them."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {char: byte for byte, char in enumerate(_byte_stand_ins())}
     raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     raw.decoder = decoders.ByteLevel()
     raw.add_special_tokens(list(CHATML_SPECIAL_TOKENS))
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    hf.chat_template = CHATML_TEMPLATE
+    hf = ChatMLByteTokenizer(raw)
     return Tokenizer(hf, (int(hf.eos_token_id),), BYTE_TOKENIZER_NAME)
+
+
+class ChatMLByteTokenizer:
+    """The built-in tokenizer as the transformers tokenizer `Tokenizer` wraps: the calls
+    it makes, answered by the `tokenizers` object and jinja2 without importing transformers.
+    That import is ~1 s of Python holding the GIL (more beside a large site-packages: it
+    reads every installed distribution's file list), all of it beside the engine's start in
+    the tokenizer thread: on a random preset, the only thing that imported it.
+
+    Renders its own ChatML template the way transformers does (a sandboxed environment,
+    blocks trimmed); any other template (`--chat-template`) goes to a transformers
+    `PreTrainedTokenizerFast` on the same `tokenizers` object, built at that first use."""
+
+    chat_template = CHATML_TEMPLATE
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.eos_token_id = backend.token_to_id("<|im_end|>")
+        self.bos_token_id = None
+        self._transformers: Any = None  # the PreTrainedTokenizerFast, once needed
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def rust_decode(self) -> Any:
+        """The decode `Tokenizer._rust_decode` calls directly (tokenizer.py)."""
+        return self.backend.decode
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool = False) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
+                            add_generation_prompt: bool = False,
+                            chat_template: str | None = None, **template_kwargs: Any) -> Any:
+        if chat_template is not None and chat_template != CHATML_TEMPLATE:
+            return self._transformers_tokenizer().apply_chat_template(
+                messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **template_kwargs)
+        text = _chatml_template().render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            eos_token="<|im_end|>", pad_token="<|endoftext|>", **template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _transformers_tokenizer(self) -> Any:
+        if self._transformers is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._transformers = PreTrainedTokenizerFast(
+                tokenizer_object=self.backend, eos_token="<|im_end|>",
+                pad_token="<|endoftext|>")
+        return self._transformers
+
+
+@functools.cache
+def _chatml_template() -> Any:
+    """CHATML_TEMPLATE compiled as transformers compiles chat templates."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    return env.from_string(CHATML_TEMPLATE)
 
 
 def _byte_stand_ins() -> list[str]:
