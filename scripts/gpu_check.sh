@@ -165,7 +165,12 @@
 #        Inductor's compile workers while it profiles and traces, not at its first
 #        kernel (cold start only; compile/workers.py); session 21: a precompile
 #        thread's failed compile is logged with its root cause (a warning in the
-#        `startup` and `full` logs)
+#        `startup` and `full` logs). All of this ran on the H100 on 2026-11-27
+#        (profiles/h100-2026-11-27-gpu-check.md: every step ok, the bars of #15 and
+#        #18's throughput and defaults pass; warm TTFT 10.0-11.3 s). New since then:
+#        the random presets' tokenizer without transformers (c8034eb): `startup` first
+#        (GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=200 ... startup startup_profile), for the
+#        warm TTFT it should bring under 10 s
 #   2. at once, on the warm machine: GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=<budget_left_s
 #        - 60> ... gpu_check.sh skipped defaults startup_serial decode_configs
 #        (defaults: #18 asks for the CUDA step limits to be decided by measurement, and
