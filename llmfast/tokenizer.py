@@ -34,7 +34,9 @@ class TokenizerError(ConfigError):
 
 @dataclass(frozen=True)
 class Tokenizer:
-    hf: Any  # a transformers PreTrainedTokenizerBase
+    # A transformers PreTrainedTokenizerBase, or what answers the same calls (the random
+    # presets' ChatMLByteTokenizer, models/sources/preset_tokenizer.py).
+    hf: Any
     eos_token_ids: tuple[int, ...]
     name: str = ""
     chat_template: str | None = None  # replaces the model's own (`--chat-template`)

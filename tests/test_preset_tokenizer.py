@@ -4,6 +4,7 @@ built-in byte-level ChatML one; chat and generate run on them (no download anywh
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from llmfast.models.sources.preset_tokenizer import (
     preset_tokenizer,
 )
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
+from llmfast.tokenizer import Tokenizer, TokenizerError
 from tests.helpers.chat_model import save_tiny_tokenizer
 
 TEXT = "Grüße, 世界! <|im_start|> tabs\tand\nnewlines"
@@ -79,9 +81,10 @@ def test_byte_level_tokenizer_answers_as_transformers_does():
             ids = tokenizer.encode(text, add_special_tokens=special)
             assert ids == hf.encode(text, add_special_tokens=special)
             for skip in (True, False):
-                assert tokenizer.decode(ids + [100_000], skip_special_tokens=skip) == hf.decode(
-                    ids + [100_000], skip_special_tokens=skip,
-                    clean_up_tokenization_spaces=False)
+                expected = hf.decode(ids + [100_000], skip_special_tokens=skip,
+                                     clean_up_tokenization_spaces=False)
+                assert tokenizer.decode(ids + [100_000], skip_special_tokens=skip) == expected
+                assert tokenizer.hf.decode(ids + [100_000], skip_special_tokens=skip) == expected
     chats = [[{"role": "user", "content": TEXT}],
              [{"role": "system", "content": "be {{ brief }}"},
               {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
@@ -91,6 +94,16 @@ def test_byte_level_tokenizer_answers_as_transformers_does():
             assert tokenizer.render_chat(chat, add_generation_prompt=prompt) == expected
             assert tokenizer.apply_chat_template(chat, add_generation_prompt=prompt) == (
                 hf.encode(expected, add_special_tokens=False))
+    # Template variables (vLLM's chat_template_kwargs), the special tokens' names among
+    # them, render as there (ChatML reads none of them); an empty conversation is refused
+    # alike.
+    kwargs = {"flavour": "mint", "eos_token": "<END>", "pad_token": "<PAD>"}
+    assert tokenizer.render_chat(chats[1], template_kwargs=kwargs) == (
+        hf.apply_chat_template(chats[1], tokenize=False, add_generation_prompt=True,
+                               **kwargs))
+    for t in (tokenizer, Tokenizer(hf, (hf.eos_token_id,))):
+        with pytest.raises(TokenizerError, match="empty conversation"):
+            t.render_chat([])
     # Another template (`--chat-template`) is transformers' to render.
     custom = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}{% endfor %}"
     assert tokenizer.with_chat_template(custom).render_chat(chats[1]) == (
@@ -98,19 +111,22 @@ def test_byte_level_tokenizer_answers_as_transformers_does():
                                add_generation_prompt=True))
 
 
-def test_byte_level_tokenizer_leaves_transformers_unimported():
-    """A random preset's start (encode, chat, decode) imports no transformers: ~1 s of
-    import holding the GIL beside the engine's own start."""
+def test_random_preset_engine_leaves_transformers_unimported(tmp_path):
+    """A random preset's engine (its tokenizer resolved as `--model random:tiny` does,
+    with no default model cached), a text prompt and a chat: no transformers module
+    imported, ~1 s of import holding the GIL beside the engine's own start."""
     code = ("import sys\n"
-            "from llmfast.models.sources.preset_tokenizer import byte_level_tokenizer\n"
-            "t = byte_level_tokenizer()\n"
-            "ids = t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
-            "assert t.decode(ids + t.encode('x'), skip_special_tokens=False).endswith('x')\n"
-            "assert t.rust_tokenizer is not None\n"
+            "from llmfast import LLM, SamplingParams\n"
+            "llm = LLM('random:tiny', device='cpu')\n"
+            "params = SamplingParams(max_tokens=2, ignore_eos=True)\n"
+            "assert len(llm.generate(['hello'], params)[0].outputs[0].token_ids) == 2\n"
+            "llm.chat([[{'role': 'user', 'content': 'hi'}]], params)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+    env = {**os.environ, "LLMFAST_CACHE": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_default_model_tokenizer_when_cached_and_fitting(cached_default):

@@ -116,9 +116,13 @@ class ChatMLByteTokenizer:
             return self._transformers_tokenizer().apply_chat_template(
                 messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, **template_kwargs)
+        if not messages:  # as transformers says it
+            raise ValueError("Cannot apply chat template to an empty conversation")
+        # The special tokens' names first: template kwargs may override them, as there.
+        variables = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                     **template_kwargs}
         text = _chatml_template().render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            eos_token="<|im_end|>", pad_token="<|endoftext|>", **template_kwargs)
+            **variables, messages=messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _transformers_tokenizer(self) -> Any:
