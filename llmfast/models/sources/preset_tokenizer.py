@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 BYTE_TOKENIZER_NAME = "byte-level ChatML (built in)"
 CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+# The special tokens' roles, as transformers' tokenizer takes them and a template sees them.
+SPECIAL_TOKEN_ROLES = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -87,7 +89,7 @@ class ChatMLByteTokenizer:
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend  # a tokenizers.Tokenizer
-        self.eos_token_id = backend.token_to_id("<|im_end|>")
+        self.eos_token_id = backend.token_to_id(SPECIAL_TOKEN_ROLES["eos_token"])
         self.bos_token_id = None
         self._transformers: Any = None  # the PreTrainedTokenizerFast, once needed
 
@@ -119,8 +121,7 @@ class ChatMLByteTokenizer:
         if not messages:  # as transformers says it
             raise ValueError("Cannot apply chat template to an empty conversation")
         # The special tokens' names first: template kwargs may override them, as there.
-        variables = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                     **template_kwargs}
+        variables = {**SPECIAL_TOKEN_ROLES, **template_kwargs}
         text = _chatml_template().render(
             **variables, messages=messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -129,9 +130,8 @@ class ChatMLByteTokenizer:
         if self._transformers is None:
             from transformers import PreTrainedTokenizerFast
 
-            self._transformers = PreTrainedTokenizerFast(
-                tokenizer_object=self.backend, eos_token="<|im_end|>",
-                pad_token="<|endoftext|>")
+            self._transformers = PreTrainedTokenizerFast(tokenizer_object=self.backend,
+                                                         **SPECIAL_TOKEN_ROLES)
         return self._transformers
 
 
