@@ -288,7 +288,8 @@ def main() -> None:
     lines += [
         "",
         f"Decode with the full graph's fixed launch (splits from a {args.max_model_len}-token "
-        "block table, not the live context):",
+        "block table, not the live context). The 2-kernel merge (the launch before issue "
+        "17) rounds the live split count up to a power of two (6 splits run as 8):",
         "",
         "| batch | context | live splits | fixed splits | live µs | live 2-kernel merge µs "
         "| fixed µs | fixed / live | live graph µs | fixed graph µs | fixed graph / SDPA "
