@@ -5,7 +5,8 @@
 # it catches API differences (torch, Triton's compiler for sm_90 through the offline
 # target, Triton's interpreter, transformers) before device minutes are spent on them.
 #
-#   bash scripts/compat_check.sh [pytest args]     # default: the default suite, -q
+#   bash scripts/compat_check.sh [pytest args]     # default: the default suite, as the
+#                                                  # README runs it (-q -n auto --dist loadfile)
 #
 # The venv (~2.7 GB: PyPI's torch 2.11 is a CUDA build) is made once under
 # COMPAT_VENV (default /tmp/llmfast-gpu-stack) and reused.
@@ -22,5 +23,5 @@ fi
 "$VENV/bin/python" -c 'import torch, triton, transformers, numpy
 print("torch", torch.__version__, "triton", triton.__version__,
       "transformers", transformers.__version__, "numpy", numpy.__version__)'
-if (( $# )); then args=("$@"); else args=(-q); fi
+if (( $# )); then args=("$@"); else args=(-q -n auto --dist loadfile); fi
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider "${args[@]}"
