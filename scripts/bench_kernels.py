@@ -9,8 +9,9 @@ contiguously (GQA via enable_gqa), and the largest difference between the two ou
 Prefill (2k/4k/8k causal, vs SDPA's FlashAttention backend, TFLOP/s), mixed batches (one
 launch vs its two parts) and the prefill tile tuning that runs first (--tune): see
 bench_kernels_prefill.py. A device-to-device copy gives the bandwidth ceiling
-(bytes read + written / time). Times are medians of CUDA-event timings, with L2 flushed
-before every timed call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
+(bytes read + written / time). Times are medians of CUDA-event timings (--iters calls;
+--eager-iters for the eager decode rows against SDPA), with L2 flushed before every timed
+call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
 block_size 16. Prints markdown tables (for profiles/kernels.md).
 
 Decode rows also show: the same call replayed from a CUDA graph (what a full-graph
@@ -117,7 +118,8 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
 
     sdpa, sdpa_variant, sdpa_backend = _sdpa_decode(q_s, k_s, v_s, num_new > 1, scale)
     with sdpa_backend():  # (around both: its host cost in neither's figure)
-        ours_us, sdpa_us = time_us_interleaved([ours, sdpa], args.iters, flush, idle=True)
+        ours_us, sdpa_us = time_us_interleaved([ours, sdpa], args.eager_iters, flush,
+                                               idle=True)
         want = sdpa().float()
 
     def max_diff(fn) -> float:
@@ -202,6 +204,11 @@ def main() -> None:
     parser.add_argument("--tuned-table", type=Path,
                         help="copy the tuned prefill tile table here (to ship it)")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--eager-iters", type=int, default=200,
+                        help="calls of each in the eagerly launched decode rows' llmfast vs "
+                             "SDPA timing (#17's B=1..8 bar): its host launch time varies "
+                             "from call to call far more than a replay's device time, and "
+                             "200 calls of each take 0.1-0.3 s per row")
     parser.add_argument("--max-model-len", type=int, default=8192,
                         help="width of the full graph's block table (fixed-launch rows)")
     parser.add_argument("--json", type=Path, help="write all results here")
