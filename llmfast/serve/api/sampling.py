@@ -7,6 +7,7 @@ adds what only the API knows: n, unsupported fields, prompt shapes, chat message
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from llmfast.sampling_params import SamplingParams, SamplingParamsError
@@ -169,16 +170,22 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
     return params
 
 
+# A token id as OpenAI's logit_bias writes it: ASCII digits only (`int` also takes " 5 ",
+# "1_0" and other scripts' digits) and short enough for `int` (a key of 5000 digits
+# raises); a minus sign passes, for the vocabulary check to name the id.
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias names tokens by their ids written as strings."""
     if not bias:
         return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError:
-        bad = next(t for t in bias if not t.strip().lstrip("+-").isdigit())
-        raise APIError(f"logit_bias keys must be token ids written as integers, got {bad!r}",
-                       param="logit_bias") from None
+    bad = next((key for key in bias if not _TOKEN_ID_KEY.fullmatch(key)), None)
+    if bad is not None:
+        shown = bad if len(bad) <= 40 else f"{bad[:37]}..."
+        raise APIError(f"logit_bias keys must be token ids written as integers, got {shown!r}",
+                       param="logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 def _per_choice(base: SamplingParams, n: int) -> list[SamplingParams]:
