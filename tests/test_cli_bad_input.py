@@ -4,6 +4,9 @@ exit, no traceback; and a benchmark that fails part-way keeps what it measured."
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +143,19 @@ def test_graph_mode_none_with_eager_and_bench_eager_with_a_graph_mode_run():
     result = invoke("bench", *TINY, "--cuda-graph-mode", "piecewise", "--modes", "eager",
                     "--sizes", "1", "--steps", "2", "--context", "4")
     assert result.exit_code == 0, result.output
+
+
+def test_cache_variable_naming_an_unknown_home(tmp_path):
+    """$LLMFAST_CACHE=~user/... of no such user: `llmfast --help` still works (the entry
+    point's bytecode cache is skipped), and a command that uses the cache says which
+    variable is wrong in one line, with no traceback."""
+    env = {**os.environ, "LLMFAST_CACHE": "~llmfast_no_such_user_here/cache"}
+    helped = subprocess.run([sys.executable, "-m", "llmfast", "--help"], env=env,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert helped.returncode == 0 and "generate" in helped.stdout, helped.stderr
+    pulled = subprocess.run([sys.executable, "-m", "llmfast", "pull"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert pulled.returncode != 0
+    lines = pulled.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), pulled.stderr
+    assert "$LLMFAST_CACHE" in lines[0] and "Traceback" not in pulled.stderr

@@ -53,3 +53,26 @@ def test_prompt_longer_than_max_model_len(tmp_path):
     result = invoke("generate", "hello there " * 40, "--model", str(path), "--device", "cpu",
                     "--max-model-len", "32", "--no-chat")
     assert_one_line_error(result, "max-model-len")
+
+
+def test_dir_with_a_config_and_no_weights(tmp_path):
+    """Named as missing weights, not as a pickle checkpoint (a glob generator is always
+    truthy: every weightless directory was called one)."""
+    path = make_hf_checkpoint(tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    line = assert_one_line_error(_gen(path), "no *.safetensors weights")
+    assert "pickle" not in line
+
+
+NO_SUCH_HOME = "~llmfast_no_such_user_here"
+
+
+@pytest.mark.parametrize("flag", ["--model", "--chat-template", "--generation-config"])
+def test_home_of_an_unknown_user_in_a_path_flag(flag):
+    """`~user/...` of no such user: the flag named in one line, not pathlib's RuntimeError
+    reported as an internal error."""
+    extra = [] if flag == "--model" else ["--model", "random:tiny"]
+    result = invoke("generate", "hello", "--device", "cpu", *extra, flag, f"{NO_SUCH_HOME}/x")
+    line = assert_one_line_error(result, "cannot expand '~'")
+    assert flag in line or "model path" in line
+    assert "internal error" not in line

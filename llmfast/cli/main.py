@@ -7,6 +7,8 @@ All parse and usage errors, like the commands' own errors, come out as one line
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 from typing import Any
 
@@ -77,5 +79,8 @@ app = build_app()
 def main() -> None:
     # Before any command imports torch: a start-up without cached bytecode recompiles
     # ~2,500 modules (llmfast/utils/bytecode.py).
-    keep_bytecode(cache_dir())
+    # A $LLMFAST_CACHE naming an unknown home (a ValueError): no bytecode cache; the
+    # commands that use the cache say what is wrong, in one line.
+    with contextlib.suppress(ValueError):
+        keep_bytecode(cache_dir())
     app()

@@ -90,16 +90,19 @@ _TEMPLATE_CHARS = frozenset("{}\n")
 
 def read_chat_template(value: str) -> str:
     """`--chat-template`: a file holding a Jinja chat template, or the template itself."""
-    from pathlib import Path
+    from llmfast.utils.paths import expand_user
 
-    path = Path(value).expanduser()
     try:
-        is_file = path.is_file()
+        is_file = expand_user(value, "--chat-template").is_file()
+    except ValueError:  # "~user..." of no user: an inline template, or the error below
+        if _TEMPLATE_CHARS.isdisjoint(value):
+            raise
+        is_file = False
     except OSError:  # e.g. "File name too long": an inline template, not a path
         is_file = False
     if is_file:
         try:
-            text = path.read_text(encoding="utf-8")
+            text = expand_user(value, "--chat-template").read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise FlagValueError(f"cannot read the chat template {value!r}: {e}") from None
         if not text.strip():

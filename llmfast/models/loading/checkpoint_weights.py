@@ -42,7 +42,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        if any(model_dir.glob(f"*{s}") for s in PICKLE_SUFFIXES):
+        if any(next(model_dir.glob(f"*{s}"), None) is not None for s in PICKLE_SUFFIXES):
             raise pickle_refusal(model_dir)
         raise LoadError(f"{model_dir} has no *.safetensors weights")
     return files

@@ -16,6 +16,7 @@ from typing import Any
 
 from llmfast.config import ConfigError
 from llmfast.sampling_params import SamplingParams, SamplingParamsError
+from llmfast.utils.paths import expand_user
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def resolve_sampling_defaults(setting: str, model_dir: Path | None
         if model_dir is None or not (model_dir / GENERATION_CONFIG).is_file():
             return ()
         return read_sampling_defaults(model_dir / GENERATION_CONFIG)
-    path = Path(setting).expanduser()
+    path = expand_user(setting, "--generation-config")
     if not (path / GENERATION_CONFIG).is_file():
         raise ConfigError(f"--generation-config: {setting!r} is not 'auto', 'vllm' or a "
                           f"directory holding {GENERATION_CONFIG}")

@@ -14,6 +14,7 @@ from llmfast.models.loading.load_error import PICKLE_SUFFIXES, LoadError, pickle
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from llmfast.models.loading.validate import check_hf_config, check_model_size
 from llmfast.tokenizer import Tokenizer, load_tokenizer
+from llmfast.utils.paths import expand_user
 from llmfast.utils.progress import Progress
 
 
@@ -59,7 +60,7 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSo
             )
         check_model_size(RANDOM_PRESETS[preset])
         return ModelSource(spec, None, RANDOM_PRESETS[preset])
-    path = Path(spec).expanduser()
+    path = expand_user(spec, "model path")
     if not path.exists():
         hint = (
             " (llmfast never downloads from a hub: pass a local directory or .gguf file)"
