@@ -25,6 +25,8 @@ def test_serve_help():
     (["serve", *TINY, "--max-body-size", "lots"], "size"),
     (["serve", "random:tiny", "--model", "random:small"], "disagree"),
     (["serve", *TINY, "--host", "no-such-host.invalid"], "cannot listen"),
+    (["serve", *TINY, "--host", ""], "every interface"),
+    (["serve", *TINY, "--api-key", ""], "without a key"),
     (["serve", *TINY, "--api-servers", "-1"], "[0, 64]"),
     (["serve", *TINY, "--api-servers", "65"], "[0, 64]"),
     (["serve", *TINY, "--api-servers", "two"], "valid integer"),

@@ -60,6 +60,13 @@ def serve(
     if not 0 <= api_servers <= MAX_API_SERVERS:
         raise typer.BadParameter(f"must be in [0, {MAX_API_SERVERS}], got {api_servers}",
                                  param_hint="'--api-servers'")
+    if not host.strip():  # e.g. an unset shell variable: it would listen everywhere
+        raise typer.BadParameter("must not be empty (0.0.0.0 listens on every interface)",
+                                 param_hint="'--host'")
+    if api_key is not None and not api_key.strip():  # the banner would say "no key" and
+        # every request without one would be refused
+        raise typer.BadParameter("must not be empty (leave it out to serve without a key)",
+                                 param_hint="'--api-key'")
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"must be in [0, 65535], got {port}", param_hint="'--port'")
     try:
