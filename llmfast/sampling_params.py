@@ -14,6 +14,8 @@ MAX_LOGIT_BIAS = 100.0
 GREEDY_TEMPERATURE = 1e-5
 # Most top-n alternatives `logprobs` and `prompt_logprobs` may ask for (vLLM's default).
 MAX_LOGPROBS = 20
+# The largest float32: temperature and repetition_penalty are held as float32.
+FLOAT32_MAX = 3.4028234663852886e38
 
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
@@ -105,6 +107,11 @@ class SamplingParams:
 
         if not self.temperature >= 0.0:  # also rejects NaN
             raise bad(f"temperature must be >= 0, got {self.temperature}")
+        # The sampler holds these as float32: past its largest value they would become
+        # infinities (an infinite temperature, a penalty dividing every logit to 0).
+        for name in ("temperature", "repetition_penalty"):
+            if getattr(self, name) > FLOAT32_MAX:
+                raise bad(f"{name} must be at most {FLOAT32_MAX:.4g}, got {getattr(self, name)}")
         # Any size: one at or past the vocabulary means "off" (`fit_to_model`).
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k}")

@@ -46,6 +46,8 @@ def test_numpy_integers_are_integers(llm):
 @pytest.mark.parametrize("kwargs, words", [
     ({"temperature": "0.5"}, "temperature must be a finite number, got str '0.5'"),
     ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"temperature": 1e39}, "temperature must be at most 3.403e+38"),  # inf as float32
+    ({"repetition_penalty": 1e300}, "repetition_penalty must be at most"),
     ({"top_p": None}, "top_p must be a finite number, got NoneType"),
     ({"min_p": "0"}, "min_p must be a finite number"),
     ({"repetition_penalty": [1.1]}, "repetition_penalty must be a finite number"),
