@@ -293,6 +293,9 @@ def check_engine_args(args: EngineArgs) -> None:
     parse_kv_cache_dtype(args.kv_cache_dtype)
     if args.model is not None and not isinstance(args.model, str):
         raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
+    if args.enforce_eager is True and args.compile is True:
+        raise ConfigError("--enforce-eager runs without torch.compile, which --compile asks "
+                          "for; drop one of the two")
     if args.cuda_graph_mode is not None:
         _check_graph_mode_wanted(args)
     # An unknown backend, or uni with several ranks, fails here too.

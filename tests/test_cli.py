@@ -281,6 +281,10 @@ def test_pull_offline_is_one_line(monkeypatch):
     (["bench", *TINY, "--sizes", "1..512", "--max-num-seqs", "256"], "max-num-seqs"),
     (["bench", *TINY, "--modes", "graphs"], "cuda"),
     (["bench", *TINY, "--modes", "turbo"], "unknown mode"),
+    (["bench", *TINY, "--modes", "eager,compiled", "--enforce-eager"], "drop --enforce-eager"),
+    (["bench", *TINY, "--modes", "eager", "--compile"], "drop --compile/--no-compile"),
+    (["bench", *TINY, "--modes", "compiled", "--no-cuda-graphs"], "drop --no-cuda-graphs"),
+    (["generate", "hi", *TINY, "--enforce-eager", "--compile"], "drop one of the two"),
     (["bench", *TINY, "--mode", "fastest"], "invalid value"),
     (["bench", *TINY, "--json", "/nonexistent-dir/x.json"], "does not exist"),
     # Checked before the model loads (this one does not exist): nothing runs in vain.

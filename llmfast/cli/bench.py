@@ -259,6 +259,15 @@ def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:
     if unknown or not names:
         raise BenchError(f"unknown mode(s) {', '.join(unknown) or repr(spec)} in --modes; "
                          f"choose from {', '.join(EXEC_MODES)}")
+    # Each mode sets whether its run compiles and replays graphs: a flag that says so too
+    # would be overridden by some mode without a word (and recorded in the JSON as if it
+    # had held). --cuda-graph-mode is not one: it picks the graphs mode's kind of graph.
+    given = [flag for flag, name, unset in (("--enforce-eager", "enforce_eager", False),
+                                            ("--compile/--no-compile", "compile", None),
+                                            ("--no-cuda-graphs", "cuda_graphs", True))
+             if opts.engine_kwargs.get(name, unset) != unset]
+    if given:
+        raise BenchError(f"--modes sets how each run executes; drop {given[0]}")
     if "graphs" in names:
         from llmfast.engine_args import resolve_device
 
