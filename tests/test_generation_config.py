@@ -85,6 +85,20 @@ def test_bad_generation_config_setting_is_one_line_error(model_dir, tmp_path):
                                   "generation_config.json")
 
 
+@pytest.mark.parametrize("text, fragment", [("{not json", "expecting property name"),
+                                             ("[1, 2]", "not a JSON object"),
+                                             ('{"top_p": 7}', "top_p")])
+def test_named_generation_config_that_cannot_be_used_is_one_line_error(model_dir, tmp_path,
+                                                                       text, fragment):
+    """A file named with --generation-config is the user's choice: what is wrong with it
+    stops the run (a model's own file is only warned about: the model still runs)."""
+    (tmp_path / "generation_config.json").write_text(text)
+    result = invoke("generate", "hi", "--model", str(model_dir), "--device", "cpu",
+                    "--generation-config", str(tmp_path))
+    line = assert_one_line_error(result, fragment)
+    assert line.startswith("error: --generation-config: ")
+
+
 def test_server_requests_get_the_model_defaults(model_dir, tmp_path):
     llm = LLM(str(model_dir), device="cpu", kv_cache_memory="16MiB")
     (expected,) = llm.generate(PROMPT, _explicit())

@@ -42,17 +42,26 @@ def resolve_sampling_defaults(setting: str, model_dir: Path | None
     if not (path / GENERATION_CONFIG).is_file():
         raise ConfigError(f"--generation-config: {setting!r} is not 'auto', 'vllm' or a "
                           f"directory holding {GENERATION_CONFIG}")
-    return read_sampling_defaults(path / GENERATION_CONFIG)
+    # Named on purpose: what is wrong with it is an error, not a warning.
+    return read_sampling_defaults(path / GENERATION_CONFIG, strict=True)
 
 
-def read_sampling_defaults(path: Path) -> tuple[tuple[str, Any], ...]:
+def read_sampling_defaults(path: Path, strict: bool = False) -> tuple[tuple[str, Any], ...]:
+    """The sampling defaults `path` sets; what cannot be used is skipped with a warning
+    (a model's own file: the model still runs), or with `strict` (a file the user named
+    with --generation-config) a ConfigError."""
+    def skip(message: str) -> None:
+        if strict:
+            raise ConfigError(f"--generation-config: {message}")
+        logger.warning("ignoring %s", message)
+
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        logger.warning("ignoring %s: %s", path, e)
+        skip(f"{path}: {e}")
         return ()
     if not isinstance(data, dict):
-        logger.warning("ignoring %s: not a JSON object", path)
+        skip(f"{path}: not a JSON object")
         return ()
     defaults: list[tuple[str, Any]] = []
     for name, field in _FIELDS.items():
@@ -62,7 +71,7 @@ def read_sampling_defaults(path: Path) -> tuple[tuple[str, Any], ...]:
         try:
             SamplingParams(**{field: value})  # its own range and type checks
         except (SamplingParamsError, TypeError) as e:
-            logger.warning("ignoring %s's %s: %s", path.name, name, e)
+            skip(f"{path}'s {name}: {e}")
             continue
         defaults.append((field, value))
     if defaults:
