@@ -159,3 +159,17 @@ def test_cache_variable_naming_an_unknown_home(tmp_path):
     lines = pulled.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), pulled.stderr
     assert "$LLMFAST_CACHE" in lines[0] and "Traceback" not in pulled.stderr
+
+
+def test_generate_with_standard_output_closed_says_so():
+    """`>&-`: Python's sys.stdout is None; the completions had nowhere to go (lost with
+    exit 0, or an 'internal error' with --json)."""
+    for extra in ("", " --json"):
+        proc = subprocess.run(
+            ["bash", "-c", f"{sys.executable} -m llmfast generate --model random:tiny "
+                           f"--device cpu --max-tokens 2{extra} hi >&-"],
+            capture_output=False, stderr=subprocess.PIPE, text=True, timeout=300, check=False)
+        assert proc.returncode == 1
+        lines = proc.stderr.strip().splitlines()
+        assert lines == ["error: standard output is closed: the completions would be lost; "
+                         "redirect it instead (e.g. > out.txt)"], proc.stderr

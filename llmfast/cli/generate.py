@@ -61,6 +61,9 @@ def generate(
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of results.")] = False,
 ) -> None:
     """Generate completions for one or more prompts, batched."""
+    if sys.stdout is None:  # started with standard output closed (`>&-`)
+        raise ValueError("standard output is closed: the completions would be lost; "
+                         "redirect it instead (e.g. > out.txt)")
     texts = _read_prompts(prompts or [], file)
     if system is not None and chat is False:
         raise ValueError("--system needs the chat template; drop --no-chat")
