@@ -17,6 +17,7 @@ import pytest
 import llmfast.models.sources.default_model as dm
 from llmfast.models.formats.gguf import MARKER_NAME, is_converted
 from llmfast.utils.paths import cache_dir
+from tests.helpers.cli import assert_one_line_error, invoke
 from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import train_byte_level_bpe
 
@@ -268,3 +269,13 @@ def test_real_default_model_answers_paris():
     assert "Paris" in streamed, streamed
     assert answer_ids[-1] in tok.eos_token_ids
     print(f"default model ready in {prepared:.1f}s at {path}; answer: {streamed!r}")
+
+
+def test_cache_that_cannot_be_created_is_named(tmp_path, monkeypatch):
+    """$LLMFAST_CACHE under a file: the cache directory and the variable named, not a bare
+    '[Errno 20] Not a directory'."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("LLMFAST_CACHE", str(blocker))
+    line = assert_one_line_error(invoke("pull"), "cannot create the llmfast cache directory")
+    assert "$LLMFAST_CACHE" in line and str(blocker) in line

@@ -72,7 +72,12 @@ def ensure_default_model(
     target = _default_model_dir(root)
     if is_converted(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DefaultModelError(
+            f"cannot create the llmfast cache directory {target.parent} ({e.strerror}); "
+            "set $LLMFAST_CACHE to a writable directory") from None
     with _locked(target.parent / f".{DEFAULT_MODEL_NAME}.lock", report):
         if is_converted(target):  # another process finished while we waited
             return target
@@ -118,7 +123,12 @@ def convert_gguf_cached(
     target = root / "gguf" / f"{gguf_path.stem}-{_file_key(gguf_path)}"
     if is_converted(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DefaultModelError(
+            f"cannot create the llmfast cache directory {target.parent} ({e.strerror}); "
+            "set $LLMFAST_CACHE to a writable directory") from None
     with _locked(target.parent / f".{target.name}.lock", report):
         if is_converted(target):
             return target
