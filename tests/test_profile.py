@@ -152,6 +152,14 @@ def test_profile_bad_sizes_and_missing_nsys(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "nsys is not on PATH" in result.stderr
 
 
+def test_profile_empty_out_is_refused(tmp_path, monkeypatch):
+    """`--out ""` (an unset shell variable) was Path(""): the current directory."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke("profile", *TINY, "--tracer", "torch", "--out", "")
+    assert result.exit_code == 1 and "--out must not be empty" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_nvtx_range_shows_in_torch_profiler_trace_only_while_profiling():
     import torch
 

@@ -56,7 +56,7 @@ def profile(
                                        f"{SIZES_HELP}.")] = "1,8",
     steps: Annotated[int, typer.Option("--steps", help="Decode steps per size.")] = 8,
     context: Annotated[int, typer.Option("--context", help="Prompt tokens per request.")] = 64,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory.  "
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Output directory.  "
                                              "[default: profiles/<timestamp>-<model>]",
                                              show_default=False)] = None,
     tracer: Annotated[Tracer, typer.Option("--tracer", help="auto: nsys if on PATH, else "
@@ -78,7 +78,9 @@ def profile(
     nsys = shutil.which("nsys")
     if tracer is Tracer.nsys and nsys is None:
         raise ValueError("--tracer nsys: nsys is not on PATH (install Nsight Systems)")
-    out_dir = out or default_profile_dir(opts.model)
+    if out is not None and not out.strip():  # Path("") is the current directory
+        raise ValueError("--out must not be empty (leave it out for the default directory)")
+    out_dir = Path(out) if out is not None else default_profile_dir(opts.model)
     created = prepare_profile_dir(out_dir, reuse=under_nsys)
     err = stderr_console()
     con = Console(highlight=False, soft_wrap=True)  # never break a path across lines
