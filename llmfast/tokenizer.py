@@ -62,6 +62,23 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def prompt_chars_bound(self, max_tokens: int) -> int | None:
+        """A length in characters past which no text encodes to `max_tokens` tokens or
+        fewer (None where the vocabulary cannot be read).
+
+        One token stands for at most as many characters as its vocabulary string has
+        (byte-level BPE: one character per byte, and a character is at least a byte;
+        SentencePiece: its pieces; byte-fallback tokens such as <0x0A> have more), so a
+        text of n characters has at least n / longest tokens. Times 4 for what a
+        tokenizer's normalizer may do first (Unicode composition joins up to 3
+        characters into one). E.g. longest 16, 2048 tokens: 131072 characters."""
+        try:
+            vocab = self.hf.get_vocab()
+        except Exception:  # noqa: BLE001 - a tokenizer without one: no bound, no check
+            return None
+        longest = max(map(len, vocab), default=0)
+        return 4 * max(longest, 1) * max_tokens if vocab else None
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of tokenization spaces: it rewrites " ." as "." depending on what
         # follows, which would make incremental decoding disagree with a full decode.

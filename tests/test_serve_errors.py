@@ -166,6 +166,23 @@ def tokenizer(serve_model_dir):
     return load_tokenizer(serve_model_dir)
 
 
+def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(server, tokenizer):
+    """A text prompt (a chat's messages) longer than the tokenizer's bound for the context
+    is the 400 context_length_exceeded at once, by its characters: the engine thread never
+    tokenizes it (an 8M-character prompt held every other request up for ~15 s). Below
+    the bound the token count decides (the test below)."""
+    too_long = "a" * (tokenizer.prompt_chars_bound(2048) + 1)
+    for path, body, param in (
+            (COMPLETIONS, {"prompt": ["hi", too_long], "max_tokens": 1}, "prompt"),
+            (CHAT, {"messages": [{"role": "user", "content": too_long}]}, "messages")):
+        response = httpx.post(server.base_url + path, json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+        assert error["message"].startswith(f"the prompt's {len(too_long)} characters "
+                                           "cannot fit max-model-len 2048 tokens")
+
+
 def test_max_tokens_past_the_context_is_refused_as_vllm_does(server, tokenizer):
     """An explicit max_tokens (max_completion_tokens) that does not fit after the prompt
     is a 400 naming the counts, for each prompt of a list and each of n choices, streamed

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from llmfast.models.sources.preset_tokenizer import byte_level_tokenizer
 from llmfast.tokenizer import IncrementalDetokenizer, TokenizerError, load_tokenizer
+from tests.helpers.chat_model import make_chat_model
 from tests.helpers.tokenizers import MIXED_TEXT, save_hf_tokenizer, train_byte_level_bpe
 
 
@@ -262,3 +264,20 @@ def test_ids_past_the_tokenizer_decode_to_nothing_without_a_decode(which, reques
         assert rust.flush() == ref.flush()
         assert rust.text == ref.text and rust.output_token_ids == output
     assert streamed >= 100
+
+
+@pytest.mark.parametrize("which", ["trained byte-level BPE", "random presets' byte tokenizer"])
+def test_prompt_chars_bound_holds_for_any_text(tmp_path, which):
+    """No text past the bound fits: every text has at least len / longest tokens (checked
+    on texts of ASCII, accented and CJK letters, emoji and special-token strings), and
+    the bound is 4 x longest x the token budget."""
+    tok = (load_tokenizer(make_chat_model(tmp_path / "m")) if which.startswith("trained")
+           else byte_level_tokenizer())
+    longest = max(map(len, tok.hf.get_vocab()))
+    assert tok.prompt_chars_bound(100) == 4 * longest * 100
+    rng = random.Random(0)
+    pieces = ["hello", " world", "é", "ü", "漢字", "🙂", "<|im_start|>", "<|im_end|>", "\n",
+              "  ", "ab" * 20, "-" * 30]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 40)))
+        assert len(tok.encode(text, add_special_tokens=False)) * longest >= len(text), text

@@ -99,9 +99,12 @@ class _Stop:
 
 def engine_limits(engine: LLMEngine) -> Limits:
     scheduler = engine.config.scheduler
+    tokenizer = engine.tokenizer
     return Limits(max_n=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len,
                   sampling_defaults=engine.config.sampling_defaults,
-                  vocab_size=engine.config.model.vocab_size)
+                  vocab_size=engine.config.model.vocab_size,
+                  max_prompt_chars=None if tokenizer is None
+                  else tokenizer.prompt_chars_bound(scheduler.max_model_len))
 
 
 class EngineLoop:

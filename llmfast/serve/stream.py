@@ -27,6 +27,10 @@ class Limits:
     # field, value) pairs: the model's generation_config.json (EngineConfig's).
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
     vocab_size: int | None = None  # the model's: logit_bias / allowed_token_ids ids below it
+    # Text longer than this cannot fit max-model-len tokens whatever it says (a bound from
+    # the tokenizer's longest token, `prompt_chars_bound`): refused before the engine
+    # spends seconds tokenizing it. None: no tokenizer, no bound.
+    max_prompt_chars: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

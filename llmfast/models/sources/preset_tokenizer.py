@@ -101,6 +101,9 @@ class ChatMLByteTokenizer:
         """The decode `Tokenizer._rust_decode` calls directly (tokenizer.py)."""
         return self.backend.decode
 
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
     def convert_tokens_to_ids(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

@@ -44,6 +44,9 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of other than n is not supported", param="best_of")
     prompts = _completion_prompts(req.prompt)
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            _check_prompt_chars(len(prompt), limits, "prompt")
     # null means the default, as absent does.
     given = "max_tokens" in req.model_fields_set and req.max_tokens is not None
     max_tokens = req.max_tokens if given else _default_max_tokens(
@@ -63,6 +66,7 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
 def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
     _check_stream_options(req)
     messages = chat_messages(req.messages)
+    _check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
     if req.tools:
         raise APIError("tools are not supported", param="tools")
     if req.tool_choice not in (None, "none"):
@@ -78,6 +82,18 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
     base = _sampling_params(req, max_tokens, logprobs, limits, req.prompt_logprobs)
     prompt = chat_prompt(messages, req.chat_template_kwargs)
     return EngineInputs([prompt], _per_choice(base, req.n), req.n, given)
+
+
+def _check_prompt_chars(num_chars: int, limits: Limits, param: str) -> None:
+    """Text that cannot fit the context whatever it says is refused here, in O(1), rather
+    than after the engine spent seconds tokenizing it (holding every other request up:
+    an 8M-character prompt took ~15 s on the CPU)."""
+    bound = limits.max_prompt_chars
+    if bound is not None and num_chars > bound:
+        longest = bound // (4 * limits.max_model_len)
+        raise APIError(f"the prompt's {num_chars} characters cannot fit max-model-len "
+                       f"{limits.max_model_len} tokens (a token of this tokenizer covers at "
+                       f"most {longest} characters)", 400, param, "context_length_exceeded")
 
 
 def chat_prompt(messages: tuple[dict[str, str], ...], template_kwargs: dict | None
