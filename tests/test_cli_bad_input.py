@@ -173,3 +173,19 @@ def test_generate_with_standard_output_closed_says_so():
         lines = proc.stderr.strip().splitlines()
         assert lines == ["error: standard output is closed: the completions would be lost; "
                          "redirect it instead (e.g. > out.txt)"], proc.stderr
+
+
+def test_bench_json_never_overwrites_a_file_that_is_not_a_bench_report(tmp_path):
+    """--json naming some other JSON file (a typo away from the report) is refused before
+    the model loads and the file is left as it was; an earlier report is replaced."""
+    precious = tmp_path / "precious.json"
+    precious.write_text('{"mine": 1}')
+    result = invoke("bench", *NO_MODEL, "--json", str(precious))
+    assert_one_line_error(result, "is not an llmfast bench report")
+    assert precious.read_text() == '{"mine": 1}'
+    report = tmp_path / "report.json"
+    report.write_text('{"llmfast_bench_version": 1}')
+    result = invoke("bench", *TINY, "--sizes", "1", "--steps", "2", "--context", "4",
+                    "--json", str(report))
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["config"]["mode"] == "sweep"

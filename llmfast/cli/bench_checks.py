@@ -4,6 +4,7 @@ path or a flag meant for another mode should fail in its first second."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterable
@@ -55,6 +56,19 @@ def check_output_paths(json_path: Path | None, plot_path: Path | None) -> None:
             got = f"has extension {path.suffix!r}" if path.suffix else "has no extension"
             raise BenchError(f"{flag} {path} {got}; use {' or '.join(suffixes)}")
         check_writable(path, flag)
+    if json_path is not None and json_path.is_file() and not _is_bench_report(json_path):
+        raise BenchError(f"--json {json_path} exists and is not an llmfast bench report; "
+                         "give another name (a report of an earlier run is replaced)")
+
+
+def _is_bench_report(path: Path) -> bool:
+    """An earlier run's --json (which a rerun replaces) or an empty file, not some other
+    file a typo would overwrite."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        return not text.strip() or "llmfast_bench_version" in json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return False
 
 
 def check_writable(path: Path, flag: str = "") -> None:
