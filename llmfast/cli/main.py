@@ -8,7 +8,6 @@ All parse and usage errors, like the commands' own errors, come out as one line
 from __future__ import annotations
 
 import contextlib
-
 import sys
 from typing import Any
 

@@ -93,16 +93,18 @@ def read_chat_template(value: str) -> str:
     from llmfast.utils.paths import expand_user
 
     try:
-        is_file = expand_user(value, "--chat-template").is_file()
+        path = expand_user(value, "--chat-template")
     except ValueError:  # "~user..." of no user: an inline template, or the error below
         if _TEMPLATE_CHARS.isdisjoint(value):
             raise
-        is_file = False
+        path = None
+    try:
+        is_file = path is not None and path.is_file()
     except OSError:  # e.g. "File name too long": an inline template, not a path
         is_file = False
     if is_file:
         try:
-            text = expand_user(value, "--chat-template").read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise FlagValueError(f"cannot read the chat template {value!r}: {e}") from None
         if not text.strip():

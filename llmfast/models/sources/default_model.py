@@ -72,12 +72,7 @@ def ensure_default_model(
     target = _default_model_dir(root)
     if is_converted(target):
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DefaultModelError(
-            f"cannot create the llmfast cache directory {target.parent} ({e.strerror}); "
-            "set $LLMFAST_CACHE to a writable directory") from None
+    _make_cache_dir(target.parent)
     with _locked(target.parent / f".{DEFAULT_MODEL_NAME}.lock", report):
         if is_converted(target):  # another process finished while we waited
             return target
@@ -103,6 +98,17 @@ def cached_default_model(cache: Path | None = None) -> Path | None:
     return target if is_converted(target) else None
 
 
+def _make_cache_dir(path: Path) -> None:
+    """`path` and its parents, or a DefaultModelError naming it and $LLMFAST_CACHE (not
+    a bare '[Errno 20] Not a directory')."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DefaultModelError(
+            f"cannot create the llmfast cache directory {path} ({e.strerror}); "
+            "set $LLMFAST_CACHE to a writable directory") from None
+
+
 def _default_model_dir(root: Path) -> Path:
     return root / "models" / DEFAULT_MODEL_NAME
 
@@ -123,12 +129,7 @@ def convert_gguf_cached(
     target = root / "gguf" / f"{gguf_path.stem}-{_file_key(gguf_path)}"
     if is_converted(target):
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DefaultModelError(
-            f"cannot create the llmfast cache directory {target.parent} ({e.strerror}); "
-            "set $LLMFAST_CACHE to a writable directory") from None
+    _make_cache_dir(target.parent)
     with _locked(target.parent / f".{target.name}.lock", report):
         if is_converted(target):
             return target

@@ -90,10 +90,9 @@ def _check_prompt_chars(num_chars: int, limits: Limits, param: str) -> None:
     an 8M-character prompt took ~15 s on the CPU)."""
     bound = limits.max_prompt_chars
     if bound is not None and num_chars > bound:
-        longest = bound // (4 * limits.max_model_len)
         raise APIError(f"the prompt's {num_chars} characters cannot fit max-model-len "
-                       f"{limits.max_model_len} tokens (a token of this tokenizer covers at "
-                       f"most {longest} characters)", 400, param, "context_length_exceeded")
+                       f"{limits.max_model_len} tokens (with this tokenizer, no text past "
+                       f"{bound} characters does)", 400, param, "context_length_exceeded")
 
 
 def chat_prompt(messages: tuple[dict[str, str], ...], template_kwargs: dict | None
