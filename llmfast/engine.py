@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ from llmfast.models.sources.model_source import ModelSource
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.sampling_params import SamplingParams
-from llmfast.tokenizer import TokenizerError, has_tokenizer_files
+from llmfast.tokenizer import Tokenizer, TokenizerError, has_tokenizer_files
 from llmfast.utils.gc_freeze import hold_gc_freeze
 from llmfast.utils.progress import Progress
 from llmfast.utils.value_checks import int_list
@@ -43,6 +44,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer | None,
+                    no_tokenizer_reason: Callable[[], str]) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt: text is encoded by `tokenizer`, token ids
+    (a list, or a dict with 'prompt_token_ids' and maybe its 'prompt' text) are checked
+    to be ints. RequestRejected for anything else, or for text without a tokenizer."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise RequestRejected("a dict prompt needs 'prompt_token_ids'")
+        ids = int_list(prompt["prompt_token_ids"], "prompt token ids", RequestRejected)
+        return prompt.get("prompt"), ids
+    if isinstance(prompt, list):
+        return None, int_list(prompt, "prompt token ids", RequestRejected)
+    if not isinstance(prompt, str):
+        raise RequestRejected(f"a prompt must be a string or token ids, not {type(prompt).__name__}")
+    if tokenizer is None:
+        raise RequestRejected(f"{no_tokenizer_reason()}; pass prompt_token_ids instead of text")
+    return prompt, tokenizer.encode(prompt)
 
 
 @dataclass
@@ -209,19 +229,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise RequestRejected("a dict prompt needs 'prompt_token_ids'")
-            ids = int_list(prompt["prompt_token_ids"], "prompt token ids", RequestRejected)
-            return prompt.get("prompt"), ids
-        if isinstance(prompt, list):
-            return None, int_list(prompt, "prompt token ids", RequestRejected)
-        if not isinstance(prompt, str):
-            raise RequestRejected(f"a prompt must be a string or token ids, not {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise RequestRejected(
-                f"{self.no_tokenizer_reason()}; pass prompt_token_ids instead of text")
-        return prompt, self.tokenizer.encode(prompt)
+        return tokenize_prompt(prompt, self.tokenizer, self.no_tokenizer_reason)
 
     def no_tokenizer_reason(self) -> str:
         """Why this engine cannot take text: the tokenizer failed to load, or there is none."""
@@ -233,11 +241,7 @@ class LLMEngine:
                     request_id: str | None = None, stream: bool = True) -> str:
         """Queue a request; returns its id. With `stream=False` `step()` reports it only
         once it finishes (offline batches skip building an output per token)."""
-        params = (params or self.default_sampling_params()).fit_to_model(
-            self.config.model.vocab_size, self.config.scheduler.max_model_len)
-        outside = params.token_ids_outside(self.config.model.vocab_size)
-        if outside is not None:
-            raise RequestRejected(outside)
+        params = self.check_params(params or self.default_sampling_params())
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)
         req_id = request_id if request_id is not None else str(next(self._ids))
@@ -257,6 +261,23 @@ class LLMEngine:
             tracked.prompt_logprobs, tracked.prompt_logprob_ranks = [None], [None]
         self._tracked[req_id] = tracked
         return req_id
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` as `add_request` keeps them (fitted to the model); RequestRejected for
+        token ids outside the vocabulary."""
+        params = params.fit_to_model(self.config.model.vocab_size,
+                                     self.config.scheduler.max_model_len)
+        outside = params.token_ids_outside(self.config.model.vocab_size)
+        if outside is not None:
+            raise RequestRejected(outside)
+        return params
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """RequestRejected for prompt token ids that `add_request` would refuse whatever
+        the parameters: ids outside the vocabulary, a length past max-model-len, more KV
+        blocks than the cache has. Lets a caller refuse a batch before adding any of it."""
+        self._validate_prompt(ids)
+        self.scheduler.check_prompt_fits(len(ids))
 
     def _validate_prompt(self, ids: list[int]) -> None:
         check_prompt_length(len(ids), self.config.scheduler.max_model_len)

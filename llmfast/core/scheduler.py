@@ -123,9 +123,13 @@ class Scheduler:
 
     def _check_fits(self, request: Request) -> None:
         rid = request.request_id
-        n = len(request.all_token_ids)
         if rid in self.requests:
             raise RequestRejected(f"request {rid!r}: a request with this id is already running")
+        self.check_prompt_fits(len(request.all_token_ids))
+
+    def check_prompt_fits(self, n: int) -> None:
+        """RequestRejected unless a prompt of `n` tokens can ever run: within
+        max-model-len, and its KV blocks (with room for one more token) in the cache."""
         check_prompt_length(n, self.scheduler_config.max_model_len)
         bs = self.block_size
         usable = self.kv_cache_manager.num_usable_blocks

@@ -45,14 +45,8 @@ from llmfast.serve.api.app import ServeConfig
 from llmfast.serve.api.metrics import METRICS_DIR_ENV, SHARED_METRICS_ENV
 from llmfast.serve.api_process import ApiProcessSpec
 from llmfast.serve.engine_client import call_error_kind, encode_item
-from llmfast.serve.engine_loop import (
-    EngineLoop,
-    _Abort,
-    _Add,
-    _Query,
-    _Stop,
-    engine_limits,
-)
+from llmfast.serve.engine_loop import EngineLoop, engine_limits
+from llmfast.serve.loop_commands import AbortCommand, AddCommand, QueryCommand, StopCommand
 from llmfast.utils.child_processes import child_env, child_stdout, stop_children
 
 logger = logging.getLogger(__name__)
@@ -144,9 +138,12 @@ class ProcessEngineLoop(EngineLoop):
         """From a signal handler too: stop before the next step."""
         if self.stop_message is None:
             self.stop_message = message
+        self._wake_up()
+
+    def _wake_up(self) -> None:
         try:
             self._wake_w.send(b"x")
-        except OSError:
+        except OSError:  # full (a wake-up is pending anyway) or closed
             pass
 
     def serve(self) -> None:
@@ -163,16 +160,15 @@ class ProcessEngineLoop(EngineLoop):
         self._broadcast(("failed", reason))  # /health says why; new requests get a 503
         return super()._stop_for_good(reason)
 
-    def _apply_add(self, command: _Add) -> None:
-        if self.apis[command.stream.api].alive:  # else nobody would read its outputs
-            super()._apply_add(command)
+    def _stream_alive(self, stream: _RemoteStream) -> bool:
+        return self.apis[stream.api].alive
 
     # ------------------------------------------------------------------ carrier hooks
 
     def _next_command(self):
         if self.stop_message is not None and not self._stop_delivered:
             self._stop_delivered = True
-            return _Stop(self.stop_message)
+            return StopCommand(self.stop_message)
         if not self._pending:
             self._receive()
         return self._pending.popleft() if self._pending else None
@@ -186,15 +182,15 @@ class ProcessEngineLoop(EngineLoop):
                 self._api_gone(api)
 
     @staticmethod
-    def _command(api: ApiProcess, message: tuple) -> _Add | _Query | _Abort:
+    def _command(api: ApiProcess, message: tuple) -> AddCommand | QueryCommand | AbortCommand:
         if message[0] == "add":
             _, call_id, request_id, engine_ids, prompts, params, with_text, check = message
-            return _Add(_RemoteStream(api.index, request_id, engine_ids), prompts, params,
+            return AddCommand(_RemoteStream(api.index, request_id, engine_ids), prompts, params,
                         (api.index, call_id), with_text, check)
         if message[0] == "query":
-            return _Query(message[2], (api.index, message[1]))
+            return QueryCommand(message[2], (api.index, message[1]))
         if message[0] == "abort":
-            return _Abort(message[1])
+            return AbortCommand(message[1])
         raise RuntimeError(f"unknown message from API process {api.index}: {message[0]!r}")
 
     def _wait_for_work(self, timeout: float) -> bool:
@@ -207,7 +203,7 @@ class ProcessEngineLoop(EngineLoop):
         for index, items in by_api.items():
             self._queue(self.apis[index], ("out", items))
 
-    def _answer(self, command: _Add | _Query, result, error) -> None:
+    def _answer(self, command: AddCommand | QueryCommand, result, error) -> None:
         index, call_id = command.done
         if error is None:
             message = ("answer", call_id, result, None, None)

@@ -11,8 +11,12 @@ each step's news back as `ChoiceDelta`s, one batch per step.
   HTTP work (JSON, SSE, sockets) never holds the engine's GIL.
 
 Why one owner and not `asyncio.to_thread(engine.step)` per step: the engine is not
-thread-safe, so every touch (adding, aborting, tokenising, detokenising logprob tokens,
-reading stats) must come from one place. Concurrent HTTP requests land in the same
+thread-safe, so every touch (adding, aborting, detokenising logprob tokens, reading stats)
+must come from one place. Tokenising is the exception: the loop's `PromptPreparer`
+(prompt_preparer.py) tokenises adds and answers /tokenize on a thread of its own, with
+its own copy of the tokenizer, so a long prompt does not hold the running requests up;
+the loop applies what it prepared between steps, in order. An add of many choices is
+applied a time slice per step while requests are running, for the same reason. Concurrent HTTP requests land in the same
 `engine.step()` calls: continuous batching comes from the engine's scheduler, this file
 only feeds it. The engine's `RequestOutput` holds live lists that the next step mutates,
 so only frozen `ChoiceDelta`s leave the loop.
@@ -23,16 +27,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmfast.engine import LLMEngine
 from llmfast.executor import ExecutorError
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
+from llmfast.serve.loop_commands import AbortCommand, AddCommand, QueryCommand, StopCommand
+from llmfast.serve.prompt_preparer import PromptPreparer
 from llmfast.serve.stream import (  # noqa: F401 - re-exported: the serve API's names
     ChatPrompt,
     ChoiceDelta,
@@ -54,6 +62,13 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine loop checks that its workers are alive (a no-op in process).
 IDLE_HEALTH_CHECK_S = 1.0
+# While requests are running, the loop adds requests of a large add for at most this
+# long, or ADD_SLICE_STEPS of the last step's time if that is longer, before the next
+# step (~100-500 engine requests a slice, by the host); the rest follow after it. So a
+# running request's next token comes at most ~25 % later (or 5 ms) while thousands of
+# choices go in, and the add takes at most ~4x its own time. Idle, an add goes in whole.
+ADD_SLICE_S = 0.005
+ADD_SLICE_STEPS = 0.25
 
 
 @dataclass(slots=True)
@@ -66,35 +81,14 @@ class _Route:
     prompt_sent: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class _Add:
-    stream: Any  # the carrier's handle of the HTTP request; has `.engine_ids`
-    prompts: tuple[PromptInput, ...]
-    params: tuple[SamplingParams, ...]  # one per choice, prompt-major
-    done: Any  # how the carrier answers this add (a future, an id)
-    with_text: bool  # decode token-id prompts for the response
-    # The client gave max_tokens: a prompt + max_tokens past max-model-len is refused
-    # (vLLM, OpenAI). Otherwise (a default max_tokens) generation stops at the context's end.
-    check_length: bool = False
+@dataclass(slots=True)
+class _AddInProgress:
+    """An add being applied a slice at a time (`EngineLoop._continue_add`)."""
 
-
-@dataclass(frozen=True, slots=True)
-class _Query:
-    """Tokenizer work for /tokenize and /detokenize: done here, with the engine's tokenizer
-    (an API process has none, and loads none)."""
-
-    query: Query
-    done: Any  # as `_Add.done`
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    engine_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Stop:
-    message: str
+    command: AddCommand
+    prepared: list[PreparedPrompt]
+    next_choice: int = 0
+    added: list[str] = field(default_factory=list)  # its engine ids added so far
 
 
 def engine_limits(engine: LLMEngine) -> Limits:
@@ -109,43 +103,70 @@ def engine_limits(engine: LLMEngine) -> Limits:
 
 class EngineLoop:
     """The loop and its bookkeeping; a carrier supplies `_next_command`, `_wait_for_work`,
-    `_emit` (a step's outputs) and `_answer` (an add's or a query's result)."""
+    `_wake_up` (any thread: end that wait), `_emit` (a step's outputs) and `_answer` (an
+    add's or a query's result)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, add_slice_s: float = ADD_SLICE_S,
+                 add_slice_steps: float = ADD_SLICE_STEPS) -> None:
         self.engine = engine  # touched only by the loop once started
         self._routes: dict[str, _Route] = {}  # engine request id -> where its outputs go
         # Why the engine stopped for good (a worker died or failed); None while it serves.
         self.failure: str | None = None
         self.stats = engine.stats()  # replaced whole after each step, never mutated
         self.num_steps = 0  # engine steps taken
+        self._last_step_s = 0.0
         self._token_texts: dict[int, str] = {}  # token id -> its text (_token_text)
+        # A slice of a large add: the longer of add_slice_s and this many last steps.
+        self.add_slice_s, self.add_slice_steps = add_slice_s, add_slice_steps
+        self._preparer = PromptPreparer(engine, self._wake_up)
+        self._adding: _AddInProgress | None = None
+        # Engine ids of adds submitted but not applied yet (being tokenised, or in a later
+        # slice), and those of them aborted meanwhile: skipped when their turn comes.
+        self._unapplied: set[str] = set()
+        self._cancelled: set[str] = set()
 
     # ------------------------------------------------------------------ carrier hooks
 
-    def _next_command(self) -> _Add | _Abort | _Stop | None:
+    def _next_command(self) -> AddCommand | QueryCommand | AbortCommand | StopCommand | None:
         raise NotImplementedError
 
     def _wait_for_work(self, timeout: float) -> bool:
         """Block until a command may be waiting; False on timeout."""
         raise NotImplementedError
 
+    def _wake_up(self) -> None:
+        """End a `_wait_for_work` now; called from the preparer's thread."""
+        raise NotImplementedError
+
     def _emit(self, batch: list[tuple[Any, ChoiceDelta | StreamError]]) -> None:
         raise NotImplementedError
 
-    def _answer(self, command: _Add | _Query, result: Any, error: BaseException | None
-                ) -> None:
+    def _answer(self, command: AddCommand | QueryCommand, result: Any,
+                error: BaseException | None) -> None:
         """Hand an add's prepared prompts (or a query's result), or its error, back."""
         raise NotImplementedError
 
     def _stats_changed(self) -> None:
         """`self.stats` / `self.num_steps` were replaced (a carrier may forward them)."""
 
+    def _stream_alive(self, stream: Any) -> bool:
+        """Whether anybody still reads this HTTP request's outputs."""
+        return True
+
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        """Until a `_Stop` command. After the engine fails for good, every add is
-        answered with the failure until then (an add sent just as the engine failed must
-        not wait forever)."""
+        """Until a `StopCommand`. After the engine fails for good, every add is answered
+        with the failure until then (an add sent just as the engine failed must not wait
+        forever)."""
+        self._preparer.start()
+        try:
+            self._run()
+        finally:
+            for command in self._preparer.close():  # only if the loop itself failed
+                self._answer(command, None, EngineUnavailable("the engine loop stopped"))
+
+    def _run(self) -> None:
         while True:
             try:
                 if not self._drain_commands():
@@ -164,11 +185,15 @@ class EngineLoop:
         if not engine.has_unfinished():
             self.stats = engine.stats()
             self._stats_changed()
+            if self._adding is not None or self._preparer.has_ready():
+                return  # more to apply now
             if not self._wait_for_work(IDLE_HEALTH_CHECK_S):
                 # Idle: notice a dead worker now, not at the next request.
                 engine.check_health()
             return
+        start = time.perf_counter()
         outputs = engine.step()
+        self._last_step_s = time.perf_counter() - start
         self.num_steps += 1
         batch = [item for out in outputs if (item := self._route(out)) is not None]
         self.stats = engine.stats()
@@ -177,119 +202,127 @@ class EngineLoop:
         self._stats_changed()
 
     def _drain_commands(self) -> bool:
-        """Apply queued commands; False once told to stop."""
+        """Take queued commands (adds and queries go to the preparer), then apply what
+        the preparer has finished; False once told to stop."""
         while (command := self._next_command()) is not None:
-            if isinstance(command, _Add):
-                self._apply_add(command)
-            elif isinstance(command, _Query):
-                self._apply_query(command)
-            elif isinstance(command, _Abort):
-                for req_id in command.engine_ids:
-                    if self._routes.pop(req_id, None) is not None:
-                        self.engine.abort(req_id)
+            if isinstance(command, AddCommand):
+                self._unapplied.update(command.stream.engine_ids)
+                self._preparer.submit(command)
+            elif isinstance(command, QueryCommand):
+                self._preparer.submit(command)
+            elif isinstance(command, AbortCommand):
+                self._abort(command.engine_ids)
             else:
                 self._fail_all(StreamError(command.message, 503))
                 self._fail_pending_adds(command.message)
                 return False
+        self._apply_prepared()
         return True
 
-    def _apply_add(self, command: _Add) -> None:
-        engine = self.engine
-        stream = command.stream
-        added: list[str] = []
+    def _abort(self, engine_ids: Sequence[str]) -> None:
+        for req_id in engine_ids:
+            if self._routes.pop(req_id, None) is not None:
+                self.engine.abort(req_id)
+            elif req_id in self._unapplied:
+                self._cancelled.add(req_id)
+
+    def _apply_prepared(self) -> None:
+        """Answer the prepared queries and apply the prepared adds, in order. While
+        requests are running, adding stops once `add_slice_s` or the last step's time is
+        spent (at least one request goes in): the rest follows after the next step, so an
+        add of thousands of choices delays the running requests by a slice per step, not
+        all at once."""
+        deadline = math.inf
+        if self.engine.has_unfinished():
+            deadline = time.perf_counter() + max(self.add_slice_s,
+                                                 self.add_slice_steps * self._last_step_s)
+        added_any = False
+        while True:
+            if self._adding is None:
+                # Many small adds share the slice too (but the first always goes in).
+                if added_any and time.perf_counter() >= deadline:
+                    return
+                ready = self._preparer.take()
+                if ready is None:
+                    return
+                command = ready.command
+                if isinstance(command, QueryCommand):
+                    self._answer(command, ready.result, ready.error)
+                    continue
+                error = ready.error or self._refusal(command, ready.result)
+                if error is not None:
+                    self._forget(command)
+                    self._answer(command, None, error)
+                    continue
+                self._adding = _AddInProgress(command, ready.result)
+            added_any = True
+            if not self._continue_add(deadline):
+                return
+
+    def _refusal(self, command: AddCommand, prepared: list[PreparedPrompt]
+                 ) -> Exception | None:
+        """What the engine would refuse of this add, found before any of it goes in: a
+        later slice must not fail after the first ones have run."""
         try:
-            prepared = [self._prepare(p) for p in command.prompts]
-            per_prompt = len(command.params) // len(prepared)
-            if command.check_length:  # every prompt before any is added
-                for i, params in enumerate(command.params):
-                    self._check_length(command.prompts[i // per_prompt],
-                                       prepared[i // per_prompt], params.max_tokens)
-            for i, (req_id, params) in enumerate(zip(stream.engine_ids, command.params)):
-                prompt = prepared[i // per_prompt]
+            for prompt in prepared:
+                self.engine.check_prompt(prompt.token_ids)
+            for params in {id(p): p for p in command.params}.values():
+                self.engine.check_params(params)
+        except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
+            return e
+        return None
+
+    def _continue_add(self, deadline: float) -> bool:
+        """Add the in-progress add's next choices until `deadline`; True once it is all
+        in (then answered), False if time ran out first."""
+        progress = self._adding
+        command, engine = progress.command, self.engine
+        if not self._stream_alive(command.stream):  # its HTTP process is gone
+            self._forget(command)
+            self._adding = None
+            return True
+        ids = command.stream.engine_ids
+        per_prompt = len(command.params) // len(progress.prepared)
+        try:
+            while progress.next_choice < len(command.params):
+                i = progress.next_choice
+                progress.next_choice += 1
+                req_id = ids[i]
+                self._unapplied.discard(req_id)
+                if req_id in self._cancelled:
+                    self._cancelled.discard(req_id)
+                    continue
+                params, prompt = command.params[i], progress.prepared[i // per_prompt]
                 engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
                                    params, request_id=req_id)
-                added.append(req_id)
-                self._routes[req_id] = _Route(stream, i, params.logprobs,
+                progress.added.append(req_id)
+                self._routes[req_id] = _Route(command.stream, i, params.logprobs,
                                               params.prompt_logprobs)
+                if (time.perf_counter() >= deadline
+                        and progress.next_choice < len(command.params)):
+                    return False
         except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
-            for req_id in added:
-                self._routes.pop(req_id, None)
-                engine.abort(req_id)
-            self._answer(command, None, e)
-            return
-        if command.with_text:
-            prepared = [self._with_text(p) for p in prepared]
-        self._answer(command, prepared, None)
+            self._end_add(progress, e)
+            return True
+        self._adding = None
+        self._answer(command, progress.prepared, None)
+        return True
 
-    def _check_length(self, prompt: PromptInput, prepared: PreparedPrompt, max_tokens: int
-                      ) -> None:
-        """vLLM's refusal, word for word but for "prompt" where the prompt is not chat."""
-        max_len = self.engine.config.scheduler.max_model_len
-        num_prompt = len(prepared.token_ids)
-        if num_prompt + max_tokens <= max_len:
-            return
-        what = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_len} tokens. However, you "
-            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the {what}, "
-            f"{max_tokens} in the completion). Please reduce the length of the {what} or "
-            "completion.")
-
-    def _apply_query(self, command: _Query) -> None:
+    def _end_add(self, progress: _AddInProgress, error: BaseException) -> None:
+        """Take back what an add put in so far and answer it with `error`."""
+        self._adding = None
+        self._forget(progress.command)
         try:
-            result = self._run_query(command.query)
-        except Exception as e:  # noqa: BLE001 - handed to the HTTP handler as a 400 or 500
-            self._answer(command, None, e)
-            return
-        self._answer(command, result, None)
+            for req_id in progress.added:
+                self._routes.pop(req_id, None)
+                with contextlib.suppress(Exception):  # after a failed step: free what we can
+                    self.engine.abort(req_id)
+        finally:
+            self._answer(progress.command, None, error)
 
-    def _run_query(self, query: Query) -> list[int] | str:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise ValueError(f"{self.engine.no_tokenizer_reason()}; the server cannot "
-                             "tokenize or detokenize")
-        if isinstance(query, DetokenizeQuery):
-            vocab = tokenizer.vocab_size
-            bad = next((t for t in query.token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"token id {bad} is not in the tokenizer's vocabulary "
-                                 f"[0, {vocab})")
-            # Special tokens kept: the text of exactly these ids (vLLM does the same).
-            return tokenizer.decode(query.token_ids, skip_special_tokens=False)
-        if not isinstance(query, TokenizeQuery):
-            raise TypeError(f"unknown query {type(query).__name__}")
-        prompt = query.prompt
-        if isinstance(prompt, ChatPrompt):
-            messages = list(prompt.messages)
-            kwargs = dict(prompt.template_kwargs)
-            if query.add_special_tokens is None:  # as the chat endpoint tokenizes
-                return tokenizer.apply_chat_template(messages, query.add_generation_prompt,
-                                                     template_kwargs=kwargs)
-            text = tokenizer.render_chat(messages, query.add_generation_prompt,
-                                         template_kwargs=kwargs)
-            return tokenizer.encode(text, add_special_tokens=query.add_special_tokens)
-        if query.add_special_tokens is None:  # as a completion's prompt is tokenized
-            return self.engine.tokenize_prompt(prompt)[1]
-        return tokenizer.encode(prompt, add_special_tokens=query.add_special_tokens)
-
-    def _prepare(self, prompt: PromptInput) -> PreparedPrompt:
-        if isinstance(prompt, ChatPrompt):
-            tokenizer = self.engine.tokenizer
-            if tokenizer is None:
-                raise ValueError(f"model {self.engine.source.name} has no tokenizer, so it "
-                                 "has no chat template; use /v1/completions with token ids")
-            return PreparedPrompt(None, tokenizer.apply_chat_template(
-                list(prompt.messages), template_kwargs=dict(prompt.template_kwargs)))
-        text, ids = self.engine.tokenize_prompt(prompt)
-        return PreparedPrompt(text, ids)
-
-    def _with_text(self, prompt: PreparedPrompt) -> PreparedPrompt:
-        tokenizer = self.engine.tokenizer
-        if prompt.text is not None or tokenizer is None:
-            return prompt
-        # Special tokens kept: the echo shows the prompt the model was given.
-        return PreparedPrompt(tokenizer.decode(prompt.token_ids, skip_special_tokens=False),
-                              prompt.token_ids)
+    def _forget(self, command: AddCommand) -> None:
+        self._unapplied.difference_update(command.stream.engine_ids)
+        self._cancelled.difference_update(command.stream.engine_ids)
 
     def _route(self, out: RequestOutput) -> tuple[Any, ChoiceDelta] | None:
         route = self._routes.get(out.request_id)
@@ -351,6 +384,10 @@ class EngineLoop:
             streams[id(route.stream)] = route.stream
             with contextlib.suppress(Exception):  # after a failed step, free what we can
                 self.engine.abort(req_id)
+        if self._adding is not None:  # its requests were among those; add no more of it
+            with contextlib.suppress(Exception):  # (`_end_add` clears it first, whatever fails)
+                self._end_add(self._adding, EngineUnavailable(error.message)
+                              if error.status == 503 else RuntimeError(error.message))
         with contextlib.suppress(Exception):
             self.stats = self.engine.stats()
             self._stats_changed()
@@ -368,13 +405,18 @@ class EngineLoop:
         return self._fail_pending_adds(message)
 
     def _fail_pending_adds(self, message: str) -> bool:
-        """Refuse the queued adds; True if a `_Stop` was queued too (it is consumed here,
-        so the caller must stop)."""
+        """Refuse the queued adds and queries, those with the preparer too (which stops:
+        whatever comes later is refused by `_refuse_until_stopped`); True if a
+        `StopCommand` was queued too (it is consumed here, so the caller must stop)."""
         stop = False
+        for command in self._preparer.close():
+            self._answer(command, None, EngineUnavailable(message))
+        self._unapplied.clear()
+        self._cancelled.clear()
         while (command := self._next_command()) is not None:
-            if isinstance(command, (_Add, _Query)):
+            if isinstance(command, (AddCommand, QueryCommand)):
                 self._answer(command, None, EngineUnavailable(message))
-            elif isinstance(command, _Stop):
+            elif isinstance(command, StopCommand):
                 stop = True
         return stop
 
@@ -383,9 +425,9 @@ class EngineLoop:
             command = self._next_command()
             if command is None:
                 self._wait_for_work(IDLE_HEALTH_CHECK_S)
-            elif isinstance(command, (_Add, _Query)):
+            elif isinstance(command, (AddCommand, QueryCommand)):
                 self._answer(command, None, EngineUnavailable(message))
-            elif isinstance(command, _Stop):
+            elif isinstance(command, StopCommand):
                 return
 
 
@@ -393,8 +435,9 @@ class AsyncEngine(EngineLoop):
     """The loop on a thread of this process, for HTTP handlers on this event loop: they
     send commands through a queue and read their outputs from a `RequestStream` each."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: LLMEngine, add_slice_s: float = ADD_SLICE_S,
+                 add_slice_steps: float = ADD_SLICE_STEPS) -> None:
+        super().__init__(engine, add_slice_s, add_slice_steps)
         self.limits = engine_limits(engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -425,15 +468,15 @@ class AsyncEngine(EngineLoop):
         bad prompt (RequestRejected, TokenizerError)."""
         check_open(self)
         done = self._loop.create_future()
-        self._send(_Add(stream, tuple(prompts), tuple(params), done, with_text, check_length))
+        self._send(AddCommand(stream, tuple(prompts), tuple(params), done, with_text, check_length))
         return await done
 
     async def query(self, query: Query) -> list[int] | str:
         """Token ids for a `TokenizeQuery`, text for a `DetokenizeQuery` (ValueError for a
-        bad one), from the engine's tokenizer, between steps."""
+        bad one), from the engine's tokenizer (a copy, on the tokenizing thread)."""
         check_open(self)
         done = self._loop.create_future()
-        self._send(_Query(query, done))
+        self._send(QueryCommand(query, done))
         return await done
 
 
@@ -441,14 +484,14 @@ class AsyncEngine(EngineLoop):
         """Abort these engine requests (unknown or finished ids are ignored). Their KV
         blocks are freed before the next step."""
         if engine_ids and self._thread is not None:
-            self._send(_Abort(tuple(engine_ids)))
+            self._send(AbortCommand(tuple(engine_ids)))
 
     def stop(self, message: str = "the server is shutting down") -> None:
         """End every live request with a StreamError and stop the engine thread."""
         if self._stopping:
             return
         self._stopping = True
-        self._send(_Stop(message))
+        self._send(StopCommand(message))
 
     def stop_threadsafe(self, message: str = "the server is shutting down") -> None:
         """`stop` from a signal handler or another thread."""
@@ -490,6 +533,9 @@ class AsyncEngine(EngineLoop):
         woken = self._wake.wait(timeout)
         self._wake.clear()
         return woken
+
+    def _wake_up(self) -> None:
+        self._wake.set()
 
     def _emit(self, batch) -> None:
         self._loop.call_soon_threadsafe(self._deliver, batch)

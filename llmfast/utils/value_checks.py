@@ -34,7 +34,7 @@ def int_list(values: Iterable[Any], what: str, error: type[Exception]) -> list[i
         out = list(values)
     except TypeError:
         raise error(f"{what} must be a list of integers, not {type(values).__name__}") from None
-    if all(type(t) is int for t in out):  # the common case, without a second loop
+    if not out or set(map(type, out)) == {int}:  # the common case, in C (~5x a genexpr)
         return out
     for i, t in enumerate(out):
         if not is_int(t):

@@ -108,7 +108,9 @@ class ChatMLByteTokenizer:
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, as transformers' fast tokenizers call it: it lets go of the GIL
+        # while it works (`encode` holds it: a long prompt stalls every other thread).
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool = False) -> str:

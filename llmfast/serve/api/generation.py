@@ -38,13 +38,14 @@ async def run_generation(request: Request, front: EngineFront, metrics: ServerMe
                          want_prompt_logprobs: bool = False) -> Response:
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     rs = RequestStream(f"{prefix}-{uuid.uuid4().hex}", len(inputs.params))
+    # From before the add: its tokenising and (for many choices) its slices are waited for.
+    tracker = metrics.tracker(len(inputs.params))
     prepared = await _submit(front, rs, inputs, kind, with_text=echo)
     metrics.prompt_tokens.inc(sum(len(p.token_ids) for p in prepared))
     builder = ResponseBuilder(kind, rs.request_id, model, prepared, inputs.n, echo=echo,
                               want_logprobs=want_logprobs,
                               want_prompt_logprobs=want_prompt_logprobs,
                               scoring_only=inputs.scoring_only)
-    tracker = metrics.tracker(len(inputs.params))
     if stream:
         return StreamingResponse(
             _events(front, metrics, rs, builder, tracker, include_usage),

@@ -1,0 +1,42 @@
+"""What a carrier hands the engine loop (engine_loop.py): add requests, answer a tokenizer
+query, abort requests, stop. Plain frozen records; `done` and `stream` are the carrier's
+own handles, passed back untouched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmfast.sampling_params import SamplingParams
+from llmfast.serve.stream import PromptInput, Query
+
+
+@dataclass(frozen=True, slots=True)
+class AddCommand:
+    stream: Any  # the carrier's handle of the HTTP request; has `.engine_ids`
+    prompts: tuple[PromptInput, ...]
+    params: tuple[SamplingParams, ...]  # one per choice, prompt-major
+    done: Any  # how the carrier answers this add (a future, an id)
+    with_text: bool  # decode token-id prompts for the response
+    # The client gave max_tokens: a prompt + max_tokens past max-model-len is refused
+    # (vLLM, OpenAI). Otherwise (a default max_tokens) generation stops at the context's end.
+    check_length: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class QueryCommand:
+    """Tokenizer work for /tokenize and /detokenize: done on the engine's side, with the
+    engine's tokenizer (an API process has none, and loads none)."""
+
+    query: Query
+    done: Any  # as `AddCommand.done`
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCommand:
+    engine_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StopCommand:
+    message: str

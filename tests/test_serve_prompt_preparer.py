@@ -1,0 +1,369 @@
+"""The server's engine loop tokenises on a thread of its own and applies a large add a
+slice at a time: running requests keep getting tokens while a prompt is tokenised or
+thousands of choices go in, an abort reaches choices not yet added, and a stop answers
+adds still being tokenised. Over a real engine; the tokenizer of the preparer is the
+engine's own, behind a gate the test opens (the only thing not real: when it runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+
+import pytest
+
+from llmfast.sampling_params import SamplingParams
+from llmfast.serve import prompt_preparer
+from llmfast.serve.engine_loop import (
+    AsyncEngine,
+    ChoiceDelta,
+    EngineUnavailable,
+    RequestStream,
+    StreamError,
+)
+
+GATED = "hello there, the capital of France"  # a prompt whose encode waits for the gate
+
+
+@pytest.fixture(scope="module")
+def engine(serve_model_dir):
+    from llmfast import LLM
+
+    return LLM(str(serve_model_dir), kv_cache_memory=32 << 20).engine
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+class _Gate:
+    def __init__(self) -> None:
+        self.entered = threading.Event()  # an encode of GATED has begun
+        self.open = threading.Event()
+        self.threads: list[str] = []  # the threads that encoded GATED
+
+
+class _GatedHF:
+    """The tokenizer's transformers object, whose encode of GATED waits for the gate."""
+
+    def __init__(self, inner, gate: _Gate) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __deepcopy__(self, memo):  # the preparer's copy shares the gate
+        return _GatedHF(copy.deepcopy(self._inner, memo), self._gate)
+
+    def encode(self, text, **kwargs):
+        if text == GATED:
+            self._gate.threads.append(threading.current_thread().name)
+            self._gate.entered.set()
+            assert self._gate.open.wait(30), "the test never opened the gate"
+        return self._inner.encode(text, **kwargs)
+
+
+@pytest.fixture
+def gate(engine, monkeypatch):
+    """The preparer's tokenizer gated (the engine's own stays as it is)."""
+    import dataclasses
+
+    gate = _Gate()
+    real_copy = prompt_preparer._own_copy
+
+    def gated_copy(tokenizer):
+        own = real_copy(tokenizer)
+        return dataclasses.replace(own, hf=_GatedHF(own.hf, gate))
+
+    monkeypatch.setattr(prompt_preparer, "_own_copy", gated_copy)
+    yield gate
+    gate.open.set()
+
+
+def _offline_text(engine, prompt, n: int) -> str:
+    req_id = engine.add_request(prompt, _params(n), stream=False)
+    while True:
+        for out in engine.step():
+            if out.request_id == req_id and out.finished:
+                return out.outputs[0].text
+
+
+async def _drain(rs: RequestStream) -> list[ChoiceDelta | StreamError]:
+    items, finished = [], 0
+    while finished < rs.num_choices:
+        item = await asyncio.wait_for(rs.get(), 60)
+        items.append(item)
+        if isinstance(item, StreamError):
+            break
+        finished += item.finish_reason is not None
+    return items
+
+
+async def _wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+async def _stopped(front: AsyncEngine) -> None:
+    front.stop()
+    await asyncio.to_thread(front.join, 30)
+    assert not front._thread.is_alive()
+
+
+def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
+    """While the preparer's encode of GATED is held, a running request gets token after
+    token (before: the engine thread tokenised it, and nothing stepped); the gated prompt
+    then generates what the engine alone makes of it."""
+    want = _offline_text(engine, GATED, 6)
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        try:
+            running = RequestStream("running", 1)
+            await front.add(running, [[5] * 8], [_params(10_000)])
+            await asyncio.wait_for(running.get(), 30)
+            gated = RequestStream("gated", 1)
+            add = asyncio.ensure_future(front.add(gated, [GATED], [_params(6)]))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+            for _ in range(5):  # tokens while the encode is held
+                item = await asyncio.wait_for(running.get(), 30)
+                assert isinstance(item, ChoiceDelta) and item.num_new_tokens == 1
+            assert not add.done()
+            gate.open.set()
+            prepared = await asyncio.wait_for(add, 30)
+            items = await _drain(gated)
+            front.abort(running.engine_ids)
+            return prepared, items
+        finally:
+            gate.open.set()  # (after a failure: the stop would wait for the gated encode)
+            await _stopped(front)
+
+    prepared, items = asyncio.run(main())
+    assert gate.threads == ["llmfast-tokenize"]
+    assert prepared[0].token_ids == engine.tokenizer.encode(GATED)
+    assert "".join(d.text for d in items) == want
+    assert items[-1].finish_reason == "length" and items[-1].num_output_tokens == 6
+
+
+def test_a_large_add_goes_in_a_slice_per_step_while_requests_run(engine):
+    """With a zero time slice and a request running, an add of 6 choices goes in one
+    choice per loop turn (a slice is at least one): its answer comes at least 5 steps after it was sent, and every
+    choice still generates what the engine alone makes of the prompt."""
+    prompt = [9, 8, 7, 6, 5, 4]
+    want = _offline_text(engine, prompt, 5)
+
+    async def main():
+        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
+        front.start()
+        try:
+            running = RequestStream("running", 1)
+            await front.add(running, [[5] * 8], [_params(10_000)])
+            await asyncio.wait_for(running.get(), 30)
+            wide = RequestStream("wide", 6)
+            steps_before = front.num_steps
+            await asyncio.wait_for(front.add(wide, [prompt], [_params(5)] * 6), 60)
+            steps_at_answer = front.num_steps
+            items = await _drain(wide)
+            front.abort(running.engine_ids)
+            return steps_at_answer - steps_before, items
+        finally:
+            await _stopped(front)
+
+    steps, items = asyncio.run(main())
+    assert steps >= 5
+    texts = {i: "" for i in range(6)}
+    for d in items:
+        texts[d.index] += d.text
+    assert texts == {i: want for i in range(6)}
+
+
+def test_an_abort_reaches_choices_not_yet_added(engine, gate):
+    """An abort that arrives while its add is being tokenised, or between its slices,
+    leaves nothing of it running; the add is still answered."""
+
+    async def main():
+        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
+        front.start()
+        try:
+            running = RequestStream("running", 1)
+            await front.add(running, [[5] * 8], [_params(10_000)])
+            await asyncio.wait_for(running.get(), 30)
+            # Aborted while its prompt is tokenised: none of it is ever added.
+            early = RequestStream("early", 3)
+            add = asyncio.ensure_future(front.add(early, [GATED], [_params(10_000)] * 3))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+            front.abort(early.engine_ids)
+            gate.open.set()
+            await asyncio.wait_for(add, 30)
+            # Aborted between slices: the choices added so far stop, the rest never start.
+            late = RequestStream("late", 8)
+            add = asyncio.ensure_future(front.add(late, [[4] * 6], [_params(10_000)] * 8))
+            first = await asyncio.wait_for(late.get(), 30)
+            assert isinstance(first, ChoiceDelta)
+            front.abort(late.engine_ids)
+            await asyncio.wait_for(add, 30)
+            await _wait_until(lambda: front.stats.num_running_reqs == 1, "one request runs")
+            front.abort(running.engine_ids)
+            await _wait_until(lambda: front.stats.num_running_reqs == 0, "none runs")
+            assert front.stats.num_waiting_reqs == 0 and front.stats.kv_cache_usage == 0
+            assert early.get_nowait() is None
+            assert not front._unapplied and not front._cancelled
+        finally:
+            gate.open.set()
+            await _stopped(front)
+
+    asyncio.run(main())
+
+
+def test_a_stop_answers_adds_still_being_tokenized(engine, gate):
+    """Stopping while an add's prompt is being tokenised, with a query queued behind it:
+    both are answered with EngineUnavailable, none is lost."""
+    from llmfast.serve.stream import TokenizeQuery
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        add = asyncio.ensure_future(front.add(RequestStream("gated", 1), [GATED],
+                                              [_params(4)]))
+        assert await asyncio.to_thread(gate.entered.wait, 30)
+        query = asyncio.ensure_future(front.query(TokenizeQuery("hello", None)))
+        await asyncio.sleep(0.05)  # the query reaches the preparer's queue
+        front.stop()
+        threading.Timer(0.2, gate.open.set).start()  # the stop waits for the encode
+        await asyncio.to_thread(front.join, 30)
+        assert not front._thread.is_alive()
+        for pending in (add, query):
+            with pytest.raises(EngineUnavailable, match="shutting down"):
+                await asyncio.wait_for(pending, 10)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("model", ["serve", "random:smollm2-135m"])
+def test_the_preparers_tokenizer_is_its_own(model, serve_model_dir):
+    """The copy the preparer works with shares no Rust tokenizer with the engine's (whose
+    cached decode would otherwise point at the original), and answers the same."""
+    from llmfast.models.sources.model_source import resolve_model
+
+    tok = resolve_model(str(serve_model_dir) if model == "serve" else model).load_tokenizer()
+    tok.decode([5, 6, 7])  # fills the cached Rust decode
+    own = prompt_preparer._own_copy(tok)
+    assert own.hf is not tok.hf and own.rust_tokenizer is not tok.rust_tokenizer
+    text = "hello there, how are you today?"
+    assert own.encode(text) == tok.encode(text)
+    assert own.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    chat = [{"role": "user", "content": text}]
+    assert own.apply_chat_template(chat) == tok.apply_chat_template(chat)
+
+
+def test_an_add_the_engine_would_refuse_is_refused_before_any_of_it_runs(engine):
+    """Sliced, an add whose second prompt is out of the vocabulary must not have its first
+    prompt's choices running (and finishing) before the refusal: checked whole first."""
+
+    async def main():
+        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
+        front.start()
+        try:
+            running = RequestStream("running", 1)
+            await front.add(running, [[5] * 8], [_params(10_000)])
+            await asyncio.wait_for(running.get(), 30)
+            mixed = RequestStream("mixed", 8)
+            with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, "):
+                await asyncio.wait_for(front.add(mixed, [[4] * 6, [10**7]], [_params(2)] * 8),
+                                       30)
+            for _ in range(3):  # steps go on; nothing of the refused add is among them
+                await asyncio.wait_for(running.get(), 30)
+            assert mixed.get_nowait() is None
+            assert front.stats.num_running_reqs == 1 and not front._unapplied
+            front.abort(running.engine_ids)
+        finally:
+            await _stopped(front)
+
+    asyncio.run(main())
+
+
+def test_many_small_adds_share_the_slice(engine):
+    """A burst of single-choice adds is sliced like one large add: with a zero slice one
+    goes in per loop turn, so 20 of them take at least 10 steps while a request runs."""
+
+    async def main():
+        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
+        front.start()
+        try:
+            running = RequestStream("running", 1)
+            await front.add(running, [[5] * 8], [_params(10_000)])
+            await asyncio.wait_for(running.get(), 30)
+            streams = [RequestStream(f"small{i}", 1) for i in range(20)]
+            before = front.num_steps
+            await asyncio.wait_for(asyncio.gather(
+                *(front.add(rs, [[4] * 6], [_params(2)]) for rs in streams)), 60)
+            steps = front.num_steps - before
+            for rs in streams:
+                items = await _drain(rs)
+                assert items[-1].finish_reason == "length"
+            front.abort(running.engine_ids)
+            return steps
+        finally:
+            await _stopped(front)
+
+    assert asyncio.run(main()) >= 10
+
+
+def _slow_preparer(engine, seconds: float):
+    """A preparer whose adds take `seconds` each; records which it prepared."""
+    import time
+    import types
+
+    from llmfast.serve.loop_commands import AddCommand
+
+    preparer = prompt_preparer.PromptPreparer(engine, lambda: None)
+    prepared = []
+
+    def slow(command):
+        time.sleep(seconds)
+        prepared.append(command)
+        return []
+
+    preparer.prepare_add = slow
+    commands = [AddCommand(types.SimpleNamespace(engine_ids=(f"r{i}",)), ([1],),
+                           (_params(1),), i, False) for i in range(6)]
+    return preparer, commands, prepared
+
+
+def test_close_does_not_start_the_queued_jobs(engine):
+    """Closing stops after the job in progress: the queued ones come back unstarted, with
+    the finished ones, each exactly once, in order."""
+    import time
+
+    preparer, commands, prepared = _slow_preparer(engine, 0.2)
+    preparer.start()
+    for command in commands:
+        preparer.submit(command)
+    time.sleep(0.1)  # the first is in progress
+    start = time.perf_counter()
+    left = preparer.close()
+    assert time.perf_counter() - start < 1.0  # not 6 x 0.2 s
+    assert len(prepared) == 1
+    assert left == commands
+    assert preparer.close() == []
+
+
+def test_close_that_times_out_still_returns_the_job_in_progress(engine):
+    import time
+
+    preparer, commands, _ = _slow_preparer(engine, 1.0)
+    preparer.start()
+    for command in commands[:3]:
+        preparer.submit(command)
+    time.sleep(0.1)
+    left = preparer.close(timeout=0.05)
+    assert left == commands[:3]  # the one in progress first, then the two never started
+    time.sleep(1.2)  # it finishes later: nobody reads it, and the worker has ended
+    assert not preparer._ready or preparer._ready[0].command is commands[0]
