@@ -189,3 +189,12 @@ def test_bench_json_never_overwrites_a_file_that_is_not_a_bench_report(tmp_path)
                     "--json", str(report))
     assert result.exit_code == 0, result.output
     assert json.loads(report.read_text())["config"]["mode"] == "sweep"
+
+
+def test_a_failing_start_up_child_says_why_without_the_module_path():
+    """`bench --startup` runs the engine in child processes; a setting the child refuses
+    comes back as the child's own message, not as `llmfast.config.ConfigError: ...`."""
+    result = invoke("bench", *TINY, "--enforce-eager", "--startup", "--max-model-len",
+                    "100000000")
+    line = assert_one_line_error(result, "the start-up process failed: max-model-len 100000000")
+    assert "llmfast." not in line and "Error:" not in line

@@ -40,6 +40,20 @@ def test_broken_tokenizer_names_the_cause(broken_tokenizer):
     assert llm.generate({"prompt_token_ids": [5, 6]})[0].outputs[0].token_ids
 
 
+def test_a_missing_tokenizer_entry_is_named_as_missing(chat_model, tmp_path):
+    """transformers reads a tokenizer.json without `added_tokens` into a KeyError, whose
+    message is the bare key: the error says that the entry is missing."""
+    import json
+
+    path = shutil.copytree(chat_model, tmp_path / "no-added-tokens")
+    data = json.loads((path / "tokenizer.json").read_text())
+    del data["added_tokens"]
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    line = assert_one_line_error(invoke("generate", "hello", "--model", str(path),
+                                        "--device", "cpu"), "cannot load the tokenizer")
+    assert "no entry 'added_tokens'" in line
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_broken_tokenizer_through_the_cli(broken_tokenizer, command):
     args = [command, "hello"] if command == "generate" else [command]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -136,7 +137,15 @@ def _run_module(module: str, args: list[str], env: dict[str, str], timeout_s: fl
     if proc.returncode != 0 or (writes is not None and not writes.is_file()):
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         raise BenchError(f"{what} failed: "
-                         + (lines[-1] if lines else f"exit status {proc.returncode}"))
+                         + (_error_text(lines[-1]) if lines else f"exit status {proc.returncode}"))
+
+
+def _error_text(last_line: str) -> str:
+    """A traceback's last line without the module path of one of llmfast's own errors,
+    whose messages say what to change: `llmfast.config.ConfigError: max-model-len ...`
+    -> `max-model-len ...` (another type, e.g. torch's, stays named)."""
+    match = re.fullmatch(r"llmfast(?:\.\w+)+: (.+)", last_line.strip())
+    return match.group(1) if match else last_line
 
 
 def resolved_model(spec: str | None) -> str:
