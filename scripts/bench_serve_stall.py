@@ -1,6 +1,7 @@
 """How long the server's running requests stall while another request is taken in.
 
-    python scripts/bench_serve_stall.py [--model random:smollm2-135m] [--json PATH]
+    python scripts/bench_serve_stall.py [--model random:smollm2-135m] [--enforce-eager]
+        [--prompts 200 --n 20] [--json PATH]
 
 In process (the `--api-servers 0` engine loop, `AsyncEngine`): one request streams
 greedy tokens while, after a calm stretch, one more request arrives:
@@ -86,7 +87,12 @@ async def _case(front: AsyncEngine, steps: list, name: str, prompts, params,
 
 
 async def _run(args) -> list[dict]:
-    llm = LLM(args.model, enforce_eager=True, max_num_seqs=args.max_num_seqs)
+    engine_args = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
+    if args.device:
+        engine_args["device"] = args.device
+    if args.enforce_eager:
+        engine_args["enforce_eager"] = True
+    llm = LLM(args.model, **engine_args)
     engine = llm.engine
     steps: list[tuple[float, float]] = []  # (start, end) of each engine step
     real_step = engine.step
@@ -123,6 +129,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no compile, no CUDA graphs (quick to start on a CPU)")
     parser.add_argument("--calm-tokens", type=int, default=20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

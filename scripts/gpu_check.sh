@@ -99,6 +99,11 @@
 #   serve_procs   300/540    llmfast serve --api-servers 0, 1, 2 under the same load (512
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
+#   serve_stall    90/240    scripts/bench_serve_stall.py (the 1B, CUDA graphs, max-num-seqs
+#                            256): a streaming request's gaps while a 400k-character prompt
+#                            is tokenised and while 2000 x n=50 engine requests go in
+#                            (session 24's tokenising thread and sliced adds; no bar: CPU
+#                            figures in profiles/serve-stall-cpu.md)
 #   presets       550/550    one CUDA-graph decode row per family preset (GPU_CHECK_PRESETS)
 #   kvfp8         210/360    --kv-cache-dtype fp8: tests/test_kv_cache_fp8_gpu.py (kernels
 #                            vs float64 on the dequantized cache; the 1B with an fp8 cache
@@ -214,7 +219,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 # $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-kernels64 families defaults serve serve_procs presets executor tp fp8 kvfp8 diag
+kernels64 families defaults serve serve_procs serve_stall presets executor tp fp8 kvfp8 diag
 decode_configs install_splits kernels_table startup_profile startup_thin startup_serial"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels install_splits kernels_table startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
@@ -561,6 +566,10 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                     --serve-args "--dtype $dtype ${dev[*]}" "$@" \
                     --json "$out/serve_procs.json"' _ "$OUT" "$MODEL" "$DTYPE" \
                 "${DEV[@]}" "${SERVE_PROCS_ARGS[@]}" ;;
+        serve_stall)  # the engine loop's stall while a long prompt / 100k choices go in
+            run_step serve_stall 90 240 python3 scripts/bench_serve_stall.py --model "$MODEL" \
+                --dtype "$DTYPE" "${DEV[@]}" --max-num-seqs 256 --prompts 2000 --n 50 \
+                --json "$OUT/serve_stall.json" ;;
         presets)
             for preset in $PRESETS; do
                 run_step "preset-$preset" 100 110 python3 -m llmfast bench \
