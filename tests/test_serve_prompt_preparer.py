@@ -110,6 +110,14 @@ async def _wait_until(predicate, what: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"timed out waiting until {what}")
 
 
+async def _running(front: AsyncEngine) -> RequestStream:
+    """A request that streams until aborted, past its first token."""
+    running = RequestStream("running", 1)
+    await front.add(running, [[5] * 8], [_params(10_000)])
+    await asyncio.wait_for(running.get(), 30)
+    return running
+
+
 async def _stopped(front: AsyncEngine) -> None:
     front.stop()
     await asyncio.to_thread(front.join, 30)
@@ -126,9 +134,7 @@ def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
         front = AsyncEngine(engine)
         front.start()
         try:
-            running = RequestStream("running", 1)
-            await front.add(running, [[5] * 8], [_params(10_000)])
-            await asyncio.wait_for(running.get(), 30)
+            running = await _running(front)
             gated = RequestStream("gated", 1)
             add = asyncio.ensure_future(front.add(gated, [GATED], [_params(6)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
@@ -163,9 +169,7 @@ def test_a_large_add_goes_in_a_slice_per_step_while_requests_run(engine):
         front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
         front.start()
         try:
-            running = RequestStream("running", 1)
-            await front.add(running, [[5] * 8], [_params(10_000)])
-            await asyncio.wait_for(running.get(), 30)
+            running = await _running(front)
             wide = RequestStream("wide", 6)
             steps_before = front.num_steps
             await asyncio.wait_for(front.add(wide, [prompt], [_params(5)] * 6), 60)
@@ -192,9 +196,7 @@ def test_an_abort_reaches_choices_not_yet_added(engine, gate):
         front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
         front.start()
         try:
-            running = RequestStream("running", 1)
-            await front.add(running, [[5] * 8], [_params(10_000)])
-            await asyncio.wait_for(running.get(), 30)
+            running = await _running(front)
             # Aborted while its prompt is tokenised: none of it is ever added.
             early = RequestStream("early", 3)
             add = asyncio.ensure_future(front.add(early, [GATED], [_params(10_000)] * 3))
@@ -271,9 +273,7 @@ def test_an_add_the_engine_would_refuse_is_refused_before_any_of_it_runs(engine)
         front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
         front.start()
         try:
-            running = RequestStream("running", 1)
-            await front.add(running, [[5] * 8], [_params(10_000)])
-            await asyncio.wait_for(running.get(), 30)
+            running = await _running(front)
             mixed = RequestStream("mixed", 8)
             with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, "):
                 await asyncio.wait_for(front.add(mixed, [[4] * 6, [10**7]], [_params(2)] * 8),
@@ -297,9 +297,7 @@ def test_many_small_adds_share_the_slice(engine):
         front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
         front.start()
         try:
-            running = RequestStream("running", 1)
-            await front.add(running, [[5] * 8], [_params(10_000)])
-            await asyncio.wait_for(running.get(), 30)
+            running = await _running(front)
             streams = [RequestStream(f"small{i}", 1) for i in range(20)]
             before = front.num_steps
             await asyncio.wait_for(asyncio.gather(
