@@ -187,7 +187,8 @@
 #        /tmp)
 #   3. with what is left (no machine starts with < 4 min left; use it while warm):
 #        `kernels64`, `async_tests`, `tests`, `fp8 kvfp8`, `families`,
-#        `serve_procs serve`, as time allows.
+#        `serve_stall` (session 24's tokenising thread and sliced adds, on the GPU's
+#        2-5 ms steps), `serve_procs serve`, as time allows.
 #   Then copy the calls' report.md, verdicts.txt and results.tar.gz's files into
 #   profiles/<gpu>-<date>/ and commit them: session 15's were lost.
 # Set GPU_CHECK_BUDGET_S to status's budget_left_s less ~60 s when that is under 620.
