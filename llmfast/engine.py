@@ -59,7 +59,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer | None,
     if isinstance(prompt, list):
         return None, int_list(prompt, "prompt token ids", RequestRejected)
     if not isinstance(prompt, str):
-        raise RequestRejected(f"a prompt must be a string or token ids, not {type(prompt).__name__}")
+        raise RequestRejected(
+            f"a prompt must be a string or token ids, not {type(prompt).__name__}")
     if tokenizer is None:
         raise RequestRejected(f"{no_tokenizer_reason()}; pass prompt_token_ids instead of text")
     return prompt, tokenizer.encode(prompt)

@@ -16,10 +16,12 @@ must come from one place. Tokenising is the exception: the loop's `PromptPrepare
 (prompt_preparer.py) tokenises adds and answers /tokenize on a thread of its own, with
 its own copy of the tokenizer, so a long prompt does not hold the running requests up;
 the loop applies what it prepared between steps, in order. An add of many choices is
-applied a time slice per step while requests are running, for the same reason. Concurrent HTTP requests land in the same
-`engine.step()` calls: continuous batching comes from the engine's scheduler, this file
-only feeds it. The engine's `RequestOutput` holds live lists that the next step mutates,
-so only frozen `ChoiceDelta`s leave the loop.
+applied a time slice per step while requests are running, for the same reason.
+
+Concurrent HTTP requests land in the same `engine.step()` calls: continuous batching
+comes from the engine's scheduler, this file only feeds it. The engine's `RequestOutput`
+holds live lists that the next step mutates, so only frozen `ChoiceDelta`s leave the
+loop.
 """
 
 from __future__ import annotations
@@ -228,10 +230,11 @@ class EngineLoop:
 
     def _apply_prepared(self) -> None:
         """Answer the prepared queries and apply the prepared adds, in order. While
-        requests are running, adding stops once `add_slice_s` or the last step's time is
-        spent (at least one request goes in): the rest follows after the next step, so an
-        add of thousands of choices delays the running requests by a slice per step, not
-        all at once."""
+        requests are running, adding stops once a slice is spent (`add_slice_s`, or
+        `add_slice_steps` of the last step's time if longer; at least one request goes
+        in): the rest follows after the next step, so an add of thousands of choices, or
+        a burst of adds, delays the running requests by a slice per step, not all at
+        once."""
         deadline = math.inf
         if self.engine.has_unfinished():
             deadline = time.perf_counter() + max(self.add_slice_s,
