@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import sys
 import threading
+import time
 
 import pytest
 
@@ -224,26 +226,120 @@ def test_an_abort_reaches_choices_not_yet_added(engine, gate):
     asyncio.run(main())
 
 
-def test_a_stop_answers_adds_still_being_tokenized(engine, gate):
-    """Stopping while an add's prompt is being tokenised, with a query queued behind it:
-    both are answered with EngineUnavailable, none is lost."""
+def test_a_stop_answers_adds_still_being_tokenized_at_once(engine, gate):
+    """Stopping while an add's prompt is being tokenised (and stays so), with a query
+    queued behind it: both are answered with EngineUnavailable, and the loop ends without
+    waiting for the encode."""
+    import time
+
     from llmfast.serve.stream import TokenizeQuery
 
     async def main():
         front = AsyncEngine(engine)
         front.start()
-        add = asyncio.ensure_future(front.add(RequestStream("gated", 1), [GATED],
-                                              [_params(4)]))
-        assert await asyncio.to_thread(gate.entered.wait, 30)
-        query = asyncio.ensure_future(front.query(TokenizeQuery("hello", None)))
-        await asyncio.sleep(0.05)  # the query reaches the preparer's queue
-        front.stop()
-        threading.Timer(0.2, gate.open.set).start()  # the stop waits for the encode
-        await asyncio.to_thread(front.join, 30)
-        assert not front._thread.is_alive()
-        for pending in (add, query):
-            with pytest.raises(EngineUnavailable, match="shutting down"):
-                await asyncio.wait_for(pending, 10)
+        try:
+            add = asyncio.ensure_future(front.add(RequestStream("gated", 1), [GATED],
+                                                  [_params(4)]))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+            query = asyncio.ensure_future(front.query(TokenizeQuery("hello", None)))
+            await asyncio.sleep(0.05)  # the query reaches the preparer's queue
+            start = time.monotonic()
+            front.stop()
+            await asyncio.to_thread(front.join, 30)
+            assert not front._thread.is_alive() and time.monotonic() - start < 5
+            assert not gate.open.is_set()  # the encode still holds
+            for pending in (add, query):
+                with pytest.raises(EngineUnavailable, match="shutting down"):
+                    await asyncio.wait_for(pending, 10)
+        finally:
+            gate.open.set()
+
+    asyncio.run(main())
+
+
+def test_a_long_prompt_does_not_hold_up_the_short_ones(engine, gate, monkeypatch):
+    """A prompt past LARGE_JOB_CHARS is tokenised in the large lane: while its encode is
+    held, a short request is added and generates."""
+    long_text = "hello there " * 100  # 1200 characters: past the limit set here
+    monkeypatch.setattr(prompt_preparer, "LARGE_JOB_CHARS", 1000)
+    monkeypatch.setattr(sys.modules[__name__], "GATED", long_text)
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        try:
+            slow = asyncio.ensure_future(front.add(RequestStream("long", 1), [long_text],
+                                                   [_params(2)]))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+            short = RequestStream("short", 1)
+            await asyncio.wait_for(front.add(short, [[4] * 6], [_params(3)]), 30)
+            items = await _drain(short)
+            assert items[-1].finish_reason == "length" and not slow.done()
+            gate.open.set()
+            await asyncio.wait_for(slow, 30)
+        finally:
+            gate.open.set()
+            await _stopped(front)
+
+    asyncio.run(main())
+    assert gate.threads == ["llmfast-tokenize-large"]
+
+
+def test_an_aborted_add_stops_between_its_prompts(engine, gate):
+    """An add of three prompts whose client goes away while the first is encoded: the
+    other two are never tokenised, and nothing of it is added."""
+    others = ["the capital of Italy is Rome", "tell me a story"]
+    encoded: list[str] = []
+
+    async def main():
+        front = AsyncEngine(engine)
+        front.start()
+        try:
+            real_encode = _GatedHF.encode
+
+            def recording(self, text, **kwargs):
+                encoded.append(text)
+                return real_encode(self, text, **kwargs)
+
+            _GatedHF.encode = recording
+            rs = RequestStream("three", 3)
+            add = asyncio.ensure_future(front.add(rs, [GATED, *others], [_params(4)] * 3))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+            front.abort(rs.engine_ids)
+            await asyncio.sleep(0.1)  # the abort is applied before the encode returns
+            gate.open.set()
+            with pytest.raises(EngineUnavailable, match="stopped while its prompts"):
+                await asyncio.wait_for(add, 30)
+            assert front.stats.num_running_reqs == front.stats.num_waiting_reqs == 0
+            assert not front._unapplied and not front._cancelled
+        finally:
+            _GatedHF.encode = real_encode
+            gate.open.set()
+            await _stopped(front)
+
+    asyncio.run(main())
+    assert encoded == [GATED]
+
+
+def test_a_query_is_answered_while_a_large_add_goes_in(engine):
+    """/tokenize does not wait for an add being applied in slices."""
+    from llmfast.serve.stream import TokenizeQuery
+
+    async def main():
+        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
+        front.start()
+        try:
+            running = await _running(front)
+            wide = RequestStream("wide", 40)
+            add = asyncio.ensure_future(front.add(wide, [[4] * 6], [_params(2)] * 40))
+            await asyncio.wait_for(wide.get(), 30)  # its first choice is in
+            ids = await asyncio.wait_for(front.query(TokenizeQuery("hello there", None)), 30)
+            assert ids == engine.tokenizer.encode("hello there")
+            assert not add.done()
+            await asyncio.wait_for(add, 60)
+            front.abort(running.engine_ids)
+        finally:
+            await _stopped(front)
 
     asyncio.run(main())
 
@@ -315,8 +411,7 @@ def test_many_small_adds_share_the_slice(engine):
 
 
 def _slow_preparer(engine, seconds: float):
-    """A preparer whose adds take `seconds` each; records which it prepared."""
-    import time
+    """A preparer whose adds take `seconds` each (small lane); records which it prepared."""
     import types
 
     from llmfast.serve.loop_commands import AddCommand
@@ -324,44 +419,54 @@ def _slow_preparer(engine, seconds: float):
     preparer = prompt_preparer.PromptPreparer(engine, lambda: None)
     prepared = []
 
-    def slow(command):
+    def slow(command, should_stop):
         time.sleep(seconds)
         prepared.append(command)
         return []
 
-    preparer.prepare_add = slow
+    preparer._lanes[0].rules.prepare_add = slow
     commands = [AddCommand(types.SimpleNamespace(engine_ids=(f"r{i}",)), ([1],),
                            (_params(1),), i, False) for i in range(6)]
     return preparer, commands, prepared
 
 
-def test_close_does_not_start_the_queued_jobs(engine):
-    """Closing stops after the job in progress: the queued ones come back unstarted, with
-    the finished ones, each exactly once, in order."""
-    import time
-
-    preparer, commands, prepared = _slow_preparer(engine, 0.2)
+def test_close_answers_for_every_job_not_handed_back_at_once(engine):
+    """Closing does not wait for the job in progress nor start the queued ones: it returns
+    every command not handed back (one taken before is not among them), in order."""
+    preparer, commands, prepared = _slow_preparer(engine, 0.3)
     preparer.start()
     for command in commands:
         preparer.submit(command)
-    time.sleep(0.1)  # the first is in progress
+    assert _wait(lambda: preparer.has_ready())
+    taken = preparer.take_add()
+    assert taken.command is commands[0] and taken.error is None
     start = time.perf_counter()
-    left = preparer.close()
-    assert time.perf_counter() - start < 1.0  # not 6 x 0.2 s
-    assert len(prepared) == 1
-    assert left == commands
+    left = preparer.close(timeout=0.05)
+    assert time.perf_counter() - start < 0.25
+    assert left == commands[1:]
+    time.sleep(0.5)  # the job in progress ends; nobody reads it, the rest never start
+    assert len(prepared) == 2 and preparer.take_add() is None
     assert preparer.close() == []
 
 
-def test_close_that_times_out_still_returns_the_job_in_progress(engine):
-    import time
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
-    preparer, commands, _ = _slow_preparer(engine, 1.0)
-    preparer.start()
-    for command in commands[:3]:
-        preparer.submit(command)
-    time.sleep(0.1)
-    left = preparer.close(timeout=0.05)
-    assert left == commands[:3]  # the one in progress first, then the two never started
-    time.sleep(1.2)  # it finishes later: nobody reads it, and the worker has ended
-    assert not preparer._ready or preparer._ready[0].command is commands[0]
+
+def test_job_lanes_by_size():
+    from llmfast.serve.loop_commands import AddCommand, QueryCommand
+    from llmfast.serve.stream import ChatPrompt, DetokenizeQuery, TokenizeQuery
+
+    def add(*prompts):
+        return AddCommand(None, prompts, (), None, False)
+
+    assert prompt_preparer.job_chars(add("abc", [1, 2])) == 5
+    chat = ChatPrompt(({"role": "user", "content": "hello"}, {"role": "system", "content": ""}))
+    assert prompt_preparer.job_chars(add(chat)) == 5
+    assert prompt_preparer.job_chars(QueryCommand(TokenizeQuery("x" * 9, None), None)) == 9
+    assert prompt_preparer.job_chars(QueryCommand(DetokenizeQuery((1, 2, 3)), None)) == 3

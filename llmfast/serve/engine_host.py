@@ -273,6 +273,7 @@ class ProcessEngineLoop(EngineLoop):
         if not api.alive:
             return
         api.alive = False
+        api.popen.poll()  # reaped now if it has exited (no zombie until the server stops)
         if self.stop_message is None:
             logger.error("API server process %d (pid %d) exited", api.index, api.popen.pid)
         for req_id, route in list(self._routes.items()):

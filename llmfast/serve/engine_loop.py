@@ -120,7 +120,7 @@ class EngineLoop:
         self._token_texts: dict[int, str] = {}  # token id -> its text (_token_text)
         # A slice of a large add: the longer of add_slice_s and this many last steps.
         self.add_slice_s, self.add_slice_steps = add_slice_s, add_slice_steps
-        self._preparer = PromptPreparer(engine, self._wake_up)
+        self._preparer = PromptPreparer(engine, self._wake_up, self._add_cancelled)
         self._adding: _AddInProgress | None = None
         # Engine ids of adds submitted but not applied yet (being tokenised, or in a later
         # slice), and those of them aborted meanwhile: skipped when their turn comes.
@@ -228,13 +228,22 @@ class EngineLoop:
             elif req_id in self._unapplied:
                 self._cancelled.add(req_id)
 
+    def _add_cancelled(self, command: AddCommand) -> bool:
+        """Whether nobody waits for this add any more (asked by the preparer's threads,
+        between prompts: a set lookup and a flag, safe under the GIL)."""
+        return (command.stream.engine_ids[0] in self._cancelled
+                or not self._stream_alive(command.stream))
+
     def _apply_prepared(self) -> None:
-        """Answer the prepared queries and apply the prepared adds, in order. While
+        """Answer the prepared queries, then apply the prepared adds in the order they
+        were prepared. While
         requests are running, adding stops once a slice is spent (`add_slice_s`, or
         `add_slice_steps` of the last step's time if longer; at least one request goes
         in): the rest follows after the next step, so an add of thousands of choices, or
         a burst of adds, delays the running requests by a slice per step, not all at
         once."""
+        while (ready := self._preparer.take_query()) is not None:  # cheap: never waits
+            self._answer(ready.command, ready.result, ready.error)
         deadline = math.inf
         if self.engine.has_unfinished():
             deadline = time.perf_counter() + max(self.add_slice_s,
@@ -245,13 +254,10 @@ class EngineLoop:
                 # Many small adds share the slice too (but the first always goes in).
                 if added_any and time.perf_counter() >= deadline:
                     return
-                ready = self._preparer.take()
+                ready = self._preparer.take_add()
                 if ready is None:
                     return
                 command = ready.command
-                if isinstance(command, QueryCommand):
-                    self._answer(command, ready.result, ready.error)
-                    continue
                 error = ready.error or self._refusal(command, ready.result)
                 if error is not None:
                     self._forget(command)

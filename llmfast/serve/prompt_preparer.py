@@ -2,16 +2,19 @@
 
 The engine loop owns the engine and steps it. Tokenising a long prompt or rendering a
 chat template there holds every running request up for as long (a 100k-character prompt
-takes ~0.1-1 s). `PromptPreparer` does that work on a thread of its own, with its own
-copy of the engine's tokenizer: the engine's thread keeps the original to detokenize,
-and no tokenizer object is used by two threads (the Rust tokenizer borrow-checks at run
-time, and transformers may reconfigure it per call). The Rust encode lets go of the GIL
-while it runs (`encode_batch`, which transformers' fast tokenizers and the presets' call),
-so the loop steps meanwhile.
+takes ~0.1-1 s). `PromptPreparer` does that work on threads of its own, each with its
+own copy of the engine's tokenizer: the engine's thread keeps the original to
+detokenize, and no tokenizer object is used by two threads (the Rust tokenizer
+borrow-checks at run time, and transformers may reconfigure it per call). The Rust encode
+lets go of the GIL while it runs (`encode_batch`, which transformers' fast tokenizers and
+the presets' call), so the loop steps meanwhile.
 
-One worker, so results come back in the order the commands were submitted: the loop
-takes them between steps (`take`); `on_ready`, called from the worker after each result,
-wakes a loop that waits for work.
+Two lanes, a worker each: jobs with more than LARGE_JOB_CHARS of prompt go to the large
+lane, the rest to the small one, so a request of megabytes of text (seconds to tokenise)
+does not hold up the admission of every short one behind it. Within a lane jobs run in
+order; results are handed back as they finish (`take_query`, `take_add`), and `on_ready`,
+called from a worker after each, wakes a loop that waits for work. An add whose client
+went away (`is_cancelled`) or a closed preparer stops a job between its prompts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from llmfast.serve.stream import (
     ChatPrompt,
     ContextLengthExceeded,
     DetokenizeQuery,
+    EngineUnavailable,
     PreparedPrompt,
     PromptInput,
     Query,
@@ -45,7 +49,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_CLOSE = object()  # the worker's last job
+# A job with more prompt than this (characters of text, token ids, message contents)
+# goes to the large lane: ~20-100 ms of tokenising and more.
+LARGE_JOB_CHARS = 65_536
+_CLOSE = object()  # a worker's last job
 
 
 class Prepared(NamedTuple):
@@ -54,92 +61,162 @@ class Prepared(NamedTuple):
     error: BaseException | None
 
 
-class PromptPreparer:
-    """See the module docstring. `start()` starts the worker, `submit(command)` queues an
-    add or a query, `take()` returns the next finished one (or None), `close()` stops
-    the worker and returns the commands it did not hand back."""
+class _Stopped(EngineUnavailable):
+    """A job given up between its prompts: its client went away, or the server stops."""
 
-    def __init__(self, engine: LLMEngine, on_ready: Callable[[], None]) -> None:
-        self._engine_tokenizer = engine.tokenizer  # copied by the worker, before its first job
-        self.tokenizer: Tokenizer | None = None
-        self._no_tokenizer_reason = engine.no_tokenizer_reason()
-        self._model_name = engine.source.name
-        self._max_model_len = engine.config.scheduler.max_model_len
+
+def job_chars(command: AddCommand | QueryCommand) -> int:
+    """How much prompt a job holds, for its lane."""
+    if isinstance(command, AddCommand):
+        prompts = command.prompts
+    elif isinstance(command.query, TokenizeQuery):
+        prompts = (command.query.prompt,)
+    else:
+        return len(command.query.token_ids)
+    return sum(sum(len(m.get("content") or "") for m in p.messages)
+               if isinstance(p, ChatPrompt) else len(p) for p in prompts)
+
+
+class PromptPreparer:
+    """See the module docstring. `start()` starts the workers, `submit(command)` queues an
+    add or a query, `take_query()` / `take_add()` return the next finished one of each
+    kind (or None), `close()` stops the workers and returns the submitted commands not
+    handed back. Every method but the workers' is called by the loop's thread."""
+
+    def __init__(self, engine: LLMEngine, on_ready: Callable[[], None],
+                 is_cancelled: Callable[[AddCommand], bool] = lambda command: False,
+                 large_job_chars: int | None = None) -> None:
+        def rules() -> _PromptRules:
+            return _PromptRules(engine.tokenizer, engine.no_tokenizer_reason(),
+                                engine.source.name, engine.config.scheduler.max_model_len)
+
         self._on_ready = on_ready
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._ready: collections.deque[Prepared] = collections.deque()
-        self._thread: threading.Thread | None = None
-        self._current: AddCommand | QueryCommand | None = None  # the worker's job now
+        self._is_cancelled = is_cancelled
+        self.large_job_chars = LARGE_JOB_CHARS if large_job_chars is None else large_job_chars
+        self._closed = False
+        # Submitted and not handed back yet, by id (dict: in submission order).
+        self._outstanding: dict[int, AddCommand | QueryCommand] = {}
+        self._ready_queries: collections.deque[Prepared] = collections.deque()
+        self._ready_adds: collections.deque[Prepared] = collections.deque()
+        # Each lane's rules hold a tokenizer copy of their own, made by its worker: the
+        # small lane's at its start, the large lane's at its first job.
+        self._lanes = [_Lane("llmfast-tokenize", rules(), copy_at_start=True),
+                       _Lane("llmfast-tokenize-large", rules())]
 
     # ------------------------------------------------------------------ the loop's side
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="llmfast-tokenize",
-                                        daemon=True)
-        self._thread.start()
+        for lane in self._lanes:
+            lane.thread = threading.Thread(target=self._work, args=(lane,), name=lane.name,
+                                           daemon=True)
+            lane.thread.start()
 
     def submit(self, command: AddCommand | QueryCommand) -> None:
-        self._jobs.put(command)
+        self._outstanding[id(command)] = command
+        large = job_chars(command) > self.large_job_chars
+        self._lanes[1 if large else 0].jobs.put(command)
 
-    def take(self) -> Prepared | None:
-        return self._ready.popleft() if self._ready else None
+    def take_query(self) -> Prepared | None:
+        return self._take(self._ready_queries)
+
+    def take_add(self) -> Prepared | None:
+        return self._take(self._ready_adds)
 
     def has_ready(self) -> bool:
-        return bool(self._ready)
+        return bool(self._ready_queries or self._ready_adds)
 
-    def close(self, timeout: float = 60.0) -> list[AddCommand | QueryCommand]:
-        """Stop the worker once its current job is done (the queued ones are not
-        started); the commands not handed back, finished or not. Idempotent; called by
-        the loop's thread, the only one that submits."""
-        queued = []
-        while True:
-            try:
-                queued.append(self._jobs.get_nowait())
-            except queue.Empty:
-                break
-        thread, self._thread = self._thread, None
-        current = None
-        if thread is not None:
-            self._jobs.put(_CLOSE)
-            thread.join(timeout)
-            if thread.is_alive():  # its result, if it ever comes, is not read
-                logger.error("the tokenizer thread did not finish its job in %.0f s", timeout)
-                current = self._current
-        left = []
-        while self._ready:
-            command = self._ready.popleft().command
-            if command is not current:  # (finished just now: answered as `current`)
-                left.append(command)
-        if current is not None:
-            left.append(current)
-        return left + [job for job in queued if job is not _CLOSE]
+    def close(self, timeout: float = 0.5) -> list[AddCommand | QueryCommand]:
+        """Stop the workers: a job in progress ends at its next prompt, the queued ones
+        do not start, and nothing they hand back after this is read. Returns every
+        submitted command not handed back yet, in submission order (the caller answers
+        them); waits at most `timeout` for the workers. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for lane in self._lanes:
+                lane.jobs.put(_CLOSE)
+            for lane in self._lanes:
+                if lane.thread is not None:
+                    lane.thread.join(timeout)  # daemons: one in a long encode ends later
+        left = list(self._outstanding.values())
+        self._outstanding.clear()
+        self._ready_queries.clear()
+        self._ready_adds.clear()
+        return left
 
-    # ------------------------------------------------------------------ the worker
+    def _take(self, ready: collections.deque[Prepared]) -> Prepared | None:
+        while ready:
+            prepared = ready.popleft()
+            if self._outstanding.pop(id(prepared.command), None) is not None:
+                return prepared
+        return None
 
-    def _work(self) -> None:
-        self.tokenizer = _own_copy(self._engine_tokenizer)
-        self._engine_tokenizer = None
-        while (command := self._jobs.get()) is not _CLOSE:
-            self._current = command
+    # ------------------------------------------------------------------ the workers
+
+    def _work(self, lane: _Lane) -> None:
+        if lane.copy_at_start:
+            lane.rules.tokenizer  # noqa: B018 - makes the copy, before the first request
+        while (command := lane.jobs.get()) is not _CLOSE:
+            if self._closed:
+                return
             try:
                 if isinstance(command, AddCommand):
-                    result = self.prepare_add(command)
+                    result = lane.rules.prepare_add(command, self._should_stop)
                 else:
-                    result = self.run_query(command.query)
+                    result = lane.rules.run_query(command.query)
             except Exception as e:  # noqa: BLE001 - the loop answers it (a 400, or a 500)
-                self._ready.append(Prepared(command, None, e))
+                prepared = Prepared(command, None, e)
             else:
-                self._ready.append(Prepared(command, result, None))
-            self._current = None
+                prepared = Prepared(command, result, None)
+            ready = self._ready_adds if isinstance(command, AddCommand) else self._ready_queries
+            ready.append(prepared)
             self._on_ready()
 
-    def prepare_add(self, command: AddCommand) -> list[PreparedPrompt]:
+    def _should_stop(self, command: AddCommand) -> bool:
+        return self._closed or self._is_cancelled(command)
+
+
+@dataclasses.dataclass
+class _Lane:
+    name: str
+    rules: _PromptRules
+    copy_at_start: bool = False
+    jobs: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    thread: threading.Thread | None = None
+
+
+class _PromptRules:
+    """How a server request's prompts become token ids, as the engine would make them,
+    with a tokenizer copy of their own (made at its first use, on the thread that uses
+    it)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, no_tokenizer_reason: str,
+                 model_name: str, max_model_len: int) -> None:
+        self._source_tokenizer = tokenizer
+        self._own: Tokenizer | None = None
+        self._no_tokenizer_reason = no_tokenizer_reason
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        if self._own is None and self._source_tokenizer is not None:
+            self._own = _own_copy(self._source_tokenizer)
+            self._source_tokenizer = None
+        return self._own
+
+    def prepare_add(self, command: AddCommand,
+                    should_stop: Callable[[AddCommand], bool] = lambda command: False
+                    ) -> list[PreparedPrompt]:
         """Each prompt's token ids (and, `with_text`, the text of token-id prompts). With
         `check_length`, ContextLengthExceeded if any prompt + its max_tokens is past
         max-model-len; RequestRejected for a prompt the engine would refuse for its length
         (here, not on the engine's thread after it was copied there). Either way nothing
-        of the add is applied."""
-        prepared = [self._prepare(p) for p in command.prompts]
+        of the add is applied. Asks `should_stop` before each prompt (a 503 if so)."""
+        prepared = []
+        for prompt in command.prompts:
+            if should_stop(command):
+                raise _Stopped("the request was stopped while its prompts were tokenized")
+            prepared.append(self._prepare(prompt))
         per_prompt = len(command.params) // len(prepared)
         if command.check_length:
             for i, params in enumerate(command.params):
