@@ -272,7 +272,7 @@ def test_a_long_prompt_does_not_hold_up_the_short_ones(engine, gate, monkeypatch
                                                    [_params(2)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             short = RequestStream("short", 1)
-            await asyncio.wait_for(front.add(short, [[4] * 6], [_params(3)]), 30)
+            await asyncio.wait_for(front.add(short, [[4] * 6], [_params(3)]), 10)
             items = await _drain(short)
             assert items[-1].finish_reason == "length" and not slow.done()
             gate.open.set()
@@ -306,7 +306,7 @@ def test_an_aborted_add_stops_between_its_prompts(engine, gate):
             add = asyncio.ensure_future(front.add(rs, [GATED, *others], [_params(4)] * 3))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             front.abort(rs.engine_ids)
-            await asyncio.sleep(0.1)  # the abort is applied before the encode returns
+            await _wait_until(lambda: rs.engine_ids[0] in front._cancelled, "the abort")
             gate.open.set()
             with pytest.raises(EngineUnavailable, match="stopped while its prompts"):
                 await asyncio.wait_for(add, 30)
@@ -431,22 +431,50 @@ def _slow_preparer(engine, seconds: float):
 
 
 def test_close_answers_for_every_job_not_handed_back_at_once(engine):
-    """Closing does not wait for the job in progress nor start the queued ones: it returns
-    every command not handed back (one taken before is not among them), in order."""
+    """Closing waits for neither lane's job in progress (its result is dropped) nor starts
+    the queued ones: it returns every command not handed back (one taken before is not
+    among them), in order, within its timeout."""
     preparer, commands, prepared = _slow_preparer(engine, 0.3)
+    preparer._lanes[1].rules.prepare_add = preparer._lanes[0].rules.prepare_add
+    preparer.large_job_chars = 0  # odd commands to the large lane: both lanes get jobs
     preparer.start()
-    for command in commands:
+    for i, command in enumerate(commands):
+        preparer.large_job_chars = 0 if i % 2 else 10**9
         preparer.submit(command)
     assert _wait(lambda: preparer.has_ready())
     taken = preparer.take_add()
-    assert taken.command is commands[0] and taken.error is None
+    assert taken.command in commands[:2] and taken.error is None
+    assert _wait(lambda: len(prepared) == 2)  # each lane has begun its second job
     start = time.perf_counter()
-    left = preparer.close(timeout=0.05)
-    assert time.perf_counter() - start < 0.25
-    assert left == commands[1:]
-    time.sleep(0.5)  # the job in progress ends; nobody reads it, the rest never start
-    assert len(prepared) == 2 and preparer.take_add() is None
+    left = preparer.close(timeout=0.1)
+    assert time.perf_counter() - start < 0.3  # not the jobs' remaining ~0.3 s each
+    assert left == [c for c in commands if c is not taken.command]
+    assert _wait(lambda: len(prepared) == 4)  # the two in progress end, dropped
+    time.sleep(0.35)  # (nothing else starts)
+    assert len(prepared) == 4 and not preparer._ready_adds and preparer.take_add() is None
     assert preparer.close() == []
+
+
+def test_each_lane_copies_the_tokenizer_as_it_starts(engine, monkeypatch):
+    """Both copies are made by the lanes' own threads before any job (a copy holds the
+    GIL for a while: not in the middle of serving)."""
+    made = []
+    real_copy = prompt_preparer._own_copy
+
+    def recording(tokenizer):
+        made.append(threading.current_thread().name)
+        return real_copy(tokenizer)
+
+    monkeypatch.setattr(prompt_preparer, "_own_copy", recording)
+    preparer = prompt_preparer.PromptPreparer(engine, lambda: None)
+    preparer.start()
+    try:
+        assert _wait(lambda: len(made) == 2)
+        assert sorted(made) == ["llmfast-tokenize", "llmfast-tokenize-large"]
+        own = [lane.rules.tokenizer for lane in preparer._lanes]
+        assert own[0] is not own[1] and engine.tokenizer not in own
+    finally:
+        preparer.close()
 
 
 def _wait(predicate, timeout: float = 10.0) -> bool:

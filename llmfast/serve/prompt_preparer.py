@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from llmfast.core.request import check_prompt_length
@@ -98,9 +99,10 @@ class PromptPreparer:
         self._outstanding: dict[int, AddCommand | QueryCommand] = {}
         self._ready_queries: collections.deque[Prepared] = collections.deque()
         self._ready_adds: collections.deque[Prepared] = collections.deque()
-        # Each lane's rules hold a tokenizer copy of their own, made by its worker: the
-        # small lane's at its start, the large lane's at its first job.
-        self._lanes = [_Lane("llmfast-tokenize", rules(), copy_at_start=True),
+        # Each lane's rules hold a tokenizer copy of their own, made by its worker as it
+        # starts: a copy holds the GIL for ~0.2 s per 50k-token vocabulary (~8 MiB
+        # each), which must not fall on a running request's step.
+        self._lanes = [_Lane("llmfast-tokenize", rules()),
                        _Lane("llmfast-tokenize-large", rules())]
 
     # ------------------------------------------------------------------ the loop's side
@@ -126,17 +128,18 @@ class PromptPreparer:
         return bool(self._ready_queries or self._ready_adds)
 
     def close(self, timeout: float = 0.5) -> list[AddCommand | QueryCommand]:
-        """Stop the workers: a job in progress ends at its next prompt, the queued ones
-        do not start, and nothing they hand back after this is read. Returns every
-        submitted command not handed back yet, in submission order (the caller answers
-        them); waits at most `timeout` for the workers. Idempotent."""
+        """Stop the workers: a job in progress ends at its next prompt and its result is
+        dropped, the queued ones do not start. Returns every submitted command not handed
+        back yet, in submission order (the caller answers them); waits at most `timeout`
+        in all for the workers. Idempotent."""
         if not self._closed:
             self._closed = True
             for lane in self._lanes:
                 lane.jobs.put(_CLOSE)
+            deadline = time.monotonic() + timeout
             for lane in self._lanes:
-                if lane.thread is not None:
-                    lane.thread.join(timeout)  # daemons: one in a long encode ends later
+                if lane.thread is not None:  # daemons: one in a long encode ends later
+                    lane.thread.join(max(0.0, deadline - time.monotonic()))
         left = list(self._outstanding.values())
         self._outstanding.clear()
         self._ready_queries.clear()
@@ -153,8 +156,7 @@ class PromptPreparer:
     # ------------------------------------------------------------------ the workers
 
     def _work(self, lane: _Lane) -> None:
-        if lane.copy_at_start:
-            lane.rules.tokenizer  # noqa: B018 - makes the copy, before the first request
+        lane.rules.tokenizer  # noqa: B018 - makes this thread's copy now, not at a job
         while (command := lane.jobs.get()) is not _CLOSE:
             if self._closed:
                 return
@@ -167,6 +169,8 @@ class PromptPreparer:
                 prepared = Prepared(command, None, e)
             else:
                 prepared = Prepared(command, result, None)
+            if self._closed:  # close() has answered for it: drop what it made
+                return
             ready = self._ready_adds if isinstance(command, AddCommand) else self._ready_queries
             ready.append(prepared)
             self._on_ready()
@@ -179,14 +183,13 @@ class PromptPreparer:
 class _Lane:
     name: str
     rules: _PromptRules
-    copy_at_start: bool = False
     jobs: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
 
 
 class _PromptRules:
     """How a server request's prompts become token ids, as the engine would make them,
-    with a tokenizer copy of their own (made at its first use, on the thread that uses
+    with a tokenizer copy of their own (made at its first use, by the thread that uses
     it)."""
 
     def __init__(self, tokenizer: Tokenizer | None, no_tokenizer_reason: str,
@@ -211,7 +214,8 @@ class _PromptRules:
         `check_length`, ContextLengthExceeded if any prompt + its max_tokens is past
         max-model-len; RequestRejected for a prompt the engine would refuse for its length
         (here, not on the engine's thread after it was copied there). Either way nothing
-        of the add is applied. Asks `should_stop` before each prompt (a 503 if so)."""
+        of the add is applied. Asks `should_stop` before each prompt (a 503 if so; the
+        checks after the last prompt, and queries, run to their end)."""
         prepared = []
         for prompt in command.prompts:
             if should_stop(command):
