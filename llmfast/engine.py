@@ -17,13 +17,13 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmfast.config import ConfigError, EngineConfig
-from llmfast.core.request import Request, RequestRejected, check_prompt_length
+from llmfast.core.request import Request, RequestRejected, RequestStatus, check_prompt_length
 from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import PromptLogprobsChunk, SchedulerOutput
 from llmfast.engine_args import EngineArgs
@@ -287,10 +287,17 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
 
     def abort(self, req_id: str) -> None:
-        self.scheduler.abort(req_id)
-        tracked = self._tracked.pop(req_id, None)
-        if tracked is not None and tracked.finish_reason is None:
-            tracked.finish_reason = "abort"
+        self.abort_many((req_id,))
+
+    def abort_many(self, req_ids: Sequence[str]) -> None:
+        """Abort these requests at once (unknown or finished ids are ignored): one pass
+        over the waiting queue for all of them, where one abort after another would scan
+        it for each."""
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in req_ids:
+            tracked = self._tracked.pop(req_id, None)
+            if tracked is not None and tracked.finish_reason is None:
+                tracked.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()

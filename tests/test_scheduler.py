@@ -216,6 +216,39 @@ def test_abort_in_every_state():
     assert sched.get_num_unfinished_requests() == 1
 
 
+def test_finishing_many_at_once_equals_one_after_another():
+    """finish_requests over a batch (running, preempted and waiting ids in any order,
+    unknown and repeated ones) leaves the scheduler as one finish after another does:
+    the same waiting queue in the same order, running list, statuses, free blocks and
+    ids the runner is told about. (The batch removes from the waiting queue in one pass.)"""
+    import random
+
+    def scenario():
+        sched = fill_cache_scenario()  # r0, r1 running; r2 gets preempted next step
+        for i in range(12):
+            sched.add_request(make_request(f"w{i}", n_prompt=5, first=800 + 10 * i))
+        run_step(sched)
+        return sched
+
+    rng = random.Random(5)
+    for trial in range(20):
+        one_by_one, batch = scenario(), scenario()
+        ids = [f"w{i}" for i in range(12)] + ["r0", "r1", "r2", "nope"]
+        chosen = rng.sample(ids, rng.randint(2, len(ids))) + ["w3"]
+        for rid in chosen:
+            one_by_one.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        batch.finish_requests(chosen, RequestStatus.FINISHED_ABORTED)
+        for a, b in ((one_by_one, batch),):
+            assert [r.request_id for r in a.waiting] == [r.request_id for r in b.waiting]
+            assert [r.request_id for r in a.running] == [r.request_id for r in b.running]
+            assert set(a.requests) == set(b.requests)
+            assert a.finished_req_ids == b.finished_req_ids
+            assert (a.kv_cache_manager.get_num_free_blocks()
+                    == b.kv_cache_manager.get_num_free_blocks())
+        assert all(r.status is RequestStatus.WAITING or r.status is RequestStatus.PREEMPTED
+                   for r in batch.waiting)
+
+
 def test_abort_between_schedule_and_update_drops_the_sample():
     sched = make_scheduler()
     sched.add_request(make_request("a"))

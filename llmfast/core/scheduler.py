@@ -150,6 +150,7 @@ class Scheduler:
         if isinstance(req_ids, str):
             req_ids = (req_ids,)
         stopped_running = False
+        stopped_waiting: list[Request] = []
         for rid in req_ids:
             request = self.requests.pop(rid, None)
             if request is None:
@@ -159,10 +160,16 @@ class Scheduler:
                 self.finished_req_ids.add(rid)
                 stopped_running = True
             else:  # waiting or preempted: holds no blocks, the runner never kept it
-                self.waiting.remove(request)
+                stopped_waiting.append(request)
             request.status = status
         if stopped_running:
             self.running = [r for r in self.running if r.status is _RUNNING]
+        if len(stopped_waiting) == 1:  # (a scan up to it)
+            self.waiting.remove(stopped_waiting[0])
+        elif stopped_waiting:  # one pass, not one scan each: k of n would cost k x n
+            kept = [r for r in self.waiting if not r.status.is_finished]
+            self.waiting.clear()
+            self.waiting.extend(kept)
 
     def abort(self, req_id: str) -> None:
         self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)

@@ -276,10 +276,10 @@ class ProcessEngineLoop(EngineLoop):
         api.popen.poll()  # reaped now if it has exited (no zombie until the server stops)
         if self.stop_message is None:
             logger.error("API server process %d (pid %d) exited", api.index, api.popen.pid)
-        for req_id, route in list(self._routes.items()):
-            if route.stream.api == api.index:
-                del self._routes[req_id]
-                self.engine.abort(req_id)
+        gone = [req_id for req_id, route in self._routes.items() if route.stream.api == api.index]
+        for req_id in gone:
+            del self._routes[req_id]
+        self.engine.abort_many(gone)
         if not any(a.alive for a in self.apis) and self.stop_message is None:
             self.lost_every_api = True
             self.request_stop("the API server processes exited")

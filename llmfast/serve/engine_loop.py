@@ -222,11 +222,14 @@ class EngineLoop:
         return True
 
     def _abort(self, engine_ids: Sequence[str]) -> None:
+        added = []
         for req_id in engine_ids:
             if self._routes.pop(req_id, None) is not None:
-                self.engine.abort(req_id)
+                added.append(req_id)
             elif req_id in self._unapplied:
                 self._cancelled.add(req_id)
+        if added:  # at once: a request of many choices at the back of a long queue
+            self.engine.abort_many(added)
 
     def _add_cancelled(self, command: AddCommand) -> bool:
         """Whether nobody waits for this add any more (asked by the preparer's threads,
