@@ -7,6 +7,7 @@ engine's own, behind a gate the test opens (the only thing not real: when it run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import sys
 import threading
@@ -126,6 +127,24 @@ async def _stopped(front: AsyncEngine) -> None:
     assert not front._thread.is_alive()
 
 
+# A slice of a large add is one choice: one goes in per loop turn while requests run.
+ONE_PER_TURN = {"add_slice_s": 0.0, "add_slice_steps": 0.0}
+
+
+@contextlib.asynccontextmanager
+async def _serving(engine, gate: _Gate | None = None, **loop_args):
+    """An AsyncEngine over `engine`, started, and stopped at the end (the gate opened
+    first: after a failure the stop would otherwise wait for a gated encode)."""
+    front = AsyncEngine(engine, **loop_args)
+    front.start()
+    try:
+        yield front
+    finally:
+        if gate is not None:
+            gate.open.set()
+        await _stopped(front)
+
+
 def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
     """While the preparer's encode of GATED is held, a running request gets token after
     token (before: the engine thread tokenised it, and nothing stepped); the gated prompt
@@ -133,9 +152,7 @@ def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
     want = _offline_text(engine, GATED, 6)
 
     async def main():
-        front = AsyncEngine(engine)
-        front.start()
-        try:
+        async with _serving(engine, gate) as front:
             running = await _running(front)
             gated = RequestStream("gated", 1)
             add = asyncio.ensure_future(front.add(gated, [GATED], [_params(6)]))
@@ -149,9 +166,6 @@ def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
             items = await _drain(gated)
             front.abort(running.engine_ids)
             return prepared, items
-        finally:
-            gate.open.set()  # (after a failure: the stop would wait for the gated encode)
-            await _stopped(front)
 
     prepared, items = asyncio.run(main())
     assert gate.threads == ["llmfast-tokenize"]
@@ -168,9 +182,7 @@ def test_a_large_add_goes_in_a_slice_per_step_while_requests_run(engine):
     want = _offline_text(engine, prompt, 5)
 
     async def main():
-        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
-        front.start()
-        try:
+        async with _serving(engine, **ONE_PER_TURN) as front:
             running = await _running(front)
             wide = RequestStream("wide", 6)
             steps_before = front.num_steps
@@ -179,8 +191,6 @@ def test_a_large_add_goes_in_a_slice_per_step_while_requests_run(engine):
             items = await _drain(wide)
             front.abort(running.engine_ids)
             return steps_at_answer - steps_before, items
-        finally:
-            await _stopped(front)
 
     steps, items = asyncio.run(main())
     assert steps >= 5
@@ -195,9 +205,7 @@ def test_an_abort_reaches_choices_not_yet_added(engine, gate):
     leaves nothing of it running; the add is still answered."""
 
     async def main():
-        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
-        front.start()
-        try:
+        async with _serving(engine, gate, **ONE_PER_TURN) as front:
             running = await _running(front)
             # Aborted while its prompt is tokenised: none of it is ever added.
             early = RequestStream("early", 3)
@@ -219,9 +227,6 @@ def test_an_abort_reaches_choices_not_yet_added(engine, gate):
             assert front.stats.num_waiting_reqs == 0 and front.stats.kv_cache_usage == 0
             assert early.get_nowait() is None
             assert not front._unapplied and not front._cancelled
-        finally:
-            gate.open.set()
-            await _stopped(front)
 
     asyncio.run(main())
 
@@ -265,9 +270,7 @@ def test_a_long_prompt_does_not_hold_up_the_short_ones(engine, gate, monkeypatch
     monkeypatch.setattr(sys.modules[__name__], "GATED", long_text)
 
     async def main():
-        front = AsyncEngine(engine)
-        front.start()
-        try:
+        async with _serving(engine, gate) as front:
             slow = asyncio.ensure_future(front.add(RequestStream("long", 1), [long_text],
                                                    [_params(2)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
@@ -277,31 +280,26 @@ def test_a_long_prompt_does_not_hold_up_the_short_ones(engine, gate, monkeypatch
             assert items[-1].finish_reason == "length" and not slow.done()
             gate.open.set()
             await asyncio.wait_for(slow, 30)
-        finally:
-            gate.open.set()
-            await _stopped(front)
 
     asyncio.run(main())
     assert gate.threads == ["llmfast-tokenize-large"]
 
 
-def test_an_aborted_add_stops_between_its_prompts(engine, gate):
+def test_an_aborted_add_stops_between_its_prompts(engine, gate, monkeypatch):
     """An add of three prompts whose client goes away while the first is encoded: the
     other two are never tokenised, and nothing of it is added."""
     others = ["the capital of Italy is Rome", "tell me a story"]
     encoded: list[str] = []
 
     async def main():
-        front = AsyncEngine(engine)
-        front.start()
-        try:
+        async with _serving(engine, gate) as front:
             real_encode = _GatedHF.encode
 
             def recording(self, text, **kwargs):
                 encoded.append(text)
                 return real_encode(self, text, **kwargs)
 
-            _GatedHF.encode = recording
+            monkeypatch.setattr(_GatedHF, "encode", recording)
             rs = RequestStream("three", 3)
             add = asyncio.ensure_future(front.add(rs, [GATED, *others], [_params(4)] * 3))
             assert await asyncio.to_thread(gate.entered.wait, 30)
@@ -312,10 +310,6 @@ def test_an_aborted_add_stops_between_its_prompts(engine, gate):
                 await asyncio.wait_for(add, 30)
             assert front.stats.num_running_reqs == front.stats.num_waiting_reqs == 0
             assert not front._unapplied and not front._cancelled
-        finally:
-            _GatedHF.encode = real_encode
-            gate.open.set()
-            await _stopped(front)
 
     asyncio.run(main())
     assert encoded == [GATED]
@@ -326,9 +320,7 @@ def test_a_query_is_answered_while_a_large_add_goes_in(engine):
     from llmfast.serve.stream import TokenizeQuery
 
     async def main():
-        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
-        front.start()
-        try:
+        async with _serving(engine, **ONE_PER_TURN) as front:
             running = await _running(front)
             wide = RequestStream("wide", 40)
             add = asyncio.ensure_future(front.add(wide, [[4] * 6], [_params(2)] * 40))
@@ -338,8 +330,6 @@ def test_a_query_is_answered_while_a_large_add_goes_in(engine):
             assert not add.done()
             await asyncio.wait_for(add, 60)
             front.abort(running.engine_ids)
-        finally:
-            await _stopped(front)
 
     asyncio.run(main())
 
@@ -366,9 +356,7 @@ def test_an_add_the_engine_would_refuse_is_refused_before_any_of_it_runs(engine)
     prompt's choices running (and finishing) before the refusal: checked whole first."""
 
     async def main():
-        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
-        front.start()
-        try:
+        async with _serving(engine, **ONE_PER_TURN) as front:
             running = await _running(front)
             mixed = RequestStream("mixed", 8)
             with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, "):
@@ -379,8 +367,6 @@ def test_an_add_the_engine_would_refuse_is_refused_before_any_of_it_runs(engine)
             assert mixed.get_nowait() is None
             assert front.stats.num_running_reqs == 1 and not front._unapplied
             front.abort(running.engine_ids)
-        finally:
-            await _stopped(front)
 
     asyncio.run(main())
 
@@ -390,9 +376,7 @@ def test_many_small_adds_share_the_slice(engine):
     goes in per loop turn, so 20 of them take at least 10 steps while a request runs."""
 
     async def main():
-        front = AsyncEngine(engine, add_slice_s=0.0, add_slice_steps=0.0)
-        front.start()
-        try:
+        async with _serving(engine, **ONE_PER_TURN) as front:
             running = await _running(front)
             streams = [RequestStream(f"small{i}", 1) for i in range(20)]
             before = front.num_steps
@@ -404,8 +388,6 @@ def test_many_small_adds_share_the_slice(engine):
                 assert items[-1].finish_reason == "length"
             front.abort(running.engine_ids)
             return steps
-        finally:
-            await _stopped(front)
 
     assert asyncio.run(main()) >= 10
 
