@@ -42,8 +42,7 @@ variant's compile instead of launching.
 
 from __future__ import annotations
 
-import functools
-import operator
+import math
 import os
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -58,7 +57,7 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # Bound once: each is read per launch (an import statement in the launch cost ~1 us).
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 _data_ptr = torch.Tensor.data_ptr
-_or_all = functools.partial(functools.reduce, operator.or_)
+_gcd = math.gcd
 
 
 def fast_launch_enabled() -> bool:
@@ -196,28 +195,35 @@ class LaunchCache:
             self.kernel[grid](*tensors, *scalars, *fixed, **constexprs)
             return
         addresses = tuple(map(_data_ptr, tensors))
-        # Triton specializes a tensor on 16-byte alignment: all aligned (the usual case)
-        # is one key, any other mix its own.
-        aligned = (True if not _or_all(addresses) & 15
+        # Triton specializes a tensor on 16-byte alignment: all aligned (the usual case:
+        # 16 divides their gcd) is one key, any other mix its own.
+        aligned = (True if not _gcd(*addresses) & 15
                    else tuple([address % 16 == 0 for address in addresses]))
-        device = _driver.active.get_current_device()
+        active = _driver.active
+        device = active.get_current_device()
         entry = self._planned.get((plan, device, aligned))
         if entry is None:
-            self.launch(grid, tensors, scalars, const_key, constexprs, fixed)
-            spec = specialization_key(tensors, scalars)
-            found = self._entries.get((device, const_key, spec))
-            if found is not None:
-                if len(self._planned) >= self.max_planned:
-                    del self._planned[next(iter(self._planned))]
-                launcher, function, packed_metadata, tail = found
-                self._planned[(plan, device, aligned)] = (launcher, function, packed_metadata,
-                                                          fixed + tail)
+            self._plan_launch(plan, device, aligned, grid, tensors, scalars, const_key,
+                              constexprs, fixed)
             return
         launcher, function, packed_metadata, fixed_tail = entry
-        launcher(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device), function,
+        launcher(grid[0], grid[1], grid[2], active.get_current_stream(device), function,
                  packed_metadata, None, None, None,
                  *(addresses if self.raw_pointers else tensors), *scalars, *fixed_tail)
         self.fast_launches += 1
+
+    def _plan_launch(self, plan, device, aligned, grid, tensors, scalars, const_key,
+                     constexprs, fixed) -> None:
+        """A (plan, device, alignment)'s first launch: through `launch`, then its entry."""
+        self.launch(grid, tensors, scalars, const_key, constexprs, fixed)
+        spec = specialization_key(tensors, scalars)
+        found = self._entries.get((device, const_key, spec))
+        if found is not None:
+            if len(self._planned) >= self.max_planned:
+                del self._planned[next(iter(self._planned))]
+            launcher, function, packed_metadata, tail = found
+            self._planned[(plan, device, aligned)] = (launcher, function, packed_metadata,
+                                                      fixed + tail)
 
 
 class PlanCache(dict):
