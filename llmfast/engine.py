@@ -90,6 +90,10 @@ class _Tracked:
     # Streams, and asks for no stop strings and no logprobs: a running request's decode
     # step takes _process_updates' short path.
     plain: bool = False
+    # The outputs' prompt_token_ids: a list made at the first output and shared by the
+    # later ones (the request keeps a tuple, which the collector does not walk: a
+    # waiting request holds no list of its prompt).
+    prompt_ids: list[int] | None = None
 
 
 class LLMEngine:
@@ -516,10 +520,13 @@ class LLMEngine:
             delta,  # delta_text
             new_ids,  # delta_token_ids
         )
+        prompt_ids = tracked.prompt_ids
+        if prompt_ids is None:
+            prompt_ids = tracked.prompt_ids = list(request.prompt_token_ids)
         return RequestOutput(
             request.request_id,
             tracked.prompt,
-            request.prompt_token_ids,
+            prompt_ids,
             [completion],
             finished,
             tracked.metrics,

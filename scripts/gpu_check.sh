@@ -95,7 +95,8 @@
 #   defaults      300/330    throughput (512 prompts, max_num_seqs 512) at the CUDA default
 #                            token budget, 16384 and 2048 (#18: defaults decided by
 #                            measurement: the default within 5 % of the best)
-#   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf
+#   serve         250/400    llmfast serve under load, rates 4, 16, 64, inf (or
+#                            GPU_CHECK_SERVE_RATES, e.g. 64,inf: ~60 s less than 4 and 16)
 #   serve_procs   300/540    llmfast serve --api-servers 0, 1, 2 under the same load (512
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
@@ -290,7 +291,7 @@ else
     SERVE_PROCS_ARGS=(--num-prompts 512 --input-len 128 --output-len 128 --vocab-size 32000
                       --request-rate inf)
     SERVE_ARGS=(--num-prompts 256 --input-len 256 --output-len 128 --vocab-size 32000
-                --request-rate 4,16,64,inf)
+                --request-rate "${GPU_CHECK_SERVE_RATES:-4,16,64,inf}")
     PRESET_ARGS=(--max-model-len 1024 --sizes 1,64 --context 512 --modes graphs
                  --cuda-graph-sizes 1,64)
     EXECUTOR_ARGS=(--device cuda --configs uni:1,mp:1,mp-2msg:1 --sizes 1,64)
@@ -545,7 +546,8 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                     --json "$OUT/defaults_$budget.json"
             done ;;
         serve)
-            run_step serve 250 400 bash -c 'out=$1 model=$2 dtype=$3; shift 3
+            run_step serve "$([[ -n ${GPU_CHECK_SERVE_RATES:-} ]] && echo 120 || echo 250)" 400 \
+                bash -c 'out=$1 model=$2 dtype=$3; shift 3
                 dev=(); [[ $1 == --device ]] && { dev=("$1" "$2"); shift 2; }
                 python3 -m llmfast serve --model "$model" --dtype "$dtype" "${dev[@]}" \
                     --port 8011 > "$out/serve-server.log" 2>&1 &

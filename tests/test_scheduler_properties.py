@@ -247,7 +247,7 @@ def run_workload(
             if rid in sched.requests:
                 req = sched.requests[rid]
                 known = req.all_token_ids
-                assert st_["tokens"][: len(known)] == known
+                assert st_["tokens"][: len(known)] == list(known)
                 # The tokens the scheduler has not seen yet are its placeholders.
                 assert len(st_["tokens"]) - len(known) <= req.num_output_placeholders
 
