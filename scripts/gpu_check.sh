@@ -100,6 +100,12 @@
 #   serve_procs   300/540    llmfast serve --api-servers 0, 1, 2 under the same load (512
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
+#   serve_gil     120/330    llmfast serve (--api-servers 0) under 256 streams at once, at
+#                            Python's 5 ms GIL switch interval and at llmfast's 0.5 ms
+#                            (serve/switch_interval.py, session 25: on 2026-11-27 a 2.3 ms
+#                            decode step at batch 256 came out as 18.4 ms per token through
+#                            the server; a synthetic step beside a busy thread: 12.6 ms at
+#                            5 ms, 3.5 ms at 0.5)   [unmeasured]
 #   serve_stall    90/240    scripts/bench_serve_stall.py (the 1B, CUDA graphs, max-num-seqs
 #                            256): a streaming request's gaps while a 400k-character prompt
 #                            is tokenised and while 2000 x n=50 engine requests go in
@@ -187,6 +193,8 @@
 #        `skipped` = the steps the previous call of this machine skipped (a file under
 #        /tmp)
 #   3. with what is left (no machine starts with < 4 min left; use it while warm):
+#        `serve_gil` first (session 25's GIL switch interval for the server: the server
+#        was host-bound on the H100, 18.4 ms a token at 256 streams), then
 #        `kernels64`, `async_tests`, `tests`, `fp8 kvfp8`, `families`,
 #        `serve_stall` (session 24's tokenising thread and sliced adds, on the GPU's
 #        2-5 ms steps), `serve_procs serve`, as time allows.
@@ -221,7 +229,7 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 # $LLMFAST_CACHE for the steps after it on the same machine), else the fixed heuristic.
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
-kernels64 families defaults serve serve_procs serve_stall presets executor tp fp8 kvfp8 diag
+kernels64 families defaults serve serve_procs serve_stall serve_gil presets executor tp fp8 kvfp8 diag
 decode_configs install_splits kernels_table startup_profile startup_thin startup_serial"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels install_splits kernels_table startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
@@ -259,6 +267,8 @@ if [[ $DRY == 1 ]]; then  # the same commands, CPU-sized
                       --request-rate inf)
     SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --vocab-size 512
                 --request-rate 4,inf)
+    SERVE_GIL_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --vocab-size 512
+                    --request-rate inf)
     PRESET_ARGS=(--sizes 1,2 --context 16 --modes eager --steps 4)
     PRESETS="tiny"
     EXECUTOR_ARGS=(--configs uni:1,mp:1 --sizes 1,2 --steps 8 --repeats 1)
@@ -292,6 +302,8 @@ else
                       --request-rate inf)
     SERVE_ARGS=(--num-prompts 256 --input-len 256 --output-len 128 --vocab-size 32000
                 --request-rate "${GPU_CHECK_SERVE_RATES:-4,16,64,inf}")
+    SERVE_GIL_ARGS=(--num-prompts 256 --input-len 256 --output-len 128 --vocab-size 32000
+                    --request-rate inf)
     PRESET_ARGS=(--max-model-len 1024 --sizes 1,64 --context 512 --modes graphs
                  --cuda-graph-sizes 1,64)
     EXECUTOR_ARGS=(--device cuda --configs uni:1,mp:1,mp-2msg:1 --sizes 1,64)
@@ -569,6 +581,15 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                     --serve-args "--dtype $dtype ${dev[*]}" "$@" \
                     --json "$out/serve_procs.json"' _ "$OUT" "$MODEL" "$DTYPE" \
                 "${DEV[@]}" "${SERVE_PROCS_ARGS[@]}" ;;
+        serve_gil)  # the server at Python's 5 ms GIL switch interval, then at llmfast's
+            run_step serve_gil 120 330 bash -c 'out=$1 model=$2 dtype=$3; shift 3
+                dev=(); [[ $1 == --device ]] && { dev=("$1" "$2"); shift 2; }
+                for ms in 5 0.5; do
+                    echo "## LLMFAST_SWITCH_INTERVAL_MS=$ms"
+                    LLMFAST_SWITCH_INTERVAL_MS=$ms python3 scripts/bench_serve.py \
+                        --launch "$model" --serve-args "--dtype $dtype ${dev[*]}" "$@" \
+                        --json "$out/serve_gil_$ms.json" || exit
+                done' _ "$OUT" "$MODEL" "$DTYPE" "${DEV[@]}" "${SERVE_GIL_ARGS[@]}" ;;
         serve_stall)  # the engine loop's stall while a long prompt / 100k choices go in
             run_step serve_stall 90 240 python3 scripts/bench_serve_stall.py --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" --max-num-seqs 256 --prompts 2000 --n 50 \

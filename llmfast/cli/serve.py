@@ -51,6 +51,7 @@ def serve(
     from llmfast.serve.api.app import ServeConfig
     from llmfast.serve.server import bind
     from llmfast.serve.server import serve as run_server
+    from llmfast.serve.switch_interval import serving_switch_interval
 
     if model_arg is not None:
         if opts.model is not None and opts.model != model_arg:
@@ -73,6 +74,10 @@ def serve(
         max_body = parse_bytes(max_body_size)
     except FlagValueError as e:
         raise typer.BadParameter(str(e), param_hint="'--max-body-size'") from None
+    try:  # a bad variable fails before the slow start
+        serving_switch_interval("cpu")  # (the device does not change what it checks)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="environment") from None
     sock = bind(host, port)  # before the slow start: a taken port fails at once
     err = stderr_console()
     llm = load_llm(opts, err)

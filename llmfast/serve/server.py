@@ -15,6 +15,7 @@ import uvicorn
 from llmfast.engine import LLMEngine
 from llmfast.serve.api.app import ServeConfig, build_app
 from llmfast.serve.engine_loop import AsyncEngine
+from llmfast.serve.switch_interval import serving_switch_interval, switch_interval
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +50,17 @@ def serve(engine: LLMEngine, sock: socket.socket, config: ServeConfig, *,
     """Serve until SIGTERM / Ctrl-C. With `api_servers` = 0 the HTTP server runs in this
     process, the engine on a thread of it (uvicorn re-raises the signal after a clean
     stop); with N > 0 the engine loop runs here and N processes serve HTTP
-    (engine_host.py)."""
-    if api_servers > 0:
-        from llmfast.serve.engine_host import serve_with_api_processes
+    (engine_host.py). Meanwhile a thread waiting for the GIL gets it sooner
+    (switch_interval.py: the engine's step would otherwise wait for busy handlers)."""
+    with switch_interval(serving_switch_interval(engine.config.device)):
+        if api_servers > 0:
+            from llmfast.serve.engine_host import serve_with_api_processes
 
-        serve_with_api_processes(engine, sock, config, api_servers, access_log=access_log)
-        return
-    front = AsyncEngine(engine)
-    app = build_app(front, config)
-    uv_config = uvicorn.Config(app, log_level="info", access_log=access_log,
-                               timeout_graceful_shutdown=10, lifespan="on")
-    _Server(uv_config, front).run(sockets=[sock])
+            serve_with_api_processes(engine, sock, config, api_servers,
+                                     access_log=access_log)
+            return
+        front = AsyncEngine(engine)
+        app = build_app(front, config)
+        uv_config = uvicorn.Config(app, log_level="info", access_log=access_log,
+                                   timeout_graceful_shutdown=10, lifespan="on")
+        _Server(uv_config, front).run(sockets=[sock])

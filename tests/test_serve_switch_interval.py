@@ -1,0 +1,83 @@
+"""The GIL switch interval while the server runs (serve/switch_interval.py): set for the
+server's life, restored after, overridable, and a bad override is a one-line error."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from llmfast.serve import server as server_module
+from llmfast.serve.switch_interval import (
+    ENV,
+    SERVE_SWITCH_INTERVAL_S,
+    serving_switch_interval,
+    switch_interval,
+)
+from tests.helpers.cli import assert_one_line_error, invoke
+
+
+def test_default_by_device_and_override(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert serving_switch_interval("cuda") == SERVE_SWITCH_INTERVAL_S
+    assert serving_switch_interval("cuda:1") == SERVE_SWITCH_INTERVAL_S
+    assert serving_switch_interval("cpu") is None  # Python's own stays
+    monkeypatch.setenv(ENV, " 2 ")
+    assert serving_switch_interval("cuda") == pytest.approx(0.002)
+    assert serving_switch_interval("cpu") == pytest.approx(0.002)
+    monkeypatch.setenv(ENV, "")
+    assert serving_switch_interval("cuda") == SERVE_SWITCH_INTERVAL_S
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "abc", "nan", "inf", "5000"])
+def test_a_bad_override_names_the_variable(monkeypatch, bad):
+    monkeypatch.setenv(ENV, bad)
+    with pytest.raises(ValueError, match=ENV):
+        serving_switch_interval("cuda")
+
+
+def test_the_previous_interval_comes_back_even_after_an_error():
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError), switch_interval(0.001):
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+        raise RuntimeError
+    assert sys.getswitchinterval() == before
+    with switch_interval(None):
+        assert sys.getswitchinterval() == before
+
+
+class _Engine:
+    def __init__(self, device: str) -> None:
+        self.config = type("Config", (), {"device": device})()
+
+
+@pytest.mark.parametrize("api_servers", [0, 1])
+def test_serve_runs_under_the_interval_and_restores_it(monkeypatch, api_servers):
+    # The server itself is replaced by a recorder of the interval it runs under; the
+    # engine is not needed for that (nor built).
+    seen = []
+    monkeypatch.setattr(server_module._Server, "run",
+                        lambda self, sockets: seen.append(sys.getswitchinterval()))
+    monkeypatch.setattr(server_module, "AsyncEngine", lambda engine: object())
+    monkeypatch.setattr(server_module, "build_app", lambda front, config: object())
+    from llmfast.serve import engine_host
+    monkeypatch.setattr(engine_host, "serve_with_api_processes",
+                        lambda *a, **k: seen.append(sys.getswitchinterval()))
+    before = sys.getswitchinterval()
+    monkeypatch.delenv(ENV, raising=False)
+    with socket.socket() as sock:
+        server_module.serve(_Engine("cuda:0"), sock, None, api_servers=api_servers)
+        server_module.serve(_Engine("cpu"), sock, None, api_servers=api_servers)
+        monkeypatch.setenv(ENV, "0.25")
+        server_module.serve(_Engine("cpu"), sock, None, api_servers=api_servers)
+    assert seen == [pytest.approx(SERVE_SWITCH_INTERVAL_S), before, pytest.approx(0.00025)]
+    assert sys.getswitchinterval() == before
+
+
+def test_the_cli_refuses_a_bad_override_before_loading(monkeypatch):
+    monkeypatch.setenv(ENV, "fast")
+    result = invoke("serve", "--model", "/nonexistent/model", "--device", "cpu",
+                    "--port", "0")
+    assert_one_line_error(result, ENV)
+
