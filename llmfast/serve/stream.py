@@ -76,6 +76,45 @@ class ChoiceDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
+def merge_deltas(first: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
+    """One delta for two consecutive ones of the same choice: what both together did
+    (their text and logprobs joined, the later's counts and finish). A client reading a
+    lagging stream gets one chunk of several tokens instead of one per token, as vLLM
+    merges the outputs its API side has not taken yet."""
+    logprobs = None
+    if first.logprobs is not None or later.logprobs is not None:
+        logprobs = (first.logprobs or ()) + (later.logprobs or ())
+    return ChoiceDelta(
+        index=later.index,
+        text=first.text + later.text,
+        num_new_tokens=first.num_new_tokens + later.num_new_tokens,
+        num_output_tokens=later.num_output_tokens,
+        num_cached_tokens=later.num_cached_tokens,
+        logprobs=logprobs,
+        finish_reason=later.finish_reason,
+        stop_reason=later.stop_reason,
+        prompt_logprobs=(first.prompt_logprobs if first.prompt_logprobs is not None
+                         else later.prompt_logprobs),
+    )
+
+
+def merged_in_order(items: list[ChoiceDelta | StreamError]
+                    ) -> list[ChoiceDelta | StreamError]:
+    """`items` with each run of consecutive deltas of one choice merged into one (an
+    error, or another choice's delta, ends a run; the order is kept).
+
+    E.g. [c0 "a", c0 "b", c1 "x", c0 "c", error] -> [c0 "ab", c1 "x", c0 "c", error]."""
+    out: list[ChoiceDelta | StreamError] = []
+    for item in items:
+        last = out[-1] if out else None
+        if (isinstance(item, ChoiceDelta) and isinstance(last, ChoiceDelta)
+                and last.index == item.index and last.finish_reason is None):
+            out[-1] = merge_deltas(last, item)
+        else:
+            out.append(item)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class StreamError:
     """The engine cannot finish this request (shutdown, an internal failure)."""
@@ -132,6 +171,13 @@ class RequestStream:
             return self._queue.get_nowait()
         except asyncio.QueueEmpty:
             return None
+
+    async def get_ready(self) -> list[ChoiceDelta | StreamError]:
+        """The next item (waiting for it), and every item queued behind it now."""
+        items = [await self._queue.get()]
+        while (item := self.get_nowait()) is not None:
+            items.append(item)
+        return items
 
 
 def check_open(front: EngineFront) -> None:

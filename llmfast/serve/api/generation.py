@@ -25,6 +25,7 @@ from llmfast.serve.stream import (
     PreparedPrompt,
     RequestStream,
     StreamError,
+    merged_in_order,
 )
 from llmfast.utils.errors import one_line
 
@@ -118,21 +119,23 @@ async def _events(front: EngineFront, metrics: ServerMetrics, rs: RequestStream,
                   builder: ResponseBuilder, tracker: RequestTracker,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE text. Deltas that queued up while the client was being written to go out in
-    one write. Cancelled when the client disconnects; the finally aborts."""
+    one write, those of one choice merged into one chunk (`merged_in_order`): a lagging
+    stream costs a chunk per choice and write, not one per token. Cancelled when the
+    client disconnects; the finally aborts."""
     try:
         head = "".join(event(c) for c in builder.first_chunks())
         if head:
             yield head
         while not builder.done:
-            item = await rs.get()
             parts = []
-            while item is not None:
+            for item in merged_in_order(await rs.get_ready()):
                 if isinstance(item, StreamError):
                     yield "".join(parts) + event(error_body(item.message, item.status)) + DONE
                     return
                 tracker.on_delta(item)
                 parts.append(event(builder.chunk(item)))
-                item = None if builder.done else rs.get_nowait()
+                if builder.done:
+                    break
             yield "".join(parts)
         yield (event(builder.usage_chunk()) if include_usage else "") + DONE
     finally:
