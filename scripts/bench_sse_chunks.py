@@ -63,7 +63,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|")
     for lag in (int(x) for x in args.lags.split(",")):
         figures = {}
-        for name, merge in (("per delta", lambda items: items), ("merged", merged)):
+        for name, merge in (("per delta", lambda items, *_: items), ("merged", merged)):
             generation.merged_in_order = merge
             figures[name] = statistics.median(
                 asyncio.run(_drain(args.streams, lag, args.rounds)) * 1e6

@@ -62,10 +62,19 @@ def test_merging_keeps_what_each_choice_did():
             assert all(d.finish_reason is None for d in got[:-1])
             if mine[0].logprobs is not None:
                 assert sum((d.logprobs for d in got), ()) == sum((d.logprobs for d in mine), ())
-        # Runs only: two merged neighbours are never of the same choice (unless the
-        # first had finished).
-        for a, b in zip(merged, merged[1:]):
-            assert a.index != b.index or a.finish_reason is not None
+        # One delta per choice (nothing finishes early, no error in between).
+        assert sorted(d.index for d in merged) == sorted({d.index for d in items})
+        # Without merging logprobs, deltas that carry them stay as they are.
+        if items[0].logprobs is not None:
+            assert merged_in_order(items, with_logprobs=False) == items
+
+
+def test_interleaved_choices_merge_each_into_its_first_place():
+    items = [_delta(0, "a", 1), _delta(1, "x", 1), _delta(0, "b", 2),
+             _delta(1, "y", 2, finish="stop"), _delta(0, "c", 3)]
+    merged = merged_in_order(items)
+    assert [(d.index, d.text, d.finish_reason) for d in merged] == [
+        (0, "abc", None), (1, "xy", "stop")]
 
 
 def test_an_error_ends_a_run_and_keeps_its_place():
@@ -116,20 +125,36 @@ class _Metrics:  # read only when a stream ends early (it does not here)
     pass
 
 
-def test_a_lagging_completion_stream_gets_one_chunk_per_choice_run():
+def test_a_lagging_completion_stream_gets_one_chunk_per_choice():
     rng = random.Random(1)
-    items = _random_stream(rng, 2, 5, with_logprobs=True)
-    _, chunks = _sse("completion", items, n=2, want_logprobs=True)
+    items = _random_stream(rng, 2, 5, with_logprobs=False)
+    _, chunks = _sse("completion", items, n=2)
     body, usage = chunks[:-1], chunks[-1]
-    assert len(body) == len(merged_in_order(items)) < len(items)
+    assert len(body) == 2 < len(items)
     for index in (0, 1):
         mine = [d for d in items if d.index == index]
-        got = [c["choices"][0] for c in body if c["choices"][0]["index"] == index]
-        assert "".join(c["text"] for c in got) == "".join(d.text for d in mine)
-        tokens = [t for c in got for t in c["logprobs"]["tokens"]]
-        assert tokens == [lp.token for d in mine for lp in d.logprobs]
-        assert got[-1]["finish_reason"] == "length"
+        (got,) = [c["choices"][0] for c in body if c["choices"][0]["index"] == index]
+        assert got["text"] == "".join(d.text for d in mine)
+        assert got["finish_reason"] == "length"
     assert usage["usage"]["completion_tokens"] == 10
+
+
+def test_completion_logprobs_keep_each_tokens_text_offset():
+    # Byte tokens of one character: each token's own text is U+FFFD, the streamed text
+    # comes with the last; offsets must follow the streamed text, as delta by delta.
+    def lp(i, token):
+        return (TokenLogprob(token, i, -1.0, ((token, i, -1.0),)),)
+
+    items = [_delta(0, "", 1, logprobs=lp(1, "\ufffd")),
+             _delta(0, "", 2, logprobs=lp(2, "\ufffd")),
+             _delta(0, "\u20ac", 3, logprobs=lp(3, "\ufffd")),
+             _delta(0, "!", 4, finish="length", logprobs=lp(4, "!"))]
+    _, chunks = _sse("completion", items, want_logprobs=True)
+    body = chunks[:-1]
+    assert len(body) == len(items)  # not merged
+    offsets = [o for c in body for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [0, 0, 0, 1]
+    assert "".join(c["choices"][0]["text"] for c in body) == "\u20ac!"
 
 
 def test_a_lagging_chat_stream_joins_content():

@@ -169,7 +169,7 @@ def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
 
     prepared, items = asyncio.run(main())
     assert gate.threads == ["llmfast-tokenize"]
-    assert prepared[0].token_ids == engine.tokenizer.encode(GATED)
+    assert list(prepared[0].token_ids) == engine.tokenizer.encode(GATED)
     assert "".join(d.text for d in items) == want
     assert items[-1].finish_reason == "length" and items[-1].num_output_tokens == 6
 

@@ -47,6 +47,19 @@ def test_the_previous_interval_comes_back_even_after_an_error():
         assert sys.getswitchinterval() == before
 
 
+def test_overlapping_holds_restore_the_first_value_whatever_order_they_end():
+    # Two servers on two threads: the first to start saw Python's value; the last to
+    # end puts it back, even when the first ends first.
+    before = sys.getswitchinterval()
+    first, second = switch_interval(0.001), switch_interval(0.0005)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)  # the second still serves
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
+
+
 class _Engine:
     def __init__(self, device: str) -> None:
         self.config = type("Config", (), {"device": device})()

@@ -269,10 +269,10 @@ class _PromptRules:
             if self.tokenizer is None:
                 raise ValueError(f"model {self._model_name} has no tokenizer, so it has no "
                                  "chat template; use /v1/completions with token ids")
-            return PreparedPrompt(None, self.tokenizer.apply_chat_template(
-                list(prompt.messages), template_kwargs=dict(prompt.template_kwargs)))
+            return PreparedPrompt(None, tuple(self.tokenizer.apply_chat_template(
+                list(prompt.messages), template_kwargs=dict(prompt.template_kwargs))))
         text, ids = self._tokenize(prompt)
-        return PreparedPrompt(text, ids)
+        return PreparedPrompt(text, tuple(ids))
 
     def _check_length(self, prompt: PromptInput, prepared: PreparedPrompt, max_tokens: int
                       ) -> None:

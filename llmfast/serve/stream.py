@@ -48,7 +48,10 @@ PromptInput = str | list[int] | ChatPrompt
 @dataclass(frozen=True, slots=True)
 class PreparedPrompt:
     text: str | None
-    token_ids: list[int]
+    # A tuple: the HTTP side keeps it for the request's life (usage, echo), and the
+    # collector stops tracking a tuple of ints (a list's elements it walks every full
+    # collection: core/request.py's module doc).
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,20 +101,31 @@ def merge_deltas(first: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
     )
 
 
-def merged_in_order(items: list[ChoiceDelta | StreamError]
+def merged_in_order(items: list[ChoiceDelta | StreamError], with_logprobs: bool = True
                     ) -> list[ChoiceDelta | StreamError]:
-    """`items` with each run of consecutive deltas of one choice merged into one (an
-    error, or another choice's delta, ends a run; the order is kept).
+    """`items` with the deltas of each choice merged into its first one's place (each
+    choice's own order kept; a choice's finished delta takes no more; an error keeps its
+    place, and nothing before it merges with anything after it). `with_logprobs=False`:
+    deltas that carry logprobs are not merged (a completion's logprobs give each token's
+    text offset, which only the delta-by-delta text gives right).
 
-    E.g. [c0 "a", c0 "b", c1 "x", c0 "c", error] -> [c0 "ab", c1 "x", c0 "c", error]."""
+    E.g. [c0 "a", c1 "x", c0 "b", error, c0 "c"] -> [c0 "ab", c1 "x", error, c0 "c"]."""
     out: list[ChoiceDelta | StreamError] = []
+    open_at: dict[int, int] = {}  # choice index -> its delta's place in `out`
     for item in items:
-        last = out[-1] if out else None
-        if (isinstance(item, ChoiceDelta) and isinstance(last, ChoiceDelta)
-                and last.index == item.index and last.finish_reason is None):
-            out[-1] = merge_deltas(last, item)
-        else:
+        if isinstance(item, StreamError):
+            open_at.clear()
             out.append(item)
+            continue
+        at = open_at.get(item.index)
+        if at is not None and (with_logprobs or (out[at].logprobs is None
+                                                 and item.logprobs is None)):
+            out[at] = merge_deltas(out[at], item)
+        else:
+            open_at[item.index] = len(out)
+            out.append(item)
+        if out[open_at[item.index]].finish_reason is not None:
+            del open_at[item.index]
     return out
 
 

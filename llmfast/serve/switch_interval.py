@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 from collections.abc import Iterator
 
 SERVE_SWITCH_INTERVAL_S = 0.0005
@@ -46,16 +47,29 @@ def serving_switch_interval(device: str) -> float | None:
     return ms / 1000
 
 
+_lock = threading.Lock()
+_holders = 0
+_previous = 0.0
+
+
 @contextlib.contextmanager
 def switch_interval(seconds: float | None) -> Iterator[None]:
-    """`sys.setswitchinterval(seconds)` for the block (None: as it is); the previous
-    value after it."""
+    """`sys.setswitchinterval(seconds)` for the block (None: as it is). The value before
+    the first of overlapping blocks (servers on several threads) comes back when the
+    last one ends, whatever order they end in."""
+    global _holders, _previous
     if seconds is None:
         yield
         return
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
+    with _lock:
+        if _holders == 0:
+            _previous = sys.getswitchinterval()
+        _holders += 1
+        sys.setswitchinterval(seconds)
     try:
         yield
     finally:
-        sys.setswitchinterval(previous)
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                sys.setswitchinterval(_previous)

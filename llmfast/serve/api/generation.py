@@ -119,16 +119,19 @@ async def _events(front: EngineFront, metrics: ServerMetrics, rs: RequestStream,
                   builder: ResponseBuilder, tracker: RequestTracker,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE text. Deltas that queued up while the client was being written to go out in
-    one write, those of one choice merged into one chunk (`merged_in_order`): a lagging
-    stream costs a chunk per choice and write, not one per token. Cancelled when the
+    one write, those of one choice merged into one chunk (`merged_in_order`; not a
+    completion's with logprobs): a lagging stream costs a chunk per choice and write,
+    not one per token. Cancelled when the
     client disconnects; the finally aborts."""
     try:
         head = "".join(event(c) for c in builder.first_chunks())
         if head:
             yield head
+        # A completion's logprobs carry text offsets: those deltas stay one chunk each.
+        merge_logprobs = not (builder.kind == "completion" and builder.want_logprobs)
         while not builder.done:
             parts = []
-            for item in merged_in_order(await rs.get_ready()):
+            for item in merged_in_order(await rs.get_ready(), merge_logprobs):
                 if isinstance(item, StreamError):
                     yield "".join(parts) + event(error_body(item.message, item.status)) + DONE
                     return
