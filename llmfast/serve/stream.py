@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from llmfast.core.scheduler import SchedulerStats
@@ -63,9 +63,12 @@ class TokenLogprob:
     rank: int | None = None  # prompt tokens: the token's rank (1 = the most likely)
 
 
-@dataclass(frozen=True, slots=True)
-class ChoiceDelta:
-    """What one step did for one choice of an HTTP request."""
+class ChoiceDelta(NamedTuple):
+    """What one step did for one choice of an HTTP request.
+
+    A named tuple rather than a frozen dataclass: the engine thread makes one per
+    streaming request and step (0.3 µs from positional arguments against 1.3 µs), and
+    it goes to the HTTP processes as the plain tuple it is."""
 
     index: int  # choice index in the response (prompt_index * n + sample_index)
     text: str  # new visible text
