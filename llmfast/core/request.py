@@ -13,9 +13,9 @@ the value in on the device). `all_token_ids` only ever holds known values.
 The prompt is a tuple and `all_token_ids` an `array('q')`: the cyclic garbage collector
 does not walk either (CPython stops tracking a tuple of ints at its first collection; an
 array holds no Python objects). A list would be walked element by element on every full
-collection: with 10 000 waiting requests of 1000-token prompts, two such lists each made a
-full collection take 124 ms on the CPU VM, against 22 ms without the prompts' elements
-(profiles/cpu-2026-11-27f-session25.md).
+collection: with 10 000 waiting requests of 1000-token prompts, a full collection took
+149 ms on the CPU VM with two such lists each, 16 ms now
+(scripts/bench_request_gc.py; profiles/cpu-2026-11-27f-session25.md).
 """
 
 from __future__ import annotations

@@ -185,8 +185,8 @@ class ProcessEngineLoop(EngineLoop):
     def _command(api: ApiProcess, message: tuple) -> AddCommand | QueryCommand | AbortCommand:
         if message[0] == "add":
             _, call_id, request_id, engine_ids, prompts, params, with_text, check = message
-            return AddCommand(_RemoteStream(api.index, request_id, engine_ids), prompts, params,
-                        (api.index, call_id), with_text, check)
+            return AddCommand(_RemoteStream(api.index, request_id, engine_ids), prompts,
+                              params, (api.index, call_id), with_text, check)
         if message[0] == "query":
             return QueryCommand(message[2], (api.index, message[1]))
         if message[0] == "abort":

@@ -239,12 +239,11 @@ class EngineLoop:
 
     def _apply_prepared(self) -> None:
         """Answer the prepared queries, then apply the prepared adds in the order they
-        were prepared. While
-        requests are running, adding stops once a slice is spent (`add_slice_s`, or
-        `add_slice_steps` of the last step's time if longer; at least one request goes
-        in): the rest follows after the next step, so an add of thousands of choices, or
-        a burst of adds, delays the running requests by a slice per step, not all at
-        once."""
+        were prepared. While requests are running, adding stops once a slice is spent
+        (`add_slice_s`, or `add_slice_steps` of the last step's time if longer; at least
+        one request goes in): the rest follows after the next step, so an add of
+        thousands of choices, or a burst of adds, delays the running requests by a slice
+        per step, not all at once."""
         while (ready := self._preparer.take_query()) is not None:  # cheap: never waits
             self._answer(ready.command, ready.result, ready.error)
         deadline = math.inf

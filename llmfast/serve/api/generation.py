@@ -121,8 +121,7 @@ async def _events(front: EngineFront, metrics: ServerMetrics, rs: RequestStream,
     """SSE text. Deltas that queued up while the client was being written to go out in
     one write, those of one choice merged into one chunk (`merged_in_order`; not a
     completion's with logprobs): a lagging stream costs a chunk per choice and write,
-    not one per token. Cancelled when the
-    client disconnects; the finally aborts."""
+    not one per token. Cancelled when the client disconnects; the finally aborts."""
     try:
         head = "".join(event(c) for c in builder.first_chunks())
         if head:
