@@ -91,6 +91,14 @@
 #                            4 made no difference) at the full graph's launch, head dim
 #                            64 (B=1,8,64 x 140..8k) and 128 (B=1,8 x 512, 8k); its last
 #                            line says whether DECODE_ONE_KV_LOOP should be on
+#   decode_tiles  150/330    scripts/sweep_decode_configs.py at head dim 128, B=1,8,64 x
+#                            2k/8k: warps 4/8 x stages 2-5 x BLOCK_N 64/128 x KV splits
+#                            1-16, graph-replayed (#17: what the B=8 8k and B=64 2k rows,
+#                            78 % and 87 % of copy bandwidth on 2026-11-27, can reach)
+#   launch_host    30/120    scripts/bench_launch_device.py: an eager attention call's host
+#                            us layer by layer (op, launch_planned, CudaLauncher.__call__,
+#                            the C launch called directly: session 26), beside a torch
+#                            one-element kernel and SDPA's flash decode (#17's eager rows)
 #   families      300/560    tests/test_families_gpu.py (#19)
 #   defaults      300/330    throughput (512 prompts, max_num_seqs 512) at the CUDA default
 #                            token budget, 16384 and 2048 (#18: defaults decided by
@@ -237,7 +245,8 @@ export LLMFAST_CACHE=${LLMFAST_CACHE:-/tmp/llmfast_cache}
 export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs serve_stall serve_gil presets executor tp fp8 kvfp8 diag
-decode_configs install_splits kernels_table startup_profile startup_thin startup_serial"
+decode_configs install_splits kernels_table startup_profile startup_thin startup_serial
+decode_tiles launch_host"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels install_splits kernels_table startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -507,6 +516,27 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                     python3 scripts/sweep_decode_configs.py --head-dim 128 --batches 1 8 \
                         --stages 3 --contexts 512 8192 --json "$1/decode_configs128.json"' \
                     _ "$OUT"
+            fi ;;
+        decode_tiles)  # warps x stages x BLOCK_N x split counts, head dim 128 (#17)
+            if [[ $DRY == 1 ]]; then
+                run_step decode_tiles 10 60 bash -c 'python3 scripts/sweep_decode_configs.py \
+                    --help | grep -q -- --warps && echo flags ok'
+            else
+                run_step decode_tiles 150 330 python3 scripts/sweep_decode_configs.py \
+                    --head-dim 128 --batches 1 8 64 --contexts 2048 8192 --block-n 64 128 \
+                    --stages 2 3 4 5 --warps 4 8 --min-split-tiles 2 --loops 1 \
+                    --splits 1 2 3 4 6 8 12 16 --iters 20 --json "$OUT/decode_tiles.json"
+            fi ;;
+        launch_host)  # where an eager attention call's host time goes (#17)
+            if [[ $DRY == 1 ]]; then
+                run_step launch_host 10 60 bash -c 'python3 scripts/bench_launch_device.py \
+                    --help | grep -q -- --context && echo flags ok'
+            else
+                run_step launch_host 30 120 bash -c 'set -e
+                    python3 scripts/bench_launch_device.py --batch 8 --context 2048 \
+                        --json "$1/launch_host_b8.json"
+                    python3 scripts/bench_launch_device.py --batch 1 --context 8192 \
+                        --json "$1/launch_host_b1.json"' _ "$OUT"
             fi ;;
         modes)
             run_step modes "$MODES_EST" 560 python3 scripts/bench_modes.py --model "$MODEL" \

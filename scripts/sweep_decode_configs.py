@@ -1,11 +1,10 @@
 """Sweep the decode attention launch configuration on a GPU: keys per tile (BLOCK_N),
-pipeline stages, the fused merge's minimum tiles per split, and one masked loop over the
-key tiles vs an unmasked bulk loop and a masked tail (`one_kv_loop`: keys L1 / L2), at
-the fixed launch a
-full CUDA graph uses (a block table --max-model-len wide, so the split count is the
-width's; the kernel sizes the splits for the live context). Graph-replayed, L2 flushed,
-median device µs; beside each shape the configuration `select_config` picks now and
-the best one measured (needs a CUDA GPU).
+pipeline stages, warps, KV splits, the fused merge's minimum tiles per split, and one
+masked loop over the key tiles vs an unmasked bulk loop and a masked tail
+(`one_kv_loop`: keys L1 / L2), at the fixed launch a full CUDA graph uses (a block table
+--max-model-len wide; the kernel sizes the splits for the live context). Graph-replayed,
+L2 flushed, median device µs; beside each shape the configuration `select_config` picks
+now and the best one measured (needs a CUDA GPU).
 
     python scripts/sweep_decode_configs.py --head-dim 64 --json decode_configs.json
 """
@@ -41,6 +40,9 @@ def main() -> None:
     p.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
     p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     p.add_argument("--min-split-tiles", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--warps", type=int, nargs="+", default=[4])
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="KV split counts to try (default: the one select_config picks)")
     p.add_argument("--loops", type=int, nargs="+", default=[2, 1], choices=[1, 2],
                    help="key-tile loops: 2 (unmasked bulk + masked tail) and/or 1")
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -74,10 +76,11 @@ def main() -> None:
         ref = torch.empty_like(out)
         attention.unified_attention(q, k_cache, v_cache, wide, qsl, seq_lens, hd**-0.5, ref)
         timings = {}
-        for block_n, stages, min_tiles, loops in itertools.product(
-                args.block_n, args.stages, args.min_split_tiles, args.loops):
+        for block_n, stages, min_tiles, loops, warps, splits in itertools.product(
+                args.block_n, args.stages, args.min_split_tiles, args.loops, args.warps,
+                args.splits or [chosen.num_splits]):
             cfg = replace(chosen, block_n=block_n, num_stages=stages, min_split_tiles=min_tiles,
-                          one_kv_loop=loops == 1)
+                          one_kv_loop=loops == 1, num_warps=warps, num_splits=splits)
             name = _key(cfg)
 
             def run(cfg=cfg):
@@ -95,7 +98,7 @@ def main() -> None:
         key_now = _key(chosen)
         best = min(timings, key=lambda c: timings[c]["us"])
         # The loop choice alone: each loop count's best over the other settings.
-        by_loops = {n: min((t["us"] for c, t in timings.items() if c.endswith(f"L{n}")),
+        by_loops = {n: min((t["us"] for c, t in timings.items() if f"/L{n}/" in c),
                            default=None) for n in (1, 2)}
         row = dict(batch=batch, ctx=ctx, splits=chosen.num_splits, chosen=asdict(chosen),
                    now=key_now, now_us=timings.get(key_now, {}).get("us"), best=best,
@@ -121,8 +124,10 @@ def main() -> None:
 
 
 def _key(cfg: attention.AttentionConfig) -> str:
+    """BLOCK_N/stages/min split tiles/L<loops>/w<warps>/s<splits>, e.g. 128/3/2/L1/w4/s4."""
     loops = 1 if cfg.one_kv_loop else 2
-    return f"{cfg.block_n}/{cfg.num_stages}/{cfg.min_split_tiles}/L{loops}"
+    return (f"{cfg.block_n}/{cfg.num_stages}/{cfg.min_split_tiles}/L{loops}/w{cfg.num_warps}"
+            f"/s{cfg.num_splits}")
 
 
 if __name__ == "__main__":

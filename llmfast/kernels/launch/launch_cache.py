@@ -36,14 +36,27 @@ those attributes, launch hooks registered by a profiler, pre-run hooks), every c
 the ordinary JIT path instead: slower, never wrong. `LLMFAST_TRITON_FAST_LAUNCH=0` (read
 at the first launch) or `cache.enabled = False` forces the JIT path (for A/B timing).
 
+Below that launcher, one more layer is skipped where it is known: Triton's
+`CudaLauncher.__call__` is Python (it builds two closures to allocate scratch memory,
+then forwards every argument to the C `launch` of the driver's module), ~0.8 us per call
+on the 2-core CPU VM. For a kernel that needs no scratch, its C `launch` is called
+directly with what `__call__` would pass (`_direct_form`): one argument layout for
+Triton 3.6 (a per-kernel launcher module, the arguments spread) and one for 3.7 (a
+generic launcher: argument annotations, the signature, the arguments as one tuple).
+Any other Triton, or a launcher that is not `CudaLauncher`, keeps the `__call__` path.
+`cache.direct_launch = False` (or LLMFAST_TRITON_FAST_LAUNCH=0) turns it off.
+
 While a start-up's dry launches run (launch/precompile.py), both methods submit the
 variant's compile instead of launching.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
+import sys
+import types
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -95,6 +108,50 @@ def _hooks_registered() -> bool:
     return False
 
 
+# Argument layouts of the C launch under CudaLauncher.__call__ (module docstring).
+_SPREAD = 1  # Triton 3.6: launch(gx, gy, gz, stream, function, coop, pdl, global_scratch,
+# profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)
+_PACKED = 2  # Triton 3.7: launch(gx, gy, gz, stream, function, coop, pdl, kernel_metadata,
+# launch_metadata, enter_hook, exit_hook, global_scratch, profile_scratch,
+# arg_annotations, kernel_signature, kernel_args)
+_CALL_36 = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+_CALL_37 = ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+            "launch_metadata", "launch_enter_hook", "launch_exit_hook", "args")
+
+
+def _direct_form(launcher: Any) -> tuple | None:
+    """(C launch, layout, cooperative grid, PDL, arg annotations, kernel signature) when
+    `launcher` is a Triton CudaLauncher whose `__call__` this module knows and whose
+    kernel needs no scratch memory; else None (the launcher is called as it is)."""
+    cls = type(launcher)
+    if cls.__name__ != "CudaLauncher" or not cls.__module__.startswith("triton.backends"):
+        return None
+    launch = getattr(launcher, "launch", None)
+    # A Python function is Triton's wrapper for tensor-descriptor arguments, not the C
+    # launch.
+    if launch is None or isinstance(launch, types.FunctionType):
+        return None
+    if (getattr(launcher, "global_scratch_size", 1) != 0
+            or getattr(launcher, "profile_scratch_size", 1) != 0):
+        return None
+    code = getattr(cls.__call__, "__code__", None)
+    if code is None or not code.co_flags & inspect.CO_VARARGS:
+        return None
+    params = code.co_varnames[:code.co_argcount + 1]  # (+1: the *args)
+    coop = getattr(launcher, "launch_cooperative_grid", None)
+    pdl = getattr(launcher, "launch_pdl", None)
+    if coop is None or pdl is None:
+        return None
+    module = sys.modules.get(cls.__module__)
+    if params == _CALL_36 and getattr(module, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO":
+        return (launch, _SPREAD, coop, pdl, None, None)
+    annotations = getattr(launcher, "arg_annotations", None)
+    signature = getattr(launcher, "kernel_signature", None)
+    if params == _CALL_37 and annotations is not None and signature is not None:
+        return (launch, _PACKED, coop, pdl, annotations, signature)
+    return None
+
+
 def _launcher_of(compiled: Any):
     """compiled.run when it looks like the launcher contract above, else None."""
     if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
@@ -126,9 +183,11 @@ class LaunchCache:
         self.fast_launches = 0
         names = [p.name for p in getattr(kernel, "params", [])]
         self._param_names = names
-        # (device, const_key, spec) -> (launcher, compiled, constexpr values in order)
+        # (device, const_key, spec) -> (launcher, function, packed metadata, constexpr
+        # values in order, direct form: `_direct_form`)
         self._entries: dict[Hashable, tuple] = {}
-        # (plan, device, alignment) -> (launcher, function, packed metadata, fixed + tail)
+        # (plan, device, alignment) -> (launcher, function, packed metadata, fixed + tail,
+        # direct form)
         self._planned: dict[Hashable, tuple] = {}
         self.max_planned = max_planned
         self._interpreted = not isinstance(kernel, triton.runtime.JITFunction)
@@ -136,6 +195,9 @@ class LaunchCache:
         # launch_planned passes the tensors' addresses (False: the tensors, for timing
         # what the launcher's own pointer checks cost: bench_kernels.py).
         self.raw_pointers = True
+        # Calls the C launch under Triton's CudaLauncher directly where it is known
+        # (module docstring; False: through CudaLauncher.__call__, for timing).
+        self.direct_launch = True
 
     def _jit_only(self) -> bool:
         """Whether this launch must take Triton's JIT path (see the module docstring)."""
@@ -168,12 +230,24 @@ class LaunchCache:
             if launcher is not None:
                 tail = tuple(constexprs[n] for n in self._param_names[len(args):])
                 self._entries[key] = (launcher, compiled.function, compiled.packed_metadata,
-                                      tail)
+                                      tail, _direct_form(launcher))
             return
-        launcher, function, packed_metadata, tail = entry
-        stream = _driver.active.get_current_stream(device)
-        launcher(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None,
-                 *args, *tail)
+        launcher, function, packed_metadata, tail, direct = entry
+        self._call(launcher, direct, grid, _driver.active.get_current_stream(device), function,
+                   packed_metadata, (*args, *tail))
+
+    def _call(self, launcher, direct, grid, stream, function, packed_metadata, args) -> None:
+        """One launch: the C launch under the launcher where `direct` knows it, else
+        the launcher (CudaLauncher.__call__), with the kernel's arguments `args`."""
+        if direct is None or not self.direct_launch:
+            launcher(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None,
+                     None, *args)
+        elif direct[1] == _SPREAD:
+            direct[0](grid[0], grid[1], grid[2], stream, function, direct[2], direct[3], None,
+                      None, packed_metadata, None, None, None, *args)
+        else:
+            direct[0](grid[0], grid[1], grid[2], stream, function, direct[2], direct[3],
+                      packed_metadata, None, None, None, None, None, direct[4], direct[5], args)
         self.fast_launches += 1
 
     def launch_planned(self, plan: Hashable, grid: tuple[int, int, int],
@@ -206,11 +280,10 @@ class LaunchCache:
             self._plan_launch(plan, device, aligned, grid, tensors, scalars, const_key,
                               constexprs, fixed)
             return
-        launcher, function, packed_metadata, fixed_tail = entry
-        launcher(grid[0], grid[1], grid[2], active.get_current_stream(device), function,
-                 packed_metadata, None, None, None,
-                 *(addresses if self.raw_pointers else tensors), *scalars, *fixed_tail)
-        self.fast_launches += 1
+        launcher, function, packed_metadata, fixed_tail, direct = entry
+        self._call(launcher, direct, grid, active.get_current_stream(device), function,
+                   packed_metadata,
+                   (*(addresses if self.raw_pointers else tensors), *scalars, *fixed_tail))
 
     def _plan_launch(self, plan, device, aligned, grid, tensors, scalars, const_key,
                      constexprs, fixed) -> None:
@@ -221,9 +294,9 @@ class LaunchCache:
         if found is not None:
             if len(self._planned) >= self.max_planned:
                 del self._planned[next(iter(self._planned))]
-            launcher, function, packed_metadata, tail = found
+            launcher, function, packed_metadata, tail, direct = found
             self._planned[(plan, device, aligned)] = (launcher, function, packed_metadata,
-                                                      fixed + tail)
+                                                      fixed + tail, direct)
 
 
 class PlanCache(dict):

@@ -13,7 +13,8 @@ No kernel runs; the interpreter (TRITON_INTERPRET=1) checks the numerics instead
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import triton
@@ -63,9 +64,13 @@ def _record(*args) -> None:
 
 
 @contextlib.contextmanager
-def offline_hopper(record_launches: bool = False) -> Iterator[list[tuple]]:
+def offline_hopper(record_launches: bool = False,
+                   launcher: Callable[[list[tuple]], Any] | None = None
+                   ) -> Iterator[list[tuple]]:
     """Within: Triton compiles for sm_90; with `record_launches`, launches are recorded
-    (the list yielded) instead of failing for want of a device."""
+    (the list yielded) instead of failing for want of a device. `launcher(launches)`:
+    what a compiled kernel's launcher is instead of the recorder (e.g. Triton's own
+    CudaLauncher with the C launch below it recording into `launches`)."""
     from triton.runtime.driver import driver
 
     launches: list[tuple] = []
@@ -75,7 +80,7 @@ def offline_hopper(record_launches: bool = False) -> Iterator[list[tuple]]:
         if self.module is not None:
             return
         self.module, self.function = "offline", id(self)  # any non-null handle
-        self._run = _record
+        self._run = _record if launcher is None else launcher(launches)
 
     previous = driver._active  # `driver.active` would try to create a real driver
     driver.set_active(HopperStandInDriver())
