@@ -95,6 +95,10 @@
 #                            2k/8k: warps 4/8 x stages 2-5 x BLOCK_N 64/128 x KV splits
 #                            1-16, graph-replayed (#17: what the B=8 8k and B=64 2k rows,
 #                            78 % and 87 % of copy bandwidth on 2026-11-27, can reach)
+#   decode_gap     60/200    scripts/bench_decode_gap.py: llmfast (paged, shuffled and in
+#                            order) vs SDPA flash decode over contiguous K/V, graph and
+#                            eager, after a writing and a reading L2 flush (#17: where
+#                            the B=8 8k gap to SDPA's kernel comes from)
 #   launch_host    30/120    scripts/bench_launch_device.py: an eager attention call's host
 #                            us layer by layer (op, launch_planned, CudaLauncher.__call__,
 #                            the C launch called directly: session 26), beside a torch
@@ -246,7 +250,7 @@ export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs serve_stall serve_gil presets executor tp fp8 kvfp8 diag
 decode_configs install_splits kernels_table startup_profile startup_thin startup_serial
-decode_tiles launch_host"
+decode_tiles launch_host decode_gap"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels install_splits kernels_table startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -526,6 +530,14 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                     --head-dim 128 --batches 1 8 64 --contexts 2048 8192 --block-n 64 128 \
                     --stages 2 3 4 5 --warps 4 8 --min-split-tiles 2 --loops 1 \
                     --splits 1 2 3 4 6 8 12 16 --iters 20 --json "$OUT/decode_tiles.json"
+            fi ;;
+        decode_gap)  # llmfast vs SDPA decode: paged vs in-order layout, L2 flush (#17)
+            if [[ $DRY == 1 ]]; then
+                run_step decode_gap 10 60 bash -c 'python3 scripts/bench_decode_gap.py \
+                    --help | grep -q -- --shapes && echo flags ok'
+            else
+                run_step decode_gap 60 200 python3 scripts/bench_decode_gap.py \
+                    --json "$OUT/decode_gap.json"
             fi ;;
         launch_host)  # where an eager attention call's host time goes (#17)
             if [[ $DRY == 1 ]]; then
