@@ -123,7 +123,6 @@ def main() -> None:
             print(f"| {name} | {row[f'{name} graph write']:.1f} | {g_r:.1f} | "
                   f"{gb / g_r * 1e6:.0f} | {row[f'{name} eager write']:.1f} | "
                   f"{row[f'{name} eager read']:.1f} |")
-        del k, v, k_cache, v_cache, k_s, v_s
     if args.json:
         args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(0),
                                              torch=torch.__version__, rows=rows), indent=1))
