@@ -325,6 +325,12 @@ def main() -> None:
         for b in best:
             lines.append(f"| {b['batch']} | {b['ctx']} | {b['chosen']} | {b['best']} | "
                          + " | ".join(f"{v:.1f}" for v in b["graph_us"].values()) + " |")
+        # The stage count the sweep ran at (this GPU's table's, if it names one): kept in
+        # the table it writes, whose split counts hold for it.
+        decode_stages = attention.select_config(
+            1, 1, heads, kv_heads, hd, args.block_size, 512, getattr(torch, args.dtype),
+            torch.cuda.get_device_properties(0).multi_processor_count,
+            attention._device_split_tables(torch.device("cuda", 0))).num_stages
         # Added to the file: a sweep of another head dim into it keeps this one.
         existing = (json.loads(args.sweep_splits.read_text())
                     if args.sweep_splits.is_file() else None)
@@ -332,7 +338,7 @@ def main() -> None:
             device=torch.cuda.get_device_name(0), torch=torch.__version__,
             num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
             dtype=args.dtype, heads=heads, kv_heads=kv_heads, head_dim=hd,
-            block_size=args.block_size, table=best)), indent=2))
+            block_size=args.block_size, num_stages=decode_stages, table=best)), indent=2))
     table = "\n".join(lines)
     print(table)
     if args.markdown:

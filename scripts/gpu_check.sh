@@ -95,6 +95,11 @@
 #                            2k/8k: warps 4/8 x stages 2-5 x BLOCK_N 64/128 x KV splits
 #                            1-16, graph-replayed (#17: what the B=8 8k and B=64 2k rows,
 #                            78 % and 87 % of copy bandwidth on 2026-11-27, can reach)
+#   decode_stages  40/200    sweep_decode_configs.py: decode pipeline stages 3 vs 5 (74 vs
+#                            140 KB of shared memory at head dim 128) x split counts, head
+#                            dim 64 (B=1,8,64 x 512/8k) and 128 (x 512): the H100 table
+#                            names 5 stages for head dim 128 since session 26 (its 8k rows
+#                            measured; hd 64 and the 512 rows not yet)
 #   decode_gap     60/200    scripts/bench_decode_gap.py: llmfast (paged, shuffled and in
 #                            order) vs SDPA flash decode over contiguous K/V, graph and
 #                            eager, after a writing and a reading L2 flush (#17: where
@@ -113,11 +118,10 @@
 #                            streams at once): does HTTP in processes of its own free the
 #                            engine's step (output tok/s, TPOT)? Decides the default.
 #   serve_gil     120/330    llmfast serve (--api-servers 0) under 256 streams at once, at
-#                            Python's 5 ms GIL switch interval and at llmfast's 0.5 ms
-#                            (serve/switch_interval.py, session 25: on 2026-11-27 a 2.3 ms
-#                            decode step at batch 256 came out as 18.4 ms per token through
-#                            the server; a synthetic step beside a busy thread: 12.6 ms at
-#                            5 ms, 3.5 ms at 0.5)   [unmeasured]
+#                            each GIL switch interval of GPU_CHECK_GIL_MS in turn (default
+#                            "5 0.5"; serve/switch_interval.py). Session 26 on the H100:
+#                            13.3k tok/s at 5 ms, 11.6k at 0.5 (so serve keeps Python's 5
+#                            ms unless LLMFAST_SWITCH_INTERVAL_MS says otherwise)   [68 s]
 #   serve_stall    90/240    scripts/bench_serve_stall.py (the 1B, CUDA graphs, max-num-seqs
 #                            256): a streaming request's gaps while a 400k-character prompt
 #                            is tokenised and while 2000 x n=50 engine requests go in
@@ -250,7 +254,7 @@ export LLMFAST_ATTENTION_TUNING=${LLMFAST_ATTENTION_TUNING:-off}
 ALL_STEPS="full async_tests modes async profile load startup sweep throughput tests kernels
 kernels64 families defaults serve serve_procs serve_stall serve_gil presets executor tp fp8 kvfp8 diag
 decode_configs install_splits kernels_table startup_profile startup_thin startup_serial
-decode_tiles launch_host decode_gap"
+decode_tiles launch_host decode_gap decode_stages"
 if (( $# )); then STEPS="$*"; else STEPS=${GPU_CHECK_STEPS:-full modes diag kernels install_splits kernels_table startup throughput sweep startup_profile}; fi
 [[ $STEPS == all ]] && STEPS=$ALL_STEPS
 QUICK=${GPU_CHECK_QUICK:-0}
@@ -521,6 +525,21 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                         --stages 3 --contexts 512 8192 --json "$1/decode_configs128.json"' \
                     _ "$OUT"
             fi ;;
+        decode_stages)  # decode pipeline stages 3 vs 5 x split counts (#17)
+            if [[ $DRY == 1 ]]; then
+                run_step decode_stages 10 60 bash -c 'python3 scripts/sweep_decode_configs.py \
+                    --help | grep -q -- --splits && echo flags ok'
+            else
+                run_step decode_stages 40 200 bash -c 'set -e
+                    common=(--block-n 128 --stages 3 5 --warps 4 --min-split-tiles 2 --loops 1
+                            --iters 20)
+                    python3 scripts/sweep_decode_configs.py --head-dim 64 --batches 1 8 64 \
+                        --contexts 512 8192 --splits 1 2 4 8 12 16 "${common[@]}" \
+                        --json "$1/decode_stages64.json"
+                    python3 scripts/sweep_decode_configs.py --head-dim 128 --batches 1 8 64 \
+                        --contexts 512 --splits 1 2 3 4 8 16 "${common[@]}" \
+                        --json "$1/decode_stages128.json"' _ "$OUT"
+            fi ;;
         decode_tiles)  # warps x stages x BLOCK_N x split counts, head dim 128 (#17)
             if [[ $DRY == 1 ]]; then
                 run_step decode_tiles 10 60 bash -c 'python3 scripts/sweep_decode_configs.py \
@@ -630,15 +649,18 @@ print("installed", sys.argv[1], "merged into", dest, "; head dims", sorted(t.hea
                     --serve-args "--dtype $dtype ${dev[*]}" "$@" \
                     --json "$out/serve_procs.json"' _ "$OUT" "$MODEL" "$DTYPE" \
                 "${DEV[@]}" "${SERVE_PROCS_ARGS[@]}" ;;
-        serve_gil)  # the server at Python's 5 ms GIL switch interval, then at llmfast's
-            run_step serve_gil 120 330 bash -c 'out=$1 model=$2 dtype=$3; shift 3
+        serve_gil)  # the server at GIL switch intervals GPU_CHECK_GIL_MS (in that order)
+            run_step serve_gil 120 330 bash -c 'out=$1 model=$2 dtype=$3 order=$4; shift 4
                 dev=(); [[ $1 == --device ]] && { dev=("$1" "$2"); shift 2; }
-                for ms in 5 0.5; do
-                    echo "## LLMFAST_SWITCH_INTERVAL_MS=$ms"
+                i=0
+                for ms in $order; do
+                    i=$((i + 1))
+                    echo "## LLMFAST_SWITCH_INTERVAL_MS=$ms (run $i)"
                     LLMFAST_SWITCH_INTERVAL_MS=$ms python3 scripts/bench_serve.py \
                         --launch "$model" --serve-args "--dtype $dtype ${dev[*]}" "$@" \
-                        --json "$out/serve_gil_$ms.json" || exit
-                done' _ "$OUT" "$MODEL" "$DTYPE" "${DEV[@]}" "${SERVE_GIL_ARGS[@]}" ;;
+                        --json "$out/serve_gil_${i}_$ms.json" || exit
+                done' _ "$OUT" "$MODEL" "$DTYPE" "${GPU_CHECK_GIL_MS:-5 0.5}" "${DEV[@]}" \
+                "${SERVE_GIL_ARGS[@]}" ;;
         serve_stall)  # the engine loop's stall while a long prompt / 100k choices go in
             run_step serve_stall 90 240 python3 scripts/bench_serve_stall.py --model "$MODEL" \
                 --dtype "$DTYPE" "${DEV[@]}" --max-num-seqs 256 --prompts 2000 --n 50 \

@@ -153,3 +153,28 @@ def test_installing_a_sweep_keeps_the_shipped_tables_of_other_head_dims():
     assert sorted(tables) == [64, 128]
     assert tables[128].lookup(8, 8192) == 6 and tables[64].lookup(8, 8192) == 16
     assert parse_tables(merge_tables(None, session))[0].lookup(1, 512) == 6
+
+
+def test_a_table_names_its_shape_s_decode_stages():
+    # Default 3 (what every GPU's shared memory holds); a table measured with a deeper
+    # pipeline says so, and its shape's decode launches (not its prefills, nor other
+    # shapes') take it. The H100's head-dim-128 table names 5 (its shipped file).
+    plain = parse_table(_sweep_json(_best))
+    assert plain.num_stages == split_table.DEFAULT_DECODE_STAGES == 3
+    deep = parse_table(dict(_sweep_json(_best), num_stages=5))
+    assert deep.num_stages == 5
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="num_stages"):
+            parse_table(dict(_sweep_json(_best), num_stages=bad))
+    decode = attention.select_config(8, 8, 32, 8, 128, 16, 512, torch.bfloat16, 132, (deep,))
+    assert decode.num_stages == 5 and decode.num_splits == _best(8, 8192)
+    assert attention.select_config(8, 8, 32, 8, 64, 16, 512, torch.bfloat16, 132,
+                                   (deep,)).num_stages == 3  # another head dim
+    assert attention.select_config(512, 1, 32, 8, 128, 16, 512, torch.bfloat16, 132,
+                                   (deep,)) == attention.select_config(
+        512, 1, 32, 8, 128, 16, 512, torch.bfloat16, 132, (plain,))  # a prefill: its tiles
+    # Merging a sweep keeps the stage count it ran at.
+    merged = parse_tables(merge_tables(None, dict(_sweep_json(_best), num_stages=5)))
+    assert merged[0].num_stages == 5
+    shipped = {t.head_dim: t.num_stages for t in split_tables_for("NVIDIA H100 80GB HBM3")}
+    assert shipped[128] == 5 and shipped[64] == 3

@@ -75,7 +75,7 @@ def serve(
     except FlagValueError as e:
         raise typer.BadParameter(str(e), param_hint="'--max-body-size'") from None
     try:  # a bad variable fails before the slow start
-        serving_switch_interval("cpu")  # (the device does not change what it checks)
+        serving_switch_interval()
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="environment") from None
     sock = bind(host, port)  # before the slow start: a taken port fails at once

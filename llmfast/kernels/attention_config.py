@@ -13,7 +13,12 @@ import torch
 
 from llmfast.kernels.kv_write import next_pow2
 from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, heuristic_tiles, kv_dtype_name
-from llmfast.kernels.tuning.split_table import MAX_SPLITS, SplitTable, find_table
+from llmfast.kernels.tuning.split_table import (
+    DEFAULT_DECODE_STAGES,
+    MAX_SPLITS,
+    SplitTable,
+    find_table,
+)
 
 
 @dataclass(frozen=True)
@@ -155,13 +160,16 @@ def select_config(
         split_table = find_table(split_tables, num_heads, num_kv_heads, head_dim,
                                  dtype_name, block_size)
         if split_table is not None:
+            # The table's stage count too: measured on this GPU model with its splits.
             splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
-            return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3,
+            return AttentionConfig(block_q, block_n, splits, num_warps,
+                                   num_stages=split_table.num_stages,
                                    one_kv_loop=DECODE_ONE_KV_LOOP)
         # Counted in 64-key tiles whatever block_n (the rule was set with 64).
         max_kv_tiles = -(-max_blocks_per_req * block_size // 64)  # (triton.cdiv: ~10 us)
         splits = _heuristic_splits(num_reqs * num_kv_heads, num_sms, max_kv_tiles)
-        return AttentionConfig(block_q, block_n, splits, num_warps, num_stages=3,
+        return AttentionConfig(block_q, block_n, splits, num_warps,
+                               num_stages=DEFAULT_DECODE_STAGES,
                                one_kv_loop=DECODE_ONE_KV_LOOP)
     # Prefill-like: compute bound. One launch whatever the mix (chunks and decodes), no
     # splits: the grid has a program per query tile already. Decodes among the chunks

@@ -52,7 +52,7 @@ def serve(engine: LLMEngine, sock: socket.socket, config: ServeConfig, *,
     stop); with N > 0 the engine loop runs here and N processes serve HTTP
     (engine_host.py). Meanwhile a thread waiting for the GIL gets it sooner
     (switch_interval.py: the engine's step would otherwise wait for busy handlers)."""
-    with switch_interval(serving_switch_interval(engine.config.device)):
+    with switch_interval(serving_switch_interval()):
         if api_servers > 0:
             from llmfast.serve.engine_host import serve_with_api_processes
 

@@ -7,14 +7,15 @@ and each time it takes it back it waits until the running thread is made to yiel
 every `sys.getswitchinterval()`, 5 ms by default. Beside a thread that is always busy
 (hundreds of streams being written), a 2.5 ms step that lets go twice took 12.6 ms on
 the CPU VM; with 0.5 ms, 3.5 ms, while the busy thread did as much work as before
-(scripts/bench_switch_interval.py; profiles/cpu-2026-11-27f-session25.md). On the H100
-a 2.3 ms decode step at batch 256 came out as 18.4 ms per token through the server.
+(scripts/bench_switch_interval.py; profiles/cpu-2026-11-27f-session25.md).
 
-`serving_switch_interval(device)` is what `serve` sets for as long as it runs (and
-restores after): `LLMFAST_SWITCH_INTERVAL_MS`, else 0.5 ms where the engine runs on a
-GPU. On the CPU Python's own stays: there a step's torch ops are computation on the same
-few cores the handlers need, not a wait, and on the 2-core VM the server's output rate at
-256 streams did not improve at 0.5 ms (6.9-7.9k against 7.9-8.1k tok/s at 5 ms).
+The server as a whole did not follow that synthetic step. On the H100 (2026-11-27,
+gpu_check `serve_gil`: the 1B, `--api-servers 0`, 256 streams at once) it served 13.3k
+output tok/s (TPOT 14.9 ms) at 5 ms and 11.6k (17.4 ms) at 0.5 ms; on the 2-core VM
+6.9-7.9k against 7.9-8.1k. More switches also cost the busy threads (each hand-over is a
+futex round trip and a cold cache), and the engine is not the only waiter. So `serve`
+leaves Python's interval unless `LLMFAST_SWITCH_INTERVAL_MS` asks for another
+(`serving_switch_interval`), which it sets for as long as it runs and restores after.
 """
 
 from __future__ import annotations
@@ -26,17 +27,16 @@ import sys
 import threading
 from collections.abc import Iterator
 
-SERVE_SWITCH_INTERVAL_S = 0.0005
 ENV = "LLMFAST_SWITCH_INTERVAL_MS"
 
 
-def serving_switch_interval(device: str) -> float | None:
-    """Seconds: `$LLMFAST_SWITCH_INTERVAL_MS` / 1000 when set, else 0.5 ms for an engine
-    on a GPU (`device` not "cpu"), None (leave Python's) on the CPU. A value that is not
-    a positive number raises ValueError (one line, naming the variable)."""
+def serving_switch_interval() -> float | None:
+    """Seconds: `$LLMFAST_SWITCH_INTERVAL_MS` / 1000 when set, else None (leave Python's:
+    the module docstring says why). A value that is not a positive number raises
+    ValueError (one line, naming the variable)."""
     text = os.environ.get(ENV, "").strip()
     if not text:
-        return None if device.split(":")[0] == "cpu" else SERVE_SWITCH_INTERVAL_S
+        return None
     try:
         ms = float(text)
     except ValueError:

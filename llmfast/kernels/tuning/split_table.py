@@ -8,6 +8,11 @@ another shape into the same file keeps the first). A copy of that file under
 that GPU for the shapes it holds; any other shape keeps the SM-count heuristic of
 `select_config`.
 
+A table may also name the decode launches' pipeline stages for its shape (`num_stages`,
+default 3): a deeper pipeline needs more shared memory per block than every GPU has, so
+it is a measured, per-GPU choice like the split counts. The sweep that wrote the table
+ran at that stage count.
+
 Lookup: the measured row with the smallest batch >= num_reqs and context >= the block
 table's width in keys (the split count is fixed by what the launch may have to read),
 else the largest measured. E.g. rows at batch 1/8/64/256 x context 512/2048/8192: 3
@@ -36,6 +41,10 @@ MAX_SPLITS = 64
 # bound (attention_config.split_bound).
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
+# Decode launches' pipeline stages where no table says otherwise: at BLOCK_N 128, 74 KB of
+# shared memory at head dim 128 (4 stages compile to the same; 5 take 140 KB).
+DEFAULT_DECODE_STAGES = 3
+
 
 @dataclass(frozen=True)
 class SplitTable:
@@ -45,6 +54,8 @@ class SplitTable:
     dtype: str  # "bfloat16", ...
     block_size: int
     best: dict[tuple[int, int], int]  # (batch, context) -> splits
+    # Pipeline stages of this shape's decode launches (module docstring).
+    num_stages: int = DEFAULT_DECODE_STAGES
 
     @property
     def shape(self) -> tuple[int, int, int, str, int]:
@@ -77,8 +88,11 @@ def parse_table(data: dict) -> SplitTable:
     best = {(int(r["batch"]), int(r["ctx"])): int(r["best"]) for r in data["table"]}
     if not best or any(not 1 <= s <= MAX_SPLITS for s in best.values()):
         raise ValueError(f"a split table needs rows with split counts from 1 to {MAX_SPLITS}")
+    stages = int(data.get("num_stages", DEFAULT_DECODE_STAGES))
+    if not 1 <= stages <= 8:
+        raise ValueError(f"a split table's num_stages is 1 to 8, not {stages}")
     return SplitTable(int(data["heads"]), int(data["kv_heads"]), int(data["head_dim"]),
-                      str(data["dtype"]), int(data["block_size"]), best)
+                      str(data["dtype"]), int(data["block_size"]), best, stages)
 
 
 def parse_tables(data: dict) -> tuple[SplitTable, ...]:
