@@ -148,13 +148,13 @@
 # H100, session 15: profiles/h100-2026-11-26c, 15 min of device time: 3 calls, 484 +
 # 175 + 68 s; machines start in ~30-60 s, and each call after the machine went back
 # starts a fresh one with cold caches):
-#   0. Since session 25 (profiles/h100-2026-11-27b-gpu-check.md: every #18 bar passed on
-#      the H100; the server was host-bound there, 18.4 ms a token at 256 streams), first:
-#      GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=540 ... gpu_check.sh full serve_gil serve
-#        serve_procs kernels install_splits kernels_table
-#      (the server's switch interval, merged deltas and uvloop/httptools, none run on a
-#      GPU yet; `serve` takes GPU_CHECK_SERVE_RATES=64,inf to save ~60 s; #17's eager
-#      rows again), then the older plan below with what is left.
+#   0. Since session 26 (profiles/h100-2026-11-27c-gpu-check.md: every #17 bar passed,
+#      thin at B=8 8k eager and B=64 2k copy bandwidth; the server keeps Python's GIL
+#      interval), first:
+#      GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=540 ... gpu_check.sh kernels install_splits
+#        kernels_table full serve_procs
+#      (the H100 split table as shipped at ecacbc9, with per-row decode stages, never ran
+#      whole; `serve_procs` decides --api-servers' default), then the older plan below.
 #   1. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=540 ... gpu_check.sh full modes diag kernels
 #        install_splits kernels_table startup throughput sweep startup_profile
 #        correctness first, then every issue's headline bar (on the H100: 129 + 25 + 20
