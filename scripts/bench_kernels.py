@@ -62,7 +62,14 @@ from bench_kernels_prefill import (
 )
 
 from llmfast.kernels import attention
-from llmfast.kernels.tuning.split_table import SWEEP_SPLITS, best_split, merge_sweep
+from llmfast.kernels.tuning.prefill_tuning import kv_dtype_name
+from llmfast.kernels.tuning.split_table import (
+    DEFAULT_DECODE_STAGES,
+    SWEEP_SPLITS,
+    best_split,
+    find_table,
+    merge_sweep,
+)
 from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
@@ -129,19 +136,15 @@ def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def config_for(width: int) -> attention.AttentionConfig:
+    def splits_for(width: int) -> int:
         # What unified_attention picks: the measured table for this GPU if any, else
         # the heuristic.
         return attention.select_config(
             batch * num_new, batch, heads, kv_heads, hd, args.block_size, width, dtype,
             num_sms, attention._device_split_tables(torch.device("cuda", 0)),
-            kv_dtype=k_cache.dtype)
-
-    def splits_for(width: int) -> int:
-        return config_for(width).num_splits
+            kv_dtype=k_cache.dtype).num_splits
 
     result = dict(batch=batch, ctx=ctx, num_new=num_new, splits=splits_for(block_table.shape[1]),
-                  stages=config_for(block_table.shape[1]).num_stages,
                   ours_us=ours_us, sdpa_us=sdpa_us, sdpa_variant=sdpa_variant,
                   max_abs_diff=max_diff(ours))
     if num_new == 1:
@@ -319,7 +322,7 @@ def main() -> None:
     if tuning is not None:
         lines += tuning_lines(tuning) + tuned_table_note(args.tuned_table)
     if args.sweep_splits:
-        best = [dict(batch=r["batch"], ctx=r["ctx"], chosen=r["splits"], stages=r["stages"],
+        best = [dict(batch=r["batch"], ctx=r["ctx"], chosen=r["splits"],
                      best=best_split(r["split_sweep_graph_us"], r["splits"]),
                      graph_us=r["split_sweep_graph_us"]) for r in decode]
         lines += ["", "KV-split sweep (graph-replayed µs per split count):", "",
@@ -329,13 +332,12 @@ def main() -> None:
         for b in best:
             lines.append(f"| {b['batch']} | {b['ctx']} | {b['chosen']} | {b['best']} | "
                          + " | ".join(f"{v:.1f}" for v in b["graph_us"].values()) + " |")
-        # The stage counts the sweep ran at (this GPU's table's, if it names them: the
-        # shape's, and each row's): kept in the table it writes, whose split counts hold
-        # for them.
-        decode_stages = attention.select_config(
-            1, 1, heads, kv_heads, hd, args.block_size, 512, getattr(torch, args.dtype),
-            torch.cuda.get_device_properties(0).multi_processor_count,
-            attention._device_split_tables(torch.device("cuda", 0))).num_stages
+        # The stage count the sweep ran at (this GPU's table's, if it names one): kept in
+        # the table it writes, whose split counts hold for it.
+        shipped = find_table(attention._device_split_tables(torch.device("cuda", 0)), heads,
+                             kv_heads, hd, kv_dtype_name(getattr(torch, args.dtype)),
+                             args.block_size)
+        decode_stages = DEFAULT_DECODE_STAGES if shipped is None else shipped.num_stages
         # Added to the file: a sweep of another head dim into it keeps this one.
         existing = (json.loads(args.sweep_splits.read_text())
                     if args.sweep_splits.is_file() else None)

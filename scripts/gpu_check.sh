@@ -97,9 +97,9 @@
 #                            78 % and 87 % of copy bandwidth on 2026-11-27, can reach)
 #   decode_stages  40/200    sweep_decode_configs.py: decode pipeline stages 3 vs 5 (74 vs
 #                            140 KB of shared memory at head dim 128) x split counts, head
-#                            dim 64 (B=1,8,64 x 512/8k) and 128 (x 512): the H100 table
-#                            names 5 stages for head dim 128 since session 26 (its 8k rows
-#                            measured; hd 64 and the 512 rows not yet)
+#                            dim 64 (B=1,8,64 x 512/8k) and 128 (x 512). Session 26: the
+#                            H100's head-dim-128 table takes 5 stages (a table names one
+#                            count per shape: the start-up precompiles one decode variant)
 #   decode_gap     60/200    scripts/bench_decode_gap.py: llmfast (paged, shuffled and in
 #                            order) vs SDPA flash decode over contiguous K/V, graph and
 #                            eager, after a writing and a reading L2 flush (#17: where
@@ -153,8 +153,8 @@
 #      interval), first:
 #      GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=540 ... gpu_check.sh kernels install_splits
 #        kernels_table full serve_procs
-#      (the H100 split table as shipped at ecacbc9, with per-row decode stages, never ran
-#      whole; `serve_procs` decides --api-servers' default), then the older plan below.
+#      (#17's thin rows again; `serve_procs` decides --api-servers' default), then the
+#      older plan below.
 #   1. GPU_CHECK_QUICK=1 GPU_CHECK_BUDGET_S=540 ... gpu_check.sh full modes diag kernels
 #        install_splits kernels_table startup throughput sweep startup_profile
 #        correctness first, then every issue's headline bar (on the H100: 129 + 25 + 20

@@ -58,7 +58,7 @@ def _installed_cuda_launcher(launches: list[tuple]):
     launcher.num_ctas = 1
     launcher.global_scratch_size = launcher.profile_scratch_size = 0
     launcher.global_scratch_align = launcher.profile_scratch_align = 1
-    launcher.launch_cooperative_grid = launcher.launch_pdl = False
+    launcher.launch_cooperative_grid, launcher.launch_pdl = False, True  # (told apart)
     launcher.arg_annotations = ("annotations",)  # (passed through, never read here)
     launcher.kernel_signature = b"signature"
     return launcher
@@ -132,9 +132,10 @@ def test_planned_direct_launch_passes_addresses():
 def test_no_direct_form_where_the_launcher_is_not_known():
     known = _installed_cuda_launcher([])
     assert _direct_form(known) is not None
-    needs_scratch = _installed_cuda_launcher([])
-    needs_scratch.global_scratch_size = 128
-    assert _direct_form(needs_scratch) is None
+    for scratch in ("global_scratch_size", "profile_scratch_size"):
+        needs_scratch = _installed_cuda_launcher([])
+        setattr(needs_scratch, scratch, 128)
+        assert _direct_form(needs_scratch) is None, scratch
     wrapped = _installed_cuda_launcher([])
     wrapped.launch = lambda *args: None  # tensor descriptors: Triton's Python wrapper
     assert _direct_form(wrapped) is None
@@ -176,6 +177,10 @@ def test_triton36_form_passes_what_its_call_passes(triton36_module):
         return launcher
 
     assert _direct_form(launcher_36([]))[1] == launch_cache._SPREAD
+    # A launcher of 3.6's form over a C module of another argument format: not known.
+    triton36_module._BASE_ARGS_FORMAT = "iiiKKppOOOO"
+    assert _direct_form(launcher_36([])) is None
+    triton36_module._BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
     x, y = torch.empty(256), torch.empty(256)
     cache = LaunchCache(_scale_kernel)
     with offline_hopper(record_launches=True, launcher=launcher_36) as launches:

@@ -160,11 +160,10 @@ def select_config(
         split_table = find_table(split_tables, num_heads, num_kv_heads, head_dim,
                                  dtype_name, block_size)
         if split_table is not None:
-            # The row's stage count too: measured on this GPU model with its splits.
-            context = max_blocks_per_req * block_size
-            return AttentionConfig(block_q, block_n, split_table.lookup(num_reqs, context),
-                                   num_warps,
-                                   num_stages=split_table.stages(num_reqs, context),
+            # The table's stage count too: measured on this GPU model with its splits.
+            splits = split_table.lookup(num_reqs, max_blocks_per_req * block_size)
+            return AttentionConfig(block_q, block_n, splits, num_warps,
+                                   num_stages=split_table.num_stages,
                                    one_kv_loop=DECODE_ONE_KV_LOOP)
         # Counted in 64-key tiles whatever block_n (the rule was set with 64).
         max_kv_tiles = -(-max_blocks_per_req * block_size // 64)  # (triton.cdiv: ~10 us)

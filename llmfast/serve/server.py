@@ -50,8 +50,8 @@ def serve(engine: LLMEngine, sock: socket.socket, config: ServeConfig, *,
     """Serve until SIGTERM / Ctrl-C. With `api_servers` = 0 the HTTP server runs in this
     process, the engine on a thread of it (uvicorn re-raises the signal after a clean
     stop); with N > 0 the engine loop runs here and N processes serve HTTP
-    (engine_host.py). Meanwhile a thread waiting for the GIL gets it sooner
-    (switch_interval.py: the engine's step would otherwise wait for busy handlers)."""
+    (engine_host.py). The GIL switch interval is Python's unless
+    LLMFAST_SWITCH_INTERVAL_MS sets another for the server's life (switch_interval.py)."""
     with switch_interval(serving_switch_interval()):
         if api_servers > 0:
             from llmfast.serve.engine_host import serve_with_api_processes

@@ -8,12 +8,10 @@ another shape into the same file keeps the first). A copy of that file under
 that GPU for the shapes it holds; any other shape keeps the SM-count heuristic of
 `select_config`.
 
-A table may also name the decode launches' pipeline stages: for its shape (`num_stages`,
-default 3) and per row (a row's `stages`, else the shape's). A deeper pipeline needs
-more shared memory per block than every GPU has, and pays where few programs stream
-long contexts (batch 1) but not where many share the SMs (batch 64), so it is a
-measured, per-GPU choice like the split counts; a row's split count was measured at its
-stage count.
+A table may also name the decode launches' pipeline stages for its shape (`num_stages`,
+default 3): a deeper pipeline needs more shared memory per block than every GPU has, so
+it is a measured, per-GPU choice like the split counts. The sweep that wrote the table
+ran at that stage count.
 
 Lookup: the measured row with the smallest batch >= num_reqs and context >= the block
 table's width in keys (the split count is fixed by what the launch may have to read),
@@ -56,33 +54,23 @@ class SplitTable:
     dtype: str  # "bfloat16", ...
     block_size: int
     best: dict[tuple[int, int], int]  # (batch, context) -> splits
-    # Pipeline stages of this shape's decode launches (module docstring), and of the
-    # rows that name their own.
+    # Pipeline stages of this shape's decode launches (module docstring).
     num_stages: int = DEFAULT_DECODE_STAGES
-    row_stages: tuple[tuple[tuple[int, int], int], ...] = ()  # ((batch, context), stages)
 
     @property
     def shape(self) -> tuple[int, int, int, str, int]:
         """What a table is measured for: (heads, KV heads, head dim, dtype, block size)."""
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.block_size)
 
-    def row(self, num_reqs: int, context: int) -> tuple[int, int]:
-        """The (batch, context) row a launch of `num_reqs` over `context` keys takes."""
+    def lookup(self, num_reqs: int, context: int) -> int:
         batches = sorted({b for b, _ in self.best})
         contexts = sorted({c for _, c in self.best})
         batch = next((b for b in batches if b >= num_reqs), batches[-1])
         ctx = next((c for c in contexts if c >= context), contexts[-1])
         if (batch, ctx) in self.best:
-            return (batch, ctx)
+            return self.best[(batch, ctx)]
         # An incomplete grid: the nearest measured row.
-        return min(self.best, key=lambda k: (abs(k[0] - batch), abs(k[1] - ctx)))
-
-    def lookup(self, num_reqs: int, context: int) -> int:
-        return self.best[self.row(num_reqs, context)]
-
-    def stages(self, num_reqs: int, context: int) -> int:
-        """The row's pipeline stages: its own, else the shape's."""
-        return dict(self.row_stages).get(self.row(num_reqs, context), self.num_stages)
+        return self.best[min(self.best, key=lambda k: (abs(k[0] - batch), abs(k[1] - ctx)))]
 
 
 def best_split(graph_us: dict[int, float], chosen: int, keep_within: float = 0.02) -> int:
@@ -101,12 +89,10 @@ def parse_table(data: dict) -> SplitTable:
     if not best or any(not 1 <= s <= MAX_SPLITS for s in best.values()):
         raise ValueError(f"a split table needs rows with split counts from 1 to {MAX_SPLITS}")
     stages = int(data.get("num_stages", DEFAULT_DECODE_STAGES))
-    row_stages = tuple(((int(r["batch"]), int(r["ctx"])), int(r["stages"]))
-                       for r in data["table"] if "stages" in r)
-    if any(not 1 <= n <= 8 for n in (stages, *(n for _, n in row_stages))):
-        raise ValueError("a split table's num_stages (and its rows' stages) are 1 to 8")
+    if not 1 <= stages <= 8:
+        raise ValueError(f"a split table's num_stages is 1 to 8, not {stages}")
     return SplitTable(int(data["heads"]), int(data["kv_heads"]), int(data["head_dim"]),
-                      str(data["dtype"]), int(data["block_size"]), best, stages, row_stages)
+                      str(data["dtype"]), int(data["block_size"]), best, stages)
 
 
 def parse_tables(data: dict) -> tuple[SplitTable, ...]:
