@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_lib import L2_FLUSH_BYTES, graph_replay, paged_copy
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from bench_kernels_lib import L2_FLUSH_BYTES, decode_case, flash_backend, graph_replay
 
 from llmfast.kernels import attention
 from llmfast.kernels.tuning.prefill_measure import median_device_us_interleaved
@@ -65,20 +64,17 @@ def main() -> None:
           f"{heads}/{kv_heads} heads, bf16, block size {bs}", flush=True)
     for shape in args.shapes:
         batch, ctx = (int(x) for x in shape.split("x"))
-        q = torch.randn(batch, heads, hd, dtype=dtype, device=dev, generator=gen)
-        k = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device=dev, generator=gen)
-        v = torch.randn_like(k)
-        k_cache, v_cache, table = paged_copy(k, v, bs, gen)
+        case = decode_case(batch, ctx, heads, kv_heads, hd, bs, gen, dtype)
+        q, k, v, k_cache, v_cache = case.q, case.k, case.v, case.k_cache, case.v_cache
+        table, qsl, seq_lens, out = (case.block_table, case.query_start_loc, case.seq_lens,
+                                     case.out)
         # In order: request r's blocks are r * n .. r * n + n - 1 of a pool of k itself.
         n = ctx // bs
         k_seq = k.view(batch * n, bs, kv_heads, hd)
         v_seq = v.view(batch * n, bs, kv_heads, hd)
         table_seq = torch.arange(batch * n, dtype=torch.int32, device=dev).view(batch, n)
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        out = torch.empty_like(q)
         out_seq = torch.empty_like(q)
-        owners = (AttentionWorkspaces([k_cache]), AttentionWorkspaces([k_seq]))  # noqa: F841
+        owner_seq = AttentionWorkspaces([k_seq])  # noqa: F841 - as case.workspaces
         scale = hd**-0.5
 
         def ours():
@@ -94,7 +90,7 @@ def main() -> None:
         def sdpa():
             F.scaled_dot_product_attention(q_s, k_s, v_s, scale=scale, enable_gqa=True)
 
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with flash_backend():
             fns = {"llmfast": ours, "llmfast in order": ours_in_order, "sdpa": sdpa}
             graphs = {name: graph_replay(fn) for name, fn in fns.items()}
             row = dict(batch=batch, ctx=ctx, gbytes=batch * ctx * kv_heads * hd * 2 * 2 / 1e9)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from llmfast.kernels.tuning.prefill_measure import median_device_us_interleaved
+from llmfast.kernels.workspaces import AttentionWorkspaces
 
 L2_FLUSH_BYTES = 256 << 20
 
@@ -100,6 +102,40 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, gen: torch.Gen
         cache.view(-1, *x.shape[2:])[slots.view(-1)] = x.reshape(-1, *x.shape[2:])
         caches.append(cache)
     return caches[0], caches[1], block_table
+
+
+class DecodeCase(NamedTuple):  # (not a dataclass: scripts load this file by path too)
+    """One decode step of `batch` requests, one query token each at the end of `ctx`
+    keys: q [B, heads, hd], the keys and values [B, ctx, kv_heads, hd], their paged copy
+    (blocks shuffled over the pool, `paged_copy`) with its block table, the step's
+    query_start_loc and seq_lens, an output buffer, and the workspaces that own the
+    cache's split scratch (held for the case's life, as the runner holds its own)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    out: torch.Tensor
+    workspaces: AttentionWorkspaces
+
+
+def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
+                block_size: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16
+                ) -> DecodeCase:
+    """Random decode inputs on cuda:0 (q and k from `gen`, v from the default generator)."""
+    dev = torch.device("cuda", 0)
+    q = torch.randn(batch, heads, head_dim, dtype=dtype, device=dev, generator=gen)
+    k = torch.randn(batch, ctx, kv_heads, head_dim, dtype=dtype, device=dev, generator=gen)
+    v = torch.randn_like(k)
+    k_cache, v_cache, table = paged_copy(k, v, block_size, gen)
+    return DecodeCase(q, k, v, k_cache, v_cache, table,
+                      torch.arange(batch + 1, dtype=torch.int32, device=dev),
+                      torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+                      torch.empty_like(q), AttentionWorkspaces([k_cache]))
 
 
 def flash_backend():

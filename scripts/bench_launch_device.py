@@ -4,8 +4,9 @@ Each row is a layer of the launch alone, its arguments built once, so the differ
 between rows are what each layer costs: the whole op (`unified_attention`: plan lookup,
 workspaces, then the cached launch), `LaunchCache.launch_planned`, Triton's
 `CudaLauncher.__call__`, the C launch under it (what the cached path calls directly,
-launch_cache.py `_direct_form`), and two floors: a one-element torch kernel and SDPA's
-flash decode. Figures: host wall-clock µs per call over --calls back-to-back calls
+launch_cache.py `_direct_form`; timed through `LaunchCache._call`, one Python frame more
+than session 26's H100 figures, which called it bare), and two floors: a one-element
+torch kernel and SDPA's flash decode. Figures: host wall-clock µs per call over --calls back-to-back calls
 (then a synchronize), median of --repeats, the rows interleaved.
 
     python scripts/bench_launch_device.py [--batch 8] [--context 2048] [--json FILE]
@@ -26,10 +27,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_lib import paged_copy
+from bench_kernels_lib import decode_case, flash_backend
 
 from llmfast.kernels import attention
-from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
 def per_call_us(fns: dict, calls: int, repeats: int) -> dict[str, float]:
@@ -58,17 +58,12 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_launch_device.py needs a CUDA GPU (none found); nothing was measured.")
-    dev, dtype = torch.device("cuda", 0), torch.bfloat16
+    dev = torch.device("cuda", 0)
     batch, ctx, hd, heads, kv_heads = args.batch, args.context, args.head_dim, 32, 8
     gen = torch.Generator("cuda").manual_seed(0)
-    q = torch.randn(batch, heads, hd, dtype=dtype, device=dev, generator=gen)
-    k = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device=dev, generator=gen)
-    v = torch.randn_like(k)
-    k_cache, v_cache, table = paged_copy(k, v, 16, gen)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    out = torch.empty_like(q)
-    workspaces = AttentionWorkspaces([k_cache])  # noqa: F841 - the runner's scratch
+    case = decode_case(batch, ctx, heads, kv_heads, hd, 16, gen)
+    q, k_cache, v_cache, table = case.q, case.k_cache, case.v_cache, case.block_table
+    qsl, seq_lens, out = case.query_start_loc, case.seq_lens, case.out
     cache = attention._ATTENTION_LAUNCHES
 
     def op():
@@ -114,23 +109,16 @@ def main() -> None:
         "CudaLauncher.__call__ only": launcher_call,
     }
     if direct is not None:
-        c_launch, form = direct[0], direct[1]
-        if form == 1:  # launch_cache._SPREAD
-            def c_only():
-                c_launch(grid[0], grid[1], grid[2], stream, function, direct[2], direct[3],
-                         None, None, packed, None, None, None, *kernel_args)
-        else:
-            def c_only():
-                c_launch(grid[0], grid[1], grid[2], stream, function, direct[2], direct[3],
-                         packed, None, None, None, None, None, direct[4], direct[5],
-                         kernel_args)
-        fns["C launch only (Triton's, arguments built)"] = c_only
+        def c_only():  # the C launch, with LaunchCache's one method frame around it
+            cache.direct_launch = True
+            cache._call(launcher, direct, grid, stream, function, packed, kernel_args)
+
+        fns["LaunchCache._call: Triton's C launch (arguments built)"] = c_only
     one = torch.zeros(1, device=dev)
     fns["torch floor: one-element add_"] = lambda: one.add_(1)
     q_s = q.view(batch, heads, 1, hd)
-    k_s, v_s = (t.transpose(1, 2).contiguous() for t in (k, v))
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    k_s, v_s = (t.transpose(1, 2).contiguous() for t in (case.k, case.v))
+    with flash_backend():
         fns["SDPA flash decode (enable_gqa)"] = lambda: F.scaled_dot_product_attention(
             q_s, k_s, v_s, enable_gqa=True)
         results = per_call_us(fns, args.calls, args.repeats)

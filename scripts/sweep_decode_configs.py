@@ -23,10 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_lib import L2_FLUSH_BYTES, graph_replay, paged_copy, time_us
+from bench_kernels_lib import L2_FLUSH_BYTES, decode_case, graph_replay, time_us
 
 from llmfast.kernels import attention
-from llmfast.kernels.workspaces import AttentionWorkspaces
 
 
 def main() -> None:
@@ -60,16 +59,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}; head_dim {hd}, "
           f"{heads}/{kv_heads} heads, block table {width * bs} keys wide", flush=True)
     for batch, ctx in itertools.product(args.batches, args.contexts):
-        q = torch.randn(batch, heads, hd, dtype=dtype, device=dev, generator=gen)
-        k = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device=dev, generator=gen)
-        v = torch.randn_like(k)
-        k_cache, v_cache, table = paged_copy(k, v, bs, gen)
+        case = decode_case(batch, ctx, heads, kv_heads, hd, bs, gen, dtype)
+        q, k_cache, v_cache, table = case.q, case.k_cache, case.v_cache, case.block_table
+        qsl, seq_lens, out = case.query_start_loc, case.seq_lens, case.out
         wide = torch.zeros(batch, max(width, table.shape[1]), dtype=torch.int32, device=dev)
         wide[:, : table.shape[1]] = table
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        out = torch.empty_like(q)
-        workspaces = AttentionWorkspaces([k_cache])  # noqa: F841 - the runner's scratch
         chosen = attention.select_config(
             batch, batch, heads, kv_heads, hd, bs, wide.shape[1], dtype,
             attention._num_sms(dev), attention._device_split_tables(dev))
@@ -110,7 +104,7 @@ def main() -> None:
         print(f"B={batch:4d} ctx={ctx:5d} splits={chosen.num_splits:2d}  now {key_now} "
               f"{now_txt} us  best {best} {timings[best]['us']:.1f} us  | "
               + " ".join(f"{c}:{t['us']:.1f}" for c, t in timings.items()), flush=True)
-        del k, v
+        del case  # (its unpaged keys and values)
     ratios = [r["best_one_loop_us"] / r["best_two_loops_us"] for r in rows
               if r["best_one_loop_us"] and r["best_two_loops_us"]]
     if ratios:
