@@ -30,6 +30,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from llmfast.cli.help import ENGINE_PREFIX, HelpAll
 from llmfast.engine_args import engine_flags
 from llmfast.utils.errors import one_line
 from llmfast.utils.progress import CountProgress
@@ -73,7 +74,7 @@ class EngineOptions:
         return {**self.engine_kwargs, **kwargs}
 
 
-_PREFIX = "engine__"  # the engine flags' parameter names; keeps them apart from a command's
+_PREFIX = ENGINE_PREFIX  # the engine flags' parameter names; keeps them apart from a command's
 
 
 def _engine_parameters() -> list[inspect.Parameter]:
@@ -90,6 +91,9 @@ def _engine_parameters() -> list[inspect.Parameter]:
         _PREFIX + "debug", inspect.Parameter.KEYWORD_ONLY, default=False,
         annotation=Annotated[bool, typer.Option(
             "--debug", help="Debug logging; tracebacks on errors.", rich_help_panel=ENGINE_PANEL)]))
+    # Not passed to the command (expose_value=False): it prints the help and exits.
+    params.append(inspect.Parameter("help_all", inspect.Parameter.KEYWORD_ONLY,
+                                    default=HelpAll, annotation=bool))
     return params
 
 

@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 from llmfast.cli.bench import BENCH_EXAMPLES, bench
 from llmfast.cli.chat import CHAT_EXAMPLES, chat
 from llmfast.cli.common import engine_command, print_error
+from llmfast.cli.help import CompactHelpCommand
 from llmfast.cli.generate import GENERATE_EXAMPLES, generate
 from llmfast.cli.profile import PROFILE_EXAMPLES, profile
 from llmfast.cli.pull import PULL_EXAMPLES, pull
@@ -67,8 +68,8 @@ def build_app() -> typer.Typer:
                 ("bench", bench, BENCH_EXAMPLES), ("profile", profile, PROFILE_EXAMPLES),
                 ("serve", serve, SERVE_EXAMPLES))
     for name, func, examples in commands:
-        app.command(name, epilog=examples)(engine_command(func))
-    app.command("pull", epilog=PULL_EXAMPLES)(pull)
+        app.command(name, epilog=examples, cls=CompactHelpCommand)(engine_command(func))
+    app.command("pull", epilog=PULL_EXAMPLES, cls=CompactHelpCommand)(pull)
     return app
 
 
