@@ -24,7 +24,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("command", ["chat", "generate", "bench", "profile"])
 def test_help_has_examples_and_engine_flags(command):
-    result = invoke(command, "--help")
+    result = invoke(command, "--help-all")
     assert result.exit_code == 0
     text = result.stdout
     assert "Examples" in text and f"llmfast {command}" in text
