@@ -245,3 +245,30 @@ def pexpect_eof():
     import pexpect
 
     return pexpect.EOF
+
+
+def test_terminal_keys_typed_while_streaming_are_not_echoed_and_start_the_next_message(
+        chat_model):
+    child = _spawn(chat_model, "--max-tokens", "200", "--ignore-eos", "--max-repeats", "0")
+    try:
+        child.expect("you ›")
+        _wait_for_line_read(child)
+        child.sendline("hello there")
+        child.expect("llm ›")
+        child.expect(r"[\s\S]{20}", timeout=120)  # streaming
+        child.send("typed ahead")
+        child.expect("TTFT", timeout=600)  # the reply ran to its end
+        assert "typed ahead" not in child.before  # not echoed into the reply
+        child.expect("you ›")
+        _wait_for_line_read(child)
+        child.expect("typed ahead", timeout=60)  # readline shows the held keys
+        child.send("\r")
+        child.expect("llm ›")  # ... and they were sent as the next message
+        child.expect("TTFT", timeout=600)
+        child.expect("you ›")
+        _wait_for_line_read(child)
+        child.sendcontrol("d")
+        child.expect(pexpect_eof(), timeout=120)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
