@@ -23,12 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from llmfast.bench.bandwidth import DeviceBandwidth, device_bandwidth
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import BenchError, bench_params, warm_up
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.utils.progress import CountProgress
+from llmfast.worker.startup.kv_cache_sizing import kv_cache_size_flag
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +131,8 @@ def _check_room(engine, batch_size: int, context_len: int, num_decode: int) -> N
     if needed > usable:
         raise NotPureDecode(
             f"batch {batch_size} needs {needed} KV blocks, the cache holds {usable} "
-            "(requests would be preempted); lower --context or raise --kv-cache-memory / "
-            "--gpu-memory-utilization")
+            "(requests would be preempted); lower --context or raise "
+            + kv_cache_size_flag(torch.device(engine.config.device), engine.config.cache))
 
 
 def run_sweep_point(engine, batch_size: int, context_len: int, steps: int,
