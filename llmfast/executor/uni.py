@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmfast.executor.base import Executor
-from llmfast.executor.runner_info import RunnerInfo, runner_info
+from llmfast.worker.runner_info import RunnerInfo, runner_info
 from llmfast.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
