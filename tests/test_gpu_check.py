@@ -415,7 +415,7 @@ def test_steps_behind_a_step_skipped_for_time_are_queued_behind_it(tmp_path):
     queued = report(tmp_path).split("## queued for the next call's `skipped`")[1]
     assert "install_splits: after kernels" in queued and "kernels_table" in queued
 
-    shipped = REPO / "llmfast/kernels/tuning/split_tables/nvidia-h100-80gb-hbm3.json"
+    shipped = REPO / "llmfast/attention/tuning/split_tables/nvidia-h100-80gb-hbm3.json"
     (tmp_path / "splits.json").write_text(shipped.read_text())
     proc = run()  # another sweep of the call installed now, and still queued
     assert "=== install_splits: ok" in proc.stdout
