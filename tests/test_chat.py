@@ -184,7 +184,7 @@ def test_terminal_ctrl_c_mid_reply_then_correct_answer(chat_model):
     reference = run_chat(chat_model, b"hello there\n", "--max-tokens", "12")
     expected = reference.stdout.split("\n\n")[0]
     child = _spawn(chat_model, "--max-tokens", "100000", "--ignore-eos",
-                   "--max-model-len", "4000")
+                   "--max-model-len", "4000", "--max-repeats", "0")  # no loop stop: ^C
     try:
         child.expect("you ›")
         child.sendline("hello there")
