@@ -15,8 +15,9 @@ travels as a file; carry it with the wheels):
 `headline` = sweep modes throughput kernels startup serve tests (the figures first, then
 `pytest -m gpu` whole with the time left; the files it did not reach are listed in the
 JSON and the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in a next call).
-Other steps: kernels_sweep (bench_kernels' split sweep for this GPU's table), `decode_configs`
-(sweep_decode_configs.py), `executor` (uni vs mp).
+Other steps: `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
+`decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
+load), `executor` (uni vs mp).
 
 Under $OUT (default /tmp/llmfast_gpu_check): gpu_check.json (the one result: tree, device,
 versions, command, date, per step its commands, samples, figures with median and spread,
@@ -64,7 +65,11 @@ class Step:
 
     name: str
     topic: str  # the profiles/ page its figures go to
-    est_s: int  # on a warm H100, all samples (what budgeting skips by)
+    # All samples on an H100 with the compile caches of the first sample's start (from
+    # the 2026-11-27 steps' times: sweep 14 s a run, modes 27, throughput 68 with HF's
+    # batch probe, kernels 60-76 with tuning, startup 62 with the bytecode priming, serve
+    # 56 for two rates); what budgeting skips by.
+    est_s: int
     limit_s: int  # per run
     gpu: tuple[str, ...]
     dry: tuple[str, ...]
@@ -83,7 +88,7 @@ STEPS = {s.name: s for s in (
          _BENCH + ("--device", "cpu", "--sizes", "1,2", "--context", "16", "--steps", "4",
                    "--json", "{json}"),
          extract="sweep"),
-    Step("modes", "decode", 75, 240,
+    Step("modes", "decode", 70, 240,
          (PY, "scripts/bench_modes.py", "--model", "{model}", "--dtype", "{dtype}",
           "--batch-sizes", "1,64", "--modes", "eager,full,linears", "--iters", "30",
           "--json", "{json}"),
@@ -92,7 +97,7 @@ STEPS = {s.name: s for s in (
           "--iters", "2", "--warmup", "1", "--max-model-len", "256", "--json", "{json}"),
          extract="modes"),
     # HF's batch fixed at its fastest on the H100 (256 of 8..256, probed 2026-11-27).
-    Step("throughput", "throughput", 90, 200,
+    Step("throughput", "throughput", 80, 200,
          _BENCH + ("--mode", "throughput", "--num-prompts", "256", "--input-len", "256",
                    "--output-len", "128", "--gpu-memory-utilization", "0.5",
                    "--baseline", "hf", "--hf-batch-size", "256", "--json", "{json}"),
@@ -100,7 +105,7 @@ STEPS = {s.name: s for s in (
                    "--input-len", "16", "--output-len", "8", "--baseline", "hf",
                    "--json", "{json}"),
          extract="throughput"),
-    Step("kernels", "kernels", 60, 240,
+    Step("kernels", "kernels", 70, 240,
          (PY, "scripts/bench_kernels.py", "--tune", "off", "--batches", "1", "8", "64", "256",
           "--contexts", "512", "2048", "8192", "--prefill-tokens", "2048", "8192",
           "--mixed", "2048,2048,64,2048", "--iters", "20", "--eager-iters", "100",
@@ -113,7 +118,7 @@ STEPS = {s.name: s for s in (
          _BENCH + ("--device", "cpu", "--startup", "--json", "{json}"),
          extract="startup", env={"LLMFAST_ATTENTION_TUNING": "auto"}),
     # The same prompts on the engine in-process, then through the server.
-    Step("serve", "serving", 70, 300,
+    Step("serve", "serving", 50, 300,
          (PY, "scripts/bench_serve.py", "--launch", "{model}", "--engine-baseline",
           "--serve-args", "--dtype {dtype}", "--num-prompts", "256", "--input-len", "256",
           "--output-len", "128", "--vocab-size", "32000", "--request-rate", _INF3,
@@ -123,8 +128,19 @@ STEPS = {s.name: s for s in (
           "--input-len", "16", "--output-len", "8", "--vocab-size", "512",
           "--request-rate", _INF3, "--json", "{json}"),
          samples=1, extract="serve"),
+    # Not in `headline`: HTTP in the engine's process vs in 1 and 2 of its own, same load
+    # (decides --api-servers' default; never run on a GPU).
+    Step("serve_procs", "serving", 200, 540,
+         (PY, "scripts/bench_serve.py", "--launch", "{model}", "--api-servers", "0,1,2",
+          "--serve-args", "--dtype {dtype}", "--num-prompts", "512", "--input-len", "128",
+          "--output-len", "128", "--vocab-size", "32000", "--request-rate", _INF3,
+          "--json", "{json}"),
+         (PY, "scripts/bench_serve.py", "--launch", "{model}", "--api-servers", "0,1",
+          "--serve-args", "--dtype {dtype} --device cpu", "--num-prompts", "4",
+          "--input-len", "16", "--output-len", "8", "--vocab-size", "512",
+          "--request-rate", "inf", "--json", "{json}"), samples=1),
     # Whole, with the time left (its limit is what remains of the budget).
-    Step("tests", "tests", 120, 0,
+    Step("tests", "tests", 100, 0,
          (PY, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rA",
           "--durations=15"),
          (PY, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"),

@@ -198,7 +198,8 @@ def test_every_step_names_a_page_and_the_headline_is_budgeted():
     for step in headline:
         assert step.extract is None or step.samples == 3 or "--samples" in step.gpu \
             or "inf,inf,inf" in step.gpu, step.name
-    assert sum(s.est_s for s in headline) < 560
+    # The figures leave `pytest -m gpu` at least its estimate of the default budget.
+    assert sum(s.est_s for s in headline) <= 560
 
 
 @pytest.mark.slow  # ~2-3 min on the shared 2-core VM: three steps' commands, tiny sizes
