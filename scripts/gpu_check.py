@@ -39,9 +39,11 @@ import hashlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,25 +226,32 @@ def _argv(template: tuple[str, ...], json_path: Path, out: Path, dry: bool) -> l
 
 
 def run(argv: list[str], log: Path, limit: float, env: dict) -> tuple[int, float]:
-    """Runs argv with its output into log (and ours), killed after `limit` s."""
+    """Runs argv with its output into log (and ours); its process group is killed after
+    `limit` s (rc 124), whether or not it prints meanwhile."""
     t0 = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env={**os.environ, **env},
                                 start_new_session=True)
-        deadline = t0 + limit
+        killed = threading.Event()
+
+        def kill() -> None:
+            killed.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(max(1.0, limit), kill)
+        timer.start()
         try:
             for line in proc.stdout:
                 f.write(line)
                 sys.stdout.write(line)
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(argv, limit)
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = 124
-    return rc, time.monotonic() - t0
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+    return (124 if killed.is_set() else rc), time.monotonic() - t0
 
 
 def run_step(step: Step, out: Path, left: float, dry: bool) -> dict:
@@ -256,6 +265,13 @@ def run_step(step: Step, out: Path, left: float, dry: bool) -> dict:
         template += tuple(os.environ["GPU_CHECK_TESTS"].split())
     record: dict = dict(topic=step.topic, runs=[], env=env)
     samples: list = []
+    collected: list[str] = []
+    if step.name == "tests" and not dry:  # which files exist, to name those not reached
+        t0 = time.monotonic()
+        collected = subprocess.run(list(step.dry) + list(template[len(step.gpu):]), cwd=REPO,
+                                   capture_output=True, text=True, env={**os.environ, **env},
+                                   timeout=limit).stdout.splitlines()
+        limit -= time.monotonic() - t0
     for i in range(1 if dry and step.extract is None else step.samples):
         json_path = out / f"{step.name}-{i + 1}.json"
         argv = _argv(template, json_path, out, dry)
@@ -279,11 +295,15 @@ def run_step(step: Step, out: Path, left: float, dry: bool) -> dict:
         [c for _, c in samples])) if step.extract else []
     if step.name == "tests":
         log = (out / "tests-1.log").read_text(errors="replace")
-        collected = subprocess.run(list(step.dry) + list(template[len(step.gpu):]), cwd=REPO,
-                                   capture_output=True, text=True).stdout.splitlines() \
-            if not dry else log.splitlines()
-        record["outcome"] = gpu_verdicts.pytest_outcome(log, collected)
+        record["outcome"] = gpu_verdicts.pytest_outcome(log, log.splitlines() if dry
+                                                        else collected)
         verdicts = gpu_verdicts.judge_tests(record["outcome"], dry)
+    if dry and step.dry[-1] == "--help":  # a GPU-only command: its flags exist
+        text = (out / f"{step.name}-1.log").read_text(errors="replace")
+        missing = [a for a in step.gpu if a.startswith("--") and a not in text]
+        verdicts = [dict(verdict="PASS" if not missing else "FAIL",
+                         text=f"{step.name}: the GPU command's flags exist"
+                              + (f" (not: {' '.join(missing)})" if missing else ""))]
     if record["status"] != "ok":
         verdicts.insert(0, dict(verdict="FAIL", text=f"{step.name}: {record['status']} "
                                                      f"(see {record['runs'][-1]['log']})"))
@@ -360,9 +380,12 @@ def main() -> int:
     print("\n" + gpu_report.verdict_lines(result))
     if not (args.no_pack or args.dry_run):
         pack(out, {"gpu_check.json", "report.md", "kernels.md"})
-    # A dry run fails only when a step itself failed (CPU figures miss the bars).
+    # A dry run fails only when a step failed or a GPU-only command lacks a flag (CPU
+    # figures miss the bars).
     if args.dry_run:
         failed = any(not s["status"].startswith(("ok", "skipped"))
+                     or any("flags" in v["text"] and v["verdict"] == "DRY-FAIL"
+                            for v in s.get("verdicts", []))
                      for s in result["steps"].values())
     else:
         failed = any(v["verdict"] in ("FAIL", "MISSING") for s in result["steps"].values()

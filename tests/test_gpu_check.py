@@ -127,6 +127,23 @@ def test_pytest_outcome_of_a_gpu_log_whole_and_cut_off():
     assert gpu_verdicts.judge_tests(cut)[0]["verdict"] == "FAIL"
 
 
+def test_a_step_is_killed_at_its_limit_even_when_silent(tmp_path):
+    rc, secs = gpu_check.run(["bash", "-c", "echo started; sleep 60"], tmp_path / "x.log", 2, {})
+    assert rc == 124 and secs < 10
+    assert (tmp_path / "x.log").read_text() == "started\n"
+    rc, _ = gpu_check.run(["bash", "-c", "exit 3"], tmp_path / "y.log", 10, {})
+    assert rc == 3
+
+
+def test_dry_run_checks_the_flags_of_gpu_only_commands(tmp_path):
+    """bench_kernels needs CUDA: the dry run checks that every flag of its GPU command
+    (--samples and the SDPA graph rows' flags included) is in its --help."""
+    record = gpu_check.run_step(gpu_check.STEPS["kernels"], tmp_path, 120, dry=True)
+    assert record["status"] == "ok", record
+    assert record["verdicts"] == [dict(verdict="DRY-PASS",
+                                       text="kernels: the GPU command's flags exist")]
+
+
 def test_tree_stamp_names_this_tree(tmp_path, monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                           text=True, check=True).stdout.strip()
@@ -206,7 +223,8 @@ def test_every_step_names_a_page_and_the_headline_is_budgeted():
 def test_dry_run_of_headline_steps(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu_check.py"), "--dry-run",
-                           "--out", str(tmp_path), "modes", "serve", "tests"], env=env,
+                           "--out", str(tmp_path), "modes", "serve", "kernels", "tests"],
+                          env=env,
                           capture_output=True, check=False, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
