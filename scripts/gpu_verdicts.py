@@ -144,7 +144,11 @@ def _kernel_sample(data: dict) -> tuple[Figures, Checks]:
     diffs += [r["fixed_max_abs_diff"] for r in decode if "fixed_max_abs_diff" in r]
     if diffs:
         figs["max abs diff vs SDPA"] = max(diffs)
-    return figs, []
+    uncaptured = [f"B={r['batch']} ctx {r['ctx']}" for r in decode if "sdpa_graph_error" in r]
+    checks = [(not uncaptured, "SDPA replayed from a CUDA graph on every decode row"
+               + (f" (not at {', '.join(uncaptured)})" if uncaptured else ""))] \
+        if any("sdpa_graph_us" in r or "sdpa_graph_error" in r for r in decode) else []
+    return figs, checks
 
 
 def _kernels(data: dict) -> list[tuple[Figures, Checks]]:

@@ -94,6 +94,16 @@ def test_kernels_samples_and_the_sdpa_graph_column():
     s = summary["decode B<=8 worst speed vs SDPA (graph)"]
     assert s["n"] == 3 and s["median"] == pytest.approx(1.0) and s["min"] == pytest.approx(0.9)
     assert s["spread"] == pytest.approx(0.2)
+    assert gpu_verdicts.merge_checks([c for _, c in got])[0]["ok"]
+    # A row whose SDPA could not be captured: said, and no graph ratio made up for it.
+    decode = [dict(r, sdpa_graph_us=r["graph_us"]) for r in raw["decode"]]
+    decode[0] = {k: v for k, v in decode[0].items() if k != "sdpa_graph_us"}
+    decode[0]["sdpa_graph_error"] = "RuntimeError: capture"
+    figs, checks = gpu_verdicts.figures("kernels", dict(raw, decode=decode))[0]
+    first = f"decode B={decode[0]['batch']} ctx {decode[0]['ctx']}"
+    assert f"{first} llmfast / SDPA speed (graph)" not in figs
+    assert checks == [(False, f"SDPA replayed from a CUDA graph on every decode row (not at "
+                              f"{first.removeprefix('decode ')})")]
 
 
 def test_median_and_spread():
