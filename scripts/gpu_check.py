@@ -12,9 +12,12 @@ travels as a file; carry it with the wheels):
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD \\
         PYTHONUNBUFFERED=1 || exit; python3 scripts/gpu_check.py headline
 
-`headline` = sweep modes throughput kernels startup serve tests (the figures first, then
-`pytest -m gpu` whole with the time left; the files it did not reach are listed in the
-JSON and the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in a next call).
+`headline` = sweep modes throughput kernels startup serve tests: the figures first (~7.5
+min estimated from the 2026-11-27 H100 steps' times, the machine's first compiles
+included), then `pytest -m gpu` whole with the time left. The whole GPU suite took ~15
+min in parts on the H100 (full 130 s, async 220, families 300, fp8 90, the rest ~250), so
+one 600 s call does not finish it: the files it did not reach are listed in the JSON and
+the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in the next calls.
 Other steps: `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
 `decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
 load), `executor` (uni vs mp).
