@@ -64,7 +64,7 @@ def test_relative_links_between_pages_resolve():
 
 
 def test_no_numbered_journal_labels_in_tracked_text_or_names():
-    label = re.compile(r"[Ss]ession ?\d+")
+    label = re.compile(r"[Ss]ession\s*\d+")
     hits = [t for t in _tracked() if label.search(t)]
     for t in _tracked():
         if t.startswith(("profiles/h1", "profiles/h2")) and t.endswith(".log"):
