@@ -98,7 +98,7 @@ STEPS = {s.name: s for s in (
           "--batch-sizes", "1,64", "--modes", "eager,full,linears", "--iters", "30",
           "--json", "{json}"),
          (PY, "scripts/bench_modes.py", "--model", "{model}", "--dtype", "{dtype}",
-          "--device", "cpu", "--batch-sizes", "1,2", "--modes", "eager,full,linears",
+          "--device", "cpu", "--batch-sizes", "1,64", "--modes", "eager,full,linears",
           "--iters", "2", "--warmup", "1", "--max-model-len", "256", "--json", "{json}"),
          extract="modes"),
     # HF's batch fixed at its fastest on the H100 (256 of 8..256, probed 2026-11-27).
