@@ -62,16 +62,16 @@ from bench_kernels_prefill import (
     tuning_lines,
 )
 
-from llmfast.kernels import attention
-from llmfast.kernels.tuning.prefill_tuning import kv_dtype_name
-from llmfast.kernels.tuning.split_table import (
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.tuning.prefill_tuning import kv_dtype_name
+from llmfast.attention.tuning.split_table import (
     DEFAULT_DECODE_STAGES,
     SWEEP_SPLITS,
     best_split,
     find_table,
     merge_sweep,
 )
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 
 def _sdpa_decode(q_s, k_s, v_s, causal: bool, scale: float):

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention.metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
 from llmfast.compile.backend import resolve_splitting_ops
 from llmfast.compile.cache import compile_cache_key
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
 from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
-from llmfast.kernels.ops import unified_attention_impl
+from llmfast.attention.ops import unified_attention_impl
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import resolve_model
 from tests.helpers.paged import MIXED_STEPS, PagedSequences
@@ -152,7 +152,7 @@ def test_compile_cache_key_changes_with_inputs(monkeypatch):
     assert key == compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.bfloat16, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.float32, "cuda", CompileConfig())
-    from llmfast.kernels.layers import switch as layer_switch  # LLMFAST_LAYER_KERNELS=0: other pieces
+    from llmfast.kernels.layers import kernel_choice as layer_switch  # LLMFAST_LAYER_KERNELS=0: other pieces
 
     monkeypatch.setattr(layer_switch, "_ENABLED", not layer_switch.layer_kernels_enabled())
     assert key != compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())

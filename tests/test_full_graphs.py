@@ -246,7 +246,7 @@ def _scratch_capture_rig(piecewise_sizes=None):
 
     import torch
 
-    from llmfast.attention_metadata import AttentionMetadata
+    from llmfast.attention.metadata import AttentionMetadata
     from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
     from tests.test_compile import tiny_model
@@ -320,7 +320,7 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(
         rig.run_dummy, rig.full_forward, rig.sizes, rig.blocks, rig.one_block)
     ids, positions, slots, table, qsl, seq_lens = (
         rig.ids, rig.positions, rig.slots, rig.table, rig.qsl, rig.seq_lens)
-    from llmfast.attention_metadata import AttentionMetadata
+    from llmfast.attention.metadata import AttentionMetadata
 
     cm.capture(run_dummy, full_forward, full_graphs_later=full_graphs_later)
     assert cm.stats.full_graph_sizes == sizes and cm._capture_stream.num_uses == 1
@@ -453,7 +453,7 @@ _INTERPRETED_ROPE_IN_OP_CHILD = """
 import json
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
-from llmfast.kernels import attention
+from llmfast.attention.triton import launch as attention
 from llmfast.kernels.layers.rotary_reference import rope_cache_takes
 from llmfast.models import decoder
 from tests.test_full_graphs import _engine, _run, _workload

@@ -97,7 +97,7 @@ def test_replay_reads_the_buffers_not_the_capture_values(tiny_pair):
 
 def test_moved_input_is_caught(tiny_pair):
     _, cm, _, static, _ = tiny_pair
-    from llmfast.attention_metadata import AttentionMetadata
+    from llmfast.attention.metadata import AttentionMetadata
 
     ids = static.input_ids[:4].clone()  # a fresh address at a captured size
     static.dummy_runner(lambda *a: None)(4)  # dummy metadata: slot -1, one request

@@ -281,7 +281,7 @@ def test_a_model_unlike_the_traced_one_is_not_given_its_graph(cold, caplog):
 def test_inputs_are_checked_against_the_trace(cold):
     """`bind_slots`: a call's value None where the trace had a tensor, or a value where
     it had None, is refused before anything runs."""
-    from llmfast.attention_metadata import AttentionMetadata
+    from llmfast.attention.metadata import AttentionMetadata
     from llmfast.compile.graph_inputs import InputsChanged, InputSlot, bind_slots
 
     model = tiny_model()

@@ -1,4 +1,4 @@
-"""The rotary embedding fused into the KV write (kernels/rope_cache.py) and the attention
+"""The rotary embedding fused into the KV write (attention/triton/rope_cache.py) and the attention
 op that uses it: bit for bit what the rotary kernel, the KV write and the attention do
 apart, in the Triton interpreter (a child process, as in test_attention_kernels.py), on
 the CPU path, and compiled for sm_90."""
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from llmfast.config import RopeScaling
-from llmfast.kernels import attention, ops
+from llmfast.attention.triton import launch as attention
+from llmfast.attention import ops
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import rotary as rotary_ops
 from llmfast.models.rope import rope_table
@@ -241,7 +242,7 @@ def check_model_steps_fused_equal_unfused():
         seqs = PagedSequences(model, 2, 32)
         if fuse is None:  # the plain CPU path: torch rotation and attention
             with mock.patch.object(ops, "use_triton", lambda x: False), \
-                    mock.patch("llmfast.kernels.layers.switch.use_triton", lambda x: False):
+                    mock.patch("llmfast.kernels.layers.kernel_choice.use_triton", lambda x: False):
                 return [seqs.step(chunks) for chunks in steps]
         target = counting if fuse else (lambda *args: False)
         with mock.patch.object(decoder, "rope_fuses_into_attention", target):
@@ -294,7 +295,7 @@ def check_engine_triton_path_equals_torch_path():
     tokens. The fused RoPE and a launch with a decode region must have run."""
     from unittest import mock
 
-    from llmfast.kernels import rope_cache
+    from llmfast.attention.triton import rope_cache
     from llmfast.llm import LLM
     from llmfast.sampling_params import SamplingParams
 
@@ -314,7 +315,7 @@ def check_engine_triton_path_equals_torch_path():
                            lambda *a: fused.append(1) or real(*a)):
         triton_tokens = generate()
     with mock.patch.object(ops, "use_triton", lambda x: False), \
-            mock.patch("llmfast.kernels.layers.switch.use_triton", lambda x: False):
+            mock.patch("llmfast.kernels.layers.kernel_choice.use_triton", lambda x: False):
         torch_tokens = generate()
     assert triton_tokens == torch_tokens
     assert fused, "the RoPE + KV-write kernel never ran"
@@ -481,7 +482,7 @@ def test_opcheck_with_positions(monkeypatch):
 
 def test_rope_and_cache_compiles_for_sm90(monkeypatch):
     compiled = attn_tests.compile_launches_only(monkeypatch)
-    monkeypatch.setattr("llmfast.kernels.rope_cache.check_launchable", lambda *args: None)
+    monkeypatch.setattr("llmfast.attention.triton.rope_cache.check_launchable", lambda *args: None)
     with offline_hopper():
         for head_dim, cache_dtype in ((64, torch.bfloat16), (128, torch.float8_e4m3fn)):
             q, k, v = _qkv(8, 32, 8, head_dim, torch.bfloat16)

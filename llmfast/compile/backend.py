@@ -31,8 +31,8 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from llmfast.compile.cache import cache_counters, inductor_cache
 from llmfast.compile import precompiled
+from llmfast.compile.cache import cache_counters, inductor_cache
 from llmfast.compile.precompiled import PieceRecord
 from llmfast.compile.stats import CompileStats
 from llmfast.graphs.piecewise import data_arg_indices, token_arg_index
@@ -130,9 +130,9 @@ def _compile_to_artifact(piece: fx.GraphModule, fake_args: list[Any]) -> Callabl
 
 def _call_impls_directly(piece: fx.GraphModule) -> None:
     """Retarget a splitting op's node at the op's Python implementation, where it has one
-    (`llmfast.kernels.ops.direct_impl`): the split graph runs as plain Python, so the
+    (`llmfast.attention.ops.direct_impl`): the split graph runs as plain Python, so the
     op's dispatch wrappers are pure overhead there."""
-    from llmfast.kernels.ops import direct_impl
+    from llmfast.attention.ops import direct_impl
 
     changed = False
     for node in piece.graph.nodes:

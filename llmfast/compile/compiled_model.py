@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention.metadata import AttentionMetadata
 from llmfast.compile import precompiled
 from llmfast.compile.backend import PiecewiseBackend, assemble_split_graph
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key, inductor_cache

@@ -26,31 +26,21 @@ import time
 
 import torch
 
+from llmfast.attention.triton.launch import tune_model_prefill_tiles
+from llmfast.attention.workspaces import AttentionWorkspaces, arrivals_bound
 from llmfast.compile import CompiledModel
 from llmfast.config import EngineConfig, dtype_name, kv_cache_torch_dtype
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.graphs.dispatch import RunnerKind
-from llmfast.kernels.attention import tune_model_prefill_tiles
 from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
-from llmfast.kernels.workspaces import AttentionWorkspaces, arrivals_bound
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.utils.progress import Progress
-from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
-from llmfast.worker.startup.kernel_precompile import precompile_kernels
-from llmfast.worker.startup.kv_cache_sizing import (
-    allocate_kv_cache,
-    check_fits_one_request,
-    kv_block_bytes,
-    num_cpu_blocks,
-    num_gpu_blocks,
-)
-from llmfast.worker.startup.memory_profile import profile_peak_memory
 from llmfast.worker.placeholders import PlaceholderFill, record_placeholders, write_sampled_tokens
 from llmfast.worker.sampling.prompt_logprobs import (
     PromptLogprobsPlan,
@@ -60,10 +50,20 @@ from llmfast.worker.sampling.prompt_logprobs import (
 )
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
+from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
+from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
+from llmfast.worker.startup.kernel_precompile import DryBatch, dry_batches, precompile_kernels
+from llmfast.worker.startup.kv_cache_sizing import (
+    allocate_kv_cache,
+    check_fits_one_request,
+    kv_block_bytes,
+    num_cpu_blocks,
+    num_gpu_blocks,
+)
+from llmfast.worker.startup.memory_profile import profile_peak_memory
 from llmfast.worker.state_updates import update_states
 from llmfast.worker.step_inputs import StepInputs
 from llmfast.worker.step_output import OutputCopier, PendingStep
-from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         # The KV cache's element type: the model's, or float8_e4m3fn (--kv-cache-dtype
-        # fp8); the kernels convert on write and read (kernels/attention_kernels.py).
+        # fp8); the kernels convert on write and read (attention/triton/kernels.py).
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.eos_token_ids = eos_token_ids
         sched = config.scheduler
@@ -177,7 +177,8 @@ class ModelRunner:
             progress("compiling the attention and layer kernels", None)
         failed = False
         try:
-            precompiled = precompile_kernels(self)
+            precompiled = precompile_kernels(self.model, self._dry_batches(), self.block_size,
+                                             self.kv_dtype, self.device)
         except Exception as exc:  # noqa: BLE001 - an optimisation: the launches compile
             # Nothing is lost: each variant compiles at its first launch, as without the
             # precompile (counted below, so the start-up report shows the failure).
@@ -225,7 +226,8 @@ class ModelRunner:
         num_blocks = min_across_ranks(num_blocks, self.tp_group, self.device)
         t0 = time.perf_counter()
         block_bytes = kv_block_bytes(model_cfg, self.block_size, self.kv_dtype)
-        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
+        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes,
+                               self.device, cfg.cache)
         if progress:
             progress(f"allocating KV cache: {num_blocks} blocks "
                      f"({dtype_name(self.kv_dtype)})", None)
@@ -251,6 +253,15 @@ class ModelRunner:
         if not captured:
             self._compile_and_capture(progress)
         return num_blocks
+
+    def _dry_batches(self) -> list[DryBatch]:
+        """The batches whose dry forwards compile every Triton variant the start-up and
+        the first steps launch (worker/startup/kernel_precompile.py)."""
+        compiled = self.compiled
+        full = compiled.capture_sizes if compiled.full_graphs is not None else ()
+        return dry_batches(self.capture_inputs, self.max_num_tokens, self.max_num_reqs,
+                           self.block_size, self.max_model_len,
+                           compiled.piecewise_capture_sizes or compiled.capture_sizes, full)
 
     def _precompiles_kernels(self) -> bool:
         """Whether the start-up compiles its Triton variants in threads ahead of their

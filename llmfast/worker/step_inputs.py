@@ -13,7 +13,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
+from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.graphs.dispatch import GraphDispatcher, StepDispatch, is_uniform_decode
 from llmfast.worker.buffers import CpuGpuBuffer

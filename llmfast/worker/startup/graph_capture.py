@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
+from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.compile import CompiledModel
 from llmfast.utils.progress import Progress
 from llmfast.worker.input_batch import InputBatch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention.metadata import AttentionMetadata
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import worst_case_sampling_metadata

@@ -1,10 +1,11 @@
 """The process `llmfast.bench.startup.runs` starts twice: build the engine, make one token,
 write the timings as JSON to the file named by the second argument.
 
-    python -m llmfast.bench.startup.child '{"model": ..., "engine_args": {...}}' out.json
+    python -m llmfast.cli.startup_child '{"model": ..., "engine_args": {...}}' out.json
 
-Kept apart from `runs.py` so that `-m` runs a module the package has not imported
-already (the package's `__init__` imports nothing).
+In the command's package rather than in `llmfast.bench`, below `LLM`, because it builds
+one: it stands for an `llmfast` process. Kept apart from the command's modules so that
+`-m` runs a module the package has not imported already (`cli/__init__` imports nothing).
 """
 
 from __future__ import annotations

@@ -20,10 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfast.kernels.kv_write import _store_at_slot, cache_clamp, check_launchable, next_pow2
+from llmfast.attention.triton.kv_write import (
+    cache_clamp,
+    check_launchable,
+    next_pow2,
+    store_at_slot,
+)
+from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
 from llmfast.kernels.layers.rotary_reference import rope_cache_takes
 from llmfast.kernels.layers.triton_kernels import load_cos_sin, rotate_halves
-from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
 
 
 @triton.jit
@@ -62,16 +67,16 @@ def _rope_and_cache_kernel(
     v_src = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(v_src, mask=kv_mask)
     v2 = tl.load(v_src + HALF, mask=kv_mask)
-    # The KV write's store and conversion (kv_write._store_at_slot), half by half.
+    # The KV write's store and conversion (kv_write.store_at_slot), half by half.
     k_at = offs_kh[:, None] * stride_kch + offs_d[None, :]
     v_at = offs_kh[:, None] * stride_vch + offs_d[None, :]
-    _store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs, k_at, k1, kv_mask,
+    store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs, k_at, k1, kv_mask,
                    BLOCK_SIZE, CLAMP)
-    _store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs, k_at + HALF, k2, kv_mask,
+    store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs, k_at + HALF, k2, kv_mask,
                    BLOCK_SIZE, CLAMP)
-    _store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs, v_at, v1, kv_mask,
+    store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs, v_at, v1, kv_mask,
                    BLOCK_SIZE, CLAMP)
-    _store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs, v_at + HALF, v2, kv_mask,
+    store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs, v_at + HALF, v2, kv_mask,
                    BLOCK_SIZE, CLAMP)
 
 

@@ -65,12 +65,12 @@ def _cache_value(x, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def _store_at_slot(cache_ptr, slot, stride_b, stride_s, offsets, x, mask,
-                   BLOCK_SIZE: tl.constexpr, CLAMP: tl.constexpr):
+def store_at_slot(cache_ptr, slot, stride_b, stride_s, offsets, x, mask,
+                  BLOCK_SIZE: tl.constexpr, CLAMP: tl.constexpr):
     """A token's rows `x` into the paged cache at `slot` (block slot // BLOCK_SIZE, row
     slot % BLOCK_SIZE; `offsets` within that row, over heads and dims), converted as the
     cache stores them (`_cache_value`). The KV writes of kv_write.py, rope_cache.py and
-    the fused decode kernel (attention_kernels.py) all store through it."""
+    the fused decode kernel (triton/kernels.py) all store through it."""
     row = cache_ptr + (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_s
     tl.store(row + offsets, _cache_value(x, CLAMP).to(cache_ptr.dtype.element_ty),
              mask=mask)
@@ -98,9 +98,9 @@ def _reshape_and_cache_kernel(
 
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
-    _store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs,
+    store_at_slot(k_cache_ptr, slot, stride_kcb, stride_kcs,
                    heads * stride_kch + dims * stride_kcd, k, mask, BLOCK_SIZE, CLAMP)
-    _store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs,
+    store_at_slot(v_cache_ptr, slot, stride_vcb, stride_vcs,
                    heads * stride_vch + dims * stride_vcd, v, mask, BLOCK_SIZE, CLAMP)
 
 
@@ -176,5 +176,5 @@ def cache_clamp(cache_dtype: torch.dtype) -> float:
     return FP8_E4M3_MAX if cache_dtype == torch.float8_e4m3fn else 0.0
 
 
-# Compiled KV-write kernels per specialization (kernels/launch_cache.py).
+# Compiled KV-write kernels per specialization (kernels/launch/launch_cache.py).
 _KV_WRITE_LAUNCHES = LaunchCache(_reshape_and_cache_kernel)

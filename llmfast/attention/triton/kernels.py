@@ -62,7 +62,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from llmfast.kernels.kv_write import _store_at_slot
+from llmfast.attention.triton.kv_write import store_at_slot
 
 
 @triton.jit
@@ -307,9 +307,9 @@ def _decode_rope_attention_kernel(
     v = tl.load(v_ptr + token * stride_nvt + kv_head * stride_nvh + offs_d,
                 mask=write_mask, other=0.0)
     k = _rotate(k, k_partner, k_cos, k_sin, offs_d, HEAD_DIM // 2)
-    _store_at_slot(k_cache_ptr, slot, stride_kb, stride_ks,
+    store_at_slot(k_cache_ptr, slot, stride_kb, stride_ks,
                    kv_head * stride_kh + offs_d * stride_kd, k, write_mask, BLOCK_SIZE, CLAMP)
-    _store_at_slot(v_cache_ptr, slot, stride_vb, stride_vs,
+    store_at_slot(v_cache_ptr, slot, stride_vb, stride_vs,
                    kv_head * stride_vh + offs_d * stride_vd, v, write_mask, BLOCK_SIZE, CLAMP)
     tl.debug_barrier()
     q = _rotate(q, q_partner, q_cos, q_sin, offs_d, HEAD_DIM // 2)

@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 
 from llmfast.kernels.launch import precompile
-from llmfast.kernels.ops import triton_interpret_enabled, use_triton
+from llmfast.kernels.triton_mode import triton_interpret_enabled, use_triton
 
 _ENABLED: bool | None = None
 _KERNELS: ModuleType | None = None

@@ -21,7 +21,7 @@ import torch
 from llmfast.config import EngineConfig
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import init_tensor_parallel
-from llmfast.executor.runner_info import RunnerInfo, runner_info
+from llmfast.worker.runner_info import RunnerInfo, runner_info
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.worker.step_output import PendingStep

@@ -10,7 +10,7 @@ mixed batch (several requests: chunks over cached prefixes plus decodes).
 Where a launch's tiles come from, first hit wins (`PrefillTileTable.tiles_for`):
 1. this machine's tuned table, `<cache dir>/attention/prefill-tiles-<gpu>-triton<ver>.json`
    (llmfast/utils/paths.py's cache dir; a new Triton version tunes afresh);
-2. the table shipped for this GPU model, `llmfast/kernels/tuning/prefill_tables/<gpu>.json`
+2. the table shipped for this GPU model, `llmfast/attention/tuning/prefill_tables/<gpu>.json`
    (the same format; a copy of a tuned table), so a first start needs no tuning;
 3. tuning, when allowed (see `tuning_mode`): every candidate of `CANDIDATES` timed on a
    synthetic batch of the class, the fastest written to table 1;

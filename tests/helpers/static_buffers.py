@@ -1,6 +1,7 @@
 """Persistent (static-address) input buffers over a paged KV cache, padded to a graph
 size: what CUDA-graph replay needs, without the engine. For model-level benchmarks
-(scripts/bench_modes.py) and, with a step function on top, the compile and graph tests.
+(scripts/bench_modes.py, scripts/bench_tp.py) and, with a step function on top
+(tests/helpers/static_batch.py), the compile and graph tests.
 
 Each sequence owns a shuffled (non-contiguous) set of cache blocks; block 0 stays
 reserved, as in the engine. Padding tokens are token 0, position 0 and slot -1 (no KV
@@ -13,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
+from llmfast.attention.workspaces import AttentionWorkspaces
 from llmfast.models.decoder import DecoderForCausalLM
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]

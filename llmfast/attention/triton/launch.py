@@ -1,38 +1,32 @@
 """Unified paged attention, the launch side: configuration (split table, tuned prefill
-tiles), workspaces, and the cached launch of the Triton kernels in attention_kernels.py
+tiles), workspaces, and the cached launch of the Triton kernels in triton/kernels.py
 (whose docstring describes the design).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 
-from llmfast.kernels.attention_config import (
-    MAX_SPLITS,
+from llmfast.attention.triton.kernels import (
+    _decode_rope_attention_kernel,
+    _merge_splits_kernel,
+    _unified_attention_kernel,
+)
+from llmfast.attention.triton.kv_write import check_launchable, reshape_and_cache
+from llmfast.attention.triton.launch_config import (
     AttentionConfig,
     DecodeRegion,
     decode_like,
     decode_rope_enabled,
     select_config,
-    split_bound,
 )
-from llmfast.kernels.attention_kernels import (
-    _decode_rope_attention_kernel,
-    _merge_splits_kernel,
-    _unified_attention_kernel,
-)
-from llmfast.kernels.kv_write import cache_clamp, check_launchable, next_pow2, reshape_and_cache
-from llmfast.kernels.layers.rotary_reference import rope_cache_takes
-from llmfast.kernels.launch import precompile
-from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache, specialization_key
-from llmfast.kernels.rope_cache import rope_and_cache
-from llmfast.kernels.tuning.prefill_measure import median_device_us, synthetic_batch
-from llmfast.kernels.tuning.prefill_tuning import (
+from llmfast.attention.triton.launch_plan import LaunchPlan, NewTokens, plan_launch
+from llmfast.attention.triton.rope_cache import rope_and_cache
+from llmfast.attention.tuning.prefill_measure import median_device_us, synthetic_batch
+from llmfast.attention.tuning.prefill_tuning import (
     TUNE_MIN_TOKENS,
     PrefillTiles,
     PrefillTileTable,
@@ -40,8 +34,10 @@ from llmfast.kernels.tuning.prefill_tuning import (
     shape_class,
     tuning_mode,
 )
-from llmfast.kernels.tuning.split_table import SplitTable, split_tables_for
-from llmfast.kernels.workspaces import AttentionWorkspaces, new_partials
+from llmfast.attention.tuning.split_table import SplitTable, split_tables_for
+from llmfast.attention.workspaces import AttentionWorkspaces, new_partials
+from llmfast.kernels.launch import precompile
+from llmfast.kernels.launch.launch_cache import LaunchCache, PlanCache
 from llmfast.utils.progress import Progress
 
 __all__ = ["AttentionConfig", "DecodeRegion", "reshape_and_cache", "rope_and_cache",
@@ -52,13 +48,9 @@ _LOG2E = 1.4426950408889634
 
 
 # Compiled attention kernels per specialization, launched without Triton's JIT dispatch
-# (kernels/launch_cache.py).
+# (kernels/launch/launch_cache.py).
 _ATTENTION_LAUNCHES = LaunchCache(_unified_attention_kernel)
 _DECODE_ROPE_LAUNCHES = LaunchCache(_decode_rope_attention_kernel)
-
-# What rope_and_cache takes besides q (kernels/rope_cache.py): the step's new keys and
-# values, their cache slots, positions, and the cos/sin table.
-NewTokens = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @functools.lru_cache(maxsize=8)
@@ -150,7 +142,7 @@ def tune_prefill_tiles(device: torch.device, cls: ShapeClass, force: bool = Fals
     return table.tune(cls, _tile_timer(device, cls))
 
 
-def _split_scratch(plan: _LaunchPlan, k_cache: torch.Tensor
+def _split_scratch(plan: LaunchPlan, k_cache: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Split partials and (fused merge) arrival counters, or None for the counters.
 
@@ -293,156 +285,23 @@ def _unused_split_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Ten
             torch.empty(4, dtype=torch.int32, device=device))
 
 
-@dataclass(frozen=True, eq=False, slots=True)  # hashed by identity: a launch key
-class _LaunchPlan:
-    device: torch.device
-    is_cuda: bool
-    rope: bool  # the fused decode + RoPE kernel's launch, not the unified kernel's
-    grid: tuple[int, int, int]
-    # The kernel's runtime split counts: the query tiles' and the decode region's (the
-    # fused decode + RoPE kernel: the first only).
-    split_counts: tuple[int, ...]
-    # The kernel is compiled with split code (a bound > 1): its partials and counters
-    # must have their own types even where this launch does not split.
-    split_code: bool
-    # KV splits whose partials the launch writes: the query tiles', or with a decode
-    # region its; 1: no scratch.
-    scratch_splits: int
-    merge_kernel: bool  # split partials merged by a second kernel (fused_merge=False)
-    fused: bool  # the launch merges its own splits (arrival counters)
-    # (splits, rows: num_tokens, or num_reqs * DEC_BLOCK_Q with a decode region,
-    # num_heads, head_dim_p)
-    partials_shape: tuple[int, int, int, int]
-    num_arrivals: int  # fused-merge counters: one per (query tile, kv head)
-    strides: tuple[int, ...]  # q, k_cache, v_cache, out, block_table rows
-    const_key: tuple  # stands for `constexprs` and the strides in the launch cache's key
-    constexprs: dict
-    merge_constexprs: dict
-
-
 _PLANS = PlanCache()
 
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
           prefill_tiles, config=None, rope: NewTokens | None = None,
-          uniform_decode: bool = False) -> _LaunchPlan:
+          uniform_decode: bool = False) -> LaunchPlan:
+    """The launch's plan (launch_plan.py), from this device's SM count and split tables
+    (read here: tests replace `_num_sms` and `_device_split_tables`)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    decode = decode_like(num_tokens, num_reqs, uniform_decode)
     cfg = config or select_config(
         num_tokens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         block_table.shape[1], q.dtype, _num_sms(q.device), _device_split_tables(q.device),
         prefill_tiles, kv_dtype=k_cache.dtype, uniform_decode=uniform_decode,
     )
-    splits = num_splits if num_splits is not None else cfg.num_splits
-    if not fused_merge:  # the merge kernel spans its splits with one arange
-        splits = next_pow2(splits)
-    splits = max(1, min(splits, MAX_SPLITS))
-    bq = block_q if block_q is not None else cfg.block_q
-    if q.is_cuda:  # tl.dot needs >= 16 rows; only the interpreter takes smaller tiles
-        bq = max(bq, 16 // next_pow2(group))
-    head_dim_p = max(16, next_pow2(head_dim))
-    num_tiles = num_tokens // bq + num_reqs
-    fused = splits > 1 and fused_merge
-    # The decode region: only beside unsplit query tiles (one partials layout per
-    # launch), and with split decodes only where the launch merges them itself.
-    region = cfg.decode_region
-    if region is not None and q.is_cuda and region.block_q < 16 // next_pow2(group):
-        region = dataclasses.replace(region, block_q=16 // next_pow2(group))  # tl.dot
-    if region is not None and region.num_splits > MAX_SPLITS:
-        region = dataclasses.replace(region, num_splits=MAX_SPLITS)
-    if region is not None and (splits > 1 or region.block_q >= bq
-                               or (region.num_splits > 1 and not fused_merge)):
-        region = None
-    if region is not None:
-        # Scratch rows per request, not per token (attention_kernels.py).
-        scratch_splits, scratch_rows = region.num_splits, num_reqs * region.block_q
-        region_programs = num_reqs * region.num_splits
-    else:
-        scratch_splits, scratch_rows, region_programs = splits, num_tokens, 0
     # The interpreter's tl.dot reads bf16 as raw uint16 bits: compute in fp32 there.
     upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
-    # A cache in another dtype than q (fp8) is converted to q's on load: its own variant.
-    convert_kv = k_cache.dtype != q.dtype
-    strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-               block_table.stride(0))
-    # The split counts are runtime arguments; the kernel compiles against a bound (module
-    # doc of attention_kernels.py): 1 (no split code), or the most splits any decode
-    # launch of this shape takes on this device, so that the batch sizes of one model
-    # share one or two variants. The decode region always takes that bound: its mixed
-    # launches then share one variant whatever their request count (the start-up's
-    # memory profile compiles it). A second merge kernel reads every split, so without
-    # the fused merge the bound is the count itself.
-    bound = next_pow2(max(splits, region.num_splits if region else 1,
-                          split_bound(num_heads, num_kv_heads, head_dim, block_size, q.dtype,
-                                      _num_sms(q.device), _device_split_tables(q.device),
-                                      kv_dtype=k_cache.dtype)))
-    main_bound, fused_code = (bound if fused else splits), fused
-    if fused_merge and (decode or rope is not None):
-        # Decode-like launches (and the fused decode + RoPE kernel) compile the split
-        # code whatever their count, so that all of them are one variant: the start-up
-        # captures compile it (those of uniform decode may take the fused kernel, and a
-        # decode-like step that is not uniform must find its variant compiled too).
-        main_bound, fused_code = bound, bound > 1
-    region_bound = bound if region is not None else 1
-    constexprs = dict(
-        NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=bq, BLOCK_N=cfg.block_n,
-        SPLIT_BOUND=main_bound, FUSED_MERGE=fused_code, UPCAST=upcast,
-        DOT_PRECISION=dot_precision,
-        CONVERT_KV=convert_kv, MIN_SPLIT_TILES=cfg.min_split_tiles,
-        DECODE_REGION=region is not None, DEC_BLOCK_Q=region.block_q if region else 1,
-        DEC_BLOCK_N=region.block_n if region else 16, DEC_SPLIT_BOUND=region_bound,
-        ONE_KV_LOOP=cfg.one_kv_loop, DEC_ONE_KV_LOOP=region.one_kv_loop if region else False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grid = (num_tiles + region_programs, num_kv_heads, splits)
-    split_counts: tuple[int, ...] = (splits, region.num_splits if region else 1)
-    if rope is not None:
-        # The fused decode + RoPE kernel: one program per request; always compiled with
-        # the split code (one variant whatever the batch: the captures compile it). A
-        # request reads its token's key, value, slot and position (none for a row of no
-        # token: async scheduling gives one to a request whose last token is in flight),
-        # so each has a row per token: there may be fewer tokens than requests.
-        k, v, slot_mapping, positions, cos_sin = rope
-        if not rope_cache_takes(q, k, v, cos_sin, k_cache, v_cache) or min(
-                k.shape[0], v.shape[0], slot_mapping.shape[0], positions.shape[0]
-        ) < num_tokens:
-            raise ValueError("the fused decode + RoPE attention takes contiguous, even head "
-                             "dims, q and k of one dtype, a float32 cos/sin table as wide as "
-                             "a head, and a key, value, slot and position per token")
-        grid, split_counts = (num_reqs, num_kv_heads, splits), (splits,)
-        for name in ("DECODE_REGION", "DEC_BLOCK_Q", "DEC_BLOCK_N", "DEC_SPLIT_BOUND",
-                     "DEC_ONE_KV_LOOP"):
-            del constexprs[name]
-        constexprs.update(CLAMP=cache_clamp(k_cache.dtype))
-        strides += (k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0))
-    return _LaunchPlan(
-        device=q.device,
-        is_cuda=q.device.type == "cuda",
-        rope=rope is not None,
-        grid=grid,
-        split_counts=split_counts,
-        split_code=main_bound > 1 or (rope is None and region_bound > 1),
-        scratch_splits=scratch_splits,
-        merge_kernel=splits > 1 and not fused,
-        fused=fused or (region is not None and region.num_splits > 1),
-        partials_shape=(scratch_splits, scratch_rows, num_heads, head_dim_p),
-        # Fused-merge counters, one per kv head and split query tile, or with a decode
-        # region per request (then only its programs split): a count that depends on
-        # the launch's request count alone, not on its tokens (the runner keeps one
-        # buffer per count for its life, and eager mixed steps vary their tokens).
-        num_arrivals=(num_reqs if region is not None else num_tiles) * num_kv_heads,
-        strides=strides,
-        const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, region,
-                   main_bound, fused_code, region_bound, upcast, dot_precision, convert_kv,
-                   rope is not None, constexprs.get("CLAMP"),
-                   specialization_key((), strides)),
-        constexprs=constexprs,
-        merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-                              NUM_SPLITS=splits,
-                              num_warps=4 if splits * head_dim_p > 2048 else 2),
-    )
+    return plan_launch(q, k_cache, v_cache, block_table, out, num_reqs, cfg, num_splits,
+                       block_q, fused_merge, _num_sms(q.device), _device_split_tables(q.device),
+                       upcast, rope, uniform_decode)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmfast.kernels.kv_write import next_pow2
-from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, heuristic_tiles, kv_dtype_name
-from llmfast.kernels.tuning.split_table import (
+from llmfast.attention.triton.kv_write import next_pow2
+from llmfast.attention.tuning.prefill_tuning import PrefillTiles, heuristic_tiles, kv_dtype_name
+from llmfast.attention.tuning.split_table import (
     DEFAULT_DECODE_STAGES,
     MAX_SPLITS,
     SplitTable,
@@ -25,7 +25,7 @@ from llmfast.kernels.tuning.split_table import (
 class DecodeRegion:
     """How a prefill-like launch serves its decode requests (at most `block_q` query
     tokens each): programs of their own with decode tiles, `num_splits` per request
-    (attention_kernels.py), instead of prefill-sized tiles that are mostly padding."""
+    (triton/kernels.py), instead of prefill-sized tiles that are mostly padding."""
 
     block_q: int
     block_n: int
@@ -41,12 +41,12 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     # With the fused merge, splits hold at least this many key tiles of the *live*
-    # context (attention_kernels.py): fewer splits than num_splits at short contexts.
+    # context (triton/kernels.py): fewer splits than num_splits at short contexts.
     min_split_tiles: int = 2
     # Prefill-like launches of several requests: the decode requests' programs.
     decode_region: DecodeRegion | None = None
     # Walk the key tiles in one masked loop instead of an unmasked bulk loop and a
-    # masked tail loop (attention_kernels.py): the tail's loads pipelined with the rest.
+    # masked tail loop (triton/kernels.py): the tail's loads pipelined with the rest.
     one_kv_loop: bool = False
 
 
@@ -101,7 +101,7 @@ def split_bound(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
                 kv_dtype: torch.dtype | None = None) -> int:
     """The most KV splits `select_config` gives any decode launch of this attention shape
     on this device, whatever its request count and block table, rounded up to a power of
-    two: the bound the kernel compiles its split code against (attention_kernels.py: its
+    two: the bound the kernel compiles its split code against (triton/kernels.py: its
     merge spans the bound), so that every launch that splits shares one variant. From
     what is fixed for the process only (the shape, the device's SMs and split table): the
     start-up's memory profile, with a one-block table, must compile the variant later
@@ -140,7 +140,7 @@ def select_config(
     Decode or prefill: `decode_like`.
 
     The split count of a decode comes from `split_tables` (measured on this GPU model,
-    kernels/tuning/split_table.py) when one holds this shape, else from the SM count. A
+    attention/tuning/split_table.py) when one holds this shape, else from the SM count. A
     prefill-like batch takes `prefill_tiles` (tuned for this GPU model and shape class,
     kernels/prefill_tuning.py) when given, else the fixed heuristic."""
     group_p = next_pow2(num_heads // num_kv_heads)

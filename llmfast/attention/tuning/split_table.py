@@ -4,7 +4,7 @@
 each decode shape (batch x context, graph-replayed) and adds the best to FILE, one table
 per attention shape (heads, KV heads, head dim, dtype, block size; a second sweep of
 another shape into the same file keeps the first). A copy of that file under
-`llmfast/kernels/tuning/split_tables/<gpu name>.json` makes `unified_attention` use it on
+`llmfast/attention/tuning/split_tables/<gpu name>.json` makes `unified_attention` use it on
 that GPU for the shapes it holds; any other shape keeps the SM-count heuristic of
 `select_config`.
 

@@ -39,7 +39,7 @@ def arrivals_bound(max_num_tokens: int, max_num_reqs: int, num_kv_heads: int) ->
     """The most fused-merge counters an attention launch of at most `max_num_tokens`
     tokens and `max_num_reqs` requests takes: one per KV head and query tile (at most
     one a token, plus one a request: the plan's `num_tiles`) or, with a decode region,
-    per KV head and request (kernels/attention.py `_plan`)."""
+    per KV head and request (attention/triton/launch.py `_plan`)."""
     return (max_num_tokens + max_num_reqs) * num_kv_heads
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from llmfast.kernels.tuning.prefill_tuning import ShapeClass, parse_kv_dtype_name
+from llmfast.attention.tuning.prefill_tuning import ShapeClass, parse_kv_dtype_name
 
 CAUSAL_TOKENS = 4096
 MIXED_CHUNK = 1024

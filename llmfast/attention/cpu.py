@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 # Upper bound on gathered key elements per decode chunk (keeps temporaries ~64 MiB fp32).
 _MAX_GATHER_ELEMENTS = 1 << 24

@@ -5,7 +5,7 @@ nodes (the compile backend splits the graph there) and aot/Inductor keep their i
 writes (every mutated tensor is listed in `mutates_args`).
 
 Dispatch: Triton kernels on CUDA, and on CPU when `TRITON_INTERPRET=1` (tests); on
-plain CPU the vectorised torch path in `cpu_attention.py`. The reference implementations
+plain CPU the vectorised torch path in `attention/cpu.py`. The reference implementations
 here are the test oracle.
 
 Shapes (T = tokens in the step, padded; R = requests):
@@ -19,35 +19,23 @@ Shapes (T = tokens in the step, padded; R = requests):
     out  [T, num_heads, head_dim]
     positions [T] int, cos_sin [max_positions, head_dim] float32 (optional, together):
         q and k are not rotated yet; the op applies the rotary embedding first (on the
-        Triton path in its KV write, kernels/rope_cache.py)
+        Triton path in its KV write, attention/triton/rope_cache.py)
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from llmfast.config import FP8_E4M3_MAX
-
-
-def triton_interpret_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the kernels on `x`'s device are Triton's: on CUDA, or on CPU under the
-    interpreter. (`x.is_cuda`: cheaper than comparing `x.device.type`, twice a layer
-    per eager step.)"""
-    return x.is_cuda or triton_interpret_enabled()
+from llmfast.kernels.triton_mode import use_triton
 
 
 def _triton_attention():
-    """llmfast.kernels.attention, imported at the first Triton call (a CPU-only process
+    """llmfast.attention.triton.launch, imported at the first Triton call (a CPU-only process
     never imports Triton's kernels), then bound: an import statement costs ~1 us a call,
     and the eager attention path makes two calls per layer per step."""
     global _ATTENTION
-    from llmfast.kernels import attention
+    from llmfast.attention.triton import launch as attention
 
     _ATTENTION = attention
     return attention
@@ -203,7 +191,7 @@ def unified_attention_impl(
             q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
         )
     else:
-        from llmfast.kernels.cpu.attention import paged_attention_cpu
+        from llmfast.attention.cpu import paged_attention_cpu
 
         reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
         paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out)
