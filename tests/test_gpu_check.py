@@ -145,6 +145,7 @@ def test_a_step_is_killed_at_its_limit_even_when_silent(tmp_path):
     assert rc == 3
 
 
+@pytest.mark.slow  # ~20 s: bench_kernels' --help twice
 def test_dry_run_checks_the_flags_of_gpu_only_commands(tmp_path):
     """bench_kernels needs CUDA: the dry run checks that every flag of its GPU command
     (--samples and the SDPA graph rows' flags included) is in its --help."""
@@ -152,6 +153,16 @@ def test_dry_run_checks_the_flags_of_gpu_only_commands(tmp_path):
     assert record["status"] == "ok", record
     assert record["verdicts"] == [dict(verdict="DRY-PASS",
                                        text="kernels: the GPU command's flags exist")]
+
+
+@pytest.mark.slow  # ~1 min: every program's --help
+def test_every_gpu_commands_flags_are_in_its_programs_help():
+    """A misspelt or removed flag of a GPU-only command fails here, not on the device."""
+    for step in gpu_check.STEPS.values():
+        if step.name != "tests":
+            assert gpu_check.missing_flags(step.gpu) == [], step.name
+    bad = gpu_check.Step("x", "decode", 1, 1, gpu_check._BENCH + ("--no-such-flag",), ())
+    assert gpu_check.missing_flags(bad.gpu) == ["--no-such-flag"]
 
 
 def test_tree_stamp_names_this_tree(tmp_path, monkeypatch):
