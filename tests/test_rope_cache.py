@@ -347,7 +347,7 @@ ROPE_CACHE_CASES = [
     ("bfloat16", "float8_e4m3fn", 4, 4, 80),  # head dim padded inside; an fp8 cache
 ]
 # The op's cases that rotate in the KV write, and those that take the fused decode
-# kernel (on a GPU their tests are apart: gpu_check.sh turns off what failed).
+# kernel (on a GPU their tests are apart, so a failure names which).
 FUSED_OP_CASES_KV_WRITE = [("float32", "mixed"), ("bfloat16", "mixed"),
                            ("bfloat16", "zero_rows")]
 FUSED_OP_CASES_DECODE_KERNEL = [("bfloat16", "decode"), ("bfloat16", "uniform"),
@@ -395,8 +395,8 @@ def test_rope_and_cache_on_cuda():
 
 @pytest.mark.gpu
 def test_decode_rope_kernel_on_cuda():
-    # Its own test: gpu_check.sh turns the fusion off (LLMFAST_ATTENTION_DECODE_ROPE=0)
-    # for its later steps when this one fails.
+    # Its own test: when it fails, LLMFAST_ATTENTION_DECODE_ROPE=0 turns the fusion off
+    # for the benchmarks after it.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for dtype, cache_dtype, num_splits, num_sms in DECODE_ROPE_CASES:

@@ -183,7 +183,7 @@ def traced_piece_args(piece: fx.GraphModule) -> list[Any] | None:
     node in the tracing context's fake mode: the same shapes, strides and unbacked
     symbols as re-running the split graph on fake inputs would give, without running
     every piece's ops through the fake mode once more (on a warm start, most of the
-    backend's time outside Inductor: profiles/cpu-2026-11-26-warm-compile.md)."""
+    backend's time outside Inductor: profiles/startup.md)."""
     args = []
     for node in piece.graph.nodes:
         if node.op != "placeholder":

@@ -119,7 +119,7 @@ def merge_sweep(existing: dict | None, sweep: dict) -> dict:
 def merge_tables(existing: dict | None, new: dict) -> dict:
     """`existing` (a table file's JSON, or None) with every shape of `new` (another's)
     merged in: `new`'s tables replace those of their shape, the rest are kept. What a
-    GPU session installs: its sweeps (often of one head dim) over the shipped file."""
+    GPU run installs: its sweeps (often of one head dim) over the shipped file."""
     merged = existing
     for sweep in new.get("shapes", [new]):
         merged = merge_sweep(merged, sweep)
