@@ -248,6 +248,10 @@ class EngineArgs:
             sampling_defaults=resolve_sampling_defaults(self.generation_config, source.path),
             quantization=self.quantization,
         )
+        if device.type == "cpu" and self.max_model_len is None:
+            from llmfast.worker.startup.kv_cache_sizing import fit_cpu_max_model_len
+
+            config = fit_cpu_max_model_len(config)  # to what the KV cache holds
         return config, source
 
     def parallel_config(self) -> ParallelConfig:

@@ -60,11 +60,14 @@ def profile_table(stats: pstats.Stats, by: str, top: int, min_s: float) -> str:
 
 
 def _short(path: str) -> str:
-    """A path from its package down (site-packages and the checkout cut off)."""
-    for marker in ("site-packages/", "dist-packages/", "/llmfast/", "/scripts/"):
+    """A path from its package down (site-packages and the checkout cut off; the
+    checkout by its own location, as its folder is often itself named `llmfast`)."""
+    checkout = str(Path(__file__).resolve().parents[1]) + "/"
+    if path.startswith(checkout):
+        return path[len(checkout):]
+    for marker in ("site-packages/", "dist-packages/"):
         if marker in path:
-            tail = path.split(marker, 1)[1]
-            return ("llmfast/" if marker == "/llmfast/" else "") + tail
+            return path.split(marker, 1)[1]
     return path
 
 

@@ -37,10 +37,11 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 3. the model and its compilation.
     ("models/", "compile/"),
     # 4. one device's worker: the model runner and its start-up, the input batch, the
-    #    sampler; the engine's flags (they resolve a model: models/).
-    ("worker/", "engine_args"),
-    # 5. one worker or many (processes, Ray actors).
-    ("executor/",),
+    #    sampler.
+    ("worker/",),
+    # 5. one worker or many (processes, Ray actors); the engine's flags (they resolve a
+    #    model, and on a CPU fit max-model-len to the KV cache the worker will size).
+    ("executor/", "engine_args"),
     # 6. the engine (llmfast/engine/: core, its client, input and output processing,
     #    args), above its executor; today's root `engine` module until it moves there.
     ("engine/", "engine"),

@@ -26,6 +26,6 @@ def pull(
     with cli_errors(debug):
         from llmfast.models.sources.default_model import ensure_default_model
 
-        with stage_progress(stderr_console()) as report:
+        with stage_progress(stderr_console(), "preparing the default model") as report:
             path = ensure_default_model(progress=report)
         print(path)

@@ -230,7 +230,8 @@ class ModelRunner:
         num_blocks = min_across_ranks(num_blocks, self.tp_group, self.device)
         t0 = time.perf_counter()
         block_bytes = kv_block_bytes(model_cfg, self.block_size, self.kv_dtype)
-        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
+        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes,
+                               self.device, cfg.cache)
         if progress:
             progress(f"allocating KV cache: {num_blocks} blocks "
                      f"({dtype_name(self.kv_dtype)})", None)
