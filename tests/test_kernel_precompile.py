@@ -161,7 +161,7 @@ def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
     compiled = engine.runner.compiled
     assert compiled.stats.full_graph_sizes and compiled.stats.captured_sizes
     _workload_compiles_nothing(engine)
-    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+    assert compiled.graphs.full.num_replays > 0 and compiled.graphs.piecewise.num_replays > 0
 
 
 def test_a_failed_precompile_leaves_the_compiles_to_the_launches(

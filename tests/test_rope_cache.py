@@ -14,6 +14,7 @@ from llmfast.attention import ops
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import rotary as rotary_ops
 from llmfast.models.rope import rope_table
+from tests.helpers.compiled import compiled_model
 
 from tests import test_attention_kernels as attn_tests
 
@@ -431,7 +432,6 @@ def test_compiled_model_passes_positions_through_the_split(monkeypatch, tmp_path
     # torch reference): Dynamo records the op with positions and the cos/sin table, the
     # backend splits there and the split graph calls the implementation with them; the
     # pieces hold no rotation. Logits equal eager's unfused ones to float32 rounding.
-    from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
     from llmfast.models import decoder
     from llmfast.models.loading.loader import build_model
@@ -444,7 +444,7 @@ def test_compiled_model_passes_positions_through_the_split(monkeypatch, tmp_path
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
     monkeypatch.setattr(decoder, "rope_fuses_into_attention", lambda *args: True)
     torch._dynamo.reset()
-    cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)
+    cm = compiled_model(model, CompileConfig(), "cpu", max_num_tokens=64)
     eager_seqs, compiled_seqs = PagedSequences(eager_model, 4, 64), PagedSequences(model, 4, 64)
     compiled_seqs.model = _CallThrough(cm, model)
     for chunks in STEPS[:4]:

@@ -179,7 +179,7 @@ def unified_attention_impl(
             # Rotation and KV write first (the rotated queries go to `out`, which the
             # attention then reads and overwrites: each of its programs reads its rows
             # of q before any program writes those rows of out), or for a uniform
-            # decode step inside the attention kernel itself (attention.py).
+            # decode step inside the attention kernel itself (triton/launch.py).
             # (max_query_len lives on the CPU: reading it waits for nothing; ~0.2 us.)
             uniform = max_query_len is not None and max_query_len.item() <= 1
             attention.unified_attention(

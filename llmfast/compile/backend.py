@@ -35,15 +35,9 @@ from llmfast.compile import precompiled
 from llmfast.compile.cache import cache_counters, inductor_cache
 from llmfast.compile.precompiled import PieceRecord
 from llmfast.compile.stats import CompileStats
-from llmfast.graphs.piecewise import data_arg_indices, token_arg_index
+from llmfast.cuda_graphs.piecewise import PieceWrapper, data_arg_indices, token_arg_index
 
 logger = logging.getLogger(__name__)
-
-# (index among the compiled pieces, compiled callable, the position of its token-count
-# argument (None: none), the positions of the arguments it reads as data) -> the
-# callable the split graph will call instead, e.g. a CUDA-graph runner around the piece.
-PieceWrapper = Callable[[int, Callable[..., Any], int | None, list[int]], Callable[..., Any]]
-
 
 def resolve_splitting_ops(names: Iterable[str]) -> set[Any]:
     """Op names like "llmfast::unified_attention" -> every object Dynamo may record for

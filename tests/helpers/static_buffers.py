@@ -88,7 +88,7 @@ class StaticBatch:
             return forward(self.input_ids[:num_padded], self.positions[:num_padded], md)
 
     def dummy_runner(self, forward: Forward) -> Callable[[int], None]:
-        """`run_dummy(n)` for `CompiledModel.capture`: n padding tokens (slot -1) plus one
+        """`run_dummy(n)` for `ModelCudaGraphs.capture`: n padding tokens (slot -1) plus one
         request that reads one context slot, so attention has work but writes nothing."""
 
         def run_dummy(num_tokens: int) -> None:

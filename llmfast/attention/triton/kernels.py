@@ -1,5 +1,5 @@
 """Triton kernels of the unified paged attention (any mix of decode rows and prefill
-chunks in one launch); the launch side is attention.py.
+chunks in one launch); the launch side is launch.py.
 
 Design
 - Grid (query tiles, kv heads, kv splits). Each request's query tokens are cut into tiles

@@ -1,9 +1,9 @@
 """CUDA graphs for the compiled pieces: one graph per (piece, padded token count).
 
-Protocol (driven by `CompiledModel.capture`): for each size, largest first, the runner
-runs one dummy forward to warm up (lazy inits, Triton autotuning) and then one inside
-`GraphCaptureState.capturing(size)`; during that forward each piece captures its own
-graph instead of running. The attention calls between pieces run eagerly as always
+Protocol (driven by `ModelCudaGraphs.capture`, model_graphs.py): for each size, largest
+first, the runner runs one dummy forward to warm up (lazy inits, Triton autotuning) and
+then one inside `GraphCaptureState.capturing(size)`; during that forward each piece
+captures its own graph instead of running. The attention calls between pieces run eagerly as always
 (on not-yet-computed inputs: harmless, the dummy step writes no KV slot).
 
 Memory: every graph of every piece and size allocates from one shared private pool.
@@ -18,8 +18,8 @@ Replay needs every input a piece reads at its capture-time address: the runner's
 persistent buffers (input_ids, positions), the weights, and the previous piece's
 (static) outputs. `check_static_addresses` verifies that on every replay (debug mode).
 Dynamo also hands some pieces KV caches and metadata tensors, only to check their sizes
-(`aten.sym_size` is their sole use): the graph never reads them, so they may move (the
-runner captures on a scratch cache, then binds the real one) and are not checked.
+(`aten.sym_size` is their sole use): the graph never reads them, so they may move (a cache
+bound after the capture) and are not checked.
 """
 
 from __future__ import annotations
@@ -34,7 +34,15 @@ from typing import Any
 import torch
 from torch import fx
 
+from llmfast.cuda_graphs.capturers import CudaGraphCapturer, EmulatedGraphCapturer
+
 logger = logging.getLogger(__name__)
+
+# What the compile backend wraps each compiled piece with: (index among the compiled
+# pieces, compiled callable, the position of its token-count argument (None: none), the
+# positions of the arguments it reads as data) -> the callable the split graph will call
+# instead, here a CUDA-graph runner around the piece (`GraphCaptureState.wrap`).
+PieceWrapper = Callable[[int, Callable[..., Any], int | None, list[int]], Callable[..., Any]]
 
 _SIZE_QUERIES = (
     torch.ops.aten.sym_size.int,
@@ -64,81 +72,6 @@ def token_arg_index(fake_args: Sequence[Any], data_args: Sequence[int]) -> int |
         if isinstance(arg, torch.Tensor) and arg.dim() > 0 and isinstance(arg.shape[0], torch.SymInt):
             return i
     return None
-
-
-def weak_ref(t: Any) -> Any:
-    """A tensor viewing `t`'s memory without owning it (non-tensors pass through).
-
-    The memory stays valid while the graph pool holds it; see the module docstring.
-    """
-    if not isinstance(t, torch.Tensor):
-        return t
-    storage = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(
-        storage.data_ptr(), t.device, storage.nbytes()
-    )
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        alias, t.storage_offset(), t.size(), t.stride()
-    )
-
-
-def _map_outputs(out: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(out, (list, tuple)):
-        return type(out)(fn(x) for x in out)
-    return fn(out)
-
-
-class CudaGraphCapturer:
-    """Captures with `torch.cuda.CUDAGraph` into one pool shared by all pieces/sizes."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def capture(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Callable[[], None], Any]:
-        graph = torch.cuda.CUDAGraph()
-        # capture_begin/end rather than `with torch.cuda.graph(...)`: the context
-        # manager runs gc.collect() and empty_cache() per capture (hundreds of times).
-        # The caller has already made a side stream current (capture needs one).
-        # Thread-local: a CUDA call another thread of the process makes meanwhile (the
-        # engine loads its tokenizer in one during start-up) is not this capture's
-        # concern; in the default global mode an unsafe one would fail the capture.
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-        try:
-            out = fn(*args)
-        finally:
-            graph.capture_end()
-        return graph.replay, out
-
-    def static_outputs(self, outputs: Any) -> Any:
-        """What replays return: weak views of the capture's outputs (see module doc)."""
-        return _map_outputs(outputs, weak_ref)
-
-
-class EmulatedGraphCapturer:
-    """CPU stand-in with CUDA-graph semantics, for testing the capture bookkeeping and
-    the runner's use of static buffers without a GPU: "capture" runs the piece once and
-    keeps its outputs; "replay" reruns it on the capture-time arguments and copies the
-    results into those same outputs (static output addresses, like a real graph)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def capture(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Callable[[], None], Any]:
-        captured_args = list(args)
-        outputs = fn(*captured_args)
-
-        def replay() -> None:
-            fresh = fn(*captured_args)
-            pairs = zip(outputs, fresh) if isinstance(outputs, (list, tuple)) else [(outputs, fresh)]
-            for dst, src in pairs:
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
-
-        return replay, outputs
-
-    def static_outputs(self, outputs: Any) -> Any:
-        return outputs
 
 
 @dataclass

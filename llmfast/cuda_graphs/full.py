@@ -35,7 +35,7 @@ class _FullGraph:
 
 class FullGraphRunner:
     """Captures and replays whole-forward graphs, one per padded size, with a capturer
-    from `graphs.piecewise` (real CUDA graphs or the CPU emulation), so the pool is
+    from `capturers.py` (real CUDA graphs or the CPU emulation), so the pool is
     shared with the piecewise graphs."""
 
     def __init__(self, capturer, check_static_addresses: bool = False) -> None:

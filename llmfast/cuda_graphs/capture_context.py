@@ -6,12 +6,11 @@ The freeze is a counted hold (llmfast.utils.gc_freeze), so an engine's own hold 
 compose: the heap is unfrozen only when the last hold ends.
 
 CUDA graphs are captured on a side stream (capture on the default stream is an error).
-`CaptureStream` keeps ONE such stream per compiled model for every capture, the
-recapture on the real KV cache included: per-stream lazy state (cuBLAS workspaces are
-kept per handle and stream) is then created by the first warm-up forward, outside any
-capture, and graphs sharing a memory pool share it best when captured on one stream
-(torch.cuda.graph's note on `pool`). A fresh stream for the recapture would allocate
-that state inside the capture.
+`CaptureStream` keeps ONE such stream per model's graphs for every capture: per-stream
+lazy state (cuBLAS workspaces are kept per handle and stream) is then created by the
+first warm-up forward, outside any capture, and graphs sharing a memory pool share it
+best when captured on one stream (torch.cuda.graph's note on `pool`). A fresh stream
+for a later capture would allocate that state inside the capture.
 """
 
 from __future__ import annotations

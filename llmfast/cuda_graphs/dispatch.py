@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmfast.config import CudaGraphMode
-from llmfast.graphs.sizes import pad_num_tokens
+from llmfast.cuda_graphs.sizes import pad_num_tokens
 
 
 class RunnerKind(enum.Enum):
