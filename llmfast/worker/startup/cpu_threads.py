@@ -5,7 +5,7 @@ torch starts with one thread per core of the affinity mask, and its OpenMP threa
 at a barrier after every parallel op. A core that another process keeps busy makes every
 op wait for the thread sharing it (a time slice, milliseconds, hundreds of ops per
 decode step): on the 2-core CPU VM one busy process beside a batch-1 decode took it from
-~29 ms to ~500 ms per step with 2 threads, ~70 ms with 1 (profiles/cpu-threads.md). So
+~29 ms to ~500 ms per step with 2 threads, ~70 ms with 1 (profiles/cpu.md). So
 the count is: the cores of the affinity mask, at most the cgroup's CPU quota, less the
 cores other processes kept busy while the weights loaded. `OMP_NUM_THREADS` (or a count
 set with `torch.set_num_threads` before the engine starts) is the user's and is kept.
