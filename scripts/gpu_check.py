@@ -76,7 +76,7 @@ class Step:
     # batch probe, kernels 60-76 with tuning, startup 62 with the bytecode priming, serve
     # 56 for two rates); what budgeting skips by.
     est_s: int
-    limit_s: int  # per run
+    limit_s: int  # all its samples together
     gpu: tuple[str, ...]
     dry: tuple[str, ...]
     samples: int = 3
