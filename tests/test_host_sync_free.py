@@ -132,7 +132,7 @@ def _unrecord_forward_and_wait(runner, monkeypatch) -> list[int]:
     replays: list[int] = []
     monkeypatch.setattr(runner, "forward_fn", _unrecorded(runner.forward_fn))
     monkeypatch.setattr(runner.compiled, "replay_full",
-                        _unrecorded(runner.compiled.replay_full, replays))
+                        _unrecorded(runner.compiled.graphs.replay_full, replays))
     monkeypatch.setattr(PendingStep, "wait", _unrecorded(PendingStep.wait))
     return replays
 

@@ -34,7 +34,7 @@ from rich.progress import (
 from llmfast.cli.help import ENGINE_PREFIX, HelpAll
 from llmfast.engine_args import engine_flags
 from llmfast.utils.errors import one_line
-from llmfast.utils.progress import CountProgress
+from llmfast.utils.progress import CountProgress, OnceStage
 from llmfast.utils.progress import Progress as StageProgress
 
 logger = logging.getLogger(__name__)
@@ -219,8 +219,11 @@ def _out_of_memory_message(e: BaseException) -> str:
     asked = _ASKED_BYTES.search(str(e))
     where = ("device memory" if type(e).__name__ == "OutOfMemoryError" else "memory") + (
         f" ({int(asked[1]) / 2**30:.1f} GiB asked at once)" if asked else "")
+    # --gpu-memory-utilization means nothing to the CPU's allocator.
+    size_flag = ("--gpu-memory-utilization" if type(e).__name__ == "OutOfMemoryError"
+                 else "--kv-cache-memory")
     return (f"out of {where}; lower --max-num-seqs, --max-num-batched-tokens or "
-            "--gpu-memory-utilization, or use a smaller model")
+            f"{size_flag}, or use a smaller model")
 
 
 def setup_logging(debug: bool) -> None:
@@ -250,13 +253,22 @@ def make_progress(console: Console | None = None) -> Progress:
 
 
 @contextlib.contextmanager
-def stage_progress(console: Console | None = None) -> Iterator[StageProgress]:
+def stage_progress(console: Console | None = None, description: str = "starting the engine"
+                   ) -> Iterator[StageProgress]:
     """A `progress(stage, fraction)` callback for start-up and the model fetch: one bar whose
-    label is the current stage; a fraction of None shows an indeterminate bar."""
+    label is the current stage; a fraction of None shows an indeterminate bar. Where no
+    bar is drawn (stderr not a terminal), a stage done once per model (download,
+    conversion: a `OnceStage`) is a plain line, once."""
+    console = console or stderr_console()
+    printed: set[str] = set()
     with make_progress(console) as bar:
-        task = bar.add_task("starting the engine", total=None)
+        task = bar.add_task(description, total=None)
 
         def report(stage: str, fraction: float | None) -> None:
+            if isinstance(stage, OnceStage) and not console.is_terminal \
+                    and stage not in printed:
+                printed.add(stage)
+                console.print(stage, markup=False, highlight=False, soft_wrap=True)
             if fraction is None:
                 bar.update(task, description=stage, total=None)
             else:

