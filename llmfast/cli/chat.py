@@ -41,8 +41,8 @@ from llmfast.cli.common import (
 )
 from llmfast.cli.repetition import MAX_PERIOD
 
-_MODEL_DEFAULT = ("  [default: the model's generation_config.json, else the model card's "
-                  "(the default model), else {}]")
+# "The model's": its generation_config.json, or the default model's card (CHAT_EXAMPLES).
+_MODEL_DEFAULT = "  [default: the model's, else {}]"
 ChatTemperature = Annotated[float | None, typer.Option(
     "--temperature", "-t", show_default=False,
     help="Sampling temperature; 0 is greedy." + _MODEL_DEFAULT.format(0.7))]
@@ -75,7 +75,9 @@ CHAT_EXAMPLES = """\
 In the chat: /reset, /system TEXT, /temp X, /top_p X, /top_k N, /min_p X,
 /repetition_penalty X, /max_tokens N, /max_repeats N, /seed N, /ignore_eos on|off,
 /settings, /stats, /help, /exit. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt
-quits. The sampling settings in use, and where each comes from, are shown at the start.
+quits. A sampling default marked "the model's" comes from its generation_config.json (or,
+for the default model, its model card); the settings in use, and where each came from,
+are shown at the start.
 """
 
 EXIT_COMMANDS = ("/exit", "/quit")
