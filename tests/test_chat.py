@@ -256,6 +256,8 @@ def test_terminal_keys_typed_while_streaming_are_not_echoed_and_start_the_next_m
         chat_model):
     child = _spawn(chat_model, "--max-tokens", "200", "--ignore-eos", "--max-repeats", "0")
     try:
+        # The settings in use, once, before the first prompt.
+        child.expect(r"sampling: temperature 0 \(flag\), top_k 40, .* no loop stop")
         child.expect("you ›")
         _wait_for_line_read(child)
         child.sendline("hello there")
