@@ -38,7 +38,7 @@ from llmfast.utils.progress import Progress
 from llmfast.utils.value_checks import int_list
 
 if TYPE_CHECKING:
-    from llmfast.executor.runner_info import RunnerInfo
+    from llmfast.worker.runner_info import RunnerInfo
     from llmfast.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

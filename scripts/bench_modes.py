@@ -11,7 +11,7 @@ for any mode that keeps these kernels: eager / linears bounds what compiling the
 
 One decode step = B requests with one new token each at context length L: the model
 forward over B tokens plus the lm_head on the B rows, then a device sync. Inputs sit
-in persistent buffers (llmfast/bench/static_batch.py), as in the runner. Medians over --iters.
+in persistent buffers (tests/helpers/static_buffers.py), as in the runner. Medians over --iters.
 
     python scripts/bench_modes.py --model random:smollm2-135m --batch-sizes 1
     python scripts/bench_modes.py --model random:llama-3.2-1b --dtype bfloat16 --json out.json
@@ -39,14 +39,14 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
-from llmfast.bench.static_batch import StaticBatch
+from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.compile import CompiledModel
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
 from llmfast.kernels.cpu.linear import prepack_linears
 from llmfast.models.loading.loader import build_model
 from llmfast.models.quantization.fp8 import Fp8Linear
 from llmfast.models.sources.model_source import resolve_model
+from tests.helpers.static_buffers import StaticBatch  # (the layout keeps it with the tests)
 
 
 def parse_args() -> argparse.Namespace:

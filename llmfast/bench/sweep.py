@@ -23,14 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from llmfast.bench.bandwidth import DeviceBandwidth, device_bandwidth
 from llmfast.bench.stats import Summary, summarize
 from llmfast.bench.workload import BenchError, bench_params, warm_up
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.utils.progress import CountProgress
-from llmfast.worker.startup.kv_cache_sizing import kv_cache_size_flag
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +127,11 @@ def _check_room(engine, batch_size: int, context_len: int, num_decode: int) -> N
     usable = engine.scheduler.kv_cache_manager.num_usable_blocks
     needed = batch_size * -(-(context_len + num_decode) // block_size)
     if needed > usable:
+        # Imported here: the sweep module is loaded by `llmfast bench --help`, which must not
+        # pay for torch.
+        import torch
+
+        from llmfast.worker.startup.kv_cache_sizing import kv_cache_size_flag
         raise NotPureDecode(
             f"batch {batch_size} needs {needed} KV blocks, the cache holds {usable} "
             "(requests would be preempted); lower --context or raise "

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmfast.executor.base import Executor
-from llmfast.executor.runner_info import RunnerInfo, runner_info
+from llmfast.worker.runner_info import RunnerInfo, runner_info
 from llmfast.worker.model_runner import ModelRunner
 from llmfast.worker.startup.cpu_threads import configure_cpu_threads, sample_cpu_times
 

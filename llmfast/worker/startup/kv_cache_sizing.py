@@ -105,8 +105,8 @@ def num_gpu_blocks(
     peak_bytes: int,
 ) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device after the profiled peak
-    (weights + the largest forward's activations + CUDA graphs, measured by the caller);
-    with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
+    (weights + the largest forward's activations + the CUDA graphs' estimate, from the
+    caller); with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
     one GPU, e.g. benchmarks comparing executors)."""
     block_bytes = kv_block_bytes(model, cache.block_size, dtype)
     free, total = torch.cuda.mem_get_info(device)
