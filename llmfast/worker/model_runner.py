@@ -59,7 +59,6 @@ from llmfast.worker.startup.kv_cache_sizing import (
     allocate_kv_cache,
     check_fits_one_request,
     kv_block_bytes,
-    log_cache_bound_max_model_len,
     num_cpu_blocks,
     num_gpu_blocks,
 )
@@ -238,8 +237,6 @@ class ModelRunner:
                      f"({dtype_name(self.kv_dtype)})", None)
         self.kv_cache = allocate_kv_cache(model_cfg, cfg.cache, num_blocks, block_bytes,
                                           self.kv_dtype, self.device)
-        log_cache_bound_max_model_len(num_blocks, block_bytes, self.max_model_len, model_cfg,
-                                      self.device, cfg.cache)
         self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
         # The attention kernels' scratch for this cache: freed with the runner. The split
         # launches' counters for the largest step now, outside the full graphs' captures

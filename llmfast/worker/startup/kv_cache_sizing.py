@@ -199,7 +199,7 @@ def cpu_rank_cache(cache: CacheConfig, world_size: int,
 def fit_cpu_max_model_len(config: EngineConfig, available: int | None = None) -> EngineConfig:
     """On a CPU, where the KV cache's size is known before anything is loaded: `config`
     with max-model-len cut to what the cache holds, where that is less (logged in one
-    line), so that a preset with a long context still starts (qwen3-0.6b: 4656 of its
+    line, unless the weights will not fit: the loader's error then stands alone), so that a preset with a long context still starts (qwen3-0.6b: 4656 of its
     8192 tokens in the default 1 GiB of float32). For a max-model-len the user did not
     set; one they set is checked by `check_fits_one_request`, as is a cache that cannot
     hold one block. `available`: host bytes free (default: now); the runner sizes its
@@ -207,7 +207,10 @@ def fit_cpu_max_model_len(config: EngineConfig, available: int | None = None) ->
     world = config.parallel.tensor_parallel_size
     if available is None:
         available = available_host_memory()
-    available = max(available - _cpu_load_bytes(config), 0)
+    weights, packs = _cpu_load_bytes(config)
+    if weights > available:  # the loader refuses them in one line: nothing to say here
+        return config
+    available -= weights + packs
     cache = cpu_rank_cache(config.cache, world, available)
     model = rank_model_config(config.model, world)  # one rank's KV heads
     kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, config.torch_dtype)
@@ -219,18 +222,20 @@ def fit_cpu_max_model_len(config: EngineConfig, available: int | None = None) ->
     max_model_len = config.scheduler.max_model_len
     if holds < 1 or holds >= max_model_len:
         return config
-    # Said once the cache is allocated (`log_cache_bound_max_model_len`), so that an
-    # error on the way (weights too large) stands alone.
-    logger.debug("max-model-len %d fitted to the KV cache's %d tokens", max_model_len, holds)
+    logger.warning("max-model-len %d, what the KV cache holds (%.1f MiB; raise %s for more; "
+                   "the model has %d positions)", holds,
+                   num_blocks * kv_block_bytes(model, cache.block_size, kv_dtype) / 2**20,
+                   kv_cache_size_flag(torch.device("cpu"), config.cache),
+                   config.model.max_position_embeddings)
     return dataclasses.replace(
         config, scheduler=dataclasses.replace(config.scheduler, max_model_len=holds))
 
 
-def _cpu_load_bytes(config: EngineConfig) -> int:
-    """Host bytes the model takes before the KV cache is sized: its weights in the
-    model dtype (all ranks: they share the host), and as much again for the eager
-    runner's oneDNN packs of float32 weights where those fit in a quarter of the RAM
-    (model_runner, kernels/cpu/linear.py)."""
+def _cpu_load_bytes(config: EngineConfig) -> tuple[int, int]:
+    """Host bytes the model takes before the KV cache is sized: its weights in the model
+    dtype (all ranks: they share the host), and the eager runner's oneDNN packs of
+    float32 weights, as much again where that fits in a quarter of the RAM (model_runner,
+    kernels/cpu/linear.py)."""
     from llmfast.kernels.cpu.linear import physical_memory_bytes
     from llmfast.models.decoder import DecoderForCausalLM
     from llmfast.models.loading.loader import allocate_as
@@ -241,19 +246,4 @@ def _cpu_load_bytes(config: EngineConfig) -> int:
     ram = physical_memory_bytes()
     packs = weights if (config.compile.enforce_eager and config.torch_dtype == torch.float32
                         and ram and weights <= ram // 4) else 0
-    return weights + packs
-
-
-def log_cache_bound_max_model_len(num_blocks: int, block_bytes: int, max_model_len: int,
-                                  model: ModelConfig, device: torch.device,
-                                  cache: CacheConfig) -> None:
-    """One line where a CPU's KV cache, not the model, bounds max-model-len (as
-    `fit_cpu_max_model_len` sets it): the user meets fewer tokens than the model has."""
-    holds = (num_blocks - 1) * cache.block_size
-    if device.type != "cpu" or max_model_len != holds \
-            or max_model_len >= model.max_position_embeddings:
-        return
-    logger.warning("max-model-len %d, what the KV cache holds (%.1f MiB; raise %s for "
-                   "more; the model has %d positions)", max_model_len,
-                   num_blocks * block_bytes / 2**20, kv_cache_size_flag(device, cache),
-                   model.max_position_embeddings)
+    return weights, packs
