@@ -28,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -46,6 +47,7 @@ from llmfast.engine.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_HEALTH_CHECK_S = 1.0  # how often an idle core checks that its workers are alive
+STATS_INTERVAL_S = 0.25  # a client without requests in a step gets stats this often
 _STOP = object()
 
 
@@ -84,6 +86,7 @@ class EngineCoreProc:
         self._owner: dict[str, int] = {}
         self._clients: dict[int, int] = {}  # index -> pid, once it said HELLO
         self._stopping = threading.Event()
+        self._last_stats: StepStats | None = None
         self._input_socket = self._ctx.socket(zmq.ROUTER)
         self._input_socket.bind(input_address)
         self._output_socket = self._ctx.socket(zmq.ROUTER)
@@ -117,6 +120,11 @@ class EngineCoreProc:
                 if not self._take_inputs(block=not core.has_unfinished()):
                     break
                 if not core.has_unfinished():
+                    # Idle (all finished or aborted): the clients' /metrics say so.
+                    stats = core.stats()
+                    if stats != self._last_stats:
+                        self._last_stats = stats
+                        self._outputs.put(EngineCoreOutputs(stats=stats))
                     continue
                 try:
                     outputs = core.step()
@@ -126,7 +134,7 @@ class EngineCoreProc:
                     logger.exception("engine step failed; aborting the requests in flight")
                     outputs = self._abort_all("internal error in the engine step", 500)
                 if outputs is not None:
-                    outputs.stats = core.stats()
+                    outputs.stats = self._last_stats = core.stats()
                     self._outputs.put(outputs)
         except _Failed as e:
             failure = str(e)
@@ -252,6 +260,7 @@ class EngineCoreProc:
         sock = self._output_socket
         owner = self._owner
         outputs_kind = b"%d" % CoreMessage.OUTPUTS
+        last_sent: dict[int, float] = {}
 
         def send(client: int, frames: list) -> None:
             try:
@@ -274,7 +283,14 @@ class EngineCoreProc:
                 else:
                     send(client, [b"%d" % message[0], encoder.encode(message[1])])
                 continue
+            now = time.monotonic()
             for client, part in _split_by_client(item, owner, self._clients).items():
+                # A client with nothing in this step gets the stats a few times a second.
+                if (not part.req_ids and not part.errors and not part.scheduled
+                        and len(self._clients) > 1 and item.req_ids
+                        and now - last_sent.get(client, 0.0) < STATS_INTERVAL_S):
+                    continue
+                last_sent[client] = now
                 send(client, [outputs_kind, encoder.encode(part)])
             if item.finish_reasons:
                 for i in item.finish_reasons:
