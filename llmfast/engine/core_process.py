@@ -76,8 +76,10 @@ class _Failed(Exception):
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, input_address: str, output_address: str) -> None:
+    def __init__(self, core: EngineCore, input_address: str, output_address: str,
+                 owns_core: bool = True) -> None:
         self.core = core
+        self.owns_core = owns_core  # shut the core down when the loop ends
         self._ctx = zmq.Context(io_threads=1)
         self._inputs: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
@@ -148,8 +150,10 @@ class EngineCoreProc:
                 os.write(self._wake_w, b"x")
             self._threads[0].join(timeout=5)
             self._ctx.destroy(linger=0)
-            core.shutdown()
-        if failure is not None:
+            if self.owns_core:
+                core.shutdown()
+        self.failure = failure
+        if failure is not None and self.owns_core:
             raise SystemExit(f"error: the engine stopped: {failure}")
 
     def _take_inputs(self, block: bool) -> bool:

@@ -53,6 +53,8 @@ def main(argv: list[str]) -> int:
 
     server = _ApiServer(uvicorn.Config(app, log_level="warning", access_log=spec.access_log,
                                        timeout_graceful_shutdown=10, lifespan="on"))
+    if spec.access_log:  # uvicorn's access lines are INFO records
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 
     def on_failure() -> None:
         front._loop.call_later(FAILURE_EXIT_DELAY_S, setattr, server, "should_exit", True)

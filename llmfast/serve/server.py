@@ -33,21 +33,26 @@ def start_core(config, source):
     return CoreHandle(config, source, logging.getLogger().getEffectiveLevel())
 
 
+def frontend_spec(core, config, source, model_name: str):
+    """What every frontend of this server starts from (its own tokenizer loaded here)."""
+    from llmfast.engine.frontend_tokenizer import load_frontend_tokenizer
+    from llmfast.serve.frontend import FrontendSpec, api_limits
+
+    tokens = load_frontend_tokenizer(config, source)
+    return FrontendSpec(model_name, api_limits(config, tokens), core.ready.limits, tokens,
+                        core.ready.stats, core.input_address, core.output_address, core.pid)
+
+
 def serve(core, config, source, sock: socket.socket, serve_config: ServeConfig, *,
           access_log: bool = True, api_servers: int = 0) -> None:
     """Serve until SIGTERM / Ctrl-C (then end by that signal) or a fault (ServerStopped).
     With `api_servers` = 0 the frontend runs in this process; with N > 0 in N processes
     of their own. The GIL switch interval is Python's unless LLMFAST_SWITCH_INTERVAL_MS
     sets another for the server's life (switch_interval.py)."""
-    from llmfast.engine.frontend_tokenizer import load_frontend_tokenizer
-    from llmfast.serve.frontend import FrontendSpec, api_limits
     from llmfast.serve.launcher import serve_in_process, serve_with_api_processes
 
     try:
-        tokens = load_frontend_tokenizer(config, source)
-        spec = FrontendSpec(serve_config.model_name, api_limits(config, tokens),
-                            core.ready.limits, tokens, core.ready.stats, core.input_address,
-                            core.output_address, core.pid)
+        spec = frontend_spec(core, config, source, serve_config.model_name)
     except BaseException:
         core.stop()
         raise
