@@ -10,20 +10,16 @@ engine, so that its step can be made to fail; the last one kills a real core pro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import tempfile
-import threading
 
 import httpx
 import pytest
 
-from llmfast.engine.core_process import EngineCoreProc
-from llmfast.engine.frontend_tokenizer import FrontendTokenizer
 from llmfast.sampling_params import SamplingParams
-from llmfast.serve.frontend import Frontend, FrontendSpec, api_limits
+from llmfast.serve.frontend import Frontend
 from llmfast.serve.stream import ChoiceDelta, EngineUnavailable, RequestStream, StreamError
+from tests.serve_server import serving_front
 
 
 @pytest.fixture(scope="module")
@@ -64,35 +60,11 @@ async def _until(predicate, what: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"timed out waiting until {what}")
 
 
-@contextlib.asynccontextmanager
-async def _serving(engine):
-    """The engine's core behind `EngineCoreProc` on a thread, a started Frontend on it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        inp, out = f"ipc://{tmp}/input", f"ipc://{tmp}/output"
-        proc = EngineCoreProc(engine.core, inp, out, owns_core=False)
-        loop = threading.Thread(target=proc.run, daemon=True)
-        loop.start()
-        tokens = FrontendTokenizer(engine.tokenizer, None, engine.eos_token_ids)
-        spec = FrontendSpec("tiny", api_limits(engine.config, tokens),
-                            engine.input_processor.limits, tokens, engine.core.stats(), inp,
-                            out, os.getpid())
-        front = Frontend(spec)
-        front.start()
-        try:
-            yield front, proc
-        finally:
-            front.stop()
-            front.join()
-            proc.request_stop()
-            await asyncio.to_thread(loop.join, 30)
-            assert not loop.is_alive()
-
-
 def test_requests_share_steps_and_match_offline(engine):
     offline = [engine_text(engine, [3 + i] * 20, 8) for i in range(3)]
 
     async def main():
-        async with _serving(engine) as (front, _):
+        async with serving_front(engine) as (front, _):
             streams = [RequestStream(f"r{i}", 1) for i in range(3)]
             await asyncio.gather(*(front.add(rs, [[3 + i] * 20], [_params(8)])
                                    for i, rs in enumerate(streams)))
@@ -107,7 +79,7 @@ def test_requests_share_steps_and_match_offline(engine):
 
 def test_abort_frees_blocks_and_a_failed_step_is_contained(engine, monkeypatch):
     async def main():
-        async with _serving(engine) as (front, _):
+        async with serving_front(engine) as (front, _):
             rs = RequestStream("long", 1)
             await front.add(rs, [[5] * 40], [_params(400)])
             first = await rs.get()
@@ -150,7 +122,7 @@ def test_a_core_that_stops_for_good_ends_every_request_and_health_says_why(engin
         raise ExecutorError("worker rank 1 died (in this test)")
 
     async def main():
-        async with _serving(engine) as (front, proc):
+        async with serving_front(engine) as (front, proc):
             app = build_app(front, ServeConfig(model_name="tiny"))
             monkeypatch.setattr(engine.core, "step", dead_step)
             rs = RequestStream("x", 1)
@@ -177,7 +149,7 @@ def test_a_request_the_core_would_refuse_never_leaves_the_frontend(engine, monke
     sent = []
 
     async def main():
-        async with _serving(engine) as (front, _):
+        async with serving_front(engine) as (front, _):
             monkeypatch.setattr(front._client, "add_requests", sent.append)
             vocab = engine.config.model.vocab_size
             max_len = engine.config.scheduler.max_model_len
