@@ -11,9 +11,10 @@ from llmfast.cli.common import EngineOptions, stage_progress, stderr_console
 from llmfast.utils.flag_values import FlagValueError, parse_bytes
 
 MAX_API_SERVERS = 64
-# Measured on the 2-core CPU VM (profiles/serving.md): the frontend in the launcher's
-# process beats a separate one there; a machine with cores to spare may want more.
-DEFAULT_API_SERVERS = 0
+# Measured on the 2-core CPU VM (profiles/serving.md): one frontend process of its own
+# beat the frontend in the launcher (0) and two (2) at 256 streams; a machine with cores
+# to spare may want more.
+DEFAULT_API_SERVERS = 1
 
 SERVE_EXAMPLES = """\
 **Examples**
