@@ -18,7 +18,7 @@ import time
 
 from llmfast.serve.api import generation
 from llmfast.serve.api.responses import ResponseBuilder
-from llmfast.serve.stream import ChoiceDelta, PreparedPrompt, RequestStream
+from llmfast.serve.stream import ChoiceDelta, DeltaQueue, PreparedPrompt
 
 
 class _Quiet:  # the tracker's and metrics' stand-ins: the loop's own cost is measured
@@ -31,7 +31,7 @@ async def _drain(streams: int, lag: int, rounds: int) -> float:
     handlers = []
     queues = []
     for s in range(streams):
-        rs = RequestStream(f"cmpl-{s}", 1)
+        rs = DeltaQueue(f"cmpl-{s}", 1)
         builder = ResponseBuilder("completion", rs.request_id, "m", prompt, 1)
         queues.append(rs)
         handlers.append(generation._events(None, None, rs, builder, _Quiet(), False))

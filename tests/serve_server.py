@@ -117,3 +117,37 @@ async def serving_front(engine):
             proc.request_stop()
             await asyncio.to_thread(loop.join, 30)
             assert not loop.is_alive()
+
+
+def offline_text(engine, prompt, n: int) -> str:
+    """What the engine alone generates greedily for `prompt` (n tokens)."""
+    from llmfast.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    req_id = engine.add_request(prompt, params, stream=False)
+    while True:
+        for out in engine.step():
+            if out.request_id == req_id and out.finished:
+                return out.outputs[0].text
+
+
+async def drain(rs) -> list:
+    """A DeltaQueue's items until every choice finished or an error came."""
+    from llmfast.serve.stream import StreamError
+
+    items, finished = [], 0
+    while finished < rs.num_choices:
+        item = await asyncio.wait_for(rs.get(), 60)
+        items.append(item)
+        if isinstance(item, StreamError):
+            break
+        finished += item.finish_reason is not None
+    return items
+
+
+async def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting until {what}")

@@ -122,7 +122,7 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
     from llmfast.serve.frontend import Frontend
     from llmfast.serve.launcher import CoreHandle
     from llmfast.serve.server import frontend_spec
-    from llmfast.serve.stream import EngineUnavailable, RequestStream, StreamError
+    from llmfast.serve.stream import DeltaQueue, EngineUnavailable, StreamError
 
     pids: list[int] = []
     config, source = EngineArgs.from_kwargs(model="random:tiny", **TP2).create_engine_config()
@@ -147,7 +147,7 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
         app = build_app(front, ServeConfig(model_name="tiny"))
         try:
             assert (await health(app)).status_code == 200
-            rs = RequestStream("a", 1)
+            rs = DeltaQueue("a", 1)
             await front.add(rs, [[5] * 9], [params(10_000)])
             first = await asyncio.wait_for(rs.get(), 60)  # streaming has begun
             assert first.num_new_tokens >= 1
@@ -164,7 +164,7 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
             assert reply.status_code == 503 and reply.json()["status"] == "error"
             assert "died" in reply.json()["message"]
             with pytest.raises(EngineUnavailable, match="the engine stopped"):
-                await front.add(RequestStream("b", 1), [[5] * 9], [params(4)])
+                await front.add(DeltaQueue("b", 1), [[5] * 9], [params(4)])
         finally:
             front.stop()
             front.join()

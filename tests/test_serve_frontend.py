@@ -18,8 +18,11 @@ import pytest
 
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.frontend import Frontend
-from llmfast.serve.stream import ChoiceDelta, EngineUnavailable, RequestStream, StreamError
+from llmfast.serve.stream import ChoiceDelta, DeltaQueue, EngineUnavailable, StreamError
+from tests.serve_server import drain as _drain
+from tests.serve_server import offline_text as engine_text
 from tests.serve_server import serving_front
+from tests.serve_server import wait_until as _until
 
 
 @pytest.fixture(scope="module")
@@ -33,39 +36,12 @@ def _params(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def engine_text(engine, prompt, n):
-    req_id = engine.add_request(prompt, _params(n), stream=False)
-    while True:
-        for out in engine.step():
-            if out.request_id == req_id and out.finished:
-                return out.outputs[0].text
-
-
-async def _drain(rs: RequestStream) -> list[ChoiceDelta | StreamError]:
-    items, finished = [], 0
-    while finished < rs.num_choices:
-        item = await asyncio.wait_for(rs.get(), 60)
-        items.append(item)
-        if isinstance(item, StreamError):
-            break
-        finished += item.finish_reason is not None
-    return items
-
-
-async def _until(predicate, what: str, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting until {what}")
-
-
 def test_requests_share_steps_and_match_offline(engine):
     offline = [engine_text(engine, [3 + i] * 20, 8) for i in range(3)]
 
     async def main():
         async with serving_front(engine) as (front, _):
-            streams = [RequestStream(f"r{i}", 1) for i in range(3)]
+            streams = [DeltaQueue(f"r{i}", 1) for i in range(3)]
             await asyncio.gather(*(front.add(rs, [[3 + i] * 20], [_params(8)])
                                    for i, rs in enumerate(streams)))
             return await asyncio.gather(*(_drain(rs) for rs in streams))
@@ -80,7 +56,7 @@ def test_requests_share_steps_and_match_offline(engine):
 def test_abort_frees_blocks_and_a_failed_step_is_contained(engine, monkeypatch):
     async def main():
         async with serving_front(engine) as (front, _):
-            rs = RequestStream("long", 1)
+            rs = DeltaQueue("long", 1)
             await front.add(rs, [[5] * 40], [_params(400)])
             first = await rs.get()
             assert first.num_new_tokens >= 1
@@ -99,13 +75,13 @@ def test_abort_frees_blocks_and_a_failed_step_is_contained(engine, monkeypatch):
                 return real_step()
 
             monkeypatch.setattr(engine.core, "step", failing_step)
-            doomed = RequestStream("doomed", 2)
+            doomed = DeltaQueue("doomed", 2)
             await front.add(doomed, [[6] * 10], [_params(50), _params(50)])
             items = await _drain(doomed)
             assert isinstance(items[-1], StreamError) and items[-1].status == 500
             await _until(lambda: front.stats.num_running_reqs == 0, "the failure applied")
             assert front.stats.kv_cache_usage == 0
-            after = RequestStream("after", 1)
+            after = DeltaQueue("after", 1)
             await front.add(after, [[7] * 10], [_params(4)])
             items = await _drain(after)
             assert items[-1].finish_reason == "length" and items[-1].num_output_tokens == 4
@@ -125,7 +101,7 @@ def test_a_core_that_stops_for_good_ends_every_request_and_health_says_why(engin
         async with serving_front(engine) as (front, proc):
             app = build_app(front, ServeConfig(model_name="tiny"))
             monkeypatch.setattr(engine.core, "step", dead_step)
-            rs = RequestStream("x", 1)
+            rs = DeltaQueue("x", 1)
             await front.add(rs, [[5] * 4], [_params(30)])
             item = await asyncio.wait_for(rs.get(), 30)
             assert isinstance(item, StreamError) and item.status == 503
@@ -136,7 +112,7 @@ def test_a_core_that_stops_for_good_ends_every_request_and_health_says_why(engin
                 reply = await client.get("/health")
             assert reply.status_code == 503 and "worker rank 1" in reply.json()["message"]
             with pytest.raises(EngineUnavailable, match="worker rank 1"):
-                await front.add(RequestStream("y", 1), [[5] * 4], [_params(2)])
+                await front.add(DeltaQueue("y", 1), [[5] * 4], [_params(2)])
             assert proc.failure == "worker rank 1 died (in this test)"
 
     asyncio.run(main())
@@ -160,8 +136,8 @@ def test_a_request_the_core_would_refuse_never_leaves_the_frontend(engine, monke
                     ([1, 2], SamplingParams(allowed_token_ids=[vocab + 3]),
                      "allowed_token_ids")):
                 with pytest.raises(ValueError, match=what):
-                    await front.add(RequestStream("bad", 1), [prompt], [params])
-            ok = RequestStream("ok", 1)
+                    await front.add(DeltaQueue("bad", 1), [prompt], [params])
+            ok = DeltaQueue("ok", 1)
             await front.add(ok, [[1, 2]], [_params(2)])
             assert len(sent) == 1 and [r.request_id for r in sent[0]] == ["ok-0"]
             front.abort(ok.engine_ids)
@@ -188,7 +164,7 @@ def test_the_core_process_dying_ends_every_request(serve_model_dir):
         failed = asyncio.Event()
         front.on_failure = failed.set
         try:
-            rs = RequestStream("a", 1)
+            rs = DeltaQueue("a", 1)
             await front.add(rs, [[5] * 9], [_params(100_000)])
             assert isinstance(await asyncio.wait_for(rs.get(), 60), ChoiceDelta)
             os.kill(core.pid, signal.SIGKILL)
@@ -200,7 +176,7 @@ def test_the_core_process_dying_ends_every_request(serve_model_dir):
             assert "exited" in item.message
             await asyncio.wait_for(failed.wait(), 10)
             with pytest.raises(EngineUnavailable, match="exited"):
-                await front.add(RequestStream("b", 1), [[5] * 9], [_params(4)])
+                await front.add(DeltaQueue("b", 1), [[5] * 9], [_params(4)])
         finally:
             front.stop()
             front.join()

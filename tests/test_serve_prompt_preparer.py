@@ -17,8 +17,12 @@ import pytest
 
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve import prompt_preparer
-from llmfast.serve.stream import ChoiceDelta, EngineUnavailable, RequestStream, StreamError
+from llmfast.serve.frontend import Frontend
+from llmfast.serve.stream import ChoiceDelta, DeltaQueue, EngineUnavailable
+from tests.serve_server import drain as _drain
+from tests.serve_server import offline_text as _offline_text
 from tests.serve_server import serving_front
+from tests.serve_server import wait_until as _wait_until
 
 GATED = "hello there, the capital of France"  # a prompt whose encode waits for the gate
 
@@ -81,36 +85,9 @@ def gate(engine, monkeypatch):
     gate.open.set()
 
 
-def _offline_text(engine, prompt, n: int) -> str:
-    req_id = engine.add_request(prompt, _params(n), stream=False)
-    while True:
-        for out in engine.step():
-            if out.request_id == req_id and out.finished:
-                return out.outputs[0].text
-
-
-async def _drain(rs: RequestStream) -> list[ChoiceDelta | StreamError]:
-    items, finished = [], 0
-    while finished < rs.num_choices:
-        item = await asyncio.wait_for(rs.get(), 60)
-        items.append(item)
-        if isinstance(item, StreamError):
-            break
-        finished += item.finish_reason is not None
-    return items
-
-
-async def _wait_until(predicate, what: str, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting until {what}")
-
-
-async def _running(front: Frontend) -> RequestStream:
+async def _running(front: Frontend) -> DeltaQueue:
     """A request that streams until aborted, past its first token."""
-    running = RequestStream("running", 1)
+    running = DeltaQueue("running", 1)
     await front.add(running, [[5] * 8], [_params(10_000)])
     await asyncio.wait_for(running.get(), 30)
     return running
@@ -137,7 +114,7 @@ def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
     async def main():
         async with _serving(engine, gate) as front:
             running = await _running(front)
-            gated = RequestStream("gated", 1)
+            gated = DeltaQueue("gated", 1)
             add = asyncio.ensure_future(front.add(gated, [GATED], [_params(6)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             for _ in range(5):  # tokens while the encode is held
@@ -165,14 +142,14 @@ def test_an_abort_reaches_choices_not_yet_added(engine, gate):
         async with _serving(engine, gate) as front:
             running = await _running(front)
             # Aborted while its prompt is tokenised: none of it is ever added.
-            early = RequestStream("early", 3)
+            early = DeltaQueue("early", 3)
             add = asyncio.ensure_future(front.add(early, [GATED], [_params(10_000)] * 3))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             front.abort(early.engine_ids)
             gate.open.set()
             await asyncio.wait_for(add, 30)
             # Aborted between slices: the choices added so far stop, the rest never start.
-            late = RequestStream("late", 8)
+            late = DeltaQueue("late", 8)
             add = asyncio.ensure_future(front.add(late, [[4] * 6], [_params(10_000)] * 8))
             first = await asyncio.wait_for(late.get(), 30)
             assert isinstance(first, ChoiceDelta)
@@ -198,7 +175,7 @@ def test_a_stop_answers_adds_still_being_tokenized_at_once(engine, gate):
 
     async def main():
         async with serving_front(engine) as (front, _):
-            add = asyncio.ensure_future(front.add(RequestStream("gated", 1), [GATED],
+            add = asyncio.ensure_future(front.add(DeltaQueue("gated", 1), [GATED],
                                                   [_params(4)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             query = asyncio.ensure_future(front.query(TokenizeQuery("hello", None)))
@@ -224,10 +201,10 @@ def test_a_long_prompt_does_not_hold_up_the_short_ones(engine, gate, monkeypatch
 
     async def main():
         async with _serving(engine, gate) as front:
-            slow = asyncio.ensure_future(front.add(RequestStream("long", 1), [long_text],
+            slow = asyncio.ensure_future(front.add(DeltaQueue("long", 1), [long_text],
                                                    [_params(2)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
-            short = RequestStream("short", 1)
+            short = DeltaQueue("short", 1)
             await asyncio.wait_for(front.add(short, [[4] * 6], [_params(3)]), 10)
             items = await _drain(short)
             assert items[-1].finish_reason == "length" and not slow.done()
@@ -253,7 +230,7 @@ def test_an_aborted_add_stops_between_its_prompts(engine, gate, monkeypatch):
                 return real_encode(self, text, **kwargs)
 
             monkeypatch.setattr(_GatedHF, "encode", recording)
-            rs = RequestStream("three", 3)
+            rs = DeltaQueue("three", 3)
             add = asyncio.ensure_future(front.add(rs, [GATED, *others], [_params(4)] * 3))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             front.abort(rs.engine_ids)
@@ -292,7 +269,7 @@ def test_an_add_the_engine_would_refuse_is_refused_before_any_of_it_runs(engine)
     async def main():
         async with _serving(engine) as front:
             running = await _running(front)
-            mixed = RequestStream("mixed", 8)
+            mixed = DeltaQueue("mixed", 8)
             with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, "):
                 await asyncio.wait_for(front.add(mixed, [[4] * 6, [10**7]], [_params(2)] * 8),
                                        30)

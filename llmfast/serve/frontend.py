@@ -6,7 +6,7 @@ preparer's threads, checked by the `InputProcessor` (a request the core would re
 refused here, as a 400: it never reaches the core's process), then sent to the core as
 one message per HTTP request; the core's per-step messages of token ids go through the
 `OutputProcessor` (detokenizing, stop strings, logprobs) and become a `ChoiceDelta` per
-choice, queued on the HTTP request's `RequestStream`. Everything here runs on the event
+choice, queued on the HTTP request's `DeltaQueue`. Everything here runs on the event
 loop's thread but the client's I/O thread (receiving and decoding) and the preparer's.
 
 Faults: the core's process ending, or the core stopping for good (a worker died), ends
@@ -36,12 +36,12 @@ from llmfast.serve.loop_commands import AddCommand, QueryCommand
 from llmfast.serve.prompt_preparer import PromptPreparer
 from llmfast.serve.stream import (
     ChoiceDelta,
+    DeltaQueue,
     EngineUnavailable,
     Limits,
     PreparedPrompt,
     PromptInput,
     Query,
-    RequestStream,
     StreamError,
     TokenLogprob,
     check_open,
@@ -76,7 +76,7 @@ def api_limits(config, tokens: FrontendTokenizer) -> Limits:
 
 @dataclass(slots=True)
 class _Route:
-    stream: RequestStream  # where this choice's outputs go
+    stream: DeltaQueue  # where this choice's outputs go
     index: int
     num_logprobs: int | None  # top-k asked for, None: no logprobs
     num_prompt_logprobs: int | None = None  # the same for the prompt's tokens
@@ -124,7 +124,7 @@ class Frontend:
     def running(self) -> bool:
         return self._started and not self._stopping and self.failure is None
 
-    async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
+    async def add(self, stream: DeltaQueue, prompts: Sequence[PromptInput],
                   params: Sequence[SamplingParams], *, with_text: bool = False,
                   check_length: bool = False) -> list[PreparedPrompt]:
         """Tokenise the prompts and queue `len(params)` engine requests (the choices,
