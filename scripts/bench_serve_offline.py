@@ -99,7 +99,7 @@ def run(ap: argparse.ArgumentParser, args) -> int:
         args.json.write_text(json.dumps({
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "argv": sys.argv, "workload": spec, "bars": bars,
-            "tree": _git_head(), "load_average_before": os.getloadavg(),
+            "tree": _git_head(), "load_average_at_end": os.getloadavg(),
             "environment": environment_info(local_device_facts(str(resolve_device("auto")))),
             "table": table, "runs": rows}, indent=2) + "\n")
     return 0 if all(r.get("failed", 0) == 0 for r in rows) else 1

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from llmfast.sampling_params import SamplingParams
-from llmfast.serve import prompt_preparer
+from llmfast.serve import frontend, prompt_preparer
 from llmfast.serve.frontend import Frontend
 from llmfast.serve.stream import ChoiceDelta, DeltaQueue, EngineUnavailable
 from tests.serve_server import drain as _drain
@@ -81,6 +81,8 @@ def gate(engine, monkeypatch):
         return dataclasses.replace(own, hf=_GatedHF(own.hf, gate))
 
     monkeypatch.setattr(prompt_preparer, "_own_copy", gated_copy)
+    # Every job to the preparer's threads (small ones are otherwise prepared inline).
+    monkeypatch.setattr(frontend, "INLINE_JOB_CHARS", -1)
     yield gate
     gate.open.set()
 

@@ -33,7 +33,7 @@ from llmfast.engine.output_processor import OutputProcessor
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.loop_commands import AddCommand, QueryCommand
-from llmfast.serve.prompt_preparer import PromptPreparer
+from llmfast.serve.prompt_preparer import PromptPreparer, PromptRules, job_chars
 from llmfast.serve.stream import (
     ChoiceDelta,
     DeltaQueue,
@@ -48,6 +48,12 @@ from llmfast.serve.stream import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A job with at most this much prompt (characters, token ids) is prepared on the event
+# loop at once: handing it to a tokenizing thread and back costs two GIL hand-overs (up
+# to a switch interval each while the loop is busy streaming), which at 256 requests
+# arriving together added seconds to their first tokens on the CPU VM.
+INLINE_JOB_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,8 @@ class Frontend:
         self._cancelled: set[str] = set()
         self._token_texts: dict[int, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._rules = PromptRules(tokenizer, reason, spec.model_name,
+                                  spec.core_limits.max_model_len, own_copy=False)
         self._preparer = PromptPreparer(tokenizer, reason, spec.model_name,
                                         spec.core_limits.max_model_len, self._prepared_ready,
                                         self._add_cancelled)
@@ -131,15 +139,23 @@ class Frontend:
         prompt-major). Raises what the input processor refuses (ValueError: a 400)."""
         check_open(self)
         done = self._loop.create_future()
+        command = AddCommand(stream, tuple(prompts), tuple(params), done, with_text,
+                             check_length)
+        if job_chars(command) <= INLINE_JOB_CHARS:
+            prepared = self._rules.prepare_add(command)
+            self._apply_add(command, prepared)
+            return prepared
         self._unapplied.update(stream.engine_ids)
-        self._preparer.submit(AddCommand(stream, tuple(prompts), tuple(params), done,
-                                         with_text, check_length))
+        self._preparer.submit(command)
         return await done
 
     async def query(self, query: Query) -> list[int] | str:
         check_open(self)
         done = self._loop.create_future()
-        self._preparer.submit(QueryCommand(query, done))
+        command = QueryCommand(query, done)
+        if job_chars(command) <= INLINE_JOB_CHARS:
+            return self._rules.run_query(query)
+        self._preparer.submit(command)
         return await done
 
     def abort(self, engine_ids: Sequence[str]) -> None:

@@ -87,8 +87,8 @@ class PromptPreparer:
                  max_model_len: int, on_ready: Callable[[], None],
                  is_cancelled: Callable[[AddCommand], bool] = lambda command: False,
                  large_job_chars: int | None = None) -> None:
-        def rules() -> _PromptRules:
-            return _PromptRules(tokenizer, no_tokenizer_reason, model_name, max_model_len)
+        def rules() -> PromptRules:
+            return PromptRules(tokenizer, no_tokenizer_reason, model_name, max_model_len)
 
         self._on_ready = on_ready
         self._is_cancelled = is_cancelled
@@ -181,20 +181,21 @@ class PromptPreparer:
 @dataclasses.dataclass
 class _Lane:
     name: str
-    rules: _PromptRules
+    rules: PromptRules
     jobs: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
 
 
-class _PromptRules:
+class PromptRules:
     """How a server request's prompts become token ids, as the engine would make them,
     with a tokenizer copy of their own (made at its first use, by the thread that uses
-    it)."""
+    it), or with `own_copy=False` the given tokenizer itself (for the thread that owns
+    it: the frontend's event loop prepares small jobs inline)."""
 
     def __init__(self, tokenizer: Tokenizer | None, no_tokenizer_reason: str,
-                 model_name: str, max_model_len: int) -> None:
-        self._source_tokenizer = tokenizer
-        self._own: Tokenizer | None = None
+                 model_name: str, max_model_len: int, own_copy: bool = True) -> None:
+        self._source_tokenizer = tokenizer if own_copy else None
+        self._own: Tokenizer | None = None if own_copy else tokenizer
         self._no_tokenizer_reason = no_tokenizer_reason
         self._model_name = model_name
         self._max_model_len = max_model_len
