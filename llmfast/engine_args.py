@@ -59,7 +59,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 # (7.1 ms vs 6.1 ms per step with a 64k budget, GPU-RESULTS.md); 8192 tokens / 512
 # sequences keeps a 1B-8B model's steps large enough to fill the GPU while the profiled
 # activation peak stays small (~1 GiB for 8B). To be confirmed by measurement on the
-# H100 (scripts/gpu_check.sh step `defaults`).
+# H100 (2026-11-27: profiles/throughput.md).
 DEFAULT_STEP_LIMITS = {"cpu": (256, 2048), "cuda": (512, 8192)}
 
 
@@ -151,7 +151,7 @@ class EngineArgs:
     # One step in flight (the host prepares step N+1 while the device runs step N).
     async_scheduling: bool | None = engine_flag(
         None, "Prepare step N+1 on the host while the device runs step N.  [default: on for "
-              "CUDA; off for CPU, where nothing overlaps (profiles/async-cpu.md)]")
+              "CUDA; off for CPU, where nothing overlaps (profiles/host.md)]")
 
     tensor_parallel_size: int = engine_flag(
         1, "Split the model over this many devices (tensor parallelism).", minimum=1,
@@ -248,6 +248,10 @@ class EngineArgs:
             sampling_defaults=resolve_sampling_defaults(self.generation_config, source.path),
             quantization=self.quantization,
         )
+        if device.type == "cpu" and self.max_model_len is None:
+            from llmfast.worker.startup.kv_cache_sizing import fit_cpu_max_model_len
+
+            config = fit_cpu_max_model_len(config)  # to what the KV cache holds
         return config, source
 
     def parallel_config(self) -> ParallelConfig:

@@ -198,3 +198,11 @@ def _checked_logit_bias(bias: object) -> dict[int, float]:
                                       f"{describe(value)} for token {token}")
         out[int(token)] = float(value)
     return out
+
+
+def seed_to_int64(seed: int) -> int:
+    """Fold any non-negative Python int seed into the int64 the device holds per row
+    (the sampler's `SamplingMetadata.seeds`; seeds >= 2**63 would overflow a numpy int64
+    array): its low 64 bits, read as a signed value."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

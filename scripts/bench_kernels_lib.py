@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from llmfast.kernels.tuning.prefill_measure import median_device_us_interleaved
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.tuning.prefill_measure import median_device_us_interleaved
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 L2_FLUSH_BYTES = 256 << 20
 

@@ -27,10 +27,10 @@ from bench_kernels_lib import (
     time_us,
 )
 
-from llmfast.kernels import attention
-from llmfast.kernels.tuning import prefill_tuning
-from llmfast.kernels.tuning.prefill_tuning import ShapeClass, heuristic_tiles
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.tuning import prefill_tuning
+from llmfast.attention.tuning.prefill_tuning import ShapeClass, heuristic_tiles
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 
 def tune(args, device: torch.device) -> dict:

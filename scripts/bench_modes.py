@@ -11,7 +11,7 @@ for any mode that keeps these kernels: eager / linears bounds what compiling the
 
 One decode step = B requests with one new token each at context length L: the model
 forward over B tokens plus the lm_head on the B rows, then a device sync. Inputs sit
-in persistent buffers (llmfast/bench/static_batch.py), as in the runner. Medians over --iters.
+in persistent buffers (tests/helpers/static_buffers.py), as in the runner. Medians over --iters.
 
     python scripts/bench_modes.py --model random:smollm2-135m --batch-sizes 1
     python scripts/bench_modes.py --model random:llama-3.2-1b --dtype bfloat16 --json out.json
@@ -39,14 +39,15 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
-from llmfast.bench.static_batch import StaticBatch
-from llmfast.compile import CompiledModel
+from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
+from llmfast.compile import CompiledModel, CompileStats
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
+from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
 from llmfast.kernels.cpu.linear import prepack_linears
 from llmfast.models.loading.loader import build_model
 from llmfast.models.quantization.fp8 import Fp8Linear
 from llmfast.models.sources.model_source import resolve_model
+from tests.helpers.static_buffers import StaticBatch  # (the layout keeps it with the tests)
 
 
 def parse_args() -> argparse.Namespace:
@@ -130,8 +131,8 @@ def full_forward_of(static: StaticBatch, cm: CompiledModel):
 def make_full_step(static: StaticBatch, cm: CompiledModel, batch: int):
     """Pad the decode batch to the full graph's size as the runner does (rows with no
     query token, seq_len 0, slot -1) and replay the one graph."""
-    size = cm.padded_num_tokens(batch, uniform_decode=True)
-    if size not in cm.dispatcher.full_sizes:
+    size = cm.graphs.padded_num_tokens(batch, uniform_decode=True)
+    if size not in cm.graphs.dispatcher.full_sizes:
         raise SystemExit(f"no full graph for batch {batch}")
     static.input_ids[batch:size] = 0
     static.positions[batch:size] = 0
@@ -142,7 +143,7 @@ def make_full_step(static: StaticBatch, cm: CompiledModel, batch: int):
 
     def step() -> torch.Tensor:
         with torch.inference_mode():  # (the CPU emulation re-runs the forward)
-            return cm.replay_full(size, inputs)[:batch]
+            return cm.graphs.replay_full(size, inputs)[:batch]
 
     return step
 
@@ -286,15 +287,19 @@ def main() -> None:
             continue
         config = CompileConfig(cuda_graph_mode=graph_mode[mode],
                                cuda_graph_sizes=tuple(sorted(set(batches))))
-        cm = CompiledModel(model, config, device, max_num_tokens=max_batch,
-                           max_num_reqs=max_batch,
-                           graph_impl="emulated" if mode == "full" and not on_cuda else "auto")
+        # As the runner builds them: one set of CUDA graphs whose piece wrapper the
+        # compiled model applies, one stats object.
+        stats = CompileStats()
+        graphs = ModelCudaGraphs(config, device, max_batch, max_num_reqs=max_batch,
+                                 graph_impl="emulated" if mode == "full" and not on_cuda
+                                 else "auto", stats=stats)
+        cm = CompiledModel(model, config, device, graphs=graphs, stats=stats)
         if mode == "full":
-            graph_bytes = cm.capture(static.dummy_runner(cm), full_forward_of(static, cm))
+            graph_bytes = graphs.capture(static.dummy_runner(cm), full_forward_of(static, cm))
             full_cm = cm
         else:
-            graph_bytes = cm.capture(static.dummy_runner(cm))
-            forwards[mode] = (cm, cm.padded_num_tokens)
+            graph_bytes = graphs.capture(static.dummy_runner(cm))
+            forwards[mode] = (cm, graphs.padded_num_tokens)
         info[mode] = {"stats": cm.stats.summary(), "graph_bytes": graph_bytes}
         print(f"[{mode}] {cm.stats.summary()}", flush=True)
     results: dict[str, dict[int, float]] = {mode: {} for mode in modes}

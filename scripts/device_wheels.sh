@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels the GPU machine lacks, for its Python 3.12, into ./.whl/ (run once from the
 # repo root, on this machine: the GPU machine cannot download). Name .whl in the device
-# call's carry and install them with the preamble in scripts/gpu_check.sh's header.
+# call's carry and install them with the preamble in scripts/gpu_check.py's docstring.
 #
 # ../shared/device/wheels.sh fetches nvtx and gguf (enough for every step but `serve`);
 # the server's stack (fastapi, uvicorn with uvloop and httptools, prometheus-client, and

@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from llmfast.kernels.attention import (
+from llmfast.attention.triton.launch import (
     model_prefill_classes,
     prefill_tunable,
     tune_prefill_tiles,
 )
-from llmfast.kernels.tuning import prefill_tuning
+from llmfast.attention.tuning import prefill_tuning
 from llmfast.models.sources.model_source import resolve_model
 
 

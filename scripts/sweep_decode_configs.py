@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_kernels_lib import L2_FLUSH_BYTES, decode_case, graph_replay, time_us
 
-from llmfast.kernels import attention
+from llmfast.attention.triton import launch as attention
 
 
 def main() -> None:

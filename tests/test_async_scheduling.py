@@ -257,7 +257,7 @@ def test_async_scheduling_defaults_off_on_cpu_and_can_be_forced():
 _TRITON_ASYNC_CHILD = """
 import json, sys
 from llmfast import LLM, SamplingParams
-from llmfast.kernels import attention
+from llmfast.attention.triton import launch as attention
 
 calls = []
 launch = attention.unified_attention

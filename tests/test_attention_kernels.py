@@ -25,12 +25,16 @@ import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention, attention_config, kv_write, ops, rope_cache
-from llmfast.kernels.kv_write import next_pow2
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.triton import launch_config as attention_config
+from llmfast.attention.triton import kv_write
+from llmfast.attention import ops
+from llmfast.attention.triton import rope_cache
+from llmfast.attention.triton.kv_write import next_pow2
 from llmfast.kernels.launch.offline_target import offline_hopper
-from llmfast.kernels.tuning import prefill_measure
-from llmfast.kernels.tuning.prefill_tuning import PrefillTiles, ShapeClass
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.tuning import prefill_measure
+from llmfast.attention.tuning.prefill_tuning import PrefillTiles, ShapeClass
+from llmfast.attention.workspaces import AttentionWorkspaces
 from tests.helpers.triton_compat import fix_interpreter_scalar_index
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -597,7 +601,7 @@ def test_tiles_cover_every_token_once():
 
 
 def test_decode_region_and_query_tiles_cover_every_token_once():
-    # Host replay of the kernel's two regions (attention_kernels.py): query tiles skip
+    # Host replay of the kernel's two regions (triton/kernels.py): query tiles skip
     # requests of <= dec_block_q tokens, the decode region takes exactly those; with
     # dec_splits programs per request, only split 0's share of the rows is counted.
     rng = random.Random(1)

@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from llmfast.kernels import attention
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 pytestmark = [
     pytest.mark.gpu,
@@ -237,7 +237,7 @@ def no_tuning_unless_asked(monkeypatch):
 def test_every_tile_candidate_is_correct(kind):
     from triton.runtime.errors import OutOfResources
 
-    from llmfast.kernels.tuning.prefill_tuning import CANDIDATES
+    from llmfast.attention.tuning.prefill_tuning import CANDIDATES
 
     reqs = [(0, 1100)] if kind == "causal" else [(700, 400), (0, 33)] + decodes(
         12, 2048, random.Random(5))
@@ -253,8 +253,8 @@ def test_every_tile_candidate_is_correct(kind):
 
 
 def test_prefill_tuned_once_and_read_back(tmp_path, monkeypatch):
-    from llmfast.kernels.tuning import prefill_tuning
-    from llmfast.kernels.tuning.prefill_tuning import PrefillTiles
+    from llmfast.attention.tuning import prefill_tuning
+    from llmfast.attention.tuning.prefill_tuning import PrefillTiles
 
     monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
     monkeypatch.setenv("LLMFAST_ATTENTION_TUNING", "auto")
@@ -283,8 +283,8 @@ def test_engine_tunes_its_prefill_classes_at_startup_once(tmp_path, monkeypatch)
     """Start-up tunes both classes a model launches (so no request waits for tuning);
     the next start reads them back and tunes nothing."""
     from llmfast import LLM
-    from llmfast.kernels.tuning import prefill_tuning
-    from llmfast.kernels.tuning.prefill_tuning import PrefillTiles
+    from llmfast.attention.tuning import prefill_tuning
+    from llmfast.attention.tuning.prefill_tuning import PrefillTiles
 
     monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
     monkeypatch.setenv("LLMFAST_ATTENTION_TUNING", "auto")

@@ -1,4 +1,4 @@
-"""The cached launch path (kernels/launch_cache.py) against Triton's own JIT launch.
+"""The cached launch path (kernels/launch/launch_cache.py) against Triton's own JIT launch.
 
 Triton compiles the attention kernel for sm_90 on this CPU (kernels/launch/offline_target.py)
 and every launch is recorded instead of run. The oracle is the JIT path itself: for the
@@ -14,10 +14,11 @@ import pytest
 import torch
 import triton
 
-from llmfast.kernels import attention, kv_write
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.triton import kv_write
 from llmfast.kernels.launch import launch_cache
 from llmfast.kernels.launch.offline_target import offline_hopper
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available()
@@ -218,7 +219,7 @@ def test_new_specialization_compiles_as_the_jit_would(recorded, monkeypatch):
         step_inputs(1, 1),
         # A block-table row stride not divisible by 16: a key of its own for the launch
         # cache (strides are in its key), the same kernel (the kernel does not specialize
-        # on that stride: attention_kernels.py).
+        # on that stride: triton/kernels.py).
         step_inputs(1, 1, table_width=17),
         step_inputs(1, 1, q_offset=1),  # q 2 bytes past a 16-byte boundary
         step_inputs(1, 1, table_width=64),  # same specialization as the first: a hit
@@ -374,7 +375,7 @@ def test_every_tile_candidate_fits_an_h100(monkeypatch, head_dim):
     # would tune nothing: each compiles for sm_90 within the H100's shared memory, for
     # one request (causal) and for several (mixed: with the decode region's programs,
     # whose decode tiles take the candidate's warps and stages).
-    from llmfast.kernels.tuning.prefill_tuning import CANDIDATES
+    from llmfast.attention.tuning.prefill_tuning import CANDIDATES
 
     compiled = []
     run = triton.runtime.JITFunction.run

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfast.kernels import attention
-from llmfast.kernels.tuning.split_table import parse_table
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.triton.kv_write import next_pow2
+from llmfast.attention.tuning.split_table import parse_table
+from llmfast.attention.workspaces import AttentionWorkspaces
 from tests import test_attention_kernels as attn
 from tests import test_rope_cache as rope_tests
 
@@ -61,7 +62,7 @@ def check_table_split_decode(table_splits: int):
         plan = attention._plan(b["q"], b["k_cache"], b["v_cache"], b["block_table"], b["q"],
                                b["seq_lens"].shape[0], None, None, True, None)
         assert plan.split_counts[0] == table_splits, plan.split_counts
-        assert plan.constexprs["SPLIT_BOUND"] == attention.next_pow2(table_splits)
+        assert plan.constexprs["SPLIT_BOUND"] == next_pow2(table_splits)
         attn.check_step(b, torch.float32)
     finally:
         attention._device_split_tables = saved
@@ -82,7 +83,7 @@ def check_table_decode_region(table_splits: int):
                                num_reqs, None, None, True, None)
         assert plan.constexprs["DECODE_REGION"], plan.constexprs
         assert plan.split_counts == (1, table_splits), plan.split_counts
-        assert plan.constexprs["DEC_SPLIT_BOUND"] == attention.next_pow2(table_splits)
+        assert plan.constexprs["DEC_SPLIT_BOUND"] == next_pow2(table_splits)
         attn.check_step(b, torch.float32)
     finally:
         attention._device_split_tables = saved
@@ -106,7 +107,7 @@ def check_table_decode_rope(table_splits: int):
         rope_tests.check_decode_rope_kernel("float32", "float32", None)
         fresh = [p for p in attention._PLANS.values() if id(p) not in before and p.rope]
         assert fresh and all(p.split_counts == (table_splits,) for p in fresh), fresh
-        assert all(p.constexprs["SPLIT_BOUND"] == attention.next_pow2(table_splits)
+        assert all(p.constexprs["SPLIT_BOUND"] == next_pow2(table_splits)
                    for p in fresh)
     finally:
         attention._device_split_tables = saved

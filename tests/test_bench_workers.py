@@ -168,7 +168,7 @@ def test_throughput_hf_baseline_and_latency_in_workers(mp_llm):
 def test_startup_child_reads_rank_0_through_the_executor(tmp_path):
     """What `bench --startup` runs in each fresh process (in this one: a fresh process
     each, with its workers, would cost ~20 s)."""
-    from llmfast.bench.startup import child as startup_child
+    from llmfast.cli import startup_child
 
     out = tmp_path / "child.json"
     spec = {"model": "random:tiny", "engine_args": {

@@ -95,7 +95,7 @@ def test_generate_cli_with_chat_template_on_a_model_without_one(plain_dir, tmp_p
     path = tmp_path / "brackets.jinja"
     path.write_text(BRACKETS)
     common = ["--model", str(plain_dir), "--device", "cpu", "--kv-cache-memory", "16MiB",
-              "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"]
+              "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json", "-"]
     # Without a template, --chat is refused; with one, the prompt goes through it.
     assert_one_line_error(invoke("generate", "hello there", "--chat", *common),
                           "has no chat template")
@@ -125,7 +125,7 @@ def test_long_template_with_transformers_tags_from_a_file(plain_dir, tmp_path):
     path.write_text(LONG)
     result = invoke("generate", "hello there", "--model", str(plain_dir), "--device", "cpu",
                     "--kv-cache-memory", "16MiB", "--max-tokens", "2", "--chat-template",
-                    str(path), "--json")
+                    str(path), "--json", "-")
     assert result.exit_code == 0, result.output
     llm = LLM(str(plain_dir), device="cpu", kv_cache_memory="16MiB", chat_template=LONG)
     (out,) = llm.chat([{"role": "user", "content": "hi"}, {"role": "stop", "content": "x"},

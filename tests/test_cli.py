@@ -24,7 +24,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("command", ["chat", "generate", "bench", "profile"])
 def test_help_has_examples_and_engine_flags(command):
-    result = invoke(command, "--help")
+    result = invoke(command, "--help-all")
     assert result.exit_code == 0
     text = result.stdout
     assert "Examples" in text and f"llmfast {command}" in text
@@ -57,7 +57,7 @@ def test_generate_json_batched_matches_single(chat_model, tmp_path):
     prompts.write_text("hello there\n\nTell me a story\n")
     common = ["--model", str(chat_model), "--device", "cpu", "--max-tokens", "6",
               "--temperature", "0", "--ignore-eos"]
-    batched = invoke("generate", "--file", str(prompts), "The capital of France", "--json",
+    batched = invoke("generate", "--file", str(prompts), "The capital of France", "--json", "-",
                      *common)
     assert batched.exit_code == 0, batched.output
     rows = json.loads(batched.stdout)
@@ -69,7 +69,7 @@ def test_generate_json_batched_matches_single(chat_model, tmp_path):
         assert {"ttft_s", "tpot_s", "e2e_s", "num_prompt_tokens", "num_cached_tokens",
                 "num_output_tokens"} <= set(row["metrics"])
         assert row["metrics"]["ttft_s"] > 0
-    single = invoke("generate", "hello there", "--json", *common)
+    single = invoke("generate", "hello there", "--json", "-", *common)
     assert json.loads(single.stdout)[0]["token_ids"] == rows[1]["token_ids"]
     plain = invoke("generate", "hello there", *common)
     assert plain.exit_code == 0
@@ -77,7 +77,7 @@ def test_generate_json_batched_matches_single(chat_model, tmp_path):
 
 
 def test_generate_chat_template_toggle(chat_model):
-    common = ["--model", str(chat_model), "--device", "cpu", "--max-tokens", "2", "--json"]
+    common = ["--model", str(chat_model), "--device", "cpu", "--max-tokens", "2", "--json", "-"]
     chat = json.loads(invoke("generate", "hi", *common).stdout)[0]
     raw = json.loads(invoke("generate", "hi", "--no-chat", *common).stdout)[0]
     # The template wraps the message: many more prompt tokens than the bare text.

@@ -164,7 +164,7 @@ def test_cache_variable_naming_an_unknown_home(tmp_path):
 def test_generate_with_standard_output_closed_says_so():
     """`>&-`: Python's sys.stdout is None; the completions had nowhere to go (lost with
     exit 0, or an 'internal error' with --json)."""
-    for extra in ("", " --json"):
+    for extra in ("", " --json -"):
         proc = subprocess.run(
             ["bash", "-c", f"{sys.executable} -m llmfast generate --model random:tiny "
                            f"--device cpu --max-tokens 2{extra} hi >&-"],

@@ -18,15 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention.metadata import AttentionMetadata
 from llmfast.compile import CompiledModel
 from llmfast.compile.backend import resolve_splitting_ops
 from llmfast.compile.cache import compile_cache_key
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
-from llmfast.graphs.sizes import capture_sizes, pad_num_tokens
-from llmfast.kernels.ops import unified_attention_impl
+from llmfast.cuda_graphs.sizes import capture_sizes, pad_num_tokens
+from llmfast.attention.ops import unified_attention_impl
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import resolve_model
+from tests.helpers.compiled import compiled_model
 from tests.helpers.paged import MIXED_STEPS, PagedSequences
 from tests.helpers.static_batch import StaticBatch
 
@@ -51,7 +52,7 @@ def cache_root(tmp_path_factory):
 def compiled(cache_root):
     """(eager model, compiled model, CompiledModel) after running STEPS through both."""
     eager_model, model = tiny_model(), tiny_model()
-    cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)
+    cm = compiled_model(model, CompileConfig(), "cpu", max_num_tokens=64)
     eager_seqs, compiled_seqs = PagedSequences(eager_model, 4, 64), PagedSequences(model, 4, 64)
     compiled_seqs.model = _CallThrough(cm, model)
     results = []
@@ -135,7 +136,7 @@ def test_compiled_matches_eager_without_recompiles(compiled):
 
 
 def test_kv_cache_rebind_does_not_recompile(compiled):
-    # The runner compiles on a scratch cache, then binds the real (larger) one.
+    # A cache bound after the first call (a larger one) needs no recompile.
     eager_model, model, cm, _, _ = compiled
     eager_seqs, seqs = PagedSequences(eager_model, 2, 200), PagedSequences(model, 2, 200)
     seqs.model = _CallThrough(cm, model)
@@ -152,7 +153,7 @@ def test_compile_cache_key_changes_with_inputs(monkeypatch):
     assert key == compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.bfloat16, "cpu", CompileConfig())
     assert key != compile_cache_key(cfg, torch.float32, "cuda", CompileConfig())
-    from llmfast.kernels.layers import switch as layer_switch  # LLMFAST_LAYER_KERNELS=0: other pieces
+    from llmfast.kernels.layers import kernel_choice as layer_switch  # LLMFAST_LAYER_KERNELS=0: other pieces
 
     monkeypatch.setattr(layer_switch, "_ENABLED", not layer_switch.layer_kernels_enabled())
     assert key != compile_cache_key(cfg, torch.float32, "cpu", CompileConfig())
@@ -167,14 +168,14 @@ def test_compile_cache_key_changes_with_inputs(monkeypatch):
 
 _SECOND_START = textwrap.dedent("""
     import json, torch
-    from llmfast.compile import CompiledModel
+    from tests.helpers.compiled import compiled_model
     from llmfast.config import CompileConfig
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
     from tests.helpers.paged import MIXED_STEPS, PagedSequences
 
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
-    cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)
+    cm = compiled_model(model, CompileConfig(), "cpu", max_num_tokens=64)
     seqs = PagedSequences(model, 2, 64)
     seqs.model = type("M", (), {"__call__": lambda self, *a: cm(*a),
                                 "compute_logits": lambda self, h: model.compute_logits(h)})()
@@ -213,19 +214,19 @@ def test_emulated_graphs_match_eager_and_leave_padding_out_of_the_cache(cache_ro
     graph run compiled. The KV caches must hold the eager run's slots and values."""
     eager_model, model = tiny_model(), tiny_model()
     config = CompileConfig(cuda_graph_sizes=(1, 2, 4, 8, 16), check_static_addresses=True)
-    cm = CompiledModel(model, config, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, config, "cpu", max_num_tokens=64, graph_impl="emulated")
     eager, static = StaticBatch(eager_model, 4, 64, 64), StaticBatch(model, 4, 64, 64)
-    assert cm.capture(static.dummy_runner(cm)) == 0  # no device memory on CPU
+    assert cm.graphs.capture(static.dummy_runner(cm)) == 0  # no device memory on CPU
     assert cm.stats.captured_sizes == (1, 2, 4, 8, 16)
     assert cm.stats.num_cuda_graphs == 5 * cm.stats.num_pieces
     for v, _ in static.caches + eager.caches:
         assert not v.any(), "the dummy runs wrote to the KV cache"
     for chunks in STEPS:
-        torch.testing.assert_close(static.step(chunks, cm, cm.padded_num_tokens),
+        torch.testing.assert_close(static.step(chunks, cm, cm.graphs.padded_num_tokens),
                                    eager.step(chunks, eager_model), atol=1e-5, rtol=1e-5)
     # Steps of 1, 2, 3->4, 7->8 and 16 tokens replay every piece; 33 runs without graphs.
-    assert [cm.padded_num_tokens(n) for n in (1, 2, 3, 7, 16, 33)] == [1, 2, 4, 8, 16, 33]
-    assert cm._graph_state.num_replays == 5 * cm.stats.num_pieces
+    assert [cm.graphs.padded_num_tokens(n) for n in (1, 2, 3, 7, 16, 33)] == [1, 2, 4, 8, 16, 33]
+    assert cm.graphs.piecewise.num_replays == 5 * cm.stats.num_pieces
     # A fresh tensor where a persistent buffer should be: caught, not silently stale.
     ids = static.input_ids[:4].clone()
     static.dummy_runner(lambda *a: None)(4)  # dummy metadata: slot -1, one request
@@ -242,30 +243,30 @@ def test_emulated_graphs_match_eager_and_leave_padding_out_of_the_cache(cache_ro
 
 
 def test_graphs_survive_binding_the_real_kv_cache_after_capture(cache_root):
-    """As the runner does on CUDA: capture on a scratch cache, then bind another. Pieces
+    """Capture on one cache, then bind another (the KV cache may move). Pieces
     get caches and metadata only for size checks, so the debug address check must not
     flag them (it did: "input moved ... argument 3"), and replay must use the new cache."""
-    from llmfast.graphs.piecewise import data_arg_indices
+    from llmfast.cuda_graphs.piecewise import data_arg_indices
 
     eager_model, model = tiny_model(), tiny_model()
     config = CompileConfig(cuda_graph_sizes=(1, 2, 4, 8, 16), check_static_addresses=True)
-    cm = CompiledModel(model, config, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, config, "cpu", max_num_tokens=64, graph_impl="emulated")
     eager, static = StaticBatch(eager_model, 4, 64, 64), StaticBatch(model, 4, 64, 64)
-    cm.capture(static.dummy_runner(cm))
+    cm.graphs.capture(static.dummy_runner(cm))
     # The first piece is handed KV caches (4-d) for their sizes alone: not data.
     first = cm.backend.split_gm._modules["submod_0"]
     placeholders = [n for n in first.graph.nodes if n.op == "placeholder"]
     caches = [i for i, n in enumerate(placeholders) if n.name.endswith(("k_cache", "v_cache"))]
     data = data_arg_indices(first)
     assert caches and not set(caches) & set(data)
-    assert all(r.token_index in r.data_args for r in cm._graph_state.runners)
+    assert all(r.token_index in r.data_args for r in cm.graphs.piecewise.runners)
     real = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in static.caches]
     model.bind_kv_caches(real)
     static.caches = real
     for chunks in STEPS:
-        torch.testing.assert_close(static.step(chunks, cm, cm.padded_num_tokens),
+        torch.testing.assert_close(static.step(chunks, cm, cm.graphs.padded_num_tokens),
                                    eager.step(chunks, eager_model), atol=1e-5, rtol=1e-5)
-    assert cm._graph_state.num_replays > 0
+    assert cm.graphs.piecewise.num_replays > 0
     assert any(k.any() for k, _ in real), "replays wrote to the old cache"
 
 
@@ -278,17 +279,17 @@ def test_a_discarded_compiled_model_frees_its_graphs(cache_root):
 
     model = tiny_model()
     config = CompileConfig(cuda_graph_sizes=(1, 2, 4))
-    cm = CompiledModel(model, config, "cpu", max_num_tokens=16, graph_impl="emulated",
+    cm = compiled_model(model, config, "cpu", max_num_tokens=16, graph_impl="emulated",
                        piece_compiler="eager")
     static = StaticBatch(model, 4, 16, 16)
-    cm.capture(static.dummy_runner(cm))
-    runners = cm._graph_state.runners
+    cm.graphs.capture(static.dummy_runner(cm))
+    runners = cm.graphs.piecewise.runners
     assert runners and all(r.graphs for r in runners)
     # The graphs' static outputs: on CUDA, memory of the graph pool.
     outputs = [weakref.ref(t) for r in runners for g in r.graphs.values()
                for t in (g.outputs if isinstance(g.outputs, (tuple, list)) else [g.outputs])
                if isinstance(t, torch.Tensor)]
-    state = weakref.ref(cm._graph_state)
+    state = weakref.ref(cm.graphs.piecewise)
     assert outputs
     del cm, runners
     gc.collect()
@@ -297,7 +298,8 @@ def test_a_discarded_compiled_model_frees_its_graphs(cache_root):
 
 
 def test_static_address_check_catches_moved_inputs():
-    from llmfast.graphs.piecewise import EmulatedGraphCapturer, GraphCaptureState
+    from llmfast.cuda_graphs.capturers import EmulatedGraphCapturer
+    from llmfast.cuda_graphs.piecewise import GraphCaptureState
 
     state = GraphCaptureState(EmulatedGraphCapturer(torch.device("cpu")),
                               check_static_addresses=True)
@@ -313,9 +315,9 @@ def test_static_address_check_catches_moved_inputs():
 
 def test_enforce_eager_is_a_passthrough():
     model = tiny_model()
-    cm = CompiledModel(model, CompileConfig(enforce_eager=True), "cpu", max_num_tokens=64)
-    assert cm.padded_num_tokens(3) == 3
-    assert cm.capture(lambda n: None) == 0
+    cm = compiled_model(model, CompileConfig(enforce_eager=True), "cpu", max_num_tokens=64)
+    assert cm.graphs.padded_num_tokens(3) == 3
+    assert cm.graphs.capture(lambda n: None) == 0
     assert cm.stats.num_dynamo_graphs == 0
 
 
@@ -325,7 +327,7 @@ def test_compiled_models_do_not_share_dynamo_caches():
     with torch._dynamo.config.patch(recompile_limit=1):
         for _ in range(2):
             model = tiny_model()
-            cm = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu",
+            cm = compiled_model(model, CompileConfig(use_compile_cache=False), "cpu",
                                max_num_tokens=64, piece_compiler="eager")
             seqs = PagedSequences(model, 1, 16)
             seqs.model = _CallThrough(cm, model)
@@ -342,7 +344,7 @@ def test_compiled_models_do_not_share_automatic_dynamic_state():
     # recompile, and for CUDA graphs the static-address check silently skipped.
     for max_num_tokens in (64, 32, 48):
         model = tiny_model()
-        cm = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu",
+        cm = compiled_model(model, CompileConfig(use_compile_cache=False), "cpu",
                            max_num_tokens=max_num_tokens, piece_compiler="eager")
         static = StaticBatch(model, 2, 32, max_num_tokens)
         static.step({0: [1, 2, 3], 1: [4]}, cm)
@@ -380,7 +382,7 @@ def test_identical_layer_pieces_share_one_compile(monkeypatch):
         return piece.forward
 
     monkeypatch.setattr(backend, "_compile_with_inductor", compile_piece)
-    cm = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu", max_num_tokens=64)
+    cm = compiled_model(model, CompileConfig(use_compile_cache=False), "cpu", max_num_tokens=64)
     eager_seqs, seqs = PagedSequences(eager_model, 2, 64), PagedSequences(model, 2, 64)
     seqs.model = _CallThrough(cm, model)
     for chunks in ({0: [1, 2, 3], 1: [4, 5]}, {0: [6], 1: [7]}):
@@ -433,7 +435,7 @@ def test_pieces_get_dynamo_traced_args_equal_to_fake_propagated_ones(monkeypatch
         monkeypatch.setattr(backend, "_compile_with_inductor", compile_piece)
         model = build_model(source, torch.float32, "cpu", seed=1, max_positions=64)
         model.load_state_dict(eager_model.state_dict())
-        cm = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu",
+        cm = compiled_model(model, CompileConfig(use_compile_cache=False), "cpu",
                            max_num_tokens=64)
         eager_seqs, seqs = PagedSequences(eager_model, 2, 64), PagedSequences(model, 2, 64)
         seqs.model = _CallThrough(cm, model)

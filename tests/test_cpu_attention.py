@@ -8,9 +8,9 @@ import weakref
 import pytest
 import torch
 
-from llmfast.kernels.cpu import attention as cpu_attention
-from llmfast.kernels.ops import paged_attention_reference
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention import cpu as cpu_attention
+from llmfast.attention.ops import paged_attention_reference
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 
 def _case(seed: int, q_lens: list[int], ctx_lens: list[int], num_heads=6, num_kv=2, hd=16,

@@ -22,17 +22,22 @@ from tests.helpers.cli import assert_one_line_error, invoke
 NO_ENGINE = {"pull"}
 
 
-def _panel_flags(help_text: str, panel: str = "Engine") -> set[str]:
-    """The option names in one `--help` panel (a Rich box titled `panel`)."""
-    lines = help_text.splitlines()
-    start = next(i for i, line in enumerate(lines) if re.match(rf"^╭─ {panel} ─", line))
-    end = next(i for i in range(start, len(lines)) if lines[i].startswith("╰"))
-    names = set()
-    for line in lines[start + 1:end]:
-        # "│ --compile   --no-compile   <bool>  help │"; a wrapped help line starts otherwise.
-        row = line.strip("│ ")
-        if row.startswith("-"):
-            names.update(re.findall(r"--?[a-z][a-z0-9-]*", row.split("<", 1)[0]))
+def _engine_panel_flags(help_text: str) -> set[str]:
+    """The option names in `--help-all`'s engine panels (Rich boxes other than Arguments
+    and Options), plus --debug (in Options)."""
+    names = {"--debug"} if re.search(r"(?<![\w-])--debug(?![\w-])", help_text) else set()
+    inside = False
+    for line in help_text.splitlines():
+        if line.startswith("╭─ "):
+            inside = not re.match(r"^╭─ (Arguments|Options) ─", line)
+        elif line.startswith("╰"):
+            inside = False
+        elif inside:
+            # "│ -m, --model TEXT   help │", "│ --compile / --no-compile   help │"; a
+            # wrapped help line starts with spaces.
+            row = line.removeprefix("│ ")
+            if row.startswith("-"):
+                names.update(re.findall(r"(?<![\w-])--?[a-z][a-z0-9-]*", row.split("  ")[0]))
     return names
 
 
@@ -48,15 +53,16 @@ def test_every_engine_command_shows_exactly_the_engine_args_fields():
     engine_commands = [c for c in _commands() if c not in NO_ENGINE]
     assert {"chat", "generate", "bench", "profile"} <= set(engine_commands)
     for command in engine_commands:
-        result = invoke(command, "--help")
+        result = invoke(command, "--help-all")
         assert result.exit_code == 0, result.output
-        assert _panel_flags(result.stdout) == expected, command
+        assert _engine_panel_flags(result.stdout) == expected, command
     pull = invoke("pull", "--help").stdout
     assert "--max-num-seqs" not in pull
 
 
 def test_help_shows_field_defaults_and_size_syntax():
-    text = invoke("generate", "--help").stdout
+    lines = invoke("generate", "--help-all").stdout.splitlines()
+    text = " ".join(" ".join(line.strip("│ ").split()) for line in lines)  # help unwrapped
     assert "[default: 0.9]" in text  # gpu_memory_utilization, from the field
     assert "1..8 = 1,2,4,8" in text  # --cuda-graph-sizes explains a..b
 

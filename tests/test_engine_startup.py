@@ -128,7 +128,7 @@ def test_graph_capture_minds_only_its_own_thread(monkeypatch):
     cannot fail them (the default, global mode, would)."""
     import torch
 
-    from llmfast.graphs.piecewise import CudaGraphCapturer
+    from llmfast.cuda_graphs.capturers import CudaGraphCapturer
 
     begun = []
 

@@ -101,4 +101,4 @@ def test_kv_cache_out_of_gpu_memory_is_named():
         LLM("random:tiny", device="cuda", num_gpu_blocks_override=1 << 30, enforce_eager=True)
     message = str(info.value)
     assert "4096.00 GiB asked" in message and "GiB available on cuda" in message
-    assert "lower num_gpu_blocks_override" in message
+    assert "lower --num-gpu-blocks-override" in message

@@ -17,7 +17,7 @@ from tests.helpers.cli import TINY, assert_one_line_error, invoke
 from tests.helpers.processes import children, wait_until_gone, with_marker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GREEDY = ["--json", "--temperature", "0", "--max-tokens", "6", "--ignore-eos",
+GREEDY = ["--json", "-", "--temperature", "0", "--max-tokens", "6", "--ignore-eos",
           "--max-model-len", "64", "--num-gpu-blocks-override", "64"]
 
 

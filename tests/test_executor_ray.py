@@ -89,14 +89,14 @@ def test_generate_connects_to_an_existing_cluster_by_address():
     when the CLI exits; the cluster stays up."""
     import ray
 
-    want = invoke("generate", "hello there", *TINY, "--json", "--temperature", "0",
+    want = invoke("generate", "hello there", *TINY, "--json", "-", "--temperature", "0",
                   "--max-tokens", "6", "--ignore-eos", "--max-model-len", "64")
     assert want.exit_code == 0, want.output
     context = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
                        runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "llmfast", "generate", "hello there", *TINY, "--json",
+            [sys.executable, "-m", "llmfast", "generate", "hello there", *TINY, "--json", "-",
              "--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--max-model-len",
              "64", "-tp", "2", "--distributed-executor-backend", "ray",
              "--ray-address", context.address_info["gcs_address"]],

@@ -78,9 +78,9 @@ class _ReplaySpy:
 
     def __init__(self, engine: LLMEngine) -> None:
         runner = engine.runner
-        self.runner, self.replay = runner, runner.compiled.replay_full
+        self.runner, self.replay = runner, runner.compiled.graphs.replay_full
         self.calls: list[dict] = []
-        runner.compiled.replay_full = self
+        runner.compiled.graphs.replay_full = self
 
     def __call__(self, size, inputs):
         r = self.runner
@@ -125,9 +125,9 @@ def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode
         assert np.array_equal(c["query_start_loc"], np.minimum(np.arange(size + 1), n))
         assert (c["seq_lens"][n:] == 0).all() and (c["seq_lens"][:n] > 0).all()
         assert (c["slots"][n:] == -1).all() and (c["slots"][:n] >= 0).all()
-    replays = compiled._graph_state.num_replays
+    replays = compiled.graphs.piecewise.num_replays
     assert (replays > 0) == mode.has_piecewise  # steps with prefill tokens
-    assert compiled.full_graphs.num_replays == len(spy.calls)
+    assert compiled.graphs.full.num_replays == len(spy.calls)
     # A tensor that is not the persistent buffer, at a captured size: caught.
     inputs = engine.runner._full_inputs(2)
     inputs[3] = inputs[3].clone()  # the block table
@@ -156,7 +156,7 @@ def greedy_matches_hf(engine: LLMEngine, oracle) -> None:  # noqa: F811 (the fix
     for p, n, tokens in zip(prompts, lengths, got):
         assert tokens == oracle(p, n)
     compiled = engine.runner.compiled
-    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+    assert compiled.graphs.full.num_replays > 0 and compiled.graphs.piecewise.num_replays > 0
 
 
 def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noqa: F811
@@ -179,10 +179,10 @@ def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noq
 
 def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=None) -> None:
     """The runner starts in its CUDA order on the CPU: the memory profile (by default a
-    stand-in leaving one-block scratch caches bound, as the real one does) -> compile and
-    capture on them -> the KV cache sized (256 blocks: a stand-in for the device's free
-    memory) and bound -> the full graphs captured again on it. `calls` records "profile"
-    and "size" as they happen."""
+    stand-in leaving one-block scratch caches bound, as the real one does) and the
+    graphs' estimate -> the KV cache sized (256 blocks: a stand-in for the device's free
+    memory) and bound -> the model compiled and every graph captured once on it.
+    `calls` records "profile", "size" and "capture" as they happen."""
     from llmfast.worker import model_runner
     from llmfast.worker.startup.memory_profile import bind_one_block_caches
 
@@ -198,29 +198,37 @@ def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=Non
             calls.append("size")
         return 256
 
+    def capture_recorded(*args):
+        if calls is not None:
+            calls.append("capture")
+        return compile_and_capture(*args)
+
+    compile_and_capture = model_runner.compile_and_capture
     monkeypatch.setattr(model_runner, "profile_peak_memory", profile or one_block_profile)
     monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
+    monkeypatch.setattr(model_runner, "compile_and_capture", capture_recorded)
     monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
                         lambda self: True)
 
 
 def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path):  # noqa: F811
     # What a CUDA start does, on the CPU (emulated graphs, RoPE in the op, async): the
-    # model compiled and every graph captured on one-block scratch caches (as the memory
-    # profile leaves them), only the largest full graph among them; then the real KV
-    # cache bound and the full graphs captured again on it (recapture_full). The
+    # memory profiled on one-block scratch caches, the real KV cache sized and bound,
+    # then the model compiled and every graph captured once, on the real cache. The
     # profile's and the device's figures are stand-ins; the order is the runner's.
     calls: list[str] = []
     cuda_start_up_order(monkeypatch, calls)
     rope_in_the_op(monkeypatch, tmp_path)
     engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
-    assert calls == ["profile", "size"] and engine.runner.num_blocks == 256
+    assert calls == ["profile", "size", "capture"] and engine.runner.num_blocks == 256
     compiled = engine.runner.compiled
     assert compiled.stats.full_graph_sizes == (1, 2, 4)
-    assert sorted(compiled.full_graphs.sizes) == [1, 2, 4]  # all of them, on the real cache
+    graphs = engine.runner.cuda_graphs
+    assert graphs is compiled.graphs and graphs._capture_stream.num_uses == 1  # once
+    assert sorted(graphs.full.sizes) == [1, 2, 4]  # all of them, on the real cache
     real = engine.runner.kv_cache  # every layer's caches are views into it
     start, end = real.data_ptr(), real.data_ptr() + real.numel() * real.element_size()
-    for graph in compiled.full_graphs.graphs.values():  # captured reading the real cache
+    for graph in graphs.full.graphs.values():  # captured reading the real cache
         caches = graph.input_addresses[6:]  # (after ids, positions and the metadata)
         assert caches and all(start <= address < end for address in caches)
     greedy_matches_hf(engine, oracle)
@@ -239,108 +247,101 @@ def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
 
 
 
-def _scratch_capture_rig(piecewise_sizes=None):
-    """A tiny compiled model with emulated graphs on a one-block scratch cache, as the
-    runner has it before sizing the KV cache: its dummy run and full forward."""
+def _capture_rig(piecewise_sizes=None):
+    """A tiny compiled model with emulated graphs and its KV cache (views of one random
+    tensor, as the runner allocates it), on persistent buffers: its dummy run, its full
+    forward, and a stand-in for the runner's `CaptureInputs` (dummy and full batches)."""
     from types import SimpleNamespace
 
     import torch
 
-    from llmfast.attention_metadata import AttentionMetadata
-    from llmfast.compile import CompiledModel
+    from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
     from llmfast.config import CompileConfig
+    from tests.helpers.compiled import compiled_model
     from tests.test_compile import tiny_model
 
     model = tiny_model()
     cfg = model.config
     sizes, blocks, bs = (1, 2, 4), 9, 4
-    one_block = (1, bs, cfg.num_key_value_heads, cfg.head_dim)
-    model.bind_kv_caches([(torch.zeros(one_block), torch.zeros(one_block))
-                          for _ in range(cfg.num_hidden_layers)])
+    real = torch.randn(cfg.num_hidden_layers, 2, blocks, bs, cfg.num_key_value_heads,
+                       cfg.head_dim)
+    model.bind_kv_caches([(layer[0], layer[1]) for layer in real])
     ids, positions = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
     slots = torch.full((8,), -1, dtype=torch.int64)
-    table = torch.zeros(4, 3, dtype=torch.int32)  # zeros: block 0, all the scratch has
+    table = torch.zeros(4, 3, dtype=torch.int32)  # zeros: block 0 (the dummy runs')
     qsl, seq_lens = torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-    cm = CompiledModel(model, CompileConfig(cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
-                                            cuda_graph_sizes=sizes,
-                                            piecewise_graph_sizes=piecewise_sizes,
-                                            check_static_addresses=True),
-                       "cpu", max_num_tokens=8, max_num_reqs=4, graph_impl="emulated",
-                       piece_compiler="eager")
+    cm = compiled_model(model, CompileConfig(cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+                                             cuda_graph_sizes=sizes,
+                                             piecewise_graph_sizes=piecewise_sizes,
+                                             check_static_addresses=True),
+                        "cpu", max_num_tokens=8, max_num_reqs=4, graph_impl="emulated",
+                        piece_compiler="eager")
 
-    def run_dummy(n: int) -> None:
+    def dummy_batch(n: int):
         qsl[:2] = torch.tensor([0, 1], dtype=torch.int32)
         seq_lens[:1] = 1
+        return ids[:n], positions[:n], AttentionMetadata(slots[:n], table[:1], qsl[:2],
+                                                         seq_lens[:1])
+
+    def run_dummy(n: int) -> None:
         with torch.inference_mode():
-            cm(ids[:n], positions[:n], AttentionMetadata(slots[:n], table[:1], qsl[:2],
-                                                         seq_lens[:1]))
+            cm(*dummy_batch(n))
 
     calls: dict[int, int] = {}
 
-    def full_forward(size: int, dummy: bool):
-        md = AttentionMetadata(slots[:size], table[:size], qsl[: size + 1], seq_lens[:size])
+    def full_batch(size: int, dummy: bool):
         if dummy:
             ids.zero_(), positions.zero_(), slots.fill_(-1), seq_lens.fill_(1)
             qsl[: size + 1] = torch.arange(size + 1, dtype=torch.int32)
+        return ids[:size], positions[:size], AttentionMetadata(
+            slots[:size], table[:size], qsl[: size + 1], seq_lens[:size], host_max_query_len(1))
+
+    def full_forward(size: int, dummy: bool):
+        batch = full_batch(size, dummy)
 
         def fn():
             calls[size] = calls.get(size, 0) + 1
-            return model.compute_logits(cm(ids[:size], positions[:size], md))
+            return model.compute_logits(cm(*batch))
 
         caches = [t for layer in model.attention_layers() for t in (layer.k_cache,
                                                                      layer.v_cache)]
+        md = batch[2]
         device_md = (md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens)
         return fn, [ids[:size], positions[:size], *device_md, *caches]
 
     return SimpleNamespace(cm=cm, model=model, run_dummy=run_dummy,
                            full_forward=full_forward, calls=calls, sizes=sizes,
-                           blocks=blocks, one_block=one_block, ids=ids,
-                           positions=positions, slots=slots, table=table, qsl=qsl,
+                           capture_inputs=SimpleNamespace(dummy_batch=dummy_batch,
+                                                          full_batch=full_batch),
+                           ids=ids, positions=positions, slots=slots, table=table, qsl=qsl,
                            seq_lens=seq_lens)
 
 
-@pytest.mark.parametrize("piecewise_sizes, full_graphs_later",
-                         [(None, False), ((2, 4), False), (None, True)])
-def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(
-        piecewise_sizes, full_graphs_later):
-    """The CUDA start-up order, on CPU with emulated graphs: compile and capture on a
-    one-block scratch cache, bind the real cache (views of one tensor, as the runner
-    allocates it), capture the full graphs again. No recompile (a recompile inside a
-    real capture fails); the largest size runs once uncaptured before its recapture;
-    every capture uses the one side stream; replays read the real cache. With
+@pytest.mark.parametrize("piecewise_sizes", [None, (2, 4)])
+def test_one_capture_on_the_real_cache_warms_up_on_the_capture_stream(piecewise_sizes):
+    """The capture, on CPU with emulated graphs, once the KV cache is bound: the first
+    dummy run compiles, then each size, largest first, warms up and is captured, on the
+    one side stream, without a recompile; replays read the real cache. With
     `piecewise_sizes` (--piecewise-graph-sizes) the piecewise graphs are captured at
-    those sizes alone, the full graphs at every size. With `full_graphs_later` (the
-    runner's order) the first capture takes the largest full graph alone, and the
-    recapture every size."""
+    those sizes alone, the full graphs at every size."""
     import torch
 
-    rig = _scratch_capture_rig(piecewise_sizes)
-    cm, model, cfg, calls = rig.cm, rig.model, rig.model.config, rig.calls
-    run_dummy, full_forward, sizes, blocks, one_block = (
-        rig.run_dummy, rig.full_forward, rig.sizes, rig.blocks, rig.one_block)
+    from llmfast.attention.metadata import AttentionMetadata
+
+    rig = _capture_rig(piecewise_sizes)
+    cm, model, calls, sizes = rig.cm, rig.model, rig.calls, rig.sizes
     ids, positions, slots, table, qsl, seq_lens = (
         rig.ids, rig.positions, rig.slots, rig.table, rig.qsl, rig.seq_lens)
-    from llmfast.attention_metadata import AttentionMetadata
-
-    cm.capture(run_dummy, full_forward, full_graphs_later=full_graphs_later)
-    assert cm.stats.full_graph_sizes == sizes and cm._capture_stream.num_uses == 1
-    # A warm-up and a capture for each full graph captured now.
-    assert calls == ({4: 2} if full_graphs_later else {4: 2, 2: 2, 1: 2})
-    assert cm.full_graphs.sizes == ((4,) if full_graphs_later else sizes)
+    graphs = cm.graphs
+    assert graphs.capture(rig.run_dummy, rig.full_forward) == 0  # no device memory: CPU
+    assert cm.stats.full_graph_sizes == sizes and graphs._capture_stream.num_uses == 1
+    assert calls == {4: 2, 2: 2, 1: 2}  # a warm-up and a capture for each full graph
+    assert graphs.full.sizes == sizes
     assert cm.stats.captured_sizes == (piecewise_sizes or sizes)
     pieces = cm.stats.num_pieces
     assert cm.stats.num_cuda_graphs == pieces * len(piecewise_sizes or sizes)
-    assert cm.padded_num_tokens(1) == (piecewise_sizes or sizes)[0]  # a 1-token prefill
-    real = torch.randn(cfg.num_hidden_layers, 2, blocks, *one_block[1:])
-    model.bind_kv_caches([(layer[0], layer[1]) for layer in real])
-    calls.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        cm.recapture_full(full_forward)
-    # The emulated capture runs fn once per size, after a warm-up for the largest and
-    # for every size not captured before.
-    assert calls == ({4: 2, 2: 2, 1: 2} if full_graphs_later else {4: 2, 2: 1, 1: 1})
-    assert cm.full_graphs.sizes == sizes
-    assert cm._capture_stream.num_uses == 2 and cm.stats.one_graph
+    assert graphs.padded_num_tokens(1) == (piecewise_sizes or sizes)[0]  # a 1-token prefill
+    assert cm.stats.one_graph
     # A decode of 3 requests padded to 4, reading real (random) cache blocks 1..8.
     ids[:4] = torch.tensor([5, 6, 7, 0])
     positions[:4] = torch.tensor([6, 2, 9, 0])
@@ -350,51 +351,43 @@ def test_recapture_on_the_real_cache_warms_up_once_on_the_capture_stream(
     slots[:4] = -1  # nothing written: the eager forward below reads the same cache
     md = AttentionMetadata(slots[:4], table[:4], qsl, seq_lens)
     with torch.inference_mode():
-        got = cm.replay_full(4, full_forward(4, False)[1])[:3].clone()
+        got = graphs.replay_full(4, rig.full_forward(4, False)[1])[:3].clone()
         want = model.compute_logits(model(ids[:4], positions[:4], md))[:3]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("own_mib, counted_mib", [(7, 7), (0, 2)])
-def test_full_graphs_measured_from_the_largest(monkeypatch, caplog, own_mib, counted_mib):
-    """With the full graphs captured later (on the real KV cache), the first capture
-    takes the largest alone and counts its graph's own memory (device memory its
-    capture took outside torch's allocator; at least FULL_GRAPH_MIN_BYTES, 2 MiB) once
-    for every full size; the recapture reports what they took against that. The
-    device's memory is stood in for (a free-memory reading per measurement: 1000 MiB
-    before, 900 after the captures; the largest full graph's own `own_mib`)."""
-    import logging
+def test_graph_memory_estimate_counts_the_pool_and_every_graph(monkeypatch):
+    """Before the KV cache is sized (on CUDA): one eager forward at the largest piecewise
+    size and one whole forward with logits at the largest full size, their peaks added
+    (the pool), plus GRAPH_OBJECT_BYTES for every graph: pieces (attention layers + 1)
+    x piecewise sizes, plus the full sizes. The device's peaks are stood in for (the
+    tokens each forward ran x 1 MiB, its logits' rows x 10 MiB)."""
+    import torch
 
-    from llmfast.compile import compiled_model
-    from llmfast.graphs.piecewise import EmulatedGraphCapturer
+    from llmfast.worker.startup import graph_memory
 
     MiB = 2**20
-    rig = _scratch_capture_rig()
-    cm = rig.cm
-    measured = []
-    capture_full = compiled_model.CompiledModel._capture_full
+    rig = _capture_rig((2, 4))
+    runs = []
 
-    def capture_full_measured(self, size, full_forward, warm_up, measure=False):
-        capture_full(self, size, full_forward, warm_up)
-        measured.append((size, measure))
-        return own_mib * MiB if measure else 0
+    def peak(forward, device):
+        out = forward()
+        runs.append(tuple(out.shape))
+        return out.shape[0] * (10 * MiB if out.shape[-1] == rig.model.config.vocab_size
+                               else MiB)
 
-    # "On CUDA": the emulated capturer stands for the real one.
-    monkeypatch.setattr(compiled_model, "CudaGraphCapturer", EmulatedGraphCapturer)
-    monkeypatch.setattr(compiled_model.CompiledModel, "_capture_full", capture_full_measured)
-    free = iter([1000 * MiB, 900 * MiB, 880 * MiB, 865 * MiB])
-    monkeypatch.setattr(compiled_model.CompiledModel, "_free_device_memory",
-                        lambda self, on_cuda: next(free))
-    graph_bytes = cm.capture(rig.run_dummy, rig.full_forward, full_graphs_later=True)
-    assert measured == [(4, True)]  # the largest of the full sizes (1, 2, 4)
-    assert graph_bytes == 100 * MiB + 2 * counted_mib * MiB  # 2 more full sizes
-    measured.clear()
-    with caplog.at_level(logging.INFO, logger=compiled_model.__name__):
-        cm.recapture_full(rig.full_forward)
-    assert measured == [(4, False), (2, False), (1, False)]
-    assert rig.calls == {4: 2 + 2, 2: 2, 1: 2}  # the smaller sizes warmed up first
-    assert f"3 full graphs took 15 MiB on the KV cache ({3 * counted_mib} MiB left for " \
-        "them)" in caplog.text
+    monkeypatch.setattr(graph_memory, "_peak_bytes", peak)
+    layers = len(rig.model.attention_layers())
+    hidden, vocab = rig.model.config.hidden_size, rig.model.config.vocab_size
+    cuda = torch.device("cuda")
+    got = graph_memory.estimate_graph_memory(rig.model, rig.capture_inputs, rig.cm.graphs,
+                                             cuda)
+    assert runs == [(4, hidden), (4, vocab)]  # largest piecewise (4), largest full (4)
+    graphs = (layers + 1) * 2 + 3  # 2 piecewise sizes, 3 full
+    assert got == 4 * MiB + 40 * MiB + graphs * graph_memory.GRAPH_OBJECT_BYTES
+    # Off CUDA (the emulated graphs take no device memory) and without graphs: none.
+    assert graph_memory.estimate_graph_memory(rig.model, rig.capture_inputs,
+                                              rig.cm.graphs, torch.device("cpu")) == 0
 
 
 # The child: this module's engine (on random:tiny) and workload, the eager synchronous
@@ -411,7 +404,7 @@ full = _engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
 full.set_async_scheduling(True)
 result = {"eager_sync": _run(_engine("random:tiny", None), prompts, params, arrivals),
           "full_async": _run(full, prompts, params, arrivals)}
-print(json.dumps(dict(result, full_replays=full.runner.compiled.full_graphs.num_replays)))
+print(json.dumps(dict(result, full_replays=full.runner.compiled.graphs.full.num_replays)))
 """
 
 
@@ -453,7 +446,7 @@ _INTERPRETED_ROPE_IN_OP_CHILD = """
 import json
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
-from llmfast.kernels import attention
+from llmfast.attention.triton import launch as attention
 from llmfast.kernels.layers.rotary_reference import rope_cache_takes
 from llmfast.models import decoder
 from tests.test_full_graphs import _engine, _run, _workload
@@ -467,6 +460,6 @@ full = _engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
 full.set_async_scheduling(True)
 result["full_async"] = _run(full, prompts, params, arrivals)
 result["fused_decode_plans"] = sum(plan.rope for plan in attention._PLANS.values())
-print(json.dumps(dict(result, full_replays=full.runner.compiled.full_graphs.num_replays)))
+print(json.dumps(dict(result, full_replays=full.runner.compiled.graphs.full.num_replays)))
 """
 

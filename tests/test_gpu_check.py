@@ -1,6 +1,7 @@
-"""scripts/gpu_check.sh and its verdicts (scripts/gpu_verdicts.py), on the CPU: the bars
-of issues 15 to 18 judged from results shaped like the steps' own, every script
-importable, and (slow) the script's dry run of its quickest steps."""
+"""scripts/gpu_check.py and its figures, bars and report (gpu_verdicts.py, gpu_report.py),
+on the CPU: figures and verdicts from the committed raw results of earlier H100 runs, the
+pytest log reader on a real GPU log, the tree stamp, the pages' update, every script
+importable, and (slow) the driver's dry run of headline steps at tiny sizes."""
 
 from __future__ import annotations
 
@@ -16,22 +17,23 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_report import report
-from gpu_verdicts import verdicts
+import gpu_check
+import gpu_report
+import gpu_verdicts
+
+H100 = REPO / "profiles" / "h100-2026-11-27"
+H100B = REPO / "profiles" / "h100-2026-11-27b"
 
 
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
-def _lines(step: str, out: Path, dry_run: bool = False) -> dict[str, str]:
-    """The step's verdict lines keyed by their text (after the verdict word)."""
-    result = {}
-    for line in verdicts(step, out, dry_run):
-        word, text = line.split(None, 1)
-        result[text] = word
-    return result
+def _judged(step: str, *paths: Path) -> tuple[dict, dict[str, str]]:
+    samples = [s for p in paths for s in gpu_verdicts.figures(step, _load(p))]
+    summary = gpu_verdicts.summarize([f for f, _ in samples])
+    lines = gpu_verdicts.judge(step, summary, gpu_verdicts.merge_checks([c for _, c in samples]))
+    return summary, {line["text"]: line["verdict"] for line in lines}
 
 
 def _find(lines: dict[str, str], fragment: str) -> str:
@@ -40,316 +42,180 @@ def _find(lines: dict[str, str], fragment: str) -> str:
     return matches[0]
 
 
-def test_modes_bars_of_issue_15(tmp_path):
-    lat = {"eager": {"1": 12.0, "64": 13.0}, "full": {"1": 1.9, "64": 2.0},
-           "linears": {"1": 1.5, "64": 1.5}}
-    _write(tmp_path / "modes.json", {"latency_ms": lat})
-    lines = _lines("modes", tmp_path)
-    assert _find(lines, "B=1 full / linears = 1.27") == "FAIL"  # bar 1.25
-    assert _find(lines, "B=64 full / linears = 1.33") == "FAIL"  # bar 1.3
-    assert _find(lines, "B=1 eager / full (speed-up) = 6.32") == "PASS"
-    lat["full"] = {"1": 1.8, "64": 1.9}
-    _write(tmp_path / "modes.json", {"latency_ms": lat})
-    lines = _lines("modes", tmp_path)
-    assert _find(lines, "B=1 full / linears") == "PASS"
-    assert _find(lines, "B=64 full / linears") == "PASS"
-    assert _find(lines, "B=1 eager / full") == "PASS"
-    assert _find(lines, "no logits agreement") == "MISSING"
+def test_modes_figures_and_bars_from_an_h100_run():
+    raw = H100 / "call1-modes.json"
+    lat = _load(raw)["latency_ms"]
+    summary, lines = _judged("modes", raw)
+    ratio = lat["full"]["1"] / lat["linears"]["1"]
+    assert summary["B=1 full / linears"]["median"] == pytest.approx(ratio)
+    assert summary["B=1 eager ms"]["median"] == lat["eager"]["1"]
+    # Every bar verdict quotes the median it was judged on, and the bar.
+    assert _find(lines, f"B=1 full / linears: median {ratio:.3g} of 1") == \
+        ("PASS" if ratio <= 1.25 else "FAIL")
+    assert _find(lines, "B=1 eager / full: median") == "PASS"
+    assert _find(lines, "B=64 full logits vs eager") == "PASS"
 
 
-def test_modes_logits_agreement_is_judged(tmp_path):
-    lat = {"eager": {"1": 12.0}, "full": {"1": 1.9}}
-    ok = {"max_abs_diff": 0.05, "rel_diff": 0.03, "argmax_agree": 0.875}
-    stale = {"max_abs_diff": 0.3, "rel_diff": 0.16, "argmax_agree": 0.6}
-    _write(tmp_path / "modes.json", {"latency_ms": lat, "agreement": {
-        "reference": "eager", "by_batch": {"1": {"full": ok}, "64": {"full": stale}}}})
-    lines = _lines("modes", tmp_path)
-    assert _find(lines, "B=1 full logits vs eager: max |diff| 3.0e-02") == "PASS"
-    assert _find(lines, "B=64 full logits vs eager: max |diff| 1.6e-01") == "FAIL"
-    assert "argmax agrees on 60% of rows" in next(t for t in lines if "B=64 full logits" in t)
+def test_each_headline_steps_figures_from_real_results():
+    _, lines = _judged("sweep", H100B / "call2-sweep.json")
+    assert _find(lines, "every row pure decode (10 rows)") == "PASS"
+    summary, lines = _judged("throughput", H100B / "call3-throughput.json")
+    run = _load(H100B / "call3-throughput.json")["runs"]["default"]
+    assert summary["llmfast output tok/s"]["median"] == run["throughput"]["output_tokens_per_s"]
+    assert _find(lines, "llmfast / HF output tok/s: median 12.1 of 1") == "PASS"
+    summary, lines = _judged("startup", H100B / "call1-startup.json")
+    assert _find(lines, "warm time to first token s: median 8.3") == "PASS"
+    assert _find(lines, "warm start skipped Dynamo") == "PASS"
+    # kernels: a decode row a little slower than SDPA's eager call fails #17's B<=8 bar.
+    raw = _load(H100B / "call4-kernels.json")
+    worst = min(r["sdpa_us"] / r["ours_us"] for r in raw["decode"] if r["batch"] <= 8)
+    summary, lines = _judged("kernels", H100B / "call4-kernels.json")
+    assert summary["decode B<=8 worst speed vs SDPA (eager)"]["median"] == pytest.approx(worst)
+    assert _find(lines, "decode B<=8 worst speed vs SDPA (eager): median") == \
+        ("PASS" if worst >= 1.0 else "FAIL")
+    assert "decode B<=8 worst speed vs SDPA (graph)" not in summary  # no SDPA graph rows yet
+    # serve: only the `inf` rows are samples of the headline's figures.
+    data = _load(H100B / "call5-serve.json")
+    inf = [r for r in data["results"] if r["request_rate"] == "inf"]
+    summary, _ = _judged("serve", H100B / "call5-serve.json")
+    assert summary["server output tok/s"]["samples"] == [r["output_tokens_per_s"] for r in inf]
 
 
-def test_async_bars_of_issue_16(tmp_path):
-    rows = [{"batch": 1, "model_step_ms": 1.0, "sync_ms": 2.0, "async_ms": 1.09},
-            {"batch": 64, "model_step_ms": 2.0, "sync_ms": 3.0, "async_ms": 2.3},
-            {"batch": 256, "model_step_ms": 6.0, "sync_ms": 7.0, "async_ms": 6.2},
-            {"batch": 512, "skipped": "batch 512: some timed steps were not pure decode"}]
-    _write(tmp_path / "async.json", {"rows": rows})
-    lines = _lines("async", tmp_path)
-    assert _find(lines, "B=1 async step / model step") == "PASS"
-    assert _find(lines, "B=64 async step / model step = 1.15") == "FAIL"
-    assert _find(lines, "B=256 async step / model step = 1.03") == "PASS"  # bar 1.05
-    assert _find(lines, "B=512 not measured: batch 512: some timed steps") == "MISSING"
+def test_kernels_samples_and_the_sdpa_graph_column():
+    """bench_kernels --samples N: N timings in one JSON, each a sample; the graph column
+    set against SDPA's own graph replay (like for like)."""
+    raw = _load(H100B / "call4-kernels.json")
+    samples = []
+    for scale in (1.0, 1.1, 0.9):  # the same rows, SDPA's graph replay at 3 speeds
+        decode = [dict(r, sdpa_graph_us=r["graph_us"] * scale) for r in raw["decode"]]
+        samples.append(dict(decode=decode, prefill=raw["prefill"], mixed=raw["mixed"]))
+    got = gpu_verdicts.figures("kernels", dict(raw, samples=samples))
+    summary = gpu_verdicts.summarize([f for f, _ in got])
+    s = summary["decode B<=8 worst speed vs SDPA (graph)"]
+    assert s["n"] == 3 and s["median"] == pytest.approx(1.0) and s["min"] == pytest.approx(0.9)
+    assert s["spread"] == pytest.approx(0.2)
+    assert gpu_verdicts.merge_checks([c for _, c in got])[0]["ok"]
+    # A row whose SDPA could not be captured: said, and no graph ratio made up for it.
+    decode = [dict(r, sdpa_graph_us=r["graph_us"]) for r in raw["decode"]]
+    decode[0] = {k: v for k, v in decode[0].items() if k != "sdpa_graph_us"}
+    decode[0]["sdpa_graph_error"] = "RuntimeError: capture"
+    figs, checks = gpu_verdicts.figures("kernels", dict(raw, decode=decode))[0]
+    first = f"decode B={decode[0]['batch']} ctx {decode[0]['ctx']}"
+    assert f"{first} llmfast / SDPA speed (graph)" not in figs
+    assert checks == [(False, f"SDPA replayed from a CUDA graph on every decode row (not at "
+                              f"{first.removeprefix('decode ')})")]
 
 
-def test_load_startup_throughput_sweep_bars_of_issue_18(tmp_path):
-    _write(tmp_path / "load.json", {"preset": "llama-3.2-1b", "random_init_new_s": 2.4,
-                                    "cold_load_vs_read": 0.55, "warm_load_vs_read": 0.3})
-    lines = _lines("load", tmp_path)
-    assert _find(lines, "random init of llama-3.2-1b (s) = 2.40") == "FAIL"
-    assert _find(lines, "cold load / disk read speed = 0.55") == "PASS"
-    assert _find(lines, "warm load") == "INFO"
-    assert not any("first-use costs" in t for t in lines)  # an older load.json
-    _write(tmp_path / "load.json", {"preset": "llama-3.2-1b", "random_init_new_s": 0.4,
-                                    "cold_load_vs_read": 0.55, "warm_load_vs_read": 0.3,
-                                    "first_use_s": 4.5, "first_use_device_s": 0.8,
-                                    "first_use_build_s": 3.7})
-    lines = _lines("load", tmp_path)
-    assert _find(lines, "random init of llama-3.2-1b (s) = 0.40") == "PASS"
-    assert _find(lines, "process first-use costs 4.50 s (first tensor on the device "
-                        "0.80 s, first build_model 3.70 s)") == "INFO"
-    # Reads served from memory: no disk speed to hold the load against.
-    _write(tmp_path / "load.json", {"preset": "llama-3.2-1b", "random_init_new_s": 1.0,
-                                    "cold_load_vs_read": 0.55, "warm_load_vs_read": 0.3,
-                                    "cold_note": "served from memory (tmpfs)"})
-    assert _find(_lines("load", tmp_path), "disk speed not measured") == "MISSING"
-
-    def run(ttft, capture):
-        return {"time_to_first_token_s": ttft, "stages": {"load": 0.5, "capture": capture},
-                "compile_summary": "17 pieces; 1139 piecewise CUDA graphs at 67 sizes"}
-    _write(tmp_path / "startup.json",
-           {"startup": {"cold": run(24.0, 11.0), "warm": run(10.5, 4.0)}})
-    lines = _lines("startup", tmp_path)
-    assert _find(lines, "cold time to first token (s) = 24.00") == "PASS"
-    assert _find(lines, "warm time to first token (s) = 10.50") == "FAIL"
-    assert _find(lines, "cold capture of the default sizes (s) = 11.00") == "FAIL"
-    assert _find(lines, "warm capture") == "PASS"
-    assert _find(lines, "warm stages load 0.50 s, capture 4.00 s; 17 pieces") == "INFO"
-    assert _find(lines, "warm start skipped Dynamo") == "FAIL"  # the summary says compiled
-    warm = {**run(9.0, 2.0), "compile_summary": "17 pieces (14 sharing another's code), "
-                                                "loaded without tracing in 2.0 s"}
-    _write(tmp_path / "startup.json", {"startup": {"cold": run(24.0, 11.0), "warm": warm}})
-    assert _find(_lines("startup", tmp_path), "warm start skipped Dynamo") == "PASS"
-    assert not any("Triton variants" in t for t in _lines("startup", tmp_path))  # older
-    # The start-up's Triton precompile: a variant compiled at its launch is one missed.
-    for at_launch, verdict in ((0, "PASS"), (1, "FAIL")):
-        cold = {**run(24.0, 11.0),
-                "triton_variants": {"precompiled": 6, "compiled_at_launch": at_launch}}
-        _write(tmp_path / "startup.json", {"startup": {"cold": cold, "warm": warm}})
-        assert _find(_lines("startup", tmp_path), f"cold start compiled 6 Triton variants in "
-                                                  f"threads, {at_launch} at a launch") == verdict
-    # A precompile that raised (the launches compiled the variants): a FAIL that says so.
-    cold = {**run(24.0, 11.0), "triton_variants": {"precompiled": 0, "compiled_at_launch": 6,
-                                                   "precompile_failed": 1}}
-    _write(tmp_path / "startup.json", {"startup": {"cold": cold, "warm": warm}})
-    assert _find(_lines("startup", tmp_path), "0 Triton variants in threads, 6 at a launch "
-                                              "(the precompile raised") == "FAIL"
-    _write(tmp_path / "startup_serial.json", {"startup": {"cold": run(27.5, 12.0)}})
-    assert _find(_lines("startup_serial", tmp_path),
-                 "cold time to first token 27.50 s with compiles serial; stages load 0.50 s, "
-                 "capture 12.00 s; startup's cold start (precompile, early workers) 24.00 s: "
-                 "+3.50 s saved") == "INFO"
-
-    _write(tmp_path / "throughput.json", {"runs": {"default": {
-        "speedup_vs_hf": 10.4, "total_speedup_vs_hf": 9.0, "hf_batch_size": 64,
-        "throughput": {"output_tokens_per_s": 16000.0, "total_tokens_per_s": 48000.0},
-        "baseline_hf": {"output_tokens_per_s": 1540.0, "total_tokens_per_s": 5300.0}}}})
-    lines = _lines("throughput", tmp_path)
-    assert _find(lines, "output tok/s = 10.40") == "PASS"
-    assert _find(lines, "HF at batch 64: 1540 / 5300") == "INFO"
-    assert not any("compiled inside" in t for t in lines)  # an older throughput.json
-    _write(tmp_path / "throughput.json", {"runs": {"default": {
-        "speedup_vs_hf": 3.1, "hf_batch_size": 64, "baseline_hf": {},
-        "throughput": {"output_tokens_per_s": 16000.0, "total_tokens_per_s": 48000.0,
-                       "triton_compiles": {"watched": True, "count": 1, "seconds": 1.9,
-                                           "by_kernel": {"_unified_attention_kernel": 1}}}}}})
-    assert _find(_lines("throughput", tmp_path),
-                 "compiled inside the timed run = 1 (1.9 s") == "FAIL"
-
-    point = {"batch_size": 1, "all_decode": True, "hbm_fraction": 0.6,
-             "step_latency": {"median": 0.0012}, "decode_tokens_per_s": 830.0}
-    config = {"device": "cuda"}
-    _write(tmp_path / "sweep.json", {"runs": {"default": {
-        "engine_config": config, "sweep_skipped": [],
-        "sweep": [point, {**point, "batch_size": 512, "all_decode": False,
-                          "hbm_fraction": None}]}}})
-    lines = _lines("sweep", tmp_path)
-    assert not any("compiled after start-up" in t for t in lines)  # an older sweep.json
-    assert _find(lines, "all pure decode except batch [512]") == "FAIL"
-    assert _find(lines, "% of HBM bandwidth on every row (missing at [512])") == "FAIL"
-    assert _find(lines, "B=1 1.20 ms, 830 tok/s, 60% of HBM") == "INFO"
-    _write(tmp_path / "sweep.json", {"runs": {"default": {
-        "engine_config": config, "sweep_skipped": [],
-        "sweep": [{**point, "triton_compiles": 0},
-                  {**point, "batch_size": 2, "triton_compiles": 1}]}}})
-    assert _find(_lines("sweep", tmp_path), "no Triton kernel compiled after start-up "
-                 "(at batch: variants {2: 1})") == "FAIL"
+def test_median_and_spread():
+    s = gpu_verdicts.summarize([{"a": 3.0}, {"a": 1.0, "b": 5.0}, {"a": 2.0}])
+    assert s["a"] == dict(samples=[3.0, 1.0, 2.0], n=3, median=2.0, min=1.0, max=3.0,
+                          spread=1.0)
+    assert s["b"]["n"] == 1
+    line = gpu_verdicts.judge("startup", {"warm time to first token s": dict(
+        samples=[9.0, 11.0, 9.5], n=3, median=9.5, min=9.0, max=11.0, spread=2 / 9.5)}, [])
+    warm = [x for x in line if "warm" in x["text"]][0]
+    assert warm["verdict"] == "PASS"  # the median, not the worst sample, meets the bar
+    assert "median 9.5 of 3 (9-11, spread 21.1%) (bar <= 10)" in warm["text"]
+    merged = gpu_verdicts.merge_checks([[(True, "x")], [(False, "x")], [(True, "x")]])
+    assert merged == [dict(text="x", ok=False, samples=3)]
 
 
-def test_defaults_judge_the_default_budget_against_the_best_measured(tmp_path):
-    def run(tok_s: float, budget: int) -> dict:
-        return {"runs": {"default": {"engine_config": {"scheduler": {
-            "max_num_batched_tokens": budget}}, "throughput": {"output_tokens_per_s": tok_s}}}}
-
-    _write(tmp_path / "defaults_default.json", run(50000.0, 8192))
-    lines = _lines("defaults_default", tmp_path)
-    assert lines == {"#18 defaults_default: token budget 8192: 50000 output tok/s": "INFO"}
-    _write(tmp_path / "defaults_16384.json", run(51000.0, 16384))  # within 5 %
-    assert _find(_lines("defaults_16384", tmp_path),
-                 "default budget (8192 tokens) gives 0.98x the output tok/s of the best "
-                 "of 2 measured so far (16384 tokens: 51000)") == "PASS"
-    _write(tmp_path / "defaults_2048.json", run(56000.0, 2048))  # the default loses 11 %
-    lines = _lines("defaults_2048", tmp_path)
-    assert _find(lines, "defaults_2048: token budget 2048: 56000") == "INFO"
-    assert _find(lines, "gives 0.89x the output tok/s of the best of 3 measured so far (2048") \
-        == "FAIL"
-    assert _lines("defaults_4096", tmp_path) == {"#18 defaults_4096: no defaults_4096.json":
-                                                 "MISSING"}
+def test_pytest_outcome_of_a_gpu_log_whole_and_cut_off():
+    log = (H100 / "call1-full.log").read_text()
+    outcome = gpu_verdicts.pytest_outcome(log)
+    assert outcome["counts"] == {"passed": 20} and outcome["failed"] == []
+    assert "20 passed" in outcome["totals"]
+    assert gpu_verdicts.judge_tests(outcome)[0]["verdict"] == "PASS"
+    # Cut off by the time limit: no totals; the files with no finished test are named.
+    lines = log.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.strip() == "PASSED")
+    collected = ["tests/test_full_graphs_gpu.py::x", "tests/test_rope_cache.py::y",
+                 "tests/test_zz_never.py::z"]
+    cut = gpu_verdicts.pytest_outcome("\n".join(lines[: first + 1]), collected)
+    assert cut["totals"] is None and cut["counts"] == {"passed": 1}
+    assert "tests/test_zz_never.py" in cut["not_reached_files"]
+    assert gpu_verdicts.judge_tests(cut)[0]["verdict"] == "FAIL"
 
 
-def test_sweep_fails_on_a_skipped_or_missing_size(tmp_path):
-    point = {"batch_size": 1, "all_decode": True, "hbm_fraction": 0.6,
-             "step_latency": {"median": 0.0012}, "decode_tokens_per_s": 830.0}
-    run = {"engine_config": {"device": "cuda"}, "sweep": [point], "sweep_skipped": []}
-    _write(tmp_path / "sweep.json", {"config": {"sizes": [1]}, "runs": {"default": run}})
-    assert _find(_lines("sweep", tmp_path), "for each of the 1 requested sizes") == "PASS"
-    run["sweep_skipped"] = [{"batch_size": 512, "reason": "prefill mixed in"}]
-    _write(tmp_path / "sweep.json", {"config": {"sizes": [1, 256, 512]},
-                                     "runs": {"default": run}})
-    lines = _lines("sweep", tmp_path)
-    assert _find(lines, "batch 512 skipped: prefill mixed in") == "FAIL"
-    assert _find(lines, "3 requested sizes (none for [256, 512])") == "FAIL"
+def test_a_step_is_killed_at_its_limit_even_when_silent(tmp_path):
+    rc, secs = gpu_check.run(["bash", "-c", "echo started; sleep 60"], tmp_path / "x.log", 2, {})
+    assert rc == 124 and secs < 10
+    assert (tmp_path / "x.log").read_text() == "started\n"
+    rc, _ = gpu_check.run(["bash", "-c", "exit 3"], tmp_path / "y.log", 10, {})
+    assert rc == 3
 
 
-def _kernels_json(**changes) -> dict:
-    """kernels.json as scripts/bench_kernels.py writes it, every #17 bar met."""
-    def decode(batch, ctx, ours, sdpa, gbs):
-        return {"batch": batch, "ctx": ctx, "ours_us": ours, "sdpa_us": sdpa,
-                "ours_gbs": gbs, "max_abs_diff": 0.002, "fixed_max_abs_diff": 0.002}
-
-    data = {"copy_gbs": 3000.0,
-            "decode": [decode(1, 512, 10.0, 12.0, 300.0), decode(8, 8192, 40.0, 41.0, 2500.0),
-                       decode(64, 2048, 100.0, 95.0, 2600.0),
-                       decode(256, 8192, 1000.0, 950.0, 2700.0),
-                       decode(64, 512, 50.0, 20.0, 900.0)],  # outside every bar's range
-            "prefill": [{"tokens": 2048, "ours_us": 100.0, "sdpa_us": 90.0,
-                         "max_abs_diff": 0.003}],
-            "mixed": [{"chunk": 512, "decodes": 16, "mixed_us": 50.0, "parts_us": 60.0}]}
-    for path, value in changes.items():
-        section, index, key = path.split("__")
-        data[section][int(index)][key] = value
-    return data
+@pytest.mark.slow  # ~20 s: bench_kernels' --help twice
+def test_dry_run_checks_the_flags_of_gpu_only_commands(tmp_path):
+    """bench_kernels needs CUDA: the dry run checks that every flag of its GPU command
+    (--samples and the SDPA graph rows' flags included) is in its --help."""
+    record = gpu_check.run_step(gpu_check.STEPS["kernels"], tmp_path, 120, dry=True)
+    assert record["status"] == "ok", record
+    assert record["verdicts"] == [dict(verdict="DRY-PASS",
+                                       text="kernels: the GPU command's flags exist")]
 
 
-def test_kernels_bars_of_issue_17(tmp_path):
-    _write(tmp_path / "kernels.json", _kernels_json())
-    lines = _lines("kernels", tmp_path)
-    assert [w for w in lines.values() if w != "INFO"] == ["PASS"] * 6, lines
-    assert _find(lines, "decode B<=8 speed vs SDPA (eager): worst 1.02 at batch 8, "
-                        "ctx 8192 over 2 rows") == "PASS"
-    assert not any("host us per launch" in line for line in lines)  # older JSON: none
-    _write(tmp_path / "kernels.json", _kernels_json(
-        decode__0__launch_host_us=9.5, decode__0__launch_host_tensors_us=13.25))
-    lines = _lines("kernels", tmp_path)
-    assert _find(lines, "host us per launch, addresses / tensors to the launcher: "
-                        "B=1 ctx 512 9.5 / 13.2") == "INFO"
-    _write(tmp_path / "kernels.json", _kernels_json(
-        decode__0__ours_us=15.0, decode__3__ours_gbs=2100.0, prefill__0__ours_us=120.0,
-        prefill__0__max_abs_diff=0.005, mixed__0__mixed_us=61.0, decode__2__sdpa_us=85.0,
-        prefill__0__max_diff_ulps=1.0))
-    lines = _lines("kernels", tmp_path)
-    # What tells a rounding step (1 ulp) from a kernel error when the abs bar fails.
-    assert _find(lines, "prefill max diff vs SDPA in units of the last place: 1.0 at 2048 "
-                        "tokens") == "INFO"
-    assert _find(lines, "decode B<=8 speed vs SDPA (eager): worst 0.8 at batch 1") == "FAIL"
-    assert _find(lines, "B>=64 ctx>=2k speed vs SDPA (eager): worst 0.85 at batch 64") \
-        == "FAIL"
-    assert _find(lines, "fraction of copy bandwidth: worst 0.7 at batch 256") == "FAIL"
-    assert _find(lines, "prefill 2k-8k causal speed vs SDPA flash: worst 0.75") == "FAIL"
-    assert _find(lines, "max abs diff vs SDPA: worst 0.005 at tokens 2048") == "FAIL"
-    assert _find(lines, "mixed batch time / its two parts' time: worst 1.02") == "FAIL"
-    _write(tmp_path / "kernels.json", {**_kernels_json(), "prefill": []})
-    assert _find(_lines("kernels", tmp_path), "prefill 2k-8k") == "MISSING"
-    # kernels_table: the decode rows again with the call's installed split table; its
-    # lines say so, and it judges no prefill or mixed rows (it runs none).
-    _write(tmp_path / "kernels_table.json", {**_kernels_json(decode__0__ours_us=15.0),
-                                             "prefill": [], "mixed": []})
-    lines = _lines("kernels_table", tmp_path)
-    assert _find(lines, "#17 kernels_table (this call's split table): decode B<=8 speed vs "
-                        "SDPA (eager): worst 0.8 at batch 1") == "FAIL"
-    assert [w for t, w in lines.items() if w != "INFO" and "B<=8" not in t] == ["PASS"] * 3
-    assert not any("prefill" in t or "mixed" in t for t in lines)
+@pytest.mark.slow  # ~1 min: every program's --help
+def test_every_gpu_commands_flags_are_in_its_programs_help():
+    """A misspelt or removed flag of a GPU-only command fails here, not on the device."""
+    for step in gpu_check.STEPS.values():
+        if step.name != "tests":
+            assert gpu_check.missing_flags(step.gpu) == [], step.name
+    bad = gpu_check.Step("x", "decode", 1, 1, gpu_check._BENCH + ("--no-such-flag",), ())
+    assert gpu_check.missing_flags(bad.gpu) == ["--no-such-flag"]
 
 
-def test_missing_results_and_pytest_logs(tmp_path):
-    assert _find(_lines("modes", tmp_path), "no modes.json") == "MISSING"
-    (tmp_path / "full.log").write_text(
-        "PASSED tests/test_full_graphs_gpu.py::test_capture_counts_per_mode\n"
-        "FAILED tests/test_full_graphs_gpu.py::test_greedy_tokens_identical_in_every_mode_"
-        "and_equal_hf[17] - AssertionError\n"
-        "PASSED tests/test_full_graphs_gpu.py::test_greedy_tokens_identical_in_every_mode_"
-        "and_equal_hf[1]\n"
-        "llama-3.2-1b default mode: 17 pieces around 16 attention calls (0 sharing another's"
-        " code), compiled in 7.0 s (cache hits 0, misses 4); 1139 piecewise CUDA graphs at "
-        "67 sizes, 51 full graphs, in 8.4 s, 412 MiB; start-up {}\n"
-        "==== 1 failed, 2 passed in 200.01s ====\n")
-    lines = _lines("full", tmp_path)
-    assert _find(lines, "1 failed, 2 passed") == "FAIL"
-    assert _find(lines, "test_greedy_tokens_identical_in_every_mode_and_equal_hf: 1/2") == "FAIL"
-    assert _find(lines, "test_capture_counts_per_mode: 1/1 passed") == "PASS"
-    assert _find(lines, "test_seeded_sampling_identical_in_every_mode did not run") == "MISSING"
-    assert _find(lines, "capture of the default sizes 8.4 s (bar <= 10): 1139 piecewise") \
-        == "PASS"
-    # Cut off by the time limit: only pytest -v's progress lines (with -s, the test's
-    # prints between the id and the outcome), no summary.
-    (tmp_path / "full.log").write_text(
-        "tests/test_full_graphs_gpu.py::test_capture_counts_per_mode \n"
-        "none: 3 pieces around 2 attention calls\n"
-        "PASSED [ 14%]\n"
-        "tests/test_full_graphs_gpu.py::test_greedy_tokens_identical_in_every_mode_and_equal"
-        "_hf \nbatch 3: all sequences PASSED\n"
-        "tests/test_full_graphs_gpu.py::test_seeded_sampling_identical_in_every_mode "
-        "FAILED [ 28%]\n"
-        "tests/test_full_graphs_gpu.py::test_default_sizes_both_kinds_capture_on_llama_1b \n")
-    lines = _lines("full", tmp_path)
-    assert _find(lines, "no result line") == "FAIL"
-    assert _find(lines, "test_capture_counts_per_mode: 1/1 passed") == "PASS"
-    assert _find(lines, "test_seeded_sampling_identical_in_every_mode: 0/1") == "FAIL"
-    assert _find(lines, "test_default_sizes_both_kinds_capture_on_llama_1b did not") \
-        == "MISSING"
-    assert _find(lines, "test_greedy_tokens_identical_in_every_mode_and_equal_hf did not") \
-        == "MISSING"  # its print ended in PASSED; no outcome followed
-    (tmp_path / "async_tests.log").write_text("Traceback ...\nKilled\n")
-    assert _find(_lines("async_tests", tmp_path), "no result line") == "FAIL"
-    assert verdicts("serve", tmp_path) == []  # no bars
+def test_tree_stamp_names_this_tree(tmp_path, monkeypatch):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stamp = gpu_check.tree_stamp()
+    assert stamp["commit"] == head
+    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
+                                capture_output=True, text=True).stdout.strip())
+    assert stamp["dirty"] == dirty and (stamp["diff_sha256"] is not None) == dirty
+    # A carried stamp wins over the copy's git metadata (which lags on the device).
+    monkeypatch.setattr(gpu_check, "STAMP", tmp_path / ".tree-stamp")
+    (tmp_path / ".tree-stamp").write_text(json.dumps(dict(stamp, commit="c" * 40)))
+    assert gpu_check.read_stamp(dry_run=False)["commit"] == "c" * 40
+    assert gpu_check.read_stamp(dry_run=False)["source"] == ".tree-stamp"
 
 
-def test_report_has_each_steps_command_outcome_verdicts_and_table(tmp_path):
-    (tmp_path / "device.txt").write_text("GPU 0: NVIDIA H100 80GB HBM3 (UUID: x)\n"
-                                         "torch 2.11.0 cuda 13.0 triton 3.6.0\n")
-    (tmp_path / "steps.log").write_text(
-        "=== modes (limit 560 s): python3 scripts/bench_modes.py --model m --json o.json\n"
-        "=== modes: ok in 250 s\n"
-        "=== async: SKIPPED: needs ~120 s, 30 s left in this call\n")
-    (tmp_path / "verdicts.txt").write_text(
-        "PASS     #15 modes: B=1 full / linears = 1.20 (bar <= 1.25)\n"
-        "FAIL     #16 async: B=1 async step / model step = 1.2 (bar <= 1.1)\n")
-    (tmp_path / "modes.log").write_text("[full] compiled\ndecode step latency, m\n"
-                                        "batch eager ms\n     1 9.0\n")
-    text = report(tmp_path)
-    modes = text.split("## modes: ok in 250 s")[1].split("## async")[0]
-    assert "NVIDIA H100 80GB HBM3" in text
-    assert "python3 scripts/bench_modes.py --model m --json o.json" in modes
-    assert "- PASS     #15 modes: B=1 full / linears" in modes and "#16" not in modes
-    assert "decode step latency, m\nbatch eager ms\n     1 9.0" in modes
-    assert "## async: SKIPPED: needs ~120 s" in text
-    assert "- FAIL     #16 async: B=1" in text.split("## async")[1]
-    # Steps of one benchmark at several settings, and a step's lines naming what they
-    # judge: each section gets its own step's lines.
-    (tmp_path / "steps.log").write_text(
-        "=== kernels: ok in 50 s\n=== kernels_table: ok in 20 s\n"
-        "=== defaults_default: ok in 30 s\n=== defaults_16384: ok in 30 s\n")
-    (tmp_path / "verdicts.txt").write_text(
-        "PASS     #17 kernels: decode B<=8 speed vs SDPA (eager): worst 1.02\n"
-        "FAIL     #17 kernels_table (this call's split table): decode B<=8 speed: worst 0.9\n"
-        "INFO     #18 defaults_default: token budget 8192: 50000 output tok/s\n"
-        "INFO     #18 defaults_16384: token budget 16384: 51000 output tok/s\n"
-        "PASS     #18 defaults_16384: the default budget (8192 tokens) gives 0.98x\n")
-    sections = dict(part.split("\n", 1) for part in report(tmp_path).split("## ")[1:])
-    assert sections["kernels: ok in 50 s"].count("- ") == 1
-    assert "worst 0.9" in sections["kernels_table: ok in 20 s"]
-    assert "8192: 50000" in sections["defaults_default: ok in 30 s"]
-    assert sections["defaults_16384: ok in 30 s"].count("- ") == 2
+def _result_from(step_files: dict[str, list[Path]]) -> dict:
+    """A gpu_check.json as the driver assembles it, from real result files."""
+    steps = {}
+    for step, paths in step_files.items():
+        samples = [s for p in paths for s in gpu_verdicts.figures(step, _load(p))]
+        summary = gpu_verdicts.summarize([f for f, _ in samples])
+        steps[step] = dict(topic=gpu_check.STEPS[step].topic, status="ok", runs=[dict(
+            command=f"python3 {p.name}", rc=0, seconds=1.0, log="x.log") for p in paths],
+            figures=summary, verdicts=gpu_verdicts.judge(step, summary, gpu_verdicts.
+                                                           merge_checks([c for _, c in samples])))
+    return dict(date="2026-11-27T10:00:00+00:00", command="python3 scripts/gpu_check.py modes",
+                tree=dict(commit="a" * 40, dirty=False, source=".tree-stamp"),
+                environment=dict(device="GPU 0: NVIDIA H100 80GB HBM3 (UUID: x)",
+                                 torch="2.11.0", cuda="13.0", triton="3.6.0"),
+                model="random:llama-3.2-1b", dtype="bfloat16", steps=steps)
+
+
+def test_report_and_pages_take_the_figures_from_the_json(tmp_path):
+    result = _result_from({"modes": [H100 / "call1-modes.json"],
+                           "startup": [H100B / "call1-startup.json"]})
+    text = gpu_report.report(result)
+    assert "NVIDIA H100 80GB HBM3" in text and "tree aaaaaaaaaa (clean" in text
+    assert "- PASS #18 startup: warm time to first token s: median 8.3 of 1" in text
+    page = tmp_path / "decode.md"
+    page.write_text("# Decode\n\nintro\n\n<!-- gpu-check modes -->\nold figures\n"
+                    "<!-- /gpu-check -->\n\n<!-- gpu-check sweep -->\nkept\n"
+                    "<!-- /gpu-check -->\ntail\n")
+    changed = gpu_report.update_pages(result, tmp_path, Path("profiles/gpu/x.json"))
+    assert changed == [page]
+    new = page.read_text()
+    assert "old figures" not in new and "kept" in new  # sweep did not run: kept
+    assert new.startswith("# Decode\n\nintro") and new.endswith("tail\n")
+    assert "Raw: `profiles/gpu/x.json`" in new
+    assert "- PASS #15 modes: B=1 full / linears: median 1.19 of 1" in new
+    assert "| B=1 full ms |" in new
+    assert gpu_report.raw_name(result) == "2026-11-27-h100-aaaaaaa.json"
 
 
 def test_every_script_imports():
@@ -357,69 +223,43 @@ def test_every_script_imports():
     for path in sorted((REPO / "scripts").glob("*.py")):
         spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses look their module up)
         spec.loader.exec_module(module)  # top level only: main() runs under __main__
 
 
-@pytest.mark.slow  # ~40 s: two pytest collections and a flag check
-def test_dry_run_of_the_quick_steps(tmp_path):
-    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path),
-           "GPU_CHECK_STATE": str(tmp_path / "state"),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full", "async_tests",
-                           "kernels"], env=env, capture_output=True, check=False, text=True, timeout=600)
+def test_every_step_names_a_page_and_the_headline_is_budgeted():
+    pages = {p.stem for p in (REPO / "profiles").glob("*.md")}
+    for step in gpu_check.STEPS.values():
+        assert step.topic in pages, step
+    headline = [gpu_check.STEPS[n] for n in gpu_check.GROUPS["headline"]]
+    # Every timed figure sampled 3 times: by runs, or inside the command.
+    for step in headline:
+        assert step.extract is None or step.samples == 3 or "--samples" in step.gpu \
+            or "inf,inf,inf" in step.gpu, step.name
+    # The figures leave `pytest -m gpu` at least its estimate of the default budget.
+    assert sum(s.est_s for s in headline) <= 560
+
+
+@pytest.mark.slow  # ~2-3 min on the shared 2-core VM: three steps' commands, tiny sizes
+def test_dry_run_of_headline_steps(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu_check.py"), "--dry-run",
+                           "--out", str(tmp_path), "modes", "serve", "kernels", "tests"],
+                          env=env,
+                          capture_output=True, check=False, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    text = (tmp_path / "verdicts.txt").read_text()
-    assert "DRY-PASS #15 full: test_default_sizes_both_kinds_capture_on_llama_1b" in text
-    assert "DRY-PASS #16 async_tests: test_steady_state_steps_never_sync collected" in text
-    # A budget too small for a step skips it, with a line saying so.
-    env["GPU_CHECK_BUDGET_S"] = "5"
-    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "full"], env=env,
-                          capture_output=True, check=False, text=True, timeout=120)
-    assert "SKIPPED  full: needs ~" in proc.stdout
-    # ... and the machine's next call runs it as the step `skipped`.
-    del env["GPU_CHECK_BUDGET_S"]
-    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "async_tests",
-                           "skipped"], env=env, capture_output=True, check=False, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "steps: async_tests full;" in proc.stdout
-    assert "=== full: ok" in proc.stdout
-
-
-def test_steps_behind_a_step_skipped_for_time_are_queued_behind_it(tmp_path):
-    """`kernels` skipped (for lack of time; here deferred, GPU_CHECK_DEFER, which
-    gpu_check treats the same way, so that no timing decides the test) leaves its split
-    sweep undone: install_splits (and kernels_table after it) are queued with it for the
-    next call's step `skipped`, in order, instead of being dropped; and install_splits is
-    queued even when it can install another sweep of this call now (kernels64's here, a
-    splits.json already in $OUT), since the next call's `kernels` sweep will need
-    installing too."""
-    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path),
-           "GPU_CHECK_STATE": str(tmp_path / "state"), "GPU_CHECK_DEFER": "kernels",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    steps = ["kernels", "install_splits", "kernels_table"]
-
-    def run() -> subprocess.CompletedProcess:
-        proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), *steps], env=env,
-                              capture_output=True, check=False, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-        assert "SKIPPED  kernels: deferred" in proc.stdout
-        assert "QUEUED   install_splits: after kernels" in proc.stdout
-        assert "QUEUED   kernels_table: after install_splits" in proc.stdout
-        assert (tmp_path / "state" / "skipped").read_text().split() == steps
-        return proc
-
-    proc = run()  # no sweep in $OUT: nothing to install now
-    assert "=== install_splits" not in proc.stdout
-    assert not (tmp_path / "splits_installed.json").exists()
-    queued = report(tmp_path).split("## queued for the next call's `skipped`")[1]
-    assert "install_splits: after kernels" in queued and "kernels_table" in queued
-
-    shipped = REPO / "llmfast/kernels/tuning/split_tables/nvidia-h100-80gb-hbm3.json"
-    (tmp_path / "splits.json").write_text(shipped.read_text())
-    proc = run()  # another sweep of the call installed now, and still queued
-    assert "=== install_splits: ok" in proc.stdout
-    assert (tmp_path / "splits_installed.json").exists()
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["tree"]["source"] == "git here" or result["tree"]["source"] == ".tree-stamp"
+    assert result["environment"]["torch"] and "gpu_check.py" in result["command"]
+    modes = result["steps"]["modes"]
+    assert len(modes["runs"]) == 3 and modes["figures"]["B=1 full ms"]["n"] == 3
+    assert all(v["verdict"] in ("DRY-PASS", "DRY-FAIL") for v in modes["verdicts"])
+    serve = result["steps"]["serve"]
+    assert serve["figures"]["server / offline output tok/s"]["n"] == 3
+    tests = result["steps"]["tests"]
+    assert tests["verdicts"][0]["verdict"] == "DRY-PASS", tests
+    report = (tmp_path / "report.md").read_text()
+    assert "## modes: ok" in report and "| B=1 full / linears |" in report
 
 
 def test_bench_modes_logits_of_every_mode_agree_with_eager_on_cpu(tmp_path):
@@ -440,43 +280,8 @@ def test_bench_modes_logits_of_every_mode_agree_with_eager_on_cpu(tmp_path):
         assert set(by_mode) == {"compiled", "full"}
         for a in by_mode.values():
             assert a["rel_diff"] < 1e-5 and a["argmax_agree"] == 1.0, by_mode
-    lines = _lines("modes", tmp_path)
+    _, lines = _judged("modes", tmp_path / "modes.json")
     assert _find(lines, "B=3 full logits vs eager") == "PASS"
-
-
-def test_fp8_step_compares_with_bf16_and_judges_its_agreement(tmp_path):
-    ok = {"max_abs_diff": 0.05, "rel_diff": 0.03, "argmax_agree": 1.0}
-    bad = {"max_abs_diff": 0.5, "rel_diff": 0.3, "argmax_agree": 0.2}
-    _write(tmp_path / "modes_bf16.json", {"latency_ms": {"full": {"1": 1.0, "64": 1.2}}})
-    _write(tmp_path / "modes_fp8.json", {
-        "latency_ms": {"full": {"1": 0.625, "64": 0.8}},
-        "agreement": {"reference": "eager", "by_batch": {"1": {"full": ok},
-                                                         "64": {"full": bad}}}})
-    (tmp_path / "fp8.log").write_text(
-        "tests/test_fp8_gpu.py::test_scaled_mm_layer_matches_float64_fake_quant[1] PASSED [ 50%]\n"
-        "tests/test_fp8_gpu.py::test_1b_fp8_generates_close_to_bf16 FAILED [100%]\n"
-        "=========== 1 failed, 1 passed in 30.0s ===========\n")
-    lines = _lines("fp8", tmp_path)
-    assert _find(lines, "B=1 full-graph step 0.625 ms vs bf16 1.000 ms (1.60x)") == "INFO"
-    assert _find(lines, "fp8 modes: B=64 full logits vs eager") == "FAIL"
-    assert _find(lines, "fp8 modes: B=1 full logits vs eager") == "PASS"
-    assert _find(lines, "test_1b_fp8_generates_close_to_bf16: 0/1 passed") == "FAIL"
-
-
-def test_kvfp8_step_reads_its_decode_rows(tmp_path):
-    rows = [{"batch": 1, "ctx": 2048, "ours_us": 10.0, "sdpa_us": 12.0, "ours_gbs": 1500.0,
-             "max_abs_diff": 1e-3},
-            {"batch": 64, "ctx": 8192, "ours_us": 400.0, "sdpa_us": 500.0, "ours_gbs": 2400.0,
-             "max_abs_diff": 5e-3}]
-    _write(tmp_path / "kernels_kvfp8.json", {"copy_gbs": 3000.0, "decode": rows})
-    (tmp_path / "kvfp8.log").write_text(
-        "tests/test_kv_cache_fp8_gpu.py::test_decode_attention[64-32-8] PASSED [ 50%]\n"
-        "=========== 1 passed in 9.0s ===========\n")
-    lines = _lines("kvfp8", tmp_path)
-    assert _find(lines, "kvfp8 decode B=1 ctx 2048: 10.0 us vs SDPA bf16 12.0 us (1.20x), "
-                        "50% of copy bandwidth") == "INFO"
-    assert _find(lines, "max abs diff vs SDPA: worst 0.005 at batch 64, ctx 8192") == "FAIL"
-    assert _find(lines, "test_prefill_attention did not run") == "MISSING"
 
 
 def test_interleaved_timing_alternates_the_calls_and_takes_each_ones_median(monkeypatch):

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmfast.config import ConfigError, CudaGraphMode, parse_cuda_graph_mode
-from llmfast.graphs.capture_context import graph_capture
-from llmfast.graphs.dispatch import GraphDispatcher, RunnerKind, is_uniform_decode
+from llmfast.cuda_graphs.capture_context import graph_capture
+from llmfast.cuda_graphs.dispatch import GraphDispatcher, RunnerKind, is_uniform_decode
 from llmfast.utils.gc_freeze import active_holds
 
 SIZES = (1, 2, 4, 8)

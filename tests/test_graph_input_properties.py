@@ -26,8 +26,8 @@ import torch
 from llmfast import SamplingParams
 from llmfast.compile.compiled_model import CompiledModel
 from llmfast.config import CudaGraphMode
-from llmfast.graphs.full import FullGraphRunner
-from llmfast.graphs.piecewise import PiecewiseGraphRunner
+from llmfast.cuda_graphs.full import FullGraphRunner
+from llmfast.cuda_graphs.piecewise import PiecewiseGraphRunner
 from llmfast.worker import buffers, model_runner
 from tests.test_device_views import _separate_device_views
 from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
@@ -154,7 +154,7 @@ class GraphInputRecorder:
             inputs[f"layer{i}.k_cache"], inputs[f"layer{i}.v_cache"] = (layer.k_cache,
                                                                          layer.v_cache)
         props = {name: _properties(value) for name, value in inputs.items()}
-        state = compiled._graph_state
+        state = compiled.graphs.piecewise
         phase = self.phase
         if state is not None and state.capturing_size is not None:
             phase += f", piecewise graphs {state.capturing_size} capture"
@@ -206,8 +206,8 @@ class GraphInputRecorder:
 def _separate_zeroed_device_views(monkeypatch) -> None:
     """The persistent buffers' device views apart from their host views
     (test_device_views.py), zeroed as CUDA allocates them (`torch.zeros_like`): the
-    start-up's dummy runs on the one-block scratch cache read block 0 from the block
-    table's device view, which nothing has copied to yet."""
+    start-up's dummy runs (the captures') read block 0 from the block table's device
+    view, which nothing has copied to yet."""
     _separate_device_views(monkeypatch)
     separate_init = buffers.CpuGpuBuffer.__init__
 
@@ -243,7 +243,7 @@ def test_graph_inputs_at_every_replay_are_those_of_their_capture(ckpt, monkeypat
 
 def _check_a_run(engine, rec: GraphInputRecorder) -> None:
     runner, compiled = engine.runner, engine.runner.compiled
-    assert compiled.full_graphs.sizes == (1, 2, 4)  # recaptured on the real cache
+    assert compiled.graphs.full.sizes == (1, 2, 4)  # captured once, on the real cache
     engine.set_async_scheduling(True)
     prompts, lengths, arrivals = _workload()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -251,8 +251,8 @@ def _check_a_run(engine, rec: GraphInputRecorder) -> None:
 
     assert not rec.mismatches
     # Every replay of both kinds went through the checks, and the steps used both.
-    assert rec.full_replays_checked == compiled.full_graphs.num_replays > 0
-    assert rec.piecewise_replays_checked == compiled._graph_state.num_replays > 0
+    assert rec.full_replays_checked == compiled.graphs.full.num_replays > 0
+    assert rec.piecewise_replays_checked == compiled.graphs.piecewise.num_replays > 0
     assert any(p.startswith("step") and "full" not in p for p, _ in rec.compiled_calls)
     assert compiled.stats.one_graph  # no recompile anywhere (one trace, or a load)
     # The compiled model read the persistent buffers at every call (their device views,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfast.compile import CompiledModel
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CompileConfig
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import resolve_model
+from tests.helpers.compiled import compiled_model
 from tests.helpers.paged import MIXED_STEPS
 from tests.helpers.static_batch import StaticBatch
 
@@ -44,10 +44,10 @@ def tiny_pair():
     eager = build_model(source, torch.float32, "cuda", seed=0)
     graphed = build_model(source, torch.float32, "cuda", seed=0)
     config = CompileConfig(cuda_graph_sizes=(1, 2, 4, 8, 16, 32), check_static_addresses=True)
-    cm = CompiledModel(graphed, config, "cuda", max_num_tokens=64)
+    cm = compiled_model(graphed, config, "cuda", max_num_tokens=64)
     eager_batch = StaticBatch(eager, 4, 128, 64)
     static = StaticBatch(graphed, 4, 128, 64)
-    graph_bytes = cm.capture(static.dummy_runner(cm))
+    graph_bytes = cm.graphs.capture(static.dummy_runner(cm))
     return eager, cm, eager_batch, static, graph_bytes
 
 
@@ -63,12 +63,12 @@ def test_capture_records_graphs_and_memory(tiny_pair):
 
 def test_graph_replay_matches_eager_and_padding_writes_nothing(tiny_pair):
     eager, cm, eager_batch, static, _ = tiny_pair
-    replays_before = cm._graph_state.num_replays
+    replays_before = cm.graphs.piecewise.num_replays
     with torch._dynamo.config.patch(error_on_recompile=True):
         for chunks in STEPS:
             n = sum(len(t) for t in chunks.values())
             before = _written_slots(static.caches)
-            got = static.step(chunks, cm, cm.padded_num_tokens)
+            got = static.step(chunks, cm, cm.graphs.padded_num_tokens)
             want = eager_batch.step(chunks, eager)
             torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
             after = _written_slots(static.caches)
@@ -79,10 +79,10 @@ def test_graph_replay_matches_eager_and_padding_writes_nothing(tiny_pair):
         assert torch.equal(k.ne(0).any(-1), ek.ne(0).any(-1))
         torch.testing.assert_close(k, ek, atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(v, ev, atol=2e-4, rtol=2e-4)
-    padded = [cm.padded_num_tokens(sum(len(t) for t in c.values())) for c in STEPS]
-    graphed_steps = sum(p in cm.capture_sizes for p in padded)
+    padded = [cm.graphs.padded_num_tokens(sum(len(t) for t in c.values())) for c in STEPS]
+    graphed_steps = sum(p in cm.graphs.capture_sizes for p in padded)
     assert padded[5] == 33 and padded[-1] == 51  # past the largest graph: no padding
-    assert cm._graph_state.num_replays - replays_before == graphed_steps * cm.stats.num_pieces
+    assert cm.graphs.piecewise.num_replays - replays_before == graphed_steps * cm.stats.num_pieces
     assert cm.stats.one_graph
 
 
@@ -91,13 +91,13 @@ def test_replay_reads_the_buffers_not_the_capture_values(tiny_pair):
     eager, cm, eager_batch, static, _ = tiny_pair
     for tokens in ([3, 4], [200, 201]):
         chunks = {0: [tokens[0]], 1: [tokens[1]]}
-        torch.testing.assert_close(static.step(chunks, cm, cm.padded_num_tokens),
+        torch.testing.assert_close(static.step(chunks, cm, cm.graphs.padded_num_tokens),
                                    eager_batch.step(chunks, eager), atol=2e-4, rtol=2e-4)
 
 
 def test_moved_input_is_caught(tiny_pair):
     _, cm, _, static, _ = tiny_pair
-    from llmfast.attention_metadata import AttentionMetadata
+    from llmfast.attention.metadata import AttentionMetadata
 
     ids = static.input_ids[:4].clone()  # a fresh address at a captured size
     static.dummy_runner(lambda *a: None)(4)  # dummy metadata: slot -1, one request
@@ -115,11 +115,11 @@ def test_default_sizes_capture_on_llama_1b():
     source = resolve_model("random:llama-3.2-1b")
     eager = build_model(source, torch.bfloat16, "cuda", max_positions=256, seed=0)
     graphed = build_model(source, torch.bfloat16, "cuda", max_positions=256, seed=0)
-    cm = CompiledModel(graphed, CompileConfig(), "cuda", max_num_tokens=2048)
-    assert cm.capture_sizes == DEFAULT_CUDA_GRAPH_SIZES
+    cm = compiled_model(graphed, CompileConfig(), "cuda", max_num_tokens=2048)
+    assert cm.graphs.capture_sizes == DEFAULT_CUDA_GRAPH_SIZES
     static = StaticBatch(graphed, 320, 64, 2048)
     eager_batch = StaticBatch(eager, 320, 64, 2048)
-    graph_bytes = cm.capture(static.dummy_runner(cm))
+    graph_bytes = cm.graphs.capture(static.dummy_runner(cm))
     stats = cm.stats
     print(f"\nllama-3.2-1b: {stats.summary()}")
     assert stats.num_pieces == source.config.num_hidden_layers + 1
@@ -131,7 +131,7 @@ def test_default_sizes_capture_on_llama_1b():
              {r: [7] for r in range(300)},
              {r: [9] for r in range(5)}]
     for chunks in steps:
-        got = static.step(chunks, cm, cm.padded_num_tokens)
+        got = static.step(chunks, cm, cm.graphs.padded_num_tokens)
         want = eager_batch.step(chunks, eager)
         # bf16 with random weights: near-ties make argmax flaky; compare directions.
         assert _cosine(got, want).min() > 0.99

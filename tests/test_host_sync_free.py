@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+import llmfast
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.engine import LLMEngine
@@ -62,6 +65,18 @@ FACTORIES = {"aten::empty", "aten::empty_strided", "aten::zeros", "aten::ones", 
              "aten::full_like", "aten::new_empty", "aten::new_zeros", "aten::new_full"}
 
 
+# The package's own folder, wherever the checkout lives (a clone is often itself named
+# `llmfast`, so a path cannot be cut at the first `/llmfast/`).
+PACKAGE_DIR = Path(llmfast.__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=None)
+def _package_path(filename: str) -> str | None:
+    """`worker/sampling/sampler.py` for a file of the llmfast package, else None."""
+    path = Path(filename).resolve()
+    return str(path.relative_to(PACKAGE_DIR)) if path.is_relative_to(PACKAGE_DIR) else None
+
+
 class _HostSyncRecorder(TorchDispatchMode):
     """Counts every op; for a host-syncing one (or indexing by a boolean mask), keeps
     where it was called from; for a factory, which llmfast module called it."""
@@ -82,10 +97,9 @@ class _HostSyncRecorder(TorchDispatchMode):
         if (name in HOST_SYNCING or bool_mask or from_list) and name not in self.syncing:
             self.syncing[name] = "".join(traceback.format_stack(limit=12)[:-1])
         if name in FACTORIES:
-            ours = [f.filename for f in traceback.extract_stack()[:-1]
-                    if f"{os.sep}llmfast{os.sep}" in f.filename]
-            self.factory_callers.add(ours[-1].split(f"{os.sep}llmfast{os.sep}")[-1]
-                                     if ours else "?")
+            ours = [_package_path(f.filename) for f in traceback.extract_stack()[:-1]]
+            ours = [path for path in ours if path is not None]
+            self.factory_callers.add(ours[-1] if ours else "?")
         return func(*args, **(kwargs or {}))
 
 
@@ -118,7 +132,7 @@ def _unrecord_forward_and_wait(runner, monkeypatch) -> list[int]:
     replays: list[int] = []
     monkeypatch.setattr(runner, "forward_fn", _unrecorded(runner.forward_fn))
     monkeypatch.setattr(runner.compiled, "replay_full",
-                        _unrecorded(runner.compiled.replay_full, replays))
+                        _unrecorded(runner.compiled.graphs.replay_full, replays))
     monkeypatch.setattr(PendingStep, "wait", _unrecorded(PendingStep.wait))
     return replays
 

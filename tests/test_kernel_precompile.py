@@ -21,19 +21,17 @@ import triton
 
 from llmfast.compile import CompiledModel
 from llmfast.config import CudaGraphMode
-from llmfast.kernels import (
-    attention,
-    attention_config,
-    attention_kernels,
-    kv_write,
-    ops,
-    rope_cache,
-)
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.triton import launch_config as attention_config
+from llmfast.attention.triton import kernels as attention_kernels
+from llmfast.attention.triton import kv_write
+from llmfast.attention import ops
+from llmfast.attention.triton import rope_cache
 from llmfast.kernels.launch import launch_cache, precompile
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.offline_target import offline_hopper
-from llmfast.kernels.layers import switch, triton_kernels
-from llmfast.kernels.tuning.split_table import SplitTable
+from llmfast.kernels.layers import kernel_choice, triton_kernels
+from llmfast.attention.tuning.split_table import SplitTable
 from llmfast.worker import model_runner
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
 from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
@@ -63,7 +61,7 @@ def offline_triton(monkeypatch):
     recorded (yielded); every kernel's compiled variants forgotten for the test (and
     restored after it), so the compiles seen are the test's own."""
     monkeypatch.setattr(ops, "use_triton", lambda x: True)
-    monkeypatch.setattr(switch, "use_triton", lambda x: True)
+    monkeypatch.setattr(kernel_choice, "use_triton", lambda x: True)
     for module in (attention, kv_write, rope_cache):
         monkeypatch.setattr(module, "check_launchable", lambda *args: None)
     for module, name in ((attention, "_ATTENTION_LAUNCHES"), (attention, "_DECODE_ROPE_LAUNCHES"),
@@ -146,7 +144,7 @@ def _graphs_engine(checkpoint, monkeypatch, tmp_path):
     in a fresh process). On CUDA the compiled pieces launch Inductor's copies of the
     norms, which the dry forwards leave alone."""
     threads = _cuda_start_up(monkeypatch)
-    monkeypatch.setattr(switch, "_ENABLED", False)
+    monkeypatch.setattr(kernel_choice, "_ENABLED", False)
     monkeypatch.setattr(model_runner, "CompiledModel",
                         functools.partial(CompiledModel, piece_compiler="eager"))
     rope_in_the_op(monkeypatch, tmp_path)
@@ -163,7 +161,7 @@ def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
     compiled = engine.runner.compiled
     assert compiled.stats.full_graph_sizes and compiled.stats.captured_sizes
     _workload_compiles_nothing(engine)
-    assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+    assert compiled.graphs.full.num_replays > 0 and compiled.graphs.piecewise.num_replays > 0
 
 
 def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
@@ -280,7 +278,7 @@ def test_a_layer_dry_launch_compiles_the_variant_wrap_triton_launches(monkeypatc
     with offline_hopper(record_launches=True) as launches:
         precompiler = precompile.KernelPrecompiler(max_workers=1)
         with precompiler.dry_launches():
-            switch._DryLaunch(_scale_kernel, precompiler)[(1,)](x, out, 200, 0.5, BLOCK=256,
+            kernel_choice._DryLaunch(_scale_kernel, precompiler)[(1,)](x, out, 200, 0.5, BLOCK=256,
                                                                 **options)
         precompiler.wait()
         assert launches == [] and precompiler.num_submitted == 1

@@ -2,7 +2,7 @@
 is fake-quantized the same way, under chunked prefill and async scheduling; compiled =
 eager; twice the blocks in the same memory; prefix caching; the flag.
 
-The oracle follows what the kernels read (kernels/attention_kernels.py): a step writes
+The oracle follows what the kernels read (attention/triton/kernels.py): a step writes
 its own tokens' K/V into the cache first and attends to them from there, so every key
 and value attention sees, the step's own included, is the fp8 rounding of the clamped
 float one. HF's `DynamicCache.update` returns the states it attends to: the subclass

@@ -15,7 +15,7 @@ import torch
 
 from llmfast import LLM, SamplingParams
 from tests.test_attention_kernels import TOL, reference_out, run_triton_step
-from llmfast.kernels import attention
+from llmfast.attention.triton import launch as attention
 from tests.test_kv_cache_fp8_kernels import FP8, expected_fp8, fp8_batch, nan_keys, same_bytes
 
 pytestmark = [

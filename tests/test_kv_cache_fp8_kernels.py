@@ -15,12 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfast.kernels import attention, kv_write, ops
-from llmfast.kernels.kv_write import _cache_value
-from llmfast.kernels.cpu.attention import paged_attention_cpu
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.triton import kv_write
+from llmfast.attention import ops
+from llmfast.attention.triton.kv_write import _cache_value
+from llmfast.attention.cpu import paged_attention_cpu
 from llmfast.kernels.launch.offline_target import offline_hopper
-from llmfast.kernels.tuning import prefill_measure
-from llmfast.kernels.tuning.prefill_tuning import (
+from llmfast.attention.tuning import prefill_measure
+from llmfast.attention.tuning.prefill_tuning import (
     ShapeClass,
     kv_dtype_name,
     parse_kv_dtype_name,

@@ -6,7 +6,7 @@ the CPU machines), built without its C module, whose C launch is replaced by a r
 Triton compiles for sm_90 on this CPU (kernels/launch/offline_target.py); a launch through
 `__call__` (the JIT's, and the cached path with `direct_launch` off) and a direct one must
 hand the C launch the same arguments. Triton 3.6's layout (the GPU machine's) is checked
-against a transcription of its `__call__` here and, for real, by scripts/gpu_check.sh's
+against a transcription of its `__call__` here and, for real, by scripts/gpu_check.py's
 kernels step (max abs difference against SDPA) on the device.
 """
 

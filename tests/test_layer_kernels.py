@@ -151,7 +151,7 @@ def test_ops_trace_to_triton_kernels_with_an_unbacked_token_count(monkeypatch):
     from torch._dynamo.decorators import mark_unbacked
 
     from llmfast.kernels.launch.offline_target import offline_hopper
-    from llmfast.kernels.layers.switch import layer_kernels
+    from llmfast.kernels.layers.kernel_choice import layer_kernels
     from llmfast.kernels.layers.triton_ops import register_triton_ops
 
     if torch.cuda.is_available():

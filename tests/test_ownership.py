@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmfast import LLM, SamplingParams
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.workspaces import AttentionWorkspaces
 from llmfast.utils.gc_freeze import active_holds, gc_frozen, hold_gc_freeze
 from tests.helpers.interpreted import run_interpreted
 
@@ -140,8 +140,9 @@ def test_deleting_an_llm_gives_its_gpu_memory_back():
 _KERNEL_CHILD = """
 import gc, json, weakref
 import torch
-from llmfast.kernels import attention, ops
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.triton import launch as attention
+from llmfast.attention import ops
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 def case(seed):
     g = torch.Generator().manual_seed(seed)

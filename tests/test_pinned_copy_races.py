@@ -278,4 +278,4 @@ def test_no_pinned_source_is_rewritten_before_its_copy_is_known_done(
         assert det.issued.get("runner.placeholders.placeholder_src")
     if mode is not None:
         compiled = runner.compiled
-        assert compiled.full_graphs.num_replays > 0 and compiled._graph_state.num_replays > 0
+        assert compiled.graphs.full.num_replays > 0 and compiled.graphs.piecewise.num_replays > 0

@@ -26,6 +26,7 @@ from llmfast.compile.precompiled import DIRNAME
 from llmfast.config import CompileConfig
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import resolve_model
+from tests.helpers.compiled import compiled_model
 from tests.helpers.paged import MIXED_STEPS, PagedSequences
 from tests.helpers.static_batch import StaticBatch
 
@@ -54,8 +55,8 @@ def run_steps(cm: CompiledModel | None, model) -> list[torch.Tensor]:
     one_allocation(model)
     if cm is None:
         return [batch.step(chunks, model) for chunks in STEPS]
-    cm.capture(batch.dummy_runner(cm))
-    return [batch.step(chunks, cm, cm.padded_num_tokens) for chunks in STEPS]
+    cm.graphs.capture(batch.dummy_runner(cm))
+    return [batch.step(chunks, cm, cm.graphs.padded_num_tokens) for chunks in STEPS]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def cache_root(tmp_path_factory):
 def cold(cache_root):
     """The cold start: (CompiledModel, its logits per step, the eager model's)."""
     model = tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
     return cm, run_steps(cm, model), run_steps(None, tiny_model())
 
 
@@ -117,7 +118,7 @@ def test_warm_start_in_process_never_traces(cold, monkeypatch):
     monkeypatch.setattr(convert_frame, "_compile", no_tracing)
     cold_cm, cold_logits, _ = cold
     model = tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
     logits = run_steps(cm, model)
     assert cm.stats.precompiled and cm.stats.num_dynamo_graphs == 0
     assert "loaded without tracing" in cm.stats.summary()
@@ -126,8 +127,8 @@ def test_warm_start_in_process_never_traces(cold, monkeypatch):
     # The same piece runners and graphs as the cold start's, replayed alike.
     assert cm.stats.num_pieces == cold_cm.stats.num_pieces
     assert cm.stats.piece_kinds == cold_cm.stats.piece_kinds
-    assert cm._graph_state.num_graphs == cold_cm._graph_state.num_graphs
-    assert cm._graph_state.num_replays == cold_cm._graph_state.num_replays > 0
+    assert cm.graphs.piecewise.num_graphs == cold_cm.graphs.piecewise.num_graphs
+    assert cm.graphs.piecewise.num_replays == cold_cm.graphs.piecewise.num_replays > 0
 
 
 def test_compile_workers_are_started_only_where_a_trace_is_coming(cold, monkeypatch):
@@ -135,38 +136,38 @@ def test_compile_workers_are_started_only_where_a_trace_is_coming(cold, monkeypa
     when nothing saved could be loaded, and again when the first call traces; a warm
     start that loads the saved model never asks (on CUDA that would start processes
     it never uses). (Before the tests that damage or mark the saved entry.)"""
-    from llmfast.compile import compiled_model
+    from llmfast.compile import compiled_model as compiled_model_module
 
     asked: list[torch.device] = []
-    monkeypatch.setattr(compiled_model, "start_compile_workers", asked.append)
+    monkeypatch.setattr(compiled_model_module, "start_compile_workers", asked.append)
     model = tiny_model()
-    warm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    warm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
     run_steps(warm, model)
     assert warm.stats.precompiled and asked == []
 
     model = tiny_model()
-    traced = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated",
+    traced = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated",
                            precompile=False)
     assert asked == [torch.device("cpu")]
     run_steps(traced, model)
     assert not traced.stats.precompiled and asked == [torch.device("cpu")] * 2
 
 def test_warm_start_reads_the_kv_caches_bound_at_each_call(cold):
-    """The caches are re-bound after the memory profile (the runner's scratch cache,
-    then the real one): the loaded graph must read the layers' current caches, not the
+    """The caches may be re-bound (the memory profile's scratch cache, then the real
+    one): the loaded graph must read the layers' current caches, not the
     ones bound when it was loaded. Re-bound here to zeroed copies mid-run, in the warm
     model and the eager one alike: the history they hold is gone for both."""
     model, eager_model = tiny_model(), tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
     batch, eager = StaticBatch(model, 4, 64, 64), StaticBatch(eager_model, 4, 64, 64)
-    cm.capture(batch.dummy_runner(cm))
+    cm.graphs.capture(batch.dummy_runner(cm))
     assert cm.stats.precompiled
     for i, chunks in enumerate(STEPS):
         if i == 3:
             for m in (model, eager_model):
                 m.bind_kv_caches([(layer.k_cache.clone().zero_(), layer.v_cache.clone().zero_())
                                   for layer in m.attention_layers()])
-        torch.testing.assert_close(batch.step(chunks, cm, cm.padded_num_tokens),
+        torch.testing.assert_close(batch.step(chunks, cm, cm.graphs.padded_num_tokens),
                                    eager.step(chunks, eager_model), atol=1e-5, rtol=1e-5)
 
 
@@ -175,14 +176,14 @@ _WARM_START = textwrap.dedent("""
     import torch
     import torch._dynamo.convert_frame as convert_frame
     from tests.test_precompiled import CONFIG, run_steps, tiny_model
-    from llmfast.compile import CompiledModel
+    from tests.helpers.compiled import compiled_model
 
     def no_tracing(*args, **kwargs):
         raise AssertionError("Dynamo traced a frame on a warm start")
 
     convert_frame._compile = no_tracing
     model = tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
     logits = run_steps(cm, model)
     assert cm.stats.precompiled and cm.stats.num_dynamo_graphs == 0, cm.stats
     torch.save(logits, sys.argv[1])
@@ -218,7 +219,7 @@ def test_a_first_call_unlike_the_trace_traces_again_and_replaces_the_entry(cold,
     cold_cm, cold_logits, _ = cold
     saved = _with_none_fields(cold_cm, ["max_query_len"])
     model = tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
     logits = run_steps(cm, model)
     assert "ignoring the precompiled model" in caplog.text
     assert not cm.stats.precompiled and cm.stats.num_dynamo_graphs == 1
@@ -233,7 +234,7 @@ def test_a_later_call_unlike_the_trace_falls_back_to_dynamo(cold, caplog):
     cold_cm, _, _ = cold
     saved = _with_none_fields(cold_cm, ["max_query_len"])
     model, eager_model = tiny_model(), tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64)
+    cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64)
     calls = []
 
     def forward(ids, positions, md):
@@ -270,7 +271,7 @@ def test_a_model_unlike_the_traced_one_is_not_given_its_graph(cold, caplog):
     manifest.write_text(json.dumps(data))
     try:
         model = tiny_model()
-        cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+        cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
         run_steps(cm, model)
     finally:
         manifest.write_text(saved)
@@ -281,7 +282,7 @@ def test_a_model_unlike_the_traced_one_is_not_given_its_graph(cold, caplog):
 def test_inputs_are_checked_against_the_trace(cold):
     """`bind_slots`: a call's value None where the trace had a tensor, or a value where
     it had None, is refused before anything runs."""
-    from llmfast.attention_metadata import AttentionMetadata
+    from llmfast.attention.metadata import AttentionMetadata
     from llmfast.compile.graph_inputs import InputsChanged, InputSlot, bind_slots
 
     model = tiny_model()
@@ -305,7 +306,7 @@ def test_inputs_are_checked_against_the_trace(cold):
 
 def test_off_switch(cold, monkeypatch):
     monkeypatch.setenv("LLMFAST_PRECOMPILED", "0")
-    cm = CompiledModel(tiny_model(), CONFIG, "cpu", max_num_tokens=64)
+    cm = compiled_model(tiny_model(), CONFIG, "cpu", max_num_tokens=64)
     assert cm._precompiled_dir is None and not cm.backend.keep_artifacts
 
 
@@ -315,7 +316,7 @@ def test_a_damaged_entry_is_traced_again_and_replaced(cold, caplog):
     saved = json.loads(manifest.read_text())
     (_entry(cold_cm) / "graph.pkl").write_bytes(b"not a graph")
     model = tiny_model()
-    cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+    cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
     logits = run_steps(cm, model)
     assert "ignoring the precompiled model" in caplog.text
     assert cm.stats.num_dynamo_graphs == 1 and not cm.stats.precompiled
@@ -341,19 +342,19 @@ def test_a_loaded_model_failing_on_its_first_call_is_not_tried_again(cold, caplo
     with monkeypatch.context() as patch:
         patch.setattr(backend, "_as_piece_returns", failing)
         model = tiny_model()
-        cm = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+        cm = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
         logits = run_steps(cm, model)
     marker = _entry(cold_cm).with_name(_entry(cold_cm).name + ".failed")
     try:
         assert "failed on its first call" in caplog.text and "96==128" in caplog.text
         assert cm.stats.num_dynamo_graphs == 1 and not cm.stats.precompiled
-        assert len(cm._graph_state.runners) == cm.stats.num_pieces  # Dynamo's alone
+        assert len(cm.graphs.piecewise.runners) == cm.stats.num_pieces  # Dynamo's alone
         for got, want in zip(logits, cold_logits):
             assert torch.equal(got, want)
         assert "96==128" in marker.read_text() and not _entry(cm).exists()
         # The next start traces without trying (nothing to load, nothing saved).
         model = tiny_model()
-        again = CompiledModel(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
+        again = compiled_model(model, CONFIG, "cpu", max_num_tokens=64, graph_impl="emulated")
         for got, want in zip(run_steps(again, model), cold_logits):
             assert torch.equal(got, want)
         assert again.stats.num_dynamo_graphs == 1 and not _entry(again).exists()
@@ -386,6 +387,6 @@ def test_the_fingerprint_separates_what_the_trace_is_specialised_to():
 
 
 def test_no_precompiling_where_asked_not_to(cache_root):
-    cm = CompiledModel(tiny_model(), CONFIG, "cpu", max_num_tokens=64, precompile=False)
+    cm = compiled_model(tiny_model(), CONFIG, "cpu", max_num_tokens=64, precompile=False)
     assert cm._precompiled_dir is None and not cm.backend.keep_artifacts
 

@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from llmfast.kernels import attention_config
-from llmfast.kernels.tuning import prefill_tuning
-from llmfast.kernels.tuning.prefill_tuning import (
+from llmfast.attention.triton import launch_config as attention_config
+from llmfast.attention.tuning import prefill_tuning
+from llmfast.attention.tuning.prefill_tuning import (
     CANDIDATES,
     PrefillTiles,
     PrefillTileTable,

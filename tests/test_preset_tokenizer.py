@@ -148,7 +148,7 @@ def test_chat_and_generate_on_a_random_preset(empty_cache):
               "--max-tokens", "5", "--ignore-eos"]
     chat = runner.invoke(app, ["chat", *common], input=b"hello there\n")
     assert chat.exit_code == 0, chat.output
-    out = runner.invoke(app, ["generate", "hello", *common, "--json"])
+    out = runner.invoke(app, ["generate", "hello", *common, "--json", "-"])
     assert out.exit_code == 0, out.output
     (record,) = json.loads(out.stdout)
     assert len(record["token_ids"]) == 5

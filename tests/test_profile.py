@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -172,3 +173,38 @@ def test_nvtx_range_shows_in_torch_profiler_trace_only_while_profiling():
     names = {event.name for event in prof.events()}
     assert "llmfast-test-range" in names
     assert "outside-any-profiler" not in names
+
+
+def test_profile_on_cpu_says_host_time_and_prints_no_profiler_noise(tmp_path):
+    """A real process: Kineto writes its `USDT: ... profiler_start/stop` lines to fd 2
+    from C++, which CliRunner would not see."""
+    out = tmp_path / "prof"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120",
+           "PATH": str(Path(sys.executable).parent)}  # no nsys: the torch profiler
+    done = subprocess.run([sys.executable, "-m", "llmfast", "profile", *TINY, "--sizes", "1",
+                           "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "USDT" not in done.stderr + done.stdout and "profiler_start" not in done.stderr
+    assert "host time; no device timing on CPU" in done.stdout
+    assert "CUDA events" not in done.stdout and "device ms/call" not in done.stdout
+    assert (out / "trace.json").is_file()  # the profiler did run
+
+
+def test_phase_table_keeps_device_columns_when_timed():
+    from rich.console import Console
+
+    from llmfast.cli.profile import _phase_table
+    from llmfast.profiling.phase_timing import PhaseStats
+
+    def render(device_ms):
+        phases = {"forward": PhaseStats(4, 8.0, device_ms, None if device_ms is None else 2.0)}
+        con = Console(width=120, record=True, file=open(os.devnull, "w"))
+        con.print(_phase_table(phases, async_scheduling=True))
+        return con.export_text()
+
+    timed = render(6.0)
+    assert "device time from CUDA events" in timed and "1.500" in timed  # 6 ms / 4 calls
+    assert "host overlapped" in timed and "25%" in timed
+    host = render(None)
+    assert "device ms/call" not in host and "2.000" in host  # 8 ms / 4 calls

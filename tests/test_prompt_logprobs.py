@@ -167,7 +167,7 @@ def test_one_token_prompt_chunks_in_full_graph_steps(ckpt, hf_logprobs):
         config.compile, cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
         emulate_cuda_graphs=True))
     engine = LLMEngine(config, source)
-    full = engine.runner.compiled.full_graphs
+    full = engine.runner.compiled.graphs.full
     engine.add_request({"prompt_token_ids": _prompt(30, 3)}, _params(None, max_tokens=20))
     engine.step()
     engine.step()  # its prompt is in: it decodes from now on

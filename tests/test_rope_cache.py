@@ -1,4 +1,4 @@
-"""The rotary embedding fused into the KV write (kernels/rope_cache.py) and the attention
+"""The rotary embedding fused into the KV write (attention/triton/rope_cache.py) and the attention
 op that uses it: bit for bit what the rotary kernel, the KV write and the attention do
 apart, in the Triton interpreter (a child process, as in test_attention_kernels.py), on
 the CPU path, and compiled for sm_90."""
@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from llmfast.config import RopeScaling
-from llmfast.kernels import attention, ops
+from llmfast.attention.triton import launch as attention
+from llmfast.attention import ops
 from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import rotary as rotary_ops
 from llmfast.models.rope import rope_table
+from tests.helpers.compiled import compiled_model
 
 from tests import test_attention_kernels as attn_tests
 
@@ -241,7 +243,7 @@ def check_model_steps_fused_equal_unfused():
         seqs = PagedSequences(model, 2, 32)
         if fuse is None:  # the plain CPU path: torch rotation and attention
             with mock.patch.object(ops, "use_triton", lambda x: False), \
-                    mock.patch("llmfast.kernels.layers.switch.use_triton", lambda x: False):
+                    mock.patch("llmfast.kernels.layers.kernel_choice.use_triton", lambda x: False):
                 return [seqs.step(chunks) for chunks in steps]
         target = counting if fuse else (lambda *args: False)
         with mock.patch.object(decoder, "rope_fuses_into_attention", target):
@@ -294,7 +296,7 @@ def check_engine_triton_path_equals_torch_path():
     tokens. The fused RoPE and a launch with a decode region must have run."""
     from unittest import mock
 
-    from llmfast.kernels import rope_cache
+    from llmfast.attention.triton import rope_cache
     from llmfast.llm import LLM
     from llmfast.sampling_params import SamplingParams
 
@@ -314,7 +316,7 @@ def check_engine_triton_path_equals_torch_path():
                            lambda *a: fused.append(1) or real(*a)):
         triton_tokens = generate()
     with mock.patch.object(ops, "use_triton", lambda x: False), \
-            mock.patch("llmfast.kernels.layers.switch.use_triton", lambda x: False):
+            mock.patch("llmfast.kernels.layers.kernel_choice.use_triton", lambda x: False):
         torch_tokens = generate()
     assert triton_tokens == torch_tokens
     assert fused, "the RoPE + KV-write kernel never ran"
@@ -346,7 +348,7 @@ ROPE_CACHE_CASES = [
     ("bfloat16", "float8_e4m3fn", 4, 4, 80),  # head dim padded inside; an fp8 cache
 ]
 # The op's cases that rotate in the KV write, and those that take the fused decode
-# kernel (on a GPU their tests are apart: gpu_check.sh turns off what failed).
+# kernel (on a GPU their tests are apart, so a failure names which).
 FUSED_OP_CASES_KV_WRITE = [("float32", "mixed"), ("bfloat16", "mixed"),
                            ("bfloat16", "zero_rows")]
 FUSED_OP_CASES_DECODE_KERNEL = [("bfloat16", "decode"), ("bfloat16", "uniform"),
@@ -394,8 +396,8 @@ def test_rope_and_cache_on_cuda():
 
 @pytest.mark.gpu
 def test_decode_rope_kernel_on_cuda():
-    # Its own test: gpu_check.sh turns the fusion off (LLMFAST_ATTENTION_DECODE_ROPE=0)
-    # for its later steps when this one fails.
+    # Its own test: when it fails, LLMFAST_ATTENTION_DECODE_ROPE=0 turns the fusion off
+    # for the benchmarks after it.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for dtype, cache_dtype, num_splits, num_sms in DECODE_ROPE_CASES:
@@ -430,7 +432,6 @@ def test_compiled_model_passes_positions_through_the_split(monkeypatch, tmp_path
     # torch reference): Dynamo records the op with positions and the cos/sin table, the
     # backend splits there and the split graph calls the implementation with them; the
     # pieces hold no rotation. Logits equal eager's unfused ones to float32 rounding.
-    from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
     from llmfast.models import decoder
     from llmfast.models.loading.loader import build_model
@@ -443,7 +444,7 @@ def test_compiled_model_passes_positions_through_the_split(monkeypatch, tmp_path
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", seed=0)
     monkeypatch.setattr(decoder, "rope_fuses_into_attention", lambda *args: True)
     torch._dynamo.reset()
-    cm = CompiledModel(model, CompileConfig(), "cpu", max_num_tokens=64)
+    cm = compiled_model(model, CompileConfig(), "cpu", max_num_tokens=64)
     eager_seqs, compiled_seqs = PagedSequences(eager_model, 4, 64), PagedSequences(model, 4, 64)
     compiled_seqs.model = _CallThrough(cm, model)
     for chunks in STEPS[:4]:
@@ -481,7 +482,7 @@ def test_opcheck_with_positions(monkeypatch):
 
 def test_rope_and_cache_compiles_for_sm90(monkeypatch):
     compiled = attn_tests.compile_launches_only(monkeypatch)
-    monkeypatch.setattr("llmfast.kernels.rope_cache.check_launchable", lambda *args: None)
+    monkeypatch.setattr("llmfast.attention.triton.rope_cache.check_launchable", lambda *args: None)
     with offline_hopper():
         for head_dim, cache_dtype in ((64, torch.bfloat16), (128, torch.float8_e4m3fn)):
             q, k, v = _qkv(8, 32, 8, head_dim, torch.bfloat16)

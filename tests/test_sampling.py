@@ -8,12 +8,11 @@ import math
 import pytest
 import torch
 
-from llmfast.sampling_params import SamplingParams
+from llmfast.sampling_params import SamplingParams, seed_to_int64
 from llmfast.worker.sampling.sampler import (
     Sampler,
     apply_logit_rules,
     apply_penalties,
-    seed_to_int64,
     seeded_exponential,
 )
 from llmfast.worker.sampling.sampling_metadata import (

@@ -404,7 +404,7 @@ def test_killed_client_frees_its_blocks(server):
 def test_greedy_text_equals_llmfast_generate(client, model, serve_model_dir):
     prompts = PROMPTS[:3]
     cmd = [sys.executable, "-m", "llmfast", "generate", "--model", str(serve_model_dir),
-           "--json", "--max-tokens", "16", "--temperature", "0", "--kv-cache-memory", "32MiB",
+           "--json", "-", "--max-tokens", "16", "--temperature", "0", "--kv-cache-memory", "32MiB",
            *prompts]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=repo_env(), timeout=300)
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""The measured tables that ship in the package (kernels/tuning/split_tables/*.json and
+"""The measured tables that ship in the package (attention/tuning/split_tables/*.json and
 prefill_tables/*.json): every file parses, is named for the GPU it was measured on (the
 slug the runtime looks up), and the head shapes the default models use are present in
 the H200's, so a start there neither re-tunes nor falls back to the SM-count heuristic."""
@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from llmfast.kernels import attention
-from llmfast.kernels.tuning import prefill_tuning, split_table
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.tuning import prefill_tuning, split_table
 
 SPLIT_FILES = sorted(split_table.TABLE_DIR.glob("*.json"))
 PREFILL_FILES = sorted(prefill_tuning.SHIPPED_DIR.glob("*.json"))

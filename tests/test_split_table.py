@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from llmfast.kernels import attention
-from llmfast.kernels.tuning import split_table
-from llmfast.kernels.tuning.split_table import (
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.triton.launch_config import split_bound
+from llmfast.attention.tuning import split_table
+from llmfast.attention.tuning.split_table import (
     merge_sweep,
     merge_tables,
     parse_table,
@@ -58,9 +59,9 @@ def test_split_counts_between_the_powers_of_two():
     tables = (parse_table(_sweep_json(lambda b, c: 6 if b == 8 else 3)),)
     cfg = attention.select_config(8, 8, 32, 8, 128, 16, 512, torch.bfloat16, 132, tables)
     assert cfg.num_splits == 6
-    assert attention.split_bound(32, 8, 128, 16, torch.bfloat16, 132, tables) == 8
+    assert split_bound(32, 8, 128, 16, torch.bfloat16, 132, tables) == 8
     tables = (parse_table(_sweep_json(lambda b, c: 24 if c == 8192 else 1)),)
-    assert attention.split_bound(32, 8, 128, 16, torch.bfloat16, 132, tables) == 32
+    assert split_bound(32, 8, 128, 16, torch.bfloat16, 132, tables) == 32
 
 
 def test_a_sweep_row_keeps_its_count_unless_another_is_clearly_faster():

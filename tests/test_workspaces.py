@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 
-from llmfast.kernels import attention
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.workspaces import AttentionWorkspaces
 
 CPU = torch.device("cpu")
 
@@ -110,7 +110,7 @@ def test_reserved_counters_serve_every_capture(monkeypatch):
     launch its steps can make (here _plan's num_arrivals over token and request counts
     up to the bound's, decode-like and mixed) then finds them while a CUDA graph is
     captured, so no graph records a memset of its own."""
-    from llmfast.kernels.workspaces import arrivals_bound
+    from llmfast.attention.workspaces import arrivals_bound
 
     max_tokens, max_reqs, kv_heads = 64, 16, 2
     k_cache = torch.empty(4, 16, kv_heads, 64)

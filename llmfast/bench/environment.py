@@ -14,7 +14,7 @@ import platform
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmfast.executor.runner_info import RunnerInfo
+    from llmfast.worker.runner_info import RunnerInfo
 
 GiB = 2**30
 

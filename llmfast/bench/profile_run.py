@@ -180,11 +180,19 @@ def torch_profile(workload: Callable[[], Any], out_dir: Path, cuda: bool,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from llmfast.utils.native_stderr import native_stderr_without
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with native_stderr_without():  # Kineto's USDT start/stop lines
+        prof.start()
+    try:
         result = workload()
         if cuda:
             torch.cuda.synchronize()
+    finally:
+        with native_stderr_without():
+            prof.stop()
     trace = out_dir / TORCH_TRACE
     prof.export_chrome_trace(str(trace))
     averages = prof.key_averages()

@@ -127,10 +127,15 @@ def _check_room(engine, batch_size: int, context_len: int, num_decode: int) -> N
     usable = engine.scheduler.kv_cache_manager.num_usable_blocks
     needed = batch_size * -(-(context_len + num_decode) // block_size)
     if needed > usable:
+        # Imported here: the sweep module is loaded by `llmfast bench --help`, which must not
+        # pay for torch.
+        import torch
+
+        from llmfast.worker.startup.kv_cache_sizing import kv_cache_size_flag
         raise NotPureDecode(
             f"batch {batch_size} needs {needed} KV blocks, the cache holds {usable} "
-            "(requests would be preempted); lower --context or raise --kv-cache-memory / "
-            "--gpu-memory-utilization")
+            "(requests would be preempted); lower --context or raise "
+            + kv_cache_size_flag(torch.device(engine.config.device), engine.config.cache))
 
 
 def run_sweep_point(engine, batch_size: int, context_len: int, steps: int,

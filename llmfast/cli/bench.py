@@ -26,6 +26,7 @@ from llmfast.cli.bench_tables import (
 )
 from llmfast.cli.common import (
     EngineOptions,
+    JsonPath,
     count_progress,
     load_llm,
     stderr_console,
@@ -109,12 +110,11 @@ def bench(
         "--startup", help="Start the engine twice in fresh processes, on empty caches then "
                           "on the caches the first left, and print both start-ups side by "
                           "side (alone, or before --mode's benchmark).")] = False,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write all figures as JSON "
-                                                   "(.json).")]
-    = None,
+    json_out: JsonPath = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a plot (.png, .svg or .pdf).")] = None,
 ) -> None:
     """Benchmark decode latency, throughput, request latency or start-up."""
+    json_path = None if json_out in (None, "-") else Path(json_out)
     if mode is None and not startup:
         mode = BenchMode.sweep
     check_mode_options(mode.value if mode else None, _given_options(ctx))
@@ -141,7 +141,7 @@ def bench(
         config |= {"sizes": size_list, "context": context, "steps": steps,
                    "exec_modes": exec_modes}
     err = stderr_console()
-    con = table_console()
+    con = err if json_out == "-" else table_console()  # stdout holds the JSON alone
     startup_report = None
     runs: dict[str, dict] = {}
     try:
@@ -182,6 +182,8 @@ def bench(
         _keep_partial(config, runs, startup_report, json_path, e, con, err)
         raise
     report = bench_report(config, runs, startup_report)
+    if json_out == "-":
+        print(report_json(report), end="")
     write_outputs(report, json_path, plot_path, err)
 
 
@@ -197,6 +199,10 @@ def _given_options(ctx: typer.Context | None) -> set[str]:
     return given
 
 
+def report_json(report: dict) -> str:
+    return json.dumps(_finite(report), indent=2, allow_nan=False, default=str) + "\n"
+
+
 def write_outputs(report: dict, json_path: Path | None, plot_path: Path | None,
                   err: Console) -> None:
     """--json, then --plot. A file that cannot be written after all (the disk filled,
@@ -204,7 +210,7 @@ def write_outputs(report: dict, json_path: Path | None, plot_path: Path | None,
     temp directory and named in the error, and the other output is still written."""
     failures = []
     if json_path is not None:
-        text = json.dumps(_finite(report), indent=2, allow_nan=False, default=str) + "\n"
+        text = report_json(report)
         try:
             json_path.write_text(text)
             err.print(f"wrote {json_path}", style="dim")

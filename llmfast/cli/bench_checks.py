@@ -56,6 +56,12 @@ def check_output_paths(json_path: Path | None, plot_path: Path | None) -> None:
             got = f"has extension {path.suffix!r}" if path.suffix else "has no extension"
             raise BenchError(f"{flag} {path} {got}; use {' or '.join(suffixes)}")
         check_writable(path, flag)
+    if plot_path is not None:  # else found missing only after the whole benchmark ran
+        try:
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            raise BenchError("--plot needs matplotlib: pip install matplotlib, or drop "
+                             "--plot") from None
     if json_path is not None and json_path.is_file() and not _is_bench_report(json_path):
         raise BenchError(f"--json {json_path} exists and is not an llmfast bench report; "
                          "give another name (a report of an earlier run is replaced)")

@@ -22,7 +22,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from llmfast.cli.chat_session import ChatCommandError, ChatSession, ChatSettings, TurnResult
+from llmfast.cli.chat_session import (
+    DEFAULT_MAX_REPEATS,
+    ChatCommandError,
+    ChatSession,
+    ChatSettings,
+    TurnResult,
+)
 from llmfast.cli.common import (
     EngineOptions,
     IgnoreEos,
@@ -33,17 +39,29 @@ from llmfast.cli.common import (
     print_error,
     stderr_console,
 )
+from llmfast.cli.repetition import MAX_PERIOD
 
-_MODEL_DEFAULT = "  [default: the model's generation_config.json, else {}]"
+_MODEL_DEFAULT = ("  [default: the model's generation_config.json, else the model card's "
+                  "(the default model), else {}]")
 ChatTemperature = Annotated[float | None, typer.Option(
     "--temperature", "-t", show_default=False,
     help="Sampling temperature; 0 is greedy." + _MODEL_DEFAULT.format(0.7))]
 ChatTopP = Annotated[float | None, typer.Option(
-    "--top-p", help="Nucleus sampling mass, in (0, 1]." + _MODEL_DEFAULT.format(1.0),
+    "--top-p", help="Nucleus sampling mass, in (0, 1]." + _MODEL_DEFAULT.format(0.95),
     show_default=False)]
 ChatTopK = Annotated[int | None, typer.Option(
-    "--top-k", help="Keep the k likeliest tokens; 0 or -1 = off." + _MODEL_DEFAULT.format(0),
+    "--top-k", help="Keep the k likeliest tokens; 0 or -1 = off." + _MODEL_DEFAULT.format(40),
     show_default=False)]
+ChatMinP = Annotated[float | None, typer.Option(
+    "--min-p", help="Drop tokens below this fraction of the likeliest one's probability; 0 = "
+    "off." + _MODEL_DEFAULT.format(0.05), show_default=False)]
+ChatRepetitionPenalty = Annotated[float | None, typer.Option(
+    "--repetition-penalty", help="Divide the logits of tokens already in the conversation "
+    "by this (HF/vLLM); 1 = off." + _MODEL_DEFAULT.format(1.1), show_default=False)]
+MaxRepeats = Annotated[int, typer.Option(
+    "--max-repeats", help="Stop a reply whose last tokens are one block of up to "
+    f"{MAX_PERIOD} tokens repeated this many times (a loop), with a 'stopped: repeating' "
+    "notice; 0 = never.")]
 
 CHAT_EXAMPLES = """\
 **Examples**
@@ -54,9 +72,10 @@ CHAT_EXAMPLES = """\
 
 * `printf 'Hi!\\n/temp 0\\nName a colour.\\n' | llmfast chat`  (scripted: one message per line)
 
-In the chat: /reset, /system TEXT, /temp X, /top_p X, /top_k N, /max_tokens N, /seed N,
-/ignore_eos on|off, /settings, /stats, /help, /exit. Ctrl-C stops a reply; Ctrl-C or
-Ctrl-D at the prompt quits.
+In the chat: /reset, /system TEXT, /temp X, /top_p X, /top_k N, /min_p X,
+/repetition_penalty X, /max_tokens N, /max_repeats N, /seed N, /ignore_eos on|off,
+/settings, /stats, /help, /exit. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt
+quits. The sampling settings in use, and where each comes from, are shown at the start.
 """
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -75,20 +94,30 @@ def chat(
     temperature: ChatTemperature = None,
     top_p: ChatTopP = None,
     top_k: ChatTopK = None,
+    min_p: ChatMinP = None,
+    repetition_penalty: ChatRepetitionPenalty = None,
     max_tokens: MaxTokens = 512,
+    max_repeats: MaxRepeats = DEFAULT_MAX_REPEATS,
     ignore_eos: IgnoreEos = False,
 ) -> None:
     """Chat with a model, multi-turn, with its chat template."""
-    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                 ignore_eos=ignore_eos, seed=opts.engine_kwargs.get("seed"))
-    ChatSettings.resolve({}, **given).params()  # validate before the model loads
+    from llmfast.models.sources.default_model import DEFAULT_MODEL_CARD_SAMPLING
+
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                 repetition_penalty=repetition_penalty, max_tokens=max_tokens,
+                 max_repeats=max_repeats, ignore_eos=ignore_eos,
+                 seed=opts.engine_kwargs.get("seed"))
+    ChatSettings.resolve({}, **given)[0].params()  # validate before the model loads
     err = stderr_console()
     llm = load_llm(opts, err)
-    settings = ChatSettings.resolve(dict(llm.engine.config.sampling_defaults), **given)
-    session = ChatSession(llm, settings, system)
+    card = DEFAULT_MODEL_CARD_SAMPLING if opts.model is None else None
+    settings, origin = ChatSettings.resolve(dict(llm.engine.config.sampling_defaults), card,
+                                            **given)
+    session = ChatSession(llm, settings, system, origin)
     if sys.stdin.isatty():
         _interactive(session, Console(highlight=False))
     else:
+        err.print(session.settings_line(), markup=False, soft_wrap=True, style="dim")
         _piped(session, err)
 
 
@@ -137,6 +166,7 @@ def _interactive(session: ChatSession, con: Console) -> None:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (loaded, it gives input() line editing and history)
     con.print("[dim]llmfast chat: /help for commands, Ctrl-D to quit[/]")
+    con.print(session.settings_line(), markup=False, style="dim", soft_wrap=True)
     while True:
         try:
             line = con.input("[bold green]you ›[/] ")
@@ -162,6 +192,8 @@ def _interactive(session: ChatSession, con: Console) -> None:
             continue
         if result.aborted:
             con.print("[yellow]reply stopped; it is dropped from the conversation[/]")
+        if result.repeating_period:
+            con.print(f"[yellow]{_repeating_notice(result, session)}[/]")
         con.print(f"[dim]{_stats_line(result)}[/]", highlight=False)
 
 
@@ -230,15 +262,25 @@ def _stats_line(r: TurnResult) -> str:
         parts.append(f"{r.dropped_turns} old turn(s) dropped to fit")
     if r.finish_reason == "length":
         parts.append("stopped at max tokens")
+    if r.repeating_period:
+        parts.append("stopped: repeating")
     return " · ".join(parts)
+
+
+def _repeating_notice(r: TurnResult, session: ChatSession) -> str:
+    return (f"stopped: repeating (the last {r.repeating_period} token(s) "
+            f"{session.settings.max_repeats} times in a row); the conversation keeps one "
+            "copy. /max_repeats 0 turns this off")
 
 
 def _stats_report(session: ChatSession) -> str:
     t = session.totals
     hit = t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0
     lines = [
-        f"turns {t.turns} ({t.aborted} stopped), prompt tokens {t.prompt_tokens}, "
-        f"from prefix cache {t.cached_tokens} ({hit:.0%}), generated {t.output_tokens}",
+        f"turns {t.turns} ({t.aborted} stopped, {t.repeating} stopped repeating), prompt "
+        f"tokens {t.prompt_tokens}, from prefix cache {t.cached_tokens} ({hit:.0%}), "
+        f"generated {t.output_tokens}",
+        session.settings_line(),
     ]
     stats = engine_stats(session.llm.engine)
     if stats:

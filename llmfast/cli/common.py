@@ -17,6 +17,7 @@ import re
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -30,9 +31,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from llmfast.cli.help import ENGINE_PREFIX, HelpAll
 from llmfast.engine_args import engine_flags
 from llmfast.utils.errors import one_line
-from llmfast.utils.progress import CountProgress
+from llmfast.utils.progress import CountProgress, OnceStage
 from llmfast.utils.progress import Progress as StageProgress
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,23 @@ TopK = Annotated[int, typer.Option(
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")]
 IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-text.")]
 System = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
+# One meaning on every command: a file name, or - for standard output.
+JsonPath = Annotated[str | None, typer.Option(
+    "--json", metavar="PATH", show_default=False,
+    help="Also write the results as JSON to PATH (.json), or to standard output with - "
+         "(the text then goes to stderr).")]
+
+
+def check_json_path(path: str | None) -> None:
+    """--json, before the model loads: - or a writable file name ending in .json."""
+    if path is None or path == "-":
+        return
+    if not path.lower().endswith(".json"):
+        raise ValueError(f"--json takes a file name ending in .json, or - for standard "
+                         f"output; got {path!r}")
+    from llmfast.cli.bench_checks import check_writable
+
+    check_writable(Path(path), "--json")
 
 
 # ---------------------------------------------------------------------- engine flags
@@ -73,7 +92,7 @@ class EngineOptions:
         return {**self.engine_kwargs, **kwargs}
 
 
-_PREFIX = "engine__"  # the engine flags' parameter names; keeps them apart from a command's
+_PREFIX = ENGINE_PREFIX  # the engine flags' parameter names; keeps them apart from a command's
 
 
 def _engine_parameters() -> list[inspect.Parameter]:
@@ -90,6 +109,9 @@ def _engine_parameters() -> list[inspect.Parameter]:
         _PREFIX + "debug", inspect.Parameter.KEYWORD_ONLY, default=False,
         annotation=Annotated[bool, typer.Option(
             "--debug", help="Debug logging; tracebacks on errors.", rich_help_panel=ENGINE_PANEL)]))
+    # Not passed to the command (expose_value=False): it prints the help and exits.
+    params.append(inspect.Parameter("help_all", inspect.Parameter.KEYWORD_ONLY,
+                                    default=HelpAll, annotation=bool))
     return params
 
 
@@ -119,6 +141,7 @@ def engine_command(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(**kwargs: Any) -> Any:
+        kwargs.pop("help_all", None)  # typer passes it (False) although not exposed
         engine_values = {name.removeprefix(_PREFIX): kwargs.pop(name)
                          for name in list(kwargs) if name.startswith(_PREFIX)}
         debug = bool(engine_values.get("debug"))
@@ -196,8 +219,11 @@ def _out_of_memory_message(e: BaseException) -> str:
     asked = _ASKED_BYTES.search(str(e))
     where = ("device memory" if type(e).__name__ == "OutOfMemoryError" else "memory") + (
         f" ({int(asked[1]) / 2**30:.1f} GiB asked at once)" if asked else "")
+    # --gpu-memory-utilization means nothing to the CPU's allocator.
+    size_flag = ("--gpu-memory-utilization" if type(e).__name__ == "OutOfMemoryError"
+                 else "--kv-cache-memory")
     return (f"out of {where}; lower --max-num-seqs, --max-num-batched-tokens or "
-            "--gpu-memory-utilization, or use a smaller model")
+            f"{size_flag}, or use a smaller model")
 
 
 def setup_logging(debug: bool) -> None:
@@ -227,13 +253,22 @@ def make_progress(console: Console | None = None) -> Progress:
 
 
 @contextlib.contextmanager
-def stage_progress(console: Console | None = None) -> Iterator[StageProgress]:
+def stage_progress(console: Console | None = None, description: str = "starting the engine"
+                   ) -> Iterator[StageProgress]:
     """A `progress(stage, fraction)` callback for start-up and the model fetch: one bar whose
-    label is the current stage; a fraction of None shows an indeterminate bar."""
+    label is the current stage; a fraction of None shows an indeterminate bar. Where no
+    bar is drawn (stderr not a terminal), a stage done once per model (download,
+    conversion: a `OnceStage`) is a plain line, once."""
+    console = console or stderr_console()
+    printed: set[str] = set()
     with make_progress(console) as bar:
-        task = bar.add_task("starting the engine", total=None)
+        task = bar.add_task(description, total=None)
 
         def report(stage: str, fraction: float | None) -> None:
+            if isinstance(stage, OnceStage) and not console.is_terminal \
+                    and stage not in printed:
+                printed.add(stage)
+                console.print(stage, markup=False, highlight=False, soft_wrap=True)
             if fraction is None:
                 bar.update(task, description=stage, total=None)
             else:

@@ -21,6 +21,8 @@ from llmfast.cli.common import (
     Temperature,
     TopK,
     TopP,
+    JsonPath,
+    check_json_path,
     count_progress,
     load_llm,
     stderr_console,
@@ -34,7 +36,7 @@ GENERATE_EXAMPLES = """\
 
 * `llmfast generate "Tell me a joke" "Write a haiku" --temperature 0.8 --max-tokens 64`
 
-* `llmfast generate --file prompts.txt --json > out.json`  (one prompt per line)
+* `llmfast generate --file prompts.txt --json out.json`  (one prompt per line; `--json -`: to stdout)
 
 * `llmfast generate --no-chat --stop "." "The capital of France is"`
 """
@@ -58,12 +60,13 @@ def generate(
         show_default=False)] = None,
     system: System = None,
     ignore_eos: IgnoreEos = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of results.")] = False,
+    json_out: JsonPath = None,
 ) -> None:
     """Generate completions for one or more prompts, batched."""
     if sys.stdout is None:  # started with standard output closed (`>&-`)
         raise ValueError("standard output is closed: the completions would be lost; "
                          "redirect it instead (e.g. > out.txt)")
+    check_json_path(json_out)
     texts = _read_prompts(prompts or [], file)
     if system is not None and chat is False:
         raise ValueError("--system needs the chat template; drop --no-chat")
@@ -77,15 +80,28 @@ def generate(
     with count_progress("generating", err) as progress:
         outputs = llm.generate(inputs, params, progress=progress)
     elapsed = time.perf_counter() - t0
-    if json_out:
-        json.dump([_as_json(text, out) for text, out in zip(texts, outputs)], sys.stdout,
-                  indent=2, ensure_ascii=False)
+    records = [_as_json(text, out) for text, out in zip(texts, outputs)]
+    if json_out == "-":
+        json.dump(records, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         _print_plain(texts, outputs)
+        if json_out is not None:
+            Path(json_out).write_text(json.dumps(records, indent=2, ensure_ascii=False) + "\n")
+            err.print(f"wrote {json_out}", style="dim")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     err.print(f"{len(outputs)} prompt(s), {tokens} tokens in {elapsed:.2f} s "
-              f"({tokens / elapsed:.1f} tok/s)", style="dim")
+              f"({tokens / elapsed:.1f} tok/s)" + _at_max_tokens(outputs, max_tokens), style="dim",
+              soft_wrap=True)
+
+
+def _at_max_tokens(outputs, max_tokens: int) -> str:
+    """` · stopped at max tokens (...)`: a completion cut short says so, as chat does."""
+    cut = sum(o.outputs[0].finish_reason == "length" for o in outputs)
+    if not cut:
+        return ""
+    which = "" if len(outputs) == 1 else f"{cut} of {len(outputs)} "
+    return f" · {which}stopped at max tokens ({max_tokens}; raise --max-tokens for more)"
 
 
 def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:

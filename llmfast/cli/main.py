@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 from llmfast.cli.bench import BENCH_EXAMPLES, bench
 from llmfast.cli.chat import CHAT_EXAMPLES, chat
 from llmfast.cli.common import engine_command, print_error
+from llmfast.cli.help import CompactHelpCommand
 from llmfast.cli.generate import GENERATE_EXAMPLES, generate
 from llmfast.cli.profile import PROFILE_EXAMPLES, profile
 from llmfast.cli.pull import PULL_EXAMPLES, pull
@@ -43,6 +44,8 @@ class _OneLineErrorGroup(TyperGroup):
                 hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
                 # Some typer versions pass a converter's ValueError on as "Value error, ...".
                 message = e.format_message().replace("\n", " ").replace(": Value error, ", ": ")
+                if "'--json' requires an argument" in message:  # it was a switch on generate
+                    message += " Use --json PATH, or --json - for standard output."
                 print_error(message + hint)
                 code = getattr(e, "exit_code", 1)
         except typer.Abort:
@@ -50,6 +53,29 @@ class _OneLineErrorGroup(TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _show_version(value: bool) -> None:
+    """--version: llmfast's version, and torch's (from its metadata: no import)."""
+    if not value:
+        return
+    import importlib.metadata
+    import platform
+
+    from llmfast.version import __version__
+
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    typer.echo(f"llmfast {__version__} (torch {torch}, Python {platform.python_version()})")
+    raise typer.Exit()
+
+
+def _root(version: Annotated[bool, typer.Option(
+        "--version", "-V", is_eager=True, callback=_show_version,
+        help="Show the version and exit.")] = False) -> None:
+    """A small, fast LLM inference engine for Llama, Mistral and Qwen models."""
 
 
 def build_app() -> typer.Typer:
@@ -63,12 +89,13 @@ def build_app() -> typer.Typer:
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
+    app.callback()(_root)
     commands = (("chat", chat, CHAT_EXAMPLES), ("generate", generate, GENERATE_EXAMPLES),
                 ("bench", bench, BENCH_EXAMPLES), ("profile", profile, PROFILE_EXAMPLES),
                 ("serve", serve, SERVE_EXAMPLES))
     for name, func, examples in commands:
-        app.command(name, epilog=examples)(engine_command(func))
-    app.command("pull", epilog=PULL_EXAMPLES)(pull)
+        app.command(name, epilog=examples, cls=CompactHelpCommand)(engine_command(func))
+    app.command("pull", epilog=PULL_EXAMPLES, cls=CompactHelpCommand)(pull)
     return app
 
 

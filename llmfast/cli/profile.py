@@ -166,17 +166,25 @@ def _workers_note(backend: str, world_size: int) -> str:
 
 
 def _phase_table(phases, async_scheduling: bool, workers_note: str | None = None):
+    """The phase table; on a CPU (no CUDA events) the device columns, empty, are left
+    out and the title says the times are host times."""
     from rich.table import Table
 
     from llmfast.profiling.phase_timing import PHASE_COLUMNS, phases_table_rows
 
+    rows = phases_table_rows(phases)
+    timed = any(s.device_ms is not None for s in phases.values())
+    keep = [i for i, col in enumerate(PHASE_COLUMNS)
+            if timed or col not in ("device ms/call", "host overlapped")]
     mode = "async scheduling" if async_scheduling else "synchronous loop"
+    source = "device time from CUDA events" if timed else "host time; no device timing on CPU"
     caption = ("host overlapped: the share of the phase's host time spent while the device "
-               "computed a forward or a sample")
-    table = Table(title=f"engine phases ({mode}; device time from CUDA events)",
-                  caption=caption + (f"\n{workers_note}" if workers_note else ""))
-    for col in PHASE_COLUMNS:
-        table.add_column(col, justify="left" if col == "phase" else "right")
-    for row in phases_table_rows(phases):
-        table.add_row(*row)
+               "computed a forward or a sample") if timed else None
+    notes = [n for n in (caption, workers_note) if n]
+    table = Table(title=f"engine phases ({mode}; {source})",
+                  caption="\n".join(notes) if notes else None)
+    for i in keep:
+        table.add_column(PHASE_COLUMNS[i], justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
     return table

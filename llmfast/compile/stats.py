@@ -1,12 +1,15 @@
-"""What compiling and capturing did: counts, times, cache use, graph memory."""
+"""What compiling and capturing did: counts, times, cache use; graph memory (the CUDA
+graphs' share, `GraphStats`, filled by their capture)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmfast.cuda_graphs.stats import GraphStats
+
 
 @dataclass
-class CompileStats:
+class CompileStats(GraphStats):
     num_dynamo_graphs: int = 0  # graphs the backend compiled; 1 means no recompiles
     precompiled: bool = False  # loaded what a cold start traced: no Dynamo at all
     num_pieces: int = 0  # pieces compiled by Inductor (num_layers + 1 for Llama)
@@ -17,11 +20,6 @@ class CompileStats:
     cache_dir: str | None = None
     cache_hits: int = 0  # FX-graph + AOTAutograd cache hits while compiling
     cache_misses: int = 0
-    captured_sizes: tuple[int, ...] = ()  # token counts with CUDA graphs, ascending
-    num_cuda_graphs: int = 0  # piecewise graphs: pieces x sizes
-    full_graph_sizes: tuple[int, ...] = ()  # uniform-decode sizes with a full graph
-    capture_time_s: float = 0.0
-    graph_memory_bytes: int = 0  # device memory taken by capture (pool + graph objects)
 
     def record_pieces(self, kinds: list[str], num_shared: int) -> None:
         """The split graph's pieces (`split_graph`'s kinds, in call order)."""

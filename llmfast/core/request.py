@@ -15,7 +15,7 @@ does not walk either (CPython stops tracking a tuple of ints at its first collec
 array holds no Python objects). A list would be walked element by element on every full
 collection: with 10 000 waiting requests of 1000-token prompts, a full collection took
 149 ms on the CPU VM with two such lists each, 16 ms now
-(scripts/bench_request_gc.py; profiles/cpu-2026-11-27f-session25.md).
+(profiles/serving.md).
 """
 
 from __future__ import annotations

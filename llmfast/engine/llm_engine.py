@@ -30,7 +30,7 @@ from llmfast.sampling_params import SamplingParams
 from llmfast.utils.progress import Progress
 
 if TYPE_CHECKING:
-    from llmfast.executor.runner_info import RunnerInfo
+    from llmfast.worker.runner_info import RunnerInfo
     from llmfast.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

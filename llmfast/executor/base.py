@@ -34,8 +34,8 @@ from llmfast.executor.errors import PEER_DEATH_GRACE_S, ExecutorError, WorkerFai
 
 if TYPE_CHECKING:
     from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from llmfast.executor.runner_info import RunnerInfo
-    from llmfast.executor.worker import WorkerReady
+    from llmfast.worker.runner_info import RunnerInfo
+    from llmfast.worker.worker import WorkerReady
     from llmfast.utils.progress import Progress
     from llmfast.worker.model_runner import ModelRunner
 

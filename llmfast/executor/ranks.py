@@ -8,8 +8,7 @@ import dataclasses
 import torch
 
 from llmfast.config import ConfigError, EngineConfig
-from llmfast.utils.host_memory import available_host_memory
-from llmfast.worker.startup.kv_cache_sizing import DEFAULT_CPU_KV_CACHE_BYTES
+from llmfast.worker.startup.kv_cache_sizing import cpu_rank_cache
 
 
 def rank_devices(device: str, world_size: int) -> list[str]:
@@ -32,10 +31,8 @@ def rank_config(config: EngineConfig, device: str, world_size: int) -> EngineCon
     out of the same host memory, a share of the default KV budget (so N ranks together
     take what one process would)."""
     cache = config.cache
-    if (torch.device(device).type == "cpu" and cache.kv_cache_memory is None
-            and cache.num_gpu_blocks_override is None and world_size > 1):
-        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, available_host_memory() // 4)
-        cache = dataclasses.replace(cache, kv_cache_memory=max(1, budget // world_size))
+    if torch.device(device).type == "cpu":
+        cache = cpu_rank_cache(cache, world_size)
     return dataclasses.replace(config, device=device, cache=cache)
 
 

@@ -5,11 +5,15 @@ costs what it cost before there were executors (one Python call more)."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from llmfast.executor.base import Executor
-from llmfast.executor.runner_info import RunnerInfo, runner_info
+from llmfast.worker.runner_info import RunnerInfo, runner_info
 from llmfast.worker.model_runner import ModelRunner
+from llmfast.worker.startup.cpu_threads import configure_cpu_threads, sample_cpu_times
 
 if TYPE_CHECKING:
     from llmfast.config import EngineConfig
@@ -32,8 +36,14 @@ class UniExecutor(Executor):
                    progress: Progress | None = None) -> int:
         if progress:
             progress("loading weights", None)
+        on_cpu = torch.device(self._config.device).type == "cpu"
+        # The load of other processes, measured while the weights load: it sets the
+        # intra-op threads before the first step (worker/startup/cpu_threads.py).
+        started, before = time.perf_counter(), sample_cpu_times() if on_cpu else None
         self._runner = ModelRunner(self._config, self._source, eos_token_ids=eos_token_ids,
                                    progress=progress)
+        if on_cpu:
+            configure_cpu_threads(before, started)
         return self._runner.initialize(progress)
 
     def set_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> None:

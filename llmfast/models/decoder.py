@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention.metadata import AttentionMetadata
+from llmfast.attention.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.config import ModelConfig
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.layers.rotary import rope_fuses_into_attention
-from llmfast.kernels.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.models.parallel_layers import (
     gather_logits,
     row_parallel_linear,
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         cos_sin = self.rotary.cos_sin
         if rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache, self.v_cache):
-            # The op rotates q and k in its KV write (kernels/rope_cache.py): one kernel
+            # The op rotates q and k in its KV write (attention/triton/rope_cache.py): one kernel
             # a layer fewer than rotating here.
             rope_args = (positions, cos_sin, attn_metadata.max_query_len)
         else:

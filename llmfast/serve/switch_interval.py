@@ -7,7 +7,7 @@ and each time it takes it back it waits until the running thread is made to yiel
 every `sys.getswitchinterval()`, 5 ms by default. Beside a thread that is always busy
 (hundreds of streams being written), a 2.5 ms step that lets go twice took 12.6 ms on
 the CPU VM; with 0.5 ms, 3.5 ms, while the busy thread did as much work as before
-(scripts/bench_switch_interval.py; profiles/cpu-2026-11-27f-session25.md).
+(profiles/serving.md).
 
 The server as a whole did not follow that synthetic step. On the H100 (2026-11-27,
 gpu_check `serve_gil`: the 1B, `--api-servers 0`, 256 streams at once) it served 13.3k

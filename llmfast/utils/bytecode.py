@@ -6,7 +6,7 @@ installed packages have no bytecode beside them and Python may not write any (th
 environment sets PYTHONDONTWRITEBYTECODE, as container images often do, or the
 site-packages directory is read-only), every process compiles them all again: 6.5 s of
 `compile()` in a warm start of the 1B shape on an H100 (2026-11-26, a cProfile of
-gpu_check's `startup_profile` step; profiles/h100-2026-11-26c-gpu-check.md).
+gpu_check's former `startup_profile` step; profiles/startup.md).
 
 `keep_bytecode` then points Python at a bytecode cache of llmfast's own
 (`<cache dir>/pycache`, Python's `sys.pycache_prefix` mechanism, as PYTHONPYCACHEPREFIX

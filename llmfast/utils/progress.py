@@ -11,5 +11,16 @@ from collections.abc import Callable
 
 Progress = Callable[[str, float | None], None]
 
+
+class OnceStage(str):
+    """A stage label for work done once per model (its download, its conversion): the
+    CLI shows such a stage as a plain line even where it draws no bar (stderr not a
+    terminal), since it can take a while with nothing else to show for it."""
+
+
+def once_stages(progress: Progress) -> Progress:
+    """`progress`, with every stage reported through it marked as a `OnceStage`."""
+    return lambda stage, fraction: progress(OnceStage(stage), fraction)
+
 # `progress(done, total)`: requests finished so far (LLM.generate, the benchmarks).
 CountProgress = Callable[[int, int], None]

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmfast.sampling_params import SamplingParams
+from llmfast.sampling_params import SamplingParams, seed_to_int64
 from llmfast.worker.block_table import BlockTable
 from llmfast.worker.buffers import CpuGpuBuffer
-from llmfast.worker.sampling.sampler import seed_to_int64
 
 # Written where a sampled token's value is not known on the host yet; never a valid id,
 # so a placeholder that reached the model unfilled fails loudly instead of passing.

@@ -1,4 +1,4 @@
-"""`ModelRunner`: load -> measure memory -> allocate the KV cache -> (compile, capture)
+"""`ModelRunner`: load -> measure memory -> allocate the KV cache -> compile -> capture
 -> `execute()` one scheduler step at a time.
 
 The runner keeps its own per-request state, so each step applies only the
@@ -26,31 +26,22 @@ import time
 
 import torch
 
-from llmfast.compile import CompiledModel
+from llmfast.attention.triton.launch import tune_model_prefill_tiles
+from llmfast.attention.workspaces import AttentionWorkspaces, arrivals_bound
+from llmfast.compile import CompiledModel, CompileStats
 from llmfast.config import EngineConfig, dtype_name, kv_cache_torch_dtype
 from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import TensorParallelGroup, min_across_ranks
-from llmfast.graphs.dispatch import RunnerKind
-from llmfast.kernels.attention import tune_model_prefill_tiles
+from llmfast.cuda_graphs.dispatch import RunnerKind
+from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
 from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
-from llmfast.kernels.workspaces import AttentionWorkspaces, arrivals_bound
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.utils.progress import Progress
-from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
-from llmfast.worker.startup.kernel_precompile import precompile_kernels
-from llmfast.worker.startup.kv_cache_sizing import (
-    allocate_kv_cache,
-    check_fits_one_request,
-    kv_block_bytes,
-    num_cpu_blocks,
-    num_gpu_blocks,
-)
-from llmfast.worker.startup.memory_profile import profile_peak_memory
 from llmfast.worker.placeholders import PlaceholderFill, record_placeholders, write_sampled_tokens
 from llmfast.worker.sampling.prompt_logprobs import (
     PromptLogprobsPlan,
@@ -60,10 +51,21 @@ from llmfast.worker.sampling.prompt_logprobs import (
 )
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
+from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
+from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
+from llmfast.worker.startup.graph_memory import estimate_graph_memory
+from llmfast.worker.startup.kernel_precompile import DryBatch, dry_batches, precompile_kernels
+from llmfast.worker.startup.kv_cache_sizing import (
+    allocate_kv_cache,
+    check_fits_one_request,
+    kv_block_bytes,
+    num_cpu_blocks,
+    num_gpu_blocks,
+)
+from llmfast.worker.startup.memory_profile import profile_peak_memory
 from llmfast.worker.state_updates import update_states
 from llmfast.worker.step_inputs import StepInputs
 from llmfast.worker.step_output import OutputCopier, PendingStep
-from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         # The KV cache's element type: the model's, or float8_e4m3fn (--kv-cache-dtype
-        # fp8); the kernels convert on write and read (kernels/attention_kernels.py).
+        # fp8); the kernels convert on write and read (attention/triton/kernels.py).
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.eos_token_ids = eos_token_ids
         sched = config.scheduler
@@ -127,11 +129,16 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
                                       self.max_num_tokens, self.block_size, self.device)
         self.sampler = Sampler()
-        # Eager passthrough under enforce_eager; else piecewise compile (+ CUDA graphs).
-        self.compiled = CompiledModel(
-            self.model, config.compile, self.device, self.max_num_tokens,
-            max_num_reqs=self.max_num_reqs,
+        # The CUDA graphs (none under enforce_eager or on the CPU), and the compiled model
+        # whose pieces they wrap: eager passthrough under enforce_eager, else the
+        # piecewise compile. One stats object: what compiling and capturing did.
+        stats = CompileStats()
+        self.cuda_graphs = ModelCudaGraphs(
+            config.compile, self.device, self.max_num_tokens, max_num_reqs=self.max_num_reqs,
             graph_impl="emulated" if config.compile.emulate_cuda_graphs else "auto",
+            stats=stats)
+        self.compiled = CompiledModel(
+            self.model, config.compile, self.device, graphs=self.cuda_graphs, stats=stats,
             # Not under tensor parallelism: every rank would have to load alike, and
             # the saving start's check runs a forward (collectives) on one rank's say.
             precompile=self.tp_group.world_size == 1)
@@ -155,12 +162,10 @@ class ModelRunner:
 
         Order on CUDA: tune the prefill attention tiles no table knows yet -> compile
         the Triton variants the rest will launch, in threads (dry forwards) -> profile
-        the largest step on a scratch cache -> compile and capture on that scratch cache
-        (the piecewise graphs never touch the KV cache, so rebinding it later needs no
-        recapture) -> size the KV cache from what is left (graph memory of both kinds
-        known: the full graphs' from the largest one's capture) -> capture the full
-        graphs of every size on the real cache (they read it; the measured one's pool
-        memory is reused).
+        the largest step on a scratch cache, and estimate what the CUDA graphs will take
+        (startup/graph_memory.py) -> size the KV cache from what is left and allocate it
+        -> compile the model and capture every CUDA graph once, on the real cache (the
+        full graphs read it). Elsewhere: size (from the config), allocate, compile.
         """
         model_cfg = self.model.rank_config  # this rank's KV heads
         t0 = time.perf_counter()
@@ -177,7 +182,8 @@ class ModelRunner:
             progress("compiling the attention and layer kernels", None)
         failed = False
         try:
-            precompiled = precompile_kernels(self)
+            precompiled = precompile_kernels(self.model, self._dry_batches(), self.block_size,
+                                             self.kv_dtype, self.device)
         except Exception as exc:  # noqa: BLE001 - an optimisation: the launches compile
             # Nothing is lost: each variant compiles at its first launch, as without the
             # precompile (counted below, so the start-up report shows the failure).
@@ -204,7 +210,7 @@ class ModelRunner:
         """`initialize` after the prefill tiles are tuned (see there)."""
         cfg = self.config
         model_cfg = self.model.rank_config
-        captured = False
+        graph_reserve = None
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self._sizes_cache_by_profiling():
@@ -212,20 +218,20 @@ class ModelRunner:
             peak = profile_peak_memory(self.model, self.sampler, self.max_num_tokens,
                                        self.max_num_reqs, self.block_size, self.kv_dtype,
                                        self.device, self.max_model_len)
+            # (The profile leaves one-block scratch caches bound: what this runs on.)
+            graph_reserve = estimate_graph_memory(self.model, self.capture_inputs,
+                                                  self.cuda_graphs, self.device)
             self.startup_times["profile"] = time.perf_counter() - t0
-            # The full graphs read the KV cache: captured on the real one below (only
-            # the largest now, to measure them).
-            graph_bytes = self._compile_and_capture(progress, full_graphs_later=True)
-            captured = True
             num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.kv_dtype, self.device,
-                                        peak + graph_bytes)
+                                        peak + graph_reserve)
         else:
             num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.kv_dtype)
         # Every rank's cache holds the blocks the one scheduler hands out: the fewest.
         num_blocks = min_across_ranks(num_blocks, self.tp_group, self.device)
         t0 = time.perf_counter()
         block_bytes = kv_block_bytes(model_cfg, self.block_size, self.kv_dtype)
-        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
+        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes,
+                               self.device, cfg.cache)
         if progress:
             progress(f"allocating KV cache: {num_blocks} blocks "
                      f"({dtype_name(self.kv_dtype)})", None)
@@ -241,16 +247,26 @@ class ModelRunner:
                 self.max_num_tokens, self.max_num_reqs, model_cfg.num_key_value_heads))
         self.num_blocks = num_blocks
         self.startup_times["kv_cache"] = time.perf_counter() - t0
-        if captured and self.compiled.full_graphs is not None:
-            # Full graphs read the KV cache: capture them on the real one.
-            self.compiled.recapture_full(self.capture_inputs.full_forward)
-            self.startup_times["capture"] = self.compiled.stats.capture_time_s
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks,
                     self.block_size, num_blocks * block_bytes / 2**20,
                     dtype_name(self.kv_dtype))
-        if not captured:
-            self._compile_and_capture(progress)
+        graph_bytes = compile_and_capture(self.capture_inputs, self.cuda_graphs, progress,
+                                          self.startup_times)
+        if graph_reserve is not None and graph_bytes:
+            # What the graphs took against what the KV cache was sized to leave them.
+            log = logger.warning if graph_bytes > graph_reserve else logger.info
+            log("the CUDA graphs took %.0f MiB (%.0f MiB were left for them)",
+                graph_bytes / 2**20, graph_reserve / 2**20)
         return num_blocks
+
+    def _dry_batches(self) -> list[DryBatch]:
+        """The batches whose dry forwards compile every Triton variant the start-up and
+        the first steps launch (worker/startup/kernel_precompile.py)."""
+        graphs = self.cuda_graphs
+        full = graphs.capture_sizes if graphs.full is not None else ()
+        return dry_batches(self.capture_inputs, self.max_num_tokens, self.max_num_reqs,
+                           self.block_size, self.max_model_len,
+                           graphs.piecewise_capture_sizes or graphs.capture_sizes, full)
 
     def _precompiles_kernels(self) -> bool:
         """Whether the start-up compiles its Triton variants in threads ahead of their
@@ -264,11 +280,6 @@ class ModelRunner:
         config. A method, so that a CPU test can run that order (tests/test_full_graphs.py)."""
         return self.device.type == "cuda"
 
-    def _compile_and_capture(self, progress: Progress | None,
-                             full_graphs_later: bool = False) -> int:
-        return compile_and_capture(self.capture_inputs, self.config.compile.enforce_eager,
-                                   progress, self.startup_times, full_graphs_later)
-
     def _full_inputs(self, size: int) -> list[torch.Tensor]:
         """What a full graph of `size` reads (the persistent buffers, the KV caches)."""
         return self.capture_inputs.full_inputs(size)
@@ -277,7 +288,7 @@ class ModelRunner:
 
     def padded_num_tokens(self, num_tokens: int, uniform_decode: bool = False) -> int:
         """The token count the step runs at (CUDA-graph sizes pad; eager does not)."""
-        return self.compiled.padded_num_tokens(num_tokens, uniform_decode)
+        return self.cuda_graphs.padded_num_tokens(num_tokens, uniform_decode)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids (the synchronous loop)."""
@@ -301,7 +312,7 @@ class ModelRunner:
             if out.total_num_scheduled_tokens == 0 or n == 0:
                 return None
             md, dispatch, num_sched, sampling_rows = self.inputs.prepare(
-                out, batch, self.compiled.dispatcher, self.placeholders)
+                out, batch, self.cuda_graphs.dispatcher, self.placeholders)
             num_padded = dispatch.descriptor.num_tokens
             metadata = build_sampling_metadata(batch, n, self.vocab_size, self.eos_token_ids,
                                                self.sampling_staging,
@@ -317,10 +328,10 @@ class ModelRunner:
             # One token per row, in row order: the graph's logits rows are the rows'.
             # The graph's inputs are listed only for the debug check: ~50 us of module
             # attribute reads per step for a 16-layer model.
-            inputs = (self._full_inputs(num_padded) if self.compiled.checks_static_addresses
+            inputs = (self._full_inputs(num_padded) if self.cuda_graphs.checks_static_addresses
                       else ())
             with nvtx_range(f"forward[{num_padded} full graph]", self.phase_timer):
-                logits = self.compiled.replay_full(num_padded, inputs)[:n]
+                logits = self.cuda_graphs.replay_full(num_padded, inputs)[:n]
             hidden = None
         else:
             with nvtx_range(f"forward[{num_padded}]", self.phase_timer):

@@ -13,9 +13,9 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
+from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.core.scheduler_output import SchedulerOutput
-from llmfast.graphs.dispatch import GraphDispatcher, StepDispatch, is_uniform_decode
+from llmfast.cuda_graphs.dispatch import GraphDispatcher, StepDispatch, is_uniform_decode
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.placeholders import PlaceholderFill

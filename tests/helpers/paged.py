@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
-from llmfast.bench.static_batch import shuffled_blocks
-from llmfast.kernels.workspaces import AttentionWorkspaces
+from llmfast.attention.metadata import AttentionMetadata
+from tests.helpers.static_buffers import shuffled_blocks
+from llmfast.attention.workspaces import AttentionWorkspaces
 from llmfast.models.decoder import DecoderForCausalLM
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from llmfast.sampling_params import SamplingParams
-from llmfast.worker.sampling.sampler import seed_to_int64
+from llmfast.sampling_params import seed_to_int64
 from llmfast.worker.sampling.sampling_metadata import LogitRules, SamplingMetadata
 
 

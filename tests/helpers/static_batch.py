@@ -1,4 +1,4 @@
-"""The static batch of `llmfast.bench.static_batch` with a step function for tests: a
+"""The static batch of `tests/helpers/static_buffers.py` with a step function for tests: a
 step writes its inputs into the fixed buffers and pads them to `pad(n)` tokens, using
 `tests/helpers/paged.py`'s step arithmetic (one naive loop, shared with the paged
 harness)."""
@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from llmfast.bench.static_batch import Forward
-from llmfast.bench.static_batch import StaticBatch as _Buffers
+from tests.helpers.static_buffers import Forward
+from tests.helpers.static_buffers import StaticBatch as _Buffers
 from tests.helpers.paged import step_inputs
 
 

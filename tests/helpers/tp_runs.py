@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from llmfast.distributed import TensorParallelGroup
+from tests.helpers.compiled import compiled_model
 from tests.helpers.paged import PagedSequences
 
 
@@ -112,14 +113,13 @@ def compiled_logits(group: TensorParallelGroup, spec: str, prompts: list[list[in
                     next_ids: list[int]) -> np.ndarray:
     """`model_logits` through torch.compile with the piecewise backend, its pieces run
     as FX code (no Inductor): Dynamo's trace of the collectives and the split."""
-    from llmfast.compile import CompiledModel
     from llmfast.config import CompileConfig
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
 
     model = build_model(resolve_model(spec), torch.float32, "cpu", max_positions=128, seed=0,
                         tp=group)
-    compiled = CompiledModel(model, CompileConfig(use_compile_cache=False), "cpu", 256,
+    compiled = compiled_model(model, CompileConfig(use_compile_cache=False), "cpu", 256,
                              piece_compiler="eager")
     seqs = PagedSequences(model, len(prompts), max_len=96, block_size=4, forward=compiled)
     prefill = seqs.step(dict(enumerate(prompts)))

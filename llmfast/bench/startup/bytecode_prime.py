@@ -28,7 +28,7 @@ PRIME_IMPORTS: tuple[tuple[str, str | None], ...] = (
     ("llmfast.llm", None),
     ("llmfast.worker.model_runner", None),
     ("llmfast.compile.compiled_model", None),
-    ("llmfast.kernels.attention", None),
+    ("llmfast.attention.triton.launch", None),
     ("llmfast.kernels.layers.triton_kernels", None),
     ("torch._dynamo", None),
     ("torch._inductor.compile_fx", None),

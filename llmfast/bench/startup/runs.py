@@ -5,7 +5,7 @@ Both children get the same cache root: `LLMFAST_CACHE` (llmfast's compile cache,
 holds Inductor's FX-graph, AOTAutograd and autotuning caches), `TORCHINDUCTOR_CACHE_DIR`
 (Inductor outside llmfast's compile) and `TRITON_CACHE_DIR` (llmfast's own Triton
 kernels). The cold child starts with the root empty; the warm one is the same command
-again. Each child (`llmfast.bench.startup.child`) writes its figures to a JSON file;
+again. Each child (`llmfast.cli.startup_child`) writes its figures to a JSON file;
 nothing is printed by this module.
 
 Python's bytecode is not one of those caches: a cold start finds it as the installation
@@ -186,13 +186,13 @@ def _cold_and_warm(model: str, engine_args: dict[str, Any], root: Path,
 
 def run_child(model: str, engine_args: dict[str, Any], root: Path,
               timeout_s: float | None = None) -> StartupRun:
-    """One fresh `python -m llmfast.bench.startup.child` with its caches under `root`."""
+    """One fresh `python -m llmfast.cli.startup_child` with its caches under `root`."""
     env = child_env(root)
     with tempfile.TemporaryDirectory(prefix="llmfast_child_") as tmp:
         out = Path(tmp) / "startup.json"
         spec = json.dumps({"model": model, "engine_args": engine_args})
         spawned = time.time()
-        _run_module("llmfast.bench.startup.child", [spec, str(out)], env, timeout_s,
+        _run_module("llmfast.cli.startup_child", [spec, str(out)], env, timeout_s,
                     "the start-up process", writes=out)
         exited = time.time()
         data = json.loads(out.read_text())

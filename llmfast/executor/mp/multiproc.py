@@ -32,7 +32,7 @@ from llmfast.executor.errors import (
 from llmfast.executor.mp.processes import WorkerProcess
 from llmfast.utils.child_processes import stop_children
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config, rank_devices
-from llmfast.executor.worker import WorkerReady, WorkerSpec
+from llmfast.worker.worker import WorkerReady, WorkerSpec
 from llmfast.utils.ports import free_port
 
 if TYPE_CHECKING:

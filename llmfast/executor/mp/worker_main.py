@@ -34,7 +34,7 @@ def _report(conn: Connection, rank: int, error: BaseException, during: str) -> N
 
 
 def serve(conn: Connection) -> int:
-    from llmfast.executor.worker import Worker, WorkerSpec
+    from llmfast.worker.worker import Worker, WorkerSpec
 
     spec: WorkerSpec = messages.decode(conn.recv_bytes())[1]
     logging.basicConfig(level=_log_level(), stream=sys.stderr,

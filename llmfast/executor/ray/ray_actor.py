@@ -15,7 +15,7 @@ import pickle
 import socket
 
 from llmfast.core.scheduler_output import ModelRunnerOutput
-from llmfast.executor.worker import Worker, WorkerReady, WorkerSpec
+from llmfast.worker.worker import Worker, WorkerReady, WorkerSpec
 from llmfast.utils.errors import one_line
 
 

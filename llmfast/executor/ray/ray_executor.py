@@ -35,7 +35,7 @@ from llmfast.executor.errors import (
 )
 from llmfast.utils.child_processes import child_python_path
 from llmfast.executor.ranks import cpu_threads_per_rank, rank_config
-from llmfast.executor.worker import WorkerReady, WorkerSpec
+from llmfast.worker.worker import WorkerReady, WorkerSpec
 from llmfast.utils.errors import one_line
 
 if TYPE_CHECKING:

@@ -1,1 +1,2 @@
-"""CPU paths: paged attention in plain torch and prepacked (blocked) linear layers."""
+"""CPU paths of the layers: prepacked (blocked) linear layers. (The CPU attention backend is
+`llmfast/attention/cpu.py`.)"""

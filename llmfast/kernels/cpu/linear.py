@@ -6,8 +6,8 @@ on our 2-core EPYC, a third of what one `sum` over the same bytes reaches (~31 G
 using one thread or two makes no difference. Viewing the weight [N, K] as T row blocks
 [T, N / T, K] and running one `bmm` against the activations shared across the batch
 (a stride-0 expand, no copy) lets torch spread the T GEMMs over its threads: 2.4x faster
-for SmolLM2's projections at one token, 1.4x at 8, 1.15x at 32 (`scripts/bench_cpu_linear.py`;
-engine-level figures in `profiles/cpu-engine.md`). The lm_head gains up to ~128 rows.
+for SmolLM2's projections at one token, 1.4x at 8, 1.15x at 32 (engine-level
+figures in `profiles/cpu.md`). The lm_head gains up to ~128 rows.
 
 The result for row m, column n is the same dot product over K in both forms, so the two
 paths agree to fp32 rounding.

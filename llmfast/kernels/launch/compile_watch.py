@@ -4,7 +4,7 @@ A kernel variant that start-up did not compile costs the first step that needs i
 ~1-2 s (its compilation, or a load from Triton's disk cache when an earlier process
 compiled it), and a benchmark that times such a step measures the compiler. On an H100
 (2026-11-26) mixed steps of 2-16 requests each took 1.9 s that way while a split count
-was a constexpr (kernels/attention_kernels.py). `TritonCompileWatch` makes that visible:
+was a constexpr (attention/triton/kernels.py). `TritonCompileWatch` makes that visible:
 the benchmarks run their timed part inside one and report what it saw.
 
 It uses Triton's process-wide JIT hooks (`triton.knobs.runtime.jit_cache_hook`, called

@@ -4,5 +4,5 @@ residual add) and rotary embedding, each one Triton kernel on CUDA and torch ops
 - `rms_norm.py`, `rotary.py`: what the model calls (eager: directly; compiled: through
   the triton ops of `triton_ops.py`, which Inductor launches from its pieces);
 - `triton_kernels.py`: the Triton kernels (imports Triton; loaded on first use);
-- `switch.py`: `LLMFAST_LAYER_KERNELS=0` selects the torch ops everywhere.
+- `kernel_choice.py`: `LLMFAST_LAYER_KERNELS=0` selects the torch ops everywhere.
 """

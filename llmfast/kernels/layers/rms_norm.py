@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmfast.kernels.layers.switch import launchable, takes_layer_kernels
+from llmfast.kernels.layers.kernel_choice import launchable, takes_layer_kernels
 
 _MAX_COLS = 16384  # one row per program, held whole in registers
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from llmfast.kernels.layers.kernel_choice import launchable, takes_layer_kernels
 from llmfast.kernels.layers.rotary_reference import rope_cache_takes, rotary_reference
-from llmfast.kernels.layers.switch import launchable, takes_layer_kernels
 
 __all__ = ["rope_fuses_into_attention", "rotary_impl", "rotary_reference"]
 
@@ -29,7 +29,7 @@ def rope_fuses_into_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cos_sin: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor) -> bool:
     """Whether the attention op can rotate q and k itself, in its KV write
-    (kernels/rope_cache.py), instead of this module's kernel before it: the layer
+    (attention/triton/rope_cache.py), instead of this module's kernel before it: the layer
     kernels are on for q's device and the kernel takes the inputs (`rope_cache_takes`,
     which rope_cache.py checks again when it plans a launch). Static properties only
     (traced)."""

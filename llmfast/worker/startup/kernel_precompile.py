@@ -12,7 +12,7 @@ arguments, and hence the variant, that the real one will):
   tiles), the largest piecewise size a one-request prefill;
 - the full graphs' uniform decode batch at the largest full size.
 A decode launch's tiles do not depend on its batch, nor a prefill's beyond its class (one
-request or several: kernels/attention_config.py), so these cover every size. The
+request or several: attention/triton/launch_config.py), so these cover every size. The
 compiled model's norms are Inductor's copies of the kernels (its compile workers'
 business: compile/workers.py).
 """
@@ -21,41 +21,46 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
+from llmfast.attention.metadata import AttentionMetadata
 from llmfast.kernels.launch.precompile import KernelPrecompiler
+from llmfast.models.decoder import DecoderForCausalLM
+from llmfast.worker.startup.graph_capture import CaptureInputs
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
-
-if TYPE_CHECKING:
-    from llmfast.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+DryBatch = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
 
-def dry_batches(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
-    """(input ids, positions, metadata) of each dry forward (module docstring)."""
-    ids, positions, md, _ = profile_batch(runner.max_num_tokens, runner.max_num_reqs,
-                                          runner.block_size, runner.device,
-                                          runner.max_model_len)
+
+def dry_batches(capture: CaptureInputs, max_num_tokens: int, max_num_reqs: int,
+                block_size: int, max_model_len: int | None, graph_sizes: Sequence[int],
+                full_sizes: Sequence[int]) -> list[DryBatch]:
+    """(input ids, positions, metadata) of each dry forward (module docstring), for a
+    runner whose piecewise graphs (or, eager, its first steps) take `graph_sizes` and
+    whose full graphs `full_sizes` (empty: none)."""
+    device = capture.inputs.input_ids.gpu.device
+    ids, positions, md, _ = profile_batch(max_num_tokens, max_num_reqs, block_size, device,
+                                          max_model_len)
     batches = [(ids, positions, md)]
-    compiled, capture = runner.compiled, runner.capture_inputs
-    piecewise = compiled.piecewise_capture_sizes or compiled.capture_sizes
     # Eager (no graphs): the first steps at those sizes launch the same variants.
-    sizes = sorted({1, 2, max(piecewise, default=runner.max_num_tokens)})
-    batches += [capture.dummy_batch(n) for n in sizes if n <= runner.max_num_tokens]
-    full = compiled.capture_sizes if compiled.full_graphs is not None else ()
-    largest_full = max((s for s in full if s <= runner.max_num_reqs),
-                       default=min(runner.max_num_reqs, runner.max_num_tokens))
+    sizes = sorted({1, 2, max(graph_sizes, default=max_num_tokens)})
+    batches += [capture.dummy_batch(n) for n in sizes if n <= max_num_tokens]
+    largest_full = max((s for s in full_sizes if s <= max_num_reqs),
+                       default=min(max_num_reqs, max_num_tokens))
     batches.append(capture.full_batch(largest_full, dummy=True))
     return batches
 
 
-def precompile_kernels(runner: ModelRunner) -> int | None:
-    """Compile every variant the dry forwards launch, in threads, and wait for them;
-    returns how many, or None where Triton has no asynchronous compile. Leaves one-block
-    KV caches bound.
+def precompile_kernels(model: DecoderForCausalLM, batches: Sequence[DryBatch],
+                       block_size: int, kv_dtype: torch.dtype, device: torch.device
+                       ) -> int | None:
+    """Compile every variant the dry forwards of `batches` launch, in threads, and wait
+    for them; returns how many, or None where Triton has no asynchronous compile. Leaves
+    one-block KV caches bound.
 
     The wait comes at once rather than at each variant's first launch: Triton 3.6 keeps
     a submitted compile out of the kernel's cache until it is finalized (3.7 puts its
@@ -67,15 +72,15 @@ def precompile_kernels(runner: ModelRunner) -> int | None:
     if not precompiler.available:
         return None
     start = time.perf_counter()
-    bind_one_block_caches(runner.model, runner.block_size, runner.kv_dtype, runner.device)
+    bind_one_block_caches(model, block_size, kv_dtype, device)
     try:
         with torch.inference_mode(), precompiler.dry_launches():
-            for ids, positions, md in dry_batches(runner):
-                runner.model(ids, positions, md)
+            for ids, positions, md in batches:
+                model(ids, positions, md)
     finally:
         submitted = time.perf_counter() - start
         waited = precompiler.wait()
-    if runner.device.type == "cuda":
+    if device.type == "cuda":
         # The dry forwards' activations (the largest step's), cached by the allocator:
         # given back before anything is sized (the memory profile does so too, but a
         # configured block count skips it).

@@ -3,11 +3,13 @@ the cache's allocation, refused with one line when it does not fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from llmfast.config import CacheConfig, ModelConfig
+from llmfast.config import CacheConfig, EngineConfig, ModelConfig, kv_cache_torch_dtype
+from llmfast.models.sharding import rank_model_config
 from llmfast.utils.host_memory import available_host_memory
 
 logger = logging.getLogger(__name__)
@@ -24,22 +26,24 @@ class KVCacheOutOfMemory(ValueError):
     """The KV cache asked for does not fit in memory; one user-facing line."""
 
 
+def kv_cache_size_flag(device: torch.device, cache: CacheConfig) -> str:
+    """The flag that sizes the KV cache on `device` as configured: the one a memory error
+    tells the user to change (--gpu-memory-utilization means nothing on a CPU)."""
+    if cache.num_gpu_blocks_override is not None:
+        return "--num-gpu-blocks-override"
+    if cache.kv_cache_memory is not None or device.type != "cuda":
+        return "--kv-cache-memory"
+    return "--gpu-memory-utilization"
+
+
 def kv_cache_out_of_memory(num_blocks: int, block_bytes: int, available: int | None,
                            device: torch.device, cache: CacheConfig) -> KVCacheOutOfMemory:
     """The error naming what was asked, what is there, and the setting to lower."""
-    if cache.num_gpu_blocks_override is not None:
-        setting = "num_gpu_blocks_override"
-    elif cache.kv_cache_memory is not None:
-        setting = "--kv-cache-memory"
-    elif device.type == "cuda":
-        setting = "--gpu-memory-utilization"
-    else:
-        setting = "--kv-cache-memory"
     there = "unknown" if available is None else f"{available / GiB:.2f} GiB"
     return KVCacheOutOfMemory(
         f"cannot allocate the KV cache: {num_blocks * block_bytes / GiB:.2f} GiB asked "
         f"({num_blocks} blocks of {block_bytes} bytes), {there} available on {device}; "
-        f"lower {setting}")
+        f"lower {kv_cache_size_flag(device, cache)}")
 
 
 def check_kv_cache_fits_host(num_blocks: int, block_bytes: int, device: torch.device,
@@ -79,10 +83,20 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> i
     return per_token * block_size
 
 
-def num_cpu_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+def default_cpu_kv_cache_bytes(available: int) -> int:
+    """The CPU KV cache's bytes when --kv-cache-memory is not set: 1 GiB, or a quarter of
+    the `available` host memory where that is less."""
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, available // 4)
+
+
+def num_cpu_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
+                   available: int | None = None) -> int:
+    """Blocks of the CPU KV cache: --kv-cache-memory's worth, else the default share of
+    `available` host memory (default: what the kernel reports now)."""
     budget = cache.kv_cache_memory
     if budget is None:
-        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, available_host_memory() // 4)
+        budget = default_cpu_kv_cache_bytes(
+            available_host_memory() if available is None else available)
     return budget // kv_block_bytes(model, cache.block_size, dtype)
 
 
@@ -91,8 +105,8 @@ def num_gpu_blocks(
     peak_bytes: int,
 ) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device after the profiled peak
-    (weights + the largest forward's activations + CUDA graphs, measured by the caller);
-    with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
+    (weights + the largest forward's activations + the CUDA graphs' estimate, from the
+    caller); with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
     one GPU, e.g. benchmarks comparing executors)."""
     block_bytes = kv_block_bytes(model, cache.block_size, dtype)
     free, total = torch.cuda.mem_get_info(device)
@@ -148,17 +162,62 @@ def gpu_kv_budget(total: int, used_by_others: int, utilization: float, peak_byte
 
 
 def check_fits_one_request(num_blocks: int, block_size: int, max_model_len: int,
-                           block_bytes: int) -> None:
+                           block_bytes: int, device: torch.device, cache: CacheConfig) -> None:
+    """A KVCacheTooSmall naming the flag that fixes it on `device` unless one sequence of
+    max_model_len tokens fits in the cache."""
     usable = num_blocks - 1  # block 0 is the null block
     needed = -(-max_model_len // block_size)
+    flag = kv_cache_size_flag(device, cache)
     if usable < 1:
         raise KVCacheTooSmall(
             f"KV cache memory too small: not even one block of {block_bytes} bytes fits; "
-            "raise --kv-cache-memory / --gpu-memory-utilization or lower --block-size"
+            f"raise {flag} or lower --block-size"
         )
     if usable < needed:
+        if flag == "--kv-cache-memory":  # the size that would do, in the flag's own units
+            flag += f" to {(needed + 1) * block_bytes / GiB:.2f}GiB"
         raise KVCacheTooSmall(
             f"KV cache holds {usable * block_size} tokens, fewer than max-model-len "
-            f"{max_model_len}; raise --kv-cache-memory / --gpu-memory-utilization or lower "
-            "--max-model-len"
+            f"{max_model_len}; raise {flag} or lower --max-model-len to "
+            f"{usable * block_size}"
         )
+
+
+def cpu_rank_cache(cache: CacheConfig, world_size: int,
+                   available: int | None = None) -> CacheConfig:
+    """One CPU rank's cache config: where every rank's KV cache comes out of the same host
+    memory, a share of the default budget, so that N ranks together take what one process
+    would. `available`: host bytes free (default: now)."""
+    if cache.kv_cache_memory is not None or cache.num_gpu_blocks_override is not None \
+            or world_size == 1:
+        return cache
+    budget = default_cpu_kv_cache_bytes(
+        available_host_memory() if available is None else available)
+    return dataclasses.replace(cache, kv_cache_memory=max(1, budget // world_size))
+
+
+def fit_cpu_max_model_len(config: EngineConfig, available: int | None = None) -> EngineConfig:
+    """On a CPU, where the KV cache's size is known before anything is loaded: `config`
+    with max-model-len cut to what the cache holds, where that is less (logged in one
+    line), so that a preset with a long context still starts (qwen3-0.6b: 4656 of its
+    8192 tokens in the default 1 GiB of float32). For a max-model-len the user did not
+    set; one they set is checked by `check_fits_one_request`, as is a cache that cannot
+    hold one block. `available`: host bytes free (default: now)."""
+    world = config.parallel.tensor_parallel_size
+    cache = cpu_rank_cache(config.cache, world, available)
+    model = rank_model_config(config.model, world)  # one rank's KV heads
+    kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, config.torch_dtype)
+    if cache.num_gpu_blocks_override is not None:
+        num_blocks = cache.num_gpu_blocks_override
+    else:
+        num_blocks = num_cpu_blocks(cache, model, kv_dtype, available)
+    holds = (num_blocks - 1) * cache.block_size  # block 0 is the null block
+    max_model_len = config.scheduler.max_model_len
+    if holds < 1 or holds >= max_model_len:
+        return config
+    cache_mib = num_blocks * kv_block_bytes(model, cache.block_size, kv_dtype) / 2**20
+    logger.warning("max-model-len %d, what the KV cache holds (%.0f MiB; raise %s for "
+                   "more), not %d", holds, cache_mib,
+                   kv_cache_size_flag(torch.device("cpu"), config.cache), max_model_len)
+    return dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, max_model_len=holds))

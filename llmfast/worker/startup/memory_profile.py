@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmfast.attention_metadata import AttentionMetadata
+from llmfast.attention.metadata import AttentionMetadata
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import worst_case_sampling_metadata
@@ -71,9 +71,9 @@ def profile_peak_memory(model: DecoderForCausalLM, sampler: Sampler, max_num_tok
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - sum(
         2 * k.numel() * k.element_size() for k, _ in scratch)
-    # The model still holds the scratch caches: bind one-block ones instead (the
-    # capture's dummy forwards read block 0 alone), so that the scratch memory is
-    # free again before the real cache is sized and allocated beside it.
+    # The model still holds the scratch caches: bind one-block ones instead (the graph
+    # memory estimate's dummy forwards read block 0 alone), so that the scratch memory
+    # is free again before the real cache is sized and allocated beside it.
     bind_one_block_caches(model, block_size, dtype, device)
     del scratch
     torch.cuda.empty_cache()

@@ -1,0 +1,172 @@
+"""Paged attention for CPU runs, vectorised over decode rows.
+
+The reference implementation loops over requests in Python, which at 30 layers and
+dozens of decoding requests costs more than the matmuls. Here:
+- the step's *plan* (which rows decode, their gather indices and masks) depends only on
+  the attention metadata, which is the same for every layer of a step, so it is built
+  once and memoised on the metadata's bytes (a few KiB; hashing them costs microseconds)
+  by the cache owner's `AttentionWorkspaces`, which frees it with the cache;
+- all single-token (decode) rows are served by one gather and one SDPA call per chunk,
+  the GQA group folded into SDPA's query-length axis;
+- prefill chunks use SDPA with an explicit causal mask and `enable_gqa`.
+
+Slots past a request's context in its last block may hold stale values of an earlier
+request: they are masked out of the softmax. They are always finite because the runner
+zero-fills the cache at allocation (0 * NaN would otherwise leak into the output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llmfast.attention.workspaces import AttentionWorkspaces
+
+# Upper bound on gathered key elements per decode chunk (keeps temporaries ~64 MiB fp32).
+_MAX_GATHER_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class _DecodeChunk:
+    tokens: torch.Tensor  # [D] rows of q / out
+    blocks: torch.Tensor  # [D * num_blocks] cache blocks to gather, row-major
+    mask: torch.Tensor  # [D, 1, 1, L] True where the key position is in the context
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class _PrefillRow:
+    q_start: int
+    q_end: int
+    seq_len: int
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)]
+    mask: torch.Tensor  # [num_q, seq_len] causal: query i sees positions <= its own
+
+
+@dataclass(frozen=True)
+class _Plan:
+    decode: tuple[_DecodeChunk, ...]
+    prefill: tuple[_PrefillRow, ...]
+    max_gather_blocks: int  # the most cache blocks one decode chunk or prefill row reads
+    # Gathered keys and values, [2, max_gather_blocks, block_size, kv_heads, head_dim],
+    # allocated by the first layer and reused by the others (keyed by dtype and block
+    # shape, as two caches may share a plan). A fresh
+    # tensor per gather costs more than the gather: large allocations come straight from
+    # mmap, and first-touch page faults on tens of MiB a layer dominated decode at batch 64.
+    workspace: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def gather_buffers(self, cache: torch.Tensor, num_blocks: int):
+        key = (cache.dtype, cache.shape[1:])
+        buf = self.workspace.get(key)
+        if buf is None:
+            buf = cache.new_empty((2, self.max_gather_blocks, *cache.shape[1:]))
+            self.workspace[key] = buf
+        return buf[0, :num_blocks], buf[1, :num_blocks]
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    table = np.ascontiguousarray(block_table.numpy())
+    key = (query_start_loc.numpy().tobytes(), seq_lens.numpy().tobytes(), table.tobytes(),
+           table.shape, block_size, num_kv_heads * head_dim)
+    owner = AttentionWorkspaces.of(k_cache)
+    plan = (owner.cpu_plan(key, lambda: _build_plan(*key)) if owner is not None
+            else _build_plan(*key))
+    for chunk in plan.decode:
+        _decode(q, k_cache, v_cache, chunk, scale, out, plan)
+    for row in plan.prefill:
+        _prefill(q, k_cache, v_cache, row, scale, out, plan)
+
+
+def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
+                table_shape: tuple[int, int], block_size: int, row_elements: int) -> _Plan:
+    starts = np.frombuffer(qsl_bytes, dtype=np.int32).astype(np.int64)
+    lens = np.frombuffer(lens_bytes, dtype=np.int32).astype(np.int64)
+    table = np.frombuffer(table_bytes, dtype=np.int32).reshape(table_shape)
+    num_q = np.diff(starts)
+    decode_rows = np.flatnonzero(num_q == 1)
+    # Longest first, so each chunk pads to a similar length.
+    decode_rows = decode_rows[np.argsort(-lens[decode_rows], kind="stable")]
+    decode = []
+    i = 0
+    while i < len(decode_rows):
+        num_blocks = int(-(-lens[decode_rows[i]] // block_size))
+        per_row = num_blocks * block_size * row_elements
+        rows = decode_rows[i : i + max(1, _MAX_GATHER_ELEMENTS // per_row)]
+        i += len(rows)
+        positions = np.arange(num_blocks * block_size)
+        decode.append(_DecodeChunk(
+            tokens=torch.from_numpy(starts[rows]),
+            blocks=torch.from_numpy(table[rows, :num_blocks].astype(np.int64).reshape(-1)),
+            mask=torch.from_numpy(positions[None, :] < lens[rows, None])[:, None, None, :],
+            num_blocks=num_blocks,
+        ))
+    prefill = []
+    for r in np.flatnonzero(num_q > 1):
+        n, seq_len = int(num_q[r]), int(lens[r])
+        q_pos = np.arange(seq_len - n, seq_len)[:, None]
+        prefill.append(_PrefillRow(
+            q_start=int(starts[r]),
+            q_end=int(starts[r + 1]),
+            seq_len=seq_len,
+            blocks=torch.from_numpy(table[r, : -(-seq_len // block_size)].astype(np.int64)),
+            mask=torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos),
+        ))
+    max_gather_blocks = max(
+        [c.blocks.shape[0] for c in decode] + [r.blocks.shape[0] for r in prefill], default=0
+    )
+    return _Plan(tuple(decode), tuple(prefill), max_gather_blocks)
+
+
+def _gather(k_cache, v_cache, blocks: torch.Tensor, plan: _Plan):
+    keys, values = plan.gather_buffers(k_cache, blocks.shape[0])
+    torch.index_select(k_cache, 0, blocks, out=keys)
+    torch.index_select(v_cache, 0, blocks, out=values)
+    return keys, values
+
+
+def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out, plan: _Plan) -> None:
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_rows = chunk.tokens.shape[0]
+    group = q.shape[1] // num_kv_heads
+    length = chunk.num_blocks * block_size
+    # [D, L, num_kv_heads, head_dim] -> strided [D, num_kv_heads, L, head_dim] views.
+    shape = (num_rows, length, num_kv_heads, head_dim)
+    keys, values = _gather(k_cache, v_cache, chunk.blocks, plan)
+    keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+    # The group's query heads become SDPA's query positions: [D, num_kv_heads, group, hd].
+    queries = q.index_select(0, chunk.tokens).view(num_rows, num_kv_heads, group, head_dim)
+    dtype = torch.float32
+    result = F.scaled_dot_product_attention(
+        queries.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=chunk.mask, scale=scale
+    )
+    out.index_copy_(0, chunk.tokens, result.reshape(num_rows, -1, head_dim).to(out.dtype))
+
+
+def _prefill(q, k_cache, v_cache, row: _PrefillRow, scale: float, out, plan: _Plan) -> None:
+    # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
+    keys, values = _gather(k_cache, v_cache, row.blocks, plan)
+    keys = keys.flatten(0, 1)[: row.seq_len].transpose(0, 1)
+    values = values.flatten(0, 1)[: row.seq_len].transpose(0, 1)
+    dtype = torch.float32
+    result = F.scaled_dot_product_attention(
+        q[row.q_start : row.q_end].transpose(0, 1).to(dtype),  # [num_heads, num_q, head_dim]
+        keys.to(dtype),
+        values.to(dtype),
+        attn_mask=row.mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[row.q_start : row.q_end] = result.transpose(0, 1).to(out.dtype)
