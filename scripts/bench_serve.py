@@ -9,8 +9,8 @@
     python scripts/bench_serve.py --launch default --engine-baseline --request-rate 2,inf
 
     # serve against offline `LLM.generate` on the same prompts (the serving bars):
-    python scripts/bench_serve.py --cpu-bar --json profiles/serving-cpu.json
-    python scripts/bench_serve.py --gpu-bar --json profiles/serving-gpu.json
+    python scripts/bench_serve.py --cpu-bar --json profiles/serving/serving-cpu.json
+    python scripts/bench_serve.py --gpu-bar --json profiles/serving/serving-gpu.json
 
 Streaming /v1/completions requests with random token-id prompts (seeded), Poisson
 arrivals at each rate (inf: all at once), at most --max-concurrency in flight. Prints,

@@ -1,8 +1,8 @@
 """`llmfast serve` against offline `LLM.generate` on the same prompts, in one run: the
 serving bars of the engine-core split (serve/offline output tok/s, TTFT and TPOT).
 
-    python scripts/bench_serve.py --cpu-bar --json profiles/serving-cpu.json
-    python scripts/bench_serve.py --gpu-bar --json profiles/serving-gpu.json
+    python scripts/bench_serve.py --cpu-bar --json profiles/serving/serving-cpu.json
+    python scripts/bench_serve.py --gpu-bar --json profiles/serving/serving-gpu.json
     python scripts/bench_serve.py --vs-offline --launch random:tiny --streams 64,256 ...
 
 Each repeat runs the offline engine in a child process of its own (every stream count,
