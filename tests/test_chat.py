@@ -206,10 +206,7 @@ def test_terminal_ctrl_c_mid_reply_then_correct_answer(chat_model):
         answer = _plain(child.before).removeprefix(" ").rstrip("\n")
         # The dropped turn left no trace: the answer is that of a fresh chat.
         assert answer == expected.rstrip("\n")
-        child.expect("you ›")
-        _wait_for_line_read(child)
-        child.sendcontrol("d")
-        child.expect(pexpect_eof(), timeout=120)
+        _quit_at_prompt(child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
@@ -224,6 +221,14 @@ def _wait_for_line_read(child, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline or not child.isalive():
             pytest.fail(f"the chat never started reading a line: {child.before!r}")
         time.sleep(0.02)
+
+
+def _quit_at_prompt(child) -> None:
+    """Ctrl-D at the next prompt, once the chat reads it; the chat ends."""
+    child.expect("you ›")
+    _wait_for_line_read(child)
+    child.sendcontrol("d")
+    child.expect(pexpect_eof(), timeout=120)
 
 
 def test_terminal_ctrl_c_at_prompt_exits_cleanly(chat_model):
@@ -245,3 +250,27 @@ def pexpect_eof():
     import pexpect
 
     return pexpect.EOF
+
+
+def test_terminal_keys_typed_while_streaming_are_not_echoed_and_start_the_next_message(
+        chat_model):
+    child = _spawn(chat_model, "--max-tokens", "200", "--ignore-eos", "--max-repeats", "0")
+    try:
+        child.expect("you ›")
+        _wait_for_line_read(child)
+        child.sendline("hello there")
+        child.expect("llm ›")
+        child.expect(r"[\s\S]{20}", timeout=120)  # streaming
+        child.send("typed ahead")
+        child.expect("TTFT", timeout=600)  # the reply ran to its end
+        assert "typed ahead" not in child.before  # not echoed into the reply
+        child.expect("you ›")
+        _wait_for_line_read(child)
+        child.expect("typed ahead", timeout=60)  # readline shows the held keys
+        child.send("\r")
+        child.expect("llm ›")  # ... and they were sent as the next message
+        child.expect("TTFT", timeout=600)
+        _quit_at_prompt(child)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

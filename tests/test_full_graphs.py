@@ -78,9 +78,9 @@ class _ReplaySpy:
 
     def __init__(self, engine: LLMEngine) -> None:
         runner = engine.runner
-        self.runner, self.replay = runner, runner.compiled.graphs.replay_full
+        self.runner, self.replay = runner, runner.cuda_graphs.replay_full
         self.calls: list[dict] = []
-        runner.compiled.graphs.replay_full = self
+        runner.cuda_graphs.replay_full = self
 
     def __call__(self, size, inputs):
         r = self.runner

@@ -131,8 +131,8 @@ def _unrecord_forward_and_wait(runner, monkeypatch) -> list[int]:
     outside the recorder; returns the list the full-graph sizes replayed go to."""
     replays: list[int] = []
     monkeypatch.setattr(runner, "forward_fn", _unrecorded(runner.forward_fn))
-    monkeypatch.setattr(runner.compiled, "replay_full",
-                        _unrecorded(runner.compiled.graphs.replay_full, replays))
+    monkeypatch.setattr(runner.cuda_graphs, "replay_full",
+                        _unrecorded(runner.cuda_graphs.replay_full, replays))
     monkeypatch.setattr(PendingStep, "wait", _unrecorded(PendingStep.wait))
     return replays
 

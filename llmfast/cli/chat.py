@@ -184,7 +184,8 @@ def _interactive(session: ChatSession, con: Console) -> None:
         if line.startswith("/"):
             _command(session, line, con)
             continue
-        with _stop_on_sigint() as stop:  # before the prompt: a ^C from then on stops it
+        # Before the prompt: a ^C from then on stops the reply, a key typed is held.
+        with _stop_on_sigint() as stop, _keys_held(sys.stdin):
             con.print("[bold blue]llm ›[/] ", end="")
             result = _reply(session, line, lambda delta: _write(con, delta), stop)
         con.print()
@@ -230,6 +231,28 @@ def _stop_on_sigint() -> Iterator:
         yield lambda: bool(pressed)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _keys_held(stdin) -> Iterator[None]:
+    """While a reply streams, keys typed are neither echoed into it nor lost: the terminal
+    stops echoing (ECHO off) and keeps them queued, through a ^C too (NOFLSH), so the
+    next prompt starts with them. The settings come back whatever happens."""
+    try:
+        import termios
+
+        fd = stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, AttributeError, ValueError, OSError):  # not a terminal
+        yield
+        return
+    held = list(saved)
+    held[3] = (held[3] & ~termios.ECHO) | termios.NOFLSH  # lflags
+    termios.tcsetattr(fd, termios.TCSANOW, held)  # NOW, not FLUSH: keep what is queued
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 # ---------------------------------------------------------------------- shared

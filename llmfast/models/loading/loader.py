@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+def allocate_as(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     """While constructing the model: parameters are allocated on `device` in `dtype`
     (default device and dtype) and left uninitialised (no `reset_parameters`: we
     overwrite every value). So each parameter is allocated exactly once, where and as it
@@ -92,7 +92,7 @@ def build_model(
     quantization: str | None = None,
 ) -> DecoderForCausalLM:
     """Check the checkpoint against the config on a meta-device model, then allocate
-    the model directly on `device` in `dtype` (`_allocate_as`: each parameter once,
+    the model directly on `device` in `dtype` (`allocate_as`: each parameter once,
     uninitialised) and write its weights in place: seeded random values for a preset,
     the checkpoint's for a directory. `tp`: build and load this rank's shard only.
     `quantization` ("fp8"): then quantize the projections, the one point where every
@@ -103,13 +103,13 @@ def build_model(
         source.config.check_tensor_parallel(tp.world_size)
     except ConfigError as e:
         raise LoadError(f"{source.spec}: {e}") from None
-    with _allocate_as(torch.device("meta"), dtype):
+    with allocate_as(torch.device("meta"), dtype):
         shapes = DecoderForCausalLM(source.config, max_positions=max_positions)
         rank_shapes = shapes if tp.world_size == 1 else DecoderForCausalLM(
             source.config, max_positions=max_positions, tp=tp)
     _check_before_allocating(shapes, rank_shapes, source, dtype, device)
     del shapes, rank_shapes
-    with _allocate_as(device, dtype):
+    with allocate_as(device, dtype):
         model = DecoderForCausalLM(source.config, max_positions=max_positions, tp=tp)
     if source.path is None:
         init_random_weights(model, seed, progress)

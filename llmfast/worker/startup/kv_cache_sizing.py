@@ -199,11 +199,18 @@ def cpu_rank_cache(cache: CacheConfig, world_size: int,
 def fit_cpu_max_model_len(config: EngineConfig, available: int | None = None) -> EngineConfig:
     """On a CPU, where the KV cache's size is known before anything is loaded: `config`
     with max-model-len cut to what the cache holds, where that is less (logged in one
-    line), so that a preset with a long context still starts (qwen3-0.6b: 4656 of its
+    line, unless the weights will not fit: the loader's error then stands alone), so that a preset with a long context still starts (qwen3-0.6b: 4656 of its
     8192 tokens in the default 1 GiB of float32). For a max-model-len the user did not
     set; one they set is checked by `check_fits_one_request`, as is a cache that cannot
-    hold one block. `available`: host bytes free (default: now)."""
+    hold one block. `available`: host bytes free (default: now); the runner sizes its
+    cache after loading, so the weights (and their oneDNN packs) come off it first."""
     world = config.parallel.tensor_parallel_size
+    if available is None:
+        available = available_host_memory()
+    weights, packs = _cpu_load_bytes(config)
+    if weights > available:  # the loader refuses them in one line: nothing to say here
+        return config
+    available -= weights + packs
     cache = cpu_rank_cache(config.cache, world, available)
     model = rank_model_config(config.model, world)  # one rank's KV heads
     kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, config.torch_dtype)
@@ -215,9 +222,28 @@ def fit_cpu_max_model_len(config: EngineConfig, available: int | None = None) ->
     max_model_len = config.scheduler.max_model_len
     if holds < 1 or holds >= max_model_len:
         return config
-    cache_mib = num_blocks * kv_block_bytes(model, cache.block_size, kv_dtype) / 2**20
-    logger.warning("max-model-len %d, what the KV cache holds (%.0f MiB; raise %s for "
-                   "more), not %d", holds, cache_mib,
-                   kv_cache_size_flag(torch.device("cpu"), config.cache), max_model_len)
+    logger.warning("max-model-len %d, what the KV cache holds (%.1f MiB; raise %s for more; "
+                   "the model has %d positions)", holds,
+                   num_blocks * kv_block_bytes(model, cache.block_size, kv_dtype) / 2**20,
+                   kv_cache_size_flag(torch.device("cpu"), config.cache),
+                   config.model.max_position_embeddings)
     return dataclasses.replace(
         config, scheduler=dataclasses.replace(config.scheduler, max_model_len=holds))
+
+
+def _cpu_load_bytes(config: EngineConfig) -> tuple[int, int]:
+    """Host bytes the model takes before the KV cache is sized: its weights in the model
+    dtype (all ranks: they share the host), and the eager runner's oneDNN packs of
+    float32 weights, as much again where that fits in a quarter of the RAM (model_runner,
+    kernels/cpu/linear.py)."""
+    from llmfast.kernels.cpu.linear import physical_memory_bytes
+    from llmfast.models.decoder import DecoderForCausalLM
+    from llmfast.models.loading.loader import allocate_as
+
+    with allocate_as(torch.device("meta"), config.torch_dtype):  # shapes only, no init
+        model = DecoderForCausalLM(config.model, max_positions=1)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ram = physical_memory_bytes()
+    packs = weights if (config.compile.enforce_eager and config.torch_dtype == torch.float32
+                        and ram and weights <= ram // 4) else 0
+    return weights, packs
