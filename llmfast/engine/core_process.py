@@ -80,6 +80,7 @@ class EngineCoreProc:
                  owns_core: bool = True) -> None:
         self.core = core
         self.owns_core = owns_core  # shut the core down when the loop ends
+        self.failure: str | None = None  # why the core stopped for good
         self._ctx = zmq.Context(io_threads=1)
         self._inputs: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,7 +140,7 @@ class EngineCoreProc:
                     outputs.stats = self._last_stats = core.stats()
                     self._outputs.put(outputs)
         except _Failed as e:
-            failure = str(e)
+            failure = self.failure = str(e)  # before the clients hear of it
             logger.error("the engine stopped: %s", failure)
             self._outputs.put(("failed", failure))
         finally:
@@ -152,7 +153,6 @@ class EngineCoreProc:
             self._ctx.destroy(linger=0)
             if self.owns_core:
                 core.shutdown()
-        self.failure = failure
         if failure is not None and self.owns_core:
             raise SystemExit(f"error: the engine stopped: {failure}")
 
