@@ -1,6 +1,6 @@
-"""What a carrier hands the engine loop (engine_loop.py): add requests, answer a tokenizer
-query, abort requests, stop. Plain frozen records; `done` and `stream` are the carrier's
-own handles, passed back untouched."""
+"""What the frontend hands its prompt preparer (prompt_preparer.py): an add's prompts to
+tokenize, or a tokenizer query. Plain frozen records; `done` and `stream` are the
+frontend's own handles, passed back untouched."""
 
 from __future__ import annotations
 
