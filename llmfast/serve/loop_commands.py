@@ -30,13 +30,3 @@ class QueryCommand:
 
     query: Query
     done: Any  # as `AddCommand.done`
-
-
-@dataclass(frozen=True, slots=True)
-class AbortCommand:
-    engine_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StopCommand:
-    message: str
