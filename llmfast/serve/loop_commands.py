@@ -25,8 +25,8 @@ class AddCommand:
 
 @dataclass(frozen=True, slots=True)
 class QueryCommand:
-    """Tokenizer work for /tokenize and /detokenize: done on the engine's side, with the
-    engine's tokenizer (an API process has none, and loads none)."""
+    """Tokenizer work for /tokenize and /detokenize, with the frontend's tokenizer (the
+    one its requests are tokenized with, so counts agree with a request's usage)."""
 
     query: Query
     done: Any  # as `AddCommand.done`
