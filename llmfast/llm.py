@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmfast.engine import LLMEngine, Prompt
+from llmfast.engine.input_processor import Prompt
+from llmfast.engine.llm_engine import LLMEngine
 from llmfast.engine_args import EngineArgs
-from llmfast.output_router import OutputRouter, RequestStream
+from llmfast.engine.output_router import OutputRouter, RequestStream
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.utils.progress import CountProgress

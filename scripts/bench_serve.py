@@ -8,6 +8,10 @@
     # engine in-process (no HTTP) for the side-by-side baseline:
     python scripts/bench_serve.py --launch default --engine-baseline --request-rate 2,inf
 
+    # serve against offline `LLM.generate` on the same prompts (the serving bars):
+    python scripts/bench_serve.py --cpu-bar --json profiles/serving/serving-cpu.json
+    python scripts/bench_serve.py --gpu-bar --json profiles/serving/serving-gpu.json
+
 Streaming /v1/completions requests with random token-id prompts (seeded), Poisson
 arrivals at each rate (inf: all at once), at most --max-concurrency in flight. Prints,
 per rate, throughput and TTFT / TPOT / ITL / e2e (mean, median, p90, p99, max) in ms,
@@ -35,12 +39,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "scripts"))
 
 from llmfast.bench.environment import environment_info, local_device_facts
 from llmfast.bench.serving import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
 from llmfast.engine_args import resolve_device
 from llmfast.utils.ports import free_port
+
+import bench_serve_offline as vs_offline  # noqa: E402 - scripts/ beside this file
 
 
 def _rates(text: str) -> list[float]:
@@ -86,7 +93,10 @@ def main() -> int:
     ap.add_argument("--engine-baseline", action="store_true",
                     help="with --launch: first run the same workload on the engine "
                          "in-process (llmfast.bench.latency), for comparison")
+    vs_offline.add_arguments(ap)
     args = ap.parse_args()
+    if vs_offline.wanted(args):
+        return vs_offline.run(ap, args)
 
     requests = random_requests(args.num_prompts, args.input_len, args.output_len,
                                args.vocab_size, args.range_ratio, args.seed)
@@ -170,11 +180,12 @@ def engine_baseline(model: str, flags: list[str], requests, rates, seed: int):
     return rows
 
 
-def launch(model: str, flags: list[str]):
+def launch(model: str, flags: list[str], quiet: bool = False):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "llmfast", "serve", "--model", model,
-                             "--port", str(port), *flags], env=env)
+                             "--port", str(port), *flags], env=env,
+                            stderr=subprocess.DEVNULL if quiet else None)
     url = f"http://127.0.0.1:{port}"
     import httpx
 

@@ -54,7 +54,8 @@ def serve_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session", params=[0, 1], ids=lambda n: f"api-servers-{n}")
 def server(request, serve_model_dir, tmp_path_factory):
     """One `llmfast serve` subprocess shared by the server tests (start-up is the cost),
-    with HTTP on the engine's process (--api-servers 0) and in a process of its own (1)."""
+    with the frontend in the main process (--api-servers 0) and in a process of its own
+    (1), the engine core in its own process either way."""
     from tests.serve_server import start_server
 
     log = tmp_path_factory.mktemp("serve-log") / "server.log"

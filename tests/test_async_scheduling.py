@@ -143,7 +143,7 @@ def test_all_blocks_free_and_runner_empty_at_the_end(runs):
         engine = out[mode][0]
         manager = engine.scheduler.kv_cache_manager
         assert manager.get_num_free_blocks() == manager.num_usable_blocks
-        assert not engine.scheduler.requests and not engine._tracked
+        assert not engine.scheduler.requests and not engine.output_processor.states
         engine.step()  # hands the last finished ids to the runner
         engine.step()
         assert engine.runner.input_batch.num_reqs == 0 and not engine.runner.requests

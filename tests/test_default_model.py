@@ -248,7 +248,8 @@ def test_real_default_model_answers_paris():
     from transformers import AutoModelForCausalLM
 
     from llmfast.models.families import model_config_from_json
-    from llmfast.tokenizer import IncrementalDetokenizer, load_tokenizer
+    from llmfast.engine.detokenizer import IncrementalDetokenizer
+    from llmfast.tokenizer import load_tokenizer
 
     start = time.perf_counter()
     path = dm.ensure_default_model(lambda stage, fraction: None)

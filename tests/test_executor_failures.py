@@ -108,22 +108,24 @@ def test_engine_process_ending_leaves_no_worker(sig):
 
 
 def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
-    """`llmfast serve` over mp: a worker killed mid-stream ends that stream with a 503
-    naming the rank; /health then answers 503 with the cause, and new requests get it.
-    A worker killed while the server is idle is noticed without any request."""
+    """`llmfast serve` over mp: the engine core's process holds the workers; a worker
+    killed mid-stream ends that stream with a 503 naming the rank, /health then answers
+    503 with the cause, and new requests get it. A worker killed while the server is idle
+    is noticed without any request. Nothing is left running."""
     import asyncio
+    import logging
 
     import httpx
 
+    from llmfast.engine_args import EngineArgs
     from llmfast.serve.api.app import ServeConfig, build_app
-    from llmfast.serve.engine_loop import (
-        AsyncEngine,
-        EngineUnavailable,
-        RequestStream,
-        StreamError,
-    )
+    from llmfast.serve.frontend import Frontend
+    from llmfast.serve.launcher import CoreHandle
+    from llmfast.serve.server import frontend_spec
+    from llmfast.serve.stream import DeltaQueue, EngineUnavailable, StreamError
 
     pids: list[int] = []
+    config, source = EngineArgs.from_kwargs(model="random:tiny", **TP2).create_engine_config()
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -133,61 +135,61 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             return await client.get("/health")
 
-    async def wait_for_failure(front: AsyncEngine) -> float:
+    async def wait_for_failure(front: Frontend) -> float:
         start = time.monotonic()
         while front.failure is None and time.monotonic() - start < 30:
             await asyncio.sleep(0.05)
         return time.monotonic() - start
 
-    async def mid_stream() -> None:
-        llm = LLM("random:tiny", **TP2)
-        front = AsyncEngine(llm.engine)
+    async def mid_stream(core: CoreHandle) -> None:
+        front = Frontend(frontend_spec(core, config, source, "tiny"))
         front.start()
         app = build_app(front, ServeConfig(model_name="tiny"))
         try:
             assert (await health(app)).status_code == 200
-            rs = RequestStream("a", 1)
+            rs = DeltaQueue("a", 1)
             await front.add(rs, [[5] * 9], [params(10_000)])
-            first = await rs.get()  # streaming has begun
+            first = await asyncio.wait_for(rs.get(), 60)  # streaming has begun
             assert first.num_new_tokens >= 1
-            pids.extend(llm.engine.executor.worker_pids())
-            os.kill(pids[-1], signal.SIGKILL)
+            workers = sorted(children(core.pid))
+            pids.extend(workers)
+            os.kill(workers[-1], signal.SIGKILL)
             while True:
                 item = await asyncio.wait_for(rs.get(), 30)
                 if isinstance(item, StreamError):
                     break
             assert item.status == 503
-            assert "worker rank 1 died (killed by SIGKILL)" in item.message
+            assert "died (killed by SIGKILL)" in item.message
             reply = await health(app)
             assert reply.status_code == 503 and reply.json()["status"] == "error"
-            assert "worker rank 1 died" in reply.json()["message"]
-            with pytest.raises(EngineUnavailable, match="the engine stopped: worker rank 1"):
-                await front.add(RequestStream("b", 1), [[5] * 9], [params(4)])
+            assert "died" in reply.json()["message"]
+            with pytest.raises(EngineUnavailable, match="the engine stopped"):
+                await front.add(DeltaQueue("b", 1), [[5] * 9], [params(4)])
         finally:
             front.stop()
-            await asyncio.to_thread(front.join, 10)
-            llm.engine.shutdown()
-            # The app's route closures hold the front beyond this test (FastAPI's
-            # module-level lru_cache in fastapi.dependencies.models keeps the route
-            # callables); drop the engine from it so that this engine, and its GC hold, go.
-            front.engine = None
+            front.join()
 
-    async def idle() -> None:
-        llm = LLM("random:tiny", **TP2)
-        front = AsyncEngine(llm.engine)
+    async def idle(core: CoreHandle) -> None:
+        front = Frontend(frontend_spec(core, config, source, "tiny"))
         front.start()
         try:
-            pids.extend(llm.engine.executor.worker_pids())
-            os.kill(pids[-2], signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            workers = sorted(children(core.pid))
+            pids.extend(workers)
+            os.kill(workers[0], signal.SIGKILL)
             assert await wait_for_failure(front) < 15
-            assert "worker rank 0 died" in front.failure
+            assert "died" in front.failure
             assert not front.running
         finally:
             front.stop()
-            await asyncio.to_thread(front.join, 10)
-            llm.engine.shutdown()
+            front.join()
 
-    asyncio.run(mid_stream())
-    asyncio.run(idle())
+    for case in (mid_stream, idle):
+        core = CoreHandle(config, source, logging.WARNING)
+        pids.append(core.pid)
+        try:
+            asyncio.run(case(core))
+        finally:
+            core.stop()
     assert not wait_until_gone(pids, 10)
     assert not set(pids) & children()

@@ -125,9 +125,10 @@ def test_preempted_mid_prompt_has_each_entry_once(ckpt, hf_logprobs, async_sched
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-        for req_id, tracked in engine._tracked.items():
-            if tracked.request.status is RequestStatus.PREEMPTED:
-                preempted_mid_prompt |= 1 < len(tracked.prompt_logprobs) < 60
+        for req_id, state in engine.output_processor.states.items():
+            request = engine.scheduler.requests.get(req_id)
+            if request is not None and request.status is RequestStatus.PREEMPTED:
+                preempted_mid_prompt |= 1 < len(state.prompt_logprobs) < 60
     assert preempted_mid_prompt
     for req_id in ids:
         check_against_hf(finished[req_id], 2, hf_logprobs)

@@ -1,8 +1,8 @@
-"""`llmfast serve --api-servers 2`: HTTP in two processes of their own, the engine loop in
-the main one. A killed API process takes only its own requests with it (aborted: their
-KV blocks are freed at once, not when they would have finished) while the other keeps
-serving; when the last one dies the server stops with one error line. (The OpenAI API
-itself runs under --api-servers 1 in every test of test_serve*.py.)"""
+"""`llmfast serve --api-servers 2`: two frontend processes, each connected to the engine
+core's process. A killed API process takes only its own requests with it (the core aborts
+them: their KV blocks are freed at once, not when they would have finished) while the
+other keeps serving; when the last one dies the server stops with one error line. (The
+OpenAI API itself runs under --api-servers 0 and 1 in every test of test_serve*.py.)"""
 
 from __future__ import annotations
 
@@ -134,23 +134,27 @@ def test_a_stalled_api_process_stalls_nobody_else(serve_model_dir, tmp_path):
         server.stop()
 
 
-def test_outputs_cross_the_pipe_whole():
-    """Every field of a delta (a new one included, once added here) and errors survive
-    the tuple encoding the engine side sends."""
-    import pickle
+def test_outputs_cross_the_socket_whole():
+    """Every field of a step's outputs (a new one included, once added here) survives the
+    msgpack encoding between the core's process and a frontend."""
+    import msgspec
 
-    from llmfast.serve.engine_client import decode_item, encode_item
-    from llmfast.serve.stream import ChoiceDelta, StreamError, TokenLogprob
+    from llmfast.engine.messages import EngineCoreOutputs, EngineCoreRequest, StepStats
+    from llmfast.sampling_params import SamplingParams
 
-    values = dict(index=3, text="é x", num_new_tokens=2, num_output_tokens=7,
-                  num_cached_tokens=16, finish_reason="stop", stop_reason="</s>",
-                  logprobs=(TokenLogprob("a", 5, -0.25, (("a", 5, -0.25), ("b", 6, -2.0))),),
-                  prompt_logprobs=(TokenLogprob("<s>", 1, None, ()),
-                                   TokenLogprob("c", 7, -3.5, (("a", 5, -0.5),), rank=4)))
-    assert set(ChoiceDelta._fields) == set(values)
-    for item in (ChoiceDelta(**values), StreamError("the server is shutting down", 503)):
-        wire = pickle.loads(pickle.dumps(encode_item("cmpl-1", item)))
-        assert decode_item(wire) == ("cmpl-1", item)
+    out = EngineCoreOutputs(
+        req_ids=["a", "b"], new_token_ids=[[5], [6, 7]], finish_reasons={1: "stop"},
+        logprobs={0: ([-0.25], [[5, 9]], [[-0.25, -2.0]])},
+        prompt_logprobs={"a": (1, [-3.5], [4], [[5]], [[-0.5]])}, scheduled=[("b", 16)],
+        errors={"c": ("internal error in the engine step", 500)},
+        stats=StepStats(2, 1, 0, 32, 16, 0.5, 0.25, 7))
+    assert all(getattr(out, f) for f in out.__struct_fields__)
+    wire = msgspec.msgpack.encode(out)
+    assert msgspec.msgpack.decode(wire, type=EngineCoreOutputs) == out
+    request = EngineCoreRequest("r", [1, 2], SamplingParams(temperature=0.5, stop=("x",),
+                                logit_bias={3: 1.0}, logprobs=2), 12.5, 3)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+    assert back == request
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")

@@ -12,8 +12,8 @@ from llmfast.serve.api.generation import _events
 from llmfast.serve.api.responses import ResponseBuilder
 from llmfast.serve.stream import (
     ChoiceDelta,
+    DeltaQueue,
     PreparedPrompt,
-    RequestStream,
     StreamError,
     TokenLogprob,
     merge_deltas,
@@ -97,7 +97,7 @@ def _sse(kind, items, n=1, num_prompts=1, want_logprobs=False):
     prompts = [PreparedPrompt("hi", [1, 2, 3])] * num_prompts
 
     async def run():
-        rs = RequestStream("cmpl-test", len(prompts) * n)
+        rs = DeltaQueue("cmpl-test", len(prompts) * n)
         for item in items:
             rs.put(item)
         builder = ResponseBuilder(kind, rs.request_id, "m", prompts, n,

@@ -1,8 +1,8 @@
-"""The server's engine loop tokenises on a thread of its own and applies a large add a
-slice at a time: running requests keep getting tokens while a prompt is tokenised or
-thousands of choices go in, an abort reaches choices not yet added, and a stop answers
-adds still being tokenised. Over a real engine; the tokenizer of the preparer is the
-engine's own, behind a gate the test opens (the only thing not real: when it runs)."""
+"""The server's frontend tokenises on threads of its own: running requests keep getting
+tokens while a prompt is tokenised, an abort reaches choices not yet added, and a stop
+answers adds still being tokenised. Over a real engine core (its busy loop on a thread,
+connected as in `llmfast serve`); the tokenizer of the preparer is the frontend's own,
+behind a gate the test opens (the only thing not real: when it runs)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ import time
 import pytest
 
 from llmfast.sampling_params import SamplingParams
-from llmfast.serve import prompt_preparer
-from llmfast.serve.engine_loop import (
-    AsyncEngine,
-    ChoiceDelta,
-    EngineUnavailable,
-    RequestStream,
-    StreamError,
-)
+from llmfast.serve import frontend, prompt_preparer
+from llmfast.serve.frontend import Frontend
+from llmfast.serve.stream import ChoiceDelta, DeltaQueue, EngineUnavailable
+from tests.serve_server import drain as _drain
+from tests.serve_server import offline_text as _offline_text
+from tests.serve_server import serving_front
+from tests.serve_server import wait_until as _wait_until
 
 GATED = "hello there, the capital of France"  # a prompt whose encode waits for the gate
 
@@ -82,67 +81,30 @@ def gate(engine, monkeypatch):
         return dataclasses.replace(own, hf=_GatedHF(own.hf, gate))
 
     monkeypatch.setattr(prompt_preparer, "_own_copy", gated_copy)
+    # Every job to the preparer's threads (small ones are otherwise prepared inline).
+    monkeypatch.setattr(frontend, "INLINE_JOB_CHARS", -1)
     yield gate
     gate.open.set()
 
 
-def _offline_text(engine, prompt, n: int) -> str:
-    req_id = engine.add_request(prompt, _params(n), stream=False)
-    while True:
-        for out in engine.step():
-            if out.request_id == req_id and out.finished:
-                return out.outputs[0].text
-
-
-async def _drain(rs: RequestStream) -> list[ChoiceDelta | StreamError]:
-    items, finished = [], 0
-    while finished < rs.num_choices:
-        item = await asyncio.wait_for(rs.get(), 60)
-        items.append(item)
-        if isinstance(item, StreamError):
-            break
-        finished += item.finish_reason is not None
-    return items
-
-
-async def _wait_until(predicate, what: str, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting until {what}")
-
-
-async def _running(front: AsyncEngine) -> RequestStream:
+async def _running(front: Frontend) -> DeltaQueue:
     """A request that streams until aborted, past its first token."""
-    running = RequestStream("running", 1)
+    running = DeltaQueue("running", 1)
     await front.add(running, [[5] * 8], [_params(10_000)])
     await asyncio.wait_for(running.get(), 30)
     return running
 
 
-async def _stopped(front: AsyncEngine) -> None:
-    front.stop()
-    await asyncio.to_thread(front.join, 30)
-    assert not front._thread.is_alive()
-
-
-# A slice of a large add is one choice: one goes in per loop turn while requests run.
-ONE_PER_TURN = {"add_slice_s": 0.0, "add_slice_steps": 0.0}
-
-
 @contextlib.asynccontextmanager
-async def _serving(engine, gate: _Gate | None = None, **loop_args):
-    """An AsyncEngine over `engine`, started, and stopped at the end (the gate opened
+async def _serving(engine, gate: _Gate | None = None):
+    """A Frontend over `engine`'s core, started, and stopped at the end (the gate opened
     first: after a failure the stop would otherwise wait for a gated encode)."""
-    front = AsyncEngine(engine, **loop_args)
-    front.start()
-    try:
-        yield front
-    finally:
-        if gate is not None:
-            gate.open.set()
-        await _stopped(front)
+    async with serving_front(engine) as (front, _):
+        try:
+            yield front
+        finally:
+            if gate is not None:
+                gate.open.set()
 
 
 def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
@@ -154,7 +116,7 @@ def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
     async def main():
         async with _serving(engine, gate) as front:
             running = await _running(front)
-            gated = RequestStream("gated", 1)
+            gated = DeltaQueue("gated", 1)
             add = asyncio.ensure_future(front.add(gated, [GATED], [_params(6)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             for _ in range(5):  # tokens while the encode is held
@@ -174,48 +136,22 @@ def test_requests_keep_running_while_a_prompt_is_tokenized(engine, gate):
     assert items[-1].finish_reason == "length" and items[-1].num_output_tokens == 6
 
 
-def test_a_large_add_goes_in_a_slice_per_step_while_requests_run(engine):
-    """With a zero time slice and a request running, an add of 6 choices goes in one
-    choice per loop turn (a slice is at least one): its answer comes at least 5 steps after it was sent, and every
-    choice still generates what the engine alone makes of the prompt."""
-    prompt = [9, 8, 7, 6, 5, 4]
-    want = _offline_text(engine, prompt, 5)
-
-    async def main():
-        async with _serving(engine, **ONE_PER_TURN) as front:
-            running = await _running(front)
-            wide = RequestStream("wide", 6)
-            steps_before = front.num_steps
-            await asyncio.wait_for(front.add(wide, [prompt], [_params(5)] * 6), 60)
-            steps_at_answer = front.num_steps
-            items = await _drain(wide)
-            front.abort(running.engine_ids)
-            return steps_at_answer - steps_before, items
-
-    steps, items = asyncio.run(main())
-    assert steps >= 5
-    texts = {i: "" for i in range(6)}
-    for d in items:
-        texts[d.index] += d.text
-    assert texts == {i: want for i in range(6)}
-
-
 def test_an_abort_reaches_choices_not_yet_added(engine, gate):
     """An abort that arrives while its add is being tokenised, or between its slices,
     leaves nothing of it running; the add is still answered."""
 
     async def main():
-        async with _serving(engine, gate, **ONE_PER_TURN) as front:
+        async with _serving(engine, gate) as front:
             running = await _running(front)
             # Aborted while its prompt is tokenised: none of it is ever added.
-            early = RequestStream("early", 3)
+            early = DeltaQueue("early", 3)
             add = asyncio.ensure_future(front.add(early, [GATED], [_params(10_000)] * 3))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             front.abort(early.engine_ids)
             gate.open.set()
             await asyncio.wait_for(add, 30)
             # Aborted between slices: the choices added so far stop, the rest never start.
-            late = RequestStream("late", 8)
+            late = DeltaQueue("late", 8)
             add = asyncio.ensure_future(front.add(late, [[4] * 6], [_params(10_000)] * 8))
             first = await asyncio.wait_for(late.get(), 30)
             assert isinstance(first, ChoiceDelta)
@@ -240,23 +176,19 @@ def test_a_stop_answers_adds_still_being_tokenized_at_once(engine, gate):
     from llmfast.serve.stream import TokenizeQuery
 
     async def main():
-        front = AsyncEngine(engine)
-        front.start()
-        try:
-            add = asyncio.ensure_future(front.add(RequestStream("gated", 1), [GATED],
+        async with serving_front(engine) as (front, _):
+            add = asyncio.ensure_future(front.add(DeltaQueue("gated", 1), [GATED],
                                                   [_params(4)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             query = asyncio.ensure_future(front.query(TokenizeQuery("hello", None)))
             await asyncio.sleep(0.05)  # the query reaches the preparer's queue
             start = time.monotonic()
             front.stop()
-            await asyncio.to_thread(front.join, 30)
-            assert not front._thread.is_alive() and time.monotonic() - start < 5
             assert not gate.open.is_set()  # the encode still holds
             for pending in (add, query):
                 with pytest.raises(EngineUnavailable, match="shutting down"):
                     await asyncio.wait_for(pending, 10)
-        finally:
+            assert time.monotonic() - start < 5
             gate.open.set()
 
     asyncio.run(main())
@@ -271,10 +203,10 @@ def test_a_long_prompt_does_not_hold_up_the_short_ones(engine, gate, monkeypatch
 
     async def main():
         async with _serving(engine, gate) as front:
-            slow = asyncio.ensure_future(front.add(RequestStream("long", 1), [long_text],
+            slow = asyncio.ensure_future(front.add(DeltaQueue("long", 1), [long_text],
                                                    [_params(2)]))
             assert await asyncio.to_thread(gate.entered.wait, 30)
-            short = RequestStream("short", 1)
+            short = DeltaQueue("short", 1)
             await asyncio.wait_for(front.add(short, [[4] * 6], [_params(3)]), 10)
             items = await _drain(short)
             assert items[-1].finish_reason == "length" and not slow.done()
@@ -300,7 +232,7 @@ def test_an_aborted_add_stops_between_its_prompts(engine, gate, monkeypatch):
                 return real_encode(self, text, **kwargs)
 
             monkeypatch.setattr(_GatedHF, "encode", recording)
-            rs = RequestStream("three", 3)
+            rs = DeltaQueue("three", 3)
             add = asyncio.ensure_future(front.add(rs, [GATED, *others], [_params(4)] * 3))
             assert await asyncio.to_thread(gate.entered.wait, 30)
             front.abort(rs.engine_ids)
@@ -313,25 +245,6 @@ def test_an_aborted_add_stops_between_its_prompts(engine, gate, monkeypatch):
 
     asyncio.run(main())
     assert encoded == [GATED]
-
-
-def test_a_query_is_answered_while_a_large_add_goes_in(engine):
-    """/tokenize does not wait for an add being applied in slices."""
-    from llmfast.serve.stream import TokenizeQuery
-
-    async def main():
-        async with _serving(engine, **ONE_PER_TURN) as front:
-            running = await _running(front)
-            wide = RequestStream("wide", 40)
-            add = asyncio.ensure_future(front.add(wide, [[4] * 6], [_params(2)] * 40))
-            await asyncio.wait_for(wide.get(), 30)  # its first choice is in
-            ids = await asyncio.wait_for(front.query(TokenizeQuery("hello there", None)), 30)
-            assert ids == engine.tokenizer.encode("hello there")
-            assert not add.done()
-            await asyncio.wait_for(add, 60)
-            front.abort(running.engine_ids)
-
-    asyncio.run(main())
 
 
 @pytest.mark.parametrize("model", ["serve", "random:smollm2-135m"])
@@ -356,9 +269,9 @@ def test_an_add_the_engine_would_refuse_is_refused_before_any_of_it_runs(engine)
     prompt's choices running (and finishing) before the refusal: checked whole first."""
 
     async def main():
-        async with _serving(engine, **ONE_PER_TURN) as front:
+        async with _serving(engine) as front:
             running = await _running(front)
-            mixed = RequestStream("mixed", 8)
+            mixed = DeltaQueue("mixed", 8)
             with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, "):
                 await asyncio.wait_for(front.add(mixed, [[4] * 6, [10**7]], [_params(2)] * 8),
                                        30)
@@ -371,34 +284,14 @@ def test_an_add_the_engine_would_refuse_is_refused_before_any_of_it_runs(engine)
     asyncio.run(main())
 
 
-def test_many_small_adds_share_the_slice(engine):
-    """A burst of single-choice adds is sliced like one large add: with a zero slice one
-    goes in per loop turn, so 20 of them take at least 10 steps while a request runs."""
-
-    async def main():
-        async with _serving(engine, **ONE_PER_TURN) as front:
-            running = await _running(front)
-            streams = [RequestStream(f"small{i}", 1) for i in range(20)]
-            before = front.num_steps
-            await asyncio.wait_for(asyncio.gather(
-                *(front.add(rs, [[4] * 6], [_params(2)]) for rs in streams)), 60)
-            steps = front.num_steps - before
-            for rs in streams:
-                items = await _drain(rs)
-                assert items[-1].finish_reason == "length"
-            front.abort(running.engine_ids)
-            return steps
-
-    assert asyncio.run(main()) >= 10
-
-
 def _slow_preparer(engine, seconds: float):
     """A preparer whose adds take `seconds` each (small lane); records which it prepared."""
     import types
 
     from llmfast.serve.loop_commands import AddCommand
 
-    preparer = prompt_preparer.PromptPreparer(engine, lambda: None)
+    preparer = prompt_preparer.PromptPreparer(engine.tokenizer, "no tokenizer", "tiny",
+                                              engine.config.scheduler.max_model_len, lambda: None)
     prepared = []
 
     def slow(command, should_stop):
@@ -448,7 +341,8 @@ def test_each_lane_copies_the_tokenizer_as_it_starts(engine, monkeypatch):
         return real_copy(tokenizer)
 
     monkeypatch.setattr(prompt_preparer, "_own_copy", recording)
-    preparer = prompt_preparer.PromptPreparer(engine, lambda: None)
+    preparer = prompt_preparer.PromptPreparer(engine.tokenizer, "no tokenizer", "tiny",
+                                              engine.config.scheduler.max_model_len, lambda: None)
     preparer.start()
     try:
         assert _wait(lambda: len(made) == 2)

@@ -58,31 +58,24 @@ def test_overlapping_holds_restore_the_first_value_whatever_order_they_end():
     assert sys.getswitchinterval() == before
 
 
-class _Engine:
-    def __init__(self, device: str) -> None:
-        self.config = type("Config", (), {"device": device})()
-
-
 @pytest.mark.parametrize("api_servers", [0, 1])
 def test_serve_runs_under_the_interval_and_restores_it(monkeypatch, api_servers):
-    # The server itself is replaced by a recorder of the interval it runs under; the
-    # engine is not needed for that (nor built).
+    # The frontends are replaced by a recorder of the interval they run under; no engine
+    # is needed for that (nor built).
+    from llmfast.serve import launcher
+    from llmfast.serve.api.app import ServeConfig
+
     seen = []
-    monkeypatch.setattr(server_module._Server, "run",
-                        lambda self, sockets: seen.append(sys.getswitchinterval()))
-    monkeypatch.setattr(server_module, "AsyncEngine", lambda engine: object())
-    monkeypatch.setattr(server_module, "build_app", lambda front, config: object())
-    from llmfast.serve import engine_host
-    monkeypatch.setattr(engine_host, "serve_with_api_processes",
-                        lambda *a, **k: seen.append(sys.getswitchinterval()))
+    monkeypatch.setattr(server_module, "frontend_spec", lambda *a: object())
+    for name in ("serve_in_process", "serve_with_api_processes"):
+        monkeypatch.setattr(launcher, name, lambda *a, **k: seen.append(sys.getswitchinterval()))
     before = sys.getswitchinterval()
     monkeypatch.delenv(ENV, raising=False)
     with socket.socket() as sock:
-        server_module.serve(_Engine("cuda:0"), sock, None, api_servers=api_servers)
-        server_module.serve(_Engine("cpu"), sock, None, api_servers=api_servers)
+        server_module.serve(None, None, None, sock, ServeConfig("x"), api_servers=api_servers)
         monkeypatch.setenv(ENV, "0.25")
-        server_module.serve(_Engine("cpu"), sock, None, api_servers=api_servers)
-    assert seen == [before, before, pytest.approx(0.00025)]
+        server_module.serve(None, None, None, sock, ServeConfig("x"), api_servers=api_servers)
+    assert seen == [before, pytest.approx(0.00025)]
     assert sys.getswitchinterval() == before
 
 

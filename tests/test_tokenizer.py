@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from llmfast.models.sources.preset_tokenizer import byte_level_tokenizer
-from llmfast.tokenizer import IncrementalDetokenizer, TokenizerError, load_tokenizer
+from llmfast.engine.detokenizer import IncrementalDetokenizer
+from llmfast.tokenizer import TokenizerError, load_tokenizer
 from tests.helpers.chat_model import make_chat_model
 from tests.helpers.tokenizers import MIXED_TEXT, save_hf_tokenizer, train_byte_level_bpe
 

@@ -7,10 +7,14 @@ from typing import Annotated
 
 import typer
 
-from llmfast.cli.common import EngineOptions, load_llm, stderr_console
+from llmfast.cli.common import EngineOptions, stage_progress, stderr_console
 from llmfast.utils.flag_values import FlagValueError, parse_bytes
 
 MAX_API_SERVERS = 64
+# Measured on the 2-core CPU VM (profiles/serving.md): one frontend process of its own
+# beat the frontend in the launcher (0) and two (2) at 256 streams; a machine with cores
+# to spare may want more.
+DEFAULT_API_SERVERS = 1
 
 SERVE_EXAMPLES = """\
 **Examples**
@@ -43,13 +47,17 @@ def serve(
     max_body_size: Annotated[str, typer.Option(
         "--max-body-size", help="Largest request body (413 above), e.g. 8MiB.")] = "8MiB",
     api_servers: Annotated[int, typer.Option(
-        "--api-servers", help="HTTP server processes beside the engine's: 0 serves HTTP "
-        "from the engine's process (its GIL shared with the engine step); N > 0 runs the "
-        "engine loop alone in this process and HTTP in N processes.")] = 0,
+        "--api-servers", help="Frontend processes (HTTP, tokenizing, detokenizing), each "
+        "connected to the engine core's process and sharing the port: 0 runs the one "
+        "frontend in this process.")] = DEFAULT_API_SERVERS,
+    access_log: Annotated[bool, typer.Option(
+        "--access-log/--no-access-log", help="Log a line per HTTP request (method, path, "
+        "status) on stderr.")] = True,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
     from llmfast.serve.api.app import ServeConfig
-    from llmfast.serve.server import bind
+    from llmfast.engine_args import EngineArgs
+    from llmfast.serve.server import bind, start_core
     from llmfast.serve.server import serve as run_server
     from llmfast.serve.switch_interval import serving_switch_interval
 
@@ -80,19 +88,24 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="environment") from None
     sock = bind(host, port)  # before the slow start: a taken port fails at once
     err = stderr_console()
-    llm = load_llm(opts, err)
-    source = llm.engine.source
+    with stage_progress(err) as report:
+        # The model resolved (fetched, converted) here; the core's process loads it.
+        config, source = EngineArgs.from_kwargs(
+            model=opts.model, **opts.with_overrides()).create_engine_config(report)
+        report("starting the engine core process", None)
+        core = start_core(config, source)
     name = served_model_name or source.name
     aliases = tuple(a for a in (opts.model, source.spec) if a and a != name)
-    config = ServeConfig(model_name=name, model_aliases=aliases, api_key=api_key,
-                         max_body_bytes=max_body)
+    config_ = ServeConfig(model_name=name, model_aliases=aliases, api_key=api_key,
+                          max_body_bytes=max_body)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     err.print(f"serving {name} at {url}/v1 (OpenAI API; /health, /metrics)"
               + ("; API key required" if api_key else ""), style="dim")
-    defaults = llm.engine.config.sampling_defaults
+    defaults = config.sampling_defaults
     if defaults:  # they change what requests get: say so, as vLLM does
         err.print("default sampling parameters from the model's generation_config.json: "
                   + ", ".join(f"{k}={v}" for k, v in defaults)
                   + " (--generation-config vllm to ignore them)", style="dim", markup=False,
                   soft_wrap=True)
-    run_server(llm.engine, sock, config, access_log=opts.debug, api_servers=api_servers)
+    run_server(core, config, source, sock, config_, access_log=access_log or opts.debug,
+               api_servers=api_servers)

@@ -46,6 +46,17 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
         )
 
 
+def check_blocks_fit(num_tokens: int, block_size: int, num_usable_blocks: int) -> None:
+    """Reject a prompt whose KV blocks (with room for one more token) the cache cannot
+    hold at all: the scheduler asks here, and a frontend before a request leaves it."""
+    if (num_tokens + 1 + block_size - 1) // block_size > num_usable_blocks:
+        raise RequestRejected(
+            f"the prompt has {num_tokens} tokens; with room for one more it needs "
+            f"{(num_tokens + block_size) // block_size} KV-cache blocks of {block_size} "
+            f"tokens, the cache has {num_usable_blocks}"
+        )
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 from llmfast.config import CacheConfig, SchedulerConfig
 from llmfast.core.kv_cache_manager import KVCacheManager
-from llmfast.core.request import Request, RequestRejected, RequestStatus, check_prompt_length
+from llmfast.core.request import (
+    Request,
+    RequestRejected,
+    RequestStatus,
+    check_blocks_fit,
+    check_prompt_length,
+)
 from llmfast.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -131,13 +137,7 @@ class Scheduler:
         """RequestRejected unless a prompt of `n` tokens can ever run: within
         max-model-len, and its KV blocks (with room for one more token) in the cache."""
         check_prompt_length(n, self.scheduler_config.max_model_len)
-        bs = self.block_size
-        usable = self.kv_cache_manager.num_usable_blocks
-        if (n + 1 + bs - 1) // bs > usable:
-            raise RequestRejected(
-                f"the prompt has {n} tokens; with room for one more it needs "
-                f"{(n + bs) // bs} KV-cache blocks of {bs} tokens, the cache has {usable}"
-            )
+        check_blocks_fit(n, self.block_size, self.kv_cache_manager.num_usable_blocks)
 
     def finish_requests(self, req_ids: str | Iterable[str], reason: str | RequestStatus) -> None:
         """End requests from outside (a stop string found by the engine, an abort).

@@ -1,70 +1,65 @@
-"""The entry point of an API server process (`--api-servers N`):
-`python -m llmfast.serve.api_process COMMANDS_FD OUTPUTS_FD LISTEN_FD`.
+"""The entry point of an API server process (`llmfast serve --api-servers N`):
+`python -m llmfast.serve.api_process SPEC_FD LISTEN_FD`.
 
-The main process holds the engine (engine_host.py) and the other ends of the two pipes;
-this process runs the FastAPI app under uvicorn on the shared listening socket, over an
-`EngineClient`. It reads its `ApiProcessSpec` from the outputs pipe first. It does not
-import torch or the engine. It runs in a session of its own, so the terminal's Ctrl-C
-reaches only the main process, which decides (it stops the engine, which ends the
-streams, then tells this process to stop); a SIGINT sent here directly is ignored too. A
-watchdog exits if the main process dies.
+A frontend (frontend.py) with the FastAPI app under uvicorn on the shared listening
+socket: it tokenizes, detokenizes, streams, and talks to the engine core's process over
+ZeroMQ. It does not import torch. It reads its `ApiProcessSpec` (launcher.py) from
+SPEC_FD. It runs in a session of its own, so the terminal's Ctrl-C reaches only the main
+process, which decides (it SIGTERMs this one: every live request ends with an error
+event, then uvicorn stops); a SIGINT sent here directly is ignored. It exits when the
+core fails (after its error events are out) or when the main process dies.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import socket
 import sys
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import uvicorn
 
-from llmfast.serve.api.app import ServeConfig, build_app
-from llmfast.serve.engine_client import EngineClient
-from llmfast.serve.stream import Limits
+from llmfast.serve.api.app import build_app
+from llmfast.serve.frontend import Frontend
 from llmfast.utils.child_processes import exit_when_orphaned
 from llmfast.utils.errors import one_line
 
-
-@dataclass(frozen=True)
-class ApiProcessSpec:
-    config: ServeConfig
-    limits: Limits
-    stats: object  # the engine's SchedulerStats at start
-    access_log: bool
-    log_level: int
-
-
-class _ApiServer(uvicorn.Server):
-    def handle_exit(self, sig, frame) -> None:
-        if sig == signal.SIGINT:
-            return  # the main process decides when to stop
-        super().handle_exit(sig, frame)
+FAILURE_EXIT_DELAY_S = 0.5  # for the error events to go out before uvicorn stops
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_when_orphaned()
-    commands, outputs = Connection(int(argv[1])), Connection(int(argv[2]))
-    listen = socket.socket(fileno=int(argv[3]))
+    listen = socket.socket(fileno=int(argv[2]))
     try:
-        spec: ApiProcessSpec = outputs.recv()
+        with os.fdopen(int(argv[1]), "rb") as f:
+            spec = pickle.load(f)
     except EOFError:
         return 0  # the main process went away before this one started
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(levelname)s api[{os.getpid()}] %(name)s: %(message)s")
-    client = EngineClient(commands, outputs, spec.limits, spec.stats)
-    app = build_app(client, spec.config)
+    front = Frontend(spec.frontend, spec.index)
+    app = build_app(front, spec.config)
+
+    class _ApiServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGINT:
+                return  # the main process decides when to stop
+            if not self.should_exit:
+                front.stop_threadsafe("the server is shutting down")
+            super().handle_exit(sig, frame)
+
     server = _ApiServer(uvicorn.Config(app, log_level="warning", access_log=spec.access_log,
                                        timeout_graceful_shutdown=10, lifespan="on"))
+    if spec.access_log:  # uvicorn's access lines are INFO records
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 
-    def exit_now() -> None:
-        server.should_exit = True
+    def on_failure() -> None:
+        front._loop.call_later(FAILURE_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
-    client.on_stop = exit_now
+    front.on_failure = on_failure
     server.run(sockets=[listen])
     return 0
 

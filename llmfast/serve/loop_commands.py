@@ -1,6 +1,6 @@
-"""What a carrier hands the engine loop (engine_loop.py): add requests, answer a tokenizer
-query, abort requests, stop. Plain frozen records; `done` and `stream` are the carrier's
-own handles, passed back untouched."""
+"""What the frontend hands its prompt preparer (prompt_preparer.py): an add's prompts to
+tokenize, or a tokenizer query. Plain frozen records; `done` and `stream` are the
+frontend's own handles, passed back untouched."""
 
 from __future__ import annotations
 
@@ -25,18 +25,8 @@ class AddCommand:
 
 @dataclass(frozen=True, slots=True)
 class QueryCommand:
-    """Tokenizer work for /tokenize and /detokenize: done on the engine's side, with the
-    engine's tokenizer (an API process has none, and loads none)."""
+    """Tokenizer work for /tokenize and /detokenize, with the frontend's tokenizer (the
+    one its requests are tokenized with, so counts agree with a request's usage)."""
 
     query: Query
     done: Any  # as `AddCommand.done`
-
-
-@dataclass(frozen=True, slots=True)
-class AbortCommand:
-    engine_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StopCommand:
-    message: str

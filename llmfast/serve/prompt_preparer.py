@@ -1,13 +1,13 @@
-"""Tokenising off the engine's thread: the prompts of each add, /tokenize, /detokenize.
+"""Tokenising off the frontend's event loop: the prompts of each add, /tokenize, /detokenize.
 
-The engine loop owns the engine and steps it. Tokenising a long prompt or rendering a
-chat template there holds every running request up for as long (a 100k-character prompt
-takes ~0.1-1 s). `PromptPreparer` does that work on threads of its own, each with its
-own copy of the engine's tokenizer: the engine's thread keeps the original to
+The frontend's event loop streams every running request's tokens. Tokenising a long
+prompt or rendering a chat template there holds every stream up for as long (a
+100k-character prompt takes ~0.1-1 s). `PromptPreparer` does that work on threads of its
+own, each with its own copy of the frontend's tokenizer: the loop keeps the original to
 detokenize, and no tokenizer object is used by two threads (the Rust tokenizer
 borrow-checks at run time, and transformers may reconfigure it per call). The Rust encode
 lets go of the GIL while it runs (`encode_batch`, which transformers' fast tokenizers and
-the presets' call), so the loop steps meanwhile.
+the presets' call), so the loop streams meanwhile.
 
 Two lanes, a worker each: jobs with more than LARGE_JOB_CHARS of prompt go to the large
 lane, the rest to the small one, so a request of megabytes of text (seconds to tokenise)
@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from llmfast.core.request import check_prompt_length
-from llmfast.engine import tokenize_prompt
+from llmfast.engine.input_processor import tokenize_prompt
 from llmfast.serve.loop_commands import AddCommand, QueryCommand
 from llmfast.serve.stream import (
     ChatPrompt,
@@ -45,7 +45,6 @@ from llmfast.serve.stream import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from llmfast.engine import LLMEngine
     from llmfast.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,12 +83,12 @@ class PromptPreparer:
     kind (or None), `close()` stops the workers and returns the submitted commands not
     handed back. Every method but the workers' is called by the loop's thread."""
 
-    def __init__(self, engine: LLMEngine, on_ready: Callable[[], None],
+    def __init__(self, tokenizer: Tokenizer | None, no_tokenizer_reason: str, model_name: str,
+                 max_model_len: int, on_ready: Callable[[], None],
                  is_cancelled: Callable[[AddCommand], bool] = lambda command: False,
                  large_job_chars: int | None = None) -> None:
-        def rules() -> _PromptRules:
-            return _PromptRules(engine.tokenizer, engine.no_tokenizer_reason(),
-                                engine.source.name, engine.config.scheduler.max_model_len)
+        def rules() -> PromptRules:
+            return PromptRules(tokenizer, no_tokenizer_reason, model_name, max_model_len)
 
         self._on_ready = on_ready
         self._is_cancelled = is_cancelled
@@ -182,20 +181,21 @@ class PromptPreparer:
 @dataclasses.dataclass
 class _Lane:
     name: str
-    rules: _PromptRules
+    rules: PromptRules
     jobs: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
 
 
-class _PromptRules:
+class PromptRules:
     """How a server request's prompts become token ids, as the engine would make them,
     with a tokenizer copy of their own (made at its first use, by the thread that uses
-    it)."""
+    it), or with `own_copy=False` the given tokenizer itself (for the thread that owns
+    it: the frontend's event loop prepares small jobs inline)."""
 
     def __init__(self, tokenizer: Tokenizer | None, no_tokenizer_reason: str,
-                 model_name: str, max_model_len: int) -> None:
-        self._source_tokenizer = tokenizer
-        self._own: Tokenizer | None = None
+                 model_name: str, max_model_len: int, own_copy: bool = True) -> None:
+        self._source_tokenizer = tokenizer if own_copy else None
+        self._own: Tokenizer | None = None if own_copy else tokenizer
         self._no_tokenizer_reason = no_tokenizer_reason
         self._model_name = model_name
         self._max_model_len = max_model_len

@@ -1,34 +1,15 @@
-"""Run the app under uvicorn on a socket bound by the caller, with a clean stop.
-
-On SIGTERM or Ctrl-C uvicorn stops accepting and then waits for open responses to end;
-streams would run to completion first. The signal therefore also stops the engine front,
-which ends every live request with an error event at once, so nothing hangs.
-"""
+"""`llmfast serve` from a resolved model to a running server: bind, start the engine core's
+process, build what a frontend needs, run the frontends (launcher.py)."""
 
 from __future__ import annotations
 
 import logging
 import socket
 
-import uvicorn
-
-from llmfast.engine import LLMEngine
-from llmfast.serve.api.app import ServeConfig, build_app
-from llmfast.serve.engine_loop import AsyncEngine
+from llmfast.serve.api.app import ServeConfig
 from llmfast.serve.switch_interval import serving_switch_interval, switch_interval
 
 logger = logging.getLogger(__name__)
-
-
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, front: AsyncEngine) -> None:
-        super().__init__(config)
-        self.front = front
-
-    def handle_exit(self, sig, frame) -> None:  # a signal handler, on the loop's thread
-        if not self.should_exit:
-            self.front.stop_threadsafe("the server is shutting down")
-        super().handle_exit(sig, frame)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -45,22 +26,39 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(engine: LLMEngine, sock: socket.socket, config: ServeConfig, *,
-          access_log: bool = False, api_servers: int = 0) -> None:
-    """Serve until SIGTERM / Ctrl-C. With `api_servers` = 0 the HTTP server runs in this
-    process, the engine on a thread of it (uvicorn re-raises the signal after a clean
-    stop); with N > 0 the engine loop runs here and N processes serve HTTP
-    (engine_host.py). The GIL switch interval is Python's unless
-    LLMFAST_SWITCH_INTERVAL_MS sets another for the server's life (switch_interval.py)."""
+def start_core(config, source):
+    """The engine core's process, started and ready (ServerStopped if its start failed)."""
+    from llmfast.serve.launcher import CoreHandle
+
+    return CoreHandle(config, source, logging.getLogger().getEffectiveLevel())
+
+
+def frontend_spec(core, config, source, model_name: str):
+    """What every frontend of this server starts from (its own tokenizer loaded here)."""
+    from llmfast.engine.frontend_tokenizer import load_frontend_tokenizer
+    from llmfast.serve.frontend import FrontendSpec, api_limits
+
+    tokens = load_frontend_tokenizer(config, source)
+    return FrontendSpec(model_name, api_limits(config, tokens), core.ready.limits, tokens,
+                        core.ready.stats, core.input_address, core.output_address, core.pid)
+
+
+def serve(core, config, source, sock: socket.socket, serve_config: ServeConfig, *,
+          access_log: bool = True, api_servers: int = 0) -> None:
+    """Serve until SIGTERM / Ctrl-C (then end by that signal) or a fault (ServerStopped).
+    With `api_servers` = 0 the frontend runs in this process; with N > 0 in N processes
+    of their own. The GIL switch interval is Python's unless LLMFAST_SWITCH_INTERVAL_MS
+    sets another for the server's life (switch_interval.py)."""
+    from llmfast.serve.launcher import serve_in_process, serve_with_api_processes
+
+    try:
+        spec = frontend_spec(core, config, source, serve_config.model_name)
+    except BaseException:
+        core.stop()
+        raise
     with switch_interval(serving_switch_interval()):
         if api_servers > 0:
-            from llmfast.serve.engine_host import serve_with_api_processes
-
-            serve_with_api_processes(engine, sock, config, api_servers,
+            serve_with_api_processes(core, spec, sock, serve_config, api_servers,
                                      access_log=access_log)
-            return
-        front = AsyncEngine(engine)
-        app = build_app(front, config)
-        uv_config = uvicorn.Config(app, log_level="info", access_log=access_log,
-                                   timeout_graceful_shutdown=10, lifespan="on")
-        _Server(uv_config, front).run(sockets=[sock])
+        else:
+            serve_in_process(core, spec, sock, serve_config, access_log=access_log)

@@ -1,8 +1,8 @@
-"""What crosses between the HTTP handlers and the engine loop: prompts in, per-choice
-deltas out, and the queue each HTTP request reads them from.
+"""What crosses between the HTTP handlers and the frontend (frontend.py): prompts in,
+per-choice deltas out, and the queue each HTTP request reads them from (`DeltaQueue`;
+`LLM.stream`'s iterator of RequestOutputs is another thing: engine/output_router.py).
 
-Plain data only (picklable, no torch): with `--api-servers N` these cross a process
-boundary, and the HTTP processes import this module without importing the engine.
+Plain data only (picklable, no torch).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class DetokenizeQuery:
 Query = TokenizeQuery | DetokenizeQuery
 
 
-class RequestStream:
+class DeltaQueue:
     """The outputs of one HTTP request: `ChoiceDelta`s, then possibly a `StreamError`."""
 
     def __init__(self, request_id: str, num_choices: int) -> None:
@@ -220,7 +220,7 @@ class EngineFront(Protocol):
 
     def start(self) -> None: ...
 
-    async def add(self, stream: RequestStream, prompts: Sequence[PromptInput],
+    async def add(self, stream: DeltaQueue, prompts: Sequence[PromptInput],
                   params: Sequence[SamplingParams], *, with_text: bool = False,
                   check_length: bool = False) -> list[PreparedPrompt]: ...
 

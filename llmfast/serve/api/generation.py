@@ -20,10 +20,10 @@ from llmfast.serve.api.sampling import EngineInputs
 from llmfast.serve.api.sse import DONE, event
 from llmfast.serve.stream import (
     ContextLengthExceeded,
+    DeltaQueue,
     EngineFront,
     EngineUnavailable,
     PreparedPrompt,
-    RequestStream,
     StreamError,
     merged_in_order,
 )
@@ -38,7 +38,7 @@ async def run_generation(request: Request, front: EngineFront, metrics: ServerMe
                          include_usage: bool, echo: bool = False, want_logprobs: bool = False,
                          want_prompt_logprobs: bool = False) -> Response:
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    rs = RequestStream(f"{prefix}-{uuid.uuid4().hex}", len(inputs.params))
+    rs = DeltaQueue(f"{prefix}-{uuid.uuid4().hex}", len(inputs.params))
     # From before the add: its tokenising and (for many choices) its slices are waited for.
     tracker = metrics.tracker(len(inputs.params))
     prepared = await _submit(front, rs, inputs, kind, with_text=echo)
@@ -62,7 +62,7 @@ async def run_generation(request: Request, front: EngineFront, metrics: ServerMe
     return JSONResponse(builder.response())
 
 
-async def _submit(front: EngineFront, rs: RequestStream, inputs: EngineInputs, kind: Kind,
+async def _submit(front: EngineFront, rs: DeltaQueue, inputs: EngineInputs, kind: Kind,
                   with_text: bool) -> list[PreparedPrompt]:
     param = "prompt" if kind == "completion" else "messages"
     try:
@@ -81,7 +81,7 @@ async def _submit(front: EngineFront, rs: RequestStream, inputs: EngineInputs, k
         raise
 
 
-async def _collect(rs: RequestStream, builder: ResponseBuilder, tracker: RequestTracker
+async def _collect(rs: DeltaQueue, builder: ResponseBuilder, tracker: RequestTracker
                    ) -> None:
     while not builder.done:
         item = await rs.get()
@@ -115,7 +115,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(front: EngineFront, metrics: ServerMetrics, rs: RequestStream,
+async def _events(front: EngineFront, metrics: ServerMetrics, rs: DeltaQueue,
                   builder: ResponseBuilder, tracker: RequestTracker,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE text. Deltas that queued up while the client was being written to go out in

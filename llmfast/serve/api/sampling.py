@@ -20,7 +20,6 @@ from llmfast.serve.api.protocol import (
 )
 from llmfast.serve.stream import ChatPrompt, Limits, PromptInput
 
-
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
 
 

@@ -1,4 +1,4 @@
-"""One engine, many consumers: each request's outputs go to its own queue.
+"""One engine, many consumers: each request's outputs go to its own queue (`LLM`).
 
 `LLMEngine.step()` advances every live request at once and returns all their outputs to
 whoever called it. With several consumers on one engine (a `generate` call, open
