@@ -149,14 +149,18 @@ def test_chat_cli_takes_the_model_defaults_for_flags_not_given(model_dir):
                                           "--kv-cache-memory", "16MiB", *flags],
                                     input=b"/settings\n")
         assert result.exit_code == 0, result.output
-        return result.stderr  # piped, command answers go to stderr (stdout: replies)
+        # Piped, command answers go to stderr (stdout: replies); one line per setting list.
+        return " ".join(result.stderr.split())
 
-    # The model's temperature and repetition penalty; ours where it has none (top_p).
+    # The model's temperature and repetition penalty, named as its; chat's local defaults
+    # where it has none (top_k, top_p, min_p).
     shown = settings()
-    assert "temperature=0.0" in shown and "repetition_penalty=1.3" in shown
-    assert "top_p=1.0" in shown and "max_tokens=512" in shown  # max_new_tokens is not a turn
+    assert "temperature 0 (generation_config.json)" in shown
+    assert "repetition_penalty 1.3 (generation_config.json)" in shown
+    assert "top_k 40, top_p 0.95, min_p 0.05" in shown
+    assert "max_tokens 512" in shown  # max_new_tokens is not a turn
     shown = settings("--temperature", "0.5", "--generation-config", "vllm")
-    assert "temperature=0.5" in shown and "repetition_penalty=1.0" in shown
+    assert "temperature 0.5" in shown and "generation_config.json" not in shown
 
 
 @pytest.mark.parametrize("model_max, completion, chat", [

@@ -9,6 +9,7 @@ own and the same processors in its frontends.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -58,7 +59,10 @@ class LLMEngine:
             CoreLimits(config.scheduler.max_model_len, config.model.vocab_size,
                        self.core.scheduler.block_size,
                        self.core.scheduler.kv_cache_manager.num_usable_blocks),
-            self.tokenizer, self.no_tokenizer_reason)
+            # A partial over the tokens, not the bound method: the processor must not hold
+            # the engine (a cycle would keep a deleted LLM's engine alive until a full GC).
+            self.tokenizer, functools.partial(started.tokens.no_tokenizer_reason,
+                                              source.name))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
