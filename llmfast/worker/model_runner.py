@@ -34,7 +34,7 @@ from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.distributed import TensorParallelGroup, min_across_ranks
 from llmfast.cuda_graphs.dispatch import RunnerKind
 from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
-from llmfast.kernels.cpu.linear import physical_memory_bytes, prepack_linears
+from llmfast.kernels.cpu.linear import prepack_budget_bytes, prepack_linears
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
 from llmfast.models.loading.loader import build_model
@@ -101,8 +101,7 @@ class ModelRunner:
                                  quantization=config.quantization)
         if self.device.type == "cpu" and config.compile.enforce_eager:
             # A second, blocked copy of the weights: at most a quarter of the RAM.
-            ram = physical_memory_bytes()
-            prepack_linears(self.model, None if ram is None else ram // 4)
+            prepack_linears(self.model, prepack_budget_bytes())
         self.startup_times["load"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.vocab_size = source.config.vocab_size

@@ -158,6 +158,14 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
+def prepack_budget_bytes() -> int | None:
+    """The most bytes the prepacked copies of the weights may take: a quarter of the RAM
+    (None where the RAM's size is unknown). The runner packs within it; the CPU KV-cache
+    fit counts the packs against host memory by the same rule."""
+    ram = physical_memory_bytes()
+    return None if ram is None else ram // 4
+
+
 def prepack_linears(model: nn.Module, max_bytes: int | None) -> int:
     """Prepack every `Linear` of an eager CPU model (see `Linear.prepack`) unless the
     copies would take more than `max_bytes`; returns the bytes packed (0: none)."""

@@ -236,14 +236,15 @@ def _cpu_load_bytes(config: EngineConfig) -> tuple[int, int]:
     dtype (all ranks: they share the host), and the eager runner's oneDNN packs of
     float32 weights, as much again where that fits in a quarter of the RAM (model_runner,
     kernels/cpu/linear.py)."""
-    from llmfast.kernels.cpu.linear import physical_memory_bytes
+    from llmfast.kernels.cpu.linear import prepack_budget_bytes
     from llmfast.models.decoder import DecoderForCausalLM
     from llmfast.models.loading.loader import allocate_as
+    from llmfast.models.weight_bytes import weight_bytes
 
     with allocate_as(torch.device("meta"), config.torch_dtype):  # shapes only, no init
         model = DecoderForCausalLM(config.model, max_positions=1)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    ram = physical_memory_bytes()
+    weights = weight_bytes(model)
+    budget = prepack_budget_bytes()
     packs = weights if (config.compile.enforce_eager and config.torch_dtype == torch.float32
-                        and ram and weights <= ram // 4) else 0
+                        and budget and weights <= budget) else 0
     return weights, packs
