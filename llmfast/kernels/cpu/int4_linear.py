@@ -1,0 +1,127 @@
+"""A linear layer over int4 codes with per-32-column scales and zeros, on torch's CPU
+int4 kernel (`aten._weight_int4pack_mm_for_cpu`): the weights stay packed, a decode step
+streams half a byte per weight plus the groups' scales.
+
+The kernel computes, per group g of 32 columns, `w = (v - 8) * scale + zero` with v in
+[0, 16). Any GGUF block type decoded to `w = s * code + o` (models/formats/gguf_blocks.py)
+fits as one or two such nibble planes laid side by side along the columns:
+- codes of 4 bits: one plane v = code, scale s, zero o + 8 s (exact);
+- codes of 5-8 bits: code = 16 h + l; a low plane v = l (scale s, zero o + 8 s) and a high
+  plane v = h (scale 16 s, zero 128 s, so that (h - 8) 16 s + 128 s = 16 s h); the
+  activations enter twice, once per plane.
+- groups of 16 (Q6_K): each group of 16 is padded to 32 columns with v = 8, whose
+  activation is a zero column, so the padding adds nothing.
+
+Measured on the 2-core AVX2 dev machine (torch 2.13): the kernel is vectorised for
+bfloat16 activations only (float32 ones take a scalar path, 6-12x slower), so the
+activations, scales and zeros are bfloat16 and the output (bfloat16) is widened to
+float32. That rounds the scales (f16 in GGUF, 11 bits) to 8 bits and the products'
+sum to bfloat16: relative errors of ~2^-8, what the tests bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmfast.models.formats.gguf_blocks import AffineCodes
+
+GROUP = 32  # columns per scale/zero pair, the kernel's smallest group
+ROW_MULTIPLE = 16  # the kernel's packing needs N divisible by 16
+ACT_DTYPE = torch.bfloat16
+
+
+def int4_supported() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+def nibble_planes(a: AffineCodes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """AffineCodes [N, K] -> (values uint8 [N, K'] in [0, 16), scales_and_zeros float32
+    [K' / 32, N, 2], x_index int64 [K'] into the activations' columns with K meaning a
+    zero column). K' = K * planes * (32 / group)."""
+    rows, cols = a.codes.shape
+    if a.bits > 8 or a.group not in (16, 32):
+        raise ValueError(f"no int4 planes for {a.bits}-bit codes in groups of {a.group}")
+    s, o = a.scale, a.offset  # [N, K / group]
+    planes = [(a.codes & 0x0F, s, o + 8 * s)]
+    if a.bits > 4:
+        planes.append((a.codes >> 4, 16 * s, 128 * s))
+    values, scales, zeros, index = [], [], [], []
+    columns = np.arange(cols, dtype=np.int64)
+    for v, scale, zero in planes:
+        if a.group == 16:
+            # [N, K/16, 16] -> [N, K/16, 32]: 16 codes then 16 eights (v - 8 = 0 there).
+            v = np.concatenate([v.reshape(rows, -1, 16), np.full((rows, cols // 16, 16), 8,
+                                                                  np.uint8)], axis=2)
+            pad = np.full((cols // 16, 16), cols, np.int64)
+            idx = np.concatenate([columns.reshape(-1, 16), pad], axis=1).reshape(-1)
+        else:
+            idx = columns
+        values.append(v.reshape(rows, -1))
+        scales.append(scale)
+        zeros.append(zero)
+        index.append(idx)
+    sz = np.stack([np.concatenate(scales, axis=1), np.concatenate(zeros, axis=1)], axis=2)
+    return (np.concatenate(values, axis=1), np.ascontiguousarray(sz.transpose(1, 0, 2)),
+            np.concatenate(index))
+
+
+def dequantize_planes(values: np.ndarray, sz: np.ndarray, x_index: np.ndarray,
+                      cols: int) -> np.ndarray:
+    """float64 [N, K]: the weight the planes stand for (tests compare it with the GGUF
+    dequantisation; padding columns must contribute nothing)."""
+    rows = values.shape[0]
+    scale = np.repeat(sz[..., 0].T.astype(np.float64), GROUP, axis=1)
+    zero = np.repeat(sz[..., 1].T.astype(np.float64), GROUP, axis=1)
+    w = (values.astype(np.float64) - 8) * scale + zero  # [N, K']
+    out = np.zeros((rows, cols + 1))
+    np.add.at(out.T, x_index, w.T)
+    return out[:, :cols]
+
+
+class Int4Linear(nn.Module):
+    """x [M, K] (float32) -> [M, N] float32 from int4 nibble planes."""
+
+    def __init__(self, a: AffineCodes, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = a.codes.shape
+        values, sz, x_index = nibble_planes(a)
+        padded = -self.out_features % ROW_MULTIPLE
+        if padded:  # rows of v = 8, scale 0, zero 0: outputs of 0, sliced off
+            values = np.concatenate([values, np.full((padded, values.shape[1]), 8,
+                                                     np.uint8)])
+            sz = np.concatenate([sz, np.zeros((sz.shape[0], padded, 2), np.float32)], axis=1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.from_numpy(values.astype(np.int32)), 1)
+        # Parameters, not buffers: models/weight_bytes.py counts parameters.
+        self.weight_packed = nn.Parameter(packed, requires_grad=False)  # [N', K' / 2] uint8
+        self.scales_and_zeros = nn.Parameter(  # [K' / 32, N', 2]
+            torch.from_numpy(sz).to(ACT_DTYPE), requires_grad=False)
+        identity = x_index.size == self.in_features and bool(
+            (x_index == np.arange(self.in_features)).all())
+        self.zero_column = bool((x_index == self.in_features).any())
+        # Gathered columns of x: None when the planes read x as is.
+        self.register_buffer("x_index", None if identity else torch.from_numpy(x_index),
+                             persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).to(ACT_DTYPE)  # [M, K]
+        if self.x_index is not None:
+            if self.zero_column:
+                x = torch.nn.functional.pad(x, (0, 1))
+            x = x.index_select(1, self.x_index)  # [M, K']
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.weight_packed, GROUP, self.scales_and_zeros)  # [M, N'] bf16
+        out = out[:, :self.out_features].float()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        planes = self.scales_and_zeros.shape[0] * GROUP // self.in_features
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"int4 x{planes}"
