@@ -23,8 +23,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# --quantization: weights quantized at load (models/quantization/); None: as loaded.
-QUANTIZATION_METHODS = ("fp8",)
+# --quantization: weights quantized at load (models/quantization/): fp8; gguf (a GGUF's
+# blocks kept packed, CPU); none (as loaded, a GGUF dequantized). None: gguf for a
+# quantized GGUF on the CPU, else none.
+QUANTIZATION_METHODS = ("fp8", "gguf", "none")
 # --kv-cache-dtype: auto = the model's dtype; fp8 = float8_e4m3fn with scale 1.0 (vLLM's
 # default without calibrated scales). Aliases as vLLM spells them.
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -96,7 +98,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 def check_quantization(method: object) -> None:
     if method is not None and method not in QUANTIZATION_METHODS:
         raise ConfigError(f"unknown quantization {method!r}; use "
-                          + " or ".join(QUANTIZATION_METHODS))
+                          + ", ".join(QUANTIZATION_METHODS[:-1]) + " or "
+                          + QUANTIZATION_METHODS[-1])
 
 
 def parse_kv_cache_dtype(name: object) -> str:

@@ -20,6 +20,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     the LM head)."""
     total = weight_bytes(model)
     embed = model.model.embed_tokens.weight
-    if embed is not model.lm_head.weight:
+    # A packed lm_head (models/quantization/gguf.py) has its own, packed, parameters.
+    if embed is not getattr(model.lm_head, "weight", None):
         total -= embed.numel() * embed.element_size()
     return total

@@ -43,12 +43,15 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama"):
-    """A tiny random HF model of `family` (an HF model_type; Llama unless told)."""
+def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama",
+               **sizes):
+    """A tiny random HF model of `family` (an HF model_type; Llama unless told);
+    `sizes` override TINY's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **TINY, vocab_size=vocab_size, tie_word_embeddings=tie)
+    config = AutoConfig.for_model(family, **{**TINY, **sizes}, vocab_size=vocab_size,
+                                  tie_word_embeddings=tie)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -69,9 +72,34 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
-def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama") -> Path:
+def quantized_blocks(data: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
+    """data [rows, cols] as `qtype`'s blocks [rows, bytes]: gguf.quants' quantizer where
+    it has one; the K-quants, which it only dequantizes, get random blocks (every byte
+    random but the f16 scale fields: small finite values), so the weights are not
+    `data` but valid blocks of that type."""
+    import gguf
+
+    try:
+        return gguf.quants.quantize(data, qtype)
+    except NotImplementedError:
+        pass
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = data.shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    halves = np.float16(rng.uniform(1e-4, 2e-4, (blocks.shape[0], 2))).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d last
+        blocks[:, -2:] = halves[:, :2]
+    else:  # d, dmin first
+        blocks[:, :4] = halves
+    return blocks.reshape(rows, -1)
+
+
+def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama",
+                     quant_embedding: bool = False) -> Path:
     """A GGUF as llama.cpp writes it: for arch llama permuted Q/K, optional `quant` for
-    matrices (the embedding then gets F16, to cover a third tensor type)."""
+    matrices (the embedding then gets F16, to cover a third tensor type, unless
+    `quant_embedding`: `quant` too)."""
     import gguf
 
     cfg = model.config
@@ -107,11 +135,10 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
         elif arch == "llama" and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_key_value_heads)
         if quant is not None and data.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
-            if "embed" in name:
+            if "embed" in name and not quant_embedding:
                 w.add_tensor(gguf_name(name), data.astype(np.float16))
             else:
-                w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+                w.add_tensor(gguf_name(name), quantized_blocks(data, quant), raw_dtype=quant)
         else:
             w.add_tensor(gguf_name(name), data)
     w.write_header_to_file()

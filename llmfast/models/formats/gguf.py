@@ -81,7 +81,7 @@ _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class GGUFTensor:
     gguf_name: str
     hf_name: str
     reader_tensor: Any  # gguf.ReaderTensor
@@ -98,7 +98,7 @@ def convert_gguf_to_hf_dir(
     report(f"reading {gguf_path.name}", None)
     reader = open_reader(gguf_path)
     config = model_config_from_gguf(reader, gguf_path.name)
-    tensors = _plan_tensors(reader, config, gguf_path.name)
+    tensors = plan_tensors(reader, config, gguf_path.name)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -163,9 +163,19 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[_Tensor]:
+def hf_row_order(weight: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
+    """A GGUF tensor's rows (values or raw quantized blocks alike) in HF's order: only
+    llama's converter permutes Q and K (weights and biases)."""
+    if config.architecture == "LlamaForCausalLM" and ".attn_q." in gguf_name:
+        return unpermute_qk(weight, config.num_attention_heads)
+    if config.architecture == "LlamaForCausalLM" and ".attn_k." in gguf_name:
+        return unpermute_qk(weight, config.num_key_value_heads)
+    return weight
+
+
+def plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[GGUFTensor]:
     """Map every GGUF tensor to its HF name; refuse unknown or missing ones."""
-    planned: list[_Tensor] = []
+    planned: list[GGUFTensor] = []
     for t in reader.tensors:
         if _IGNORED.match(t.name):
             continue
@@ -176,7 +186,7 @@ def _plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[_Tensor]:
             hf = f"{_GLOBAL_TENSORS[t.name[:-7]]}.weight"
         else:
             raise GGUFError(f"{name} has a tensor {t.name} that llmfast does not know")
-        planned.append(_Tensor(t.name, hf, t))
+        planned.append(GGUFTensor(t.name, hf, t))
     expected = _expected_shapes(config)
     missing = sorted(set(expected) - {p.hf_name for p in planned})
     if missing:
@@ -234,7 +244,7 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _dequantize_all(
-    tensors: list[_Tensor], config: ModelConfig, name: str, report: Progress
+    tensors: list[GGUFTensor], config: ModelConfig, name: str, report: Progress
 ) -> dict[str, torch.Tensor]:
     import gguf
 
@@ -252,12 +262,7 @@ def _dequantize_all(
             raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {one_line(e)}") from None
         # A copy: the reader's arrays are read-only views of the memory-mapped file.
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-        # Only llama's converter permutes Q and K (weights and biases alike).
-        if config.architecture == "LlamaForCausalLM" and ".attn_q." in t.gguf_name:
-            weight = unpermute_qk(weight, config.num_attention_heads)
-        elif config.architecture == "LlamaForCausalLM" and ".attn_k." in t.gguf_name:
-            weight = unpermute_qk(weight, config.num_key_value_heads)
-        state_dict[t.hf_name] = weight
+        state_dict[t.hf_name] = hf_row_order(weight, t.gguf_name, config)
         report("dequantising tensors", (n + 1) / len(tensors))
     return state_dict
 

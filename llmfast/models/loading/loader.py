@@ -22,7 +22,9 @@ from llmfast.models.loading.loader_target import target
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.models.loading.random_weights import init_random_weights
 from llmfast.models.loading.validate import check_checkpoint, check_weights_fit, safetensors_shapes
+from llmfast.models.formats.gguf_metadata import GGUFError
 from llmfast.models.quantization.fp8 import quantize_fp8
+from llmfast.models.quantization.gguf import pack_gguf_linears, wants_gguf_packing
 from llmfast.models.weight_bytes import weight_bytes
 from llmfast.utils.host_memory import available_host_memory
 from llmfast.utils.progress import Progress
@@ -96,9 +98,15 @@ def build_model(
     uninitialised) and write its weights in place: seeded random values for a preset,
     the checkpoint's for a directory. `tp`: build and load this rank's shard only.
     `quantization` ("fp8"): then quantize the projections, the one point where every
-    weight (and every tensor-parallel shard) is final, whatever the source."""
+    weight (and every tensor-parallel shard) is final, whatever the source. "gguf", or
+    None on the CPU for a quantized GGUF source: its linear layers become packed blocks
+    (models/quantization/gguf.py); "none": the weights stay as loaded."""
     device = torch.device(device)
     tp = tp or TensorParallelGroup.single()
+    try:
+        pack_gguf = wants_gguf_packing(quantization, source.gguf_path, device, tp.world_size)
+    except GGUFError as e:
+        raise LoadError(str(e)) from None
     try:
         source.config.check_tensor_parallel(tp.world_size)
     except ConfigError as e:
@@ -118,7 +126,19 @@ def build_model(
     model.eval().requires_grad_(False)
     if quantization == "fp8":
         _quantize_fp8(model)
+    elif pack_gguf:
+        _pack_gguf(model, source.gguf_path)
     return model
+
+
+def _pack_gguf(model: DecoderForCausalLM, gguf_path) -> None:
+    try:
+        summary = pack_gguf_linears(model, gguf_path)
+    except (GGUFError, OSError, ValueError) as e:
+        raise LoadError(f"{gguf_path}: cannot keep its blocks packed: {e}") from None
+    logger.info("gguf: %d linear layers kept packed (%.1f MiB float32 -> %.1f MiB); the "
+                "weights take %.1f MiB", summary.packed, summary.bytes_before / 2**20,
+                summary.bytes_after / 2**20, weight_bytes(model) / 2**20)
 
 
 def _quantize_fp8(model: DecoderForCausalLM) -> None:

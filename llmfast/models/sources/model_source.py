@@ -25,6 +25,8 @@ class ModelSource:
     spec: str
     path: Path | None  # None for random presets
     config: ModelConfig
+    # The GGUF file `path` was converted from (its blocks can be kept packed), if any.
+    gguf_path: Path | None = None
 
     @property
     def is_random(self) -> bool:
@@ -48,10 +50,10 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSo
     """Turn a `--model` argument into a local directory (downloading or converting the
     default model and GGUF files once) and read its config."""
     if spec is None or spec in ("", "default"):
-        from llmfast.models.sources.default_model import ensure_default_model
+        from llmfast.models.sources.default_model import default_model_gguf, ensure_default_model
 
         path = ensure_default_model(progress=progress)
-        return ModelSource(str(path), path, _read_config(path))
+        return ModelSource(str(path), path, _read_config(path), default_model_gguf(path))
     if spec.startswith("random:"):
         preset = spec.removeprefix("random:")
         if preset not in RANDOM_PRESETS:
@@ -73,7 +75,7 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> ModelSo
             from llmfast.models.sources.default_model import convert_gguf_cached
 
             converted = convert_gguf_cached(path, progress=progress)
-            return ModelSource(spec, converted, _read_config(converted))
+            return ModelSource(spec, converted, _read_config(converted), path)
         if path.suffix in PICKLE_SUFFIXES:
             raise pickle_refusal(path)
         raise LoadError(f"{path} is not a model directory or a .gguf file")
