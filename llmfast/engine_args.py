@@ -96,7 +96,9 @@ class EngineArgs:
     quantization: str | None = engine_flag(
         None, "fp8: quantize the decoder's projections to float8 at load (one scale per "
               "output channel, activations per token at run time; the embedding and "
-              "lm_head stay in --dtype), as vLLM's --quantization fp8.  [default: none]",
+              "lm_head stay in --dtype), as vLLM's --quantization fp8. gguf: keep a GGUF's "
+              "quantized blocks packed (CPU only). none: weights as loaded (a GGUF "
+              "dequantized).  [default: gguf for a quantized GGUF on the CPU, else none]",
         parse=parse_quantization)
     seed: int = engine_flag(0, "Seed of the engine's random state (random weights, sampling).",
                             minimum=0, maximum=MAX_SEED)

