@@ -1,0 +1,101 @@
+"""Packed GGUF weights against the dequantized float32 path on the CPU, same run: the
+default model at batch 1, `llmfast bench` in fresh processes, the two variants
+interleaved for --rounds rounds; medians, ratios and every run's figures to --out.
+With --llama-bench PATH, llama.cpp's `llama-bench` on the same GGUF file with the same
+thread count joins each round (decode of 32 tokens after a 128-token prompt, as ours).
+
+    python scripts/bench_cpu_quant.py --rounds 3 --out profiles/cpu/cpu-quant-smollm2.json \
+        [--llama-bench /path/to/llama-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VARIANTS = ("gguf", "none")
+
+
+def llmfast_run(quantization: str, steps: int, context: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        subprocess.run([sys.executable, "-m", "llmfast", "bench", "--sizes", "1", "--steps",
+                        str(steps), "--context", str(context), "--quantization", quantization,
+                        "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+        data = json.loads(out.read_text())
+    run = data["runs"]["default"]
+    sweep = run["sweep"][0]
+    return {
+        "step_ms_p50": sweep["step_latency"]["median"] * 1e3,
+        "decode_tok_s": sweep["decode_tokens_per_s"],
+        "weight_bytes": sweep["weight_bytes"],
+        "threads": data["environment"]["cpu_threads"],
+        "load": run["startup"]["load"],
+        "loadavg_1m": os.getloadavg()[0],
+    }
+
+
+def llama_bench_run(binary: str, gguf: Path, threads: int, steps: int, context: int) -> dict:
+    result = subprocess.run([binary, "-m", str(gguf), "-t", str(threads), "-p", str(context),
+                             "-n", str(steps), "-r", "1", "-o", "json"],
+                            check=True, capture_output=True, text=True)
+    rows = json.loads(result.stdout)
+    tg = next(r for r in rows if r["n_gen"] > 0)
+    return {"decode_tok_s": tg["avg_ts"], "threads": threads,
+            "loadavg_1m": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--llama-bench", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from llmfast.models.sources.default_model import default_model_gguf, ensure_default_model
+
+    gguf = default_model_gguf(ensure_default_model())
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    if args.llama_bench:
+        runs["llama.cpp"] = []
+    for round_ in range(args.rounds):
+        for variant in VARIANTS:
+            runs[variant].append(llmfast_run(variant, args.steps, args.context))
+            print(round_, variant, runs[variant][-1], file=sys.stderr)
+        if args.llama_bench:
+            threads = runs["gguf"][-1]["threads"]
+            runs["llama.cpp"].append(llama_bench_run(args.llama_bench, gguf, threads,
+                                                     args.steps, args.context))
+            print(round_, "llama.cpp", runs["llama.cpp"][-1], file=sys.stderr)
+    medians = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+               for v, rs in runs.items()}
+    ratios = {
+        "decode_tok_s gguf / none": medians["gguf"]["decode_tok_s"]
+        / medians["none"]["decode_tok_s"],
+        "weight_bytes gguf / none": medians["gguf"]["weight_bytes"]
+        / medians["none"]["weight_bytes"],
+    }
+    if args.llama_bench:
+        ratios["decode_tok_s gguf / llama.cpp"] = (medians["gguf"]["decode_tok_s"]
+                                                   / medians["llama.cpp"]["decode_tok_s"])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    import torch
+
+    report = {"commit": commit, "torch": torch.__version__, "gguf": gguf.name,
+              "command": " ".join(sys.argv), "steps": args.steps, "context": args.context,
+              "medians": medians, "ratios": ratios, "runs": runs}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"medians": medians, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
