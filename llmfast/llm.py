@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from llmfast.engine.input_processor import Prompt
 from llmfast.engine.llm_engine import LLMEngine
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from llmfast.engine.output_router import OutputRouter, RequestStream
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams

@@ -9,6 +9,9 @@
   stop strings, logprobs; `output_router` hands each request's outputs to its caller.
 - `llm_engine` (`LLMEngine`): the three in one process; `startup`: the executor and the
   tokenizer started together.
+- `args` (`EngineArgs`, with `arg_checks` and `flags`): the engine flags and `LLM(...)`'s
+  keywords; `model_resolution`: the model found, fetched or converted, the one step
+  before `args.create_engine_config(resolved)` that reads disk or network.
 
 `LLMEngine` is imported on first use (`from llmfast.engine import LLMEngine`), so that a
 frontend process importing the processors does not import torch.

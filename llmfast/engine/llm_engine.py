@@ -23,7 +23,8 @@ from llmfast.engine.core_client import InprocClient
 from llmfast.engine.input_processor import CoreLimits, InputProcessor, Prompt, tokenize_prompt
 from llmfast.engine.output_processor import OutputProcessor
 from llmfast.engine.startup import start_engine
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
+from llmfast.engine.model_resolution import resolve_model
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.outputs import RequestOutput
 from llmfast.profiling.nvtx_ranges import nvtx_range
@@ -68,8 +69,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: Progress | None = None) -> LLMEngine:
-        config, source = args.create_engine_config(progress)
-        return cls(config, source, progress)
+        """Resolve the model (the one step that reads disk or network), build the config
+        from it, then start."""
+        resolved = resolve_model(args, progress)
+        return cls(args.create_engine_config(resolved), resolved.source, progress)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without sampling parameters gets: SamplingParams' defaults,
