@@ -13,6 +13,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -150,9 +151,11 @@ class LLMEngine:
         self.input_processor.check_prompt(ids)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = True) -> str:
-        """Queue a request; returns its id. With `stream=False` `step()` reports it only
-        once it finishes (offline batches skip building an output per token)."""
+                    request_id: str | None = None, stream: bool = True,
+                    queue: deque[RequestOutput] | None = None) -> str:
+        """Queue a request; returns its id. With `stream=False` it is reported only once
+        it finishes (offline batches skip building an output per token). Its outputs go
+        to `queue` when given (whoever steps), else `step()` returns them."""
         req_id = request_id if request_id is not None else str(next(self._ids))
         if req_id in self.output_processor.states:
             raise RequestRejected(f"request id {req_id!r} is already in use")
@@ -161,7 +164,7 @@ class LLMEngine:
         self.client.add_requests((request,))  # may raise RequestRejected
         self.output_processor.add_request(req_id, text, request.prompt_token_ids,
                                           request.sampling_params, request.arrival_time,
-                                          stream)
+                                          stream, queue)
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -178,6 +181,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests added without a queue (those with
+        one found theirs in it)."""
         core_out = self.client.step()
         if core_out is None:
             return []

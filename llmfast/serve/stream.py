@@ -1,6 +1,6 @@
 """What crosses between the HTTP handlers and the frontend (frontend.py): prompts in,
 per-choice deltas out, and the queue each HTTP request reads them from (`DeltaQueue`;
-`LLM.stream`'s iterator of RequestOutputs is another thing: engine/output_router.py).
+`LLM.stream`'s iterator of RequestOutputs is another thing: llm.py's `RequestStream`).
 
 Plain data only (picklable, no torch).
 """
