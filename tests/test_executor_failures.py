@@ -123,7 +123,7 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
     from llmfast.serve.frontend import Frontend
     from llmfast.serve.launcher import CoreHandle
     from llmfast.serve.server import frontend_spec
-    from llmfast.serve.stream import DeltaQueue, EngineUnavailable, StreamError
+    from llmfast.serve.frontend_types import DeltaQueue, EngineUnavailable, StreamError
 
     pids: list[int] = []
     config, source = engine_config(EngineArgs.from_kwargs(model="random:tiny", **TP2))

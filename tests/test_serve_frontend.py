@@ -18,7 +18,7 @@ import pytest
 
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.frontend import Frontend
-from llmfast.serve.stream import ChoiceDelta, DeltaQueue, EngineUnavailable, StreamError
+from llmfast.serve.frontend_types import ChoiceDelta, DeltaQueue, EngineUnavailable, StreamError
 from tests.serve_server import drain as _drain
 from tests.serve_server import offline_text as engine_text
 from tests.serve_server import serving_front
