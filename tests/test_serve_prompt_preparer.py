@@ -288,7 +288,7 @@ def _slow_preparer(engine, seconds: float):
     """A preparer whose adds take `seconds` each (small lane); records which it prepared."""
     import types
 
-    from llmfast.serve.loop_commands import AddCommand
+    from llmfast.serve.preparer_commands import AddCommand
 
     preparer = prompt_preparer.PromptPreparer(engine.tokenizer, "no tokenizer", "tiny",
                                               engine.config.scheduler.max_model_len, lambda: None)
@@ -363,7 +363,7 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_job_lanes_by_size():
-    from llmfast.serve.loop_commands import AddCommand, QueryCommand
+    from llmfast.serve.preparer_commands import AddCommand, QueryCommand
     from llmfast.serve.frontend_types import ChatPrompt, DetokenizeQuery, TokenizeQuery
 
     def add(*prompts):
