@@ -190,3 +190,27 @@ def test_real_default_model_packed_agrees_with_dequantized():
     total = sum(min(len(x), len(y)) for x, y in zip(texts["gguf"], texts["none"]))
     print(f"greedy prefix agreement {sum(common)}/{total} tokens; per prompt {common}")
     assert sum(common) >= 0.75 * total
+
+
+def test_tensor_table_matches_gguf_reader(tiny_gguf):
+    import gguf
+
+    from llmfast.models.formats.gguf_tensors import read_tensor_infos
+
+    _, path = tiny_gguf
+    ours = read_tensor_infos(path)
+    theirs = gguf.GGUFReader(path).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.tensor_type == b.tensor_type and a.shape.tolist() == b.shape.tolist()
+        assert a.data.tobytes() == np.asarray(b.data).tobytes(), a.name
+
+
+def test_tensor_table_of_a_non_gguf_file_is_refused(tmp_path):
+    from llmfast.models.formats.gguf_metadata import GGUFError
+    from llmfast.models.formats.gguf_tensors import read_tensor_infos
+
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"not a gguf file at all, clearly")
+    with pytest.raises(GGUFError, match="x.gguf is not a GGUF file"):
+        read_tensor_infos(path)

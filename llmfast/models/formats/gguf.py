@@ -98,7 +98,7 @@ def convert_gguf_to_hf_dir(
     report(f"reading {gguf_path.name}", None)
     reader = open_reader(gguf_path)
     config = model_config_from_gguf(reader, gguf_path.name)
-    tensors = plan_tensors(reader, config, gguf_path.name)
+    tensors = plan_tensors(reader.tensors, config, gguf_path.name)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -173,10 +173,11 @@ def hf_row_order(weight: torch.Tensor, gguf_name: str, config: ModelConfig) -> t
     return weight
 
 
-def plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[GGUFTensor]:
-    """Map every GGUF tensor to its HF name; refuse unknown or missing ones."""
+def plan_tensors(tensors: Any, config: ModelConfig, name: str) -> list[GGUFTensor]:
+    """Map every GGUF tensor (`reader.tensors`, or models/formats/gguf_tensors.py's) to its
+    HF name; refuse unknown or missing ones."""
     planned: list[GGUFTensor] = []
-    for t in reader.tensors:
+    for t in tensors:
         if _IGNORED.match(t.name):
             continue
         match = _LAYER_NAME.match(t.name)

@@ -22,7 +22,8 @@ from torch import nn
 from llmfast.kernels.cpu.int4_linear import Int4Linear, int4_supported
 from llmfast.models.formats.gguf import hf_row_order, plan_tensors
 from llmfast.models.formats.gguf_blocks import PACKABLE_TYPES, decode_blocks
-from llmfast.models.formats.gguf_metadata import GGUFError, open_reader
+from llmfast.models.formats.gguf_metadata import GGUFError
+from llmfast.models.formats.gguf_tensors import read_tensor_infos
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,7 @@ class GGUFPackSummary:
 
 def packable_gguf(gguf_path: Path) -> bool:
     """Whether the file's linear weights are (mostly) in a packed block type."""
-    reader = open_reader(gguf_path)
-    types = [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2]
+    types = [t.tensor_type.name for t in read_tensor_infos(gguf_path) if len(t.shape) == 2]
     return int4_supported() and sum(t in PACKABLE_TYPES for t in types) * 2 > len(types)
 
 
@@ -71,9 +71,9 @@ def wants_gguf_packing(quantization: str | None, gguf_path: Path | None,
 def pack_gguf_linears(model: nn.Module, gguf_path: Path) -> GGUFPackSummary:
     """Replace, in place, each linear layer of a loaded CPU `model` whose weight comes
     from packable GGUF blocks of `gguf_path` by an `Int4Linear`."""
-    reader = open_reader(gguf_path)
     config = model.config
-    by_hf = {t.hf_name: t for t in plan_tensors(reader, config, gguf_path.name)}
+    by_hf = {t.hf_name: t for t in plan_tensors(read_tensor_infos(gguf_path), config,
+                                                  gguf_path.name)}
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     kept, before, after = [], 0, 0
     for name in names:
