@@ -1,6 +1,8 @@
 """Packed GGUF weights against the dequantized float32 path on the CPU, same run: the
 default model at batch 1, `llmfast bench` in fresh processes, the two variants
-interleaved for --rounds rounds; medians, ratios and every run's figures to --out.
+interleaved for --rounds rounds (their weight bytes, start-up, step latency); then both
+in one process, their decodes alternating for --interleaved-rounds rounds, so that a
+shared machine's load falls on both alike; medians, ratios and every run to --out.
 With --llama-bench PATH, llama.cpp's `llama-bench` on the same GGUF file with the same
 thread count joins each round (decode of 32 tokens after a 128-token prompt, as ours).
 
@@ -44,6 +46,38 @@ def llmfast_run(quantization: str, steps: int, context: int) -> dict:
     }
 
 
+def interleaved_decode(rounds: int, steps: int, context: int) -> dict:
+    """Both variants in this one process, their decodes alternating round by round, so
+    that a shared machine's load falls on both alike: per round and variant, the time of
+    `steps` decode tokens = a (steps + 1)-token generation less a 1-token one (the same
+    prompt, prefix-cached after the first round)."""
+    import time
+
+    import torch
+
+    from llmfast import LLM, SamplingParams
+
+    prompt = list(range(1000, 1000 + context))
+    llms = {v: LLM(quantization=v, max_model_len=context + steps + 8) for v in VARIANTS}
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    many = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for llm in llms.values():  # warm-up
+        llm.generate({"prompt_token_ids": prompt}, many)
+    for _ in range(rounds):
+        for variant, llm in llms.items():
+            t0 = time.perf_counter()
+            llm.generate({"prompt_token_ids": prompt}, one)
+            t1 = time.perf_counter()
+            llm.generate({"prompt_token_ids": prompt}, many)
+            t2 = time.perf_counter()
+            times[variant].append(((t2 - t1) - (t1 - t0)) / steps)
+    return {v: {"step_ms": [t * 1e3 for t in ts],
+                "step_ms_median": statistics.median(ts) * 1e3,
+                "decode_tok_s": 1 / statistics.median(ts),
+                "threads": torch.get_num_threads()} for v, ts in times.items()}
+
+
 def llama_bench_run(binary: str, gguf: Path, threads: int, steps: int, context: int) -> dict:
     result = subprocess.run([binary, "-m", str(gguf), "-t", str(threads), "-p", str(context),
                              "-n", str(steps), "-r", "1", "-o", "json"],
@@ -60,6 +94,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--llama-bench", default=None)
+    parser.add_argument("--interleaved-rounds", type=int, default=9,
+                        help="rounds of the in-process interleaved decode timing")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -89,15 +125,21 @@ def main() -> None:
     if args.llama_bench:
         ratios["decode_tok_s gguf / llama.cpp"] = (medians["gguf"]["decode_tok_s"]
                                                    / medians["llama.cpp"]["decode_tok_s"])
+    interleaved = interleaved_decode(args.interleaved_rounds, args.steps, args.context)
+    ratios["interleaved decode_tok_s gguf / none"] = (interleaved["gguf"]["decode_tok_s"]
+                                                      / interleaved["none"]["decode_tok_s"])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     import torch
 
     report = {"commit": commit, "torch": torch.__version__, "gguf": gguf.name,
               "command": " ".join(sys.argv), "steps": args.steps, "context": args.context,
-              "medians": medians, "ratios": ratios, "runs": runs}
+              "medians": medians, "ratios": ratios, "interleaved": interleaved,
+              "runs": runs, "loadavg_end": os.getloadavg()}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({"medians": medians, "ratios": ratios}, indent=2))
+    print(json.dumps({"medians": medians, "ratios": ratios,
+                      "interleaved": {v: {k: x for k, x in r.items() if k != "step_ms"}
+                                      for v, r in interleaved.items()}}, indent=2))
 
 
 if __name__ == "__main__":
