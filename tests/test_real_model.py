@@ -1,5 +1,6 @@
 """The real default model (SmolLM2-135M-Instruct, fetched once through pip) through the
-engine: it answers correctly and its greedy tokens equal HF transformers' (fp32).
+engine: it answers correctly (packed, the CPU's default) and its greedy tokens with the
+float32 weights (`--quantization none`) equal HF transformers' (fp32).
 
 Slow: the first run downloads ~93 MB and converts the GGUF (~30 s); later runs reuse
 the cache. Run with `python -m pytest -m slow tests/test_real_model.py`."""
@@ -22,7 +23,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
+    """The default: on the CPU the GGUF's blocks packed (`--quantization gguf`)."""
     return LLM(None, device="cpu", max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def llm_fp32():
+    """The dequantized float32 weights: what HF transformers runs."""
+    return LLM(None, device="cpu", max_model_len=1024, quantization="none")
 
 
 def _chat_ids(llm, text: str) -> list[int]:
@@ -36,9 +44,10 @@ def test_capital_of_france(llm):
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_greedy_tokens_equal_hf(llm):
+def test_greedy_tokens_equal_hf(llm_fp32):
     from transformers import AutoModelForCausalLM
 
+    llm = llm_fp32
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.source.path, dtype=torch.float32).eval()
     prompts = [_chat_ids(llm, p) for p in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
