@@ -57,6 +57,13 @@ def sweep_table(runs: dict) -> Table:
         table.add_row(*row)
     notes = []
     for name, run in runs.items():
+        weights = run.get("weight_bytes_per_rank") or []
+        if weights:  # on every device: what a quantization saves shows here
+            where = "" if name == "default" else f"{name}: "
+            quant = run["engine_config"].get("quantization")
+            notes.append(f"{where}weights read per decode step: {weights[0] / 1e6:.1f} MB"
+                         + (" per rank" if len(weights) > 1 else "")
+                         + (f" (--quantization {quant})" if quant else ""))
         bw = run.get("bandwidth")
         if bw:
             limit = bw["peak_bytes_per_s"] or bw["measured_copy_bytes_per_s"]
