@@ -214,3 +214,12 @@ def test_tensor_table_of_a_non_gguf_file_is_refused(tmp_path):
     path.write_bytes(b"not a gguf file at all, clearly")
     with pytest.raises(GGUFError, match="x.gguf is not a GGUF file"):
         read_tensor_infos(path)
+
+
+def test_packed_linear_keeps_a_bfloat16_models_dtype():
+    raw = _blocks("Q4_1", 16, 256)
+    layer = Int4Linear(decode_blocks(raw, "Q4_1", 256), torch.randn(16))
+    x = torch.randn(3, 256)
+    out = layer(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), layer(x), rtol=2**-6, atol=2**-6 * x.abs().sum())

@@ -82,7 +82,7 @@ def dequantize_planes(values: np.ndarray, sz: np.ndarray, x_index: np.ndarray,
 
 
 class Int4Linear(nn.Module):
-    """x [M, K] (float32) -> [M, N] float32 from int4 nibble planes."""
+    """x [M, K] -> [M, N] in x's dtype, from int4 nibble planes."""
 
     def __init__(self, a: AffineCodes, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -108,7 +108,7 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, self.in_features).to(ACT_DTYPE)  # [M, K]
         if self.x_index is not None:
             if self.zero_column:
@@ -116,9 +116,9 @@ class Int4Linear(nn.Module):
             x = x.index_select(1, self.x_index)  # [M, K']
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.weight_packed, GROUP, self.scales_and_zeros)  # [M, N'] bf16
-        out = out[:, :self.out_features].float()
+        out = out[:, :self.out_features].to(dtype)  # the model's dtype (float32 on CPU)
         if self.bias is not None:
-            out = out + self.bias
+            out = out + self.bias.to(dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
