@@ -21,7 +21,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# The MLP's gate activations (HF's names): SiLU, and GELU's tanh form (Gemma's GeGLU).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # --quantization: weights quantized at load (models/quantization/); None: as loaded.
 QUANTIZATION_METHODS = ("fp8",)
@@ -177,10 +180,22 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     o_bias: bool = False  # a bias on the attention output projection (Llama attention_bias)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
-    # Attention over the last `sliding_window` tokens only (Mistral v0.1). llmfast's
-    # attention is always full, which equals the window as long as no sequence is longer:
-    # see `resolve_max_model_len`.
+    # Attention over the last `sliding_window` tokens only (Mistral v0.1, Qwen2 with
+    # use_sliding_window, Gemma 3's local layers), in the layers `layer_types` marks
+    # "sliding_attention" (the others "full_attention"); no `layer_types`: every layer.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3 (models/sandwich_layer.py): RMSNorm scaling by (1 + weight) in float32;
+    # norms after attention and after the MLP too; embeddings times sqrt(hidden_size);
+    # attention scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); the
+    # sliding layers' own RoPE base (None: rope_theta); logits soft-capped by tanh.
+    hidden_act: str = "silu"
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -211,34 +226,40 @@ class ModelConfig:
                 f"model config: sliding_window must be a positive integer, got "
                 f"{self.sliding_window!r}"
             )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(f"unsupported activation hidden_act={self.hidden_act!r}; "
+                              "llmfast runs " + ", ".join(SUPPORTED_ACTIVATIONS))
+        if self.layer_types and (
+            len(self.layer_types) != self.num_hidden_layers
+            or not set(self.layer_types) <= {"sliding_attention", "full_attention"}
+        ):
+            raise ConfigError(
+                f"model config: layer_types must name sliding_attention or full_attention "
+                f"for each of the {self.num_hidden_layers} layers"
+            )
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer`, or None for a global layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def resolve_max_model_len(self, requested: int | None, default_cap: int) -> int:
         """The max-model-len to run with: `requested`, or the model's positions capped at
-        `default_cap`. A sliding-window model runs only where the window covers the whole
-        sequence (full attention is then the same thing): the default is clamped to the
-        window, with a warning in the log, and a larger request is refused."""
+        `default_cap`. (Sliding-window layers run at any length: their attention keeps to
+        the window.)"""
         limit = self.max_position_embeddings
         if requested is None:
-            length = min(limit, default_cap)
-            if self.sliding_window is not None and length > self.sliding_window:
-                logger.warning(
-                    "max-model-len clamped to %d, the model's sliding window (llmfast does "
-                    "not implement sliding-window attention)", self.sliding_window,
-                )
-                length = self.sliding_window
-            return length
+            return min(limit, default_cap)
         if requested > limit:
             raise ConfigError(f"max-model-len {requested} exceeds the model's {limit} positions")
-        self.check_fits_window(requested)
         return requested
-
-    def check_fits_window(self, max_model_len: int) -> None:
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise ConfigError(
-                f"the model uses sliding-window attention over {self.sliding_window} tokens, "
-                f"which llmfast does not implement; max-model-len {max_model_len} must be "
-                f"<= {self.sliding_window}"
-            )
 
     def check_tensor_parallel(self, world_size: int) -> None:
         """Refuse a tensor-parallel size that does not split this model evenly: query
@@ -414,9 +435,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
-        # However the config was put together: never full attention where the model
-        # wants a window (see `ModelConfig.resolve_max_model_len`).
-        self.model.check_fits_window(self.scheduler.max_model_len)
         self.model.check_tensor_parallel(self.parallel.tensor_parallel_size)
 
     @property

@@ -2,7 +2,7 @@
 
 Three checks, in the order loading meets them:
 - `check_hf_config`: settings in config.json that the decoder would otherwise ignore
-  (an activation other than SiLU, a partial rotary embedding, rope parameters that are
+  (an activation other than SiLU or tanh-GELU, a partial rotary embedding, rope parameters that are
   missing or out of range) are refused, not run as something else;
 - `check_model_size`: every dimension within what real models use, and the weights within
   the memory there is, before a layer is built or a byte allocated (a config saying 10^9
@@ -54,9 +54,10 @@ Target = Callable[[str], "tuple[torch.Tensor, slice | None] | None"]
 
 def check_hf_config(cfg: Mapping[str, Any]) -> None:
     """Refuse config.json settings that the decoder does not implement."""
-    act = cfg.get("hidden_act", "silu")
-    if act not in SILU_NAMES:
-        raise ConfigError(f"unsupported activation hidden_act={act!r}; llmfast runs SiLU models")
+    act = hf_activation(cfg)
+    if act not in SILU_NAMES + ("gelu_pytorch_tanh",):
+        raise ConfigError(f"unsupported activation hidden_act={act!r}; llmfast runs SiLU and "
+                          "tanh-GELU (Gemma) models")
     partial = cfg.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
         raise ConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
@@ -75,6 +76,11 @@ def check_hf_config(cfg: Mapping[str, Any]) -> None:
             raise ConfigError(f"{kind} rope scaling needs a positive {key}, got {rope.get(key)!r}")
     if kind == "llama3" and not rope["low_freq_factor"] < rope["high_freq_factor"]:
         raise ConfigError("llama3 rope scaling needs low_freq_factor < high_freq_factor")
+
+
+def hf_activation(cfg: Mapping[str, Any]) -> str:
+    """The MLP activation's HF name (Gemma calls the key `hidden_activation`)."""
+    return cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
 
 
 def _positive_number(value: Any) -> bool:
