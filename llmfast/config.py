@@ -242,6 +242,14 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window if every layer slides (the KV-cache manager then frees the blocks
+        that leave it); None when any layer attends globally, as all share block ids."""
+        if self.sliding_window is None or "full_attention" in self.layer_types:
+            return None
+        return self.sliding_window
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer`, or None for a global layer."""
         if self.sliding_window is None:

@@ -51,7 +51,10 @@ def test_sliding_window_model_matches_hf_past_the_window(sliding_env, name):
     ckpt, oracle = sliding_env(name)
     prompts, lengths = long_workload(3)
     assert max(len(p) + n for p, n in zip(prompts, lengths)) > 3 * WINDOW
-    llm = _llm(ckpt, max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=48)
+    # Mistral's blocks leave the window and are freed (tests/test_sliding_kv_cache.py):
+    # fewer of them still preempt.
+    blocks = 33 if name == "mistral" else 48
+    llm = _llm(ckpt, max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=blocks)
     assert llm.engine.config.scheduler.max_model_len == 128  # not clamped to the window
     outs = _check(llm, prompts, lengths, oracle)
     stats = llm.engine.stats()
