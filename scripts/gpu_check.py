@@ -158,6 +158,19 @@ STEPS = {s.name: s for s in (
           "--contexts", "512", "2048", "8192", "--iters", "20",
           "--sweep-splits", "{out}/splits.json", "--json", "{json}"),
          (PY, "scripts/bench_kernels.py", "--help"), samples=1),
+    # Sliding-window attention (profiles/sliding.md): the windowed layers' decode
+    # attention against the context, window on and off; a whole Gemma 3 1B (random
+    # weights) decode sweep at 8k and 32k tokens of context.
+    Step("sliding_kernels", "sliding", 60, 300,
+         (PY, "scripts/bench_sliding.py", "--contexts", "8192", "32768", "--batches", "1",
+          "16", "--samples", "3", "--json", "{json}"),
+         (PY, "scripts/bench_sliding.py", "--help"), samples=1),
+    Step("sliding_decode", "sliding", 120, 500,
+         (PY, "-m", "llmfast", "bench", "--model", "random:gemma-3-1b", "--dtype", "{dtype}",
+          "--sizes", "1,16", "--context", "32768", "--steps", "32",
+          "--max-model-len", "32832", "--json", "{json}"),
+         (PY, "-m", "llmfast", "bench", "--model", "random:tiny", "--device", "cpu",
+          "--sizes", "1,2", "--context", "16", "--steps", "4", "--json", "{json}"), samples=1),
     Step("decode_configs", "kernels", 150, 400,
          (PY, "scripts/sweep_decode_configs.py", "--json", "{json}"),
          (PY, "scripts/sweep_decode_configs.py", "--help"), samples=1),
@@ -168,7 +181,8 @@ STEPS = {s.name: s for s in (
           "--configs", "uni:1,mp:1", "--sizes", "1,2", "--steps", "8", "--repeats", "1",
           "--json", "{json}"), samples=1),
 )}
-GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests")}
+GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests"),
+          "sliding": ("sliding_kernels", "sliding_decode")}
 
 
 # ------------------------------------------------------------------ the tree stamp

@@ -94,6 +94,9 @@ def hf_model_from_llmfast(model, config):
                          f"unexpected {unexpected[:3]}")
     if config.tie_word_embeddings:
         hf.tie_weights()
+    embed = hf.model.embed_tokens
+    if hasattr(embed, "scalar_embed_scale"):  # Gemma's scale: a buffer left empty above
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
     rotary = hf.model.rotary_emb
     with torch.device("cpu"):
         hf.model.rotary_emb = type(rotary)(config=hf.config)
