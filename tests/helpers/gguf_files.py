@@ -36,6 +36,13 @@ GGUF_NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+# Gemma 3's: the norm before the MLP is `ffn_norm`, two more after attention and the MLP.
+GEMMA3_NAMES = {
+    **GGUF_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
@@ -43,12 +50,14 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama"):
+def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama",
+               **overrides):
     """A tiny random HF model of `family` (an HF model_type; Llama unless told)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **TINY, vocab_size=vocab_size, tie_word_embeddings=tie)
+    config = AutoConfig.for_model(family, **{**TINY, **overrides}, vocab_size=vocab_size,
+                                  tie_word_embeddings=tie)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,7 +66,7 @@ def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama")
     return model
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, names: dict[str, str] = GGUF_NAMES) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -66,12 +75,13 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)  # kind: weight or bias
-    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama") -> Path:
-    """A GGUF as llama.cpp writes it: for arch llama permuted Q/K, optional `quant` for
-    matrices (the embedding then gets F16, to cover a third tensor type)."""
+    """A GGUF as llama.cpp writes it: for arch llama permuted Q/K, for gemma3 its norms
+    as 1 + weight and its window; optional `quant` for matrices (the embedding then gets
+    F16, to cover a third tensor type)."""
     import gguf
 
     cfg = model.config
@@ -87,6 +97,12 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    names = GGUF_NAMES
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        names = GEMMA3_NAMES
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
@@ -106,14 +122,17 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
             data = llamacpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_key_value_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
         if quant is not None and data.ndim == 2:
             qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
             if "embed" in name:
-                w.add_tensor(gguf_name(name), data.astype(np.float16))
+                w.add_tensor(gguf_name(name, names), data.astype(np.float16))
             else:
-                w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+                w.add_tensor(gguf_name(name, names), gguf.quants.quantize(data, qtype),
+                             raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), data)
+            w.add_tensor(gguf_name(name, names), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

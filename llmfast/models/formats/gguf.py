@@ -1,9 +1,10 @@
 """GGUF (llama.cpp) files → an HF-style directory, so that one loader serves both.
 
 Architectures: `llama` (Llama, and Mistral, which llama.cpp writes as llama), `qwen2`
-(Qwen2 / Qwen2.5: q/k/v biases) and `qwen3` (per-head q/k norms). Only llama's converter
-permutes the Q and K rows (its rope rotates adjacent pairs); the Qwen ones use the
-NeoX layout, which is HF's, as is.
+(Qwen2 / Qwen2.5: q/k/v biases), `qwen3` (per-head q/k norms) and `gemma3` (Gemma 3
+text: norms on both sides of attention and the MLP, which llama.cpp stores as 1 +
+weight: one is taken off again). Only llama's converter permutes the Q and K rows (its
+rope rotates adjacent pairs); the others use the NeoX layout, which is HF's, as is.
 
 The directory holds `config.json`, `generation_config.json`, `model.safetensors` (HF tensor
 names, float32), the tokenizer files with the chat template, and `llmfast-gguf.json`, which
@@ -64,6 +65,13 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma 3: `ffn_norm` is the norm before the MLP, two more after attention and the MLP.
+_SANDWICH_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -166,12 +174,13 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[_Tensor]:
     """Map every GGUF tensor to its HF name; refuse unknown or missing ones."""
     planned: list[_Tensor] = []
+    layer_tensors = _SANDWICH_TENSORS if config.sandwich_norms else _LAYER_TENSORS
     for t in reader.tensors:
         if _IGNORED.match(t.name):
             continue
         match = _LAYER_NAME.match(t.name)
-        if match and match[2] in _LAYER_TENSORS and int(match[1]) < config.num_hidden_layers:
-            hf = f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+        if match and match[2] in layer_tensors and int(match[1]) < config.num_hidden_layers:
+            hf = f"model.layers.{match[1]}.{layer_tensors[match[2]]}.{match[3]}"
         elif t.name.endswith(".weight") and t.name[:-7] in _GLOBAL_TENSORS:
             hf = f"{_GLOBAL_TENSORS[t.name[:-7]]}.weight"
         else:
@@ -216,6 +225,9 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
+    if c.sandwich_norms:
+        per_layer["pre_feedforward_layernorm.weight"] = (h,)
+        per_layer["post_feedforward_layernorm.weight"] = (h,)
     if c.qkv_bias:
         per_layer.update({
             "self_attn.q_proj.bias": (c.q_size,),
@@ -257,6 +269,8 @@ def _dequantize_all(
             weight = unpermute_qk(weight, config.num_attention_heads)
         elif config.architecture == "LlamaForCausalLM" and ".attn_k." in t.gguf_name:
             weight = unpermute_qk(weight, config.num_key_value_heads)
+        elif config.norm_offset and t.hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp stores Gemma's norm as 1 + weight
         state_dict[t.hf_name] = weight
         report("dequantising tensors", (n + 1) / len(tensors))
     return state_dict

@@ -19,6 +19,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -105,9 +106,33 @@ def model_config_from_gguf(reader: Any, name: str) -> ModelConfig:
             bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_stop_ids(reader),
             torch_dtype="float32",
+            **(_gemma3_fields(reader, arch, hidden, num_heads, head_dim, name)
+               if arch == "gemma3" else {}),
         )
     except ConfigError as e:
         raise GGUFError(f"{name}: {e}") from None
+
+
+def _gemma3_fields(reader: Any, arch: str, hidden: int, num_heads: int, head_dim: int,
+                   name: str) -> dict[str, Any]:
+    """What llama.cpp's gemma3 graph fixes rather than stores: every sixth layer global,
+    the local layers' RoPE base 10000, the attention scale 1 / sqrt(head_dim) (the 27B's,
+    62 layers: 1 / sqrt(hidden / heads), its query_pre_attn_scalar)."""
+    if read_field(reader, f"{arch}.attn_logit_softcapping") is not None:
+        raise GGUFError(f"{name}: attention logit soft-capping is not supported")
+    num_layers = int(read_field(reader, f"{arch}.block_count"))
+    window = read_field(reader, f"{arch}.attention.sliding_window")
+    cap = read_field(reader, f"{arch}.final_logit_softcapping")
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=None if window is None else int(window),
+        layer_types=() if window is None else tuple(
+            "sliding_attention" if (i + 1) % 6 else "full_attention"
+            for i in range(num_layers)),
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim),
+        final_logit_softcapping=None if cap is None else float(cap),
+    )
 
 
 def _stop_ids(reader: Any) -> tuple[int, ...]:
