@@ -1,6 +1,7 @@
-"""Sliding-window attention's decode cost against the context (CUDA): one decode step's
-attention kernel at each context, with the window on and off, on Gemma 3 1B's layer
-shapes (4 query heads, 1 KV head, head_dim 256; window 512).
+"""Sliding-window attention's decode cost against the context: one decode step's
+attention at each context, with the window on and off, on Gemma 3 1B's layer shapes (4
+query heads, 1 KV head, head_dim 256; window 512). CUDA: the Triton kernel; `--device
+cpu`: the CPU op (attention/cpu.py), timed by the wall clock.
 
 The windowed kernel skips the key tiles before the window (attention/triton/kernels.py),
 so its time should stay flat as the context grows while the full kernel's grows with it.
@@ -17,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +44,41 @@ def _check(case, window: int, scale: float) -> float:
     return (case.out.double() - want).abs().max().item()
 
 
+def _cpu_figures(args) -> list[dict]:
+    """The CPU op's medians (wall clock, `--iters` calls, window on and off in turn)."""
+    from llmfast.attention.cpu import paged_attention_cpu
+    from llmfast.attention.workspaces import AttentionWorkspaces
+
+    gen = torch.Generator().manual_seed(0)
+    scale = args.head_dim**-0.5
+    rows = []
+    for batch in args.batches:
+        for ctx in args.contexts:
+            blocks = -(-ctx // args.block_size)
+            shape = (batch * blocks, args.block_size, args.kv_heads, args.head_dim)
+            k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+            table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).int()
+            q = torch.randn(batch, args.heads, args.head_dim, generator=gen)
+            qsl = torch.arange(batch + 1, dtype=torch.int32)
+            lens = torch.full((batch,), ctx, dtype=torch.int32)
+            out = torch.empty_like(q)
+            # The cache's owner, as the runner's: plans memoised, gather buffers reused.
+            owner = AttentionWorkspaces([k_cache])  # noqa: F841 (held while timing)
+            timings: dict = {args.window: [], None: []}
+            for _ in range(args.iters):
+                for window in timings:
+                    start = time.perf_counter()
+                    paged_attention_cpu(q, k_cache, v_cache, table, qsl, lens, scale, out,
+                                        window)
+                    timings[window].append(1e6 * (time.perf_counter() - start))
+            rows.append(dict(batch=batch, context=ctx, window=args.window,
+                             windowed_us=statistics.median(timings[args.window]),
+                             full_us=statistics.median(timings[None])))
+            print(f"batch {batch:3d}  context {ctx:6d}  window {args.window}: "
+                  f"{rows[-1]['windowed_us']:9.1f} us   full: {rows[-1]['full_us']:9.1f} us")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
@@ -54,7 +91,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
+    if args.device == "cpu":
+        result = dict(device="cpu", dtype="float32", torch=torch.__version__,
+                      threads=torch.get_num_threads(), heads=args.heads,
+                      kv_heads=args.kv_heads, head_dim=args.head_dim,
+                      block_size=args.block_size, iters=args.iters, rows=_cpu_figures(args))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_sliding.py needs a CUDA GPU")
     gen = torch.Generator("cuda").manual_seed(0)
