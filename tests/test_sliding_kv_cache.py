@@ -95,9 +95,12 @@ def test_only_models_whose_every_layer_slides_free_blocks():
     assert sliding.kv_sliding_window == 16
 
 
-def test_engine_frees_blocks_and_matches_hf(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_frees_blocks_and_matches_hf(tmp_path, async_scheduling):
     """Mistral with a 16-token window through the engine: HF's tokens, and at every
-    step each running request holds at most ceil(16 / 4) + 1 blocks once decoding."""
+    step each running request holds at most ceil(16 / 4) + 1 blocks once decoding; also
+    scheduling one step ahead (the freed blocks' last reader may still be in flight: a
+    later step's writes to them come after it)."""
     from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
     from tests.test_engine import _llm, greedy_oracle
     from tests.test_sliding_models import long_workload
@@ -106,7 +109,8 @@ def test_engine_frees_blocks_and_matches_hf(tmp_path):
     path = make_hf_checkpoint(tmp_path / "ckpt", family="mistral", sliding_window=16)
     oracle = greedy_oracle(load_hf_model(path))
     prompts, lengths = long_workload(7)
-    llm = _llm(path, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = _llm(path, max_num_batched_tokens=64, max_num_seqs=4,
+               async_scheduling=async_scheduling)
     scheduler = llm.engine.scheduler
     kv = scheduler.kv_cache_manager
     assert kv.sliding_window == 16
