@@ -115,17 +115,21 @@ def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
         per_row = num_blocks * block_size * row_elements
         rows = decode_rows[i : i + max(1, _MAX_GATHER_ELEMENTS // per_row)]
         i += len(rows)
-        # Row r gathers blocks first_block[r] .. + num_blocks (clipped to the table: the
-        # clipped ones are masked out).
-        columns = np.minimum(first_block[rows, None] + np.arange(num_blocks), table.shape[1] - 1)
-        key_pos = first_block[rows, None] * block_size + np.arange(num_blocks * block_size)
-        visible = key_pos < lens[rows, None]
-        if window is not None:
-            visible &= key_pos >= lens[rows, None] - window
+        key_pos = np.arange(num_blocks * block_size)[None, :]
+        if window is None:
+            blocks = table[rows, :num_blocks]
+            visible = key_pos < lens[rows, None]
+        else:
+            # Row r gathers blocks first_block[r] .. + num_blocks (clipped to the table:
+            # the clipped ones are masked out).
+            columns = np.minimum(first_block[rows, None] + np.arange(num_blocks),
+                                 table.shape[1] - 1)
+            blocks = np.take_along_axis(table[rows], columns, axis=1)
+            key_pos = key_pos + first_block[rows, None] * block_size
+            visible = (key_pos < lens[rows, None]) & (key_pos >= lens[rows, None] - window)
         decode.append(_DecodeChunk(
             tokens=torch.from_numpy(starts[rows]),
-            blocks=torch.from_numpy(
-                np.take_along_axis(table[rows], columns, axis=1).astype(np.int64).reshape(-1)),
+            blocks=torch.from_numpy(blocks.astype(np.int64).reshape(-1)),
             mask=torch.from_numpy(visible)[:, None, None, :],
             num_blocks=num_blocks,
         ))
