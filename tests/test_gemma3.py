@@ -99,3 +99,14 @@ def test_random_weights_map_to_hf_gemma3():
     with torch.inference_mode():
         want = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_engine_matches_hf(gemma):
+    """Piecewise-compiled (Inductor on CPU): the sandwich layers and the per-layer
+    windows and RoPE tables through the split graph."""
+    path, hf = gemma
+    prompts, lengths = long_workload(6)
+    llm = _llm(path, max_num_batched_tokens=16, max_num_seqs=8, compile=True)
+    _check(llm, prompts, lengths, greedy_oracle(hf))
+    assert llm.engine.runner.compiled.stats.one_graph
