@@ -33,18 +33,21 @@ from llmfast.models.parallel_layers import (
     vocab_parallel_embedding,
 )
 from llmfast.models.rope import RotaryEmbedding
-from llmfast.models.sandwich_layer import OffsetRMSNorm, SandwichDecoderLayer
+from llmfast.models.sandwich_layer import SandwichDecoderLayer
 from llmfast.models.sharding import rank_model_config, vocab_shard
 
 
 class RMSNorm(nn.Module):
     """weight * rms_norm(x), or with `residual`: (weight * rms_norm(x + residual),
-    x + residual). One Triton kernel on CUDA (kernels/layers/rms_norm.py), HF's numerics."""
+    x + residual). One Triton kernel on CUDA (kernels/layers/rms_norm.py), HF's numerics.
+    `offset` (Gemma): the weight is stored as an offset from 1, the norm scales by
+    (1 + weight), in float32, rounded once."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # Compiled graphs record the op (Inductor launches its kernel); eager calls skip
@@ -52,14 +55,14 @@ class RMSNorm(nn.Module):
         compiling = torch.compiler.is_compiling()
         if residual is None:
             norm = torch.ops.llmfast.rms_norm if compiling else rms_norm_impl
-            return norm(x, self.weight, self.eps)
+            return norm(x, self.weight, self.eps, self.offset)
         add_norm = torch.ops.llmfast.add_rms_norm if compiling else add_rms_norm_impl
-        return add_norm(x, residual, self.weight, self.eps)
+        return add_norm(x, residual, self.weight, self.eps, self.offset)
 
 
-def make_norm(config: ModelConfig, size: int) -> nn.Module:
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
     """The family's RMSNorm: weight * norm, or Gemma's (1 + weight) * norm."""
-    return (OffsetRMSNorm if config.norm_offset else RMSNorm)(size, config.rms_norm_eps)
+    return RMSNorm(size, config.rms_norm_eps, config.norm_offset)
 
 
 class Attention(nn.Module):
@@ -196,7 +199,7 @@ class DecoderModel(nn.Module):
             layer_rotary = rotary if window is None else local_rotary
             if not config.sandwich_norms:
                 return DecoderLayer(config, layer_rotary, tp, i)
-            return SandwichDecoderLayer(config.hidden_size, config.rms_norm_eps,
+            return SandwichDecoderLayer(lambda: make_norm(config, config.hidden_size),
                                         Attention(config, layer_rotary, tp, window),
                                         MLP(config, tp))
 

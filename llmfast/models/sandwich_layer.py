@@ -1,5 +1,6 @@
-"""Gemma's decoder layer shape: RMSNorms that scale by (1 + weight) in float32, and a norm
-on both sides of attention and of the MLP ("sandwich" norms):
+"""Gemma's decoder layer shape: a norm on both sides of attention and of the MLP
+("sandwich" norms; Gemma's norms scale by 1 + weight: models/decoder.py's RMSNorm with
+`offset`):
 
     h = x + post_attention_norm(attention(input_norm(x)))
     out = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))
@@ -10,42 +11,25 @@ output, the residual stream before it) and the next norm adds the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 
-class OffsetRMSNorm(nn.Module):
-    """(1 + weight) * rms_norm(x), computed in float32 and rounded to x's dtype once (HF
-    Gemma's numerics: the weight is stored as an offset from 1). With `residual`: the
-    norm of x + residual (added in x's dtype), and that sum."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (out * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, x)
-
-
 class SandwichDecoderLayer(nn.Module):
-    """A layer with norms before and after attention and the MLP (`self_attn` and `mlp`
-    built by the decoder: models/decoder.py)."""
+    """A layer with norms before and after attention and the MLP (`self_attn`, `mlp`
+    and the norms, from `make_norm`, built by the decoder)."""
 
-    def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module,
+    def __init__(self, make_norm: Callable[[], nn.Module], self_attn: nn.Module,
                  mlp: nn.Module) -> None:
         super().__init__()
-        self.input_layernorm = OffsetRMSNorm(hidden_size, eps)
+        self.input_layernorm = make_norm()
         self.self_attn = self_attn
-        self.post_attention_layernorm = OffsetRMSNorm(hidden_size, eps)
-        self.pre_feedforward_layernorm = OffsetRMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = make_norm()
+        self.pre_feedforward_layernorm = make_norm()
         self.mlp = mlp
-        self.post_feedforward_layernorm = OffsetRMSNorm(hidden_size, eps)
+        self.post_feedforward_layernorm = make_norm()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
