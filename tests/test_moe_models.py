@@ -166,3 +166,48 @@ def test_checkpoint_expert_mismatch_refused(tmp_path, family, edit, message):
     _rewrite(path, edit)
     with pytest.raises(LoadError, match=message):
         _load_ours(path)
+
+
+# ------------------------------------------------------------------ sizes
+
+
+def _meta_model(config):
+    from llmfast.models.decoder import DecoderForCausalLM
+    from llmfast.models.loading.loader import allocate_as
+
+    with allocate_as(torch.device("meta"), torch.bfloat16):
+        return DecoderForCausalLM(config, max_positions=16)
+
+
+@pytest.mark.parametrize(("preset", "total_b", "active_b"), [
+    ("qwen3-30b-a3b", 30.5, 3.3),  # as Qwen's model card counts them
+    ("mixtral-8x7b", 46.7, 12.9),  # Mistral's announcement
+])
+def test_presets_have_the_published_sizes(preset, total_b, active_b):
+    """Total parameters, and the bytes a batch-1 decode step reads (the active experts,
+    the LM head; the input embedding's rows only): the active-weight roofline's bytes."""
+    from llmfast.models.weight_bytes import decode_weight_bytes, weight_bytes
+    from tests.helpers.weight_bytes import expected_decode_weight_bytes
+
+    config = RANDOM_PRESETS[preset]
+    model = _meta_model(config)
+    assert weight_bytes(model) / 2 / 1e9 == pytest.approx(total_b, rel=0.01)
+    embed = config.vocab_size * config.hidden_size
+    active = decode_weight_bytes(model) / 2 + embed  # published counts include it
+    assert active / 1e9 == pytest.approx(active_b, rel=0.02)
+    assert decode_weight_bytes(model) == expected_decode_weight_bytes(config, element_size=2)
+
+
+def test_decode_weight_bytes_of_a_tensor_parallel_rank(moe_env):
+    from llmfast.distributed import TensorParallelGroup
+    from llmfast.models.decoder import DecoderForCausalLM
+    from llmfast.models.weight_bytes import decode_weight_bytes
+    from tests.helpers.weight_bytes import expected_decode_weight_bytes
+
+    path, _ = moe_env("qwen3_moe")
+    config = resolve_model(str(path)).config
+    for rank in range(2):
+        with torch.device("meta"):
+            model = DecoderForCausalLM(config, max_positions=16,
+                                       tp=TensorParallelGroup(rank=rank, world_size=2))
+        assert decode_weight_bytes(model) == expected_decode_weight_bytes(config, 2, rank)

@@ -31,7 +31,7 @@ def checkpoints(tmp_path_factory):
 
 def expected_moe_shard(name: str, full: torch.Tensor, cfg, rank: int,
                        world: int) -> torch.Tensor:
-    inter, hidden, experts = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    inter, experts = cfg.moe_intermediate_size, cfg.num_experts
     cols = list(range(rank * inter // world, (rank + 1) * inter // world))
     if name.endswith("experts.gate_up_weight"):  # [E * 2I, H]: per expert gate, then up rows
         return full[[e * 2 * inter + half * inter + c
