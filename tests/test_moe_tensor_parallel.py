@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,8 +17,8 @@ from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource, resolve_model
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.ranks import run_ranks
-from tests.helpers.tp_runs import run_cases
-from tests.test_tensor_parallel import NEXT_IDS, PROMPTS, SINGLE, expected_shard
+from tests.helpers.tp_runs import assert_ranks_match_tp1, run_cases
+from tests.test_tensor_parallel import NEXT_IDS, PROMPTS, expected_shard
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +89,4 @@ def test_tp2_matches_tp1(checkpoints):
     for path in checkpoints.values():
         cases.append(("model_logits", (str(path), PROMPTS, NEXT_IDS)))
         cases.append(("runner_tokens", (str(path), PROMPTS, 5)))
-    rank_results = run_ranks(run_cases, 2, cases)
-    for i, (name, args) in enumerate(cases):
-        want = run_cases(SINGLE, [(name, args)])[0]
-        got = [r[i] for r in rank_results]
-        if name == "model_logits":
-            for rank_logits in got:
-                np.testing.assert_allclose(rank_logits, want, rtol=0, atol=2e-5,
-                                           err_msg=str(args[0]))
-        else:
-            assert got[0] == want, args[0]
-            assert got[1] is None
+    assert_ranks_match_tp1(cases, run_ranks(run_cases, 2, cases))
