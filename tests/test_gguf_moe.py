@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmfast import LLM, SamplingParams
 from llmfast.models.families import model_config_from_json
 from llmfast.models.formats.gguf import convert_gguf_to_hf_dir
 from llmfast.models.formats.gguf_metadata import GGUFError
 from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import train_byte_level_bpe
-from tests.test_engine import _hf_greedy
+from tests.test_gguf_families import check_generates_like_source
 
 ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
@@ -56,12 +55,7 @@ def test_config(case):
 
 
 def test_generates_what_the_source_model_generates(case):
-    prompts = [[5, 17, 200, 3, 99, 41, 7, 300], [9, 8, 7], list(range(40, 70))]
-    llm = LLM(str(case["out"]), device="cpu", block_size=4, max_model_len=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(case["model"], prompt, 6)
+    check_generates_like_source(case["out"], case["model"])
 
 
 def test_missing_top_k_refused(bpe, tmp_path):
