@@ -54,7 +54,7 @@ SHAPES = {
 CANDIDATES = tuple(
     MoeTiles(m, n, k, group_m=g, num_warps=w, num_stages=s)
     for m, n, k, g, w, s in itertools.product(
-        (16, 32, 64, 128), (64, 128), (64, 128), (1, 8), (4, 8), (3, 4))
+        (16, 32, 64, 128), (32, 64, 128), (64, 128), (1, 8), (4, 8), (3, 4))
     if not (m == 128 and w == 4)
 )
 

@@ -152,7 +152,8 @@ def _rewrite(path, edit) -> None:
         t["model.layers.0.mlp.experts.0.gate_proj.weight"].clone()), "expert 4 .* 4 experts"),
     # An expert missing.
     ("mixtral", lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"),
-     "lacks weights"),
+     r"lacks the weights of expert 3 for model\.layers\.1\.mlp\.experts\.down_weight "
+     r"\(config.json says 4 experts\)"),
     # An expert's columns not the config's moe_intermediate_size.
     ("qwen3_moe", lambda t: t.__setitem__(
         "model.layers.2.mlp.experts.1.up_proj.weight", torch.zeros(16, 64)),

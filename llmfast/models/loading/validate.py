@@ -138,6 +138,13 @@ def check_checkpoint(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],
                 f"{expected}")
         covered[param_name][rows if rows is not None else slice(None)] = True
     missing = [n for n, rows in covered.items() if not bool(rows.all())]
+    expert = next((n for n in missing if ".experts." in n), None)
+    if expert is not None:  # stacked rows, one block per expert (models/sparse_moe.py)
+        rows = covered[expert]
+        first = int((~rows).nonzero()[0])
+        raise ConfigError(
+            f"the checkpoint lacks the weights of expert {first * config.num_experts // len(rows)}"
+            f" for {expert} (config.json says {config.num_experts} experts)")
     if missing:
         raise ConfigError(
             f"the checkpoint lacks weights for {len(missing)} parameter(s) that config.json "
