@@ -140,7 +140,7 @@ def test_stream_dropped_while_another_thread_steps(llm, expected):
     held, release = threading.Event(), threading.Event()
 
     def holder():
-        with llm._router._engine_call():  # what a stepping thread holds
+        with llm._engine_call():  # what a stepping thread holds
             held.set()
             release.wait(timeout=60)
 

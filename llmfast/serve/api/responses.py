@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llmfast.serve.stream import ChoiceDelta, PreparedPrompt, TokenLogprob
+from llmfast.serve.frontend_types import ChoiceDelta, PreparedPrompt, TokenLogprob
 
 Kind = Literal["completion", "chat"]
 

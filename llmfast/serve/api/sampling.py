@@ -18,7 +18,7 @@ from llmfast.serve.api.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
-from llmfast.serve.stream import ChatPrompt, Limits, PromptInput
+from llmfast.serve.frontend_types import ChatPrompt, Limits, PromptInput
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
 
