@@ -212,3 +212,22 @@ def test_decode_weight_bytes_of_a_tensor_parallel_rank(moe_env):
             model = DecoderForCausalLM(config, max_positions=16,
                                        tp=TensorParallelGroup(rank=rank, world_size=2))
         assert decode_weight_bytes(model) == expected_decode_weight_bytes(config, 2, rank)
+
+
+def test_fp8_keeps_router_and_experts_and_runs(moe_env):
+    """--quantization fp8 quantizes the attention projections (and a dense layer's MLP),
+    keeps the router and the stacked experts in the model dtype, and the engine runs."""
+    from llmfast import LLM, SamplingParams
+    from llmfast.kernels.cpu.linear import Linear
+    from llmfast.models.quantization.fp8 import Fp8Linear
+
+    path, _ = moe_env("qwen3_moe")
+    llm = LLM(str(path), quantization="fp8", device="cpu", max_model_len=64, block_size=4)
+    layers = llm.engine.runner.model.model.layers
+    assert type(layers[0].mlp.gate) is Linear and isinstance(layers[0].self_attn.qkv_proj,
+                                                               Fp8Linear)
+    assert layers[0].mlp.experts.gate_up_weight.dtype == torch.float32
+    assert isinstance(layers[1].mlp.gate_up_proj, Fp8Linear)  # the dense layer's MLP
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
