@@ -2,7 +2,9 @@
 plain torch: fused qkv and gate_up projections, GQA, RoPE, RMSNorm. The families differ
 only by `ModelConfig` options: q/k/v and o_proj biases, per-head q/k RMSNorm, tied
 embeddings, rope scaling, per-layer sliding windows, Gemma's layer shape
-(models/sandwich_layer.py) and GeGLU (models/families.py says which family has which).
+(models/sandwich_layer.py) and GeGLU (models/families.py says which family has which). A
+mixture of experts (Qwen3-MoE, Mixtral) swaps the MLP of its sparse layers for
+models/sparse_moe.py's.
 
 Inputs are flat over the step's tokens (no batch dimension): requests are told apart
 only by the attention metadata. Attention goes through `torch.ops.llmfast.unified_attention`,
@@ -35,6 +37,7 @@ from llmfast.models.parallel_layers import (
 from llmfast.models.rope import RotaryEmbedding
 from llmfast.models.sandwich_layer import SandwichDecoderLayer
 from llmfast.models.sharding import rank_model_config, vocab_shard
+from llmfast.models.sparse_moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +163,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, tp, config.layer_window(layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = (SparseMoeBlock(config, tp) if config.is_sparse_layer(layer)
+                    else MLP(config, tp))
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,

@@ -36,6 +36,13 @@ GGUF_NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
 # Gemma 3's: the norm before the MLP is `ffn_norm`, two more after attention and the MLP.
 GEMMA3_NAMES = {
     **GGUF_NAMES,
@@ -43,11 +50,14 @@ GEMMA3_NAMES = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
-    )
+# Mixtures of experts: 4 experts of 32 columns, 2 per token.
+EXPERTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+}
+# HF's in-memory expert tensors (transformers 5 stacks them) -> GGUF's stacks.
+GGUF_EXPERT_NAMES = {"mlp.gate": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps"}
 
 
 def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama",
@@ -56,8 +66,8 @@ def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama",
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **{**TINY, **overrides}, vocab_size=vocab_size,
-                                  tie_word_embeddings=tie)
+    config = AutoConfig.for_model(family, **{**TINY, **EXPERTS.get(family, {}), **overrides},
+                                  vocab_size=vocab_size, tie_word_embeddings=tie)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -74,8 +84,23 @@ def gguf_name(hf: str, names: dict[str, str] = GGUF_NAMES) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
+    stacked = GGUF_EXPERT_NAMES.get(rest.removesuffix(".weight"))
+    if stacked is not None:
+        return f"blk.{layer}.{stacked}.weight"
     module, kind = rest.rsplit(".", 1)  # kind: weight or bias
     return f"blk.{layer}.{names[module]}.{kind}"
+
+
+def _expert_tensors(name: str, data: np.ndarray, names: dict[str, str] = GGUF_NAMES
+                    ) -> list[tuple[str, np.ndarray]]:
+    """HF's stacked gate/up [E, 2I, H] -> GGUF's ffn_gate_exps and ffn_up_exps [E, I, H];
+    other tensors as they are."""
+    if not name.endswith("mlp.experts.gate_up_proj"):
+        return [(gguf_name(name, names), data)]
+    layer = name.split(".")[2]
+    inter = data.shape[1] // 2
+    return [(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :inter])),
+            (f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, inter:]))]
 
 
 def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama") -> Path:
@@ -103,6 +128,12 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         names = GEMMA3_NAMES
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
@@ -124,15 +155,16 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
             data = llamacpp_permute(data, cfg.num_key_value_heads)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             data = data + np.float32(1.0)
-        if quant is not None and data.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
-            if "embed" in name:
-                w.add_tensor(gguf_name(name, names), data.astype(np.float16))
+        for tensor_name, data in _expert_tensors(name, data, names):
+            if quant is not None and data.ndim >= 2:
+                qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
+                if "embed" in name:
+                    w.add_tensor(tensor_name, data.astype(np.float16))
+                else:
+                    w.add_tensor(tensor_name, gguf.quants.quantize(data, qtype),
+                                 raw_dtype=qtype)
             else:
-                w.add_tensor(gguf_name(name, names), gguf.quants.quantize(data, qtype),
-                             raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name(name, names), data)
+                w.add_tensor(tensor_name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
