@@ -21,8 +21,9 @@ class StructuredOutputsError(ValueError):
 
 @dataclass(frozen=True)
 class StructuredOutputs:
-    # A JSON schema: a dict, or its JSON text (held as canonical text: hashable, and the
-    # same schema written two ways is one grammar in the cache).
+    # A JSON schema: a dict, or its JSON text (held as compact text: hashable, and the
+    # same schema spaced two ways is one grammar in the cache; key order is kept: the
+    # output's properties come in the schema's order).
     json: str | dict | None = None
     json_object: bool = False  # any JSON object
     regex: str | None = None
@@ -78,4 +79,4 @@ def _canonical_schema(schema: object) -> str:
             raise StructuredOutputsError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise StructuredOutputsError(f"a JSON schema must be an object, got {describe(schema)}")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
