@@ -255,8 +255,10 @@ def worst_case_sampling_metadata(n: int, vocab_size: int, device: torch.device,
 
     Rows alternate greedy / random (both paths and their merge run), random rows use
     top-k, top-p, min-p and a seed, every row has a logit bias (a quarter also allowed
-    ids), penalties, a pending min_tokens ban, a grammar bitmask and
-    wants `max_num_logprobs` logprobs (20 is SamplingParams' most)."""
+    ids), penalties, a pending min_tokens ban and
+    wants `max_num_logprobs` logprobs (20 is SamplingParams' most). No grammar bitmask:
+    it is applied in place (no temporary), and its kernel (xgrammar's Triton one on CUDA)
+    should compile at the first constrained request, not in every start-up."""
     rows = torch.arange(n, device=device)
     greedy = rows % 2 == 0
 
@@ -282,6 +284,4 @@ def worst_case_sampling_metadata(n: int, vocab_size: int, device: torch.device,
         no_top_p=False, no_min_p=False, no_min_tokens=False, no_logit_rules=False,
         no_seeds=False,
         max_top_k=max(1, vocab_size // 2), max_num_logprobs=max_num_logprobs,
-        grammar_bitmask=torch.full((n, -(-vocab_size // 32)), -1, dtype=torch.int32,
-                                   device=device),
     )
