@@ -44,7 +44,7 @@ sys.path.insert(1, str(REPO / "scripts"))
 from llmfast.bench.environment import environment_info, local_device_facts
 from llmfast.bench.serving import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
-from llmfast.engine_args import resolve_device
+from llmfast.engine.args import resolve_device
 from llmfast.utils.ports import free_port
 
 import bench_serve_offline as vs_offline  # noqa: E402 - scripts/ beside this file
@@ -158,7 +158,7 @@ def print_summary(rows) -> None:
 def engine_baseline(model: str, flags: list[str], requests, rates, seed: int):
     """The same requests on the engine in this process (no HTTP, no event loop)."""
     from llmfast.bench.latency import run_latency
-    from llmfast.engine_args import engine_kwargs_from_argv
+    from llmfast.engine.flags import engine_kwargs_from_argv
     from llmfast.llm import LLM
 
     kwargs = engine_kwargs_from_argv(flags)

@@ -94,7 +94,7 @@ def run(ap: argparse.ArgumentParser, args) -> int:
     print(table, flush=True)
     if args.json:
         from llmfast.bench.environment import environment_info, local_device_facts
-        from llmfast.engine_args import resolve_device
+        from llmfast.engine.args import resolve_device
 
         args.json.write_text(json.dumps({
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -128,7 +128,7 @@ def _offline(spec: dict) -> list[dict]:
 
 def _offline_child(spec: dict) -> int:
     from llmfast.bench.stats import summarize
-    from llmfast.engine_args import engine_kwargs_from_argv
+    from llmfast.engine.flags import engine_kwargs_from_argv
     from llmfast.llm import LLM
     from llmfast.sampling_params import SamplingParams
 

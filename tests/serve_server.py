@@ -133,7 +133,7 @@ def offline_text(engine, prompt, n: int) -> str:
 
 async def drain(rs) -> list:
     """A DeltaQueue's items until every choice finished or an error came."""
-    from llmfast.serve.stream import StreamError
+    from llmfast.serve.frontend_types import StreamError
 
     items, finished = [], 0
     while finished < rs.num_choices:

@@ -18,6 +18,7 @@ from llmfast import LLM, SamplingParams
 from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID
 from tests.helpers.chat_model import make_chat_model
 from tests.helpers.interpreted import run_interpreted
+from tests.helpers.engine_config import engine_config
 
 
 def _engine(async_scheduling: bool, **kw):
@@ -244,11 +245,11 @@ def test_stop_strings_one_step_late(tmp_path):
 
 
 def test_async_scheduling_defaults_off_on_cpu_and_can_be_forced():
-    from llmfast.engine_args import EngineArgs
+    from llmfast.engine.args import EngineArgs
 
-    default, _ = EngineArgs(model="random:tiny", device="cpu").create_engine_config()
-    forced, _ = EngineArgs(model="random:tiny", device="cpu",
-                           async_scheduling=True).create_engine_config()
+    default, _ = engine_config(EngineArgs(model="random:tiny", device="cpu"))
+    forced, _ = engine_config(EngineArgs(model="random:tiny", device="cpu",
+                                         async_scheduling=True))
     assert not default.scheduler.async_scheduling and forced.scheduler.async_scheduling
 
 

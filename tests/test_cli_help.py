@@ -13,7 +13,7 @@ import typer.main
 
 from llmfast.cli.help import COMMON_ENGINE_FLAGS
 from llmfast.cli.main import app
-from llmfast.engine_args import engine_flags
+from llmfast.engine.flags import engine_flags
 from typer.testing import CliRunner
 
 ENGINE_COMMANDS = ["chat", "generate", "bench", "profile", "serve"]

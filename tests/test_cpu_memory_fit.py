@@ -12,7 +12,7 @@ import torch
 
 from llmfast import LLM
 from llmfast.config import CacheConfig
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.loading.validate import check_weights_fit
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
@@ -23,6 +23,7 @@ from llmfast.worker.startup.kv_cache_sizing import (
     fit_cpu_max_model_len,
 )
 from tests.helpers.cli import TINY, assert_one_line_error, invoke
+from tests.helpers.engine_config import engine_config
 
 MiB = 1 << 20
 
@@ -64,8 +65,8 @@ def test_the_cli_prints_the_fitted_length():
 ])
 def test_qwen3_preset_fitted_to_the_default_cache(free_after_load, tokens):
     """The README's random:qwen3-0.6b on a CPU: 4656 of its 8192 tokens fit in 1 GiB."""
-    config, _ = EngineArgs(model="random:qwen3-0.6b", device="cpu",
-                           max_model_len=8192).create_engine_config()
+    config, _ = engine_config(EngineArgs(model="random:qwen3-0.6b", device="cpu",
+                                         max_model_len=8192))
     assert config.scheduler.max_model_len == 8192  # set by the user: kept
     # What loading takes first: 596M parameters in float32, and as much again for the
     # eager runner's oneDNN packs (on a machine with 4x that in RAM).
@@ -82,10 +83,10 @@ def test_qwen3_preset_fitted_to_the_default_cache(free_after_load, tokens):
 
 
 def test_bfloat16_fits_twice_the_tokens():
-    f32, _ = EngineArgs(model="random:qwen3-0.6b", device="cpu",
-                        max_model_len=8192).create_engine_config()
-    bf16, _ = EngineArgs(model="random:qwen3-0.6b", device="cpu", dtype="bfloat16",
-                         max_model_len=8192).create_engine_config()
+    f32, _ = engine_config(EngineArgs(model="random:qwen3-0.6b", device="cpu",
+                                      max_model_len=8192))
+    bf16, _ = engine_config(EngineArgs(model="random:qwen3-0.6b", device="cpu", dtype="bfloat16",
+                                       max_model_len=8192))
     # 512 MiB left for the cache after loading either (float32 weights and their packs;
     # bfloat16 weights, not packed).
     small = fit_cpu_max_model_len(f32, available=8 * 596_049_920 + 2 * GiB)
@@ -97,10 +98,10 @@ def test_bfloat16_fits_twice_the_tokens():
 def test_tensor_parallel_ranks_share_the_cache_and_the_heads():
     """Two CPU ranks: each holds half the KV heads in half the budget, so the fitted
     length is one process's."""
-    one, _ = EngineArgs(model="random:qwen3-0.6b", device="cpu",
-                        max_model_len=8192).create_engine_config()
-    two, _ = EngineArgs(model="random:qwen3-0.6b", device="cpu", max_model_len=8192,
-                        tensor_parallel_size=2).create_engine_config()
+    one, _ = engine_config(EngineArgs(model="random:qwen3-0.6b", device="cpu",
+                                      max_model_len=8192))
+    two, _ = engine_config(EngineArgs(model="random:qwen3-0.6b", device="cpu", max_model_len=8192,
+                                      tensor_parallel_size=2))
     fit = [fit_cpu_max_model_len(c, available=32 * GiB).scheduler.max_model_len
            for c in (one, two)]
     assert fit[0] == 4656 and abs(fit[1] - fit[0]) <= 16
@@ -108,7 +109,7 @@ def test_tensor_parallel_ranks_share_the_cache_and_the_heads():
 
 def test_a_long_enough_cache_is_left_alone(caplog):
     with caplog.at_level(logging.WARNING, "llmfast"):
-        config, _ = EngineArgs(model="random:tiny", device="cpu").create_engine_config()
+        config, _ = engine_config(EngineArgs(model="random:tiny", device="cpu"))
     assert config.scheduler.max_model_len == 4096
     assert not [r for r in caplog.records if "max-model-len" in r.getMessage()]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfast.engine_args import DEFAULT_STEP_LIMITS, EngineArgs, default_step_limits
+from llmfast.engine.args import DEFAULT_STEP_LIMITS, EngineArgs, default_step_limits
 from llmfast.config import CacheConfig
 from llmfast.worker.startup.kv_cache_sizing import (
     GiB,
@@ -15,6 +15,7 @@ from llmfast.worker.startup.kv_cache_sizing import (
     gpu_kv_cache_bytes,
     kv_cache_out_of_memory,
 )
+from tests.helpers.engine_config import engine_config
 
 
 def test_step_limits_by_device_kind():
@@ -26,10 +27,10 @@ def test_step_limits_by_device_kind():
 
 
 def test_cpu_engine_config_takes_the_cpu_defaults_unless_set():
-    config, _ = EngineArgs(model="random:tiny", device="cpu").create_engine_config()
+    config, _ = engine_config(EngineArgs(model="random:tiny", device="cpu"))
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (256, 2048)
-    config, _ = EngineArgs(model="random:tiny", device="cpu", max_num_seqs=8,
-                           max_num_batched_tokens=100).create_engine_config()
+    config, _ = engine_config(EngineArgs(model="random:tiny", device="cpu", max_num_seqs=8,
+                                         max_num_batched_tokens=100))
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 100)
     # Graph sizes above the resolved budget are dropped.
     assert max(config.compile.cuda_graph_sizes) <= 100

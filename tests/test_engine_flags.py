@@ -14,9 +14,11 @@ from typer.testing import CliRunner
 from llmfast.cli.common import EngineOptions, engine_argv, engine_command
 from llmfast.cli.main import app
 from llmfast.config import ConfigError
-from llmfast.engine_args import EngineArgs, engine_flags, engine_kwargs_from_argv
+from llmfast.engine.args import EngineArgs
+from llmfast.engine.flags import engine_flags, engine_kwargs_from_argv
 from llmfast.utils.flag_values import FlagValueError, parse_bytes, parse_sizes
 from tests.helpers.cli import assert_one_line_error, invoke
+from tests.helpers.engine_config import engine_config
 
 # Commands that build no engine; any other command must take the engine flags.
 NO_ENGINE = {"pull"}
@@ -143,10 +145,10 @@ def test_piecewise_graph_sizes_reach_the_compile_config():
     assert opts.engine_kwargs["piecewise_graph_sizes"] == sizes
     args = EngineArgs.from_kwargs(model="random:tiny", device="cpu",
                                   max_num_batched_tokens=200, **opts.engine_kwargs)
-    compile_config = args.create_engine_config()[0].compile
+    compile_config = engine_config(args)[0].compile
     assert compile_config.piecewise_graph_sizes == sizes[:8]  # <= the step budget
     default = EngineArgs.from_kwargs(model="random:tiny", device="cpu")
-    assert default.create_engine_config()[0].compile.piecewise_graph_sizes is None
+    assert engine_config(default)[0].compile.piecewise_graph_sizes is None
 
 
 @pytest.mark.parametrize("argv, fragment", [

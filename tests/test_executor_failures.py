@@ -18,6 +18,7 @@ from llmfast import LLM, SamplingParams
 from llmfast.executor import ExecutorError, WorkerDied
 from llmfast.executor.errors import WorkerFailed
 from tests.helpers.processes import children, wait_until_gone, with_marker
+from tests.helpers.engine_config import engine_config
 
 TP2 = {"device": "cpu", "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
        "max_model_len": 256, "block_size": 4, "num_gpu_blocks_override": 256, "seed": 0}
@@ -117,15 +118,15 @@ def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
 
     import httpx
 
-    from llmfast.engine_args import EngineArgs
+    from llmfast.engine.args import EngineArgs
     from llmfast.serve.api.app import ServeConfig, build_app
     from llmfast.serve.frontend import Frontend
     from llmfast.serve.launcher import CoreHandle
     from llmfast.serve.server import frontend_spec
-    from llmfast.serve.stream import DeltaQueue, EngineUnavailable, StreamError
+    from llmfast.serve.frontend_types import DeltaQueue, EngineUnavailable, StreamError
 
     pids: list[int] = []
-    config, source = EngineArgs.from_kwargs(model="random:tiny", **TP2).create_engine_config()
+    config, source = engine_config(EngineArgs.from_kwargs(model="random:tiny", **TP2))
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -11,13 +11,14 @@ from torch import nn
 
 from llmfast import LLM, SamplingParams
 from llmfast.config import ConfigError
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from llmfast.kernels.cpu.linear import Linear
 from llmfast.kernels.fp8_linear import scaled_mm_out_dtype
 from llmfast.models.quantization.fp8 import Fp8Linear, quantize_fp8
 from llmfast.models.weight_bytes import decode_weight_bytes, weight_bytes
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.cli import TINY, assert_one_line_error, invoke
+from tests.helpers.engine_config import engine_config
 
 E4M3_MAX = 448.0
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -246,7 +247,7 @@ def test_compiled_matches_eager(ckpt, dtype, atol):
 
 def test_flag_parses_and_reaches_the_config():
     args = EngineArgs.from_kwargs(model="random:tiny", quantization="fp8", device="cpu")
-    config, _ = args.create_engine_config()
+    config, _ = engine_config(args)
     assert config.quantization == "fp8"
     with pytest.raises(ConfigError, match="unknown quantization 'int8'; use fp8"):
         EngineArgs.from_kwargs(quantization="int8")

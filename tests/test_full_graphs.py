@@ -20,8 +20,9 @@ import pytest
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.engine import LLMEngine
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from tests.helpers.checkpoints import make_hf_checkpoint
+from tests.helpers.engine_config import engine_config
 from tests.test_engine import oracle  # noqa: F401  (fixture)
 
 MAX_SEQS = 6
@@ -37,7 +38,7 @@ def _engine(ckpt, mode: CudaGraphMode) -> LLMEngine:
     args = EngineArgs(model=str(ckpt), device="cpu", max_model_len=96, block_size=4,
                       seed=0, compile=mode is not None, max_num_seqs=MAX_SEQS,
                       max_num_batched_tokens=32, cuda_graph_sizes=SIZES)
-    config, source = args.create_engine_config()
+    config, source = engine_config(args)
     if mode is not None:
         config = dataclasses.replace(config, compile=dataclasses.replace(
             config.compile, cuda_graph_mode=mode, emulate_cuda_graphs=True,

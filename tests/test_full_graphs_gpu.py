@@ -21,9 +21,10 @@ import torch
 from llmfast import SamplingParams
 from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CudaGraphMode
 from llmfast.engine import LLMEngine
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.test_full_graphs import _run
+from tests.helpers.engine_config import engine_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,7 +58,7 @@ def _workload(batch: int, seed: int):
 
 
 def _engine(ckpt, mode: str) -> LLMEngine:
-    config, source = EngineArgs(
+    config, source = engine_config(EngineArgs(
         model=str(ckpt), device="cuda", dtype="float32", max_model_len=256, block_size=16,
         # Four engines live at once: a fixed KV cache (256 rows x 16 blocks), so each
         # need not size itself from the free memory (that path: the 1B test below).
@@ -66,7 +67,7 @@ def _engine(ckpt, mode: str) -> LLMEngine:
         # Fewer sizes than the default (quicker start-up for four engines); batch 3
         # pads to 4 and 17 to 24: padding rows in the full graphs.
         cuda_graph_sizes=(1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048),
-    ).create_engine_config()
+    ))
     config = dataclasses.replace(config, compile=dataclasses.replace(
         config.compile, check_static_addresses=True))
     return LLMEngine(config, source)

@@ -173,7 +173,7 @@ def test_server_default_lengths(model_max, completion, chat):
     the client's."""
     from llmfast.serve.api.protocol import ChatCompletionRequest, CompletionRequest
     from llmfast.serve.api.sampling import chat_inputs, completion_inputs
-    from llmfast.serve.stream import Limits
+    from llmfast.serve.frontend_types import Limits
 
     defaults = (("temperature", 0.3),) + ((("max_tokens", model_max),) if model_max else ())
     limits = Limits(max_n=4, max_model_len=1024, sampling_defaults=defaults)

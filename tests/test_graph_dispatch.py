@@ -14,6 +14,7 @@ from llmfast.config import ConfigError, CudaGraphMode, parse_cuda_graph_mode
 from llmfast.cuda_graphs.capture_context import graph_capture
 from llmfast.cuda_graphs.dispatch import GraphDispatcher, RunnerKind, is_uniform_decode
 from llmfast.utils.gc_freeze import active_holds
+from tests.helpers.engine_config import engine_config
 
 SIZES = (1, 2, 4, 8)
 
@@ -113,15 +114,15 @@ def test_mode_names_and_errors():
 
 
 def test_engine_args_turn_graphs_off_on_cpu_and_with_no_cuda_graphs():
-    from llmfast.engine_args import EngineArgs
+    from llmfast.engine.args import EngineArgs
 
     for kw in ({}, {"cuda_graph_mode": "full_decode"}, {"cuda_graphs": False}):
-        config, _ = EngineArgs(model="random:tiny", device="cpu", compile=True,
-                               **kw).create_engine_config()
+        config, _ = engine_config(EngineArgs(model="random:tiny", device="cpu", compile=True,
+                                             **kw))
         assert config.compile.cuda_graph_mode is CudaGraphMode.NONE
         assert not config.compile.use_cuda_graphs
     with pytest.raises(ConfigError, match="unknown cuda graph mode"):
-        EngineArgs(model="random:tiny", device="cpu", cuda_graph_mode="all").create_engine_config()
+        engine_config(EngineArgs(model="random:tiny", device="cpu", cuda_graph_mode="all"))
 
 
 def test_capture_context_freezes_only_inside_and_keeps_an_outer_freeze():

@@ -35,9 +35,10 @@ import llmfast
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.engine import LLMEngine
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from llmfast.worker.step_output import PendingStep
 from tests.test_async_gpu import _mixed_params
+from tests.helpers.engine_config import engine_config
 
 # Ops that make the host wait for the device's result, on any device.
 HOST_SYNCING = {
@@ -108,7 +109,7 @@ def _engine(async_scheduling: bool, full_graphs: bool) -> LLMEngine:
                       max_num_seqs=16, max_num_batched_tokens=512, seed=0,
                       compile=full_graphs, async_scheduling=async_scheduling,
                       cuda_graph_sizes=(1, 2, 4, 8))
-    config, source = args.create_engine_config()
+    config, source = engine_config(args)
     if full_graphs:  # decode steps replay (emulated) full graphs: their input padding
         config = dataclasses.replace(config, compile=dataclasses.replace(
             config.compile, cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,

@@ -9,7 +9,7 @@ import pytest
 from llmfast import LLM, SamplingParams
 from llmfast.config import ConfigError
 from llmfast.core.request import RequestRejected
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from llmfast.sampling_params import SamplingParamsError
 from tests.helpers.cli import TINY, assert_one_line_error, invoke
 

@@ -17,10 +17,11 @@ from transformers import DynamicCache
 
 from llmfast import LLM, SamplingParams
 from llmfast.config import CacheConfig, ConfigError
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.cli import TINY, assert_one_line_error, invoke
 from tests.helpers.workloads import greedy_params, random_workload
+from tests.helpers.engine_config import engine_config
 
 FP8 = torch.float8_e4m3fn
 
@@ -156,7 +157,7 @@ def test_prefix_caching_still_matches(ckpt, oracle):
 def test_flag_parses_and_reaches_the_config():
     for given, want in (("auto", "auto"), ("fp8", "fp8"), ("fp8_e4m3", "fp8")):
         args = EngineArgs.from_kwargs(model="random:tiny", device="cpu", kv_cache_dtype=given)
-        config, _ = args.create_engine_config()
+        config, _ = engine_config(args)
         assert config.cache.kv_cache_dtype == want
     assert CacheConfig().kv_cache_dtype == "auto"
     with pytest.raises(ConfigError, match="unknown kv cache dtype 'int8'"):

@@ -25,8 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmfast"
 # modules may import each other (they are words every floor speaks, not layers). A new
 # room must be placed here, and a new floor argued for: at most 8 of them, so that the
 # longest import chain, from `python -m llmfast` down to the vocabulary, crosses at most
-# 8 floors (`test_import_chain_is_short` measures it). A room named here may not exist
-# yet or any more (the root `engine` and the `engine/` package, while it moves).
+# 8 floors (`test_import_chain_is_short` measures it).
 FLOORS: tuple[tuple[str, ...], ...] = (
     # 1. the shared vocabulary (configs, sampling params, outputs, small helpers) and the
     #    rooms that import no other: the layer kernels, tensor parallelism's collectives.
@@ -34,20 +33,20 @@ FLOORS: tuple[tuple[str, ...], ...] = (
      "profiling/", "kernels/", "distributed/"),
     # 2. attention (over the kernels' launcher), CUDA graphs' capture and dispatch, the
     #    host-side scheduler (no torch), the tokenizer (models/sources reads one with a
-    #    model: it stays below models/), LLM's output routing, the grammar engine's side
-    #    of structured outputs (compile and cache; the sampler's bitmask is the worker's).
-    ("attention/", "cuda_graphs/", "core/", "tokenizer", "output_router", "structured/"),
+    #    model: it stays below models/), the grammar engine's side of structured outputs
+    #    (compile and cache; the sampler's bitmask is the worker's).
+    ("attention/", "cuda_graphs/", "core/", "tokenizer", "structured/"),
     # 3. the model and its compilation.
     ("models/", "compile/"),
     # 4. one device's worker: the model runner and its start-up, the input batch, the
     #    sampler.
     ("worker/",),
-    # 5. one worker or many (processes, Ray actors); the engine's flags (they resolve a
-    #    model, and on a CPU fit max-model-len to the KV cache the worker will size).
-    ("executor/", "engine_args"),
-    # 6. the engine (llmfast/engine/: core, its client, input and output processing,
-    #    args), above its executor; today's root `engine` module until it moves there.
-    ("engine/", "engine"),
+    # 5. one worker or many (processes, Ray actors).
+    ("executor/",),
+    # 6. the engine (llmfast/engine/: core, its client, input and output processing, its
+    #    arguments and the model resolution before them), above its executor (and the
+    #    worker's start-up, which fits a CPU's max-model-len to the KV cache).
+    ("engine/",),
     # 7. what drives an engine: `LLM`, the HTTP server, the benchmarks' library.
     ("llm", "serve/", "bench/"),
     # 8. the `llmfast` command (with `python -m llmfast`) and the package's public

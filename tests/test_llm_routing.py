@@ -140,7 +140,7 @@ def test_stream_dropped_while_another_thread_steps(llm, expected):
     held, release = threading.Event(), threading.Event()
 
     def holder():
-        with llm._router._engine_call():  # what a stepping thread holds
+        with llm._engine_call():  # what a stepping thread holds
             held.set()
             release.wait(timeout=60)
 
@@ -160,3 +160,19 @@ def test_rejected_prompt_in_a_batch_adds_nothing(llm):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": [999]}],
                      _params(4))
     assert _all_blocks_free(llm) and not llm.engine.has_unfinished()
+
+
+def test_outputs_reach_their_queue_whoever_steps(llm, expected):
+    """The output processor routes: a request `LLM` added (with a queue) gets its outputs
+    there, even from steps run on the engine directly; one added on the engine without a
+    queue comes back from `step()`, alone."""
+    stream = _stream(llm, 0)
+    direct = llm.engine.add_request({"prompt_token_ids": PROMPTS[1]}, _params(LENGTHS[1]))
+    returned = []
+    while llm.engine.has_unfinished():
+        returned.extend(llm.engine.step())
+    assert {out.request_id for out in returned} == {direct}
+    assert [t for out in returned for t in out.outputs[0].delta_token_ids] == expected[1]
+    # Every step's output waited in the stream's queue: read now, with no step left.
+    assert [t for out in stream for t in out.outputs[0].delta_token_ids] == expected[0]
+    assert _all_blocks_free(llm)

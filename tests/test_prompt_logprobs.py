@@ -15,8 +15,9 @@ from llmfast import LLM, SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.core.request import RequestStatus
 from llmfast.engine import LLMEngine
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.engine_config import engine_config
 
 TOL = 1e-4
 
@@ -162,7 +163,7 @@ def test_one_token_prompt_chunks_in_full_graph_steps(ckpt, hf_logprobs):
     args = EngineArgs(model=str(ckpt), device="cpu", max_model_len=64, block_size=4, seed=0,
                       compile=True, max_num_seqs=2, max_num_batched_tokens=2,
                       cuda_graph_sizes=(1, 2))
-    config, source = args.create_engine_config()
+    config, source = engine_config(args)
     config = dataclasses.replace(config, compile=dataclasses.replace(
         config.compile, cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
         emulate_cuda_graphs=True))

@@ -10,7 +10,7 @@ import random
 
 from llmfast.serve.api.generation import _events
 from llmfast.serve.api.responses import ResponseBuilder
-from llmfast.serve.stream import (
+from llmfast.serve.frontend_types import (
     ChoiceDelta,
     DeltaQueue,
     PreparedPrompt,

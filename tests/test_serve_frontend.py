@@ -18,11 +18,12 @@ import pytest
 
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.frontend import Frontend
-from llmfast.serve.stream import ChoiceDelta, DeltaQueue, EngineUnavailable, StreamError
+from llmfast.serve.frontend_types import ChoiceDelta, DeltaQueue, EngineUnavailable, StreamError
 from tests.serve_server import drain as _drain
 from tests.serve_server import offline_text as engine_text
 from tests.serve_server import serving_front
 from tests.serve_server import wait_until as _until
+from tests.helpers.engine_config import engine_config
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +151,12 @@ def test_the_core_process_dying_ends_every_request(serve_model_dir):
     front refuses new requests, and nothing waits for the dead process."""
     import logging
 
-    from llmfast.engine_args import EngineArgs
+    from llmfast.engine.args import EngineArgs
     from llmfast.serve.launcher import CoreHandle
     from llmfast.serve.server import frontend_spec
 
-    config, source = EngineArgs.from_kwargs(
-        model=str(serve_model_dir), kv_cache_memory=32 << 20).create_engine_config()
+    config, source = engine_config(EngineArgs.from_kwargs(
+        model=str(serve_model_dir), kv_cache_memory=32 << 20))
     core = CoreHandle(config, source, logging.WARNING)
 
     async def main():

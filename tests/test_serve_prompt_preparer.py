@@ -18,7 +18,7 @@ import pytest
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve import frontend, prompt_preparer
 from llmfast.serve.frontend import Frontend
-from llmfast.serve.stream import ChoiceDelta, DeltaQueue, EngineUnavailable
+from llmfast.serve.frontend_types import ChoiceDelta, DeltaQueue, EngineUnavailable
 from tests.serve_server import drain as _drain
 from tests.serve_server import offline_text as _offline_text
 from tests.serve_server import serving_front
@@ -173,7 +173,7 @@ def test_a_stop_answers_adds_still_being_tokenized_at_once(engine, gate):
     waiting for the encode."""
     import time
 
-    from llmfast.serve.stream import TokenizeQuery
+    from llmfast.serve.frontend_types import TokenizeQuery
 
     async def main():
         async with serving_front(engine) as (front, _):
@@ -288,7 +288,7 @@ def _slow_preparer(engine, seconds: float):
     """A preparer whose adds take `seconds` each (small lane); records which it prepared."""
     import types
 
-    from llmfast.serve.loop_commands import AddCommand
+    from llmfast.serve.preparer_commands import AddCommand
 
     preparer = prompt_preparer.PromptPreparer(engine.tokenizer, "no tokenizer", "tiny",
                                               engine.config.scheduler.max_model_len, lambda: None)
@@ -363,8 +363,8 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_job_lanes_by_size():
-    from llmfast.serve.loop_commands import AddCommand, QueryCommand
-    from llmfast.serve.stream import ChatPrompt, DetokenizeQuery, TokenizeQuery
+    from llmfast.serve.preparer_commands import AddCommand, QueryCommand
+    from llmfast.serve.frontend_types import ChatPrompt, DetokenizeQuery, TokenizeQuery
 
     def add(*prompts):
         return AddCommand(None, prompts, (), None, False)

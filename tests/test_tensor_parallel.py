@@ -28,6 +28,7 @@ from llmfast.models.quantization.fp8 import Fp8Linear, quantize_fp8
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tp_runs import model_logits, paged_logits, run_cases, runner_tokens
+from tests.helpers.engine_config import engine_config
 
 SINGLE = TensorParallelGroup.single()
 PROMPTS = [list(range(5, 75)), [20, 21, 22], [7, 9, 11, 13, 15, 17]]  # 70: two chunks
@@ -176,13 +177,13 @@ def test_uneven_split_is_one_line_config_error(changes, world, what):
 
 
 def test_engine_config_refuses_uneven_tensor_parallel_size():
-    from llmfast.engine_args import EngineArgs
+    from llmfast.engine.args import EngineArgs
 
     args = EngineArgs(model="random:tiny", device="cpu", tensor_parallel_size=3,
                       distributed_executor_backend="mp")
     with pytest.raises(ConfigError, match="tensor-parallel size 3 does not divide the "
                                           "model's 4 attention heads"):
-        args.create_engine_config()
+        engine_config(args)
 
 
 # ----------------------------------------------------------------- two ranks

@@ -275,7 +275,7 @@ def parse_exec_modes(spec: str | None, opts: EngineOptions) -> list[str]:
     if given:
         raise BenchError(f"--modes sets how each run executes; drop {given[0]}")
     if "graphs" in names:
-        from llmfast.engine_args import resolve_device
+        from llmfast.engine.args import resolve_device
 
         if resolve_device(opts.engine_kwargs.get("device", "auto")).type != "cuda":
             raise BenchError("mode graphs needs a CUDA device (CUDA graphs do not exist on CPU)")

@@ -2,7 +2,7 @@
 `error: ...` on stderr, a traceback only under --debug), logging, and the start-up
 progress bar.
 
-The engine flags are the fields of `EngineArgs` (see engine_args.py to add one);
+The engine flags are the fields of `EngineArgs` (see engine/args.py to add one);
 `engine_command` appends them to each command's signature, so every command that builds
 an engine takes the same flags.
 """
@@ -32,7 +32,7 @@ from rich.progress import (
 )
 
 from llmfast.cli.help import ENGINE_PREFIX, HelpAll
-from llmfast.engine_args import engine_flags
+from llmfast.engine.flags import engine_flags
 from llmfast.utils.errors import one_line
 from llmfast.utils.progress import CountProgress, OnceStage
 from llmfast.utils.progress import Progress as StageProgress
@@ -298,7 +298,7 @@ def sweep_overrides(sizes: Sequence[int], opts: EngineOptions) -> dict[str, int]
     """Room for the largest batch in one step (`sweep_engine_limits`): raise the engine
     limits the user did not set; a limit the user set below the largest size is an error."""
     from llmfast.bench import sweep_engine_limits
-    from llmfast.engine_args import default_step_limits, resolve_device
+    from llmfast.engine.args import default_step_limits, resolve_device
 
     kw = opts.engine_kwargs
     defaults = default_step_limits(resolve_device(kw.get("device", "auto")))

@@ -26,7 +26,7 @@ from rich.panel import Panel
 from rich.text import Text
 from typer.core import TyperCommand
 
-from llmfast.engine_args import engine_flags
+from llmfast.engine.flags import engine_flags
 
 ENGINE_PREFIX = "engine__"  # the engine flags' parameter names (common.py)
 

@@ -60,7 +60,8 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
     from llmfast.serve.api.app import ServeConfig
-    from llmfast.engine_args import EngineArgs
+    from llmfast.engine.args import EngineArgs
+    from llmfast.engine.model_resolution import resolve_model
     from llmfast.serve.server import bind, start_core
     from llmfast.serve.server import serve as run_server
     from llmfast.serve.switch_interval import serving_switch_interval
@@ -99,8 +100,9 @@ def serve(
     err = stderr_console()
     with stage_progress(err) as report:
         # The model resolved (fetched, converted) here; the core's process loads it.
-        config, source = EngineArgs.from_kwargs(
-            model=opts.model, **opts.with_overrides()).create_engine_config(report)
+        args = EngineArgs.from_kwargs(model=opts.model, **opts.with_overrides())
+        resolved = resolve_model(args, report)
+        config, source = args.create_engine_config(resolved), resolved.source
         report("starting the engine core process", None)
         core = start_core(config, source)
     name = served_model_name or source.name

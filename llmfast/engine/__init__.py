@@ -6,9 +6,13 @@
   `llmfast chat`) or in another (`MPClient`: the server's frontends).
 - `input_processor`: prompts tokenized and checked, requests built for the core.
 - `output_processor` (with `detokenizer`): token ids made into text and `RequestOutput`s,
-  stop strings, logprobs; `output_router` hands each request's outputs to its caller.
+  stop strings, logprobs, each output routed to its request's caller (its queue, or the
+  step's returned list).
 - `llm_engine` (`LLMEngine`): the three in one process; `startup`: the executor and the
   tokenizer started together.
+- `args` (`EngineArgs`, with `arg_checks` and `flags`): the engine flags and `LLM(...)`'s
+  keywords; `model_resolution`: the model found, fetched or converted, the one step
+  before `args.create_engine_config(resolved)` that reads disk or network.
 
 `LLMEngine` is imported on first use (`from llmfast.engine import LLMEngine`), so that a
 frontend process importing the processors does not import torch.

@@ -13,6 +13,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,8 @@ from llmfast.engine.core_client import InprocClient
 from llmfast.engine.input_processor import CoreLimits, InputProcessor, Prompt, tokenize_prompt
 from llmfast.engine.output_processor import OutputProcessor
 from llmfast.engine.startup import start_engine
-from llmfast.engine_args import EngineArgs
+from llmfast.engine.args import EngineArgs
+from llmfast.engine.model_resolution import resolve_model
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.outputs import RequestOutput
 from llmfast.profiling.nvtx_ranges import nvtx_range
@@ -68,8 +70,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: Progress | None = None) -> LLMEngine:
-        config, source = args.create_engine_config(progress)
-        return cls(config, source, progress)
+        """Resolve the model (the one step that reads disk or network), build the config
+        from it, then start."""
+        resolved = resolve_model(args, progress)
+        return cls(args.create_engine_config(resolved), resolved.source, progress)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without sampling parameters gets: SamplingParams' defaults,
@@ -147,9 +151,11 @@ class LLMEngine:
         self.input_processor.check_prompt(ids)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = True) -> str:
-        """Queue a request; returns its id. With `stream=False` `step()` reports it only
-        once it finishes (offline batches skip building an output per token)."""
+                    request_id: str | None = None, stream: bool = True,
+                    queue: deque[RequestOutput] | None = None) -> str:
+        """Queue a request; returns its id. With `stream=False` it is reported only once
+        it finishes (offline batches skip building an output per token). Its outputs go
+        to `queue` when given (whoever steps), else `step()` returns them."""
         req_id = request_id if request_id is not None else str(next(self._ids))
         if req_id in self.output_processor.states:
             raise RequestRejected(f"request id {req_id!r} is already in use")
@@ -158,7 +164,7 @@ class LLMEngine:
         self.client.add_requests((request,))  # may raise RequestRejected
         self.output_processor.add_request(req_id, text, request.prompt_token_ids,
                                           request.sampling_params, request.arrival_time,
-                                          stream)
+                                          stream, queue)
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -175,6 +181,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests added without a queue (those with
+        one found theirs in it)."""
         core_out = self.client.step()
         if core_out is None:
             return []

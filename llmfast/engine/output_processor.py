@@ -1,7 +1,13 @@
 """`OutputProcessor`: the engine core's token ids made into `RequestOutput`s, on the
 frontend's side: incremental detokenizing, stop strings (which the core cannot see),
-logprobs and prompt logprobs as dicts, metrics. A request a stop string ends is reported
-back (`ProcessedOutputs.stopped`) for the caller to finish in the core.
+logprobs and prompt logprobs as dicts, metrics, and each output routed to its request's
+caller. A request a stop string ends is reported back (`ProcessedOutputs.stopped`) for
+the caller to finish in the core.
+
+Routing (vLLM's `RequestState.queue`): a request added with a queue gets its outputs
+appended there, whoever runs `process` (`LLM`'s callers share one engine, and the one
+that steps it serves the others: llm.py); one added without gets them in `process`'
+returned list (`LLMEngine.step()`'s caller, the server's frontend).
 
 Per request and step on the host (hundreds of requests per step): attribute lookups are
 hoisted, and the stop-string and logprob work is done only for requests that ask.
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,10 +55,12 @@ class RequestState:
     # Streams, and asks for no stop strings and no logprobs: a running request's decode
     # step takes `process`' short path.
     plain: bool = False
+    # Where its outputs go: its caller's queue, or (None) `process`' returned list.
+    queue: deque[RequestOutput] | None = None
 
 
 class ProcessedOutputs(NamedTuple):
-    outputs: list[RequestOutput]
+    outputs: list[RequestOutput]  # of the requests without a queue
     stopped: list[str]  # ended by a stop string here: to finish in the core
 
 
@@ -61,14 +70,15 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float, stream: bool = True
-                    ) -> RequestState:
+                    params: SamplingParams, arrival_time: float, stream: bool = True,
+                    queue: deque[RequestOutput] | None = None) -> RequestState:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         state = RequestState(request_id, prompt, prompt_token_ids, params, detok,
                              RequestMetrics(arrival_time=arrival_time), [], stream=stream,
-                             plain=stream and not params.stop and params.logprobs is None)
+                             plain=stream and not params.stop and params.logprobs is None,
+                             queue=queue)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs, state.prompt_logprob_ranks = [None], [None]
         self.states[request_id] = state
@@ -119,7 +129,8 @@ class OutputProcessor:
                     delta = detok.add_tokens(new_ids)
                     if delta:
                         state.text += delta
-                outputs.append(make_output(state, new_ids, False))
+                out = make_output(state, new_ids, False)
+                (outputs if state.queue is None else state.queue).append(out)
                 continue
             params = state.params
             stops = params.stop
@@ -145,7 +156,8 @@ class OutputProcessor:
             finish = finish_reasons.get(i) if finish_reasons else None
             if finish is None and not stops:  # the common case: a running request
                 if state.stream:
-                    outputs.append(make_output(state, new_ids, False))
+                    out = make_output(state, new_ids, False)
+                    (outputs if state.queue is None else state.queue).append(out)
                 continue
             if finish is not None and state.detokenizer is not None:
                 state.text += state.detokenizer.flush()  # text held back mid-character
@@ -165,7 +177,8 @@ class OutputProcessor:
                 state.metrics.finish_time = now
             elif not state.stream:
                 continue
-            outputs.append(make_output(state, new_ids, finish is not None))
+            out = make_output(state, new_ids, finish is not None)
+            (outputs if state.queue is None else state.queue).append(out)
             if finish is not None:
                 del states[req_id]
         return ProcessedOutputs(outputs, stopped)

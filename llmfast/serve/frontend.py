@@ -33,9 +33,9 @@ from llmfast.engine.output_processor import OutputProcessor
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.api.tool_parsers import parser_for
-from llmfast.serve.loop_commands import AddCommand, QueryCommand
+from llmfast.serve.preparer_commands import AddCommand, QueryCommand
 from llmfast.serve.prompt_preparer import PromptPreparer, PromptRules, job_chars
-from llmfast.serve.stream import (
+from llmfast.serve.frontend_types import (
     ChoiceDelta,
     DeltaQueue,
     EngineUnavailable,

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from llmfast.core.request import check_prompt_length
 from llmfast.engine.input_processor import tokenize_prompt
-from llmfast.serve.loop_commands import AddCommand, QueryCommand
-from llmfast.serve.stream import (
+from llmfast.serve.preparer_commands import AddCommand, QueryCommand
+from llmfast.serve.frontend_types import (
     ChatPrompt,
     ContextLengthExceeded,
     DetokenizeQuery,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from llmfast.distributed import TensorParallelGroup
 from tests.helpers.compiled import compiled_model
 from tests.helpers.paged import PagedSequences
+from tests.helpers import engine_config as two_steps
 
 
 def model_logits(group: TensorParallelGroup, spec: str, prompts: list[list[int]],
@@ -43,7 +44,7 @@ def paged_logits(model, prompts: list[list[int]], next_ids: list[int]) -> np.nda
 def engine_config(spec: str, world_size: int, compiled: bool = False,
                   async_scheduling: bool = False, device: str = "cpu",
                   quantization: str | None = None):
-    from llmfast.engine_args import EngineArgs
+    from llmfast.engine.args import EngineArgs
 
     on_cuda = device.startswith("cuda")
     args = EngineArgs(model=spec, device=device, dtype="float32", max_num_seqs=8,
@@ -54,7 +55,7 @@ def engine_config(spec: str, world_size: int, compiled: bool = False,
                       tensor_parallel_size=world_size,
                       distributed_executor_backend="mp" if world_size > 1 else "uni",
                       quantization=quantization)
-    return args.create_engine_config()
+    return two_steps.engine_config(args)
 
 
 def _broadcast(obj, group: TensorParallelGroup):

@@ -27,7 +27,7 @@ from llmfast.serve.api.protocol import (
 from llmfast.serve.api.responses import Kind
 from llmfast.serve.api.sampling import chat_inputs, completion_inputs
 from llmfast.serve.api.tokenization import ask, detokenize_query, tokenize_query
-from llmfast.serve.stream import EngineFront
+from llmfast.serve.frontend_types import EngineFront
 from llmfast.version import __version__
 
 # An oversized body is read to its end (discarded) so the client gets its 413 instead of a

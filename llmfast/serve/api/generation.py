@@ -18,7 +18,7 @@ from llmfast.serve.api.metrics import RequestTracker, ServerMetrics
 from llmfast.serve.api.responses import Kind, ResponseBuilder
 from llmfast.serve.api.sampling import EngineInputs
 from llmfast.serve.api.sse import DONE, event
-from llmfast.serve.stream import (
+from llmfast.serve.frontend_types import (
     ContextLengthExceeded,
     DeltaQueue,
     EngineFront,

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
-SHARED_METRICS_ENV = "LLMFAST_SHARED_METRICS_DIR"  # set with it by engine_host
+SHARED_METRICS_ENV = "LLMFAST_SHARED_METRICS_DIR"  # set with it by the launcher
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

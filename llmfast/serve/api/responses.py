@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llmfast.serve.api.tools import ToolMode, ToolStream, message_tool_calls
-from llmfast.serve.stream import ChoiceDelta, PreparedPrompt, TokenLogprob
+from llmfast.serve.frontend_types import ChoiceDelta, PreparedPrompt, TokenLogprob
 
 Kind = Literal["completion", "chat"]
 

@@ -20,7 +20,7 @@ from llmfast.serve.api.protocol import (
 )
 from llmfast.serve.api.structured import request_constraint
 from llmfast.serve.api.tools import ToolMode, tool_mode
-from llmfast.serve.stream import ChatPrompt, Limits, PromptInput
+from llmfast.serve.frontend_types import ChatPrompt, Limits, PromptInput
 from llmfast.structured_params import StructuredOutputs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions

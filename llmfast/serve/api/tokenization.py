@@ -7,7 +7,7 @@ from __future__ import annotations
 from llmfast.serve.api.errors import APIError
 from llmfast.serve.api.protocol import DetokenizeRequest, TokenizeRequest
 from llmfast.serve.api.sampling import chat_messages, chat_prompt
-from llmfast.serve.stream import (
+from llmfast.serve.frontend_types import (
     DetokenizeQuery,
     EngineFront,
     EngineUnavailable,

@@ -1,6 +1,8 @@
-"""What crosses between the HTTP handlers and the frontend (frontend.py): prompts in,
-per-choice deltas out, and the queue each HTTP request reads them from (`DeltaQueue`;
-`LLM.stream`'s iterator of RequestOutputs is another thing: engine/output_router.py).
+"""The frontend's types: what the HTTP handlers and the frontend (frontend.py) pass each
+other, both in the API process (the server's one, or each of `--api-servers N`):
+prompts in, per-choice deltas out, the queue each HTTP request reads them from
+(`DeltaQueue`), and the interface the handlers see (`EngineFront`). What crosses to the
+engine core's process is engine/messages.py's.
 
 Plain data only (picklable, no torch).
 """
@@ -209,9 +211,8 @@ def check_open(front: EngineFront) -> None:
 
 
 class EngineFront(Protocol):
-    """What the HTTP side uses of the engine: `engine_loop.AsyncEngine` (the engine on a
-    thread of this process) and `engine_client.EngineClient` (the engine in another
-    process) both are one."""
+    """What the HTTP side uses of the engine: `frontend.Frontend` is one (over the
+    engine core's process); a test's stand-in can be another."""
 
     limits: Limits
     failure: str | None  # why the engine stopped for good; None while it serves

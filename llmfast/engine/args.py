@@ -1,5 +1,8 @@
 """Engine arguments: one frozen dataclass whose fields are the engine flags of every
-`llmfast` command and the keywords of `LLM(...)`, resolved into an `EngineConfig`.
+`llmfast` command and the keywords of `LLM(...)`, made into an `EngineConfig` in two
+steps: `resolve_model(args)` (engine/model_resolution.py) finds, fetches or converts the
+model and reads its defaults, the one step that touches disk or network; then
+`args.create_engine_config(resolved)` builds the config from the two, reading nothing.
 
 To add an engine flag, add one field with `engine_flag` metadata, e.g.
 
@@ -7,22 +10,20 @@ To add an engine flag, add one field with `engine_flag` metadata, e.g.
 
 and read it in `create_engine_config`. Nothing else changes: every command that builds an
 engine gets `--async-scheduling/--no-async-scheduling` in its Engine panel (a bool field
-gets an on/off pair; `flags=` names them otherwise), `LLM(async_scheduling=True)` works,
-and `--help` shows the help text with the field's default. A field whose value is not a
+gets an on/off pair; `flags=` names them otherwise; engine/flags.py reads the fields),
+`LLM(async_scheduling=True)` works, and `--help` shows the help text with the field's default. A field whose value is not a
 plain str/int/float/bool gives `parse=`, a function from the typed text to the value
 (e.g. `parse_bytes` for `--kv-cache-memory 2GiB`); `LLM(...)` applies it to strings too.
 Values are checked against the field's type (and `minimum=` / `maximum=` for an int) when
-EngineArgs is made, so `LLM(seed=-1)` fails like `--seed -1`.
+EngineArgs is made (engine/arg_checks.py), so `LLM(seed=-1)` fails like `--seed -1`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import types
-import typing
-from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from llmfast.config import (
@@ -34,16 +35,14 @@ from llmfast.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
-    check_quantization,
     parse_quantization,
     dtype_name,
     parse_cuda_graph_mode,
     parse_dtype,
     parse_kv_cache_dtype,
 )
+from llmfast.engine.arg_checks import check_engine_args
 from llmfast.utils.flag_values import SIZES_HELP, parse_bytes, parse_sizes, read_chat_template
-from llmfast.utils.progress import Progress
-from llmfast.utils.value_checks import describe, is_int, is_number
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +80,20 @@ def engine_flag(default: Any, help: str, *, flags: tuple[str, ...] = (),
 
 # torch's generators take seeds up to 2**64 - 1; a larger one fails deep in model loading.
 MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What `create_engine_config` needs from outside the arguments: `resolve_model(args)`
+    (engine/model_resolution.py) finds it."""
+
+    source: ModelSource  # the local model (or random preset) and its config
+    # (SamplingParams field, value) pairs from `--generation-config`: the model's
+    # generation_config.json, a named one, or none.
+    sampling_defaults: tuple[tuple[str, Any], ...]
+    # Host bytes free when the model was resolved: a CPU engine fits max-model-len to the
+    # KV cache this leaves room for (worker/startup/kv_cache_sizing.py).
+    host_memory_available: int
 
 
 @dataclass(frozen=True)
@@ -170,22 +183,19 @@ class EngineArgs:
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """`LLM(...)`'s keywords: field names; a string for a field with a parser is read
         as its flag would be (`kv_cache_memory="2GiB"`, `cuda_graph_sizes="1..64"`)."""
-        flags = {flag.name: flag for flag in engine_flags()}
-        unknown = sorted(set(kwargs) - set(flags))
+        parsers = {f.name: f.metadata["parse"] for f in fields(cls)}
+        unknown = sorted(set(kwargs) - set(parsers))
         if unknown:
             raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
         for name, value in kwargs.items():
-            if isinstance(value, str) and flags[name].parse is not None:
-                kwargs[name] = flags[name].parse(value)
+            if isinstance(value, str) and parsers[name] is not None:
+                kwargs[name] = parsers[name](value)
         return cls(**kwargs)
 
-    def create_engine_config(
-        self, progress: Progress | None = None
-    ) -> tuple[EngineConfig, ModelSource]:
+    def device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        """The device and model dtype these arguments ask for, "auto" resolved; a
+        ConfigError for a pair that cannot run (checked again before a model is fetched)."""
         import torch
-
-        from llmfast.models.sources.generation_config import resolve_sampling_defaults
-        from llmfast.models.sources.model_source import resolve_model
 
         device = resolve_device(self.device)
         dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) \
@@ -194,11 +204,16 @@ class EngineArgs:
             raise ConfigError("float16 is not supported on CPU; use float32 or bfloat16")
         if device.type == "cuda" and self.block_size not in (16, 32, 64):
             raise ConfigError(f"on CUDA the block size must be 16, 32 or 64; got {self.block_size}")
-        if self.chat_template is not None:  # before any weights load
-            from llmfast.tokenizer import check_chat_template
+        return device, dtype
 
-            check_chat_template(self.chat_template)
-        source = resolve_model(self.model, progress=progress)
+    def create_engine_config(self, resolved: ResolvedModel) -> EngineConfig:
+        """The engine's config from these arguments and the model `resolve_model(self)`
+        found: reads no file and fetches nothing (the model's config, its sampling
+        defaults and the host's free memory come with `resolved`)."""
+        from llmfast.worker.startup.kv_cache_sizing import fit_cpu_max_model_len
+
+        device, dtype = self.device_and_dtype()
+        source = resolved.source
         # Capped by the model's positions and, for a sliding-window model, its window.
         max_model_len = source.config.resolve_max_model_len(
             self.max_model_len, DEFAULT_MAX_MODEL_LEN
@@ -245,14 +260,13 @@ class EngineArgs:
             seed=self.seed,
             parallel=self.parallel_config(),
             chat_template=self.chat_template,
-            sampling_defaults=resolve_sampling_defaults(self.generation_config, source.path),
+            sampling_defaults=resolved.sampling_defaults,
             quantization=self.quantization,
         )
         if device.type == "cpu" and self.max_model_len is None:
-            from llmfast.worker.startup.kv_cache_sizing import fit_cpu_max_model_len
-
-            config = fit_cpu_max_model_len(config)  # to what the KV cache holds
-        return config, source
+            # To what the KV cache holds in the memory free when the model was resolved.
+            config = fit_cpu_max_model_len(config, available=resolved.host_memory_available)
+        return config
 
     def parallel_config(self) -> ParallelConfig:
         """The ranks and their executor; the backend defaults to uni for one rank, mp for
@@ -264,171 +278,6 @@ class EngineArgs:
             ray_address=self.ray_address,
         )
 
-
-# ---------------------------------------------------------------------- checks
-
-
-def check_engine_args(args: EngineArgs) -> None:
-    """Types and lower bounds, read from the fields (type, `minimum=`), before anything is
-    resolved or loaded: `LLM(seed=-1)` and `LLM(max_model_len=0)` fail as `--seed -1`
-    and `--max-model-len 0` do."""
-    hints = typing.get_type_hints(EngineArgs)
-    for f in fields(EngineArgs):
-        value = getattr(args, f.name)
-        if value is None and f.default is None:
-            continue
-        kind, low, high = (_plain_type(hints[f.name]), f.metadata.get("minimum"),
-                           f.metadata.get("maximum"))
-        if kind is bool and not isinstance(value, bool):
-            raise ConfigError(f"{_flag(f.name)} must be True or False, got {describe(value)}")
-        if kind is int and (not is_int(value) or (low is not None and value < low)):
-            what = {0: "a non-negative integer", 1: "a positive integer"}.get(
-                low, f"an integer >= {low}")
-            raise ConfigError(f"{_flag(f.name)} must be {what}, got {describe(value)}")
-        if kind is int and high is not None and value > high:
-            raise ConfigError(f"{_flag(f.name)} must be at most {high}, got {value}")
-        if kind is float and not is_number(value):
-            raise ConfigError(f"{_flag(f.name)} must be a number, got {describe(value)}")
-    for name in ("dtype", "device"):
-        value = getattr(args, name)
-        if not isinstance(value, str) and not (name == "dtype" and _is_torch_dtype(value)):
-            raise ConfigError(f"{name} must be a string, got {describe(value)}")
-    check_quantization(args.quantization)
-    parse_kv_cache_dtype(args.kv_cache_dtype)
-    if args.model is not None and not isinstance(args.model, str):
-        raise ConfigError(f"model must be a path or name (a string), got {describe(args.model)}")
-    if args.enforce_eager is True and args.compile is True:
-        raise ConfigError("--enforce-eager runs without torch.compile, which --compile asks "
-                          "for; drop one of the two")
-    if args.cuda_graph_mode is not None:
-        _check_graph_mode_wanted(args)
-    # An unknown backend, or uni with several ranks, fails here too.
-    args.parallel_config()
-    for flag in ("cuda_graph_sizes", "piecewise_graph_sizes"):
-        sizes = getattr(args, flag)
-        if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(
-                is_int(s) and s > 0 for s in sizes)):
-            raise ConfigError(f"{flag.replace('_', '-')} must be positive integers, "
-                              f"got {sizes!r:.60}")
-
-
-def _check_graph_mode_wanted(args: EngineArgs) -> None:
-    """An unknown mode name fails here, early; so does a mode with graphs that another
-    flag turns off, which would otherwise run without graphs and say nothing."""
-    mode = parse_cuda_graph_mode(args.cuda_graph_mode)
-    if mode is CudaGraphMode.NONE:
-        return
-    off = [flag for flag, is_set in (("--enforce-eager", args.enforce_eager is True),
-                                     ("--no-compile", args.compile is False),
-                                     ("--no-cuda-graphs", args.cuda_graphs is False))
-           if is_set]
-    if off:
-        raise ConfigError(f"--cuda-graph-mode {mode.value} replays CUDA graphs, which "
-                          f"{off[0]} turns off; drop one of the two")
-
-
-def _is_torch_dtype(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.dtype)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-# ---------------------------------------------------------------------- flags from fields
-
-
-@dataclass(frozen=True)
-class EngineFlag:
-    """One `EngineArgs` field as a command-line option (what the CLI builds from)."""
-
-    name: str  # the field
-    decls: tuple[str, ...]  # Typer declarations: ("--model", "-m") or ("--compile/--no-compile",)
-    help: str
-    value_type: type  # what the option's text is converted to before `parse`
-    parse: Callable[[str], Any] | None
-    default: Any  # the field's default
-
-    @property
-    def is_bool(self) -> bool:
-        return self.value_type is bool
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every spelling on the command line: --compile, --no-compile; --model, -m."""
-        return tuple(name for decl in self.decls for name in decl.split("/"))
-
-    def to_argv(self, value: Any) -> list[str]:
-        """The arguments that set this field to `value` (the inverse of parsing)."""
-        if self.is_bool:
-            on, off = self.decls[0].split("/")
-            return [on if value else off]
-        if isinstance(value, tuple):
-            value = ",".join(map(str, value))
-        return [self.decls[0], str(value)]
-
-
-@functools.cache
-def engine_flags() -> tuple[EngineFlag, ...]:
-    """The engine flags, in field order (the order of `--help`)."""
-    hints = typing.get_type_hints(EngineArgs)
-    flags = []
-    for f in fields(EngineArgs):
-        meta = f.metadata
-        value_type = _plain_type(hints[f.name])
-        if meta["parse"] is not None:
-            value_type = str
-        elif value_type not in (str, int, float, bool):
-            raise TypeError(f"EngineArgs.{f.name}: a {value_type} field needs parse=")
-        option = "--" + f.name.replace("_", "-")
-        if value_type is bool:
-            option += "/--no-" + f.name.replace("_", "-")
-        decls = meta["flags"] or (option,)
-        help_text = meta["help"]
-        if "[default:" not in help_text and f.default is not MISSING:
-            shown = ("on" if f.default else "off") if value_type is bool else f.default
-            help_text += f"  [default: {shown}]"
-        flags.append(EngineFlag(f.name, decls, help_text, value_type, meta["parse"], f.default))
-    return tuple(flags)
-
-
-def engine_kwargs_from_argv(argv: Sequence[str]) -> dict[str, Any]:
-    """EngineArgs keywords from engine flags as typed ("--max-num-seqs 64 --no-compile",
-    split): what `EngineFlag.to_argv` writes, read back, for scripts that pass a server's
-    flags on to an in-process engine. ConfigError names a flag that is not one."""
-    by_name = {name: flag for flag in engine_flags() for name in flag.names}
-    kwargs: dict[str, Any] = {}
-    args = list(argv)
-    while args:
-        name, _, inline = args.pop(0).partition("=")
-        flag = by_name.get(name)
-        if flag is None:
-            raise ConfigError(f"{name!r} is not an engine flag")
-        if flag.is_bool:
-            kwargs[flag.name] = not name.startswith("--no-")
-            continue
-        if not inline and not args:
-            raise ConfigError(f"{name} needs a value")
-        text = inline or args.pop(0)
-        try:
-            value = flag.value_type(text)
-            kwargs[flag.name] = flag.parse(value) if flag.parse is not None else value
-        except ValueError as e:
-            raise ConfigError(f"{name} {text}: {e}") from None
-    return kwargs
-
-
-def _plain_type(hint: Any) -> Any:
-    """`int | None` -> int; `tuple[int, ...] | None` -> tuple[int, ...]."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0] if len(args) == 1 else hint
-    return hint
-
-
-# ---------------------------------------------------------------------- devices
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmfast.sampling_params import SamplingParams
-from llmfast.serve.stream import PromptInput, Query
+from llmfast.serve.frontend_types import PromptInput, Query
 
 
 @dataclass(frozen=True, slots=True)
