@@ -212,3 +212,27 @@ def test_streamed_tool_calls(client, model, tool_choice):
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     if tool_choice == "named":
         assert [c["name"] for c in calls.values()] == ["get_weather"]
+
+
+# A model of the hermes format, played by a grammar: the output is forced into
+# `<tool_call>` form (tool_choice stays "auto"), which the auto parser must read back.
+HERMES_CALL = (r'Let me see\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "(Paris|Rome)", "unit": "(c|f)"\}\}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_reads_the_models_own_tool_calls(client, model, stream):
+    kw = dict(model=model, messages=MESSAGES, max_tokens=200, temperature=1.0, seed=2,
+              tools=TOOLS, tool_choice="auto",
+              extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me see."
+        _check_calls(choice.message.tool_calls)
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        return
+    calls, finish, content = _streamed_calls(client.chat.completions.create(stream=True, **kw))
+    assert finish == "tool_calls" and content == "Let me see.\n"
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS["get_weather"])

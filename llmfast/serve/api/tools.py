@@ -156,14 +156,12 @@ class ToolStream:
         arguments), or as content if it does not parse as calls."""
         if self.mode.choice == "named":
             return "", []
-        content, calls = self.mode.parse(self.text)
+        _, calls = self.mode.parse(self.text)
+        rest, self.sent = self.text[self.sent:], len(self.text)
         if not calls:
-            rest, self.sent = self.text[self.sent:], len(self.text)
             return rest, []
-        head = self.text[: self.text.find((content or "")) + len(content or "")] \
-            if content else ""
-        extra = head[self.sent:] if len(head) > self.sent else ""
-        self.sent = len(self.text)
+        # The text before the first call went out as content already (`_content` sends
+        # up to the call's start): what is held is the calls.
         out = []
         for call in calls:
             i = self.num_calls
@@ -171,4 +169,4 @@ class ToolStream:
             out.append({"index": i, "id": call_id() if i else self._id, "type": "function",
                         "function": {"name": call.name, "arguments": ""}})
             out.append({"index": i, "function": {"arguments": call.arguments}})
-        return extra, out
+        return "", out
