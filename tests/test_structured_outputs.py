@@ -8,6 +8,7 @@ matcher; a constraint that does not compile is refused with one line."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -91,7 +92,8 @@ SPECS = [StructuredOutputs(json=PERSON), StructuredOutputs(json=POINTS),
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_every_output_follows_its_constraint(model_dir, temperature, async_scheduling):
+def test_every_output_follows_its_constraint(model_dir, temperature, async_scheduling,
+                                             caplog):
     llm = _llm(model_dir, async_scheduling)
     prompts, params = [], []
     for i, spec in enumerate(SPECS):
@@ -107,6 +109,28 @@ def test_every_output_follows_its_constraint(model_dir, temperature, async_sched
     if temperature:
         assert len({o.outputs[0].text for o in outs[:4]}) > 1
     assert llm.engine.stats().kv_cache_usage == 0.0
+    # No matcher fell back to unconstrained (a refused token, a failed compile).
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_grammars_are_compiled_once_per_constraint(model_dir):
+    from llmfast.structured.compiler import GrammarCache
+    from llmfast.tokenizer import load_tokenizer
+
+    loads = []
+
+    def load():
+        loads.append(1)
+        return load_tokenizer(model_dir).hf
+
+    cache = GrammarCache(load, 320, (2,))
+    a = cache.submit(StructuredOutputs(json={"type": "object"}))
+    b = cache.submit(StructuredOutputs(json='{"type":  "object"}'))
+    c = cache.submit(StructuredOutputs(regex="x+"))
+    assert a is b and a is not c
+    assert a.result() is b.result() and c.result() is not None
+    assert loads == [1]  # the vocabulary's table is built once
+    cache.shutdown()
 
 
 def test_json_object_gives_an_object(model_dir):
