@@ -60,7 +60,7 @@ class GrammarPlan:
 
 
 def wants_grammar(out: SchedulerOutput) -> bool:
-    """Whether a request of `out` is the first with a constraint the runner sees."""
+    """Whether a request `out` schedules for the first time has a constraint."""
     return any(new.sampling_params.structured is not None for new in out.scheduled_new_reqs)
 
 
