@@ -141,9 +141,14 @@ def test_bad_constraints_are_400s(client, model, server, body, cause):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, **body)
     assert re.search(cause, info.value.body["message"]), info.value.body
-    # Nothing reached the engine: no request was counted.
-    count = re.compile(r"^llmfast:request_success_total\S* (\S+)$", re.M)
-    assert count.findall(before) == count.findall(httpx.get(server.base_url + "/metrics").text)
+    # Nothing reached the engine: no prompt token was admitted.
+    count = re.compile(r"^llmfast_prompt_tokens_total (\S+)$", re.M)
+    after = count.findall(httpx.get(server.base_url + "/metrics").text)
+    assert count.findall(before) == after and after
+    # (The counter does count what reaches the engine.)
+    client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)
+    assert float(count.findall(httpx.get(server.base_url + "/metrics").text)[0]) > float(
+        after[0])
 
 
 def _check_calls(calls):
