@@ -124,8 +124,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out")
     args = ap.parse_args()
-    import llguidance
-    import xgrammar
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(args.tokenizer)
