@@ -113,6 +113,21 @@ def test_every_output_follows_its_constraint(model_dir, temperature, async_sched
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_ended_grammar_allows_only_its_stop_token(model_dir, async_scheduling):
+    """With ignore_eos the request runs to max_tokens: past the grammar's end it can only
+    repeat the stop token, so its text stays what the grammar accepted."""
+    llm = _llm(model_dir, async_scheduling)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=150, ignore_eos=True,
+                             structured=spec)
+              for t, s, spec in ((0.0, None, SPECS[3]), (1.0, 4, SPECS[2]),
+                                 (1.0, 5, SPECS[0]))]
+    for p, out in zip(params, llm.generate(PROMPTS[:3], params)):
+        c = out.outputs[0]
+        assert len(c.token_ids) == 150 and c.token_ids[-1] == 2  # <|im_end|>
+        _check(p.structured, c.text)
+
+
 def test_grammars_are_compiled_once_per_constraint(model_dir):
     from llmfast.structured.compiler import GrammarCache
     from llmfast.tokenizer import load_tokenizer

@@ -14,9 +14,10 @@ the device's (async scheduling stays on):
 Matchers live here, with the rows that see every token id; a request that leaves
 (finished or preempted) drops its matcher, and a preempted one that comes back replays
 its output tokens into a fresh matcher (the compiled grammar is cached): recompute needs
-no rollback. A matcher whose grammar has ended (its stop token accepted) leaves its row
-all ones: the request finishes on that token, and the scheduler drops any token an
-in-flight step computes for it.
+no rollback. A matcher whose grammar has ended (its stop token accepted) allows only the
+stop tokens from then on: the request finishes on that token (the scheduler drops any
+token an in-flight step computes for it), or with `ignore_eos` repeats it up to
+max_tokens, and its text stays what the grammar accepted.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class GrammarBitmask:
         self.bitmask = CpuGpuBuffer(max_num_reqs, self.words, dtype=torch.int32, device=device)
         self.requests: dict[str, _RequestGrammar] = {}
         self._filler = xgr.BatchGrammarMatcher()
+        # The row of an ended grammar: its stop tokens only.
+        self._stop_row = np.zeros(self.words, dtype=np.uint32)
+        for t in cache.stop_token_ids:
+            self._stop_row[t // BITS] |= np.uint32(1 << (t % BITS))
+        self._stop_row = self._stop_row.view(np.int32)
         # CUDA: the bitmask's copy, waited for before the host rewrites the pinned rows.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._copy_queued = False
@@ -146,7 +152,11 @@ class GrammarBitmask:
             if src >= 0:
                 tokens[-1] = int(last_sampled[src])
             matcher = self._advance(state, tokens)
-            if matcher is not None and not matcher.is_terminated():
+            if matcher is None:
+                continue
+            if matcher.is_terminated():
+                mask[row] = self._stop_row
+            else:
                 matchers.append(matcher)
                 rows.append(row)
         if matchers:
