@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # --quantization: weights quantized at load (models/quantization/); None: as loaded.
@@ -181,6 +183,16 @@ class ModelConfig:
     # attention is always full, which equals the window as long as no sequence is longer:
     # see `resolve_max_model_len`.
     sliding_window: int | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral; 0 experts: a dense model). A sparse layer's
+    # MLP is `num_experts` SwiGLU experts of `moe_intermediate_size` columns, of which a
+    # router picks `num_experts_per_tok` per token; `norm_topk_prob`: the picked
+    # probabilities renormalised to sum to 1. `dense_layers`: layers that keep a dense MLP
+    # of `intermediate_size` (Qwen3-MoE's mlp_only_layers and decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         positive = (
@@ -204,6 +216,7 @@ class ModelConfig:
             )
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(unsupported_architecture_message(self.architecture))
+        self._check_experts()
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window <= 0
         ):
@@ -211,6 +224,21 @@ class ModelConfig:
                 f"model config: sliding_window must be a positive integer, got "
                 f"{self.sliding_window!r}"
             )
+
+    def _check_experts(self) -> None:
+        if self.num_experts == 0:
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
+                              f"exceeds num_experts ({self.num_experts})")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def resolve_max_model_len(self, requested: int | None, default_cap: int) -> int:
         """The max-model-len to run with: `requested`, or the model's positions capped at
@@ -258,6 +286,9 @@ class ModelConfig:
         if self.intermediate_size % world_size:
             raise ConfigError(f"{size} does not divide the model's intermediate size "
                               f"{self.intermediate_size}")
+        if self.num_experts and self.moe_intermediate_size % world_size:
+            raise ConfigError(f"{size} does not divide the experts' intermediate size "
+                              f"{self.moe_intermediate_size}")
 
     @property
     def q_size(self) -> int:

@@ -18,7 +18,8 @@ included), then `pytest -m gpu` whole with the time left. The whole GPU suite to
 min in parts on the H100 (full 130 s, async 220, families 300, fp8 90, the rest ~250), so
 one 600 s call does not finish it: the files it did not reach are listed in the JSON and
 the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in the next calls.
-Other steps: `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
+Other steps: `moe` and `moe_decode` (#52: scripts/bench_moe.py, and the decode sweep of
+random:qwen3-30b-a3b), `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
 `decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
 load), `executor` (uni vs mp).
 
@@ -167,6 +168,20 @@ STEPS = {s.name: s for s in (
          (PY, "scripts/bench_executor.py", "--model", "{model}", "--device", "cpu",
           "--configs", "uni:1,mp:1", "--sizes", "1,2", "--steps", "8", "--repeats", "1",
           "--json", "{json}"), samples=1),
+    # Not in `headline` (#52): the fused MoE layer against a per-expert loop and a dense
+    # bmm at 1, 64 and 512 tokens (the presets' layer shapes); then batch-1..256 decode
+    # of random:qwen3-30b-a3b in bf16 against the active-weight roofline (61 GB of
+    # random weights: an 80 GB GPU holds them).
+    Step("moe", "moe", 90, 300,
+         (PY, "scripts/bench_moe.py", "--tokens", "1", "64", "512", "--json", "{json}"),
+         (PY, "scripts/bench_moe.py", "--help"), extract="moe"),
+    Step("moe_decode", "moe", 200, 480,
+         (PY, "-m", "llmfast", "bench", "--model", "random:qwen3-30b-a3b", "--dtype",
+          "bfloat16", "--sizes", "1,2,4,8,16,32,64,128,256", "--context", "128",
+          "--steps", "32", "--json", "{json}"),
+         _BENCH + ("--device", "cpu", "--sizes", "1,2", "--context", "16", "--steps", "4",
+                   "--json", "{json}"),
+         samples=1, extract="sweep"),
 )}
 GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests")}
 

@@ -72,9 +72,14 @@ def test_config_and_tokenizer(case, bpe):
 
 
 def test_generates_what_the_source_model_generates(case):
+    check_generates_like_source(case["out"], case["model"])
+
+
+def check_generates_like_source(out_dir, model) -> None:
+    """Greedy tokens of the converted directory equal the source HF model's."""
     prompts = [[5, 17, 200, 3, 99, 41, 7, 300], [9, 8, 7], list(range(40, 70))]
-    llm = LLM(str(case["out"]), device="cpu", block_size=4, max_model_len=64)
+    llm = LLM(str(out_dir), device="cpu", block_size=4, max_model_len=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(case["model"], prompt, 6)
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt, 6)

@@ -1,7 +1,8 @@
 """The decoder of every family llmfast runs (Llama, Mistral, Qwen2/2.5, Qwen3), in plain
 torch: fused qkv and gate_up projections, GQA, RoPE, RMSNorm. The families differ only by
 `ModelConfig` options: q/k/v and o_proj biases, per-head q/k RMSNorm, tied embeddings,
-rope scaling (models/families.py says which family has which).
+rope scaling (models/families.py says which family has which). A mixture of experts
+(Qwen3-MoE, Mixtral) swaps the MLP of its sparse layers for models/sparse_moe.py's.
 
 Inputs are flat over the step's tokens (no batch dimension): requests are told apart
 only by the attention metadata. Attention goes through `torch.ops.llmfast.unified_attention`,
@@ -33,6 +34,7 @@ from llmfast.models.parallel_layers import (
 )
 from llmfast.models.rope import RotaryEmbedding
 from llmfast.models.sharding import rank_model_config, vocab_shard
+from llmfast.models.sparse_moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -140,12 +142,13 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
-                 tp: TensorParallelGroup) -> None:
+                 tp: TensorParallelGroup, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = (SparseMoeBlock(config, tp) if config.is_sparse_layer(layer)
+                    else MLP(config, tp))
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -176,7 +179,7 @@ class DecoderModel(nn.Module):
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, tp, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -8,8 +8,18 @@ All families share one decoder (models/decoder.py); a family only sets named opt
     MistralForCausalLM  -                -                -          sliding_window
     Qwen2ForCausalLM    always           -                -          use_sliding_window
     Qwen3ForCausalLM    attention_bias   attention_bias   always     use_sliding_window
+    Qwen3MoeForCausalLM attention_bias   attention_bias   always     use_sliding_window
+    MixtralForCausalLM  -                -                -          sliding_window
 
 Rope scaling (linear, llama3, yarn) and tied embeddings are read the same way for all.
+The two mixtures of experts name their experts differently in config.json:
+
+    architecture        experts                         expert columns         top-k renormalised
+    Qwen3MoeForCausalLM num_experts (num_local_experts) moe_intermediate_size  norm_topk_prob
+    MixtralForCausalLM  num_local_experts               intermediate_size      always
+
+Qwen3-MoE may keep dense MLPs (of `intermediate_size`) in some layers: those listed in
+`mlp_only_layers`, and all but every `decoder_sparse_step`-th.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ class Family:
     # layers from `max_window_layers` on.
     window_needs_flag: bool = False
     default_head_dim: int | None = None  # when config.json has none (else hidden / heads)
+    experts: str | None = None  # a mixture of experts: how config.json describes it
 
     def options(self, attention_bias: bool) -> dict[str, bool]:
         """The ModelConfig options this family implies."""
@@ -52,6 +63,12 @@ FAMILIES = (
         "Qwen3ForCausalLM", "qwen3", reads_attention_bias=True, qk_norm=True,
         reads_sliding_window=True, window_needs_flag=True, default_head_dim=128,
     ),
+    Family(
+        "Qwen3MoeForCausalLM", "qwen3_moe", reads_attention_bias=True, qk_norm=True,
+        reads_sliding_window=True, window_needs_flag=True, default_head_dim=128,
+        experts="qwen3_moe",
+    ),
+    Family("MixtralForCausalLM", "mixtral", reads_sliding_window=True, experts="mixtral"),
 )
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
@@ -106,8 +123,35 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         architecture=family.architecture,
         sliding_window=_sliding_window(cfg, family, num_layers),
+        **_experts(cfg, family, num_layers),
         **family.options(bool(cfg.get("attention_bias"))),
     )
+
+
+def _experts(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
+    """The ModelConfig's expert fields (none for a dense family)."""
+    if family.experts is None:
+        return {}
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    if num_experts is None or top_k is None:
+        raise ConfigError(f"config.json of a {family.architecture} lacks "
+                          f"{'num_experts' if num_experts is None else 'num_experts_per_tok'!r}")
+    if family.experts == "mixtral":
+        return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": cfg.get("intermediate_size", 0),
+                "norm_topk_prob": True}
+    if "moe_intermediate_size" not in cfg:
+        raise ConfigError("config.json of a Qwen3MoeForCausalLM lacks 'moe_intermediate_size'")
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step <= 0:
+        raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    mlp_only = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "dense_layers": dense}
 
 
 def _rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
@@ -198,6 +242,15 @@ def hf_dict_from_model_config(c: ModelConfig) -> dict[str, Any]:
         out["attention_bias"] = c.o_bias
     if family.model_type == "llama":
         out["mlp_bias"] = False
+    if family.experts == "mixtral":
+        if c.moe_intermediate_size != c.intermediate_size or not c.norm_topk_prob:
+            raise ConfigError("MixtralForCausalLM cannot express these experts in config.json")
+        out.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
+    elif family.experts == "qwen3_moe":
+        out.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                   moe_intermediate_size=c.moe_intermediate_size,
+                   norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
+                   mlp_only_layers=list(c.dense_layers))
     if family.reads_sliding_window:
         out["sliding_window"] = c.sliding_window
         if family.window_needs_flag:

@@ -28,6 +28,12 @@ FAMILIES = {
     "mistral": {"head_dim": 16, "sliding_window": 4096},
     "qwen2": {"head_dim": 16},
     "qwen3": {"head_dim": 16},
+    # Mixtures of experts: 4 experts, 2 per token; Qwen3-MoE's layer 1 keeps a dense MLP.
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                  "num_hidden_layers": 3},
+    "mixtral": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 48},
 }
 
 

@@ -43,12 +43,23 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+# Mixtures of experts: 4 experts of 32 columns, 2 per token.
+EXPERTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+}
+# HF's in-memory expert tensors (transformers 5 stacks them) -> GGUF's stacks.
+GGUF_EXPERT_NAMES = {"mlp.gate": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps"}
+
+
 def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama"):
     """A tiny random HF model of `family` (an HF model_type; Llama unless told)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **TINY, vocab_size=vocab_size, tie_word_embeddings=tie)
+    config = AutoConfig.for_model(family, **{**TINY, **EXPERTS.get(family, {})},
+                                  vocab_size=vocab_size, tie_word_embeddings=tie)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -65,8 +76,22 @@ def gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
+    stacked = GGUF_EXPERT_NAMES.get(rest.removesuffix(".weight"))
+    if stacked is not None:
+        return f"blk.{layer}.{stacked}.weight"
     module, kind = rest.rsplit(".", 1)  # kind: weight or bias
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+
+
+def _expert_tensors(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """HF's stacked gate/up [E, 2I, H] -> GGUF's ffn_gate_exps and ffn_up_exps [E, I, H];
+    other tensors as they are."""
+    if not name.endswith("mlp.experts.gate_up_proj"):
+        return [(gguf_name(name), data)]
+    layer = name.split(".")[2]
+    inter = data.shape[1] // 2
+    return [(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :inter])),
+            (f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, inter:]))]
 
 
 def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama") -> Path:
@@ -87,6 +112,12 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
@@ -106,14 +137,16 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
             data = llamacpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_key_value_heads)
-        if quant is not None and data.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
-            if "embed" in name:
-                w.add_tensor(gguf_name(name), data.astype(np.float16))
+        for tensor_name, data in _expert_tensors(name, data):
+            if quant is not None and data.ndim >= 2:
+                qtype = gguf.GGMLQuantizationType.F16 if "embed" in name else quant
+                if "embed" in name:
+                    w.add_tensor(tensor_name, data.astype(np.float16))
+                else:
+                    w.add_tensor(tensor_name, gguf.quants.quantize(data, qtype),
+                                 raw_dtype=qtype)
             else:
-                w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name(name), data)
+                w.add_tensor(tensor_name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

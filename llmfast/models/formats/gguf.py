@@ -1,9 +1,10 @@
 """GGUF (llama.cpp) files → an HF-style directory, so that one loader serves both.
 
-Architectures: `llama` (Llama, and Mistral, which llama.cpp writes as llama), `qwen2`
-(Qwen2 / Qwen2.5: q/k/v biases) and `qwen3` (per-head q/k norms). Only llama's converter
-permutes the Q and K rows (its rope rotates adjacent pairs); the Qwen ones use the
-NeoX layout, which is HF's, as is.
+Architectures: `llama` (Llama, and Mistral and Mixtral, which llama.cpp writes as llama),
+`qwen2` (Qwen2 / Qwen2.5: q/k/v biases), `qwen3` (per-head q/k norms) and `qwen3moe`
+(experts: models/formats/gguf_experts.py). Only llama's converter permutes the Q and K
+rows (its rope rotates adjacent pairs); the Qwen ones use the NeoX layout, which is HF's,
+as is.
 
 The directory holds `config.json`, `generation_config.json`, `model.safetensors` (HF tensor
 names, float32), the tokenizer files with the chat template, and `llmfast-gguf.json`, which
@@ -36,6 +37,11 @@ import torch
 
 from llmfast.config import ModelConfig
 from llmfast.models.families import hf_dict_from_model_config
+from llmfast.models.formats.gguf_experts import (
+    expected_expert_shapes,
+    split_stack,
+    stacked_name,
+)
 from llmfast.models.formats.gguf_metadata import (
     GGUFError,
     model_config_from_gguf,
@@ -170,7 +176,10 @@ def _plan_tensors(reader: Any, config: ModelConfig, name: str) -> list[_Tensor]:
         if _IGNORED.match(t.name):
             continue
         match = _LAYER_NAME.match(t.name)
-        if match and match[2] in _LAYER_TENSORS and int(match[1]) < config.num_hidden_layers:
+        stacked = stacked_name(t.name, config) if config.num_experts else None
+        if stacked is not None:
+            hf = stacked
+        elif match and match[2] in _LAYER_TENSORS and int(match[1]) < config.num_hidden_layers:
             hf = f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
         elif t.name.endswith(".weight") and t.name[:-7] in _GLOBAL_TENSORS:
             hf = f"{_GLOBAL_TENSORS[t.name[:-7]]}.weight"
@@ -210,12 +219,11 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj.weight": (c.kv_size, h),
         "self_attn.v_proj.weight": (c.kv_size, h),
         "self_attn.o_proj.weight": (h, c.q_size),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
+    dense_mlp = {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+                 "mlp.down_proj.weight": (h, i)}
     if c.qkv_bias:
         per_layer.update({
             "self_attn.q_proj.bias": (c.q_size,),
@@ -228,8 +236,11 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         per_layer["self_attn.q_norm.weight"] = (c.head_dim,)
         per_layer["self_attn.k_norm.weight"] = (c.head_dim,)
     for layer in range(c.num_hidden_layers):
-        for short, shape in per_layer.items():
+        sparse = c.is_sparse_layer(layer)
+        for short, shape in {**per_layer, **({} if sparse else dense_mlp)}.items():
             shapes[f"model.layers.{layer}.{short}"] = shape
+        if sparse:
+            shapes.update(expected_expert_shapes(c, layer))
     return shapes
 
 
@@ -253,11 +264,12 @@ def _dequantize_all(
         # A copy: the reader's arrays are read-only views of the memory-mapped file.
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
         # Only llama's converter permutes Q and K (weights and biases alike).
-        if config.architecture == "LlamaForCausalLM" and ".attn_q." in t.gguf_name:
+        permuted = config.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
+        if permuted and ".attn_q." in t.gguf_name:
             weight = unpermute_qk(weight, config.num_attention_heads)
-        elif config.architecture == "LlamaForCausalLM" and ".attn_k." in t.gguf_name:
+        elif permuted and ".attn_k." in t.gguf_name:
             weight = unpermute_qk(weight, config.num_key_value_heads)
-        state_dict[t.hf_name] = weight
+        state_dict.update(split_stack(t.hf_name, weight))
         report("dequantising tensors", (n + 1) / len(tensors))
     return state_dict
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.families import family_config
+from llmfast.models.formats.gguf_experts import expert_fields
 from llmfast.utils.errors import one_line
 
 # general.architecture -> the HF architecture its conversion becomes.
@@ -19,6 +20,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -56,8 +58,19 @@ def model_config_from_gguf(reader: Any, name: str) -> ModelConfig:
             f"{name} holds a {arch or 'unlabelled'!r} model (general.architecture); "
             f"llmfast converts {', '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUF files"
         )
-    if (read_field(reader, f"{arch}.expert_count") or 0) > 0:
-        raise GGUFError(f"{name} is a mixture-of-experts {arch} (Mixtral-style); not supported")
+    architecture, experts = GGUF_ARCHITECTURES[arch], {}
+    num_experts = int(read_field(reader, f"{arch}.expert_count") or 0)
+    if num_experts > 0:  # llama.cpp writes Mixtral as a llama with experts
+        architecture = "MixtralForCausalLM" if arch == "llama" else architecture
+        if architecture not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+            raise GGUFError(f"{name} is a mixture-of-experts {arch}; not supported")
+        try:
+            experts = expert_fields(lambda key: read_field(reader, key), arch, num_experts,
+                                    name)
+        except ConfigError as e:
+            raise GGUFError(str(e)) from None
+    elif arch == "qwen3moe":
+        raise GGUFError(f"{name} lacks the metadata {arch}.expert_count")
 
     def required(key: str) -> Any:
         value = read_field(reader, f"{arch}.{key}")
@@ -82,7 +95,7 @@ def model_config_from_gguf(reader: Any, name: str) -> ModelConfig:
     rope_theta = float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
     try:
         return family_config(
-            GGUF_ARCHITECTURES[arch],
+            architecture,
             # Llama's and Qwen3's `attention_bias`: biases on q, k, v and the output.
             attention_bias="blk.0.attn_output.bias" in tensor_names,
             hidden_size=hidden,
@@ -105,6 +118,7 @@ def model_config_from_gguf(reader: Any, name: str) -> ModelConfig:
             bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_stop_ids(reader),
             torch_dtype="float32",
+            **experts,
         )
     except ConfigError as e:
         raise GGUFError(f"{name}: {e}") from None

@@ -59,7 +59,7 @@ def _init_shards(model: DecoderForCausalLM, params: dict[str, torch.nn.Parameter
         if param is None:
             continue
         param.data.zero_()  # the vocabulary's padding rows
-        for piece in checkpoint_names(name):
+        for piece in checkpoint_names(name, model.config):
             _, full_rows = target(full, piece)  # the piece's rows in the fused tensor
             _, rows = target(model, piece)
             source = drawn if full_rows is None else drawn[full_rows]

@@ -42,11 +42,14 @@ SIZE_LIMITS: dict[str, int] = {
     "head_dim": 1024,
     "vocab_size": 1 << 22,
     "max_position_embeddings": 1 << 26,
+    "num_experts": 4096,  # DeepSeek-V3: 256, Qwen3-MoE: 128
+    "moe_intermediate_size": 262144,
 }
 
 # Checkpoint tensors that carry nothing the model needs: rotary tables are recomputed.
 _IGNORABLE = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # (parameter, rows within it) that a checkpoint tensor fills, or None if it fills none.
 Target = Callable[[str], "tuple[torch.Tensor, slice | None] | None"]
@@ -135,6 +138,13 @@ def check_checkpoint(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],
                 f"{expected}")
         covered[param_name][rows if rows is not None else slice(None)] = True
     missing = [n for n, rows in covered.items() if not bool(rows.all())]
+    expert = next((n for n in missing if ".experts." in n), None)
+    if expert is not None:  # stacked rows, one block per expert (models/sparse_moe.py)
+        rows = covered[expert]
+        first = int((~rows).nonzero()[0])
+        raise ConfigError(
+            f"the checkpoint lacks the weights of expert {first * config.num_experts // len(rows)}"
+            f" for {expert} (config.json says {config.num_experts} experts)")
     if missing:
         raise ConfigError(
             f"the checkpoint lacks weights for {len(missing)} parameter(s) that config.json "
@@ -154,6 +164,10 @@ def _unexpected(name: str, shape: tuple[int, ...], config: ModelConfig) -> str:
     if layer and int(layer[1]) >= config.num_hidden_layers:
         return (f"the checkpoint has weights for layer {layer[1]} ({name}) but config.json "
                 f"says num_hidden_layers={config.num_hidden_layers}")
+    expert = _EXPERT.search(name)
+    if expert and config.num_experts and int(expert[1]) >= config.num_experts:
+        return (f"the checkpoint has weights for expert {expert[1]} ({name}) but config.json "
+                f"says the model has {config.num_experts} experts")
     return f"unexpected checkpoint tensor {name} {tuple(shape)}: config.json does not describe it"
 
 
