@@ -135,3 +135,19 @@ def test_tool_mode_passes_tools_to_the_template(serve_model_dir):
         {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
          "tool_choice": "none"})
     assert tool_mode(req, None) is None
+
+
+def test_streamed_required_calls_go_out_as_each_closes():
+    mode = ToolMode("required", "hermes", ())
+    stream = mode.stream()
+    first = '[{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert stream.feed(first[:-3]) == ("", [])  # not closed yet
+    content, deltas = stream.feed(first[-3:] + ', {"name": "get_t')
+    assert content == "" and [d["index"] for d in deltas] == [0, 0]
+    assert deltas[0]["function"]["name"] == "get_weather"
+    assert json.loads(deltas[1]["function"]["arguments"]) == {"city": "Paris"}
+    assert stream.feed('ime", "parameters": {"tz": "UTC+1"}}')[1][0]["index"] == 1
+    assert stream.feed("]") == ("", []) and stream.finish() == ("", [])
+    pieces = [first, ', {"name": "get_time", "parameters": {"tz": "UTC+1"}}]']
+    assert _stream(mode, pieces) == ("", {0: ["get_weather", W.arguments],
+                                          1: ["get_time", T.arguments]})

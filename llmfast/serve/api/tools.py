@@ -10,12 +10,13 @@ and how its output becomes OpenAI tool calls.
 
 The chat template receives the tools in every case but "none". Streaming follows
 OpenAI's chunks: a call's first delta carries its index, id, type and function name,
-later ones argument fragments (a named function's arguments stream as generated; the
-others' calls go out once each is complete).
+later ones argument fragments (a named function's arguments stream as generated;
+required's calls go out each as its object closes, auto's once the output is read).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from llmfast.serve.api.tool_parsers import (
 from llmfast.structured_params import StructuredOutputs
 
 _ANY_OBJECT = {"type": "object"}
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class ToolStream:
     sent: int = 0  # chars of `text` sent as content
     holding: bool = False  # a call may have begun: hold the text from `sent` on
     num_calls: int = 0
+    _pos: int = 0  # required: where the forced array's next call begins
     _id: str = field(default_factory=call_id)
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
@@ -125,9 +128,46 @@ class ToolStream:
             if delta:
                 out.append({"index": 0, "function": {"arguments": delta}})
             return "", out
-        if mode.choice == "required" or self.holding:
+        if mode.choice == "required":
+            return "", self._required_calls()
+        if self.holding:
             return "", []
         return self._content(), []
+
+    def _required_calls(self) -> list[dict]:
+        """required: the calls of the forced array that are complete by now (each goes
+        out once its object closes)."""
+        text, i = self.text, self._pos
+        if not i:
+            i = text.find("[") + 1
+            if not i:
+                return []
+        out = []
+        while True:
+            while i < len(text) and text[i] in " \t\r\n,":
+                i += 1
+            if i >= len(text) or text[i] != "{":
+                break
+            try:
+                _, end = _DECODER.raw_decode(text, i)
+            except json.JSONDecodeError:  # not closed yet
+                break
+            _, calls = parse_required(f"[{text[i:end]}]")
+            out += self._call_deltas(calls)
+            i = end
+        self._pos = i
+        return out
+
+    def _call_deltas(self, calls: list[ParsedToolCall]) -> list[dict]:
+        """Two deltas a call: index, id, type and name; then its arguments."""
+        out = []
+        for call in calls:
+            i = self.num_calls
+            self.num_calls += 1
+            out.append({"index": i, "id": call_id() if i else self._id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}})
+            out.append({"index": i, "function": {"arguments": call.arguments}})
+        return out
 
     def _content(self) -> str:
         """auto: send what cannot be the start of a call; hold the rest."""
@@ -156,17 +196,12 @@ class ToolStream:
         arguments), or as content if it does not parse as calls."""
         if self.mode.choice == "named":
             return "", []
+        if self.mode.choice == "required":  # the calls went out as they closed
+            return "", self._required_calls()
         _, calls = self.mode.parse(self.text)
         rest, self.sent = self.text[self.sent:], len(self.text)
         if not calls:
             return rest, []
         # The text before the first call went out as content already (`_content` sends
         # up to the call's start): what is held is the calls.
-        out = []
-        for call in calls:
-            i = self.num_calls
-            self.num_calls += 1
-            out.append({"index": i, "id": call_id() if i else self._id, "type": "function",
-                        "function": {"name": call.name, "arguments": ""}})
-            out.append({"index": i, "function": {"arguments": call.arguments}})
-        return "", out
+        return "", self._call_deltas(calls)
