@@ -21,7 +21,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+# The MLP's gate activations (HF's names): SiLU, and GELU's tanh form (Gemma's GeGLU).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # --quantization: weights quantized at load (models/quantization/): fp8; gguf (a GGUF's
 # blocks kept packed, CPU); none (as loaded, a GGUF dequantized). None: gguf for a
@@ -180,10 +185,32 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     o_bias: bool = False  # a bias on the attention output projection (Llama attention_bias)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
-    # Attention over the last `sliding_window` tokens only (Mistral v0.1). llmfast's
-    # attention is always full, which equals the window as long as no sequence is longer:
-    # see `resolve_max_model_len`.
+    # Attention over the last `sliding_window` tokens only (Mistral v0.1, Qwen2 with
+    # use_sliding_window, Gemma 3's local layers), in the layers `layer_types` marks
+    # "sliding_attention" (the others "full_attention"); no `layer_types`: every layer.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3 (models/sandwich_layer.py): RMSNorm scaling by (1 + weight) in float32;
+    # norms after attention and after the MLP too; embeddings times sqrt(hidden_size);
+    # attention scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); the
+    # sliding layers' own RoPE base (None: rope_theta); logits soft-capped by tanh.
+    hidden_act: str = "silu"
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral; 0 experts: a dense model). A sparse layer's
+    # MLP is `num_experts` SwiGLU experts of `moe_intermediate_size` columns, of which a
+    # router picks `num_experts_per_tok` per token; `norm_topk_prob`: the picked
+    # probabilities renormalised to sum to 1. `dense_layers`: layers that keep a dense MLP
+    # of `intermediate_size` (Qwen3-MoE's mlp_only_layers and decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         positive = (
@@ -207,6 +234,7 @@ class ModelConfig:
             )
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(unsupported_architecture_message(self.architecture))
+        self._check_experts()
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window <= 0
         ):
@@ -214,34 +242,63 @@ class ModelConfig:
                 f"model config: sliding_window must be a positive integer, got "
                 f"{self.sliding_window!r}"
             )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(f"unsupported activation hidden_act={self.hidden_act!r}; "
+                              "llmfast runs " + ", ".join(SUPPORTED_ACTIVATIONS))
+        if self.layer_types and (
+            len(self.layer_types) != self.num_hidden_layers
+            or not set(self.layer_types) <= {"sliding_attention", "full_attention"}
+        ):
+            raise ConfigError(
+                f"model config: layer_types must name sliding_attention or full_attention "
+                f"for each of the {self.num_hidden_layers} layers"
+            )
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window if every layer slides (the KV-cache manager then frees the blocks
+        that leave it); None when any layer attends globally, as all share block ids."""
+        if self.sliding_window is None or "full_attention" in self.layer_types:
+            return None
+        return self.sliding_window
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer`, or None for a global layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def _check_experts(self) -> None:
+        if self.num_experts == 0:
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
+                              f"exceeds num_experts ({self.num_experts})")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def resolve_max_model_len(self, requested: int | None, default_cap: int) -> int:
         """The max-model-len to run with: `requested`, or the model's positions capped at
-        `default_cap`. A sliding-window model runs only where the window covers the whole
-        sequence (full attention is then the same thing): the default is clamped to the
-        window, with a warning in the log, and a larger request is refused."""
+        `default_cap`. (Sliding-window layers run at any length: their attention keeps to
+        the window.)"""
         limit = self.max_position_embeddings
         if requested is None:
-            length = min(limit, default_cap)
-            if self.sliding_window is not None and length > self.sliding_window:
-                logger.warning(
-                    "max-model-len clamped to %d, the model's sliding window (llmfast does "
-                    "not implement sliding-window attention)", self.sliding_window,
-                )
-                length = self.sliding_window
-            return length
+            return min(limit, default_cap)
         if requested > limit:
             raise ConfigError(f"max-model-len {requested} exceeds the model's {limit} positions")
-        self.check_fits_window(requested)
         return requested
-
-    def check_fits_window(self, max_model_len: int) -> None:
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise ConfigError(
-                f"the model uses sliding-window attention over {self.sliding_window} tokens, "
-                f"which llmfast does not implement; max-model-len {max_model_len} must be "
-                f"<= {self.sliding_window}"
-            )
 
     def check_tensor_parallel(self, world_size: int) -> None:
         """Refuse a tensor-parallel size that does not split this model evenly: query
@@ -261,6 +318,9 @@ class ModelConfig:
         if self.intermediate_size % world_size:
             raise ConfigError(f"{size} does not divide the model's intermediate size "
                               f"{self.intermediate_size}")
+        if self.num_experts and self.moe_intermediate_size % world_size:
+            raise ConfigError(f"{size} does not divide the experts' intermediate size "
+                              f"{self.moe_intermediate_size}")
 
     @property
     def q_size(self) -> int:
@@ -417,9 +477,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
-        # However the config was put together: never full attention where the model
-        # wants a window (see `ModelConfig.resolve_max_model_len`).
-        self.model.check_fits_window(self.scheduler.max_model_len)
         self.model.check_tensor_parallel(self.parallel.tensor_parallel_size)
 
     @property

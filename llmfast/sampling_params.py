@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from llmfast.structured_params import StructuredOutputs, StructuredOutputsError
 from llmfast.utils.value_checks import describe, int_list, is_int, is_number
 
 # OpenAI's range for logit_bias values: -100 bans a token, 100 all but forces it.
@@ -61,9 +62,14 @@ class SamplingParams:
     # A dict, so left out of the hash (the dataclass stays hashable).
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     allowed_token_ids: tuple[int, ...] | None = None
+    # A JSON schema, regex, choice or grammar the output must follow (llmfast/structured/).
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise SamplingParamsError(f"structured must be a StructuredOutputs, got "
+                                      f"{describe(self.structured)}")
         # Accept lists or a single string from callers; store tuples (hashable, immutable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))

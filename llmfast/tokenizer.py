@@ -49,6 +49,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template or getattr(self.hf, "chat_template", None))
 
+    @property
+    def template_text(self) -> str | None:
+        """The chat template's source (what tool-call markers it writes), if one."""
+        template = self.chat_template or getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def with_chat_template(self, template: str) -> Tokenizer:
         """This tokenizer with `template` instead of the model's chat template; a template
         that does not compile is a TokenizerError now, not at the first chat."""
@@ -118,12 +124,16 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         plain_fallback: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> str:
         """The prompt text for `messages` (the chat template's output). `template_kwargs`
         are more variables for the template (vLLM's chat_template_kwargs, e.g. Qwen3's
-        `enable_thinking`)."""
+        `enable_thinking`); `tools` OpenAI's tool definitions, which the template
+        describes to the model in its own words."""
         _check_messages(messages)
         template_kwargs = _check_template_kwargs(template_kwargs)
+        if tools:
+            template_kwargs = {**template_kwargs, "tools": list(tools)}
         if not self.has_chat_template:
             if not plain_fallback:
                 model = f"the model {self.name}" if self.name else "this model"
@@ -147,12 +157,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         plain_fallback: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
         """Token ids of the chat prompt. The template writes its own special tokens (BOS
         included), so the rendered text is encoded without adding any; the plain fallback
         format gets the tokenizer's usual ones."""
         return self.chat_prompt(messages, add_generation_prompt, plain_fallback,
-                                template_kwargs)[1]
+                                template_kwargs, tools)[1]
 
     def chat_prompt(
         self,
@@ -160,10 +171,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         plain_fallback: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat prompt's text and token ids (see `apply_chat_template`)."""
         text = self.render_chat(messages, add_generation_prompt, plain_fallback,
-                                template_kwargs)
+                                template_kwargs, tools)
         return text, self.encode(text, add_special_tokens=not self.has_chat_template)
 
 

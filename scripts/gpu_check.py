@@ -18,7 +18,8 @@ included), then `pytest -m gpu` whole with the time left. The whole GPU suite to
 min in parts on the H100 (full 130 s, async 220, families 300, fp8 90, the rest ~250), so
 one 600 s call does not finish it: the files it did not reach are listed in the JSON and
 the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in the next calls.
-Other steps: `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
+Other steps: `moe` and `moe_decode` (#52: scripts/bench_moe.py, and the decode sweep of
+random:qwen3-30b-a3b), `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
 `decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
 load), `executor` (uni vs mp).
 
@@ -158,6 +159,19 @@ STEPS = {s.name: s for s in (
           "--contexts", "512", "2048", "8192", "--iters", "20",
           "--sweep-splits", "{out}/splits.json", "--json", "{json}"),
          (PY, "scripts/bench_kernels.py", "--help"), samples=1),
+    # Sliding-window attention (profiles/sliding.md): the windowed layers' decode
+    # attention against the context, window on and off; a whole Gemma 3 1B (random
+    # weights) decode sweep at 8k and 32k tokens of context.
+    Step("sliding_kernels", "sliding", 60, 300,
+         (PY, "scripts/bench_sliding.py", "--contexts", "8192", "32768", "--batches", "1",
+          "16", "--samples", "3", "--json", "{json}"),
+         (PY, "scripts/bench_sliding.py", "--help"), samples=1),
+    Step("sliding_decode", "sliding", 120, 500,
+         (PY, "-m", "llmfast", "bench", "--model", "random:gemma-3-1b", "--dtype", "{dtype}",
+          "--sizes", "1,16", "--context", "32768", "--steps", "32",
+          "--max-model-len", "32832", "--json", "{json}"),
+         (PY, "-m", "llmfast", "bench", "--model", "random:tiny", "--device", "cpu",
+          "--sizes", "1,2", "--context", "16", "--steps", "4", "--json", "{json}"), samples=1),
     Step("decode_configs", "kernels", 150, 400,
          (PY, "scripts/sweep_decode_configs.py", "--json", "{json}"),
          (PY, "scripts/sweep_decode_configs.py", "--help"), samples=1),
@@ -167,8 +181,23 @@ STEPS = {s.name: s for s in (
          (PY, "scripts/bench_executor.py", "--model", "{model}", "--device", "cpu",
           "--configs", "uni:1,mp:1", "--sizes", "1,2", "--steps", "8", "--repeats", "1",
           "--json", "{json}"), samples=1),
+    # Not in `headline` (#52): the fused MoE layer against a per-expert loop and a dense
+    # bmm at 1, 64 and 512 tokens (the presets' layer shapes); then batch-1..256 decode
+    # of random:qwen3-30b-a3b in bf16 against the active-weight roofline (61 GB of
+    # random weights: an 80 GB GPU holds them).
+    Step("moe", "moe", 90, 300,
+         (PY, "scripts/bench_moe.py", "--tokens", "1", "64", "512", "--json", "{json}"),
+         (PY, "scripts/bench_moe.py", "--help"), extract="moe"),
+    Step("moe_decode", "moe", 200, 480,
+         (PY, "-m", "llmfast", "bench", "--model", "random:qwen3-30b-a3b", "--dtype",
+          "bfloat16", "--sizes", "1,2,4,8,16,32,64,128,256", "--context", "128",
+          "--steps", "32", "--json", "{json}"),
+         _BENCH + ("--device", "cpu", "--sizes", "1,2", "--context", "16", "--steps", "4",
+                   "--json", "{json}"),
+         samples=1, extract="sweep"),
 )}
-GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests")}
+GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests"),
+          "sliding": ("sliding_kernels", "sliding_decode")}
 
 
 # ------------------------------------------------------------------ the tree stamp

@@ -179,9 +179,25 @@ def _serve(data: dict) -> list[tuple[Figures, Checks]]:
     return samples
 
 
+def _moe(data: dict) -> list[tuple[Figures, Checks]]:
+    """bench_moe.py: per shape and token count, the fused layer's time and its ratios."""
+    figs: Figures = {}
+    checks: Checks = []
+    for r in data["rows"]:
+        at = f"{r['shape']} T={r['tokens']}"
+        figs[f"{at} fused us"] = r["fused_us"]
+        figs[f"{at} loop / fused"] = r["loop_over_fused"]
+        if r.get("dense_over_fused") is not None:
+            figs[f"{at} dense bmm / fused"] = r["dense_over_fused"]
+        figs[f"{at} active GB/s"] = r["fused_active_gb_s"]
+        err = r["max_abs_error"]["fused"]
+        checks.append((err < 0.05, f"{at}: fused within 0.05 of the fp32 loop ({err:.3g})"))
+    return [(figs, checks)]
+
+
 EXTRACT: dict[str, Callable[[dict], list[tuple[Figures, Checks]]]] = {
     "sweep": _sweep, "modes": _modes, "throughput": _throughput, "startup": _startup,
-    "kernels": _kernels, "serve": _serve,
+    "kernels": _kernels, "serve": _serve, "moe": _moe,
 }
 
 
@@ -241,6 +257,8 @@ BARS = (
     Bar("startup", "cold time to first token s", True, 25.0, "#18"),
     Bar("startup", "cold capture s", True, 10.0, "#15"),
     Bar("throughput", "llmfast / HF output tok/s", False, 10.0, "#18"),
+    Bar("moe", "qwen3-30b-a3b T=64 loop / fused", False, 5.0, "#52"),
+    Bar("moe_decode", "B=1 % of HBM", False, 60.0, "#52"),
 )
 
 

@@ -95,3 +95,54 @@ def test_plans_and_their_buffers_die_with_the_owner():
     gc.collect()
     assert all(ref() is None for ref in refs)
     assert AttentionWorkspaces.of(kc) is None
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 29, 100])
+def test_sliding_window_matches_reference_and_skips_old_blocks(window, monkeypatch):
+    """Decodes, chunks over long prefixes, a fresh prefill longer than the window, an
+    idle row: the windowed op equals the float64 reference with the window. Every block
+    wholly before a row's first visible key is NaN: gathering it (masking instead of
+    skipping) would poison the row."""
+    q_lens = [1, 5, 1, 0, 30, 1, 2]
+    ctx = [70, 45, 40, 12, 30, 1, 66]
+    block_size = 8
+    q, kc, vc, table, qsl, seq_lens, total = _case(4, q_lens, ctx, block_size=block_size)
+    expected = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
+                              0.25, expected, compute_dtype=torch.float64, window=window)
+    monkeypatch.setattr(cpu_attention, "_MAX_GATHER_ELEMENTS", 3000)  # several chunks
+    poisoned = 0
+    for r, (n, length) in enumerate(zip(q_lens, ctx)):
+        first_key = max(0, length - n - window + 1)
+        for block in table[r, : first_key // block_size].tolist():
+            kc[block], vc[block] = float("nan"), float("nan")
+            poisoned += 1
+    assert poisoned > 0 or window == 100
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.25, out, window)
+    torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)
+    # A decode gathers at most the blocks its window spans.
+    plan = cpu_attention._build_plan(
+        qsl.numpy().tobytes(), seq_lens.numpy().tobytes(), table.numpy().tobytes(),
+        tuple(table.shape), block_size, 2 * 16, window)
+    assert all(c.num_blocks <= -(-window // block_size) + 1 for c in plan.decode)
+
+
+def test_reference_window_is_hf_mask():
+    """The reference's window is HF's sliding mask (kv_idx > q_idx - window, causal):
+    checked against a naive loop over one request's scores."""
+    q, kc, vc, table, qsl, seq_lens, total = _case(2, [6], [13], num_heads=2, num_kv=2,
+                                                   block_size=4)
+    window = 4
+    out = torch.empty(q.shape, dtype=torch.float64)
+    paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
+                              0.5, out, compute_dtype=torch.float64, window=window)
+    keys = kc.double()[table[0].long()].reshape(-1, 2, 16)[:13]
+    values = vc.double()[table[0].long()].reshape(-1, 2, 16)[:13]
+    for i in range(6):
+        q_idx = 13 - 6 + i
+        for h in range(2):
+            seen = [k for k in range(13) if k <= q_idx and k > q_idx - window]
+            scores = torch.stack([q[i, h].double() @ keys[k, h] * 0.5 for k in seen])
+            expected = torch.softmax(scores, 0) @ values[seen, h]
+            torch.testing.assert_close(out[i, h], expected)

@@ -149,24 +149,29 @@ def test_unsupported_options_refused(change, fragment):
     assert fragment in _one_line(e.value)
 
 
-def test_sliding_window_is_never_silently_full_attention(tmp_path, caplog):
-    """llmfast's attention is full; it runs a windowed model only where the window
-    covers every sequence: the default length is clamped, a longer one refused."""
+def test_sliding_window_model_runs_past_its_window(tmp_path):
+    """A windowed model is neither clamped nor refused: its attention keeps to the
+    window (tests/test_sliding_models.py checks the tokens)."""
     from llmfast import LLM
 
     path = make_hf_checkpoint(tmp_path / "ckpt", family="mistral", sliding_window=32)
-    with pytest.raises(ConfigError) as e:
-        LLM(str(path), device="cpu", max_model_len=64)
-    assert "sliding-window" in _one_line(e.value) and "32" in str(e.value)
-    with caplog.at_level("WARNING", logger="llmfast.config"):
-        llm = LLM(str(path), device="cpu", block_size=4)
-    assert llm.engine.config.scheduler.max_model_len == 32
-    assert "max-model-len clamped to 32" in caplog.text
-    assert LLM(str(path), device="cpu", max_model_len=24, block_size=4)
+    llm = LLM(str(path), device="cpu", max_model_len=64, block_size=4)
+    assert llm.engine.config.scheduler.max_model_len == 64
+
+
+# The mixtures of experts' fields (4 experts, top 2; Mixtral's experts are its MLP size;
+# Qwen3-MoE's layer 1 dense).
+_EXPERTS = {
+    "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, dense_layers=(1,)),
+    "MixtralForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                               norm_topk_prob=True),
+}
 
 
 @pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Qwen2ForCausalLM",
-                                          "Qwen3ForCausalLM"])
+                                          "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                          "MixtralForCausalLM"])
 def test_random_weights_map_to_the_hf_family(architecture):
     """`bench --baseline hf` on a random preset: HF's model of the same family, given
     llmfast's random weights, computes the same logits (checks the unfused mapping, biases
@@ -182,7 +187,8 @@ def test_random_weights_map_to_the_hf_family(architecture):
     config = family_config(
         architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=300,
-        tie_word_embeddings=architecture == "Qwen2ForCausalLM", max_position_embeddings=64)
+        tie_word_embeddings=architecture == "Qwen2ForCausalLM", max_position_embeddings=64,
+        **_EXPERTS.get(architecture, {}))
     ours = build_model(ModelSource("random:test", None, config), torch.float32, "cpu", seed=3)
     with torch.no_grad():  # random weights give norms of 1 and biases of ~0.02: make them show
         for name, p in ours.named_parameters():

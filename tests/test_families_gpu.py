@@ -23,6 +23,8 @@ pytestmark = [
 ]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# The mixtures of experts run the engine test too (fp32; the fused MoE layer in every mode).
+ENGINE_FAMILIES = (*FAMILIES, "qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def family_env(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_engine_matches_hf_on_gpu(family_env, family, mode):
     path, prompts, lengths, tokens = family_env(family)
     # 10 blocks of 16 (block 0 reserved) for 16 prompts of 21-59 tokens: preemption (5 in

@@ -72,9 +72,43 @@ def test_config_and_tokenizer(case, bpe):
 
 
 def test_generates_what_the_source_model_generates(case):
+    check_generates_like_source(case["out"], case["model"])
+
+
+def check_generates_like_source(out_dir, model) -> None:
+    """Greedy tokens of the converted directory equal the source HF model's."""
     prompts = [[5, 17, 200, 3, 99, 41, 7, 300], [9, 8, 7], list(range(40, 70))]
-    llm = LLM(str(case["out"]), device="cpu", block_size=4, max_model_len=64)
+    llm = LLM(str(out_dir), device="cpu", block_size=4, max_model_len=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(case["model"], prompt, 6)
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt, 6)
+
+
+def test_gemma3_gguf_generates_what_the_source_model_generates(bpe, tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes it (norms stored as 1 + weight, the window in
+    the metadata, every sixth layer global, local RoPE base 10000, attention scaled by
+    head_dim): converted, it holds the source weights (to float32 rounding of the norms'
+    +1 -1) and generates the source model's tokens past its 8-token window."""
+    from safetensors.torch import load_file
+
+    model = tiny_llama(bpe.get_vocab_size(), tie=True, family="gemma3_text",
+                       num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16,
+                       rms_norm_eps=1e-6)
+    path = write_llama_gguf(tmp_path / "gemma3.gguf", model, bpe, arch="gemma3")
+    out = convert_gguf_to_hf_dir(path, tmp_path / "out")
+    config = model_config_from_json(out / "config.json")
+    assert config.architecture == "Gemma3ForCausalLM" and config.sliding_window == 8
+    assert list(config.layer_types) == list(model.config.layer_types) == (
+        ["sliding_attention"] * 5 + ["full_attention"])
+    ours, source = load_file(str(out / "model.safetensors")), model.state_dict()
+    source.pop("lm_head.weight")
+    assert set(ours) == set(source)
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, source[name], atol=1e-6, rtol=0)
+    prompts = [list(range(40, 70)), [9, 8, 7]]
+    llm = LLM(str(out), device="cpu", block_size=4, max_model_len=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for prompt, got in zip(prompts, outs):
+        assert got.outputs[0].token_ids == _hf_greedy(model, prompt, 12)

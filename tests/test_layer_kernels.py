@@ -36,16 +36,18 @@ def _within_ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps
 
 
 def check_rms_norm(dtype: str, rows: int, cols: int, residual: bool, row_stride: int,
-                   device: str = "cpu"):
+                   device: str = "cpu", offset: bool = False):
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(rows * 7 + cols)
     # Inputs as views with a row stride past their width (a slice of a wider buffer).
     x = torch.randn(rows, row_stride, generator=gen).mul(3).to(dt)[:, :cols].to(device)
     r = torch.randn(rows, row_stride, generator=gen).to(dt)[:, :cols].to(device)
     w = torch.rand(cols, generator=gen).add(0.5).to(dt).to(device)
+    if offset:  # Gemma's weights are offsets from 1
+        w = w - 1.0
     eps = 1e-5
     if residual:
-        out, summed = norm_ops.add_rms_norm_impl(x, r, w, eps)
+        out, summed = norm_ops.add_rms_norm_impl(x, r, w, eps, offset)
         # The residual sum in the model dtype: exactly as torch rounds it on a GPU, within
         # one unit roundoff under the interpreter (see below).
         if device == "cuda":
@@ -53,14 +55,15 @@ def check_rms_norm(dtype: str, rows: int, cols: int, residual: bool, row_stride:
         else:
             _within_ulps(summed, (x.double() + r.double()), dt, 2.0)
         src = summed  # the norm of the sum the kernel stored (checked just above)
-        ref = norm_ops.rms_norm_reference(src, w, eps)
+        ref = norm_ops.rms_norm_reference(src, w, eps, offset)
     else:
-        out = norm_ops.rms_norm_impl(x, w, eps)
+        out = norm_ops.rms_norm_impl(x, w, eps, offset)
         src = x
-        ref = norm_ops.rms_norm_reference(x, w, eps)
+        ref = norm_ops.rms_norm_reference(x, w, eps, offset)
     assert out.shape == x.shape and out.dtype == dt
     s = src.double()
-    exact = w.double() * (s / (s.pow(2).mean(-1, keepdim=True) + eps).sqrt())
+    scale = w.double() + 1.0 if offset else w.double()
+    exact = scale * (s / (s.pow(2).mean(-1, keepdim=True) + eps).sqrt())
     # Two roundings to dt (the normalised value, then the scaled one), each within one
     # unit roundoff on a GPU (nearest-even) and two under the interpreter (whose
     # float32 -> bfloat16 conversion may truncate), and float32 maths.
@@ -106,6 +109,8 @@ RMS_NORM_CASES = [
     ("float32", 3, 1000, True, 1000),  # not a power of two: masked columns
     ("bfloat16", 33, 64, False, 96), ("float32", 2, 4096, False, 4096),
 ]
+# Gemma's (1 + weight) norms: (dtype, rows, cols, residual, row stride)
+OFFSET_NORM_CASES = [("bfloat16", 5, 1152, True, 1152), ("float32", 3, 256, False, 320)]
 ROTARY_CASES = [("bfloat16", 1, 40, 64), ("float32", 7, 5, 128), ("bfloat16", 3, 12, 80)]
 
 
@@ -113,6 +118,12 @@ ROTARY_CASES = [("bfloat16", 1, 40, 64), ("float32", 7, 5, 128), ("bfloat16", 3,
 def test_rms_norm_kernel(interpreter, dtype, rows, cols, residual, row_stride):
     interpreter("check_rms_norm", dtype=dtype, rows=rows, cols=cols, residual=residual,
                 row_stride=row_stride)
+
+
+@pytest.mark.parametrize("dtype, rows, cols, residual, row_stride", OFFSET_NORM_CASES)
+def test_offset_rms_norm_kernel(interpreter, dtype, rows, cols, residual, row_stride):
+    interpreter("check_rms_norm", dtype=dtype, rows=rows, cols=cols, residual=residual,
+                row_stride=row_stride, offset=True)
 
 
 @pytest.mark.parametrize("dtype, tokens, heads, head_dim", ROTARY_CASES)
@@ -126,6 +137,8 @@ def test_layer_kernels_on_cuda():
         pytest.skip("needs CUDA")
     for dtype, rows, cols, residual, stride in RMS_NORM_CASES:
         check_rms_norm(dtype, rows, cols, residual, stride, device="cuda")
+    for dtype, rows, cols, residual, stride in OFFSET_NORM_CASES:
+        check_rms_norm(dtype, rows, cols, residual, stride, device="cuda", offset=True)
     for dtype, tokens, heads, head_dim in ROTARY_CASES:
         check_rotary(dtype, tokens, heads, head_dim, device="cuda")
 

@@ -29,12 +29,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmfast"
 FLOORS: tuple[tuple[str, ...], ...] = (
     # 1. the shared vocabulary (configs, sampling params, outputs, small helpers) and the
     #    rooms that import no other: the layer kernels, tensor parallelism's collectives.
-    ("config", "sampling_params", "outputs", "version", "utils/", "profiling/",
-     "kernels/", "distributed/"),
+    ("config", "sampling_params", "structured_params", "outputs", "version", "utils/",
+     "profiling/", "kernels/", "distributed/"),
     # 2. attention (over the kernels' launcher), CUDA graphs' capture and dispatch, the
     #    host-side scheduler (no torch), the tokenizer (models/sources reads one with a
-    #    model: it stays below models/).
-    ("attention/", "cuda_graphs/", "core/", "tokenizer"),
+    #    model: it stays below models/), the grammar engine's side of structured outputs
+    #    (compile and cache; the sampler's bitmask is the worker's).
+    ("attention/", "cuda_graphs/", "core/", "tokenizer", "structured/"),
     # 3. the model and its compilation.
     ("models/", "compile/"),
     # 4. one device's worker: the model runner and its start-up, the input batch, the

@@ -459,8 +459,8 @@ def test_compiled_model_passes_positions_through_the_split(monkeypatch, tmp_path
     attention_calls = [node for piece in pieces for node in piece.graph.nodes
                        if node.target is ops.unified_attention_impl]
     assert len(attention_calls) == model.config.num_hidden_layers
-    # q, k, v, caches, metadata (4), scale, out, positions, cos_sin, max_query_len
-    assert all(len(node.args) + len(node.kwargs) == 14 for node in attention_calls)
+    # q, k, v, caches, metadata (4), scale, out, positions, cos_sin, max_query_len, window
+    assert all(len(node.args) + len(node.kwargs) == 15 for node in attention_calls)
     called = {str(node.target) for piece in pieces for node in piece.graph.nodes
               if node.op == "call_function"}
     assert not any("rotary" in t for t in called), called  # no rotation in the pieces

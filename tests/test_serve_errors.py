@@ -51,8 +51,12 @@ CASES = {
     "image content": (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
     "tools": (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
-    "json mode": (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, 400,
-                  "response_format"),
+    "json_schema without a schema": (CHAT, {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    "unknown response_format": (CHAT, {"messages": HI, "response_format": {"type": "xml"}},
+                                400, "response_format"),
+    "regex that does not compile": (COMPLETIONS, {"prompt": "hi", "guided_regex": "(a"}, 400,
+                                    "guided_regex"),
     "logit_bias key not a token id": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"a5": 1.0}},
                                       400, "logit_bias"),
     "logit_bias key two signs": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"--5": 1}},

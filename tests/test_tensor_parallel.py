@@ -27,7 +27,13 @@ from llmfast.kernels.cpu.linear import Linear
 from llmfast.models.quantization.fp8 import Fp8Linear, quantize_fp8
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.ranks import run_ranks
-from tests.helpers.tp_runs import model_logits, paged_logits, run_cases, runner_tokens
+from tests.helpers.tp_runs import (
+    assert_ranks_match_tp1,
+    model_logits,
+    paged_logits,
+    run_cases,
+    runner_tokens,
+)
 from tests.helpers.engine_config import engine_config
 
 SINGLE = TensorParallelGroup.single()
@@ -196,18 +202,8 @@ def test_tp2_matches_tp1(checkpoints):
     for family, path in checkpoints.items():
         cases.append(("model_logits", (str(path), PROMPTS, NEXT_IDS)))
         cases.append(("runner_tokens", (str(path), PROMPTS, 5, False, family == "qwen2")))
-    rank_results = run_ranks(run_cases, 2, cases)
-    for i, (name, args) in enumerate(cases):
-        want = run_cases(SINGLE, [(name, args)])[0]
-        got = [r[i] for r in rank_results]
-        if name == "model_logits":
-            for rank_logits in got:
-                np.testing.assert_allclose(rank_logits, want, rtol=0, atol=2e-5,
-                                           err_msg=str(args[0]))
-        else:
-            assert got[0] == want, args[0]
-            assert got[1] is None
-            assert all(len(ids) == 5 for ids in want.values())
+    wants = assert_ranks_match_tp1(cases, run_ranks(run_cases, 2, cases))
+    assert all(len(ids) == 5 for ids in wants[1].values())
 
 
 class SplitKFp8(torch.nn.Module):

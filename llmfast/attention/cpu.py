@@ -8,7 +8,10 @@ dozens of decoding requests costs more than the matmuls. Here:
   by the cache owner's `AttentionWorkspaces`, which frees it with the cache;
 - all single-token (decode) rows are served by one gather and one SDPA call per chunk,
   the GQA group folded into SDPA's query-length axis;
-- prefill chunks use SDPA with an explicit causal mask and `enable_gqa`.
+- prefill chunks use SDPA with an explicit causal mask and `enable_gqa`;
+- a sliding-window layer's plan gathers only the blocks that hold a key some query's
+  window reaches (per row from its own first such block), and its masks hide the keys
+  that left the window: the work stays bounded by the window, not the context.
 
 Slots past a request's context in its last block may hold stale values of an earlier
 request: they are masked out of the softmax. They are always finite because the runner
@@ -34,16 +37,16 @@ class _DecodeChunk:
     tokens: torch.Tensor  # [D] rows of q / out
     blocks: torch.Tensor  # [D * num_blocks] cache blocks to gather, row-major
     mask: torch.Tensor  # [D, 1, 1, L] True where the key position is in the context
-    num_blocks: int
+    num_blocks: int  # per row, from the row's first block in its window
 
 
 @dataclass(frozen=True)
 class _PrefillRow:
     q_start: int
     q_end: int
-    seq_len: int
-    blocks: torch.Tensor  # [ceil(seq_len / block_size)]
-    mask: torch.Tensor  # [num_q, seq_len] causal: query i sees positions <= its own
+    num_keys: int  # keys gathered: the context from the first block any query sees
+    blocks: torch.Tensor  # [ceil(num_keys / block_size)]
+    mask: torch.Tensor  # [num_q, num_keys] causal (and windowed): what query i sees
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,12 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
 ) -> None:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     table = np.ascontiguousarray(block_table.numpy())
     key = (query_start_loc.numpy().tobytes(), seq_lens.numpy().tobytes(), table.tobytes(),
-           table.shape, block_size, num_kv_heads * head_dim)
+           table.shape, block_size, num_kv_heads * head_dim, window)
     owner = AttentionWorkspaces.of(k_cache)
     plan = (owner.cpu_plan(key, lambda: _build_plan(*key)) if owner is not None
             else _build_plan(*key))
@@ -91,38 +95,59 @@ def paged_attention_cpu(
 
 
 def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
-                table_shape: tuple[int, int], block_size: int, row_elements: int) -> _Plan:
+                table_shape: tuple[int, int], block_size: int, row_elements: int,
+                window: int | None) -> _Plan:
     starts = np.frombuffer(qsl_bytes, dtype=np.int32).astype(np.int64)
     lens = np.frombuffer(lens_bytes, dtype=np.int32).astype(np.int64)
     table = np.frombuffer(table_bytes, dtype=np.int32).reshape(table_shape)
     num_q = np.diff(starts)
+    # Each row's first block any of its queries sees (the first query's window start).
+    first_block = np.zeros_like(lens) if window is None else \
+        np.maximum(lens - num_q - window + 1, 0) // block_size
+    row_blocks = -(-lens // block_size) - first_block  # blocks each row gathers
     decode_rows = np.flatnonzero(num_q == 1)
     # Longest first, so each chunk pads to a similar length.
-    decode_rows = decode_rows[np.argsort(-lens[decode_rows], kind="stable")]
+    decode_rows = decode_rows[np.argsort(-row_blocks[decode_rows], kind="stable")]
     decode = []
     i = 0
     while i < len(decode_rows):
-        num_blocks = int(-(-lens[decode_rows[i]] // block_size))
+        num_blocks = int(row_blocks[decode_rows[i]])
         per_row = num_blocks * block_size * row_elements
         rows = decode_rows[i : i + max(1, _MAX_GATHER_ELEMENTS // per_row)]
         i += len(rows)
-        positions = np.arange(num_blocks * block_size)
+        key_pos = np.arange(num_blocks * block_size)[None, :]
+        if window is None:
+            blocks = table[rows, :num_blocks]
+            visible = key_pos < lens[rows, None]
+        else:
+            # Row r gathers blocks first_block[r] .. + num_blocks (clipped to the table:
+            # the clipped ones are masked out).
+            columns = np.minimum(first_block[rows, None] + np.arange(num_blocks),
+                                 table.shape[1] - 1)
+            blocks = np.take_along_axis(table[rows], columns, axis=1)
+            key_pos = key_pos + first_block[rows, None] * block_size
+            visible = (key_pos < lens[rows, None]) & (key_pos >= lens[rows, None] - window)
         decode.append(_DecodeChunk(
             tokens=torch.from_numpy(starts[rows]),
-            blocks=torch.from_numpy(table[rows, :num_blocks].astype(np.int64).reshape(-1)),
-            mask=torch.from_numpy(positions[None, :] < lens[rows, None])[:, None, None, :],
+            blocks=torch.from_numpy(blocks.astype(np.int64).reshape(-1)),
+            mask=torch.from_numpy(visible)[:, None, None, :],
             num_blocks=num_blocks,
         ))
     prefill = []
     for r in np.flatnonzero(num_q > 1):
-        n, seq_len = int(num_q[r]), int(lens[r])
+        n, seq_len, first = int(num_q[r]), int(lens[r]), int(first_block[r])
         q_pos = np.arange(seq_len - n, seq_len)[:, None]
+        key_pos = np.arange(first * block_size, seq_len)[None, :]
+        visible = key_pos <= q_pos
+        if window is not None:
+            visible &= key_pos > q_pos - window
         prefill.append(_PrefillRow(
             q_start=int(starts[r]),
             q_end=int(starts[r + 1]),
-            seq_len=seq_len,
-            blocks=torch.from_numpy(table[r, : -(-seq_len // block_size)].astype(np.int64)),
-            mask=torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos),
+            num_keys=seq_len - first * block_size,
+            blocks=torch.from_numpy(
+                table[r, first : -(-seq_len // block_size)].astype(np.int64)),
+            mask=torch.from_numpy(visible),
         ))
     max_gather_blocks = max(
         [c.blocks.shape[0] for c in decode] + [r.blocks.shape[0] for r in prefill], default=0
@@ -158,8 +183,8 @@ def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out, plan: _
 def _prefill(q, k_cache, v_cache, row: _PrefillRow, scale: float, out, plan: _Plan) -> None:
     # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
     keys, values = _gather(k_cache, v_cache, row.blocks, plan)
-    keys = keys.flatten(0, 1)[: row.seq_len].transpose(0, 1)
-    values = values.flatten(0, 1)[: row.seq_len].transpose(0, 1)
+    keys = keys.flatten(0, 1)[: row.num_keys].transpose(0, 1)
+    values = values.flatten(0, 1)[: row.num_keys].transpose(0, 1)
     dtype = torch.float32
     result = F.scaled_dot_product_attention(
         q[row.q_start : row.q_end].transpose(0, 1).to(dtype),  # [num_heads, num_q, head_dim]

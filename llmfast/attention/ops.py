@@ -20,6 +20,8 @@ Shapes (T = tokens in the step, padded; R = requests):
     positions [T] int, cos_sin [max_positions, head_dim] float32 (optional, together):
         q and k are not rotated yet; the op applies the rotary embedding first (on the
         Triton path in its KV write, attention/triton/rope_cache.py)
+    window (optional int): a sliding-window layer's: the query at position p sees the
+        keys at (p - window, p] only (HF's `kv_idx > q_idx - sliding_window`)
 """
 
 from __future__ import annotations
@@ -87,12 +89,14 @@ def paged_attention_reference(
     scale: float,
     out: torch.Tensor,
     compute_dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> None:
     """Causal attention of each request's query tokens over its paged context.
 
     The query tokens of request r are the last `num_q` tokens of its `seq_len` context,
     so query i (0-based within the request) sits at position seq_len - num_q + i and sees
-    context positions 0 .. that position.
+    context positions 0 .. that position (with a `window`, only the last `window` of
+    them).
     """
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -116,7 +120,10 @@ def paged_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
         q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
 
@@ -167,6 +174,7 @@ def unified_attention_impl(
     positions: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
     max_query_len: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """The op's body. Eager callers may call it directly: the custom-op dispatcher adds
     ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op."""
@@ -184,17 +192,20 @@ def unified_attention_impl(
             uniform = max_query_len is not None and max_query_len.item() <= 1
             attention.unified_attention(
                 q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out,
-                new_tokens=(k, v, slot_mapping, positions, cos_sin), uniform_decode=uniform)
+                new_tokens=(k, v, slot_mapping, positions, cos_sin), uniform_decode=uniform,
+                window=window)
             return
         attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         attention.unified_attention(
-            q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out
+            q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out,
+            window=window,
         )
     else:
         from llmfast.attention.cpu import paged_attention_cpu
 
         reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
-        paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out)
+        paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                            out, window)
 
 
 @torch.library.custom_op(
@@ -215,19 +226,20 @@ def unified_attention(
     positions: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
     max_query_len: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """(Rotate q and k, when positions are given,) write the new tokens' k/v into the
     paged cache, then attend (see module doc). `max_query_len` ([1] int32, CPU): 1 for a
     uniform decode step (AttentionMetadata)."""
     unified_attention_impl(
         q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale,
-        out, positions, cos_sin, max_query_len,
+        out, positions, cos_sin, max_query_len, window,
     )
 
 
 @unified_attention.register_fake
 def _(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start_loc, seq_lens, scale,
-      out, positions=None, cos_sin=None, max_query_len=None):
+      out, positions=None, cos_sin=None, max_query_len=None, window=None):
     return None
 
 

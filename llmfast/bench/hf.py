@@ -27,10 +27,22 @@ logger = logging.getLogger(__name__)
 
 def hf_state_dict_from_llmfast(model, config) -> dict[str, torch.Tensor]:
     """Split llmfast's fused projections back into HF names: qkv_proj rows are
-    [q_size | kv_size | kv_size], gate_up_proj rows [intermediate | intermediate]."""
+    [q_size | kv_size | kv_size], gate_up_proj rows [intermediate | intermediate]. A
+    mixture of experts' stacks become transformers 5's (`experts.gate_up_proj`
+    [E, 2I, H], `experts.down_proj` [E, H, I]); the router's name is HF's already."""
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    experts, moe_inter, hidden = (config.num_experts, config.moe_intermediate_size,
+                                  config.hidden_size)
     state = {}
     for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_weight"):
+            state[name.removesuffix("_weight") + "_proj"] = tensor.view(
+                experts, 2 * moe_inter, hidden)
+            continue
+        if name.endswith("mlp.experts.down_weight"):
+            state[name.removesuffix("_weight") + "_proj"] = tensor.view(
+                experts, hidden, moe_inter)
+            continue
         if ".self_attn.qkv_proj." in name:  # weight, and bias for Qwen2
             prefix, kind = name.rsplit("qkv_proj.", 1)
             state[f"{prefix}q_proj.{kind}"] = tensor[:q]
@@ -94,6 +106,9 @@ def hf_model_from_llmfast(model, config):
                          f"unexpected {unexpected[:3]}")
     if config.tie_word_embeddings:
         hf.tie_weights()
+    embed = hf.model.embed_tokens
+    if hasattr(embed, "scalar_embed_scale"):  # Gemma's scale: a buffer left empty above
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
     rotary = hf.model.rotary_emb
     with torch.device("cpu"):
         hf.model.rotary_emb = type(rotary)(config=hf.config)

@@ -27,6 +27,7 @@ from llmfast.cli.common import (
     load_llm,
     stderr_console,
 )
+from llmfast.cli.structured_flags import structured_flags
 from llmfast.sampling_params import SamplingParams
 
 GENERATE_EXAMPLES = """\
@@ -39,6 +40,8 @@ GENERATE_EXAMPLES = """\
 * `llmfast generate --file prompts.txt --json out.json`  (one prompt per line; `--json -`: to stdout)
 
 * `llmfast generate --no-chat --stop "." "The capital of France is"`
+
+* `llmfast generate --json-schema person.json "Describe a person as JSON"`  (also `--regex`, `--choice yes,no`, `--grammar FILE`)
 """
 
 
@@ -61,6 +64,18 @@ def generate(
     system: System = None,
     ignore_eos: IgnoreEos = False,
     json_out: JsonPath = None,
+    json_schema: Annotated[Path | None, typer.Option(
+        "--json-schema", help="Constrain the output to JSON valid against this JSON Schema "
+        "file.", show_default=False)] = None,
+    regex: Annotated[str | None, typer.Option(
+        "--regex", help="Constrain the output to match this regular expression.",
+        show_default=False)] = None,
+    choice: Annotated[str | None, typer.Option(
+        "--choice", help="Constrain the output to one of these comma-separated strings.",
+        show_default=False)] = None,
+    grammar: Annotated[Path | None, typer.Option(
+        "--grammar", help="Constrain the output to this grammar file (EBNF with "
+        "'root ::= ...', or Lark).", show_default=False)] = None,
 ) -> None:
     """Generate completions for one or more prompts, batched."""
     if sys.stdout is None:  # started with standard output closed (`>&-`)
@@ -70,9 +85,11 @@ def generate(
     texts = _read_prompts(prompts or [], file)
     if system is not None and chat is False:
         raise ValueError("--system needs the chat template; drop --no-chat")
+    structured = structured_flags(json_schema, regex, choice, grammar)
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-        stop=tuple(stop or ()), seed=opts.engine_kwargs.get("seed"), ignore_eos=ignore_eos)
+        stop=tuple(stop or ()), seed=opts.engine_kwargs.get("seed"), ignore_eos=ignore_eos,
+        structured=structured)
     err = stderr_console()
     llm = load_llm(opts, err)
     inputs = _prepare(llm, texts, chat, system)

@@ -50,6 +50,10 @@ def serve(
         "--api-servers", help="Frontend processes (HTTP, tokenizing, detokenizing), each "
         "connected to the engine core's process and sharing the port: 0 runs the one "
         "frontend in this process.")] = DEFAULT_API_SERVERS,
+    tool_call_parser: Annotated[str | None, typer.Option(
+        "--tool-call-parser", help="How chat's tool_choice 'auto' reads tool calls from the "
+        "model's output: hermes (<tool_call>, Qwen), llama3_json, mistral ([TOOL_CALLS]).  "
+        "[default: from the model's chat template and family]", show_default=False)] = None,
     access_log: Annotated[bool, typer.Option(
         "--access-log/--no-access-log", help="Log a line per HTTP request (method, path, "
         "status) on stderr.")] = True,
@@ -77,6 +81,11 @@ def serve(
         # every request without one would be refused
         raise typer.BadParameter("must not be empty (leave it out to serve without a key)",
                                  param_hint="'--api-key'")
+    from llmfast.serve.api.tool_parsers import PARSERS
+
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise typer.BadParameter(f"must be one of {', '.join(PARSERS)}, got "
+                                 f"{tool_call_parser!r}", param_hint="'--tool-call-parser'")
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"must be in [0, 65535], got {port}", param_hint="'--port'")
     try:
@@ -99,7 +108,7 @@ def serve(
     name = served_model_name or source.name
     aliases = tuple(a for a in (opts.model, source.spec) if a and a != name)
     config_ = ServeConfig(model_name=name, model_aliases=aliases, api_key=api_key,
-                          max_body_bytes=max_body)
+                          max_body_bytes=max_body, tool_call_parser=tool_call_parser)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     err.print(f"serving {name} at {url}/v1 (OpenAI API; /health, /metrics)"
               + ("; API key required" if api_key else ""), style="dim")

@@ -5,18 +5,31 @@ Block i of a request holds the KV of its tokens [i * block_size, (i + 1) * block
 With block_size 16, a request with 40 computed tokens and 8 more scheduled needs
 ceil(48 / 16) = 3 blocks; its full blocks 0 and 1 are cacheable, block 2 (tokens 32..47)
 becomes cacheable once all 16 of its tokens are computed.
+
+Sliding window (`sliding_window`: a model whose every layer attends to the last
+`sliding_window` keys only): a block all of whose keys are before the window of the
+request's next query is never read again (the attention skips it), so it goes back to
+the pool at once. Its place in the request's list (block i still holds tokens
+[i * bs, (i + 1) * bs)) is taken by `SKIPPED`, a stand-in no pool owns, whose id (the
+null block's) the runner's block table may keep or not: the attention never reads it.
+With block_size 16 and a window of 32, a request with 100 computed tokens holds blocks
+4..6 (its next query, at position 100, sees keys 69..100): ceil(32 / 16) + 1 at most.
+A freed block keeps its hash while it is free, so other requests still hit it. (Models
+with both global and sliding layers keep every block: one block id serves all layers.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmfast.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from llmfast.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, KVCacheBlock
 from llmfast.core.request import Request
 
 # What allocate_slots returns when a request needs no new block (most decode steps):
 # one shared list, never mutated.
 _NO_NEW_BLOCKS: list[KVCacheBlock] = []
+# A request's block that left the sliding window and went back to the pool (module doc).
+SKIPPED = KVCacheBlock(NULL_BLOCK_ID)
 
 
 @dataclass
@@ -33,9 +46,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # Per request: how many leading blocks are SKIPPED (sliding window only).
+        self.num_skipped_blocks: dict[str, int] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already dealt with for caching
@@ -58,6 +75,11 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds from the pool (its SKIPPED ones not counted)."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        return len(blocks) - self.num_skipped_blocks.get(request_id, 0)
 
     # ---- prefix cache --------------------------------------------------------------
 
@@ -121,6 +143,9 @@ class KVCacheManager:
             if block.block_hash is not None:  # a prefix hit: already in the map
                 parent = block.block_hash
                 continue
+            if block is SKIPPED:  # left the window uncached: hashed for the chain only
+                parent = self._block_hash(request, i, parent)
+                continue
             block_hash = self._block_hash(request, i, parent)
             cached = cache_block(block, block_hash)
             # If another request cached this content first, `block` stays a private,
@@ -149,6 +174,8 @@ class KVCacheManager:
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(rid)
         num_computed = request.num_computed_tokens
+        if self.sliding_window is not None and req_blocks is not None:
+            self._free_outside_window(request, req_blocks, num_computed)
         if (new_computed_blocks is None and req_blocks is not None
                 and num_computed + num_new_tokens <= len(req_blocks) * bs):
             # Hot path: a running request whose new tokens fit in its blocks (a decode
@@ -207,6 +234,27 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         return new_blocks
 
+    def _free_outside_window(self, request: Request, req_blocks: list[KVCacheBlock],
+                             num_computed: int) -> None:
+        """Return the blocks before the window of the request's next query (position
+        num_computed: it sees keys num_computed - window + 1 on) to the pool, newest
+        first as `free` does; cached first (those whose tokens are all known), so that
+        they stay findable while free."""
+        rid = request.request_id
+        first_needed = min((num_computed - self.sliding_window + 1) // self.block_size,
+                           len(req_blocks))
+        skipped = self.num_skipped_blocks.get(rid, 0)
+        if first_needed <= skipped:  # (every step but one in block_size)
+            return
+        if self.enable_caching:
+            known = min(num_computed, len(request.all_token_ids)) // self.block_size
+            if min(first_needed, known) > self.num_cached_blocks[rid]:
+                self._cache_full_blocks(request, req_blocks, min(first_needed, known))
+        leaving = req_blocks[skipped:first_needed]
+        req_blocks[skipped:first_needed] = [SKIPPED] * len(leaving)
+        self.num_skipped_blocks[rid] = first_needed
+        self.block_pool.free_blocks(reversed(leaving))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, caching its computed full blocks first.
 
@@ -223,7 +271,8 @@ class KVCacheManager:
             if num_full > self.num_cached_blocks[rid]:
                 self._cache_full_blocks(request, blocks, num_full)
         del self.num_cached_blocks[rid]
-        self.block_pool.free_blocks(reversed(blocks))
+        skipped = self.num_skipped_blocks.pop(rid, 0)
+        self.block_pool.free_blocks(reversed(blocks[skipped:]))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

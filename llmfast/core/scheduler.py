@@ -95,8 +95,11 @@ def _append_token(request: Request, token: int, max_model_len: int) -> RequestSt
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: the window every layer of the model attends within, if one
+        does (ModelConfig.kv_sliding_window): blocks that leave it are freed."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -104,7 +107,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_window
         )
         # A sequence can never be longer than the whole cache: treating that as the
         # length limit lets a request alone always make progress, so nothing starves.

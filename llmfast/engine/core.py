@@ -39,7 +39,8 @@ class EngineCore:
         self.config = config
         self.executor = started.executor
         self.eos_token_ids = started.tokens.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, config.cache, started.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, started.num_blocks,
+                                   config.model.kv_sliding_window)
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose outputs the next step() reads (async scheduling only);
         # the second item is the executor's handle.

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from llmfast.core.request import RequestRejected, check_blocks_fit, check_prompt_length
 from llmfast.engine.messages import EngineCoreRequest
 from llmfast.sampling_params import SamplingParams
+from llmfast.structured.grammars import check_structured
+from llmfast.structured_params import StructuredOutputsError
 from llmfast.tokenizer import Tokenizer
 from llmfast.utils.value_checks import int_list
 
@@ -61,12 +63,23 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """`params` as the core takes them (fitted to the model); RequestRejected for
-        token ids outside the vocabulary."""
+        token ids outside the vocabulary, or a structured-output constraint that does not
+        compile."""
         limits = self.limits
         params = params.fit_to_model(limits.vocab_size, limits.max_model_len)
         outside = params.token_ids_outside(limits.vocab_size)
         if outside is not None:
             raise RequestRejected(outside)
+        if params.structured is not None:
+            # The grammar is compiled against the vocabulary in the core: it needs one,
+            # and a constraint that does not compile is refused here.
+            if self.tokenizer is None:
+                raise RequestRejected(f"structured outputs need the model's tokenizer: "
+                                      f"{self.no_tokenizer_reason()}")
+            try:
+                check_structured(params.structured)
+            except StructuredOutputsError as e:
+                raise RequestRejected(str(e)) from None
         return params
 
     def check_prompt(self, ids: list[int]) -> None:

@@ -1,7 +1,10 @@
-"""The decoder of every family llmfast runs (Llama, Mistral, Qwen2/2.5, Qwen3), in plain
-torch: fused qkv and gate_up projections, GQA, RoPE, RMSNorm. The families differ only by
-`ModelConfig` options: q/k/v and o_proj biases, per-head q/k RMSNorm, tied embeddings,
-rope scaling (models/families.py says which family has which).
+"""The decoder of every family llmfast runs (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3), in
+plain torch: fused qkv and gate_up projections, GQA, RoPE, RMSNorm. The families differ
+only by `ModelConfig` options: q/k/v and o_proj biases, per-head q/k RMSNorm, tied
+embeddings, rope scaling, per-layer sliding windows, Gemma's layer shape
+(models/sandwich_layer.py) and GeGLU (models/families.py says which family has which). A
+mixture of experts (Qwen3-MoE, Mixtral) swaps the MLP of its sparse layers for
+models/sparse_moe.py's.
 
 Inputs are flat over the step's tokens (no batch dimension): requests are told apart
 only by the attention metadata. Attention goes through `torch.ops.llmfast.unified_attention`,
@@ -21,7 +24,7 @@ from torch import nn
 
 from llmfast.attention.metadata import AttentionMetadata
 from llmfast.attention.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
-from llmfast.config import ModelConfig
+from llmfast.config import ModelConfig, RopeScaling
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
@@ -32,17 +35,22 @@ from llmfast.models.parallel_layers import (
     vocab_parallel_embedding,
 )
 from llmfast.models.rope import RotaryEmbedding
+from llmfast.models.sandwich_layer import SandwichDecoderLayer
 from llmfast.models.sharding import rank_model_config, vocab_shard
+from llmfast.models.sparse_moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
     """weight * rms_norm(x), or with `residual`: (weight * rms_norm(x + residual),
-    x + residual). One Triton kernel on CUDA (kernels/layers/rms_norm.py), HF's numerics."""
+    x + residual). One Triton kernel on CUDA (kernels/layers/rms_norm.py), HF's numerics.
+    `offset` (Gemma): the weight is stored as an offset from 1, the norm scales by
+    (1 + weight), in float32, rounded once."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # Compiled graphs record the op (Inductor launches its kernel); eager calls skip
@@ -50,29 +58,36 @@ class RMSNorm(nn.Module):
         compiling = torch.compiler.is_compiling()
         if residual is None:
             norm = torch.ops.llmfast.rms_norm if compiling else rms_norm_impl
-            return norm(x, self.weight, self.eps)
+            return norm(x, self.weight, self.eps, self.offset)
         add_norm = torch.ops.llmfast.add_rms_norm if compiling else add_rms_norm_impl
-        return add_norm(x, residual, self.weight, self.eps)
+        return add_norm(x, residual, self.weight, self.eps, self.offset)
+
+
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm: weight * norm, or Gemma's (1 + weight) * norm."""
+    return RMSNorm(size, config.rms_norm_eps, config.norm_offset)
 
 
 class Attention(nn.Module):
-    """`config`: this rank's view (its heads; see models/sharding.py)."""
+    """`config`: this rank's view (its heads; see models/sharding.py). `window`: this
+    layer's sliding window (None: global attention)."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
-                 tp: TensorParallelGroup) -> None:
+                 tp: TensorParallelGroup, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, config.o_bias, tp)
         # Qwen3: each query and key head RMS-normalised over head_dim before RoPE.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.rotary = rotary
         # Set by `DecoderForCausalLM.bind_kv_caches`; views into the runner's cache tensor.
         # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -121,6 +136,7 @@ class Attention(nn.Module):
             self.scale,
             out,
             *rope_args,
+            window=self.window,
         )
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -132,20 +148,23 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size,
                                              False, tp)
+        self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
-                 tp: TensorParallelGroup) -> None:
+                 tp: TensorParallelGroup, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, tp)
+        self.self_attn = Attention(config, rotary, tp, config.layer_window(layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = (SparseMoeBlock(config, tp) if config.is_sparse_layer(layer)
+                    else MLP(config, tp))
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -175,15 +194,36 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Gemma 3: the sliding layers rotate with a base of their own, unscaled.
+        local_rotary = rotary if config.rope_local_theta is None else RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_local_theta, RopeScaling())
+
+        def layer(i: int) -> nn.Module:
+            window = config.layer_window(i)
+            layer_rotary = rotary if window is None else local_rotary
+            if not config.sandwich_norms:
+                return DecoderLayer(config, layer_rotary, tp, i)
+            return SandwichDecoderLayer(lambda: make_norm(config, config.hidden_size),
+                                        Attention(config, layer_rotary, tp, window),
+                                        MLP(config, tp))
+
+        self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
+        self.norm = make_norm(config, config.hidden_size)
+        # Gemma: embeddings times sqrt(hidden_size), that factor rounded to the
+        # embeddings' dtype (the model is built in its dtype: loading/loader.py) first,
+        # as HF does: in bf16 sqrt(3072) = 55.43 becomes 55.5. A Python number, so the
+        # multiply reads no tensor.
+        self.embed_scale = None
+        if config.embed_scale:
+            self.embed_scale = float(torch.tensor(config.hidden_size**0.5, device="cpu")
+                                     .to(torch.get_default_dtype()))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
@@ -228,6 +268,9 @@ class DecoderForCausalLM(nn.Module):
         logits = self.lm_head(hidden)  # [n, vocab rows of this rank]
         if self.tp.world_size > 1:
             logits = gather_logits(logits, self.config.vocab_size, self.tp)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     def attention_layers(self) -> list[Attention]:

@@ -8,7 +8,11 @@
   added once, by rank 0 (the other ranks have none);
 - vocab-parallel: embedding and lm_head rows [r * V_r, (r + 1) * V_r), V_r = ceil(V / W);
   the last rank's rows past V are zero padding;
-- replicated: norms (Qwen3's per-head q/k norms too: one weight shared by every head).
+- replicated: norms (Qwen3's per-head q/k norms too: one weight shared by every head),
+  and a mixture of experts' router;
+- experts (models/sparse_moe.py): every rank holds every expert, with the slice
+  [r * I_e/W, (r + 1) * I_e/W) of its intermediate columns (I_e: moe_intermediate_size),
+  split as the dense MLP's (gate/up rows, down columns; Mixtral's w1/w3 rows, w2 columns).
 
 KV heads: with K >= W KV heads, rank r holds [r * K/W, (r + 1) * K/W); with fewer
 (W a multiple of K), rank r holds the one KV head r * K // W, replicated on W/K ranks.
@@ -49,6 +53,7 @@ def rank_model_config(config: ModelConfig, world_size: int) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // world_size,
         num_key_value_heads=max(config.num_key_value_heads // world_size, 1),
         intermediate_size=config.intermediate_size // world_size,
+        moe_intermediate_size=config.moe_intermediate_size // world_size,
     )
 
 
@@ -76,6 +81,7 @@ _SPLITS = {
     "q_proj": (0, "q"), "k_proj": (0, "kv"), "v_proj": (0, "kv"),
     "gate_proj": (0, "mlp"), "up_proj": (0, "mlp"),
     "o_proj": (1, "q"), "down_proj": (1, "mlp"),
+    "w1": (0, "mlp"), "w3": (0, "mlp"), "w2": (1, "mlp"),  # Mixtral's experts
 }
 
 
@@ -100,13 +106,20 @@ def checkpoint_slice(name: str, config: ModelConfig,
         return ShardSlice(dim, tp.rank * size, size)
     if kind == "kv":
         return ShardSlice(dim, kv_head_start(config, tp) * config.head_dim, local.kv_size)
-    size = local.intermediate_size
+    is_expert = ".experts." in parts[0] + "."
+    size = local.moe_intermediate_size if is_expert else local.intermediate_size
     return ShardSlice(dim, tp.rank * size, size)
 
 
-def checkpoint_names(param_name: str) -> tuple[str, ...]:
+def checkpoint_names(param_name: str, config: ModelConfig) -> tuple[str, ...]:
     """The checkpoint tensors a parameter is made of, in its row order:
-    "...qkv_proj.weight" -> the q, k, v projections' weights; others: itself."""
+    "...qkv_proj.weight" -> the q, k, v projections' weights; "...experts.gate_up_weight"
+    -> expert 0's gate and up weights, expert 1's, ...; others: itself."""
+    prefix, _, rest = param_name.rpartition(".experts.")
+    if prefix and rest in ("gate_up_weight", "down_weight"):
+        projs = ("gate_proj", "up_proj") if rest == "gate_up_weight" else ("down_proj",)
+        return tuple(f"{prefix}.experts.{e}.{p}.weight"
+                     for e in range(config.num_experts) for p in projs)
     prefix, _, rest = param_name.rpartition(".qkv_proj.")
     if prefix:
         return tuple(f"{prefix}.{p}.{rest}" for p in ("q_proj", "k_proj", "v_proj"))

@@ -32,6 +32,7 @@ from llmfast.engine.messages import CoreMessage, EngineCoreOutputs, EngineCoreRe
 from llmfast.engine.output_processor import OutputProcessor
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
+from llmfast.serve.api.tool_parsers import parser_for
 from llmfast.serve.preparer_commands import AddCommand, QueryCommand
 from llmfast.serve.prompt_preparer import PromptPreparer, PromptRules, job_chars
 from llmfast.serve.frontend_types import (
@@ -70,14 +71,18 @@ class FrontendSpec:
     core_pid: int
 
 
-def api_limits(config, tokens: FrontendTokenizer) -> Limits:
+def api_limits(config, tokens: FrontendTokenizer, tool_call_parser: str | None = None
+               ) -> Limits:
     scheduler = config.scheduler
     tokenizer = tokens.tokenizer
     return Limits(max_n=scheduler.max_num_seqs, max_model_len=scheduler.max_model_len,
                   sampling_defaults=config.sampling_defaults,
                   vocab_size=config.model.vocab_size,
                   max_prompt_chars=None if tokenizer is None
-                  else tokenizer.prompt_chars_bound(scheduler.max_model_len))
+                  else tokenizer.prompt_chars_bound(scheduler.max_model_len),
+                  tool_call_parser=tool_call_parser or parser_for(
+                      config.model.architecture,
+                      None if tokenizer is None else tokenizer.template_text))
 
 
 @dataclass(slots=True)

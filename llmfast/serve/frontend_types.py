@@ -33,6 +33,8 @@ class Limits:
     # the tokenizer's longest token, `prompt_chars_bound`): refused before the engine
     # spends seconds tokenizing it. None: no tokenizer, no bound.
     max_prompt_chars: int | None = None
+    # How chat's tool_choice "auto" reads calls from the output (serve/api/tool_parsers.py).
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class ChatPrompt:
     messages: tuple[dict[str, str], ...]
     # More variables for the template (vLLM's chat_template_kwargs), as (name, value).
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    tools: tuple[dict, ...] | None = None  # OpenAI's tools, for the template
 
 
 PromptInput = str | list[int] | ChatPrompt

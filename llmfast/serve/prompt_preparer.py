@@ -253,9 +253,10 @@ class PromptRules:
             kwargs = dict(prompt.template_kwargs)
             if query.add_special_tokens is None:  # as the chat endpoint tokenizes
                 return tokenizer.apply_chat_template(messages, query.add_generation_prompt,
-                                                     template_kwargs=kwargs)
+                                                     template_kwargs=kwargs,
+                                                     tools=prompt.tools)
             text = tokenizer.render_chat(messages, query.add_generation_prompt,
-                                         template_kwargs=kwargs)
+                                         template_kwargs=kwargs, tools=prompt.tools)
             return tokenizer.encode(text, add_special_tokens=query.add_special_tokens)
         if query.add_special_tokens is None:  # as a completion's prompt is tokenized
             return self._tokenize(prompt)[1]
@@ -270,7 +271,8 @@ class PromptRules:
                 raise ValueError(f"model {self._model_name} has no tokenizer, so it has no "
                                  "chat template; use /v1/completions with token ids")
             return PreparedPrompt(None, tuple(self.tokenizer.apply_chat_template(
-                list(prompt.messages), template_kwargs=dict(prompt.template_kwargs))))
+                list(prompt.messages), template_kwargs=dict(prompt.template_kwargs),
+                tools=prompt.tools)))
         text, ids = self._tokenize(prompt)
         return PreparedPrompt(text, tuple(ids))
 

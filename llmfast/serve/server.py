@@ -33,13 +33,14 @@ def start_core(config, source):
     return CoreHandle(config, source, logging.getLogger().getEffectiveLevel())
 
 
-def frontend_spec(core, config, source, model_name: str):
+def frontend_spec(core, config, source, model_name: str, tool_call_parser: str | None = None):
     """What every frontend of this server starts from (its own tokenizer loaded here)."""
     from llmfast.engine.frontend_tokenizer import load_frontend_tokenizer
     from llmfast.serve.frontend import FrontendSpec, api_limits
 
     tokens = load_frontend_tokenizer(config, source)
-    return FrontendSpec(model_name, api_limits(config, tokens), core.ready.limits, tokens,
+    return FrontendSpec(model_name, api_limits(config, tokens, tool_call_parser),
+                        core.ready.limits, tokens,
                         core.ready.stats, core.input_address, core.output_address, core.pid)
 
 
@@ -52,7 +53,8 @@ def serve(core, config, source, sock: socket.socket, serve_config: ServeConfig, 
     from llmfast.serve.launcher import serve_in_process, serve_with_api_processes
 
     try:
-        spec = frontend_spec(core, config, source, serve_config.model_name)
+        spec = frontend_spec(core, config, source, serve_config.model_name,
+                             serve_config.tool_call_parser)
     except BaseException:
         core.stop()
         raise

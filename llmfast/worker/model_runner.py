@@ -43,6 +43,7 @@ from llmfast.profiling.nvtx_ranges import nvtx_range
 from llmfast.utils.progress import Progress
 from llmfast.worker.input_batch import CachedRequestState, InputBatch
 from llmfast.worker.placeholders import PlaceholderFill, record_placeholders, write_sampled_tokens
+from llmfast.worker.sampling.grammar_bitmask import GrammarBitmask, wants_grammar
 from llmfast.worker.sampling.prompt_logprobs import (
     PromptLogprobsPlan,
     PromptLogprobsStaging,
@@ -128,6 +129,11 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
                                       self.max_num_tokens, self.block_size, self.device)
         self.sampler = Sampler()
+        # Structured outputs' matchers and bitmask; the last launched step, whose sampled
+        # ids a matcher may need before it is collected (grammar_bitmask.py).
+        self._source = source
+        self.grammar: GrammarBitmask | None = None
+        self._last_step: PendingStep | None = None
         # The CUDA graphs (none under enforce_eager or on the CPU), and the compiled model
         # whose pieces they wrap: eager passthrough under enforce_eager, else the
         # piecewise compile. One stats object: what compiling and capturing did.
@@ -306,6 +312,7 @@ class ModelRunner:
                 self._inputs_copied.synchronize()
                 self._inputs_copy_queued = False
             update_states(self.requests, self.input_batch, out)
+            grammar = self._update_grammars(out)
             batch = self.input_batch
             n = batch.num_reqs
             if out.total_num_scheduled_tokens == 0 or n == 0:
@@ -318,6 +325,7 @@ class ModelRunner:
                                                self.placeholders.prev_sampled)
             # Before the copies' event: its staging buffers are inputs too.
             prompt_plan = plan_prompt_logprobs(batch, num_sched, self.prompt_logprobs_staging)
+            grammar_plan = grammar and grammar.plan(batch, n, sampling_rows)
             if self._inputs_copied is not None:
                 self._inputs_copied.record()
                 self._inputs_copy_queued = True
@@ -337,6 +345,12 @@ class ModelRunner:
                 hidden = self.forward_fn(
                     self.input_ids.gpu[:num_padded], self.positions.gpu[:num_padded], md)
             logits = None
+        if grammar_plan:  # on the host while the device runs the forward
+            with nvtx_range("grammar_bitmask", self.phase_timer):
+                last = self._last_step
+                metadata.grammar_bitmask = grammar.fill(
+                    grammar_plan, last.wait() if last is not None and max(
+                        grammar_plan.pending_src) >= 0 else None)
         with nvtx_range("sample", self.phase_timer):
             if logits is None:
                 logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
@@ -352,7 +366,20 @@ class ModelRunner:
                                                         dispatch.runner)
             step["prompt_spans"] = prompt_plan.spans
         step.update(self.output_copier.copy(sampled, sampler_out.logprobs, prompt_logprobs))
-        return PendingStep(sampled_device=sampled, **step)
+        pending = PendingStep(sampled_device=sampled, **step)
+        if grammar is not None:
+            self._last_step = pending
+        return pending
+
+    def _update_grammars(self, out: SchedulerOutput) -> GrammarBitmask | None:
+        """Structured outputs' state after `out`; None until a request has a constraint,
+        and on ranks that do not sample (grammar_bitmask.py)."""
+        if self.grammar is None and self.tp_group.is_first_rank and wants_grammar(out):
+            self.grammar = GrammarBitmask.for_model(self._source, self.eos_token_ids,
+                                                    self.max_num_reqs, self.device)
+        if self.grammar is not None:
+            self.grammar.update(out)
+        return self.grammar
 
     def _prompt_logprobs(self, plan: PromptLogprobsPlan, hidden: torch.Tensor | None,
                          logits: torch.Tensor, runner: RunnerKind) -> torch.Tensor:

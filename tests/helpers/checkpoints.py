@@ -28,6 +28,19 @@ FAMILIES = {
     "mistral": {"head_dim": 16, "sliding_window": 4096},
     "qwen2": {"head_dim": 16},
     "qwen3": {"head_dim": 16},
+    # Three layers, the middle one global; a 16-token window; a local RoPE base and an
+    # attention scale of their own, and soft-capped logits, so that a missed one shows.
+    "gemma3_text": {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 16,
+                    "layer_types": ["sliding_attention", "full_attention",
+                                    "sliding_attention"],
+                    "rope_theta": 10000.0, "rope_local_base_freq": 100.0,
+                    "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0},
+    # Mixtures of experts: 4 experts, 2 per token; Qwen3-MoE's layer 1 keeps a dense MLP.
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                  "num_hidden_layers": 3},
+    "mixtral": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 48},
 }
 
 

@@ -43,15 +43,31 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+# Gemma 3's: the norm before the MLP is `ffn_norm`, two more after attention and the MLP.
+GEMMA3_NAMES = {
+    **GGUF_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# Mixtures of experts: 4 experts of 32 columns, 2 per token.
+EXPERTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+}
+# HF's in-memory expert tensors (transformers 5 stacks them) -> GGUF's stacks.
+GGUF_EXPERT_NAMES = {"mlp.gate": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps"}
+
+
 def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama",
-               **sizes):
-    """A tiny random HF model of `family` (an HF model_type; Llama unless told);
-    `sizes` override TINY's."""
+               **overrides):
+    """A tiny random HF model of `family` (an HF model_type; Llama unless told)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **{**TINY, **sizes}, vocab_size=vocab_size,
-                                  tie_word_embeddings=tie)
+    config = AutoConfig.for_model(family, **{**TINY, **EXPERTS.get(family, {}), **overrides},
+                                  vocab_size=vocab_size, tie_word_embeddings=tie)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -60,7 +76,7 @@ def tiny_llama(vocab_size: int, tie: bool, seed: int = 0, family: str = "llama",
     return model
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, names: dict[str, str] = GGUF_NAMES) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -68,13 +84,28 @@ def gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
+    stacked = GGUF_EXPERT_NAMES.get(rest.removesuffix(".weight"))
+    if stacked is not None:
+        return f"blk.{layer}.{stacked}.weight"
     module, kind = rest.rsplit(".", 1)  # kind: weight or bias
-    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+def _expert_tensors(name: str, data: np.ndarray, names: dict[str, str] = GGUF_NAMES
+                    ) -> list[tuple[str, np.ndarray]]:
+    """HF's stacked gate/up [E, 2I, H] -> GGUF's ffn_gate_exps and ffn_up_exps [E, I, H];
+    other tensors as they are."""
+    if not name.endswith("mlp.experts.gate_up_proj"):
+        return [(gguf_name(name, names), data)]
+    layer = name.split(".")[2]
+    inter = data.shape[1] // 2
+    return [(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :inter])),
+            (f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, inter:]))]
 
 
 def quantized_blocks(data: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
-    """data [rows, cols] as `qtype`'s blocks [rows, bytes]: gguf.quants' quantizer where
-    it has one; the K-quants, which it only dequantizes, get random blocks (every byte
+    """data [..., cols] as `qtype`'s blocks [..., bytes]: gguf.quants' quantizer where it
+    has one; the K-quants, which it only dequantizes, get random blocks (every byte
     random but the f16 scale fields: small finite values), so the weights are not
     `data` but valid blocks of that type."""
     import gguf
@@ -84,22 +115,21 @@ def quantized_blocks(data: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
     except NotImplementedError:
         pass
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = data.shape
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (data.size // block_elems, block_bytes), dtype=np.uint8)
     halves = np.float16(rng.uniform(1e-4, 2e-4, (blocks.shape[0], 2))).view(np.uint8)
     if qtype == gguf.GGMLQuantizationType.Q6_K:  # d last
         blocks[:, -2:] = halves[:, :2]
     else:  # d, dmin first
         blocks[:, :4] = halves
-    return blocks.reshape(rows, -1)
+    return blocks.reshape(*data.shape[:-1], -1)
 
 
 def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llama",
                      quant_embedding: bool = False) -> Path:
-    """A GGUF as llama.cpp writes it: for arch llama permuted Q/K, optional `quant` for
-    matrices (the embedding then gets F16, to cover a third tensor type, unless
-    `quant_embedding`: `quant` too)."""
+    """A GGUF as llama.cpp writes it: for arch llama permuted Q/K, for gemma3 its norms
+    as 1 + weight and its window; optional `quant` for matrices (the embedding then gets
+    F16, to cover a third tensor type, unless `quant_embedding`: `quant` too)."""
     import gguf
 
     cfg = model.config
@@ -115,6 +145,18 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    names = GGUF_NAMES
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        names = GEMMA3_NAMES
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
@@ -134,13 +176,16 @@ def write_llama_gguf(path: Path, model, tokenizer, quant=None, arch: str = "llam
             data = llamacpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_key_value_heads)
-        if quant is not None and data.ndim == 2:
-            if "embed" in name and not quant_embedding:
-                w.add_tensor(gguf_name(name), data.astype(np.float16))
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
+        for tensor_name, data in _expert_tensors(name, data, names):
+            if quant is not None and data.ndim >= 2:
+                if "embed" in name and not quant_embedding:
+                    w.add_tensor(tensor_name, data.astype(np.float16))
+                else:
+                    w.add_tensor(tensor_name, quantized_blocks(data, quant), raw_dtype=quant)
             else:
-                w.add_tensor(gguf_name(name), quantized_blocks(data, quant), raw_dtype=quant)
-        else:
-            w.add_tensor(gguf_name(name), data)
+                w.add_tensor(tensor_name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -132,3 +132,22 @@ def compiled_logits(group: TensorParallelGroup, spec: str, prompts: list[list[in
 def run_cases(group: TensorParallelGroup, cases: list[tuple[str, tuple]]) -> list:
     """Several of the functions above in one process (a rank's start-up is the cost)."""
     return [globals()[name](group, *args) for name, args in cases]
+
+
+def assert_ranks_match_tp1(cases: list, rank_results: list) -> list:
+    """Each case's results on every rank against TP=1's in this process: logits to
+    float32 rounding on every rank, greedy tokens equal on rank 0 (None elsewhere).
+    Returns TP=1's results."""
+    wants = []
+    for i, (name, args) in enumerate(cases):
+        want = run_cases(TensorParallelGroup.single(), [(name, args)])[0]
+        wants.append(want)
+        got = [r[i] for r in rank_results]
+        if name == "model_logits":
+            for rank_logits in got:
+                np.testing.assert_allclose(rank_logits, want, rtol=0, atol=2e-5,
+                                           err_msg=str(args[0]))
+        else:
+            assert got[0] == want, args[0]
+            assert all(g is None for g in got[1:])
+    return wants

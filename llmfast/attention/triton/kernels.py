@@ -21,6 +21,12 @@ Design
 - The loop walks the context in BLOCK_N-key tiles, gathering physical blocks through the
   block table per key (BLOCK_N need not equal block_size), with an online softmax in
   fp32 (exp2, scale folded in) and a causal mask against each row's position.
+- Sliding window (SLIDING, a layer's window a runtime argument): a row at position p
+  sees keys (p - window, p]. The key tiles before the tile's first row's window are not
+  visited (`_first_kv_tile` moves the loop's start, and the KV splits divide the tiles
+  from there, so decode work is bounded by the window, not the context); the tiles
+  that some row's window has left run masked before the unmasked bulk. SLIDING off
+  compiles the code as it was.
 - KV cache dtype: the cache is in q's dtype, or in float8_e4m3fn (--kv-cache-dtype fp8,
   scale 1.0) whose loads are converted to q's dtype before the dots (CONVERT_KV).
 - This step's own tokens: the op writes their K/V into the cache (kv_write.py, or
@@ -69,15 +75,16 @@ from llmfast.attention.triton.kv_write import store_at_slot
 def _attend_kv_tiles(
     acc, l_i, m_i, q, q_pos, tile_from, tile_to, kv_end,
     k_base, v_base, table, offs_d, q_ptr,
-    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CONVERT_KV: tl.constexpr,
+    CONVERT_KV: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Online-softmax update over key tiles [tile_from, tile_to) of one request.
 
     MASKED=False is for tiles every row of the tile may see whole (the bulk of a long
-    context): no causal or bounds masks in the loop. MASKED=True handles the tail.
+    context): no causal or bounds masks in the loop. MASKED=True handles the tail, and
+    with SLIDING the head: a row at position p sees keys (p - window, p] only.
     CONVERT_KV: the cache's dtype is not q's (an fp8 cache): loaded K/V are converted to
     q's dtype (the compute dtype; scale 1.0) before the dots, and P is rounded to q's
     dtype rather than the cache's. False (a cache in q's dtype) leaves the code as it
@@ -114,6 +121,8 @@ def _attend_kv_tiles(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            if SLIDING:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -138,12 +147,12 @@ def _attend_kv_tiles(
 # which is 1 for the start-up memory profile's one-block table and the table's width
 # after it (one variant, compiled by that profile, serves both).
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits", "dec_splits",
-                               "stride_bt"])
+                               "window", "stride_bt"])
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    num_reqs, num_tokens, scale_log2, num_splits, dec_splits,
+    num_reqs, num_tokens, scale_log2, num_splits, dec_splits, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -156,6 +165,7 @@ def _unified_attention_kernel(
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     DECODE_REGION: tl.constexpr, DEC_BLOCK_Q: tl.constexpr, DEC_BLOCK_N: tl.constexpr,
     DEC_SPLIT_BOUND: tl.constexpr, ONE_KV_LOOP: tl.constexpr, DEC_ONE_KV_LOOP: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Query tiles of BLOCK_Q tokens (the main region); with DECODE_REGION, the programs
@@ -182,11 +192,11 @@ def _unified_attention_kernel(
                 num_reqs * DEC_BLOCK_Q, scale_log2,
                 stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-                stride_bt, 0,
+                stride_bt, 0, window,
                 NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
                 DEC_BLOCK_Q, DEC_BLOCK_N, DEC_SPLIT_BOUND, DEC_SPLIT_BOUND > 1, UPCAST,
                 DOT_PRECISION,
-                CONVERT_KV, MIN_SPLIT_TILES, DEC_ONE_KV_LOOP, False,
+                CONVERT_KV, MIN_SPLIT_TILES, DEC_ONE_KV_LOOP, False, SLIDING,
             )
             return
     # Highest tiles first: in a prefill they see the longest context, and starting the
@@ -236,20 +246,20 @@ def _unified_attention_kernel(
         split, num_splits, tile, q_start + q_lo, num_tokens, scale_log2,
         stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-        stride_bt, 0,
+        stride_bt, 0, window,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
         BLOCK_Q, BLOCK_N, SPLIT_BOUND, FUSED_MERGE, UPCAST, DOT_PRECISION,
-        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, False,
+        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, False, SLIDING,
     )
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_splits", "window", "stride_bt"])
 def _decode_rope_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     k_ptr, v_ptr, slot_mapping_ptr, positions_ptr, cos_sin_ptr,
-    num_reqs, num_tokens, scale_log2, num_splits,
+    num_reqs, num_tokens, scale_log2, num_splits, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -260,7 +270,7 @@ def _decode_rope_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BOUND: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
-    CLAMP: tl.constexpr,
+    CLAMP: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Uniform decode (one new token per request) with RoPE and the KV write fused in:
     what rope_cache.py's kernel and this module's kernel do in two launches, in one.
@@ -282,8 +292,9 @@ def _decode_rope_attention_kernel(
     pos = tl.load(positions_ptr + token, mask=num_q > 0, other=0)
     slot = tl.load(slot_mapping_ptr + token, mask=num_q > 0, other=-1)
     num_kv_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tile_lo, tile_hi, num_used = _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND,
-                                              FUSED_MERGE, MIN_SPLIT_TILES)
+    tile_lo, tile_hi, num_used = _split_range(
+        num_kv_tiles, _first_kv_tile(seq_len - num_q, 0, window, BLOCK_N, SLIDING), split,
+        num_splits, SPLIT_BOUND, FUSED_MERGE, MIN_SPLIT_TILES)
     # No branch around the write: its loads and the queries' (which need only the token)
     # are all issued before any of them is used, one memory round trip for both instead
     # of the queries' waiting behind the write and its barrier (or, the queries first,
@@ -320,10 +331,10 @@ def _decode_rope_attention_kernel(
         split, num_splits, req, q_start, num_tokens, scale_log2,
         stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-        stride_bt, q,
+        stride_bt, q, window,
         NUM_HEADS, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
         BLOCK_Q, BLOCK_N, SPLIT_BOUND, FUSED_MERGE, UPCAST, DOT_PRECISION,
-        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, True,
+        CONVERT_KV, MIN_SPLIT_TILES, ONE_KV_LOOP, True, SLIDING,
     )
 
 
@@ -346,23 +357,37 @@ def _query_rows(q_ptr, q_start, num_q, q_lo, kv_head, live, stride_qt, stride_qh
 
 
 @triton.jit
-def _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND: tl.constexpr,
+def _first_kv_tile(ctx_len, q_lo, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """The first key tile a query tile whose first row sits at position ctx_len + q_lo
+    can see: 0, or with SLIDING the tile of key ctx_len + q_lo - window + 1, so that the
+    tiles wholly before every row's window are never visited (decode cost stops growing
+    with the context)."""
+    first = ctx_len * 0
+    if SLIDING:
+        first = tl.maximum(ctx_len + q_lo - window + 1, 0) // BLOCK_N
+    return first
+
+
+@triton.jit
+def _split_range(num_kv_tiles, first_tile, split, num_splits, SPLIT_BOUND: tl.constexpr,
                  FUSED_MERGE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
     """(tile_lo, tile_hi, num_used): the key tiles [tile_lo, tile_hi) of split `split`
-    of a request's `num_kv_tiles`, and how many splits hold any. With the fused merge
-    the splits are sized for the live context (module doc) and splits >= num_used hold
-    none; the second merge kernel reads every split, so then all are used, some empty."""
-    tile_lo = num_kv_tiles * 0
+    of a request's tiles [first_tile, num_kv_tiles), and how many splits hold any. With
+    the fused merge the splits are sized for the live context (module doc) and splits >=
+    num_used hold none; the second merge kernel reads every split, so then all are
+    used, some empty."""
+    tile_lo = first_tile
     tile_hi = num_kv_tiles
     num_used = num_kv_tiles * 0 + 1
     if SPLIT_BOUND > 1:
-        per_split = (num_kv_tiles + num_splits - 1) // num_splits
+        live_tiles = num_kv_tiles - first_tile
+        per_split = (live_tiles + num_splits - 1) // num_splits
         if FUSED_MERGE:
             per_split = tl.maximum(per_split, MIN_SPLIT_TILES)
-            num_used = (num_kv_tiles + per_split - 1) // per_split
+            num_used = (live_tiles + per_split - 1) // per_split
         else:
             num_used = num_kv_tiles * 0 + num_splits
-        tile_lo = split * per_split
+        tile_lo = first_tile + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
     return tile_lo, tile_hi, num_used
 
@@ -406,13 +431,13 @@ def _attend_query_tile(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
-    stride_bt, q_given,
+    stride_bt, q_given, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BOUND: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CONVERT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, ONE_KV_LOOP: tl.constexpr,
-    Q_GIVEN: tl.constexpr,
+    Q_GIVEN: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """One program's share of attention: query tokens [q_lo, q_lo + BLOCK_Q) of request
     `req` (starting at token q_start, num_q of them, seq_len keys with them) for the
@@ -435,8 +460,9 @@ def _attend_query_tile(
     # Keys the tile's last query can see; earlier rows are cut by the causal mask.
     kv_end = ctx_len + tl.minimum(q_lo + BLOCK_Q, num_q)
     num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    tile_lo, tile_hi, num_used = _split_range(num_kv_tiles, split, num_splits, SPLIT_BOUND,
-                                              FUSED_MERGE, MIN_SPLIT_TILES)
+    tile_lo, tile_hi, num_used = _split_range(
+        num_kv_tiles, _first_kv_tile(ctx_len, q_lo, window, BLOCK_N, SLIDING), split,
+        num_splits, SPLIT_BOUND, FUSED_MERGE, MIN_SPLIT_TILES)
     if split >= num_used:  # a split the live context leaves empty (fused merge)
         return
 
@@ -472,20 +498,38 @@ def _attend_query_tile(
     # tile masked, in one loop, so the tail tile's loads are pipelined with the bulk's
     # instead of waiting for that loop to drain (a decode's last split: 1 of ~2-3
     # tiles at short contexts).
+    # SLIDING: the tiles before every row's window were skipped (`_first_kv_tile`);
+    # those holding a key that some row's window has left (tiles below `tile_bulk`)
+    # run masked before the bulk.
     if ONE_KV_LOOP:
         tile_mid = tile_lo
     else:
+        tile_bulk = tile_lo
+        if SLIDING:
+            # The first tile whose keys are all >= kv_end - window (the last row's
+            # window start); tiles before it are masked.
+            tile_bulk = tl.maximum(
+                tl.minimum((tl.maximum(kv_end - window, 0) + BLOCK_N - 1) // BLOCK_N,
+                           tile_hi), tile_lo)
+            acc, l_i, m_i = _attend_kv_tiles(
+                acc, l_i, m_i, q, q_pos, tile_lo, tile_bulk, kv_end, k_base, v_base, table,
+                offs_d, q_ptr, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, scale_log2, window, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True,
+                UPCAST, DOT_PRECISION, CONVERT_KV, SLIDING,
+            )
         num_full = (ctx_len + q_lo + 1) // BLOCK_N
-        tile_mid = tl.maximum(tl.minimum(num_full, tile_hi), tile_lo)
+        tile_mid = tl.maximum(tl.minimum(num_full, tile_hi), tile_bulk)
         acc, l_i, m_i = _attend_kv_tiles(
-            acc, l_i, m_i, q, q_pos, tile_lo, tile_mid, kv_end, k_base, v_base, table, offs_d,
+            acc, l_i, m_i, q, q_pos, tile_bulk, tile_mid, kv_end, k_base, v_base, table, offs_d,
             q_ptr, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
-            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION, CONVERT_KV,
+            window, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, False, UPCAST, DOT_PRECISION,
+            CONVERT_KV, SLIDING,
         )
     acc, l_i, m_i = _attend_kv_tiles(
         acc, l_i, m_i, q, q_pos, tile_mid, tile_hi, kv_end, k_base, v_base, table, offs_d, q_ptr,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale_log2, window,
         HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, True, UPCAST, DOT_PRECISION, CONVERT_KV,
+        SLIDING,
     )
 
     if num_used == 1:  # (SPLIT_BOUND == 1, or a live context one split covers)

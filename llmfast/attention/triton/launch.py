@@ -187,8 +187,11 @@ def unified_attention(
     config: AttentionConfig | None = None,
     new_tokens: NewTokens | None = None,
     uniform_decode: bool = False,
+    window: int | None = None,
 ) -> None:
-    """Causal paged attention for every query row up to query_start_loc[-1] into `out`.
+    """Causal paged attention for every query row up to query_start_loc[-1] into `out`;
+    with a `window`, a query at position p sees the keys (p - window, p] only, and the
+    key tiles before every row's window are not read.
 
     `new_tokens` = (k, v, slot_mapping, positions, cos_sin): q and k are not rotated
     yet, and the new keys and values not cached: `rope_and_cache` first, into `out`,
@@ -234,12 +237,13 @@ def unified_attention(
            block_table.shape, block_table.stride(), block_table.dtype,
            query_start_loc.dtype, seq_lens.dtype, num_splits, block_q, fused_merge,
            prefill_tiles, config, _num_sms, decode,
-           None if rope is None else tuple((t.shape, t.stride(), t.dtype) for t in rope))
+           None if rope is None else tuple((t.shape, t.stride(), t.dtype) for t in rope),
+           window is None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(q, k_cache, v_cache, block_table, out, num_reqs,
                                      num_splits, block_q, fused_merge, prefill_tiles, config,
-                                     rope, uniform_decode))
+                                     rope, uniform_decode, window is not None))
     # (The module's launch caches read at each call: tests replace them.)
     launches = _DECODE_ROPE_LAUNCHES if plan.rope else _ATTENTION_LAUNCHES
     if not plan.is_cuda:
@@ -259,7 +263,8 @@ def unified_attention(
         part_acc = part_max = part_sum = arrivals = out  # unused; any pointer of the device
     tensors = (q, k_cache, v_cache, out, part_acc, part_max, part_sum, arrivals,
                block_table, query_start_loc, seq_lens, *(rope or ()))
-    scalars = (num_reqs, num_tokens, scale * _LOG2E, *plan.split_counts)
+    # (A window of 0 with SLIDING off: the kernel never reads it.)
+    scalars = (num_reqs, num_tokens, scale * _LOG2E, *plan.split_counts, window or 0)
     if type(scalars[2]) is float:  # the plan's specialization holds (a float scale)
         launches.launch_planned(plan, plan.grid, tensors, scalars, plan.const_key,
                                 plan.constexprs, plan.strides)
@@ -290,7 +295,7 @@ _PLANS = PlanCache()
 
 def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, fused_merge,
           prefill_tiles, config=None, rope: NewTokens | None = None,
-          uniform_decode: bool = False) -> LaunchPlan:
+          uniform_decode: bool = False, sliding: bool = False) -> LaunchPlan:
     """The launch's plan (launch_plan.py), from this device's SM count and split tables
     (read here: tests replace `_num_sms` and `_device_split_tables`)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -304,4 +309,4 @@ def _plan(q, k_cache, v_cache, block_table, out, num_reqs, num_splits, block_q, 
     upcast = not isinstance(_unified_attention_kernel, triton.runtime.JITFunction)
     return plan_launch(q, k_cache, v_cache, block_table, out, num_reqs, cfg, num_splits,
                        block_q, fused_merge, _num_sms(q.device), _device_split_tables(q.device),
-                       upcast, rope, uniform_decode)
+                       upcast, rope, uniform_decode, sliding)

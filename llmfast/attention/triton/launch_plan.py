@@ -139,9 +139,11 @@ def fuse_rope(plan_args: dict, rope: NewTokens, q: torch.Tensor, k_cache: torch.
 def plan_launch(q, k_cache, v_cache, block_table, out, num_reqs: int, cfg: AttentionConfig,
                 num_splits: int | None, block_q: int | None, fused_merge: bool,
                 num_sms: int, split_tables: tuple[SplitTable, ...], upcast: bool,
-                rope: NewTokens | None = None, uniform_decode: bool = False) -> LaunchPlan:
+                rope: NewTokens | None = None, uniform_decode: bool = False,
+                sliding: bool = False) -> LaunchPlan:
     """The plan of one launch of the unified kernel (or, with `rope`, the fused decode +
-    RoPE kernel) with configuration `cfg`. `upcast`: the interpreter's tl.dot reads bf16
+    RoPE kernel) with configuration `cfg`; `sliding`: a windowed layer's (the window is
+    a runtime argument, the mask and tile skip a variant of their own). `upcast`: the interpreter's tl.dot reads bf16
     as raw uint16 bits, so it computes in fp32 there."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -182,7 +184,7 @@ def plan_launch(q, k_cache, v_cache, block_table, out, num_reqs: int, cfg: Atten
             DEC_BLOCK_N=region.block_n if region else 16, DEC_SPLIT_BOUND=region_bound,
             ONE_KV_LOOP=cfg.one_kv_loop,
             DEC_ONE_KV_LOOP=region.one_kv_loop if region else False,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            SLIDING=sliding, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     if rope is not None:
         fuse_rope(args, rope, q, k_cache, v_cache, num_reqs, num_kv_heads, splits)
@@ -206,7 +208,7 @@ def plan_launch(q, k_cache, v_cache, block_table, out, num_reqs: int, cfg: Atten
         strides=strides,
         const_key=(cfg, num_heads, group, head_dim, block_size, bq, splits, fused, region,
                    main_bound, fused_code, region_bound, upcast, dot_precision, convert_kv,
-                   rope is not None, constexprs.get("CLAMP"),
+                   rope is not None, constexprs.get("CLAMP"), sliding,
                    specialization_key((), strides)),
         constexprs=constexprs,
         merge_constexprs=dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,

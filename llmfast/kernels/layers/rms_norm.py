@@ -8,7 +8,8 @@ residual add went into the GEMM before it as an addmm, whose cuBLAS call copies 
 residual first (`memcpy32_post`): four launches a norm where one does.
 
 Numerics are HF's (and the torch reference's): the residual sum rounded to the model
-dtype, normalised in float32, rounded, then scaled by the weight in the model dtype.
+dtype, normalised in float32, rounded, then scaled by the weight in the model dtype;
+with `offset` (Gemma) scaled by 1 + weight in float32 and rounded once.
 On CPU (and for shapes the kernel does not take) the same maths in torch ops.
 """
 
@@ -22,8 +23,14 @@ from llmfast.kernels.layers.kernel_choice import launchable, takes_layer_kernels
 _MAX_COLS = 16384  # one row per program, held whole in registers
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in float32, scale in the input dtype (as HF does)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       offset: bool = False) -> torch.Tensor:
+    """Normalise in float32, scale in the input dtype (as HF does); `offset`: by
+    1 + weight in float32, rounded once (HF's Gemma)."""
+    if offset:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (1.0 + weight.float())).to(x.dtype)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 
@@ -37,7 +44,7 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
+def _launch(x, residual, weight, out, residual_out, eps: float, offset: bool) -> None:
     rows, cols = x.shape
     if type(rows) is int and rows == 0:  # eager only (traced: a SymInt, never 0)
         return
@@ -47,29 +54,31 @@ def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
         x, residual, weight, out, residual_out,  # (None: the residual pointers unused)
         x.stride(0), residual.stride(0) if add else 0, out.stride(0),
         residual_out.stride(0) if add else 0, cols, eps,
-        ADD_RESIDUAL=add, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+        ADD_RESIDUAL=add, BLOCK=block, OFFSET=offset, num_warps=max(1, min(16, block // 512)),
     )
 
 
-def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[rows, cols] -> weight * rms_norm(x). Eager callers may call this directly (the
-    op's dispatcher costs more than a small norm on CPU); compiled code uses the op."""
+def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  offset: bool = False) -> torch.Tensor:
+    """[rows, cols] -> weight * rms_norm(x) (`offset`: (1 + weight) * ...). Eager callers
+    may call this directly (the op's dispatcher costs more than a small norm on CPU);
+    compiled code uses the op."""
     if not _kernel_takes(x, weight):
-        return rms_norm_reference(x, weight, eps)
+        return rms_norm_reference(x, weight, eps, offset)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, None, weight, out, None, eps)
+    _launch(x, None, weight, out, None, eps, offset)
     return out
 
 
 def add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rms_norm(x + residual), x + residual), the sum in x's dtype."""
     if not (_kernel_takes(x, weight) and residual.dim() == 2
             and residual.shape[-1] == x.shape[-1] and residual.dtype == x.dtype
             and residual.stride(-1) == 1):
         summed = x + residual
-        return rms_norm_reference(summed, weight, eps), summed
+        return rms_norm_reference(summed, weight, eps, offset), summed
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, residual, weight, out, residual_out, eps)
+    _launch(x, residual, weight, out, residual_out, eps, offset)
     return out, residual_out

@@ -12,7 +12,7 @@ import triton.language as tl
 def rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -24,9 +24,13 @@ def rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     mean_square = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf * tl.math.rsqrt(mean_square + eps)).to(out_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if OFFSET:  # Gemma: (1 + w) * x_normed in float32, rounded once
+        out = (xf * tl.math.rsqrt(mean_square + eps) * (1.0 + w.to(tl.float32))).to(
+            out_ptr.dtype.element_ty)
+    else:
+        normed = (xf * tl.math.rsqrt(mean_square + eps)).to(out_ptr.dtype.element_ty)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 

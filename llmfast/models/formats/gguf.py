@@ -1,9 +1,11 @@
 """GGUF (llama.cpp) files → an HF-style directory, so that one loader serves both.
 
-Architectures: `llama` (Llama, and Mistral, which llama.cpp writes as llama), `qwen2`
-(Qwen2 / Qwen2.5: q/k/v biases) and `qwen3` (per-head q/k norms). Only llama's converter
-permutes the Q and K rows (its rope rotates adjacent pairs); the Qwen ones use the
-NeoX layout, which is HF's, as is.
+Architectures: `llama` (Llama, and Mistral and Mixtral, which llama.cpp writes as llama),
+`qwen2` (Qwen2 / Qwen2.5: q/k/v biases), `qwen3` (per-head q/k norms), `qwen3moe`
+(experts: models/formats/gguf_experts.py) and `gemma3` (Gemma 3 text: norms on both
+sides of attention and the MLP, which llama.cpp stores as 1 + weight: one is taken off
+again). Only llama's converter permutes the Q and K rows (its rope rotates adjacent
+pairs); the others use the NeoX layout, which is HF's, as is.
 
 The directory holds `config.json`, `generation_config.json`, `model.safetensors` (HF tensor
 names, float32), the tokenizer files with the chat template, and `llmfast-gguf.json`, which
@@ -36,6 +38,11 @@ import torch
 
 from llmfast.config import ModelConfig
 from llmfast.models.families import hf_dict_from_model_config
+from llmfast.models.formats.gguf_experts import (
+    expected_expert_shapes,
+    split_stack,
+    stacked_name,
+)
 from llmfast.models.formats.gguf_metadata import (
     GGUFError,
     model_config_from_gguf,
@@ -64,6 +71,13 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma 3: `ffn_norm` is the norm before the MLP, two more after attention and the MLP.
+_SANDWICH_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -165,10 +179,11 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def hf_row_order(weight: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
     """A GGUF tensor's rows (values or raw quantized blocks alike) in HF's order: only
-    llama's converter permutes Q and K (weights and biases)."""
-    if config.architecture == "LlamaForCausalLM" and ".attn_q." in gguf_name:
+    llama's converter permutes Q and K (weights and biases alike)."""
+    permuted = config.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
+    if permuted and ".attn_q." in gguf_name:
         return unpermute_qk(weight, config.num_attention_heads)
-    if config.architecture == "LlamaForCausalLM" and ".attn_k." in gguf_name:
+    if permuted and ".attn_k." in gguf_name:
         return unpermute_qk(weight, config.num_key_value_heads)
     return weight
 
@@ -177,12 +192,16 @@ def plan_tensors(tensors: Any, config: ModelConfig, name: str) -> list[GGUFTenso
     """Map every GGUF tensor (`reader.tensors`, or models/formats/gguf_tensors.py's) to its
     HF name; refuse unknown or missing ones."""
     planned: list[GGUFTensor] = []
+    layer_tensors = _SANDWICH_TENSORS if config.sandwich_norms else _LAYER_TENSORS
     for t in tensors:
         if _IGNORED.match(t.name):
             continue
         match = _LAYER_NAME.match(t.name)
-        if match and match[2] in _LAYER_TENSORS and int(match[1]) < config.num_hidden_layers:
-            hf = f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+        stacked = stacked_name(t.name, config) if config.num_experts else None
+        if stacked is not None:
+            hf = stacked
+        elif match and match[2] in layer_tensors and int(match[1]) < config.num_hidden_layers:
+            hf = f"model.layers.{match[1]}.{layer_tensors[match[2]]}.{match[3]}"
         elif t.name.endswith(".weight") and t.name[:-7] in _GLOBAL_TENSORS:
             hf = f"{_GLOBAL_TENSORS[t.name[:-7]]}.weight"
         else:
@@ -221,12 +240,14 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj.weight": (c.kv_size, h),
         "self_attn.v_proj.weight": (c.kv_size, h),
         "self_attn.o_proj.weight": (h, c.q_size),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
+    if c.sandwich_norms:
+        per_layer["pre_feedforward_layernorm.weight"] = (h,)
+        per_layer["post_feedforward_layernorm.weight"] = (h,)
+    dense_mlp = {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+                 "mlp.down_proj.weight": (h, i)}
     if c.qkv_bias:
         per_layer.update({
             "self_attn.q_proj.bias": (c.q_size,),
@@ -239,8 +260,11 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         per_layer["self_attn.q_norm.weight"] = (c.head_dim,)
         per_layer["self_attn.k_norm.weight"] = (c.head_dim,)
     for layer in range(c.num_hidden_layers):
-        for short, shape in per_layer.items():
+        sparse = c.is_sparse_layer(layer)
+        for short, shape in {**per_layer, **({} if sparse else dense_mlp)}.items():
             shapes[f"model.layers.{layer}.{short}"] = shape
+        if sparse:
+            shapes.update(expected_expert_shapes(c, layer))
     return shapes
 
 
@@ -263,7 +287,10 @@ def _dequantize_all(
             raise GGUFError(f"{name}: tensor {t.gguf_name} is unreadable: {one_line(e)}") from None
         # A copy: the reader's arrays are read-only views of the memory-mapped file.
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-        state_dict[t.hf_name] = hf_row_order(weight, t.gguf_name, config)
+        weight = hf_row_order(weight, t.gguf_name, config)
+        if config.norm_offset and t.hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp stores Gemma's norm as 1 + weight
+        state_dict.update(split_stack(t.hf_name, weight))
         report("dequantising tensors", (n + 1) / len(tensors))
     return state_dict
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from llmfast.config import ConfigError, ModelConfig, RopeScaling
 from llmfast.models.families import family_config
+from llmfast.models.formats.gguf_experts import expert_fields
 from llmfast.utils.errors import one_line
 
 # general.architecture -> the HF architecture its conversion becomes.
@@ -19,6 +20,8 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -56,8 +59,19 @@ def model_config_from_gguf(reader: Any, name: str) -> ModelConfig:
             f"{name} holds a {arch or 'unlabelled'!r} model (general.architecture); "
             f"llmfast converts {', '.join(repr(a) for a in GGUF_ARCHITECTURES)} GGUF files"
         )
-    if (read_field(reader, f"{arch}.expert_count") or 0) > 0:
-        raise GGUFError(f"{name} is a mixture-of-experts {arch} (Mixtral-style); not supported")
+    architecture, experts = GGUF_ARCHITECTURES[arch], {}
+    num_experts = int(read_field(reader, f"{arch}.expert_count") or 0)
+    if num_experts > 0:  # llama.cpp writes Mixtral as a llama with experts
+        architecture = "MixtralForCausalLM" if arch == "llama" else architecture
+        if architecture not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+            raise GGUFError(f"{name} is a mixture-of-experts {arch}; not supported")
+        try:
+            experts = expert_fields(lambda key: read_field(reader, key), arch, num_experts,
+                                    name)
+        except ConfigError as e:
+            raise GGUFError(str(e)) from None
+    elif arch == "qwen3moe":
+        raise GGUFError(f"{name} lacks the metadata {arch}.expert_count")
 
     def required(key: str) -> Any:
         value = read_field(reader, f"{arch}.{key}")
@@ -82,7 +96,7 @@ def model_config_from_gguf(reader: Any, name: str) -> ModelConfig:
     rope_theta = float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
     try:
         return family_config(
-            GGUF_ARCHITECTURES[arch],
+            architecture,
             # Llama's and Qwen3's `attention_bias`: biases on q, k, v and the output.
             attention_bias="blk.0.attn_output.bias" in tensor_names,
             hidden_size=hidden,
@@ -105,9 +119,34 @@ def model_config_from_gguf(reader: Any, name: str) -> ModelConfig:
             bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_stop_ids(reader),
             torch_dtype="float32",
+            **experts,
+            **(_gemma3_fields(reader, arch, hidden, num_heads, head_dim, name)
+               if arch == "gemma3" else {}),
         )
     except ConfigError as e:
         raise GGUFError(f"{name}: {e}") from None
+
+
+def _gemma3_fields(reader: Any, arch: str, hidden: int, num_heads: int, head_dim: int,
+                   name: str) -> dict[str, Any]:
+    """What llama.cpp's gemma3 graph fixes rather than stores: every sixth layer global,
+    the local layers' RoPE base 10000, the attention scale 1 / sqrt(head_dim) (the 27B's,
+    62 layers: 1 / sqrt(hidden / heads), its query_pre_attn_scalar)."""
+    if read_field(reader, f"{arch}.attn_logit_softcapping") is not None:
+        raise GGUFError(f"{name}: attention logit soft-capping is not supported")
+    num_layers = int(read_field(reader, f"{arch}.block_count"))
+    window = read_field(reader, f"{arch}.attention.sliding_window")
+    cap = read_field(reader, f"{arch}.final_logit_softcapping")
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=None if window is None else int(window),
+        layer_types=() if window is None else tuple(
+            "sliding_attention" if (i + 1) % 6 else "full_attention"
+            for i in range(num_layers)),
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim),
+        final_logit_softcapping=None if cap is None else float(cap),
+    )
 
 
 def _stop_ids(reader: Any) -> tuple[int, ...]:

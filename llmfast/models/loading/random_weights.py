@@ -19,9 +19,10 @@ from llmfast.utils.progress import Progress
 RANDOM_WEIGHT_STD = 0.02
 
 
-def _fill(param: torch.Tensor, name: str, generator: torch.Generator) -> None:
-    if name.endswith("norm.weight"):
-        param.fill_(1.0)
+def _fill(param: torch.Tensor, name: str, generator: torch.Generator,
+          norm_offset: bool = False) -> None:
+    if name.endswith("norm.weight"):  # unit norms; Gemma's store (scale - 1)
+        param.fill_(0.0 if norm_offset else 1.0)
     else:
         param.normal_(0.0, RANDOM_WEIGHT_STD, generator=generator)
 
@@ -39,7 +40,7 @@ def init_random_weights(model: DecoderForCausalLM, seed: int,
                          sum(p.numel() * p.element_size() for _, p in named), progress, device)
     if model.tp.world_size == 1:
         for name, param in named:
-            _fill(param.data, name, generator)
+            _fill(param.data, name, generator, model.config.norm_offset)
             meter.add(param.numel() * param.element_size())
     else:
         _init_shards(model, dict(named), generator, meter)
@@ -54,12 +55,12 @@ def _init_shards(model: DecoderForCausalLM, params: dict[str, torch.nn.Parameter
     dtype, device = next(model.parameters()).dtype, generator.device
     for name, full_param in full.named_parameters():  # TP=1's order; a tied head once
         drawn = torch.empty(full_param.shape, dtype=dtype, device=device)
-        _fill(drawn, name, generator)
+        _fill(drawn, name, generator, model.config.norm_offset)
         param = params.get(name)  # absent: o_proj's bias off rank 0
         if param is None:
             continue
         param.data.zero_()  # the vocabulary's padding rows
-        for piece in checkpoint_names(name):
+        for piece in checkpoint_names(name, model.config):
             _, full_rows = target(full, piece)  # the piece's rows in the fused tensor
             _, rows = target(model, piece)
             source = drawn if full_rows is None else drawn[full_rows]

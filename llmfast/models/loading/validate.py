@@ -2,7 +2,7 @@
 
 Three checks, in the order loading meets them:
 - `check_hf_config`: settings in config.json that the decoder would otherwise ignore
-  (an activation other than SiLU, a partial rotary embedding, rope parameters that are
+  (an activation other than SiLU or tanh-GELU, a partial rotary embedding, rope parameters that are
   missing or out of range) are refused, not run as something else;
 - `check_model_size`: every dimension within what real models use, and the weights within
   the memory there is, before a layer is built or a byte allocated (a config saying 10^9
@@ -42,11 +42,14 @@ SIZE_LIMITS: dict[str, int] = {
     "head_dim": 1024,
     "vocab_size": 1 << 22,
     "max_position_embeddings": 1 << 26,
+    "num_experts": 4096,  # DeepSeek-V3: 256, Qwen3-MoE: 128
+    "moe_intermediate_size": 262144,
 }
 
 # Checkpoint tensors that carry nothing the model needs: rotary tables are recomputed.
 _IGNORABLE = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # (parameter, rows within it) that a checkpoint tensor fills, or None if it fills none.
 Target = Callable[[str], "tuple[torch.Tensor, slice | None] | None"]
@@ -54,9 +57,10 @@ Target = Callable[[str], "tuple[torch.Tensor, slice | None] | None"]
 
 def check_hf_config(cfg: Mapping[str, Any]) -> None:
     """Refuse config.json settings that the decoder does not implement."""
-    act = cfg.get("hidden_act", "silu")
-    if act not in SILU_NAMES:
-        raise ConfigError(f"unsupported activation hidden_act={act!r}; llmfast runs SiLU models")
+    act = hf_activation(cfg)
+    if act not in SILU_NAMES + ("gelu_pytorch_tanh",):
+        raise ConfigError(f"unsupported activation hidden_act={act!r}; llmfast runs SiLU and "
+                          "tanh-GELU (Gemma) models")
     partial = cfg.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
         raise ConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
@@ -75,6 +79,11 @@ def check_hf_config(cfg: Mapping[str, Any]) -> None:
             raise ConfigError(f"{kind} rope scaling needs a positive {key}, got {rope.get(key)!r}")
     if kind == "llama3" and not rope["low_freq_factor"] < rope["high_freq_factor"]:
         raise ConfigError("llama3 rope scaling needs low_freq_factor < high_freq_factor")
+
+
+def hf_activation(cfg: Mapping[str, Any]) -> str:
+    """The MLP activation's HF name (Gemma calls the key `hidden_activation`)."""
+    return cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
 
 
 def _positive_number(value: Any) -> bool:
@@ -135,6 +144,13 @@ def check_checkpoint(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],
                 f"{expected}")
         covered[param_name][rows if rows is not None else slice(None)] = True
     missing = [n for n, rows in covered.items() if not bool(rows.all())]
+    expert = next((n for n in missing if ".experts." in n), None)
+    if expert is not None:  # stacked rows, one block per expert (models/sparse_moe.py)
+        rows = covered[expert]
+        first = int((~rows).nonzero()[0])
+        raise ConfigError(
+            f"the checkpoint lacks the weights of expert {first * config.num_experts // len(rows)}"
+            f" for {expert} (config.json says {config.num_experts} experts)")
     if missing:
         raise ConfigError(
             f"the checkpoint lacks weights for {len(missing)} parameter(s) that config.json "
@@ -154,6 +170,10 @@ def _unexpected(name: str, shape: tuple[int, ...], config: ModelConfig) -> str:
     if layer and int(layer[1]) >= config.num_hidden_layers:
         return (f"the checkpoint has weights for layer {layer[1]} ({name}) but config.json "
                 f"says num_hidden_layers={config.num_hidden_layers}")
+    expert = _EXPERT.search(name)
+    if expert and config.num_experts and int(expert[1]) >= config.num_experts:
+        return (f"the checkpoint has weights for expert {expert[1]} ({name}) but config.json "
+                f"says the model has {config.num_experts} experts")
     return f"unexpected checkpoint tensor {name} {tuple(shape)}: config.json does not describe it"
 
 

@@ -74,10 +74,13 @@ def quantize_fp8(model: nn.Module) -> QuantizationSummary:
     """Replace each decoder projection of a loaded `model` by an `Fp8Linear`, in place,
     one at a time (the peak is one projection's float32 temporaries). Skips the lm_head
     (vocabulary-wide logits keep the model's precision, as vLLM) and layers whose shape
-    `_scaled_mm` does not take (kept, logged once)."""
+    `_scaled_mm` does not take (kept, logged once). A mixture of experts' router stays
+    too (its logits pick the experts, as vLLM keeps it), and so do the experts' stacked
+    weights, which are no `Linear`."""
     # Names only: a list of the layers would keep every replaced weight alive.
     names = [name for name, module in model.named_modules()
-             if isinstance(module, Linear) and name != "lm_head"]
+             if isinstance(module, Linear) and name != "lm_head"
+             and not name.endswith(".mlp.gate")]
     device = next(model.parameters()).device
     kept, before, after = [], 0, 0
     for name in names:

@@ -41,6 +41,9 @@ class ServeConfig:
     model_aliases: tuple[str, ...] = ()  # other names a request may use (the --model spec)
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    # How chat's tool_choice "auto" reads calls (tool_parsers.PARSERS); None: from the
+    # model's chat template and family.
+    tool_call_parser: str | None = None
 
 
 def build_app(front: EngineFront, config: ServeConfig) -> FastAPI:

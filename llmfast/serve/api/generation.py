@@ -46,7 +46,7 @@ async def run_generation(request: Request, front: EngineFront, metrics: ServerMe
     builder = ResponseBuilder(kind, rs.request_id, model, prepared, inputs.n, echo=echo,
                               want_logprobs=want_logprobs,
                               want_prompt_logprobs=want_prompt_logprobs,
-                              scoring_only=inputs.scoring_only)
+                              scoring_only=inputs.scoring_only, tools=inputs.tools)
     if stream:
         return StreamingResponse(
             _events(front, metrics, rs, builder, tracker, include_usage),

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmfast.serve.api.tools import ToolMode, ToolStream, message_tool_calls
 from llmfast.serve.frontend_types import ChoiceDelta, PreparedPrompt, TokenLogprob
 
 Kind = Literal["completion", "chat"]
@@ -30,6 +31,7 @@ class _Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    tool_stream: ToolStream | None = None  # streamed chat with tools
 
 
 class ResponseBuilder:
@@ -38,7 +40,7 @@ class ResponseBuilder:
     def __init__(self, kind: Kind, request_id: str, model: str,
                  prompts: list[PreparedPrompt], n: int, echo: bool = False,
                  want_logprobs: bool = False, want_prompt_logprobs: bool = False,
-                 scoring_only: bool = False) -> None:
+                 scoring_only: bool = False, tools: ToolMode | None = None) -> None:
         """`want_prompt_logprobs`: vLLM's `prompt_logprobs` field; `scoring_only`: echo
         with max_tokens 0, whose one generated token is left out."""
         self.kind = kind
@@ -52,6 +54,10 @@ class ResponseBuilder:
         self.want_prompt_logprobs = want_prompt_logprobs
         self.scoring_only = scoring_only
         self.choices = [_Choice(prompts[i // n]) for i in range(len(prompts) * n)]
+        self.tools = tools  # chat with tools: the output becomes tool calls
+        if tools is not None:
+            for choice in self.choices:
+                choice.tool_stream = tools.stream()
         self.num_finished = 0
 
     @property
@@ -124,10 +130,17 @@ class ResponseBuilder:
         return out
 
     def _chat_choice(self, index: int, c: _Choice) -> dict:
-        return {"index": index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+        message = {"role": "assistant", "content": "".join(c.text)}
+        finish = c.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.parse(message["content"])
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": message_tool_calls(calls)}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message,
                 "logprobs": _chat_logprobs(c.logprobs) if self.want_logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                "finish_reason": finish, "stop_reason": c.stop_reason}
 
     # ---------------------------------------------------------------- streaming chunks
 
@@ -161,12 +174,32 @@ class ResponseBuilder:
         else:
             if self.want_logprobs:
                 logprobs = _chat_logprobs(list(delta.logprobs or ()))
-            body = {"index": delta.index,
-                    "delta": {"content": delta.text} if delta.text or finish is None else {},
-                    "logprobs": logprobs, "finish_reason": finish}
+            if choice.tool_stream is not None:
+                body = self._tool_chunk(choice.tool_stream, delta, finish)
+                body["logprobs"] = logprobs
+            else:
+                body = {"index": delta.index,
+                        "delta": {"content": delta.text} if delta.text or finish is None
+                        else {},
+                        "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             body["stop_reason"] = choice.stop_reason
         return self._chunk([body])
+
+    @staticmethod
+    def _tool_chunk(stream: ToolStream, delta: ChoiceDelta, finish: str | None) -> dict:
+        content, calls = stream.feed(delta.text or "")
+        if finish is not None:
+            more, end_calls = stream.finish()
+            content, calls = content + more, calls + end_calls
+            if stream.num_calls and finish == "stop":
+                finish = "tool_calls"
+        body: dict = {}
+        if content:
+            body["content"] = content
+        if calls:
+            body["tool_calls"] = calls
+        return {"index": delta.index, "delta": body, "finish_reason": finish}
 
     def usage_chunk(self) -> dict:
         return {**self._chunk([]), "usage": self.usage()}

@@ -18,7 +18,10 @@ from llmfast.serve.api.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from llmfast.serve.api.structured import request_constraint
+from llmfast.serve.api.tools import ToolMode, tool_mode
 from llmfast.serve.frontend_types import ChatPrompt, Limits, PromptInput
+from llmfast.structured_params import StructuredOutputs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions
 
@@ -34,6 +37,8 @@ class EngineInputs:
     # echo with max_tokens 0 (scoring the prompt, lm-eval's loglikelihood): the engine
     # generates one token, as vLLM's does, and the response leaves it out.
     scoring_only: bool = False
+    # Chat with tools (not tool_choice "none"): how the output becomes tool calls.
+    tools: ToolMode | None = None
 
 
 def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
@@ -56,7 +61,7 @@ def completion_inputs(req: CompletionRequest, limits: Limits) -> EngineInputs:
     if prompt_logprobs is None and req.echo:
         prompt_logprobs = req.logprobs
     base = _sampling_params(req, 1 if scoring_only else max_tokens, req.logprobs, limits,
-                            prompt_logprobs)
+                            prompt_logprobs, request_constraint(req))
     choices = _per_choice(base, req.n)
     return EngineInputs(prompts, [p for _ in prompts for p in choices], req.n, given,
                         scoring_only)
@@ -66,10 +71,13 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
     _check_stream_options(req)
     messages = chat_messages(req.messages)
     _check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
-    if req.tools:
-        raise APIError("tools are not supported", param="tools")
-    if req.tool_choice not in (None, "none"):
-        raise APIError("tool_choice is not supported", param="tool_choice")
+    tools = tool_mode(req, limits.tool_call_parser)
+    constraint = request_constraint(req)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise APIError("tool_choice 'required' or a named function cannot be combined "
+                           "with another output constraint", param="tool_choice")
+        constraint = tools.constraint
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -78,9 +86,10 @@ def chat_inputs(req: ChatCompletionRequest, limits: Limits) -> EngineInputs:
     if max_tokens is None:  # OpenAI's default: up to the context length
         max_tokens = _default_max_tokens(limits, limits.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    base = _sampling_params(req, max_tokens, logprobs, limits, req.prompt_logprobs)
-    prompt = chat_prompt(messages, req.chat_template_kwargs)
-    return EngineInputs([prompt], _per_choice(base, req.n), req.n, given)
+    base = _sampling_params(req, max_tokens, logprobs, limits, req.prompt_logprobs, constraint)
+    prompt = chat_prompt(messages, req.chat_template_kwargs,
+                         tools.template_tools if tools is not None else None)
+    return EngineInputs([prompt], _per_choice(base, req.n), req.n, given, tools=tools)
 
 
 def _check_prompt_chars(num_chars: int, limits: Limits, param: str) -> None:
@@ -94,16 +103,27 @@ def _check_prompt_chars(num_chars: int, limits: Limits, param: str) -> None:
                        f"{bound} characters does)", 400, param, "context_length_exceeded")
 
 
-def chat_prompt(messages: tuple[dict[str, str], ...], template_kwargs: dict | None
-                ) -> ChatPrompt:
-    return ChatPrompt(messages, tuple((template_kwargs or {}).items()))
+def chat_prompt(messages: tuple[dict, ...], template_kwargs: dict | None,
+                tools: tuple[dict, ...] | None = None) -> ChatPrompt:
+    return ChatPrompt(messages, tuple((template_kwargs or {}).items()), tools)
 
 
-def chat_messages(messages: list[ChatMessage]) -> tuple[dict[str, str], ...]:
-    """The messages as the chat template takes them (text parts joined)."""
+def chat_messages(messages: list[ChatMessage]) -> tuple[dict, ...]:
+    """The messages as the chat template takes them (text parts joined; an assistant's
+    tool calls and a tool answer's call id kept)."""
     if not messages:
         raise APIError("messages must not be empty", param="messages")
-    return tuple({"role": m.role, "content": m.text()} for m in messages)
+    out = []
+    for m in messages:
+        message = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            message["name"] = m.name
+        out.append(message)
+    return tuple(out)
 
 
 def _default_max_tokens(limits: Limits, fallback: int) -> int:
@@ -141,7 +161,8 @@ def _completion_prompts(prompt) -> list[PromptInput]:
 
 
 def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                     limits: Limits, prompt_logprobs: int | None = None) -> SamplingParams:
+                     limits: Limits, prompt_logprobs: int | None = None,
+                     structured: StructuredOutputs | None = None) -> SamplingParams:
     if not 1 <= req.n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}] (the server's max-num-seqs), "
                        f"got {req.n}", param="n")
@@ -167,6 +188,7 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
             prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
+            structured=structured,
         )
     except SamplingParamsError as e:
         field = str(e).split(" ", 1)[0]

@@ -22,6 +22,7 @@ from llmfast.sampling_params import (
     SamplingParamsError,
     seed_to_int64,
 )
+from llmfast.worker.sampling.grammar_bitmask import apply_grammar_bitmask
 from llmfast.worker.sampling.sampling_metadata import SamplingMetadata
 
 __all__ = [
@@ -184,7 +185,7 @@ def compute_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> L
 class Sampler(nn.Module):
     """logits [n, vocab_size] + SamplingMetadata -> one token id per row, no host sync.
 
-    Stage order: logit rules (allowed_token_ids, logit_bias) -> penalties -> min_tokens
+    Stage order: grammar bitmask (structured outputs) -> logit rules (allowed_token_ids, logit_bias) -> penalties -> min_tokens
     masking -> logprobs (log_softmax here: the
     model's distribution after penalties/bans, before temperature and filters, like
     vLLM's raw logprobs) -> greedy argmax -> temperature -> top-k -> top-p -> min-p ->
@@ -193,12 +194,18 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if (md.all_greedy and md.no_penalties and md.no_min_tokens and md.no_logit_rules
-                and md.max_num_logprobs is None):
+                and md.max_num_logprobs is None and md.grammar_bitmask is None):
             # The common decode fast path: one argmax, no float32 copy of the logits.
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         # .float() may alias the caller's tensor: every op up to the temperature division
-        # is out of place, and only tensors created here are modified in place.
+        # is out of place but the grammar bitmask (the runner's logits are the sampler's
+        # alone), and only tensors created here are modified in place.
         logits = logits.float()  # [n, vocab_size]
+        if md.grammar_bitmask is not None:
+            # In place, on the caller's tensor where .float() aliased it: the runner's
+            # logits rows are the sampler's alone (a copy of [n, vocab] float32 would cost
+            # more than the whole mask: page faults of a fresh 12 MB on a CPU).
+            apply_grammar_bitmask(logits, md.grammar_bitmask)
         if not md.no_logit_rules:
             logits = apply_logit_rules(logits, md)
         if not md.no_penalties:

@@ -69,6 +69,10 @@ class SamplingMetadata:
     no_seeds: bool  # no row has a seed
     max_top_k: int  # max top_k over the batch (0 if no_top_k)
     max_num_logprobs: int | None  # None: no row wants logprobs
+    # Structured outputs: [n, ceil(vocab_size / 32)] int32, bit t of row r allows token t
+    # (all ones in unconstrained rows); None when no row is constrained this step. Set by
+    # the runner after the forward is launched (grammar_bitmask.py).
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -252,7 +256,9 @@ def worst_case_sampling_metadata(n: int, vocab_size: int, device: torch.device,
     Rows alternate greedy / random (both paths and their merge run), random rows use
     top-k, top-p, min-p and a seed, every row has a logit bias (a quarter also allowed
     ids), penalties, a pending min_tokens ban and
-    wants `max_num_logprobs` logprobs (20 is SamplingParams' most)."""
+    wants `max_num_logprobs` logprobs (20 is SamplingParams' most). No grammar bitmask:
+    it is applied in place (no temporary), and its kernel (xgrammar's Triton one on CUDA)
+    should compile at the first constrained request, not in every start-up."""
     rows = torch.arange(n, device=device)
     greedy = rows % 2 == 0
 
