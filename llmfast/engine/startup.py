@@ -5,7 +5,6 @@ frontend process loads its own with `load_frontend_tokenizer`)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -71,19 +70,10 @@ def _initialize_beside_tokenizer(config: EngineConfig, source: ModelSource,
         else:
             loading.set_result((tokens, time.perf_counter() - t0))
 
-    # A daemon: an interrupted start exits at once, not after the tokenizer's load.
+    # A daemon: a start that fails meanwhile (or is interrupted) exits at once, not
+    # after the tokenizer's load.
     threading.Thread(target=load, name="llmfast-tokenizer", daemon=True).start()
-    try:
-        num_blocks = executor.initialize((), progress)
-    except Exception:
-        # A failed start waits for the load before raising: a caller that retries in
-        # this process would otherwise import transformers while that thread still is,
-        # and transformers' lazy modules then raise "cannot import name" (seen as a
-        # flaky PreTrainedTokenizerFast ImportError after an out-of-memory start).
-        # An interrupt (not an Exception) still leaves at once.
-        with contextlib.suppress(BaseException):
-            loading.exception()
-        raise
+    num_blocks = executor.initialize((), progress)
     t0 = time.perf_counter()
     tokens, load_s = loading.result()
     times["tokenizer_wait"] = time.perf_counter() - t0
