@@ -14,12 +14,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from llmfast.structured.grammars import build_grammar
 from llmfast.structured_params import StructuredOutputs
+
+if TYPE_CHECKING:  # xgrammar imports transformers: loaded at the first constraint only
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ def tokenizer_info(hf_tokenizer: Any, vocab_size: int,
     maybe padded past the tokenizer's tokens: those are never allowed). A tokenizer
     transformers does not know (the random presets' byte-level one) is read as its
     decoded tokens."""
+    import xgrammar as xgr
     stops = list(stop_token_ids) or None
     try:
         return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
@@ -68,6 +70,7 @@ class GrammarCache:
         return future
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
         if self._compiler is None:
             info = tokenizer_info(self._load_tokenizer(), self.vocab_size, self.stop_token_ids)
             # xgrammar's own cache off: this one keys by the spec.

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 import jsonschema
-import xgrammar as xgr
 
 from llmfast.structured_params import StructuredOutputs, StructuredOutputsError
 from llmfast.utils.errors import one_line
+
+if TYPE_CHECKING:  # xgrammar imports transformers: loaded at the first constraint only
+    import xgrammar as xgr
 
 
 # xgrammar's C++ errors start "[05:04:52] /project/cpp/regex_converter.cc:94: ".
@@ -35,6 +38,7 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 def build_grammar(spec: StructuredOutputs) -> xgr.Grammar:
     """The grammar of `spec`; StructuredOutputsError (one line, naming the kind) when the
     schema, regex or grammar does not compile."""
+    import xgrammar as xgr
     kind = spec.kind
     try:
         if kind == "json":

@@ -3,6 +3,7 @@ saved as an HF fast tokenizer."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,10 +41,22 @@ def train_byte_level_bpe(vocab_size: int = 420, corpus: Sequence[str] = CORPUS *
     return tok
 
 
+def _wait_for_engine_tokenizer_loads() -> None:
+    """An engine start that failed in this process (an in-process CLI test) leaves its
+    tokenizer thread importing transformers: it is a daemon so that the error comes at
+    once (tests/test_engine_startup.py). Importing transformers here meanwhile races that
+    import, and transformers' lazy modules then raise "cannot import name
+    PreTrainedTokenizerFast"."""
+    for thread in threading.enumerate():
+        if thread.name == "llmfast-tokenizer":
+            thread.join(timeout=120)
+
+
 def save_hf_tokenizer(tok, path: Path, chat_template: str | None = CHATML,
                       **special_tokens: str) -> Path:
     """Save `tok` as an HF fast tokenizer (eos <|im_end|>; unk <|endoftext|> unless other
     special tokens are given)."""
+    _wait_for_engine_tokenizer_loads()
     from transformers import PreTrainedTokenizerFast
 
     special_tokens = special_tokens or {"unk_token": "<|endoftext|>"}

@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.models.sources.model_source import ModelSource
@@ -36,6 +36,9 @@ from llmfast.structured.compiler import GrammarCache
 from llmfast.structured_params import StructuredOutputs
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch
+
+if TYPE_CHECKING:  # xgrammar imports transformers: loaded at the first constraint only
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +71,14 @@ def wants_grammar(out: SchedulerOutput) -> bool:
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Disallowed tokens to -inf, in place, in one kernel (xgrammar's: Triton on CUDA,
     C++ on the CPU). logits [n, vocab_size] float32, bitmask [n, ceil(vocab / 32)] int32."""
+    import xgrammar as xgr
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 
 
 class GrammarBitmask:
     def __init__(self, cache: GrammarCache, max_num_reqs: int, vocab_size: int,
                  device: torch.device) -> None:
+        import xgrammar as xgr
         self.cache = cache
         self.words = -(-vocab_size // BITS)
         self.bitmask = CpuGpuBuffer(max_num_reqs, self.words, dtype=torch.int32, device=device)
@@ -168,6 +173,7 @@ class GrammarBitmask:
         return device_mask
 
     def _advance(self, state: _RequestGrammar, tokens: list[int]) -> xgr.GrammarMatcher | None:
+        import xgrammar as xgr
         if state.matcher is None:
             try:
                 state.matcher = xgr.GrammarMatcher(state.compiled.result())
