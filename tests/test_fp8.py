@@ -228,7 +228,9 @@ def test_eager_float32_prepacks_only_the_lm_head(ckpt):
     assert not [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
 
 
-@pytest.mark.parametrize("dtype, atol", [("float32", 2e-3), ("bfloat16", 0.25)])
+# bfloat16 (~50 s of Inductor on the 2-core CI machine) is slow-marked; float32 runs.
+@pytest.mark.parametrize("dtype, atol", [("float32", 2e-3),
+                                         pytest.param("bfloat16", 0.25, marks=pytest.mark.slow)])
 def test_compiled_matches_eager(ckpt, dtype, atol):
     """The engine's Inductor path against eager. Inductor fuses the activation
     quantization with what precedes it and keeps those values in float32 (eager rounds

@@ -54,7 +54,9 @@ def _stream(server):
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads Linux's /proc")
-@pytest.mark.parametrize("api_servers", [0, 1])
+# The in-process frontend (api_servers 0) is slow-marked to keep the default suite short;
+# the API-process case runs by default.
+@pytest.mark.parametrize("api_servers", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_the_core_process_killed_mid_stream(serve_model_dir, tmp_path, api_servers):
     server = start_server(serve_model_dir, tmp_path / "server.log", "--max-model-len", "2048",
                           "--api-servers", str(api_servers))
@@ -95,6 +97,7 @@ def test_ctrl_c_ends_streams_and_every_process(serve_model_dir, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # two server starts, ~60 s each on the 2-core CI machine
 @pytest.mark.parametrize("flag", [[], ["--no-access-log"]], ids=["default", "silenced"])
 def test_access_log_shows_client_errors(serve_model_dir, tmp_path, flag):
     """A request line per HTTP request on the server's log by default, a 4xx included;
