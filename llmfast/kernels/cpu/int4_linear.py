@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmfast.models.formats.gguf_blocks import AffineCodes
+from llmfast.kernels.cpu.affine_codes import AffineCodes
 
 GROUP = 32  # columns per scale/zero pair, the kernel's smallest group
 ROW_MULTIPLE = 16  # the kernel's packing needs N divisible by 16

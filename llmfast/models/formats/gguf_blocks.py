@@ -20,9 +20,9 @@ products are exact there, so `scale * code + offset` in float64 equals what
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+
+from llmfast.kernels.cpu.affine_codes import AffineCodes
 
 QK_K = 256  # elements of a K-quant super-block
 
@@ -36,24 +36,6 @@ BLOCK_LAYOUT = {
     "Q6_K": (QK_K, 210),
 }
 PACKABLE_TYPES = tuple(BLOCK_LAYOUT)
-
-
-@dataclass(frozen=True)
-class AffineCodes:
-    """A weight [rows, cols] as codes and per-group affine maps."""
-
-    codes: np.ndarray  # [rows, cols] uint8, each < 2**bits
-    scale: np.ndarray  # [rows, cols // group] float32
-    offset: np.ndarray  # [rows, cols // group] float32
-    bits: int
-    group: int
-
-    def dequantize(self) -> np.ndarray:
-        """float64 [rows, cols]: the reference the packed forms are tested against."""
-        rows, cols = self.codes.shape
-        codes = self.codes.astype(np.float64).reshape(rows, cols // self.group, self.group)
-        w = codes * self.scale[..., None].astype(np.float64) + self.offset[..., None]
-        return w.reshape(rows, cols)
 
 
 def decode_blocks(raw: np.ndarray, type_name: str, cols: int) -> AffineCodes:
