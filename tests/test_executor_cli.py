@@ -21,6 +21,7 @@ GREEDY = ["--json", "-", "--temperature", "0", "--max-tokens", "6", "--ignore-eo
           "--max-model-len", "64", "--num-gpu-blocks-override", "64"]
 
 
+@pytest.mark.slow  # ~45 s; TP=2 through worker processes is covered by test_executor_mp
 def test_generate_tp2_mp_from_the_command_line():
     want = invoke("generate", "hello there", "The capital of France", *TINY, *GREEDY)
     assert want.exit_code == 0, want.output

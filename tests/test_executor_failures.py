@@ -108,6 +108,7 @@ def test_engine_process_ending_leaves_no_worker(sig):
         proc.wait()
 
 
+@pytest.mark.slow  # ~60-95 s on the 2-core CI machine (a server and a TP=2 worker set)
 def test_server_front_reports_a_dead_worker_idle_and_mid_stream():
     """`llmfast serve` over mp: the engine core's process holds the workers; a worker
     killed mid-stream ends that stream with a 503 naming the rank, /health then answers
