@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from llmfast.structured_params import StructuredOutputs, StructuredOutputsError
+from llmfast.structured_params import StructuredOutputs
 from llmfast.utils.value_checks import describe, int_list, is_int, is_number
 
 # OpenAI's range for logit_bias values: -100 bans a token, 100 all but forces it.

@@ -43,6 +43,28 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 3)
 
 
+def _time_calls(call, n: int) -> list[float]:
+    """Seconds of each of `n` calls of `call`."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _report(tok_s: float, compile_s: list[float], fills: list[float],
+            apply_s: list[float]) -> dict:
+    """One backend's figures, the same keys for both (backends.json)."""
+    return {"tokenizer_info_ms": round(tok_s * 1e3, 1),
+            "compile_ms_median": _median_ms(compile_s),
+            "compile_ms": [round(s * 1e3, 2) for s in compile_s],
+            "fill_ms_median": _median_ms(fills),
+            "fill_ms_mean": round(statistics.mean(fills) * 1e3, 4),
+            "fill_ms_max": round(max(fills) * 1e3, 3),
+            "apply_batch64_cpu_ms_median": _median_ms(apply_s)}
+
+
 def measure_xgrammar(hf_tok, tokens: list[int], repeats: int) -> dict:
     import torch
     import xgrammar as xgr
@@ -67,15 +89,8 @@ def measure_xgrammar(hf_tok, tokens: list[int], repeats: int) -> dict:
             assert m.accept_token(t), t
     logits = torch.randn(64, info.vocab_size)
     mask64 = xgr.allocate_token_bitmask(64, info.vocab_size)
-    apply_s = []
-    for _ in range(repeats * 5):
-        t0 = time.perf_counter()
-        xgr.apply_token_bitmask_inplace(logits, mask64)
-        apply_s.append(time.perf_counter() - t0)
-    return {"tokenizer_info_ms": round(tok_s * 1e3, 1),
-            "compile_ms_median": _median_ms(compile_s), "compile_ms": [round(s * 1e3, 2) for s in compile_s],
-            "fill_ms_median": _median_ms(fills), "fill_ms_mean": round(statistics.mean(fills) * 1e3, 4), "fill_ms_max": round(max(fills) * 1e3, 3),
-            "apply_batch64_cpu_ms_median": _median_ms(apply_s)}
+    apply_s = _time_calls(lambda: xgr.apply_token_bitmask_inplace(logits, mask64), repeats * 5)
+    return _report(tok_s, compile_s, fills, apply_s)
 
 
 def measure_llguidance(hf_tok, tokens: list[int], repeats: int) -> dict:
@@ -107,15 +122,8 @@ def measure_llguidance(hf_tok, tokens: list[int], repeats: int) -> dict:
             assert m.consume_token(t), (t, m.get_error())
     logits = torch.randn(64, ll_tok.vocab_size)
     mask64 = lt.allocate_token_bitmask(64, ll_tok.vocab_size)
-    apply_s = []
-    for _ in range(repeats * 5):
-        t0 = time.perf_counter()
-        lt.apply_token_bitmask_inplace(logits, mask64)
-        apply_s.append(time.perf_counter() - t0)
-    return {"tokenizer_info_ms": round(tok_s * 1e3, 1),
-            "compile_ms_median": _median_ms(compile_s), "compile_ms": [round(s * 1e3, 2) for s in compile_s],
-            "fill_ms_median": _median_ms(fills), "fill_ms_mean": round(statistics.mean(fills) * 1e3, 4), "fill_ms_max": round(max(fills) * 1e3, 3),
-            "apply_batch64_cpu_ms_median": _median_ms(apply_s)}
+    apply_s = _time_calls(lambda: lt.apply_token_bitmask_inplace(logits, mask64), repeats * 5)
+    return _report(tok_s, compile_s, fills, apply_s)
 
 
 def main() -> None:
