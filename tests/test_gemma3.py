@@ -51,7 +51,9 @@ def test_logits_match_hf_past_the_window(gemma):
 def test_engine_matches_hf_past_the_window(gemma):
     path, hf = gemma
     prompts, lengths = long_workload(5)
-    llm = _llm(path, max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=48)
+    # Three KV-cache groups of one layer each (core/kv_cache_groups.py): a block id is
+    # one layer's page, and 56 of them (51 hold one 128-token sequence) still preempt.
+    llm = _llm(path, max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=56)
     outs = _check(llm, prompts, lengths, greedy_oracle(hf))
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0

@@ -21,6 +21,12 @@ class AttentionMetadata:
     # A tensor, not an int, so that Dynamo does not specialize on its value; made by
     # `host_max_query_len`.
     max_query_len: torch.Tensor | None = None
+    # A model with several KV-cache groups (core/kv_cache_groups.py): per group its slot
+    # mapping [num_tokens] and block table [num_reqs, max_blocks_per_req] (group 0's
+    # are `slot_mapping` and `block_table` above); a layer reads its group's. None: one
+    # group, whose tables are the two above.
+    group_slot_mappings: tuple[torch.Tensor, ...] | None = None
+    group_block_tables: tuple[torch.Tensor, ...] | None = None
 
 
 def host_max_query_len(value: int = 0) -> torch.Tensor:

@@ -334,6 +334,11 @@ class CompiledModel:
         _mark_unbacked(md.block_table, 1, None)  # blocks per request: free to vary too
         _mark_unbacked(md.seq_lens, 0, "num_reqs")
         _mark_unbacked(md.query_start_loc, 0, None)
+        for slots in md.group_slot_mappings or ():  # several KV-cache groups
+            _mark_unbacked(slots, 0, "num_tokens")
+        for table in md.group_block_tables or ():
+            _mark_unbacked(table, 0, "num_reqs")
+            _mark_unbacked(table, 1, None)
         layers = getattr(self.model, "attention_layers", None)
         for layer in layers() if layers is not None else ():
             _mark_unbacked(layer.k_cache, 0, "num_blocks")

@@ -10,7 +10,9 @@ names each one:
 
     slot kind  name                                  resolved
     arg        "input_ids"                           per call
-    metadata   "slot_mapping"                        per call (a field of attn_metadata)
+    metadata   "slot_mapping"                        per call (a field of attn_metadata;
+                                                  with `index`, that entry of a tuple
+                                                  field: a KV-cache group's table)
     const      "model.layers.0.mlp.down_proj.weight" once (parameters and buffers)
     attr       "model.layers.0.self_attn" + "k_cache" per call (may be re-bound)
     size       "size" of slot 2, dim 0               per call (a size, stride or storage
@@ -67,6 +69,9 @@ def _sources(model: nn.Module, call: Sequence[Any]) -> dict[int, InputSlot]:
         value = getattr(md, field.name)
         if isinstance(value, torch.Tensor):
             found.setdefault(id(value), InputSlot("metadata", field.name))
+        elif isinstance(value, tuple):  # per KV-cache group: entry `index` of the field
+            for index, item in enumerate(value):
+                found.setdefault(id(item), InputSlot("metadata", field.name, index=index))
     for name, tensor in _constants(model):
         found.setdefault(id(tensor), InputSlot("const", name))
     for path, attr, value in _attributes(model):
@@ -160,6 +165,9 @@ def bind_slots(slots: Sequence[InputSlot], model: nn.Module,
         elif slot.kind == "arg":
             position = CALL_ARGS.index(slot.name)
             per_call.append((i, lambda ids, pos, md, p=position: (ids, pos)[p]))
+        elif slot.kind == "metadata" and slot.index >= 0:  # a per-group tuple's entry
+            per_call.append((i, lambda ids, pos, md, f=slot.name, k=slot.index:
+                             _entry(getattr(md, f), k)))
         elif slot.kind == "metadata":
             per_call.append((i, lambda ids, pos, md, f=slot.name: getattr(md, f)))
         elif slot.kind == "attr":
@@ -188,6 +196,11 @@ def bind_slots(slots: Sequence[InputSlot], model: nn.Module,
         return args
 
     return flatten
+
+
+def _entry(values: tuple | None, index: int) -> Any:
+    """values[index], or None where the call has no such tuple (InputsChanged then)."""
+    return None if values is None or index >= len(values) else values[index]
 
 
 _SCALARS = (bool, int, float, str)

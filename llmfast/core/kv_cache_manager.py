@@ -15,7 +15,8 @@ null block's) the runner's block table may keep or not: the attention never read
 With block_size 16 and a window of 32, a request with 100 computed tokens holds blocks
 4..6 (its next query, at position 100, sees keys 69..100): ceil(32 / 16) + 1 at most.
 A freed block keeps its hash while it is free, so other requests still hit it. (Models
-with both global and sliding layers keep every block: one block id serves all layers.)
+with both global and sliding layers have several KV-cache groups: the hybrid manager,
+core/hybrid_kv_cache_manager.py, keeps one block list per group.)
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    @staticmethod
+    def block_ids_of(new_blocks: list[KVCacheBlock]) -> list[int]:
+        """The ids of `allocate_slots`' new blocks (what the runner's table appends)."""
+        return [b.block_id for b in new_blocks]
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds from the pool (its SKIPPED ones not counted)."""

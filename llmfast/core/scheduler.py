@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llmfast.config import CacheConfig, SchedulerConfig
+from llmfast.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from llmfast.core.kv_cache_groups import KVCacheGroups
 from llmfast.core.kv_cache_manager import KVCacheManager
 from llmfast.core.request import (
     Request,
@@ -96,22 +98,34 @@ def _append_token(request: Request, token: int, max_model_len: int) -> RequestSt
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, kv_groups: KVCacheGroups | None = None,
     ) -> None:
         """`sliding_window`: the window every layer of the model attends within, if one
-        does (ModelConfig.kv_sliding_window): blocks that leave it are freed."""
+        does (ModelConfig.kv_sliding_window): blocks that leave it are freed.
+        `kv_groups`: the model's KV-cache groups (core/kv_cache_groups.py); with more
+        than one, each group has its own block list per request (its sliding groups
+        free what left their windows) and block ids go to the runner per group."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_window
-        )
+        # Several groups: the hybrid manager; one (every model but Gemma 3's kind): the
+        # plain one, sliding or not.
+        self.kv_groups = kv_groups if kv_groups is not None and kv_groups.num_groups > 1 \
+            else None
+        if self.kv_groups is not None:
+            self.kv_cache_manager: KVCacheManager = HybridKVCacheManager(
+                num_blocks, self.block_size, cache_config.enable_prefix_caching,
+                self.kv_groups.windows)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks, self.block_size, cache_config.enable_prefix_caching,
+                sliding_window)
         # A sequence can never be longer than the whole cache: treating that as the
         # length limit lets a request alone always make progress, so nothing starves.
-        cache_capacity = self.kv_cache_manager.num_usable_blocks * self.block_size
+        cache_capacity = self._cache_capacity(scheduler_config.max_model_len)
         self.max_model_len = min(scheduler_config.max_model_len, cache_capacity)
         self.requests: dict[str, Request] = {}  # unfinished ones, by id
         self.waiting: deque[Request] = deque()
@@ -136,11 +150,27 @@ class Scheduler:
             raise RequestRejected(f"request {rid!r}: a request with this id is already running")
         self.check_prompt_fits(len(request.all_token_ids))
 
+    def _cache_capacity(self, upper: int) -> int:
+        """The longest sequence (at most `upper` tokens) whose blocks the cache holds
+        while it runs alone: every block once, or with several groups what
+        KVCacheGroups.max_blocks_per_request counts (a step's chunk and the windows)."""
+        usable = self.kv_cache_manager.num_usable_blocks
+        if self.kv_groups is None:
+            return usable * self.block_size
+        return self.kv_groups.max_tokens(usable, self.max_num_batched_tokens,
+                                         self.block_size, upper)
+
     def check_prompt_fits(self, n: int) -> None:
         """RequestRejected unless a prompt of `n` tokens can ever run: within
         max-model-len, and its KV blocks (with room for one more token) in the cache."""
         check_prompt_length(n, self.scheduler_config.max_model_len)
-        check_blocks_fit(n, self.block_size, self.kv_cache_manager.num_usable_blocks)
+        if self.kv_groups is None:
+            check_blocks_fit(n, self.block_size, self.kv_cache_manager.num_usable_blocks)
+        elif self._cache_capacity(n + 1) < n + 1:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; with room for one more its KV-cache blocks "
+                f"over the model's {self.kv_groups.num_groups} KV-cache groups do not fit "
+                f"in the cache's {self.kv_cache_manager.num_usable_blocks} blocks")
 
     def finish_requests(self, req_ids: str | Iterable[str], reason: str | RequestStatus) -> None:
         """End requests from outside (a stop string found by the engine, an abort).
@@ -222,6 +252,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted_ids: set[str] = set()
         allocate = self.kv_cache_manager.allocate_slots
+        block_ids_of = self.kv_cache_manager.block_ids_of
         running = self.running
         # The last token of a sequence of max_model_len tokens is never computed.
         max_computed = self.max_model_len - 1
@@ -258,7 +289,7 @@ class Scheduler:
             rid = request.request_id
             num_scheduled_tokens[rid] = num_new
             cached_ids.append(rid)
-            cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else _NO_BLOCKS)
+            cached_blocks.append(block_ids_of(new_blocks) if new_blocks else _NO_BLOCKS)
             cached_computed.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
             if num_computed + num_new == num_tokens:  # reaches the end: samples a token

@@ -22,7 +22,8 @@ class NewRequestData:
     # Tokens already generated (non-empty only for a request resumed after preemption).
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # A model with several KV-cache groups: a tuple of one list per group.
+    block_ids: list[int] | tuple[list[int], ...]
     num_computed_tokens: int  # before this step
 
 
@@ -32,6 +33,7 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     # Appended to the row; an empty tuple (shared) when a request got no new block.
+    # Several KV-cache groups: a tuple of one list per group.
     new_block_ids: list[Sequence[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from llmfast.config import EngineConfig
+from llmfast.core.kv_cache_groups import kv_cache_groups
 from llmfast.core.request import Request, RequestStatus
 from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import SchedulerOutput
@@ -40,7 +41,8 @@ class EngineCore:
         self.executor = started.executor
         self.eos_token_ids = started.tokens.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, config.cache, started.num_blocks,
-                                   config.model.kv_sliding_window)
+                                   config.model.kv_sliding_window,
+                                   kv_cache_groups(config.model))
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose outputs the next step() reads (async scheduling only);
         # the second item is the executor's handle.

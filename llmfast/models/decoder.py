@@ -25,6 +25,7 @@ from torch import nn
 from llmfast.attention.metadata import AttentionMetadata
 from llmfast.attention.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
 from llmfast.config import ModelConfig, RopeScaling
+from llmfast.core.kv_cache_groups import kv_cache_groups
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
@@ -70,12 +71,16 @@ def make_norm(config: ModelConfig, size: int) -> RMSNorm:
 
 class Attention(nn.Module):
     """`config`: this rank's view (its heads; see models/sharding.py). `window`: this
-    layer's sliding window (None: global attention)."""
+    layer's sliding window (None: global attention). `kv_group`: this layer's KV-cache
+    group where the model has several (core/kv_cache_groups.py): it reads that group's
+    slot mapping and block table from the metadata; None: the metadata's only ones."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
-                 tp: TensorParallelGroup, window: int | None = None) -> None:
+                 tp: TensorParallelGroup, window: int | None = None,
+                 kv_group: int | None = None) -> None:
         super().__init__()
         self.window = window
+        self.kv_group = kv_group
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -123,14 +128,19 @@ class Attention(nn.Module):
             if torch.compiler.is_compiling()
             else unified_attention_impl
         )
+        if self.kv_group is None:
+            slot_mapping, block_table = attn_metadata.slot_mapping, attn_metadata.block_table
+        else:
+            slot_mapping = attn_metadata.group_slot_mappings[self.kv_group]
+            block_table = attn_metadata.group_block_tables[self.kv_group]
         attention(
             q,
             k,
             v,
             self.k_cache,
             self.v_cache,
-            attn_metadata.slot_mapping,
-            attn_metadata.block_table,
+            slot_mapping,
+            block_table,
             attn_metadata.query_start_loc,
             attn_metadata.seq_lens,
             self.scale,
@@ -158,10 +168,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
-                 tp: TensorParallelGroup, layer: int = 0) -> None:
+                 tp: TensorParallelGroup, layer: int = 0, kv_group: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, tp, config.layer_window(layer))
+        self.self_attn = Attention(config, rotary, tp, config.layer_window(layer), kv_group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (SparseMoeBlock(config, tp) if config.is_sparse_layer(layer)
                     else MLP(config, tp))
@@ -198,13 +208,19 @@ class DecoderModel(nn.Module):
         local_rotary = rotary if config.rope_local_theta is None else RotaryEmbedding(
             config.head_dim, max_positions, config.rope_local_theta, RopeScaling())
 
+        # Each layer's KV-cache group, where the model has several (global and sliding
+        # layers): its attention reads that group's tables.
+        groups = kv_cache_groups(config)
+        layer_group = groups.layer_group() if groups.num_groups > 1 else None
+
         def layer(i: int) -> nn.Module:
             window = config.layer_window(i)
             layer_rotary = rotary if window is None else local_rotary
+            kv_group = None if layer_group is None else layer_group[i]
             if not config.sandwich_norms:
-                return DecoderLayer(config, layer_rotary, tp, i)
+                return DecoderLayer(config, layer_rotary, tp, i, kv_group)
             return SandwichDecoderLayer(lambda: make_norm(config, config.hidden_size),
-                                        Attention(config, layer_rotary, tp, window),
+                                        Attention(config, layer_rotary, tp, window, kv_group),
                                         MLP(config, tp))
 
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
@@ -244,6 +260,8 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.tp = tp or TensorParallelGroup.single()
         self.rank_config = rank_model_config(config, self.tp.world_size)
+        # The layers' KV-cache groups and page layout (core/kv_cache_groups.py).
+        self.kv_groups = kv_cache_groups(self.rank_config)
         self.model = DecoderModel(self.rank_config,
                                   max_positions or config.max_position_embeddings, self.tp)
         self.lm_head = Linear(

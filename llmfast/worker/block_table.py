@@ -16,6 +16,10 @@ PAD_SLOT_ID = -1
 
 
 class BlockTable:
+    # The per-group tables of a model with several KV-cache groups
+    # (worker/group_block_tables.py); None here: one table serves every layer.
+    groups: list[BlockTable] | None = None
+
     def __init__(
         self,
         max_num_reqs: int,

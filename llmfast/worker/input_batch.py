@@ -19,6 +19,7 @@ import torch
 from llmfast.sampling_params import SamplingParams, seed_to_int64
 from llmfast.worker.block_table import BlockTable
 from llmfast.worker.buffers import CpuGpuBuffer
+from llmfast.worker.group_block_tables import MultiGroupBlockTable
 
 # Written where a sampled token's value is not known on the host yet; never a valid id,
 # so a placeholder that reached the model unfilled fails loudly instead of passing.
@@ -33,7 +34,9 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # at (re)admission; later tokens live in the batch row
     sampling_params: SamplingParams
-    block_ids: list[int]  # all of the request's blocks (new ones appended each step)
+    # All of the request's blocks (new ones appended each step); with several KV-cache
+    # groups, one such list per group.
+    block_ids: list[int] | list[list[int]]
     # At (re)admission; later counts live in the batch row (`InputBatch.num_computed_tokens`).
     num_computed_tokens: int
 
@@ -61,7 +64,10 @@ class InputBatch:
         max_num_batched_tokens: int,
         block_size: int,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
+        """`num_kv_groups`: the model's KV-cache groups (core/kv_cache_groups.py); more
+        than one: a block table per group."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
@@ -96,9 +102,15 @@ class InputBatch:
             for name, _, tdtype, _ in _SAMPLING_ARRAYS
         }
         max_blocks = -(-max_model_len // block_size)
-        self.block_table = BlockTable(
-            max_num_reqs, max_blocks, max_num_batched_tokens, block_size, device
-        )
+        self.block_table: BlockTable | MultiGroupBlockTable
+        if num_kv_groups > 1:
+            self.block_table = MultiGroupBlockTable(
+                num_kv_groups, max_num_reqs, max_blocks, max_num_batched_tokens, block_size,
+                device)
+        else:
+            self.block_table = BlockTable(
+                max_num_reqs, max_blocks, max_num_batched_tokens, block_size, device
+            )
 
     # ------------------------------------------------------------------ rows
 

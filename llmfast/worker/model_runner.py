@@ -126,8 +126,11 @@ class ModelRunner:
         self.phase_timer = None  # a PhaseTimer while profiling (LLMEngine.set_phase_timer)
 
         self.requests: dict[str, CachedRequestState] = {}
+        # The layers' KV-cache groups (core/kv_cache_groups.py): a block table each.
+        self.kv_groups = self.model.kv_groups
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
-                                      self.max_num_tokens, self.block_size, self.device)
+                                      self.max_num_tokens, self.block_size, self.device,
+                                      self.kv_groups.num_groups)
         self.sampler = Sampler()
         # Structured outputs' matchers and bitmask; the last launched step, whose sampled
         # ids a matcher may need before it is collected (grammar_bitmask.py).
@@ -236,17 +239,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         block_bytes = kv_block_bytes(model_cfg, self.block_size, self.kv_dtype)
         check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes,
-                               self.device, cfg.cache)
+                               self.device, cfg.cache, self.kv_groups, self.max_num_tokens)
         if progress:
             progress(f"allocating KV cache: {num_blocks} blocks "
                      f"({dtype_name(self.kv_dtype)})", None)
         self.kv_cache = allocate_kv_cache(model_cfg, cfg.cache, num_blocks, block_bytes,
                                           self.kv_dtype, self.device)
-        self.model.bind_kv_caches([(layer[0], layer[1]) for layer in self.kv_cache])
+        # Each layer its page of the cache: its own, or with several KV-cache groups its
+        # position in its group's (kv_cache_groups.py's layout).
+        self.model.bind_kv_caches([(self.kv_cache[j][0], self.kv_cache[j][1])
+                                   for j in self.kv_groups.layer_slot()])
         # The attention kernels' scratch for this cache: freed with the runner. The split
         # launches' counters for the largest step now, outside the full graphs' captures
-        # below, which then record no memset to make their own.
-        self.attention_workspaces = AttentionWorkspaces([self.kv_cache])
+        # below, which then record no memset to make their own. The CPU attention keeps
+        # a plan per block table a step reads: one per KV-cache group.
+        self.attention_workspaces = AttentionWorkspaces(
+            [self.kv_cache], max_plans=2 * self.kv_groups.num_groups)
         if self.device.type == "cuda":
             self.attention_workspaces.arrivals(self.device, arrivals_bound(
                 self.max_num_tokens, self.max_num_reqs, model_cfg.num_key_value_heads))

@@ -30,7 +30,12 @@ def update_states(requests: dict[str, CachedRequestState], batch: InputBatch,
             batch.num_computed_tokens[rows] = cached.num_computed_tokens
         for i in [i for i, blocks in enumerate(cached.new_block_ids) if blocks]:
             new_blocks = cached.new_block_ids[i]
-            requests[cached.req_ids[i]].block_ids.extend(new_blocks)
+            state = requests[cached.req_ids[i]]
+            if isinstance(new_blocks, tuple):  # several KV-cache groups: a list each
+                for ids, new in zip(state.block_ids, new_blocks):
+                    ids.extend(new)
+            else:
+                state.block_ids.extend(new_blocks)
             batch.block_table.append_row(rows[i], new_blocks)
     for new in out.scheduled_new_reqs:
         state = CachedRequestState(
@@ -38,7 +43,8 @@ def update_states(requests: dict[str, CachedRequestState], batch: InputBatch,
             prompt_token_ids=new.prompt_token_ids,
             output_token_ids=list(new.output_token_ids),
             sampling_params=new.sampling_params,
-            block_ids=list(new.block_ids),
+            block_ids=(list(new.block_ids) if not isinstance(new.block_ids, tuple)
+                       else [list(ids) for ids in new.block_ids]),
             num_computed_tokens=new.num_computed_tokens,
         )
         requests[new.req_id] = state

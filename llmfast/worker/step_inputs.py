@@ -84,15 +84,26 @@ class StepInputs:
         # Read by this step's attention ops on the host while the forward is issued,
         # before the next step's prepare rewrites it.
         self._max_query_len_np[0] = num_sched.max() if n else 0
-        md = AttentionMetadata(
-            slot_mapping=batch.block_table.slot_mapping.copy_to_gpu(num_padded),
-            # Rows n.. of a full graph's table are not copied: no program reads them.
-            block_table=batch.block_table.table.gpu[:num_rows],
-            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
-            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
-            max_query_len=self.max_query_len,
-        )
-        batch.block_table.table.copy_to_gpu(n)
+        table = batch.block_table
+        if table.groups is None:
+            md = AttentionMetadata(
+                slot_mapping=table.slot_mapping.copy_to_gpu(num_padded),
+                # Rows n.. of a full graph's table are not copied: no program reads them.
+                block_table=table.table.gpu[:num_rows],
+                query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+                seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+                max_query_len=self.max_query_len,
+            )
+            table.table.copy_to_gpu(n)
+        else:  # several KV-cache groups: each group's tables too
+            slots, tables = table.device_groups(num_padded, num_rows, n)
+            md = AttentionMetadata(
+                slot_mapping=slots[0], block_table=tables[0],
+                query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+                seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+                max_query_len=self.max_query_len,
+                group_slot_mappings=slots, group_block_tables=tables,
+            )
         self.input_ids.copy_to_gpu(num_padded)
         # After the host's input ids reach the device: the fill overwrites placeholders.
         placeholders.fill(self.input_ids.gpu, batch, num_sched, cu, computed)

@@ -69,11 +69,18 @@ class PagedSequences:
         token, [total_new_tokens, vocab], in the order given."""
         s = step_inputs(chunks, self.lens, self.block_table, self.block_size)
         dev = self.device
+        slots = torch.tensor(s.slots, dtype=torch.int64, device=dev)
+        table = self.block_table[s.rows].to(dev)
+        # A model with several KV-cache groups: every group's layers read the same
+        # blocks here (each layer has a cache of its own).
+        num_groups = self.model.kv_groups.num_groups
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(s.slots, dtype=torch.int64, device=dev),
-            block_table=self.block_table[s.rows].to(dev),
+            slot_mapping=slots,
+            block_table=table,
             query_start_loc=torch.tensor(s.query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(s.seq_lens, dtype=torch.int32, device=dev),
+            group_slot_mappings=(slots,) * num_groups if num_groups > 1 else None,
+            group_block_tables=(table,) * num_groups if num_groups > 1 else None,
         )
         with torch.inference_mode():
             ids = torch.tensor(s.ids, device=dev)

@@ -50,29 +50,50 @@ class CaptureInputs:
         """(input ids, positions, metadata) of `dummy_run`'s forward, in the buffers: one
         request of `num_tokens` tokens reading one (null-block) slot."""
         inputs = self.inputs
-        slots = self.batch.block_table.slot_mapping.gpu
+        tables = self._tables()
+        for table in tables:
+            table.slot_mapping.gpu[:num_tokens].fill_(-1)
         inputs.input_ids.gpu[:num_tokens].zero_()
         inputs.positions.gpu[:num_tokens].zero_()
-        slots[:num_tokens].fill_(-1)
         inputs.query_start_loc.gpu[0] = 0
         inputs.query_start_loc.gpu[1] = 1
         inputs.seq_lens.gpu[:1].fill_(1)  # one request reading one (null-block) slot
         inputs.max_query_len[0] = num_tokens  # (its tokens: uniform decode only at 1)
-        md = AttentionMetadata(slots[:num_tokens], self.batch.block_table.table.gpu[:1],
+        md = AttentionMetadata(tables[0].slot_mapping.gpu[:num_tokens],
+                               tables[0].table.gpu[:1],
                                inputs.query_start_loc.gpu[:2], inputs.seq_lens.gpu[:1],
-                               inputs.max_query_len)
+                               inputs.max_query_len,
+                               *self._group_fields(num_tokens, 1))
         return inputs.input_ids.gpu[:num_tokens], inputs.positions.gpu[:num_tokens], md
+
+    def _tables(self) -> list:
+        """The batch's block tables: one, or one per KV-cache group."""
+        table = self.batch.block_table
+        return [table] if table.groups is None else table.groups
+
+    def _group_fields(self, num_tokens: int, num_rows: int) -> tuple:
+        """AttentionMetadata's per-group (slot mappings, block tables) over the buffers'
+        first rows; (None, None) with one KV-cache group."""
+        groups = self.batch.block_table.groups
+        if groups is None:
+            return None, None
+        return (tuple(t.slot_mapping.gpu[:num_tokens] for t in groups),
+                tuple(t.table.gpu[:num_rows] for t in groups))
 
     def full_inputs(self, size: int) -> list[torch.Tensor]:
         """What a full graph of `size` reads: the persistent buffers' first `size`
-        tokens / request rows and the KV caches (see cuda_graphs/full.py)."""
+        tokens / request rows (every KV-cache group's tables, group 0's first) and the
+        KV caches (see cuda_graphs/full.py)."""
         inputs = self.inputs
-        table = self.batch.block_table
+        table, *others = self._tables()
         caches = [t for layer in self.model.attention_layers()
                   for t in (layer.k_cache, layer.v_cache)]
+        tables = [t for other in others for t in (other.slot_mapping.gpu[:size],
+                                                  other.table.gpu[:size])]
         return [inputs.input_ids.gpu[:size], inputs.positions.gpu[:size],
                 table.slot_mapping.gpu[:size], table.table.gpu[:size],
-                inputs.query_start_loc.gpu[: size + 1], inputs.seq_lens.gpu[:size], *caches]
+                inputs.query_start_loc.gpu[: size + 1], inputs.seq_lens.gpu[:size],
+                *tables, *caches]
 
     def full_forward(self, size: int, dummy: bool):
         """(fn, inputs) for a full graph of `size` uniform-decode rows: fn runs the
@@ -93,17 +114,19 @@ class CaptureInputs:
         """(input ids, positions, metadata) a full graph of `size` runs on: the buffers'
         first `size` rows, first filled with the dummy batch if `dummy`."""
         ids, positions, slots, table, query_start_loc, seq_lens = self.full_inputs(size)[:6]
+        group_slots, group_tables = self._group_fields(size, size)
         if dummy:
             ids.zero_()
             positions.zero_()
-            slots.fill_(-1)
+            for group_slot in group_slots or (slots,):
+                group_slot.fill_(-1)
             query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
             seq_lens.fill_(1)
         # A full graph holds a uniform decode step (one token a row): its capture takes
         # the attention kernels such a step takes.
         max_query_len = host_max_query_len(1)  # (made in a capture: see there)
         return ids, positions, AttentionMetadata(slots, table, query_start_loc, seq_lens,
-                                                 max_query_len)
+                                                 max_query_len, group_slots, group_tables)
 
 
 def compile_and_capture(capture: CaptureInputs, graphs: ModelCudaGraphs,

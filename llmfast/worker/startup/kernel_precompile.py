@@ -44,7 +44,7 @@ def dry_batches(capture: CaptureInputs, max_num_tokens: int, max_num_reqs: int,
     whose full graphs `full_sizes` (empty: none)."""
     device = capture.inputs.input_ids.gpu.device
     ids, positions, md, _ = profile_batch(max_num_tokens, max_num_reqs, block_size, device,
-                                          max_model_len)
+                                          max_model_len, capture.model.kv_groups.num_groups)
     batches = [(ids, positions, md)]
     # Eager (no graphs): the first steps at those sizes launch the same variants.
     sizes = sorted({1, 2, max(graph_sizes, default=max_num_tokens)})

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from llmfast.config import CacheConfig, EngineConfig, ModelConfig, kv_cache_torch_dtype
+from llmfast.core.kv_cache_groups import KVCacheGroups, kv_cache_groups
 from llmfast.models.sharding import rank_model_config
 from llmfast.utils.host_memory import available_host_memory
 
@@ -60,9 +61,12 @@ def check_kv_cache_fits_host(num_blocks: int, block_bytes: int, device: torch.de
 def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, num_blocks: int,
                       block_bytes: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """All layers' K and V blocks in one zero-filled tensor (`model`: this rank's
-    config, its KV heads)."""
-    # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-    shape = (model.num_hidden_layers, 2, num_blocks, cache.block_size,
+    config, its KV heads). One page per layer of a KV-cache group: with one group every
+    layer's; with several (core/kv_cache_groups.py) `layers_per_block`, the layer at
+    position j of each group reading page j at its group's block ids
+    (KVCacheGroups.layer_slot)."""
+    # [layers_per_block, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+    shape = (kv_cache_groups(model).layers_per_block, 2, num_blocks, cache.block_size,
              model.num_key_value_heads, model.head_dim)
     check_kv_cache_fits_host(num_blocks, block_bytes, device, cache)
     try:
@@ -78,8 +82,10 @@ def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, num_blocks: int,
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, keys and values."""
-    per_token = 2 * model.num_hidden_layers * model.kv_size * dtype.itemsize
+    """Bytes of one block id, keys and values: across all layers, or with several
+    KV-cache groups across one group's `layers_per_block` (core/kv_cache_groups.py)."""
+    num_layers = kv_cache_groups(model).layers_per_block
+    per_token = 2 * num_layers * model.kv_size * dtype.itemsize
     return per_token * block_size
 
 
@@ -162,11 +168,20 @@ def gpu_kv_budget(total: int, used_by_others: int, utilization: float, peak_byte
 
 
 def check_fits_one_request(num_blocks: int, block_size: int, max_model_len: int,
-                           block_bytes: int, device: torch.device, cache: CacheConfig) -> None:
+                           block_bytes: int, device: torch.device, cache: CacheConfig,
+                           groups: KVCacheGroups | None = None,
+                           max_step_tokens: int = 0) -> None:
     """A KVCacheTooSmall naming the flag that fixes it on `device` unless one sequence of
-    max_model_len tokens fits in the cache."""
+    max_model_len tokens fits in the cache: one block per block_size tokens, or with
+    several KV-cache `groups` what KVCacheGroups.max_blocks_per_request counts for steps
+    of up to `max_step_tokens`."""
     usable = num_blocks - 1  # block 0 is the null block
-    needed = -(-max_model_len // block_size)
+    if groups is not None and groups.num_groups > 1:
+        needed = groups.max_blocks_per_request(max_model_len, max_step_tokens, block_size)
+        holds = groups.max_tokens(max(usable, 0), max_step_tokens, block_size, max_model_len)
+    else:
+        needed = -(-max_model_len // block_size)
+        holds = usable * block_size
     flag = kv_cache_size_flag(device, cache)
     if usable < 1:
         raise KVCacheTooSmall(
@@ -177,9 +192,8 @@ def check_fits_one_request(num_blocks: int, block_size: int, max_model_len: int,
         if flag == "--kv-cache-memory":  # the size that would do, in the flag's own units
             flag += f" to {(needed + 1) * block_bytes / GiB:.2f}GiB"
         raise KVCacheTooSmall(
-            f"KV cache holds {usable * block_size} tokens, fewer than max-model-len "
-            f"{max_model_len}; raise {flag} or lower --max-model-len to "
-            f"{usable * block_size}"
+            f"KV cache holds {holds} tokens, fewer than max-model-len "
+            f"{max_model_len}; raise {flag} or lower --max-model-len to {holds}"
         )
 
 
@@ -220,6 +234,11 @@ def fit_cpu_max_model_len(config: EngineConfig, available: int | None = None) ->
         num_blocks = num_cpu_blocks(cache, model, kv_dtype, available)
     holds = (num_blocks - 1) * cache.block_size  # block 0 is the null block
     max_model_len = config.scheduler.max_model_len
+    groups = kv_cache_groups(model)
+    if groups.num_groups > 1:  # the sliding groups hold only their windows
+        holds = groups.max_tokens(max(num_blocks - 1, 0),
+                                  config.scheduler.max_num_batched_tokens, cache.block_size,
+                                  max_model_len)
     if holds < 1 or holds >= max_model_len:
         return config
     logger.warning("max-model-len %d, what the KV cache holds (%.1f MiB; raise %s for more; "

@@ -18,7 +18,8 @@ from llmfast.worker.sampling.sampling_metadata import worst_case_sampling_metada
 
 
 def profile_batch(max_num_tokens: int, max_num_reqs: int, block_size: int,
-                  device: torch.device, max_model_len: int | None = None
+                  device: torch.device, max_model_len: int | None = None,
+                  num_kv_groups: int = 1
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
     """The largest step: (input ids, positions, metadata, blocks its table names + 1).
 
@@ -37,11 +38,16 @@ def profile_batch(max_num_tokens: int, max_num_reqs: int, block_size: int,
     req_idx = np.repeat(np.arange(num_reqs), per_req)
     positions = np.arange(num_tokens) - cu[req_idx]
     table = torch.arange(1, num_blocks, dtype=torch.int32, device=device)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    table = table.view(num_reqs, blocks_per_req)
     md = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-        block_table=table.view(num_reqs, blocks_per_req),
+        slot_mapping=slots,
+        block_table=table,
         query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(per_req, dtype=torch.int32, device=device),
+        # Several KV-cache groups: every group reads the same (scratch) blocks.
+        group_slot_mappings=(slots,) * num_kv_groups if num_kv_groups > 1 else None,
+        group_block_tables=(table,) * num_kv_groups if num_kv_groups > 1 else None,
     )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     return ids, torch.tensor(positions, device=device), md, num_blocks
@@ -54,7 +60,8 @@ def profile_peak_memory(model: DecoderForCausalLM, sampler: Sampler, max_num_tok
     in use."""
     cfg = model.rank_config  # this rank's KV heads
     ids, positions, md, num_blocks = profile_batch(max_num_tokens, max_num_reqs, block_size,
-                                                   device, max_model_len)
+                                                   device, max_model_len,
+                                                   model.kv_groups.num_groups)
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     scratch = [(torch.zeros(shape, dtype=dtype, device=device),
                 torch.zeros(shape, dtype=dtype, device=device))
