@@ -1,0 +1,197 @@
+"""A Gemma 3 text model with several KV-cache groups through the engine: a tiny random HF
+checkpoint of seven layers (sliding, sliding, global, ...: two global, five sliding, so
+four groups of two layers, one page padded) and a 16-token window gives HF's greedy
+tokens on prompts plus generations longer than the window, batched, under chunked
+prefill, preemption and prefix-cache hits; while it runs each sliding group of a decoding
+request holds at most ceil(16 / 4) + 1 blocks and the global group every block. Also the
+runner's side: the cache's pages, each layer's page and group, and the per-group slot
+mappings against a naive loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmfast.core.kv_cache_groups import kv_cache_groups
+from llmfast.worker.group_block_tables import MultiGroupBlockTable
+from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.helpers.workloads import greedy_params
+from tests.test_engine import _llm, greedy_oracle
+from tests.test_sliding_models import long_workload
+
+S, G = "sliding_attention", "full_attention"
+LAYER_TYPES = [S, S, G, S, S, G, S]
+WINDOW, BS = 16, 4
+
+
+@pytest.fixture(scope="module")
+def gemma7(tmp_path_factory):
+    path = make_hf_checkpoint(tmp_path_factory.mktemp("gemma3_groups") / "ckpt",
+                              family="gemma3_text", tie=True, num_hidden_layers=7,
+                              layer_types=LAYER_TYPES, sliding_window=WINDOW)
+    return path, greedy_oracle(load_hf_model(path))
+
+
+def _watch_held(scheduler):
+    """Wrap scheduler.schedule: after each, every decoding request's held blocks per group."""
+    kv = scheduler.kv_cache_manager
+    schedule, seen = scheduler.schedule, []
+
+    def checked_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for rid, n in out.num_scheduled_tokens.items():
+            if n == 1:
+                request = scheduler.requests[rid]
+                seen.append((kv.num_held_blocks_per_group(rid),
+                             -(-request.num_computed_tokens // BS)))
+        return out
+
+    scheduler.schedule = checked_schedule
+    return seen
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_matches_hf_with_groups(gemma7, async_scheduling):
+    path, oracle = gemma7
+    prompts, lengths = long_workload(11)
+    assert max(len(p) + n for p, n in zip(prompts, lengths)) > 3 * WINDOW
+    # 4 groups; one 128-token request alone needs 32 + 3 x 9 = 59 blocks: 72 preempt.
+    llm = _llm(path, max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=72,
+               async_scheduling=async_scheduling)
+    scheduler = llm.engine.scheduler
+    assert scheduler.kv_groups is not None and scheduler.kv_groups.num_groups == 4
+    seen = _watch_held(scheduler)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(lengths))
+    for p, n, out in zip(prompts, lengths, outs):
+        assert out.outputs[0].token_ids == oracle(p, n)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0 and sum(o.num_cached_tokens for o in outs) > 0
+    bound = -(-WINDOW // BS) + 1
+    assert len(seen) > 100
+    for held, spanned in seen:
+        assert held[0] == spanned  # the global group: every block
+        assert max(held[1:]) <= bound
+    assert max(spanned for _, spanned in seen) > 3 * bound
+
+
+def test_runner_pages_and_layer_groups(gemma7):
+    path, _ = gemma7
+    llm = _llm(path, num_gpu_blocks_override=80, max_num_batched_tokens=16)
+    runner = llm.engine.runner
+    groups = runner.kv_groups
+    assert [g.layers for g in groups.groups] == [(2, 5), (0, 1), (3, 4), (6,)]
+    # [layers_per_block, 2, num_blocks, block_size, kv_heads, head_dim]
+    assert runner.kv_cache.shape[:4] == (2, 2, 80, BS)
+    slots, owner = groups.layer_slot(), groups.layer_group()
+    for i, layer in enumerate(runner.model.attention_layers()):
+        assert layer.kv_group == owner[i]
+        assert layer.k_cache.data_ptr() == runner.kv_cache[slots[i], 0].data_ptr()
+        assert layer.v_cache.data_ptr() == runner.kv_cache[slots[i], 1].data_ptr()
+    table = runner.input_batch.block_table
+    assert isinstance(table, MultiGroupBlockTable) and len(table.groups) == 4
+
+
+def test_single_group_models_keep_one_table_and_every_layer_page(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "ckpt", family="mistral", sliding_window=16)
+    runner = _llm(path, num_gpu_blocks_override=40).engine.runner
+    assert runner.kv_groups.num_groups == 1
+    assert runner.input_batch.block_table.groups is None
+    assert runner.kv_cache.shape[0] == 2  # TINY's two layers, a page each
+    assert all(layer.kv_group is None for layer in runner.model.attention_layers())
+
+
+def test_group_slot_mappings_match_a_naive_loop():
+    rng = np.random.default_rng(0)
+    num_groups, max_reqs, max_blocks, bs = 3, 5, 12, 4
+    tables = MultiGroupBlockTable(num_groups, max_reqs, max_blocks, 64, bs,
+                                  torch.device("cpu"))
+    rows = {}
+    for row in range(4):
+        n = int(rng.integers(1, max_blocks))
+        ids = [list(rng.permutation(np.arange(1, 200))[:n]) for _ in range(num_groups)]
+        tables.add_row(row, ids)
+        rows[row] = ids
+    tables.append_row(1, [[201], [202], [203]])
+    for g in range(num_groups):
+        rows[1][g] = rows[1][g] + [201 + g]
+    tables.move_row(3, 0)  # rows: 0 <- 3 (3 freed)
+    rows[0] = rows.pop(3)
+    num_sched = {0: 5, 1: 3, 2: 2}
+    req_indices, positions = [], []
+    for row, k in num_sched.items():
+        start = int(rng.integers(0, len(rows[row][0]) * bs - k + 1))
+        req_indices += [row] * k
+        positions += list(range(start, start + k))
+    tables.compute_slot_mapping(np.array(req_indices), np.array(positions), 12)
+    slots, device_tables = tables.device_groups(12, 3, 3)
+    for g in range(num_groups):
+        want = [rows[r][g][p // bs] * bs + p % bs for r, p in zip(req_indices, positions)]
+        assert slots[g][:len(want)].tolist() == want
+        assert slots[g][len(want):].tolist() == [-1] * (12 - len(want))
+        for row in range(3):
+            n = len(rows[row][g])
+            assert device_tables[g][row, :n].tolist() == rows[row][g]
+            assert not device_tables[g][row, n:].any()
+
+
+def test_kv_cache_bytes_per_block_follow_the_groups(gemma7):
+    from llmfast.models.families import model_config_from_hf
+    from llmfast.worker.startup.kv_cache_sizing import kv_block_bytes
+    import json
+
+    path, _ = gemma7
+    config = model_config_from_hf(json.loads((path / "config.json").read_text()))
+    assert kv_cache_groups(config).layers_per_block == 2
+    # 2 layers x K and V x 4 tokens x 2 KV heads x 16 x 4 bytes
+    assert kv_block_bytes(config, BS, torch.float32) == 2 * 2 * BS * 2 * 16 * 4
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: two compiled starts with emulated CUDA graphs
+def test_compiled_groups_with_full_graphs_and_a_warm_start(gemma7, monkeypatch, tmp_path):
+    """Compiled (Inductor on CPU), piecewise and full graphs emulated, async: the
+    per-group tables are graph inputs from persistent buffers (addresses checked at each
+    full replay) and HF's tokens come out; the saved trace names every group's tables,
+    and a second start loads it without tracing and gives the same tokens."""
+    import dataclasses
+
+    from llmfast import SamplingParams
+    from llmfast.config import CudaGraphMode
+    from llmfast.engine import LLMEngine
+    from llmfast.engine.args import EngineArgs
+    from tests.helpers.engine_config import engine_config
+    from tests.test_full_graphs import _run, _workload
+
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    monkeypatch.delenv("LLMFAST_PRECOMPILED", raising=False)
+    path, oracle = gemma7
+
+    def engine() -> LLMEngine:
+        args = EngineArgs(model=str(path), device="cpu", max_model_len=96, block_size=BS,
+                          seed=0, compile=True, max_num_seqs=6, max_num_batched_tokens=32,
+                          cuda_graph_sizes=(1, 2, 4, 8, 16, 32))
+        config, source = engine_config(args)
+        config = dataclasses.replace(config, compile=dataclasses.replace(
+            config.compile, cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+            emulate_cuda_graphs=True, check_static_addresses=True))
+        return LLMEngine(config, source)
+
+    prompts, lengths, arrivals = _workload()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    for start in ("cold", "warm"):
+        eng = engine()
+        eng.set_async_scheduling(True)
+        got = _run(eng, prompts, params, arrivals)
+        for p, n, tokens in zip(prompts, lengths, got):
+            assert tokens == oracle(p, n)
+        compiled = eng.runner.compiled
+        assert compiled.graphs.full.num_replays > 0 and compiled.graphs.piecewise.num_replays > 0
+        assert compiled.stats.precompiled == (start == "warm"), start
+        # Every group's slot mapping and block table is an input of the full graphs.
+        assert len(eng.runner._full_inputs(2)) == 6 + 2 * 3 + 2 * 7
+        manifests = list(tmp_path.rglob("manifest.json"))
+        assert manifests
+        text = manifests[0].read_text()
+        assert '"group_block_tables"' in text and '"group_slot_mappings"' in text
+        del eng
