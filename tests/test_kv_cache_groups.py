@@ -201,12 +201,18 @@ def _finish(sched):
         run_step(sched)
 
 
-def test_prefix_hit_is_valid_in_every_group():
-    groups = kv_cache_groups(_config(GEMMA_LIKE, 16))
-    sched = _scheduler(groups, num_blocks=200, budget=64)
-    kv = sched.kv_cache_manager
-    sched.add_request(make_request("a", n_prompt=60, max_tokens=3))
+def _after_a_60_token_request():
+    """(scheduler, its KV-cache manager, request a) once a 60-token prompt has run
+    through the groups of GEMMA_LIKE with a 16-token window."""
+    sched = _scheduler(kv_cache_groups(_config(GEMMA_LIKE, 16)), num_blocks=200, budget=64)
+    a = make_request("a", n_prompt=60, max_tokens=3)
+    sched.add_request(a)
     _finish(sched)
+    return sched, sched.kv_cache_manager, a
+
+
+def test_prefix_hit_is_valid_in_every_group():
+    sched, kv, _ = _after_a_60_token_request()
     sched.add_request(make_request("b", n_prompt=60, max_tokens=3))
     out, _ = run_step(sched)
     new = out.scheduled_new_reqs[0]
@@ -229,12 +235,7 @@ def _evict(kv, g, block_hash):
 
 
 def test_a_sliding_group_missing_a_window_block_shortens_the_hit():
-    groups = kv_cache_groups(_config(GEMMA_LIKE, 16))
-    sched = _scheduler(groups, num_blocks=200, budget=64)
-    kv = sched.kv_cache_manager
-    a = make_request("a", n_prompt=60, max_tokens=3)
-    sched.add_request(a)
-    _finish(sched)
+    sched, kv, a = _after_a_60_token_request()
     # Sliding group 2 loses block 6 (inside the window of a 7-block hit): the longest
     # hit whose window avoids it is 6 blocks (window at 48: blocks 4..5)...
     _evict(kv, 2, a.block_hashes[6])
@@ -247,12 +248,7 @@ def test_a_sliding_group_missing_a_window_block_shortens_the_hit():
 
 
 def test_a_global_group_missing_a_block_ends_the_hit_before_it():
-    groups = kv_cache_groups(_config(GEMMA_LIKE, 16))
-    sched = _scheduler(groups, num_blocks=200, budget=64)
-    kv = sched.kv_cache_manager
-    a = make_request("a", n_prompt=60, max_tokens=3)
-    sched.add_request(a)
-    _finish(sched)
+    sched, kv, a = _after_a_60_token_request()
     _evict(kv, 0, a.block_hashes[2])
     sched.add_request(make_request("d", n_prompt=60, max_tokens=3))
     out, _ = run_step(sched)
@@ -294,7 +290,7 @@ def test_more_long_requests_run_at_once_than_without_groups():
                             max_model_len=4096),
             CacheConfig(block_size=bs), kv_bytes // page, None, groups)
         for i in range(12):
-            sched.add_request(Request_(f"r{i}", n_prompt, i))
+            sched.add_request(_long_request(f"r{i}", n_prompt, i))
         most = 0
         for _ in range(400):
             out, _ = run_step(sched)
@@ -308,7 +304,7 @@ def test_more_long_requests_run_at_once_than_without_groups():
     assert with_groups >= 2 * without, (with_groups, without)
 
 
-def Request_(rid, n_prompt, i):
+def _long_request(rid, n_prompt, i):
     return make_request(rid, n_prompt=n_prompt, max_tokens=40, first=10_000 * (i + 1))
 
 

@@ -217,10 +217,7 @@ class HybridKVCacheManager(KVCacheManager):
             lists = self.req_to_blocks[rid]
             num_computed += num_hit * bs
             if new_computed_blocks is not None and self.enable_caching:
-                stats = self.stats
-                stats.num_queries += 1
-                stats.queries += len(request.all_token_ids)
-                stats.hits += num_hit * bs
+                self._count_admission(request, num_hit)
         if self.enable_caching:
             num_full = min(num_computed, len(request.all_token_ids)) // bs
             if num_full > self.num_cached_blocks[rid][0]:

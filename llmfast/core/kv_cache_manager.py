@@ -197,10 +197,7 @@ class KVCacheManager:
             req_blocks = self.req_to_blocks[rid]
             num_computed += num_hit * bs
             if new_computed_blocks is not None and self.enable_caching:
-                stats = self.stats
-                stats.num_queries += 1
-                stats.queries += len(request.all_token_ids)
-                stats.hits += num_hit * bs
+                self._count_admission(request, num_hit)
         if self.enable_caching:
             # Only blocks whose token values are all known: a placeholder (a token still in
             # flight, see Request) must never be hashed.
@@ -208,6 +205,14 @@ class KVCacheManager:
             if num_full > self.num_cached_blocks[rid]:
                 self._cache_full_blocks(request, req_blocks, num_full)
         return new_blocks
+
+    def _count_admission(self, request: Request, num_hit: int) -> None:
+        """Prefix-cache stats of one admission: its tokens, and the `num_hit` blocks'
+        found cached."""
+        stats = self.stats
+        stats.num_queries += 1
+        stats.queries += len(request.all_token_ids)
+        stats.hits += num_hit * self.block_size
 
     def _allocate(self, request: Request, num_new_tokens: int,
                   new_computed_blocks: list[KVCacheBlock] | None, num_hit: int,
