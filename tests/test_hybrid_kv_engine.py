@@ -195,3 +195,21 @@ def test_compiled_groups_with_full_graphs_and_a_warm_start(gemma7, monkeypatch, 
         text = manifests[0].read_text()
         assert '"group_block_tables"' in text and '"group_slot_mappings"' in text
         del eng
+
+
+@pytest.mark.slow  # ~80 s on 2 shared cores: two worker processes
+def test_tensor_parallel_groups_match_hf(gemma7):
+    """Two ranks (mp): the pickled per-group block ids reach both, each rank's cache of one
+    KV head is paged by the same groups."""
+    path, oracle = gemma7
+    prompts, lengths = long_workload(11)
+    llm = _llm(path, max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=72,
+               tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            greedy_params(lengths))
+        for p, n, out in zip(prompts, lengths, outs):
+            assert out.outputs[0].token_ids == oracle(p, n)
+        assert llm.engine.stats().num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
