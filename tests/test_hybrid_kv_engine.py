@@ -213,3 +213,23 @@ def test_tensor_parallel_groups_match_hf(gemma7):
         assert llm.engine.stats().num_preemptions > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_start_up_dry_batches_carry_every_groups_tables(gemma7):
+    """The batches the CUDA start-up runs before serving (the memory profile's largest
+    step, the captures' dummies, a full graph's batch: worker/startup/) give each group
+    its tables, and the model runs on them (here on the CPU)."""
+    path, _ = gemma7
+    runner = _llm(path, num_gpu_blocks_override=80, max_num_batched_tokens=16,
+                  max_num_seqs=4).engine.runner
+    batches = runner._dry_batches()
+    assert len(batches) >= 3
+    for ids, positions, md in batches:
+        assert len(md.group_slot_mappings) == len(md.group_block_tables) == 4
+        assert md.group_slot_mappings[0] is md.slot_mapping or \
+            md.group_slot_mappings[0].data_ptr() == md.slot_mapping.data_ptr()
+        for slots in md.group_slot_mappings:
+            assert slots.shape == md.slot_mapping.shape and (slots == -1).all()
+        with torch.inference_mode():
+            hidden = runner.model(ids, positions, md)
+        assert hidden.shape == (ids.shape[0], 64) and torch.isfinite(hidden).all()
