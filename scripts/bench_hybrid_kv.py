@@ -56,7 +56,7 @@ def _scheduler(groups: KVCacheGroups | None, num_blocks: int, args, max_model_le
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=args.budget,
                                      max_model_len=max_model_len),
-                     CacheConfig(block_size=args.block_size), num_blocks, None, groups)
+                     CacheConfig(block_size=args.block_size), num_blocks, kv_groups=groups)
 
 
 def _request(rid: str, n_prompt: int, n_gen: int, first: int) -> Request:

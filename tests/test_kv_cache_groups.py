@@ -43,7 +43,8 @@ def _scheduler(groups, num_blocks=64, budget=32, max_num_seqs=8, max_model_len=5
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         max_model_len=max_model_len),
-        CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks, None, groups)
+        CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks,
+        kv_groups=groups)
 
 
 # ---- grouping ------------------------------------------------------------------------
@@ -288,7 +289,7 @@ def test_more_long_requests_run_at_once_than_without_groups():
         sched = Scheduler(
             SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget_tokens,
                             max_model_len=4096),
-            CacheConfig(block_size=bs), kv_bytes // page, None, groups)
+            CacheConfig(block_size=bs), kv_bytes // page, kv_groups=groups)
         for i in range(12):
             sched.add_request(_long_request(f"r{i}", n_prompt, i))
         most = 0

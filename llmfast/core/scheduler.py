@@ -98,7 +98,7 @@ def _append_token(request: Request, token: int, max_model_len: int) -> RequestSt
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-        sliding_window: int | None = None, kv_groups: KVCacheGroups | None = None,
+        sliding_window: int | None = None, *, kv_groups: KVCacheGroups | None = None,
     ) -> None:
         """`sliding_window`: the window every layer of the model attends within, if one
         does (ModelConfig.kv_sliding_window): blocks that leave it are freed.

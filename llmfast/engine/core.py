@@ -42,7 +42,7 @@ class EngineCore:
         self.eos_token_ids = started.tokens.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, config.cache, started.num_blocks,
                                    config.model.kv_sliding_window,
-                                   kv_cache_groups(config.model))
+                                   kv_groups=kv_cache_groups(config.model))
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose outputs the next step() reads (async scheduling only);
         # the second item is the executor's handle.

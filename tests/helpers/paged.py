@@ -73,7 +73,8 @@ class PagedSequences:
         table = self.block_table[s.rows].to(dev)
         # A model with several KV-cache groups: every group's layers read the same
         # blocks here (each layer has a cache of its own).
-        num_groups = self.model.kv_groups.num_groups
+        groups = getattr(self.model, "kv_groups", None)  # (a wrapper has none: one group)
+        num_groups = 1 if groups is None else groups.num_groups
         md = AttentionMetadata(
             slot_mapping=slots,
             block_table=table,
