@@ -342,7 +342,11 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+            num_alloc = num_new
+            if self.num_lookahead_slots:  # (see the running loop)
+                num_alloc += min(self.num_lookahead_slots,
+                                 self.max_model_len - 1 - num_cached - num_new)
+            if kv.allocate_slots(request, num_alloc, computed_blocks) is None:
                 break  # FIFO: nothing behind it jumps the queue
             waiting.popleft()
             running.append(request)
