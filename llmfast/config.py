@@ -472,6 +472,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past its scheduled tokens each drafting request gets: a draft model
+        writes its K drafts' KV there (worker/spec_decode/proposer.py)."""
+        return self.num_speculative_tokens if self.method == "draft" else 0
+
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"unknown speculative method {self.method!r:.40}; choose "

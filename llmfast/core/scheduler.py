@@ -90,6 +90,20 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_verify_steps: int = 0
+    # accepted / verified drafts, and tokens emitted per verify step (accepted + 1);
+    # 0.0 before any verify step.
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+
+
+def spec_rates(num_draft_tokens: int, num_accepted_tokens: int,
+               num_verify_steps: int) -> tuple[float, float]:
+    """(acceptance rate, mean accepted length): accepted / verified drafts, and tokens
+    emitted per verify step (its accepted drafts plus the bonus or recovered token)."""
+    if not num_verify_steps:
+        return 0.0, 0.0
+    return (num_accepted_tokens / num_draft_tokens,
+            (num_accepted_tokens + num_verify_steps) / num_verify_steps)
 
 
 def _append_token(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
@@ -205,6 +219,8 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        rate, length = spec_rates(self.spec_num_draft_tokens, self.spec_num_accepted_tokens,
+                                  self.spec_num_verify_steps)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -216,6 +232,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_num_verify_steps=self.spec_num_verify_steps,
+            spec_acceptance_rate=rate,
+            spec_mean_accepted_length=length,
         )
 
     # ---- one step ------------------------------------------------------------------
