@@ -149,7 +149,10 @@ class ModelRunner:
         self.cuda_graphs = ModelCudaGraphs(
             config.compile, self.device, self.max_num_tokens, max_num_reqs=self.max_num_reqs,
             graph_impl="emulated" if config.compile.emulate_cuda_graphs else "auto",
-            stats=stats)
+            stats=stats,
+            # Verify steps of 1 + K tokens a request get full graphs of their own.
+            spec_query_len=0 if config.speculative is None
+            else 1 + config.speculative.num_speculative_tokens)
         self.compiled = CompiledModel(
             self.model, config.compile, self.device, graphs=self.cuda_graphs, stats=stats,
             # Not under tensor parallelism: every rank would have to load alike, and
@@ -293,9 +296,9 @@ class ModelRunner:
         config. A method, so that a CPU test can run that order (tests/test_full_graphs.py)."""
         return self.device.type == "cuda"
 
-    def _full_inputs(self, size: int) -> list[torch.Tensor]:
+    def _full_inputs(self, size: int, query_len: int = 1) -> list[torch.Tensor]:
         """What a full graph of `size` reads (the persistent buffers, the KV caches)."""
-        return self.capture_inputs.full_inputs(size)
+        return self.capture_inputs.full_inputs(size, query_len)
 
     # ------------------------------------------------------------------ per step
 
@@ -341,13 +344,16 @@ class ModelRunner:
             step = record_placeholders(batch, self.requests, num_sched, sampling_rows,
                                        metadata.max_num_logprobs is not None)
         if dispatch.runner is RunnerKind.FULL:
-            # One token per row, in row order: the graph's logits rows are the rows'.
+            # One token per row, in row order: the graph's logits rows are the rows'
+            # (a verify step: q = 1 + K tokens per row, its logits rows the tokens').
             # The graph's inputs are listed only for the debug check: ~50 us of module
             # attribute reads per step for a 16-layer model.
-            inputs = (self._full_inputs(num_padded) if self.cuda_graphs.checks_static_addresses
-                      else ())
+            q = max(dispatch.descriptor.query_len, 1)
+            inputs = (self._full_inputs(num_padded, q)
+                      if self.cuda_graphs.checks_static_addresses else ())
             with nvtx_range(f"forward[{num_padded} full graph]", self.phase_timer):
-                logits = self.cuda_graphs.replay_full(num_padded, inputs)[:n]
+                logits = self.cuda_graphs.replay_full(dispatch.descriptor.graph_key,
+                                                      inputs)[:n * q]
             hidden = None
         else:
             with nvtx_range(f"forward[{num_padded}]", self.phase_timer):
@@ -361,12 +367,15 @@ class ModelRunner:
                     grammar_plan, last.wait() if last is not None and max(
                         grammar_plan.pending_src) >= 0 else None)
         if num_draft_total:
-            # A verify step (never a full graph: its rows have 1 + K tokens): logits of
-            # every draft position and each request's last one, rejection-sampled.
+            # A verify step: logits of every draft position and each request's last one,
+            # rejection-sampled. Under a full graph (every request verifying K drafts)
+            # those rows are all the step's tokens, in order: the graph's logits.
             with nvtx_range("verify", self.phase_timer):
                 rows = self.spec.logits_rows(num_sched, num_draft_total)
+                target_logits = (logits if logits is not None
+                                 else self.model.compute_logits(hidden[rows]))
                 sampled, sampled_logprobs = self.spec.verify(
-                    self.model.compute_logits(hidden[rows]), metadata, n, num_draft_total)
+                    target_logits, metadata, n, num_draft_total)
                 # [n, K + 2]; the synchronous loop only (no placeholder reads it).
                 self.placeholders.prev_sampled = sampled
                 step["spec_width"] = sampled.shape[1]
