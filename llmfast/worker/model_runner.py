@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from llmfast.attention.triton.launch import tune_model_prefill_tiles
@@ -53,6 +54,7 @@ from llmfast.worker.sampling.prompt_logprobs import (
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
+from llmfast.worker.spec_decode.spec_decoder import SpecDecoder
 from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
 from llmfast.worker.startup.kernel_precompile import DryBatch, dry_batches, precompile_kernels
@@ -117,7 +119,13 @@ class ModelRunner:
         self.placeholders = PlaceholderFill(self.max_num_reqs, self.device)
         self.sampling_staging = SamplingStaging(self.device)
         self.prompt_logprobs_staging = PromptLogprobsStaging(self.device)
-        self.output_copier = OutputCopier(self.max_num_reqs, self.device)
+        # Speculative decoding: drafts in, the verify step's rejection sampling, the
+        # proposer after each step (spec_decode/spec_decoder.py); None when off.
+        self.spec = None if config.speculative is None else SpecDecoder(
+            config.speculative, self.max_num_reqs, self.max_num_tokens, self.device)
+        self.output_copier = OutputCopier(
+            self.max_num_reqs, self.device,
+            1 if self.spec is None else config.speculative.num_speculative_tokens + 2)
         # CUDA: recorded after a step's host-to-device copies; the next step waits on it
         # before rewriting the pinned buffers those copies read (in steady state they
         # finished long ago: they ran before the previous forward).
@@ -312,6 +320,7 @@ class ModelRunner:
                 self._inputs_copied.synchronize()
                 self._inputs_copy_queued = False
             update_states(self.requests, self.input_batch, out)
+            num_draft_total = self.spec.write_drafts(out, self.input_batch) if self.spec else 0
             grammar = self._update_grammars(out)
             batch = self.input_batch
             n = batch.num_reqs
@@ -351,21 +360,33 @@ class ModelRunner:
                 metadata.grammar_bitmask = grammar.fill(
                     grammar_plan, last.wait() if last is not None and max(
                         grammar_plan.pending_src) >= 0 else None)
-        with nvtx_range("sample", self.phase_timer):
-            if logits is None:
-                logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
-            sampler_out = (self.sampler(logits, metadata) if self.tp_group.world_size == 1
-                           else sample_on_first_rank(self.sampler, logits, metadata,
-                                                     self.tp_group))
-            sampled = sampler_out.sampled_token_ids  # [n], stays on the device
-            self.placeholders.prev_sampled = sampled
+        if num_draft_total:
+            # A verify step (never a full graph: its rows have 1 + K tokens): logits of
+            # every draft position and each request's last one, rejection-sampled.
+            with nvtx_range("verify", self.phase_timer):
+                rows = self.spec.logits_rows(num_sched, num_draft_total)
+                sampled, sampled_logprobs = self.spec.verify(
+                    self.model.compute_logits(hidden[rows]), metadata, n, num_draft_total)
+                # [n, K + 2]; the synchronous loop only (no placeholder reads it).
+                self.placeholders.prev_sampled = sampled
+                step["spec_width"] = sampled.shape[1]
+        else:
+            with nvtx_range("sample", self.phase_timer):
+                if logits is None:
+                    logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
+                sampler_out = (self.sampler(logits, metadata) if self.tp_group.world_size == 1
+                               else sample_on_first_rank(self.sampler, logits, metadata,
+                                                         self.tp_group))
+                sampled = sampler_out.sampled_token_ids  # [n], stays on the device
+                sampled_logprobs = sampler_out.logprobs
+                self.placeholders.prev_sampled = sampled
         prompt_logprobs = None
         if prompt_plan is not None:
             with nvtx_range("prompt_logprobs", self.phase_timer):
                 prompt_logprobs = self._prompt_logprobs(prompt_plan, hidden, logits,
                                                         dispatch.runner)
             step["prompt_spans"] = prompt_plan.spans
-        step.update(self.output_copier.copy(sampled, sampler_out.logprobs, prompt_logprobs))
+        step.update(self.output_copier.copy(sampled, sampled_logprobs, prompt_logprobs))
         pending = PendingStep(sampled_device=sampled, **step)
         if grammar is not None:
             self._last_step = pending
@@ -399,6 +420,8 @@ class ModelRunner:
         """Wait for a launched step's sampled ids; write them into the batch rows that
         still hold their placeholders; return them per scheduled request."""
         sampled_np = step.wait()
+        if step.spec_width:
+            return self._collect_verify(step, sampled_np)
         write_sampled_tokens(step, sampled_np, self.requests, self.input_batch)
         if self.placeholders.prev_sampled is step.sampled_device:
             # No step launched since this one (the synchronous loop): the host rows now
@@ -416,4 +439,33 @@ class ModelRunner:
             logprobs = step.collect_logprobs()
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=tokens,
                                  logprobs=logprobs,
-                                 prompt_logprobs=step.collect_prompt_logprobs())
+                                 prompt_logprobs=step.collect_prompt_logprobs(),
+                                 spec_token_ids=self._propose(step))
+
+    def _collect_verify(self, step: PendingStep, packed: np.ndarray) -> ModelRunnerOutput:
+        """`collect` for a verify step: a variable number of tokens per request."""
+        batch = self.input_batch
+        if step.batch_version != batch.version:
+            raise RuntimeError("a verify step collected after the batch changed")
+        self.input_batch.pending_src[:] = -1  # (the synchronous loop: see collect)
+        num_emitted, tokens = self.spec.emitted(packed, batch, step.sampling_rows,
+                                                step.placeholder_cols)
+        counts = num_emitted.tolist()
+        token_rows = tokens.tolist()
+        out = [token_rows[r][:counts[r]] if s else [] for r, s in zip(step.rows, step.samples)]
+        logprobs = None
+        if step.logprobs_host is not None:
+            # Only rows without drafts ask for logprobs (spec_decode/eligibility.py): one
+            # token each, as in a plain step.
+            logprobs = step.collect_logprobs()
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out,
+                                 logprobs=logprobs,
+                                 prompt_logprobs=step.collect_prompt_logprobs(),
+                                 spec_token_ids=self._propose(step))
+
+    def _propose(self, step: PendingStep) -> list[list[int]] | None:
+        """The drafts for the next step, per scheduled request (None: speculation off)."""
+        if self.spec is None:
+            return None
+        drafts = self.spec.propose(self.input_batch, step.sampling_rows)
+        return [drafts[r] for r in step.rows]
