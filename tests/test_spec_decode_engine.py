@@ -175,18 +175,29 @@ def test_stop_mid_way(family_env):
     assert llm.engine.stats().kv_cache_usage == 0.0
 
 
-def test_requests_without_drafts_share_steps(family_env):
-    """Penalised requests get no drafts (spec_decode/eligibility.py) but run in the same
-    steps as drafting ones, and produce what they produce without speculation."""
+def test_penalties_min_tokens_and_logprobs_with_drafts(family_env):
+    """Requests with penalties, min_tokens or logprobs draft too (the rejection sampler
+    applies them per draft position): their tokens and logprobs are what they are without
+    speculation, beside plain greedy requests in the same steps."""
     ckpt, oracle = family_env("qwen2")
     prompts, lengths = copy_workload(5, num=8)
     params = _greedy(lengths)
     for i in range(0, len(params), 2):
         params[i] = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True,
-                                   repetition_penalty=1.3)
+                                   repetition_penalty=1.3, presence_penalty=0.2,
+                                   frequency_penalty=0.1, logprobs=3)
+    params[1] = SamplingParams(temperature=0.0, max_tokens=lengths[1], min_tokens=lengths[1],
+                               stop_token_ids=tuple(range(3, 256, 2)))
     plain = _generate(LLM(str(ckpt), device="cpu", max_model_len=128, block_size=4, seed=0),
                       prompts, params)
     llm = _llm(ckpt)
     spec = _generate(llm, prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert llm.engine.stats().spec_num_verify_steps > 0
+    for i in range(0, len(params), 2):
+        assert len(spec[i].logprobs) == len(spec[i].token_ids)
+        for got, want in zip(spec[i].logprobs, plain[i].logprobs):
+            assert got.keys() == want.keys()
+            for t in got:
+                assert got[t] == pytest.approx(want[t], abs=1e-4)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

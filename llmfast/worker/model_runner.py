@@ -54,7 +54,7 @@ from llmfast.worker.sampling.prompt_logprobs import (
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
-from llmfast.worker.spec_decode.spec_decoder import SpecDecoder
+from llmfast.worker.spec_decode.spec_decoder import SpecDecoder, collect_verify_logprobs
 from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
 from llmfast.worker.startup.kernel_precompile import DryBatch, dry_batches, precompile_kernels
@@ -464,9 +464,8 @@ class ModelRunner:
         out = [token_rows[r][:counts[r]] if s else [] for r, s in zip(step.rows, step.samples)]
         logprobs = None
         if step.logprobs_host is not None:
-            # Only rows without drafts ask for logprobs (spec_decode/eligibility.py): one
-            # token each, as in a plain step.
-            logprobs = step.collect_logprobs()
+            logprobs = collect_verify_logprobs(step.logprobs_host, step.rows, step.samples,
+                                               step.num_logprobs, counts)
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out,
                                  logprobs=logprobs,
                                  prompt_logprobs=step.collect_prompt_logprobs(),

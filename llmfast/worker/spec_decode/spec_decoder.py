@@ -19,6 +19,8 @@ Worked example, num_scheduled [4, 1, 3] with drafts [3, 0, 2] (cu = [4, 5, 8]):
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -27,7 +29,7 @@ from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.sampling.sampler import LogprobsTensors, SamplingMetadata
-from llmfast.worker.spec_decode.greedy_stand_in import rejection_sample
+from llmfast.worker.spec_decode.rejection_sampler import rejection_sample
 from llmfast.worker.spec_decode.ngram_proposer import NgramProposer
 from llmfast.worker.spec_decode.proposer import ProposalInputs, Proposer
 
@@ -65,6 +67,10 @@ class SpecDecoder:
         self.cu_num_draft_tokens = CpuGpuBuffer(max_num_reqs + 1, dtype=torch.int32,
                                                 device=device)
         self.num_drafts = np.zeros(max_num_reqs, dtype=np.int64)  # this step's, per row
+        self.max_num_drafts = 0  # this step's most drafts in a row (sizes the output)
+        # Per logits row, its request's row: a per-request grammar bitmask expanded.
+        self.row_req = CpuGpuBuffer(max_num_tokens + max_num_reqs, dtype=torch.int64,
+                                    device=device)
 
     # ------------------------------------------------------------------ before the forward
 
@@ -73,6 +79,7 @@ class SpecDecoder:
         n = batch.num_reqs
         num_drafts = self.num_drafts
         num_drafts[:n] = 0
+        self.max_num_drafts = 0
         spec = out.scheduled_spec_decode_tokens
         if not spec:
             return 0
@@ -85,6 +92,7 @@ class SpecDecoder:
             num_drafts[row] = len(drafts)
         rows = np.flatnonzero(num_drafts[:n])
         counts = num_drafts[rows]
+        self.max_num_drafts = int(counts.max())
         total = int(counts.sum())
         cu_counts = np.cumsum(counts)
         offsets = np.arange(total) - np.repeat(cu_counts - counts, counts)
@@ -107,10 +115,21 @@ class SpecDecoder:
     def verify(self, logits: torch.Tensor, md: SamplingMetadata, num_reqs: int,
                num_draft_total: int) -> tuple[torch.Tensor, LogprobsTensors | None]:
         """Rejection-sample the step's logits; returns (packed [num_reqs, max_K + 2] int64:
-        per request its number of emitted tokens, then the tokens; logprobs)."""
+        per request its number of emitted tokens, then the tokens; logprobs laid out
+        [num_reqs, max_K + 1, ...] like the tokens)."""
+        if md.grammar_bitmask is not None:
+            # One row per logits row (rejection_sampler.py): a constrained request has no
+            # drafts (eligibility.py), so its one row is its own; a drafting request's
+            # rows take its (all-allowing) mask row.
+            counts = self.num_drafts[:num_reqs] + 1
+            total = int(counts.sum())
+            self.row_req.np[:total] = np.repeat(np.arange(num_reqs), counts)
+            md = dataclasses.replace(md, grammar_bitmask=md.grammar_bitmask.index_select(
+                0, self.row_req.copy_to_gpu(total)))
         result = rejection_sample(
             logits, self.draft_token_ids.gpu[:num_draft_total],
-            self.cu_num_draft_tokens.gpu[:num_reqs + 1], None, md)
+            self.cu_num_draft_tokens.gpu[:num_reqs + 1], None, md,
+            max_num_draft_tokens=self.max_num_drafts)
         packed = torch.cat([result.num_emitted.to(torch.int64)[:, None],
                             result.output_token_ids.to(torch.int64)], dim=1)
         return packed, result.logprobs
@@ -149,3 +168,23 @@ class SpecDecoder:
             req_ids=batch.req_ids[:n], token_ids=batch.token_ids,
             num_tokens=batch.num_tokens[:n], max_num_drafts=max_num_drafts))
         return drafts.as_lists()
+
+
+def collect_verify_logprobs(lp: LogprobsTensors, rows: list[int], samples: list[bool],
+                            num_logprobs: list[int | None], counts: list[int]
+                            ) -> list[list[tuple[float, dict[int, float]]]]:
+    """Per scheduled row: [(emitted token's logprob, {top id: logprob})] for each token it
+    emitted, where it asked for logprobs, else []. `lp` on the host, laid out
+    [num_reqs, max_K + 1, ...] (rejection_sampler.py); `counts`: emitted per row."""
+    sampled_lp = lp.sampled_logprobs.numpy()
+    top_ids, top_lps = lp.topk_ids.numpy(), lp.topk_logprobs.numpy()
+    result: list[list[tuple[float, dict[int, float]]]] = []
+    for r, sampled_here, want in zip(rows, samples, num_logprobs):
+        if not sampled_here or want is None:
+            result.append([])
+            continue
+        result.append([
+            (float(sampled_lp[r, j]),
+             {int(i): float(v) for i, v in zip(top_ids[r, j, :want], top_lps[r, j, :want])})
+            for j in range(counts[r])])
+    return result
