@@ -11,6 +11,19 @@ after the first (the prefill is the same work in both modes).
 
     python scripts/bench_spec_decode.py --json profiles/spec_decode/cpu_smollm2.json
     python scripts/bench_spec_decode.py --k 2,4 --repeats 5 --max-tokens 160
+
+`--mode verify-cost` (the GPU step of scripts/gpu_check.py; random weights, no prompts
+needed): the verify step's cost against a plain decode step at each K, with a proposer
+that replays the target's own greedy tokens (replay_proposer.py), so every draft is
+accepted: the upper bound of the speed-up. Per batch size: the plain step's median time
+(synchronous loop, as speculation runs, and the pipelined one), each K's verify step
+time and its ratio to the plain step, tokens per verify step, the decode speed-up
+end to end; then, for the acceptance rates given (`--acceptance`, e.g. the CPU figures
+of real prompts), the speed-up they imply: a step emits (1 - a^(K+1)) / (1 - a) tokens
+on average when each draft is accepted with probability a.
+
+    python scripts/bench_spec_decode.py --mode verify-cost --model random:llama-3.2-1b \
+        --dtype bfloat16 --device cuda --k 1,2,4,8 --batch-sizes 1,8 --json out.json
 """
 
 from __future__ import annotations
@@ -56,8 +69,15 @@ COPY_HEAVY = ("repeat", "fix_typos", "past_to_present")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("prompts", "verify-cost"), default="prompts")
     p.add_argument("--model", default=None, help="default: llmfast's default model")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default: the engine's for the device")
+    p.add_argument("--batch-sizes", default="1", help="verify-cost: requests at once")
+    p.add_argument("--context", type=int, default=256, help="verify-cost: prompt tokens")
+    p.add_argument("--acceptance", default="0.5,0.7,0.9",
+                   help="verify-cost: acceptance rates to turn into expected speed-ups")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--k", default="3", help="drafts per step to try, e.g. 2,4")
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -106,6 +126,8 @@ def git_commit() -> str:
 
 def main() -> None:
     args = parse_args()
+    if args.mode == "verify-cost":
+        return verify_cost_main(args)
     ks = [int(k) for k in args.k.split(",")]
     names = [n.strip() for n in args.prompts.split(",")]
     common = dict(device=args.device, seed=0)
@@ -137,15 +159,137 @@ def main() -> None:
                         "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "batch_size": 1, "greedy": True, "prompts": {n: PROMPTS[n] for n in names},
                         "prompt_tokens": {n: len(prompt_ids[n]) for n in names}}
+    print_table(report, list(modes))
+    write_report(report, args.json)
+
+
+def write_report(report: dict, path: Path | None) -> None:
     report["environment"] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-        "cpu_count": torch.get_num_threads(), "machine": platform.machine()}
-    print_table(report, list(modes))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+        "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- verify cost
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts at once, greedy, `max_tokens` each: the wall time of every step while
+    every request decodes (after the prefill step), and the tokens."""
+    engine = llm.engine
+    before = engine.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = {engine.add_request({"prompt_token_ids": p}, params, stream=False): i
+           for i, p in enumerate(prompts)}
+    tokens: dict[int, list[int]] = {}
+    step_s, t_first = [], None
+    while engine.has_unfinished():
+        all_decoding = t_first is not None and engine.stats().num_running_reqs == len(prompts)
+        t0 = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                tokens[ids[out.request_id]] = list(out.outputs[0].token_ids)
+        t1 = time.perf_counter()
+        if t_first is None:
+            t_first = t1  # the prefill step (every prompt fits the budget)
+        elif all_decoding:
+            step_s.append(t1 - t0)
+    end = time.perf_counter()
+    if engine.async_scheduling:
+        step_s = step_s[1:]  # the first pipelined step collects the prefill's outputs
+    after = engine.stats()
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    steps = after.spec_num_verify_steps - before.spec_num_verify_steps
+    out_tokens = sum(len(t) for t in tokens.values())
+    return {"tokens": [tokens[i] for i in range(len(prompts))],
+            "median_step_ms": statistics.median(step_s) * 1e3 if step_s else None,
+            "num_steps_timed": len(step_s),
+            "decode_tok_s": (out_tokens - len(prompts)) / (end - t_first),
+            "acceptance_rate": accepted / drafts if drafts else None,
+            "tokens_per_verify_step": (accepted + steps) / steps if steps else None}
+
+
+def _release(llm: LLM) -> None:
+    import gc
+
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def verify_cost_main(args: argparse.Namespace) -> None:
+    from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
+
+    ks = [int(k) for k in args.k.split(",")]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    alphas = [float(a) for a in args.acceptance.split(",")]
+    base = dict(model=args.model, device=args.device, seed=0,
+                max_model_len=args.context + args.max_tokens + max(ks) + 8,
+                max_num_seqs=max(sizes), max_num_batched_tokens=max(
+                    max(sizes) * args.context, max(sizes) * (max(ks) + 1), 256))
+    if args.dtype:
+        base["dtype"] = args.dtype
+    if args.device.startswith("cuda"):
+        base["gpu_memory_utilization"] = args.gpu_memory_utilization
+    rng = __import__("random").Random(0)
+    llm = LLM(**base)
+    vocab = llm.engine.config.model.vocab_size
+    prompts = {b: [[rng.randrange(100, vocab) for _ in range(args.context)] for _ in range(b)]
+               for b in sizes}
+    plain, sequences = {}, {}
+    for b in sizes:
+        decode_run(llm, prompts[b][:1], 4)  # warm-up
+        llm.engine.set_async_scheduling(False)
+        sync = decode_run(llm, prompts[b], args.max_tokens)
+        llm.engine.set_async_scheduling(args.device.startswith("cuda"))
+        piped = decode_run(llm, prompts[b], args.max_tokens)
+        plain[b] = {"sync": {k: v for k, v in sync.items() if k != "tokens"},
+                    "async": {k: v for k, v in piped.items() if k != "tokens"}}
+        sequences[b] = [p + t for p, t in zip(prompts[b], sync["tokens"])]
+        print(f"B={b} plain: {sync['median_step_ms']:.2f} ms/step sync, "
+              f"{piped['median_step_ms']:.2f} ms pipelined", file=sys.stderr)
+    _release(llm)
+    per_k = {}
+    for k in ks:
+        llm = LLM(**base, speculative_method="ngram", num_speculative_tokens=k)
+        per_k[k] = {}
+        for b in sizes:
+            llm.engine.runner.spec.proposer = ReplayProposer(k, sequences[b])
+            decode_run(llm, prompts[b][:1], 4)  # warm-up
+            run = decode_run(llm, prompts[b], args.max_tokens)
+            p = plain[b]["sync"]
+            cost = run["median_step_ms"] / p["median_step_ms"] if run["median_step_ms"] else None
+            entry = {key: v for key, v in run.items() if key != "tokens"}
+            entry |= {"verify_cost_vs_plain_step": cost,
+                      "same_tokens_as_plain": run["tokens"] == [
+                          s[args.context:] for s in sequences[b]],
+                      "decode_speedup_vs_sync": run["decode_tok_s"] / p["decode_tok_s"],
+                      "decode_speedup_vs_async": run["decode_tok_s"]
+                      / plain[b]["async"]["decode_tok_s"]}
+            if cost:
+                entry["expected_speedup_at_acceptance"] = {
+                    str(a): (sum(a**i for i in range(k + 1))) / cost for a in alphas}
+            per_k[k][b] = entry
+            print(f"K={k} B={b}: verify {run['median_step_ms']:.2f} ms = {cost:.2f}x a plain "
+                  f"step, {run['tokens_per_verify_step']:.2f} tokens/step, acceptance "
+                  f"{run['acceptance_rate']:.2f}, {entry['decode_speedup_vs_sync']:.2f}x "
+                  "decode tok/s", file=sys.stderr)
+        _release(llm)
+    report = {"config": {"mode": "verify-cost", "model": args.model, "device": args.device,
+                         "dtype": args.dtype, "k": ks, "batch_sizes": sizes,
+                         "context": args.context, "max_tokens": args.max_tokens,
+                         "acceptance": alphas},
+              "plain": {str(b): v for b, v in plain.items()},
+              "verify": {str(k): {str(b): e for b, e in v.items()} for k, v in per_k.items()}}
+    write_report(report, args.json)
 
 
 def summarize(results, names, modes) -> dict:

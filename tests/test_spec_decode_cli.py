@@ -42,6 +42,15 @@ def test_bad_flags_are_one_line_errors(command, args, fragment):
     assert_one_line_error(invoke(*argv), fragment)
 
 
+@pytest.mark.parametrize("model, fragment", [
+    ("/nonexistent/draft", "--speculative-model /nonexistent/draft: model path"),
+    ("random:llama-3.2-1b", "a draft model must share the target's tokenizer"),
+])
+def test_bad_draft_models_are_one_line_errors(model, fragment):
+    result = invoke("generate", "hi", *TINY, "--speculative-model", model, "--max-tokens", "2")
+    assert_one_line_error(result, fragment)
+
+
 def test_llm_keywords_check_the_same():
     with pytest.raises(ConfigError, match="--num-speculative-tokens needs"):
         EngineArgs(num_speculative_tokens=2)

@@ -22,10 +22,10 @@ from llmfast.cuda_graphs.dispatch import (
 )
 from llmfast.engine import LLMEngine
 from llmfast.engine.args import EngineArgs
+from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
 from tests.helpers.engine_config import engine_config
 from tests.test_full_graphs import ckpt  # noqa: F401  (fixture)
 from tests.test_engine import oracle  # noqa: F401  (fixture)
-from tests.test_spec_decode_engine import ReplayProposer
 
 MODE = CudaGraphMode.FULL_AND_PIECEWISE
 

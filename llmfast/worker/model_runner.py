@@ -54,7 +54,12 @@ from llmfast.worker.sampling.prompt_logprobs import (
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
-from llmfast.worker.spec_decode.spec_decoder import SpecDecoder, collect_verify_logprobs
+from llmfast.worker.spec_decode.spec_decoder import (
+    SpecDecoder,
+    TargetFacts,
+    collect_verify_logprobs,
+    make_proposer,
+)
 from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
 from llmfast.worker.startup.kernel_precompile import DryBatch, dry_batches, precompile_kernels
@@ -121,8 +126,13 @@ class ModelRunner:
         self.prompt_logprobs_staging = PromptLogprobsStaging(self.device)
         # Speculative decoding: drafts in, the verify step's rejection sampling, the
         # proposer after each step (spec_decode/spec_decoder.py); None when off.
-        self.spec = None if config.speculative is None else SpecDecoder(
-            config.speculative, self.max_num_reqs, self.max_num_tokens, self.device)
+        self.spec = None
+        if config.speculative is not None:
+            proposer = make_proposer(config.speculative, TargetFacts(
+                self.vocab_size, self.dtype, self.kv_dtype, self.device, self.max_model_len,
+                config.seed))
+            self.spec = SpecDecoder(config.speculative, self.max_num_reqs,
+                                    self.max_num_tokens, self.device, proposer)
         self.output_copier = OutputCopier(
             self.max_num_reqs, self.device,
             1 if self.spec is None else config.speculative.num_speculative_tokens + 2)
@@ -239,9 +249,10 @@ class ModelRunner:
                                                   self.cuda_graphs, self.device)
             self.startup_times["profile"] = time.perf_counter() - t0
             num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.kv_dtype, self.device,
-                                        peak + graph_reserve)
+                                        peak + graph_reserve, self._draft_block_bytes())
         else:
-            num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.kv_dtype)
+            num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.kv_dtype,
+                                        extra_block_bytes=self._draft_block_bytes())
         # Every rank's cache holds the blocks the one scheduler hands out: the fewest.
         num_blocks = min_across_ranks(num_blocks, self.tp_group, self.device)
         t0 = time.perf_counter()
@@ -262,6 +273,8 @@ class ModelRunner:
             self.attention_workspaces.arrivals(self.device, arrivals_bound(
                 self.max_num_tokens, self.max_num_reqs, model_cfg.num_key_value_heads))
         self.num_blocks = num_blocks
+        if self.spec is not None:  # a draft model's cache: the same blocks
+            self.spec.proposer.initialize(num_blocks, self.block_size)
         self.startup_times["kv_cache"] = time.perf_counter() - t0
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks,
                     self.block_size, num_blocks * block_bytes / 2**20,
@@ -274,6 +287,11 @@ class ModelRunner:
             log("the CUDA graphs took %.0f MiB (%.0f MiB were left for them)",
                 graph_bytes / 2**20, graph_reserve / 2**20)
         return num_blocks
+
+    def _draft_block_bytes(self) -> int:
+        """What a block of a draft model's KV cache takes (0 without one): the target's
+        cache is sized for both."""
+        return 0 if self.spec is None else self.spec.proposer.kv_block_bytes(self.block_size)
 
     def _dry_batches(self) -> list[DryBatch]:
         """The batches whose dry forwards compile every Triton variant the start-up and
@@ -395,6 +413,10 @@ class ModelRunner:
                 prompt_logprobs = self._prompt_logprobs(prompt_plan, hidden, logits,
                                                         dispatch.runner)
             step["prompt_spans"] = prompt_plan.spans
+        if self.spec is not None and self.spec.needs_step_tensors:
+            step["spec_step"] = self.spec.step_tensors(self.inputs, batch, md,
+                                                       int(num_sched.sum()), sampled,
+                                                       sampling_rows)
         step.update(self.output_copier.copy(sampled, sampled_logprobs, prompt_logprobs))
         pending = PendingStep(sampled_device=sampled, **step)
         if grammar is not None:
@@ -475,5 +497,5 @@ class ModelRunner:
         """The drafts for the next step, per scheduled request (None: speculation off)."""
         if self.spec is None:
             return None
-        drafts = self.spec.propose(self.input_batch, step.sampling_rows)
+        drafts = self.spec.propose(self.input_batch, step.sampling_rows, step.spec_step)
         return [drafts[r] for r in step.rows]

@@ -20,10 +20,12 @@ Worked example, num_scheduled [4, 1, 3] with drafts [3, 0, 2] (cu = [4, 5, 8]):
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from llmfast.attention.metadata import AttentionMetadata
 from llmfast.config import SpeculativeConfig
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.worker.buffers import CpuGpuBuffer
@@ -31,14 +33,39 @@ from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.sampling.sampler import LogprobsTensors, SamplingMetadata
 from llmfast.worker.spec_decode.rejection_sampler import rejection_sample
 from llmfast.worker.spec_decode.ngram_proposer import NgramProposer
-from llmfast.worker.spec_decode.proposer import ProposalInputs, Proposer
+from llmfast.worker.spec_decode.proposer import ProposalInputs, Proposer, StepTensors
+from llmfast.worker.step_inputs import StepInputs
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+@dataclass(frozen=True)
+class TargetFacts:
+    """What a draft model must match or take from the target's runner."""
+
+    vocab_size: int
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    seed: int
+
+
+def make_proposer(config: SpeculativeConfig, target: TargetFacts) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                              config.prompt_lookup_max)
-    raise NotImplementedError(f"speculative method {config.method} is not wired in yet")
+    # A draft model: loaded here, its KV cache allocated once the target's is sized.
+    from llmfast.models.loading.load_error import LoadError
+    from llmfast.models.sources.model_source import resolve_model
+    from llmfast.worker.spec_decode.draft_proposer import DraftModelProposer
+
+    try:
+        source = resolve_model(config.draft_model)
+    except LoadError as e:
+        raise LoadError(f"--speculative-model {config.draft_model}: {e}") from e
+    return DraftModelProposer(config.num_speculative_tokens, source,
+                              target_vocab_size=target.vocab_size, dtype=target.dtype,
+                              device=target.device, max_model_len=target.max_model_len,
+                              kv_dtype=target.kv_dtype, seed=target.seed)
 
 
 def spec_logits_rows(num_sched: np.ndarray, num_drafts: np.ndarray, out: np.ndarray) -> int:
@@ -57,10 +84,14 @@ def spec_logits_rows(num_sched: np.ndarray, num_drafts: np.ndarray, out: np.ndar
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_num_reqs: int, max_num_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, proposer: Proposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = make_proposer(config)
+        self.proposer = proposer if proposer is not None else NgramProposer(
+            self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        # A proposer with a KV cache of its own (a draft model) reads the target step's
+        # tensors (StepTensors); the n-gram proposer needs none.
+        self.needs_step_tensors = self.proposer.num_lookahead_slots > 0
         self.logits_indices = CpuGpuBuffer(max_num_tokens + max_num_reqs, dtype=torch.int64,
                                            device=device)
         self.draft_token_ids = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
@@ -152,8 +183,33 @@ class SpecDecoder:
             batch.num_tokens[sampling_rows] = placeholder_cols + m
         return num_emitted, tokens
 
-    def propose(self, batch: InputBatch, sampling_rows: np.ndarray) -> list[list[int]]:
-        """Drafts for the next step, per batch row 0..n-1 ([] where none)."""
+    def step_tensors(self, inputs: StepInputs, batch: InputBatch, md: AttentionMetadata,
+                     num_tokens: int, tokens: torch.Tensor, sampling_rows: np.ndarray
+                     ) -> StepTensors:
+        """The step's tensors for a draft model (proposer.py's StepTensors): views of the
+        persistent buffers, valid until the next step's inputs are prepared. `tokens`:
+        the sampled ids [n] or the verify step's packed [n, K + 2]."""
+        n = batch.num_reqs
+        emitted = np.zeros(n, dtype=np.int32)
+        if tokens.dim() == 1:
+            emitted[sampling_rows] = 1
+            out_ids = tokens[:, None]
+        else:
+            emitted[sampling_rows] = 1  # replaced by the counts on the device below
+            out_ids = tokens[:, 1:]
+        num_emitted = torch.as_tensor(emitted, device=tokens.device)
+        if tokens.dim() == 2:
+            num_emitted = num_emitted * tokens[:, 0].to(torch.int32)
+        return StepTensors(
+            input_ids=inputs.input_ids.gpu[:num_tokens], positions=inputs.positions.gpu[:num_tokens],
+            slot_mapping=md.slot_mapping[:num_tokens], query_start_loc=inputs.query_start_loc.gpu[:n + 1],
+            seq_lens=inputs.seq_lens.gpu[:n], block_table=batch.block_table.table.gpu[:n],
+            output_token_ids=out_ids, num_emitted=num_emitted)
+
+    def propose(self, batch: InputBatch, sampling_rows: np.ndarray,
+                step: StepTensors | None = None) -> list[list[int]]:
+        """Drafts for the next step, per batch row 0..n-1 ([] where none). `step`: the
+        target step's tensors, for a draft model."""
         n = batch.num_reqs
         max_num_drafts = np.zeros(n, dtype=np.int32)
         allowed = sampling_rows[batch.spec_allowed[sampling_rows]]
@@ -162,11 +218,12 @@ class SpecDecoder:
         np.minimum(max_num_drafts, batch.max_model_len - 1 - batch.num_tokens[:n],
                    out=max_num_drafts)
         np.maximum(max_num_drafts, 0, out=max_num_drafts)
-        if not max_num_drafts.any():
+        if not max_num_drafts.any() and not self.needs_step_tensors:
+            # (A draft model still catches its KV cache up with the step.)
             return [[] for _ in range(n)]
         drafts = self.proposer.propose(ProposalInputs(
             req_ids=batch.req_ids[:n], token_ids=batch.token_ids,
-            num_tokens=batch.num_tokens[:n], max_num_drafts=max_num_drafts))
+            num_tokens=batch.num_tokens[:n], max_num_drafts=max_num_drafts, step=step))
         return drafts.as_lists()
 
 
