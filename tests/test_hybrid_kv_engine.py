@@ -233,3 +233,33 @@ def test_start_up_dry_batches_carry_every_groups_tables(gemma7):
         with torch.inference_mode():
             hidden = runner.model(ids, positions, md)
         assert hidden.shape == (ids.shape[0], 64) and torch.isfinite(hidden).all()
+
+
+def test_speculative_decoding_with_groups_matches_hf(gemma7):
+    """n-gram drafts on the grouped model: a verify step's rejected drafts roll
+    num_computed_tokens back while the sliding groups free by it; tokens stay HF's,
+    under chunked prefill, preemption and prefix hits, and a decoding request's sliding
+    groups stay within the window plus the verify step's 1 + K tokens."""
+    from tests.test_spec_decode_engine import _check, copy_workload
+
+    path, oracle = gemma7
+    prompts, lengths = copy_workload(1, shared_prefix=20)
+    assert max(len(p) + n for p, n in zip(prompts, lengths)) > 3 * WINDOW
+    llm = _llm(path, max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=72,
+               speculative_method="ngram", num_speculative_tokens=3)
+    scheduler = llm.engine.scheduler
+    kv = scheduler.kv_cache_manager
+    schedule, held = scheduler.schedule, []
+
+    def checked_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        held.extend(max(kv.num_held_blocks_per_group(rid)[1:])
+                    for rid, n in out.num_scheduled_tokens.items() if n <= 4
+                    and scheduler.requests[rid].output_token_ids)
+        return out
+
+    scheduler.schedule = checked_schedule
+    stats = _check(llm, prompts, lengths, oracle)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    # Keys from p - 15 to p + 3 (the verify step's queries): 19 positions, 6 blocks of 4.
+    assert held and max(held) <= -(-(WINDOW + 3) // BS) + 1
