@@ -263,3 +263,18 @@ def test_speculative_decoding_with_groups_matches_hf(gemma7):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     # Keys from p - 15 to p + 3 (the verify step's queries): 19 positions, 6 blocks of 4.
     assert held and max(held) <= -(-(WINDOW + 3) // BS) + 1
+
+
+def test_bench_counts_every_groups_blocks(gemma7):
+    """`llmfast bench`'s room check counts a request's blocks in every group: 2 requests
+    of 64 tokens need 2 x (16 + 3 x 9) = 86 blocks of the 79 (one group would say 32);
+    one request of 64 runs as a pure decode sweep point."""
+    from llmfast.bench.sweep import NotPureDecode, _check_room, run_sweep_point
+
+    path, _ = gemma7
+    engine = _llm(path, num_gpu_blocks_override=80, max_num_batched_tokens=16,
+                  max_num_seqs=4).engine
+    with pytest.raises(NotPureDecode, match="needs 86 KV blocks, the cache holds 79"):
+        _check_room(engine, 2, 60, 4)
+    point = run_sweep_point(engine, 1, 40, steps=4)
+    assert point.batch_size == 1

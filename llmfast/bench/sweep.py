@@ -125,7 +125,12 @@ def _check_room(engine, batch_size: int, context_len: int, num_decode: int) -> N
             f"max-num-batched-tokens {sched.max_num_batched_tokens})")
     block_size = engine.config.cache.block_size
     usable = engine.scheduler.kv_cache_manager.num_usable_blocks
-    needed = batch_size * -(-(context_len + num_decode) // block_size)
+    groups = engine.scheduler.kv_groups  # several KV-cache groups: each holds its blocks
+    if groups is None:
+        needed = batch_size * -(-(context_len + num_decode) // block_size)
+    else:
+        needed = batch_size * groups.max_blocks_per_request(
+            context_len + num_decode, sched.max_num_batched_tokens, block_size)
     if needed > usable:
         # Imported here: the sweep module is loaded by `llmfast bench --help`, which must not
         # pay for torch.
