@@ -13,6 +13,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmfast.config import CacheConfig, ModelConfig, SchedulerConfig
 from llmfast.core.hybrid_kv_cache_manager import (
@@ -23,9 +25,11 @@ from llmfast.core.hybrid_kv_cache_manager import (
 from llmfast.core.kv_cache_groups import kv_cache_groups
 from llmfast.core.kv_cache_manager import SKIPPED, KVCacheManager
 from llmfast.core.scheduler import Scheduler
+from llmfast.core.scheduler_output import ModelRunnerOutput
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from llmfast.worker.startup.kv_cache_sizing import kv_block_bytes
 from tests.test_scheduler import make_request, run_step
+from tests.test_scheduler_properties import FakeRunner, ops_strategy, run_workload
 
 BS = 8  # tests/test_scheduler.py's block size
 S, G = "sliding_attention", "full_attention"
@@ -351,3 +355,106 @@ def test_pairs_of_identical_prompts_share_global_blocks():
     _finish(sched)
     assert kv.get_num_free_blocks() == kv.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
+
+
+# ---- random workloads against a fake runner that reads each group's window --------------
+
+
+class GroupedFakeRunner(FakeRunner):
+    """tests/test_scheduler_properties.py's fake runner with one KV store per group: each
+    step writes the new tokens' prefix identity into every group's slot and reads back
+    what each group's attention reads (a global group the whole context, a sliding one
+    the window of the step's first query on). A false hit, a block freed or reused while
+    a window still reads it, or a wrong per-group table shows as a mismatch."""
+
+    windows: tuple = ()
+
+    def execute(self, out) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            assert self.state.pop(rid, None) is not None, rid
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.state and isinstance(new.block_ids, tuple)
+            self.state[new.req_id] = {"tokens": new.prompt_token_ids + new.output_token_ids,
+                                      "blocks": [list(ids) for ids in new.block_ids],
+                                      "computed": new.num_computed_tokens}
+        cached = out.scheduled_cached_reqs
+        for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids,
+                                          cached.num_computed_tokens):
+            st_ = self.state[rid]
+            for blocks, ids in zip(st_["blocks"], new_ids or [[]] * len(self.windows)):
+                blocks.extend(ids)
+            assert st_["computed"] == computed
+        bs = self.block_size
+        req_ids, sampled = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            st_ = self.state[rid]
+            tokens, start = st_["tokens"], st_["computed"]
+            keys = self._prefix_keys(tokens[: start + n])
+            for g, (blocks, window) in enumerate(zip(st_["blocks"], self.windows)):
+                assert len(blocks) * bs >= start + n
+                for pos in range(start, start + n):
+                    block = blocks[pos // bs]
+                    assert block != 0, (rid, g, pos)
+                    self.kv[(g, block * bs + pos % bs)] = keys[pos]
+                first = 0 if window is None else max(0, start - window + 1)
+                for pos in range(first, start + n):
+                    slot = (g, blocks[pos // bs] * bs + pos % bs)
+                    assert self.kv.get(slot) == keys[pos], (rid, g, pos)
+            st_["computed"] = start + n
+            req_ids.append(rid)
+            if start + n == len(tokens):
+                tok = self.rng.randrange(2, 9)
+                tokens.append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids, sampled)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    window=st.integers(1, 40),
+    layer_types=st.sampled_from([GEMMA_LIKE, [S, G], [G, S, S, S, S, S]]),
+    block_size=st.sampled_from([4, 8]),
+    num_blocks=st.integers(4, 64),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+    prefix_caching=st.booleans(),
+    chunked=st.booleans(),
+    seed=st.integers(0, 2**16),
+    ops=ops_strategy,
+    async_scheduling=st.booleans(),
+)
+def test_random_workloads_with_groups(window, layer_types, block_size, num_blocks, budget,
+                                      max_num_seqs, prefix_caching, chunked, seed, ops,
+                                      async_scheduling):
+    groups = kv_cache_groups(_config(layer_types, window))
+    runner_cls = type("Runner", (GroupedFakeRunner,), {"windows": groups.windows})
+    run_workload(block_size, num_blocks, budget, max_num_seqs, 96, prefix_caching, chunked,
+                 seed, ops, async_scheduling, kv_groups=groups, runner_cls=runner_cls)
+
+
+@settings(max_examples=150, deadline=None)
+@given(window=st.integers(1, 24), num_blocks=st.integers(12, 48), budget=st.integers(4, 64),
+       prefix_caching=st.booleans(), seed=st.integers(0, 2**32),
+       async_scheduling=st.booleans())
+def test_heavy_random_workloads_with_groups(window, num_blocks, budget, prefix_caching, seed,
+                                            async_scheduling):
+    """Many requests with shared prefixes and long outputs on a small cache: preemptions,
+    prefix hits on freed sliding blocks, windows crossing block boundaries."""
+    rng = random.Random(seed)
+    ops: list = []
+    for _ in range(rng.randrange(5, 25)):
+        kind = rng.random()
+        if kind < 0.45:
+            ops.append(("add", rng.randrange(3), rng.choice([0, 8, 16, 24]),
+                        [rng.randrange(3, 6) for _ in range(rng.randrange(12))],
+                        rng.randrange(1, 60), rng.randrange(3), rng.random() < 0.5))
+        elif kind < 0.9:
+            ops.append(("step", rng.randrange(1, 6)))
+        else:
+            ops.append(("abort", rng.randrange(20)))
+    groups = kv_cache_groups(_config(GEMMA_LIKE, window))
+    runner_cls = type("Runner", (GroupedFakeRunner,), {"windows": groups.windows})
+    run_workload(4, num_blocks, budget, 6, 96, prefix_caching, True, seed, ops,
+                 async_scheduling, kv_groups=groups, runner_cls=runner_cls)

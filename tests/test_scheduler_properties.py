@@ -17,6 +17,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llmfast.config import CacheConfig, SchedulerConfig
+from llmfast.core.kv_cache_manager import SKIPPED
 from llmfast.core.request import Request, RequestRejected, RequestStatus
 from llmfast.core.scheduler import Scheduler
 from llmfast.core.scheduler_output import ModelRunnerOutput
@@ -87,7 +88,8 @@ def check_invariants(sched: Scheduler) -> None:
     assert pool.null_block.ref_cnt == 0
     holders = Counter()
     for rid, blocks in kv.req_to_blocks.items():
-        ids = [b.block_id for b in blocks]
+        lists = blocks if blocks and isinstance(blocks[0], list) else [blocks]  # groups
+        ids = [b.block_id for group in lists for b in group if b is not SKIPPED]
         assert len(set(ids)) == len(ids) and 0 not in ids
         holders.update(ids)
     free = pool.free_block_queue.get_all_free_blocks()
@@ -199,11 +201,13 @@ def test_heavy_random_workloads(num_blocks, budget, max_num_seqs, prefix_caching
 
 def run_workload(
     block_size, num_blocks, budget, max_num_seqs, max_model_len, prefix_caching, chunked, seed, ops,
-    async_scheduling=False,
+    async_scheduling=False, kv_groups=None, runner_cls=None,
 ):
     """With `async_scheduling` each step's outputs reach `update()` one schedule later, as
     in the engine's pipeline: the fake runner (the device) knows its sampled tokens at
-    once, the scheduler only through placeholders until then."""
+    once, the scheduler only through placeholders until then. `kv_groups` (several
+    KV-cache groups) with `runner_cls`: a fake runner that reads and writes each group's
+    blocks (tests/test_kv_cache_groups.py)."""
     if not chunked:
         budget = max(budget, max_model_len)
     sched = Scheduler(
@@ -214,9 +218,9 @@ def run_workload(
             enable_chunked_prefill=chunked,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
-        num_blocks,
+        num_blocks, kv_groups=kv_groups,
     )
-    runner = FakeRunner(block_size, random.Random(seed))
+    runner = (runner_cls or FakeRunner)(block_size, random.Random(seed))
     accepted: dict[str, Request] = {}
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
@@ -267,7 +271,9 @@ def run_workload(
                 eos_token_ids=(EOS,),
             )
             n = len(prompt)
-            never_fits = n == 0 or n >= max_model_len or -(-(n + 1) // block_size) > num_blocks - 1
+            blocks_needed = (-(-(n + 1) // block_size) if sched.kv_groups is None else
+                             kv_groups.max_blocks_per_request(n + 1, budget, block_size))
+            never_fits = n == 0 or n >= max_model_len or blocks_needed > num_blocks - 1
             try:
                 sched.add_request(req)
             except RequestRejected:
