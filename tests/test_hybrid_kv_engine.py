@@ -278,3 +278,25 @@ def test_bench_counts_every_groups_blocks(gemma7):
         _check_room(engine, 2, 60, 4)
     point = run_sweep_point(engine, 1, 40, steps=4)
     assert point.batch_size == 1
+
+
+def test_a_grouped_draft_model_keeps_every_block(gemma7):
+    """--speculative-method draft with the grouped Gemma 3 as both target and draft: the
+    draft's cache has a page per layer in every block of the target's global group (its
+    layers all read that one table), so it drafts as the target decodes: HF's tokens,
+    nearly every draft accepted."""
+    from tests.test_spec_decode_engine import _generate, _greedy, copy_workload
+
+    path, oracle = gemma7
+    prompts, lengths = copy_workload(6, num=8)
+    llm = _llm(path, speculative_method="draft", speculative_model=str(path),
+               num_speculative_tokens=3, max_num_batched_tokens=16, max_num_seqs=8,
+               num_gpu_blocks_override=72, max_model_len=88)
+    draft = llm.engine.runner.spec.proposer
+    assert all(layer.kv_group is None for layer in draft.model.attention_layers())
+    assert draft.kv_cache.shape[0] == 7  # a page per layer
+    outs = _generate(llm, prompts, _greedy(lengths))
+    for p, n, out in zip(prompts, lengths, outs):
+        assert out.token_ids == oracle(p, n)
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0

@@ -64,6 +64,12 @@ class DraftModelProposer(Proposer):
         self.device = torch.device(device)
         self.model = build_model(source, dtype, self.device, max_positions=max_model_len,
                                  seed=seed)
+        # The draft's cache keeps every block of every layer, addressed by the target's
+        # table (its global group's, where the target has KV-cache groups): a draft with
+        # sliding and global layers (Gemma 3) reads that one table in every layer, not
+        # per-group tables of its own.
+        for layer in self.model.attention_layers():
+            layer.kv_group = None
         self.kv_dtype = kv_dtype or dtype
         self.max_model_len = max_model_len
         # The K drafting forwards write KV at positions up to K - 1 past the last known
@@ -80,7 +86,8 @@ class DraftModelProposer(Proposer):
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes one block of the draft's cache takes (all its layers, K and V): what the
         target's KV-cache sizing adds to its own per block."""
-        return kv_block_bytes(self.model.rank_config, block_size, self.kv_dtype)
+        cfg = self.model.rank_config
+        return kv_block_bytes(cfg, block_size, self.kv_dtype, cfg.num_hidden_layers)
 
     def initialize(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.rank_config

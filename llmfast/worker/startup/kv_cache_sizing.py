@@ -81,10 +81,13 @@ def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, num_blocks: int,
     return kv_cache.fill_(0)
 
 
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype,
+                   num_layers: int | None = None) -> int:
     """Bytes of one block id, keys and values: across all layers, or with several
-    KV-cache groups across one group's `layers_per_block` (core/kv_cache_groups.py)."""
-    num_layers = kv_cache_groups(model).layers_per_block
+    KV-cache groups across one group's `layers_per_block` (core/kv_cache_groups.py);
+    `num_layers` pages where given (a draft model's cache: one per layer)."""
+    if num_layers is None:
+        num_layers = kv_cache_groups(model).layers_per_block
     per_token = 2 * num_layers * model.kv_size * dtype.itemsize
     return per_token * block_size
 
