@@ -300,3 +300,51 @@ def test_a_grouped_draft_model_keeps_every_block(gemma7):
         assert out.token_ids == oracle(p, n)
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
+
+
+@pytest.mark.slow  # ~1 min: a compiled start with emulated graphs
+def test_verify_full_graphs_read_every_groups_tables(gemma7):
+    """Speculative decoding's verify steps (1 + K tokens a request) as full graphs on
+    the grouped model: every group's tables at the verify graph's request rows, HF's
+    tokens."""
+    import dataclasses
+    import random
+
+    from llmfast import SamplingParams
+    from llmfast.config import CudaGraphMode
+    from llmfast.engine import LLMEngine
+    from llmfast.engine.args import EngineArgs
+    from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
+    from tests.helpers.engine_config import engine_config
+    from tests.test_spec_decode_graphs import _Spy
+
+    path, oracle = gemma7
+    k = 2
+    args = EngineArgs(model=str(path), device="cpu", max_model_len=96, block_size=BS, seed=0,
+                      compile=True, max_num_seqs=4, max_num_batched_tokens=32,
+                      cuda_graph_sizes=(1, 2, 4, 8, 16, 32), speculative_method="ngram",
+                      num_speculative_tokens=k)
+    config, source = engine_config(args)
+    config = dataclasses.replace(config, compile=dataclasses.replace(
+        config.compile, cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+        emulate_cuda_graphs=True, check_static_addresses=True))
+    engine = LLMEngine(config, source)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 20))] for _ in range(6)]
+    lengths = [rng.randrange(20, 40) for _ in prompts]  # past the 16-token window
+    expected = [oracle(p, n) for p, n in zip(prompts, lengths)]
+    engine.runner.spec.proposer = ReplayProposer(k, [p + e for p, e in zip(prompts, expected)])
+    spy = _Spy(engine)
+    ids = {}
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        ids[engine.add_request({"prompt_token_ids": p},
+                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                               stream=False)] = i
+    got = {}
+    while len(got) < len(prompts):
+        for out in engine.step():
+            if out.finished:
+                got[ids[out.request_id]] = list(out.outputs[0].token_ids)
+    assert [got[i] for i in range(len(prompts))] == expected
+    assert any(isinstance(c["key"], tuple) for c in spy.calls), "no verify full graph ran"
+    assert len(engine.runner._full_inputs(6)) == 6 + 2 * 3 + 2 * 7
