@@ -80,7 +80,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace-modes", default="full")
     p.add_argument("--kinds-json", type=Path, default=None,
                    help="per batch size, where the step's time goes per layer kind (qkv, "
-                        "o, gate_up, down, lm_head, attention, other): bytes, µs, % of "
+                        "o, gate_up, down, lm_head, attention, other): bytes, µs, %% of "
                         "HBM (llmfast/bench/layer_kinds.py); the step is `full`'s (else "
                         "the first mode's); a markdown table beside it (.md)")
     p.add_argument("--kv-cache-dtype", default=None,

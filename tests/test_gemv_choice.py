@@ -236,3 +236,38 @@ def test_cpu_never_takes_the_gemv(monkeypatch):
     args = _args(2)
     torch.testing.assert_close(ops.skinny_linear(*args[:8]),
                                ops.skinny_linear_torch(*args[:8]))
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 2048, 8192), (4, 3072, 2048),
+                                              (16, 128256, 2048), (2, 40, 96)])
+def test_tuning_candidates_are_valid_and_hold_the_heuristic(rows, n, k):
+    candidates = launch_config.tuning_candidates(rows, n, k, 132)
+    assert candidates[0] == heuristic_config(rows, n, k, 132)
+    assert 1 < len(candidates) <= 25 and len(set(candidates)) == len(candidates)
+    for c in candidates:
+        c.check()
+        assert c.dot == (m_bucket(rows) == 16)
+        assert c.split_k == 1 or k // c.split_k >= c.block_k  # no empty K ranges
+
+
+def test_tune_script_writes_a_table_the_engine_reads(tmp_path):
+    """scripts/bench_gemv.py --tune under the interpreter (the plumbing: timing on a
+    CPU means nothing): every shape and bucket gets a winner, in a table that parses;
+    --install merges into the shipped directory's file for the device."""
+    import os
+    import subprocess
+    import sys
+
+    table = tmp_path / "table.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_gemv.py", "--models", "", "--shape", "40,48",
+         "--rows", "1,3", "--tune", "--iters", "1", "--dtype", "float32",
+         "--copy-to", str(table), "--json", str(tmp_path / "out.json")],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    parsed = parse_table(json.loads(table.read_text()))
+    assert set(parsed) == {"n40-k48-float32"} and set(parsed["n40-k48-float32"]) == {1, 4}
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [r["rows"] for r in out["rows"]] == [1, 3]
+    assert all(r["cublas"]["us"] > 0 and len(r["timings_us"]) > 2 for r in out["rows"])

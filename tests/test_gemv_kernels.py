@@ -157,6 +157,70 @@ def test_dispatch_by_rows(interpreter, rows, mode):
     interpreter("check_dispatch", rows=rows, mode=mode)
 
 
+def check_fused_decoder(dtype: str, rows: int) -> None:
+    """A tiny Llama's forward with the fused layers (models/fused_layer.py) against the
+    plain layers on the same batch, every kernel interpreted: `rows` decode requests
+    (each a GEMV launch of `rows` rows: 4 fused launches a layer), or past 16 rows one
+    prefill (the op's torch form). The KV writes are the same in both runs."""
+    from llmfast.kernels.gemv import ops
+    from llmfast.models import fused_layer
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+    from tests.helpers.static_buffers import StaticBatch
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    model = build_model(resolve_model("random:tiny"), dt, "cpu", max_positions=64)
+    assert model.model.fusable
+    decode = rows <= 16
+    num_reqs = rows if decode else 1
+    static = StaticBatch(model, num_reqs, 48, max_num_tokens=rows, block_size=16)
+    for k_cache, v_cache in static.caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    context = 20
+    for r in range(num_reqs):
+        n = 1 if decode else rows
+        lo = r if decode else 0
+        pos = torch.arange(context - n, context)
+        static.input_ids[lo:lo + n] = torch.randint(1, 500, (n,))
+        static.positions[lo:lo + n] = pos
+        blocks = static.block_table[r, pos // 16].long()
+        static.slot_mapping[lo:lo + n] = blocks * 16 + pos % 16
+        static.table[r].copy_(static.block_table[r])
+        static.seq_lens[r] = context
+    static.query_start_loc[:num_reqs + 1] = torch.arange(num_reqs + 1) * (1 if decode else rows)
+    calls = []
+    real = ops.gemv_triton
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    ops.gemv_triton = spy
+    try:
+        outs = {}
+        for fused in (False, True):
+            fused_layer._ENABLED = fused
+            outs[fused] = static.run(model.model, rows, num_reqs,
+                                     max_query_len=1 if decode else rows).double()
+    finally:
+        ops.gemv_triton = real
+        fused_layer._ENABLED = None
+    assert calls == ([rows] * 4 * model.config.num_hidden_layers if decode else []), calls
+    err = (outs[True] - outs[False]).abs().max().item()
+    scale = outs[False].abs().max().item()
+    # float32: the same sums in another order; bfloat16: the GEMV's rounding (truncated
+    # under the interpreter) against torch's, two layers deep.
+    assert err <= (1e-5 if dt == torch.float32 else 4e-2) * scale, (err, scale)
+
+
+@pytest.mark.parametrize(("dtype", "rows"), [("float32", 3), ("bfloat16", 1),
+                                             ("float32", 20)])
+def test_fused_decoder_matches_plain_layers(interpreter, dtype, rows):
+    interpreter("check_fused_decoder", dtype=dtype, rows=rows)
+
+
 if __name__ == "__main__":  # the interpreter child (TRITON_INTERPRET=1)
     from tests.test_attention_kernels import _serve
 

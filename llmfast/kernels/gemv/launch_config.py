@@ -105,6 +105,26 @@ def heuristic_config(rows: int, n: int, k: int, num_sms: int, fp8: bool = False)
     return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=3, dot=dot).check()
 
 
+def tuning_candidates(rows: int, n: int, k: int, num_sms: int,
+                      fp8: bool = False) -> list[GemvConfig]:
+    """What `scripts/bench_gemv.py --tune` times for a launch: the heuristic's config
+    and its neighbours (column tiles, K steps, splits up to where a range is one K
+    step), at most 25, all valid."""
+    base = heuristic_config(rows, n, k, num_sms, fp8)
+    dot = base.dot
+    block_ns = (32, 64) if dot else (16, 32)
+    block_ks = (64, 128) if dot else (128, 256, 512) if rows <= 2 else (64, 128, 256)
+    out = {base}
+    for block_n in block_ns:
+        for block_k in block_ks:
+            for split_k in (1, 2, 4, 8):
+                if split_k > 1 and k // split_k < block_k:
+                    continue
+                warps = 8 if block_n * block_k * max(rows, 1) >= 1 << 16 else 4
+                out.add(GemvConfig(block_n, block_k, split_k, warps, 3, dot))
+    return sorted(out, key=lambda c: (c != base, c.block_n, c.block_k, c.split_k))
+
+
 def device_slug(device_name: str) -> str:
     """"NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3" (the other tables' names)."""
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")

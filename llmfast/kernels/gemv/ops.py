@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from llmfast.kernels.fp8_linear import fp8_linear
 from llmfast.kernels.gemv import launch_config
 from llmfast.kernels.gemv.launch_config import Choice, GemvConfig, m_bucket
-from llmfast.kernels.layers.rms_norm import rms_norm_reference
+from llmfast.kernels.layers.rms_norm import rms_norm_impl
 from llmfast.kernels.triton_mode import triton_interpret_enabled
 
 _KERNELS: ModuleType | None = None
@@ -59,8 +59,8 @@ def skinny_linear_torch(x: torch.Tensor, weight: torch.Tensor,
     """The separate ops the GEMV fuses, each rounded to x's dtype: rms_norm (HF's
     numerics), the product (cuBLAS; fp8: `fp8_linear`, activations quantized per row),
     silu(gate) * up, + residual."""
-    if norm_weight is not None:
-        x = rms_norm_reference(x, norm_weight, eps)
+    if norm_weight is not None:  # (the layers' Triton norm kernel on CUDA)
+        x = rms_norm_impl(x, norm_weight, eps)
     if weight_scale is None:
         out = F.linear(x, weight, bias)  # [M, N]
     else:
