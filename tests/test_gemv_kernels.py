@@ -215,6 +215,61 @@ def check_fused_decoder(dtype: str, rows: int) -> None:
     assert err <= (1e-5 if dt == torch.float32 else 4e-2) * scale, (err, scale)
 
 
+def check_fused_decoder_compiles() -> None:
+    """The fused layers traced by Dynamo in one graph (fullgraph: the op, its
+    trace-time choices, attention), token count unbacked, equal to eager. (The norms'
+    triton ops take no interpreted kernels under compile: torch's ops here.)"""
+    from llmfast.kernels.layers import kernel_choice
+    from llmfast.kernels.layers.triton_ops import register_triton_ops
+    from llmfast.models import fused_layer
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+    from tests.helpers.static_buffers import StaticBatch
+
+    model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=64)
+    static = StaticBatch(model, 2, 48, max_num_tokens=2, block_size=16)
+    for k_cache, v_cache in static.caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    pos = 10
+    static.input_ids[:2] = torch.tensor([5, 7])
+    static.positions[:2] = pos
+    static.slot_mapping[:2] = static.block_table[:2, 0].long() * 16 + pos
+    static.table[:2].copy_(static.block_table[:2])
+    static.query_start_loc[:3] = torch.tensor([0, 1, 2])
+    static.seq_lens[:2] = pos + 1
+    saved = kernel_choice._ENABLED
+    kernel_choice._ENABLED, fused_layer._ENABLED = False, True
+    try:
+        register_triton_ops()
+        eager = static.run(model.model, 2, 2, max_query_len=1)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(model.model, backend=backend, fullgraph=True)
+
+        def forward(ids, positions, md):
+            torch._dynamo.decorators.mark_unbacked(ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
+            return compiled(ids, positions, md)
+
+        got = static.run(forward, 2, 2, max_query_len=1)
+    finally:
+        kernel_choice._ENABLED, fused_layer._ENABLED = saved, None
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("skinny_linear" in t for t in targets) == 4 * model.config.num_hidden_layers
+    assert not any("rms_norm" in t or "silu" in t for t in targets[:-1])  # the final norm
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)
+
+
+def test_fused_decoder_compiles(interpreter):
+    interpreter("check_fused_decoder_compiles")
+
+
 @pytest.mark.parametrize(("dtype", "rows"), [("float32", 3), ("bfloat16", 1),
                                              ("float32", 20)])
 def test_fused_decoder_matches_plain_layers(interpreter, dtype, rows):
