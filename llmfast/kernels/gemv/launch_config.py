@@ -21,14 +21,13 @@ More than MAX_GEMV_ROWS rows always keep cuBLAS (batch 64-512 are GEMMs it does 
 from __future__ import annotations
 
 import functools
-import json
-import logging
 import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from llmfast.kernels.launch.device_tables import device_slug, read_shipped_table
+
+__all__ = ["device_slug"]  # (the tables' file names: scripts/bench_gemv.py)
 
 TABLE_DIR = Path(__file__).parent / "tables"
 FORMAT_VERSION = 1
@@ -125,11 +124,6 @@ def tuning_candidates(rows: int, n: int, k: int, num_sms: int,
     return sorted(out, key=lambda c: (c != base, c.block_n, c.block_k, c.split_k))
 
 
-def device_slug(device_name: str) -> str:
-    """"NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3" (the other tables' names)."""
-    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-
-
 def parse_row(row: dict) -> GemvConfig | None:
     if row.get("backend") == "cublas":
         return None
@@ -154,14 +148,7 @@ def parse_table(data: dict) -> dict[str, dict[int, GemvConfig | None]]:
 @functools.cache
 def shipped_table(device_name: str) -> dict[str, dict[int, GemvConfig | None]]:
     """This GPU model's shipped table ({} if none; a bad one is logged and ignored)."""
-    path = TABLE_DIR / f"{device_slug(device_name)}.json"
-    if not path.is_file():
-        return {}
-    try:
-        return parse_table(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        logger.warning("ignoring the GEMV table %s: %s", path, e)
-        return {}
+    return read_shipped_table(TABLE_DIR, device_name, parse_table, "GEMV table") or {}
 
 
 def table_entry(rows: dict[int, GemvConfig | None], bucket: int) -> tuple[bool, GemvConfig | None]:
