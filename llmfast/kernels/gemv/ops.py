@@ -127,6 +127,12 @@ def _device(index: int) -> tuple[str, int]:
     return props.name, props.multi_processor_count
 
 
+@functools.cache
+def _converts_fp8(index: int) -> bool:
+    """Triton converts float8_e4m3fn in registers from sm_89 on."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 @functools.lru_cache(maxsize=4096)
 def _choice(rows: int, n: int, k: int, key: str, device_index: int | None, mode: str,
             fp8: bool) -> Choice:
@@ -138,9 +144,12 @@ def choice_for(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, norm: bool
                residual: bool) -> Choice:
     """The kernel of this launch (see launch_config.choose): CUDA tensors by this GPU's
     table, CPU tensors by the interpreter's config when it is on, else torch's ops."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
     if x.is_cuda:
         device_index = x.device.index if x.device.index is not None else \
             torch.cuda.current_device()
+        if fp8 and not _converts_fp8(device_index):
+            return Choice(None, "no fp8 conversion on this GPU")
     elif triton_interpret_enabled():
         device_index = None
     else:
@@ -149,7 +158,7 @@ def choice_for(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, norm: bool
     key = launch_config.shape_key(n, x.shape[1], str(weight.dtype).removeprefix("torch."),
                                   fusion_name(norm, silu_mul, residual))
     return _choice(x.shape[0], n, x.shape[1], key, device_index, launch_config.gemv_mode(),
-                   weight.dtype == torch.float8_e4m3fn)
+                   fp8)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -202,9 +211,12 @@ def gemv_wanted(x: torch.Tensor, weight: torch.Tensor, fusion: str = "") -> bool
 
 def _gemv_wanted(n: int, k: int, weight_dtype: str, fusion: str, device_index: int) -> bool:
     mode = launch_config.gemv_mode()
-    if mode != "table":
-        return mode == "1"
-    name = _device(device_index if device_index >= 0 else torch.cuda.current_device())[0]
+    index = device_index if device_index >= 0 else torch.cuda.current_device()
+    if mode == "0" or (weight_dtype == "float8_e4m3fn" and not _converts_fp8(index)):
+        return False
+    if mode == "1":
+        return True
+    name = _device(index)[0]
     rows = launch_config.shipped_table(name).get(
         launch_config.shape_key(n, k, weight_dtype, fusion), {})
     return any(config is not None for config in rows.values())

@@ -49,6 +49,8 @@ def _tile_product(x, w_ptrs, w_mask, DOT: tl.constexpr, DOT_F32: tl.constexpr):
     if DOT:
         if DOT_F32:
             return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        if x.dtype == tl.float32:  # a float32 model: no TF32 rounding of its inputs
+            return tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
         return tl.dot(x, tl.trans(w.to(x.dtype)))
     return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
