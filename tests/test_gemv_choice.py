@@ -271,3 +271,8 @@ def test_tune_script_writes_a_table_the_engine_reads(tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     assert [r["rows"] for r in out["rows"]] == [1, 3]
     assert all(r["cublas"]["us"] > 0 and len(r["timings_us"]) > 2 for r in out["rows"])
+
+
+def test_gemv_refuses_more_rows_than_a_program_holds():
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        ops.gemv_triton(torch.zeros(17, 8), torch.zeros(4, 8), GemvConfig(16, 32))

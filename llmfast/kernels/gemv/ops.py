@@ -83,6 +83,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     (silu_mul: [2N, K], gate rows first) in x's dtype or float8_e4m3fn with
     weight_scale [1, N] (one float32 scale per row)."""
     rows, k = x.shape
+    if rows > launch_config.MAX_GEMV_ROWS:
+        raise ValueError(f"the GEMV takes at most {launch_config.MAX_GEMV_ROWS} rows, "
+                         f"got {rows}")
     n = out_features(weight, silu_mul)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)  # [M, N]
     if rows == 0:
