@@ -204,7 +204,7 @@ def gemv_wanted(x: torch.Tensor, weight: torch.Tensor, fusion: str = "") -> bool
     or a table entry for its shape choosing Triton. A static property of the layer (a
     constant to Dynamo): a layer no table knows keeps its plain `F.linear` in the graph,
     as before the GEMV existed."""
-    if not x.is_cuda:
+    if not x.is_cuda or x.dim() != 2:  # (the op's rows: [M, K])
         return False
     index = x.device.index if x.device.index is not None else -1
     n = out_features(weight, "silu_mul" in fusion)
