@@ -20,6 +20,7 @@ FUSIONS = {  # name -> (skinny_linear keywords taken from random_inputs, silu_mu
     "silu_mul": ((), True),
     "residual": (("residual",), False),
     "norm_silu_mul": (("norm_weight",), True),
+    "norm_bias": (("norm_weight", "bias"), False),  # Qwen2's fused qkv
 }
 
 
