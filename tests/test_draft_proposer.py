@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmfast.attention.metadata import AttentionMetadata
+from llmfast.config import CacheConfig
 from llmfast.attention.workspaces import AttentionWorkspaces
 from llmfast.models.loading.load_error import LoadError
 from llmfast.models.loading.loader import build_model
@@ -24,7 +25,7 @@ from llmfast.sampling_params import SamplingParams
 from llmfast.worker.spec_decode.draft_proposer import DraftModelProposer
 from llmfast.worker.spec_decode.proposer import ProposalInputs, StepTensors
 from llmfast.worker.spec_decode.rejection_sampler import rejection_sample
-from llmfast.worker.startup.kv_cache_sizing import kv_block_bytes
+from llmfast.worker.startup.kv_cache_sizing import kv_block_bytes, num_cpu_blocks
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.sampling import metadata_from_params
 
@@ -254,3 +255,12 @@ def test_vocab_mismatch_and_block_bytes(ckpts):
     assert proposer.kv_block_bytes(BLOCK) == kv_block_bytes(cfg, BLOCK, torch.float32)
     assert proposer.kv_block_bytes(BLOCK) == 2 * 1 * cfg.kv_size * 4 * BLOCK  # 1 layer
     assert proposer.num_lookahead_slots == K
+    # The cache sizing counts both caches in every block.
+    target = build_model(resolve_model(str(ckpts["target"])), torch.float32, "cpu",
+                         max_positions=MAX_LEN).rank_config
+    cache = CacheConfig(block_size=BLOCK, kv_cache_memory=1 << 20)
+    both = kv_block_bytes(target, BLOCK, torch.float32) + proposer.kv_block_bytes(BLOCK)
+    assert num_cpu_blocks(cache, target, torch.float32,
+                          extra_block_bytes=proposer.kv_block_bytes(BLOCK)) == (1 << 20) // both
+    assert num_cpu_blocks(cache, target, torch.float32) == \
+        (1 << 20) // kv_block_bytes(target, BLOCK, torch.float32)
