@@ -42,6 +42,15 @@ def test_bad_flags_are_one_line_errors(command, args, fragment):
     assert_one_line_error(invoke(*argv), fragment)
 
 
+@pytest.mark.parametrize("model, fragment", [
+    ("/nonexistent/draft", "--speculative-model /nonexistent/draft: model path"),
+    ("random:llama-3.2-1b", "a draft model must share the target's tokenizer"),
+])
+def test_bad_draft_models_are_one_line_errors(model, fragment):
+    result = invoke("generate", "hi", *TINY, "--speculative-model", model, "--max-tokens", "2")
+    assert_one_line_error(result, fragment)
+
+
 def test_llm_keywords_check_the_same():
     with pytest.raises(ConfigError, match="--num-speculative-tokens needs"):
         EngineArgs(num_speculative_tokens=2)
@@ -112,3 +121,24 @@ def test_bench_throughput_reports_acceptance():
     assert spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
     run = {"model": "tiny", "throughput": result.__dict__}
     assert "speculative decoding: acceptance" in str(throughput_table(run).caption)
+
+
+def test_structured_rows_get_no_drafts_beside_drafting_ones(chat_model):
+    """A constrained request shares its steps with drafting ones: its output matches
+    its regex, the others' tokens are what they are without speculation."""
+    from llmfast import LLM, SamplingParams
+    from llmfast.structured_params import StructuredOutputs
+
+    prompts = ["one two three one two three one two three one two", "a b c a b c a b c a b",
+               "hello there"]
+    regex = r"[a-f]{2,6}-[0-9]{1,3}"
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                             repetition_penalty=1.0) for _ in prompts]
+    params[2] = SamplingParams(temperature=0.0, max_tokens=20,
+                               structured=StructuredOutputs(regex=regex))
+    plain = LLM(str(chat_model), device="cpu", block_size=8).generate(prompts, params)
+    llm = LLM(str(chat_model), device="cpu", block_size=8, speculative_method="ngram")
+    spec = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert re.fullmatch(regex, spec[2].outputs[0].text)
+    assert llm.engine.stats().spec_num_verify_steps > 0

@@ -7,12 +7,13 @@ emitted tokens; requests that get no drafts share the steps of those that do."""
 from __future__ import annotations
 
 import random
+import shutil
 
-import numpy as np
 import pytest
+import torch
 
 from llmfast import LLM, SamplingParams
-from llmfast.worker.spec_decode.proposer import Drafts, ProposalInputs, Proposer
+from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.test_engine import greedy_oracle
 
@@ -114,27 +115,6 @@ def test_cached_blocks_hold_accepted_tokens_only(family_env):
         assert out.token_ids == oracle(p, 8)
 
 
-class ReplayProposer(Proposer):
-    """Proposes the target's own greedy continuation (known from the oracle): every draft
-    is right, the upper bound of speculation."""
-
-    def __init__(self, k: int, sequences: list[list[int]]) -> None:
-        super().__init__(k)
-        self.sequences = sequences
-
-    def propose(self, inputs: ProposalInputs) -> Drafts:
-        n = len(inputs.req_ids)
-        ids = np.full((n, self.num_speculative_tokens), -1, dtype=np.int64)
-        counts = np.zeros(n, dtype=np.int32)
-        for r in range(n):
-            known = inputs.token_ids[r, :inputs.num_tokens[r]].tolist()
-            full = next(s for s in self.sequences if s[:len(known)] == known)
-            drafts = full[len(known):len(known) + int(inputs.max_num_drafts[r])]
-            ids[r, :len(drafts)] = drafts
-            counts[r] = len(drafts)
-        return Drafts(ids, counts)
-
-
 def test_forced_acceptance(family_env):
     ckpt, oracle = family_env("llama")
     rng = random.Random(3)
@@ -175,18 +155,65 @@ def test_stop_mid_way(family_env):
     assert llm.engine.stats().kv_cache_usage == 0.0
 
 
-def test_requests_without_drafts_share_steps(family_env):
-    """Penalised requests get no drafts (spec_decode/eligibility.py) but run in the same
-    steps as drafting ones, and produce what they produce without speculation."""
+def test_penalties_min_tokens_and_logprobs_with_drafts(family_env):
+    """Requests with penalties, min_tokens or logprobs draft too (the rejection sampler
+    applies them per draft position): their tokens and logprobs are what they are without
+    speculation, beside plain greedy requests in the same steps."""
     ckpt, oracle = family_env("qwen2")
     prompts, lengths = copy_workload(5, num=8)
     params = _greedy(lengths)
     for i in range(0, len(params), 2):
         params[i] = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True,
-                                   repetition_penalty=1.3)
+                                   repetition_penalty=1.3, presence_penalty=0.2,
+                                   frequency_penalty=0.1, logprobs=3)
+    params[1] = SamplingParams(temperature=0.0, max_tokens=lengths[1], min_tokens=lengths[1],
+                               stop_token_ids=tuple(range(3, 256, 2)))
     plain = _generate(LLM(str(ckpt), device="cpu", max_model_len=128, block_size=4, seed=0),
                       prompts, params)
     llm = _llm(ckpt)
     spec = _generate(llm, prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert llm.engine.stats().spec_num_verify_steps > 0
+    for i in range(0, len(params), 2):
+        assert len(spec[i].logprobs) == len(spec[i].token_ids)
+        for got, want in zip(spec[i].logprobs, plain[i].logprobs):
+            assert got.keys() == want.keys()
+            for t in got:
+                assert got[t] == pytest.approx(want[t], abs=1e-4)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def _perturbed(ckpt, path):
+    """The checkpoint's weights plus small noise: a draft that agrees on some argmaxes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, path)
+    weights = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    save_file({k: v + 0.005 * torch.randn(v.shape, generator=g) for k, v in weights.items()},
+              path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("draft", ["same", "perturbed"])
+def test_draft_model_greedy_matches_hf(family_env, tmp_path_factory, draft):
+    """--speculative-method draft through the engine: a draft model with its own KV
+    cache in the target's blocks, under chunked prefill and preemption. The target's own
+    weights as the draft accept (nearly) every draft; perturbed ones some."""
+    ckpt, oracle = family_env("llama")
+    path = ckpt if draft == "same" else _perturbed(
+        ckpt, tmp_path_factory.mktemp("draft") / "ckpt")
+    prompts, lengths = copy_workload(6, num=8)
+    llm = _llm(ckpt, speculative_method="draft", speculative_model=str(path),
+               max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=24,
+               max_model_len=88)
+    outs = _generate(llm, prompts, _greedy(lengths))
+    for p, n, out in zip(prompts, lengths, outs):
+        assert out.token_ids == oracle(p, n)
+    stats = llm.engine.stats()
+    assert stats.spec_num_verify_steps > 0 and stats.kv_cache_usage == 0.0
+    assert stats.num_preemptions > 0
+    if draft == "same":
+        assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
+    else:
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

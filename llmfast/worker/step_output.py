@@ -50,6 +50,9 @@ class PendingStep:
     # Speculative decoding's verify step: sampled_host holds [num_rows, spec_width]
     # (per row: its number of emitted tokens, then the tokens); 0 for a plain step.
     spec_width: int = 0
+    # Speculative decoding with a draft model: the step's tensors it catches up from
+    # (spec_decode/proposer.py's StepTensors).
+    spec_step: object | None = None
 
     def wait(self) -> np.ndarray:
         """Block until the copy has landed; the sampled ids per row at launch."""

@@ -102,6 +102,11 @@ class Proposer(ABC):
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = num_speculative_tokens  # K
 
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes one block of the proposer's own KV cache takes (0: none): the target's
+        KV-cache sizing counts them in every block."""
+        return 0
+
     def initialize(self, num_blocks: int, block_size: int) -> None:
         """Called once the target's KV cache is sized (a draft model allocates its own
         cache of the same blocks here). Nothing to do by default."""

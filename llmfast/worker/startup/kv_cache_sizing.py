@@ -93,8 +93,8 @@ def num_cpu_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
                    available: int | None = None, extra_block_bytes: int = 0) -> int:
     """Blocks of the CPU KV cache: --kv-cache-memory's worth, else the default share of
     `available` host memory (default: what the kernel reports now). `extra_block_bytes`:
-    what each block costs beyond the model's own layers (a draft model's cache, laid out
-    in the same blocks: spec_decode/draft_proposer.py)."""
+    what each block costs beyond the model's own (a draft model's cache of the same
+    blocks, speculative decoding)."""
     budget = cache.kv_cache_memory
     if budget is None:
         budget = default_cpu_kv_cache_bytes(
@@ -109,8 +109,7 @@ def num_gpu_blocks(
     """Blocks that fit in `gpu_memory_utilization` of the device after the profiled peak
     (weights + the largest forward's activations + the CUDA graphs' estimate, from the
     caller); with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
-    one GPU, e.g. benchmarks comparing executors). `extra_block_bytes`: as in
-    `num_cpu_blocks`."""
+    one GPU, e.g. benchmarks comparing executors)."""
     block_bytes = kv_block_bytes(model, cache.block_size, dtype) + extra_block_bytes
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = max(total - free - torch.cuda.memory_reserved(device), 0)
