@@ -80,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--k", default="3", help="drafts per step to try, e.g. 2,4")
     p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--quantization", default=None,
+                   help="the engine flag (none: a GGUF's weights dequantized to --dtype)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and mode")
     p.add_argument("--prompts", default=",".join(PROMPTS))
@@ -133,6 +135,8 @@ def main() -> None:
     common = dict(device=args.device, seed=0)
     if args.model:
         common["model"] = args.model
+    if args.quantization:
+        common["quantization"] = args.quantization
     modes = {"plain": LLM(**common)}
     for k in ks:
         modes[f"ngram_k{k}"] = LLM(**common, speculative_method="ngram",
@@ -155,6 +159,7 @@ def main() -> None:
                       f"{r['accepted']}/{r['drafts']}", file=sys.stderr)
     report = summarize(results, names, list(modes))
     report["config"] = {"model": modes["plain"].engine.source.name, "device": args.device,
+                        "quantization": modes["plain"].engine.config.quantization,
                         "k": ks, "ngram_prompt_lookup_max": args.ngram_max,
                         "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "batch_size": 1, "greedy": True, "prompts": {n: PROMPTS[n] for n in names},

@@ -217,3 +217,18 @@ def test_draft_model_greedy_matches_hf(family_env, tmp_path_factory, draft):
         assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
     else:
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_seeded_sampling_with_drafts_is_batch_independent(family_env):
+    """A seeded random request draws the same tokens alone and beside others: its drafts
+    come from its own tokens and the verify step's noise from its seed and positions."""
+    ckpt, _ = family_env("llama")
+    prompts, lengths = copy_workload(8, num=6)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True,
+                            seed=1234)
+    alone = _generate(_llm(ckpt), prompts[:1], [seeded])[0].token_ids
+    llm = _llm(ckpt)
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    batched = _generate(llm, prompts, [seeded] + others[1:])[0].token_ids
+    assert batched == alone and len(alone) == 24
+    assert llm.engine.stats().spec_num_verify_steps > 0
