@@ -65,6 +65,7 @@ PROMPTS = {
     "explain": "Explain in a short paragraph why the sky is blue.",
 }
 COPY_HEAVY = ("repeat", "fix_typos", "past_to_present")
+MEASURED_COMMIT = "unknown"
 
 
 def parse_args() -> argparse.Namespace:
@@ -128,6 +129,8 @@ def git_commit() -> str:
 
 def main() -> None:
     args = parse_args()
+    global MEASURED_COMMIT
+    MEASURED_COMMIT = git_commit()  # the tree imported now, not the HEAD at the end
     if args.mode == "verify-cost":
         return verify_cost_main(args)
     ks = [int(k) for k in args.k.split(",")]
@@ -171,7 +174,7 @@ def main() -> None:
 def write_report(report: dict, path: Path | None) -> None:
     report["environment"] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+        "commit": MEASURED_COMMIT, "torch": torch.__version__, "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if path:
