@@ -27,7 +27,7 @@ import torch
 
 from llmfast.attention.metadata import AttentionMetadata
 from llmfast.config import SpeculativeConfig
-from llmfast.core.scheduler_output import SchedulerOutput
+from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.sampling.sampler import LogprobsTensors, SamplingMetadata
@@ -35,6 +35,7 @@ from llmfast.worker.spec_decode.rejection_sampler import rejection_sample
 from llmfast.worker.spec_decode.ngram_proposer import NgramProposer
 from llmfast.worker.spec_decode.proposer import ProposalInputs, Proposer, StepTensors
 from llmfast.worker.step_inputs import StepInputs
+from llmfast.worker.step_output import PendingStep
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,32 @@ class SpecDecoder:
             slot_mapping=md.slot_mapping[:num_tokens], query_start_loc=inputs.query_start_loc.gpu[:n + 1],
             seq_lens=inputs.seq_lens.gpu[:n], block_table=batch.block_table.table.gpu[:n],
             output_token_ids=out_ids, num_emitted=num_emitted)
+
+    def collect_verify(self, step: PendingStep, packed: np.ndarray,
+                       batch: InputBatch) -> ModelRunnerOutput:
+        """The runner's `collect` for a verify step (module doc, 4. and 5.): a variable
+        number of tokens per request, their logprobs, the next drafts."""
+        if step.batch_version != batch.version:
+            raise RuntimeError("a verify step collected after the batch changed")
+        batch.pending_src[:] = -1  # (the synchronous loop: see ModelRunner.collect)
+        num_emitted, tokens = self.emitted(packed, batch, step.sampling_rows,
+                                           step.placeholder_cols)
+        counts = num_emitted.tolist()
+        token_rows = tokens.tolist()
+        out = [token_rows[r][:counts[r]] if s else [] for r, s in zip(step.rows, step.samples)]
+        logprobs = None
+        if step.logprobs_host is not None:
+            logprobs = collect_verify_logprobs(step.logprobs_host, step.rows, step.samples,
+                                               step.num_logprobs, counts)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out,
+                                 logprobs=logprobs,
+                                 prompt_logprobs=step.collect_prompt_logprobs(),
+                                 spec_token_ids=self.propose_for(step, batch))
+
+    def propose_for(self, step: PendingStep, batch: InputBatch) -> list[list[int]]:
+        """The drafts for the next step, per scheduled request of `step` (collected)."""
+        drafts = self.propose(batch, step.sampling_rows, step.spec_step)
+        return [drafts[r] for r in step.rows]
 
     def propose(self, batch: InputBatch, sampling_rows: np.ndarray,
                 step: StepTensors | None = None) -> list[list[int]]:
