@@ -100,6 +100,8 @@ class SpecDecoder:
                                                 device=device)
         self.num_drafts = np.zeros(max_num_reqs, dtype=np.int64)  # this step's, per row
         self.max_num_drafts = 0  # this step's most drafts in a row (sizes the output)
+        # Per row, whether it sampled this step (a draft model's StepTensors).
+        self.sampled_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)
         # Per logits row, its request's row: a per-request grammar bitmask expanded.
         self.row_req = CpuGpuBuffer(max_num_tokens + max_num_reqs, dtype=torch.int64,
                                     device=device)
@@ -191,15 +193,15 @@ class SpecDecoder:
         persistent buffers, valid until the next step's inputs are prepared. `tokens`:
         the sampled ids [n] or the verify step's packed [n, K + 2]."""
         n = batch.num_reqs
-        emitted = np.zeros(n, dtype=np.int32)
+        # 1 where the row sampled (a verify row: times its emitted count, on the device).
+        sampled = self.sampled_rows
+        sampled.np[:n] = 0
+        sampled.np[sampling_rows] = 1
+        num_emitted = sampled.copy_to_gpu(n)
         if tokens.dim() == 1:
-            emitted[sampling_rows] = 1
             out_ids = tokens[:, None]
         else:
-            emitted[sampling_rows] = 1  # replaced by the counts on the device below
             out_ids = tokens[:, 1:]
-        num_emitted = torch.as_tensor(emitted, device=tokens.device)
-        if tokens.dim() == 2:
             num_emitted = num_emitted * tokens[:, 0].to(torch.int32)
         return StepTensors(
             input_ids=inputs.input_ids.gpu[:num_tokens], positions=inputs.positions.gpu[:num_tokens],
