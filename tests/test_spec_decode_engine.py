@@ -219,3 +219,20 @@ def test_seeded_sampling_with_drafts_is_batch_independent(family_env):
     batched = _generate(llm, prompts, [seeded] + others[1:])[0].token_ids
     assert batched == alone and len(alone) == 24
     assert llm.engine.stats().spec_num_verify_steps > 0
+
+
+def test_draft_model_samples_its_drafts_for_random_requests(family_env):
+    """Random requests: the draft model draws its drafts with the row's temperature and
+    the verify step gets their distributions (draft_probs). With the target's own
+    weights as the draft, q = p, so min(1, p/q) accepts (nearly) every draft; treated as
+    point masses they would be accepted with probability p(x) only."""
+    ckpt, _ = family_env("llama")
+    prompts, _ = copy_workload(9, num=4)
+    params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    llm = _llm(ckpt, speculative_method="draft", speculative_model=str(ckpt))
+    outs = _generate(llm, prompts, params)
+    assert all(len(o.token_ids) == 20 for o in outs)
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens

@@ -411,6 +411,8 @@ class ModelRunner:
             step["spec_step"] = self.spec.step_tensors(self.inputs, batch, md,
                                                        int(num_sched.sum()), sampled,
                                                        sampling_rows)
+            if not metadata.all_greedy:
+                step["spec_sampling"] = metadata
         step.update(self.output_copier.copy(sampled, sampled_logprobs, prompt_logprobs))
         pending = PendingStep(sampled_device=sampled, **step)
         if grammar is not None:
