@@ -53,7 +53,7 @@ def test_packed_matmul_matches_float64(type_name, num_tokens):
     raw = _blocks(type_name, rows, 512, seed=num_tokens)
     weight = torch.from_numpy(_dequantized(raw, type_name))  # [N, K] float64
     bias = torch.randn(rows)
-    layer = Int4Linear(decode_blocks(raw, type_name, 512), bias)
+    layer = Int4Linear.from_codes(decode_blocks(raw, type_name, 512), bias)
     x = torch.randn(num_tokens, 512)
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (num_tokens, rows)
@@ -218,7 +218,7 @@ def test_tensor_table_of_a_non_gguf_file_is_refused(tmp_path):
 
 def test_packed_linear_keeps_a_bfloat16_models_dtype():
     raw = _blocks("Q4_1", 16, 256)
-    layer = Int4Linear(decode_blocks(raw, "Q4_1", 256), torch.randn(16))
+    layer = Int4Linear.from_codes(decode_blocks(raw, "Q4_1", 256), torch.randn(16))
     x = torch.randn(3, 256)
     out = layer(x.bfloat16())
     assert out.dtype == torch.bfloat16

@@ -21,6 +21,8 @@ sum to bfloat16: relative errors of ~2^-8, what the tests bound.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
@@ -81,44 +83,98 @@ def dequantize_planes(values: np.ndarray, sz: np.ndarray, x_index: np.ndarray,
     return out[:, :cols]
 
 
+def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
+                     scales_and_zeros: torch.Tensor, x_index: torch.Tensor | None,
+                     zero_column: bool, out_features: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype."""
+    dtype = x.dtype
+    x = x.to(ACT_DTYPE)
+    if x_index is not None:
+        if zero_column:
+            x = torch.nn.functional.pad(x, (0, 1))
+        x = x.index_select(1, x_index)  # [M, K']
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
+    return out[:, :out_features].to(dtype)  # the model's dtype (float32 on CPU)
+
+
+@torch.library.custom_op("llmfast::int4_linear", mutates_args=())
+def int4_linear(x: torch.Tensor, weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                x_index: torch.Tensor | None, zero_column: bool,
+                out_features: int) -> torch.Tensor:
+    return int4_linear_impl(x, weight_packed, scales_and_zeros, x_index, zero_column,
+                            out_features)
+
+
+@int4_linear.register_fake
+def _(x: torch.Tensor, weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+      x_index: torch.Tensor | None, zero_column: bool, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """An `Int4Linear`'s tensors (what the start-up cache stores)."""
+
+    weight_packed: torch.Tensor  # [N', K' / 2] uint8, the kernel's layout
+    scales_and_zeros: torch.Tensor  # [K' / 32, N', 2] bfloat16
+    x_index: torch.Tensor | None  # [K'] int64 into x's columns (K: a zero column); None: x as is
+    in_features: int
+    out_features: int
+
+
+def pack_int4(a: AffineCodes) -> PackedInt4:
+    out_features, in_features = a.codes.shape
+    values, sz, x_index = nibble_planes(a)
+    padded = -out_features % ROW_MULTIPLE
+    if padded:  # rows of v = 8, scale 0, zero 0: outputs of 0, sliced off
+        values = np.concatenate([values, np.full((padded, values.shape[1]), 8, np.uint8)])
+        sz = np.concatenate([sz, np.zeros((sz.shape[0], padded, 2), np.float32)], axis=1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.from_numpy(values.astype(np.int32)), 1)
+    identity = x_index.size == in_features and bool((x_index == np.arange(in_features)).all())
+    return PackedInt4(packed, torch.from_numpy(sz).to(ACT_DTYPE),
+                      None if identity else torch.from_numpy(x_index), in_features,
+                      out_features)
+
+
 class Int4Linear(nn.Module):
     """x [M, K] -> [M, N] in x's dtype, from int4 nibble planes."""
 
-    def __init__(self, a: AffineCodes, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, packed: PackedInt4, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = a.codes.shape
-        values, sz, x_index = nibble_planes(a)
-        padded = -self.out_features % ROW_MULTIPLE
-        if padded:  # rows of v = 8, scale 0, zero 0: outputs of 0, sliced off
-            values = np.concatenate([values, np.full((padded, values.shape[1]), 8,
-                                                     np.uint8)])
-            sz = np.concatenate([sz, np.zeros((sz.shape[0], padded, 2), np.float32)], axis=1)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(values.astype(np.int32)), 1)
+        self.out_features, self.in_features = packed.out_features, packed.in_features
         # Parameters, not buffers: models/weight_bytes.py counts parameters.
-        self.weight_packed = nn.Parameter(packed, requires_grad=False)  # [N', K' / 2] uint8
-        self.scales_and_zeros = nn.Parameter(  # [K' / 32, N', 2]
-            torch.from_numpy(sz).to(ACT_DTYPE), requires_grad=False)
-        identity = x_index.size == self.in_features and bool(
-            (x_index == np.arange(self.in_features)).all())
-        self.zero_column = bool((x_index == self.in_features).any())
+        self.weight_packed = nn.Parameter(packed.weight_packed, requires_grad=False)
+        self.scales_and_zeros = nn.Parameter(packed.scales_and_zeros, requires_grad=False)
+        x_index = packed.x_index
+        self.zero_column = x_index is not None and bool((x_index == self.in_features).any())
         # Gathered columns of x: None when the planes read x as is.
-        self.register_buffer("x_index", None if identity else torch.from_numpy(x_index),
-                             persistent=False)
+        self.register_buffer("x_index", x_index, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
+    @classmethod
+    def from_codes(cls, a: AffineCodes, bias: torch.Tensor | None = None) -> Int4Linear:
+        return cls(pack_int4(a), bias)
+
+    def packed(self) -> PackedInt4:
+        return PackedInt4(self.weight_packed.data, self.scales_and_zeros.data, self.x_index,
+                          self.in_features, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x = x.reshape(-1, self.in_features).to(ACT_DTYPE)  # [M, K]
-        if self.x_index is not None:
-            if self.zero_column:
-                x = torch.nn.functional.pad(x, (0, 1))
-            x = x.index_select(1, self.x_index)  # [M, K']
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.weight_packed, GROUP, self.scales_and_zeros)  # [M, N'] bf16
-        out = out[:, :self.out_features].to(dtype)  # the model's dtype (float32 on CPU)
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)  # [M, K]
+        if torch.compiler.is_compiling():
+            # An opaque op: Inductor's own lowering of the int4 kernel adds a real tensor
+            # constant that fails under its fake tensors (torch 2.13).
+            out = torch.ops.llmfast.int4_linear(x, self.weight_packed, self.scales_and_zeros,
+                                                self.x_index, self.zero_column,
+                                                self.out_features)
+        else:
+            out = int4_linear_impl(x, self.weight_packed, self.scales_and_zeros,
+                                   self.x_index, self.zero_column, self.out_features)
         if self.bias is not None:
-            out = out + self.bias.to(dtype)
+            out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
