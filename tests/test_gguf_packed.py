@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmfast.kernels.cpu.int4_linear import Int4Linear, dequantize_planes, nibble_planes
+from llmfast.kernels.cpu.int4_linear import (
+    Int4Linear,
+    dequantize_packed,
+    dequantize_planes,
+    nibble_planes,
+)
 from llmfast.models.formats.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from tests.helpers.gguf_files import quantized_blocks, tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import train_byte_level_bpe
@@ -47,6 +52,7 @@ def test_decoded_codes_and_planes_are_the_gguf_weights(type_name):
 
 
 @pytest.mark.parametrize("type_name", PACKABLE_TYPES)
+# 70 tokens: past DEQUANTIZE_MIN_TOKENS, the dequantized float32 GEMM.
 @pytest.mark.parametrize("num_tokens", [1, 5, 70])
 def test_packed_matmul_matches_float64(type_name, num_tokens):
     rows = 40  # not a multiple of 16: padded rows, sliced off
@@ -60,6 +66,27 @@ def test_packed_matmul_matches_float64(type_name, num_tokens):
     want = x.double() @ weight.T + bias.double()
     bound = MATMUL_RTOL * (x.double().abs() @ weight.abs().T) + 1e-6
     assert ((out.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("type_name", PACKABLE_TYPES)
+def test_dequantized_kernel_layout_is_the_planes(type_name):
+    """The prefill path reads the kernel's packed bytes back (dequantize_packed): the
+    planes' values with the kernel's bfloat16 scales and zeros, folded onto the columns."""
+    from llmfast.kernels.cpu.int4_linear import packed_layout_known
+
+    if not packed_layout_known():  # another torch or ISA: every call takes the kernel
+        pytest.skip("this torch packs int4 weights in another layout")
+    raw = _blocks(type_name, 40, 512)
+    codes = decode_blocks(raw, type_name, 512)
+    layer = Int4Linear.from_codes(codes)
+    values, sz, x_index = nibble_planes(codes)
+    want = dequantize_planes(values, torch.from_numpy(sz).bfloat16().float().numpy(),
+                             x_index, 512)
+    got = dequantize_packed(layer.weight_packed, layer.scales_and_zeros, layer.x_index,
+                            512, 40)
+    assert got.shape == (40, 512)
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=0,
+                               atol=1e-6 * np.abs(want).max())
 
 
 def test_unknown_type_refused():

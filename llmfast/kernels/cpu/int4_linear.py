@@ -21,6 +21,7 @@ sum to bfloat16: relative errors of ~2^-8, what the tests bound.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +31,14 @@ from torch import nn
 from llmfast.kernels.cpu.affine_codes import AffineCodes
 
 GROUP = 32  # columns per scale/zero pair, the kernel's smallest group
-ROW_MULTIPLE = 16  # the kernel's packing needs N divisible by 16
+# The kernel's packing needs N divisible by 16; a multiple of 32 keeps its layout to
+# whole blocks of 32 rows (a last block of 16 is laid out otherwise), which
+# `dequantize_packed` reads.
+ROW_MULTIPLE = 32
 ACT_DTYPE = torch.bfloat16
+# From this many tokens a call dequantizes its weight and runs a float32 GEMM instead of
+# the int4 kernel (measured: scripts/bench_cpu_quant.py --prefill, profiles/cpu.md).
+DEQUANTIZE_MIN_TOKENS = 64
 
 
 def int4_supported() -> bool:
@@ -83,11 +90,57 @@ def dequantize_planes(values: np.ndarray, sz: np.ndarray, x_index: np.ndarray,
     return out[:, :cols]
 
 
+def dequantize_packed(weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                      x_index: torch.Tensor | None, in_features: int,
+                      out_features: int) -> torch.Tensor:
+    """float32 [N, K]: the weight the kernel's packed planes stand for (scales and zeros
+    as the kernel reads them, in bfloat16), the planes folded back onto x's columns.
+
+    The kernel's layout (torch 2.13, `_convert_weight_to_int4pack_for_cpu`, checked by
+    tests/test_gguf_packed.py against the values packed): blocks of 32 rows, as
+    [N' / 32, K', 16] bytes whose low nibble is row 32 b + l and high nibble row 32 b + 16 + l.
+    """
+    rows, cols = weight_packed.shape[0], weight_packed.shape[1] * 2  # N', K'
+    if rows % 32:
+        raise ValueError(f"{rows} packed rows: not whole blocks of 32")
+    p = weight_packed.view(rows // 32, cols, 16)
+    v = torch.stack([p & 15, p >> 4], dim=1)  # [N' / 32, 2, K', 16]
+    v = v.transpose(2, 3).reshape(rows, cols)[:out_features]  # [N, K'] uint8
+    sz = scales_and_zeros[:, :out_features].float()  # [K' / 32, N, 2]
+    scale = sz[..., 0].t().repeat_interleave(GROUP, dim=1)  # [N, K']
+    zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1) - 8 * scale
+    w = torch.addcmul(zero, v.float(), scale)  # (v - 8) * scale + zero
+    if x_index is None:
+        return w
+    folded = w.new_zeros(out_features, in_features + 1)  # the last: the zero column
+    return folded.index_add_(1, x_index, w)[:, :in_features]
+
+
+@functools.cache
+def packed_layout_known() -> bool:
+    """Whether this torch packs as `dequantize_packed` reads (checked once on a probe;
+    where not, every call takes the kernel)."""
+    values = torch.arange(64 * 64, dtype=torch.int32).reshape(64, 64) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    if packed.shape != (64, 32) or packed.dtype != torch.uint8:
+        return False
+    sz = torch.zeros(2, 64, 2, dtype=ACT_DTYPE)
+    sz[..., 0] = 1
+    sz[..., 1] = 8  # w = v - 8 + 8 = v
+    return torch.equal(dequantize_packed(packed, sz, None, 64, 64), values.float())
+
+
 def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
                      scales_and_zeros: torch.Tensor, x_index: torch.Tensor | None,
                      zero_column: bool, out_features: int) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype."""
+    """x [M, K] -> [M, N] in x's dtype: the int4 kernel for few tokens; for many (a
+    prefill), a float32 GEMM on the weight dequantized for this call, which from
+    DEQUANTIZE_MIN_TOKENS costs less than the kernel (a GEMV at heart)."""
     dtype = x.dtype
+    if x.shape[0] >= DEQUANTIZE_MIN_TOKENS and packed_layout_known():
+        w = dequantize_packed(weight_packed, scales_and_zeros, x_index, x.shape[1],
+                              out_features)
+        return torch.nn.functional.linear(x, w.to(dtype))
     x = x.to(ACT_DTYPE)
     if x_index is not None:
         if zero_column:

@@ -28,7 +28,7 @@ from llmfast.utils.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 # Bump when what `pack_int4` (or `nibble_planes`) makes of the same blocks changes.
-PACK_LAYOUT_VERSION = 1
+PACK_LAYOUT_VERSION = 2  # 2: rows padded to 32
 _TENSORS = ("weight_packed", "scales_and_zeros", "x_index")
 
 
