@@ -104,12 +104,14 @@ def dequantize_packed(weight_packed: torch.Tensor, scales_and_zeros: torch.Tenso
     if rows % 32:
         raise ValueError(f"{rows} packed rows: not whole blocks of 32")
     p = weight_packed.view(rows // 32, cols, 16)
-    v = torch.stack([p & 15, p >> 4], dim=1)  # [N' / 32, 2, K', 16]
-    v = v.transpose(2, 3).reshape(rows, cols)[:out_features]  # [N, K'] uint8
-    sz = scales_and_zeros[:, :out_features].float()  # [K' / 32, N, 2]
-    scale = sz[..., 0].t().repeat_interleave(GROUP, dim=1)  # [N, K']
-    zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1) - 8 * scale
-    w = torch.addcmul(zero, v.float(), scale)  # (v - 8) * scale + zero
+    # Unpacked straight into float32 (the copy converts): [N' / 32, 2, 16, K'].
+    w = torch.empty(rows // 32, 2, 16, cols)
+    w[:, 0].copy_((p & 15).transpose(1, 2))
+    w[:, 1].copy_((p >> 4).transpose(1, 2))
+    w = w.view(rows, cols // GROUP, GROUP)[:out_features]  # [N, K' / 32, 32]
+    sz = scales_and_zeros[:, :out_features].float().transpose(0, 1)  # [N, K' / 32, 2]
+    scale = sz[..., 0:1]
+    w = w.mul_(scale).add_(sz[..., 1:2] - 8 * scale).view(out_features, cols)  # (v - 8) s + z
     if x_index is None:
         return w
     folded = w.new_zeros(out_features, in_features + 1)  # the last: the zero column
