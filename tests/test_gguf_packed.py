@@ -250,3 +250,24 @@ def test_packed_linear_keeps_a_bfloat16_models_dtype():
     out = layer(x.bfloat16())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), layer(x), rtol=2**-6, atol=2**-6 * x.abs().sum())
+
+
+def test_packed_linear_traces_as_one_op():
+    """Compiled graphs see the layer as `llmfast::int4_linear` (Inductor's own lowering
+    of the int4 kernel fails under fake tensors): same outputs as eager, a decode-sized
+    call and a prefill-sized one (the dequantizing path) through one graph."""
+    raw = _blocks("Q8_0", 40, 512)  # two planes: the column index too
+    layer = Int4Linear.from_codes(decode_blocks(raw, "Q8_0", 512), torch.randn(40))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(layer, backend=backend, dynamic=True, fullgraph=True)
+    for num_tokens in (3, 70):
+        x = torch.randn(num_tokens, 512)
+        assert torch.equal(compiled(x), layer(x))
+    ops = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.llmfast.int4_linear in ops  # Dynamo's graphs hold the packet
+    assert not any("int4pack" in str(op) for op in ops)

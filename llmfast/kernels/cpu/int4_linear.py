@@ -17,6 +17,12 @@ bfloat16 activations only (float32 ones take a scalar path, 6-12x slower), so th
 activations, scales and zeros are bfloat16 and the output (bfloat16) is widened to
 float32. That rounds the scales (f16 in GGUF, 11 bits) to 8 bits and the products'
 sum to bfloat16: relative errors of ~2^-8, what the tests bound.
+
+The kernel is a GEMV at heart: its time grows with the tokens about as a float32 GEMM's
+does not, so a call of DEQUANTIZE_MIN_TOKENS or more (a prefill) unpacks the weight to
+float32 for the call and runs F.linear instead (prompts ~1.5x faster from 128 tokens on
+the dev VM; profiles/cpu.md). Compiled graphs call the layer as the opaque
+`llmfast::int4_linear` op, so that choice happens at run time.
 """
 
 from __future__ import annotations
@@ -150,7 +156,9 @@ def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
         x = x.index_select(1, x_index)  # [M, K']
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
-    return out[:, :out_features].to(dtype)  # the model's dtype (float32 on CPU)
+    if out.shape[1] != out_features:  # padded rows
+        out = out[:, :out_features]
+    return out.to(dtype)  # the model's dtype (float32 on CPU)
 
 
 @torch.library.custom_op("llmfast::int4_linear", mutates_args=())
