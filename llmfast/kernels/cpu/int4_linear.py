@@ -161,15 +161,15 @@ def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
     return out.to(dtype)  # the model's dtype (float32 on CPU)
 
 
-@torch.library.custom_op("llmfast::int4_linear", mutates_args=())
-def int4_linear(x: torch.Tensor, weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                x_index: torch.Tensor | None, zero_column: bool,
-                out_features: int) -> torch.Tensor:
-    return int4_linear_impl(x, weight_packed, scales_and_zeros, x_index, zero_column,
-                            out_features)
+# A plain library definition, not `torch.library.custom_op`: the latter's Python wrapper
+# costs ~40 us more a call (60 against 18 us measured on the dev VM), 121 calls a step.
+_LIB = torch.library.Library("llmfast", "FRAGMENT")
+_LIB.define("int4_linear(Tensor x, Tensor weight_packed, Tensor scales_and_zeros, "
+            "Tensor? x_index, bool zero_column, int out_features) -> Tensor")
+_LIB.impl("int4_linear", int4_linear_impl, "CPU")
 
 
-@int4_linear.register_fake
+@torch.library.register_fake("llmfast::int4_linear")
 def _(x: torch.Tensor, weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
       x_index: torch.Tensor | None, zero_column: bool, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
