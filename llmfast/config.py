@@ -455,6 +455,44 @@ class ParallelConfig:
                               f"{self.distributed_executor_backend})")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decode step verifies up to `num_speculative_tokens`
+    (K) proposed tokens as one (1 + K)-token query (worker/spec_decode/). "ngram":
+    prompt lookup in the request's own tokens, suffixes of `prompt_lookup_min` to
+    `prompt_lookup_max` tokens; "draft": a smaller model of the same tokenizer
+    (`draft_model`, a path or spec as --model takes)."""
+
+    method: str
+    num_speculative_tokens: int
+    draft_model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past its scheduled tokens each drafting request gets: a draft model
+        writes its K drafts' KV there (worker/spec_decode/proposer.py)."""
+        return self.num_speculative_tokens if self.method == "draft" else 0
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"unknown speculative method {self.method!r:.40}; choose "
+                              f"{' or '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError("--num-speculative-tokens must be at least 1")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ConfigError("--speculative-model goes with --speculative-method draft "
+                              "(and draft needs one)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"n-gram sizes must satisfy 1 <= --ngram-prompt-lookup-min <= "
+                              f"--ngram-prompt-lookup-max, got {self.prompt_lookup_min} and "
+                              f"{self.prompt_lookup_max}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, resolved: the model path is a local directory."""
@@ -474,6 +512,8 @@ class EngineConfig:
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
     # Weights quantized after loading, e.g. "fp8" (models/quantization/); None: as loaded.
     quantization: str | None = None
+    # Speculative decoding (None: off).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)

@@ -21,7 +21,8 @@ the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in the next calls
 Other steps: `moe` and `moe_decode` (#52: scripts/bench_moe.py, and the decode sweep of
 random:qwen3-30b-a3b), `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
 `decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
-load), `executor` (uni vs mp).
+load), `executor` (uni vs mp), `spec` = `spec_decode` + `spec_decode_8b` (#50: the verify
+step's cost at K = 1..8 and the forced-acceptance speed-up, 1B and 8B).
 
 Under $OUT (default /tmp/llmfast_gpu_check): gpu_check.json (the one result: tree, device,
 versions, command, date, per step its commands, samples, figures with median and spread,
@@ -181,6 +182,25 @@ STEPS = {s.name: s for s in (
          (PY, "scripts/bench_executor.py", "--model", "{model}", "--device", "cpu",
           "--configs", "uni:1,mp:1", "--sizes", "1,2", "--steps", "8", "--repeats", "1",
           "--json", "{json}"), samples=1),
+    # Not in `headline` (#50, profiles/spec_decode.md): the verify step of K = 1, 2, 4, 8
+    # drafts against a plain decode step, batch 1 and 8, with a proposer replaying the
+    # target's own greedy tokens (every draft accepted: the speed-up's upper bound), and
+    # the speed-ups the CPU's measured acceptance rates imply; the 1B then the 8B preset.
+    Step("spec_decode", "spec_decode", 150, 420,
+         (PY, "scripts/bench_spec_decode.py", "--mode", "verify-cost", "--model", "{model}",
+          "--dtype", "{dtype}", "--device", "cuda", "--k", "1,2,4,8", "--batch-sizes", "1,8",
+          "--context", "512", "--max-tokens", "96", "--acceptance", "0.5,0.7,0.9",
+          "--json", "{json}"),
+         (PY, "scripts/bench_spec_decode.py", "--mode", "verify-cost", "--model", "{model}",
+          "--dtype", "{dtype}", "--device", "cpu", "--k", "1,2", "--batch-sizes", "1,2",
+          "--context", "16", "--max-tokens", "8", "--json", "{json}"), samples=1),
+    Step("spec_decode_8b", "spec_decode", 240, 540,
+         (PY, "scripts/bench_spec_decode.py", "--mode", "verify-cost", "--model",
+          "random:llama-3.1-8b", "--dtype", "{dtype}", "--device", "cuda", "--k", "1,2,4,8",
+          "--batch-sizes", "1,8", "--context", "512", "--max-tokens", "96",
+          "--gpu-memory-utilization", "0.8", "--acceptance", "0.5,0.7,0.9",
+          "--json", "{json}"),
+         (PY, "scripts/bench_spec_decode.py", "--help"), samples=1),
     # Not in `headline` (#52): the fused MoE layer against a per-expert loop and a dense
     # bmm at 1, 64 and 512 tokens (the presets' layer shapes); then batch-1..256 decode
     # of random:qwen3-30b-a3b in bf16 against the active-weight roofline (61 GB of
@@ -197,7 +217,8 @@ STEPS = {s.name: s for s in (
          samples=1, extract="sweep"),
 )}
 GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests"),
-          "sliding": ("sliding_kernels", "sliding_decode")}
+          "sliding": ("sliding_kernels", "sliding_decode"),
+          "spec": ("spec_decode", "spec_decode_8b")}
 
 
 # ------------------------------------------------------------------ the tree stamp

@@ -76,7 +76,7 @@ def test_help_all_groups_engine_flags_by_topic():
     panels = [m.group(1) for m in re.finditer(r"╭─ (.+?) ─", text)]
     assert panels[:2] == ["Arguments", "Options"]
     assert panels[2:] == ["Model", "Memory and scheduling", "Compilation and CUDA graphs",
-                          "Parallelism"]  # every EngineArgs field has a topic
+                          "Parallelism", "Speculative decoding"]  # every field has a topic
     # A flag's help sits beside its name, wrapped in the help column, not below it.
     line = next(line for line in text.splitlines() if "--max-num-seqs INT" in line)
     assert "Most requests in one step." in line

@@ -12,6 +12,7 @@ from llmfast.bench.workload import (
     check_fits,
     warm_up,
 )
+from llmfast.core.scheduler import spec_rates
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.utils.progress import CountProgress
 
@@ -28,6 +29,9 @@ class ThroughputResult:
     # Triton kernel variants specialized inside the timed run (compile_watch.py): start-up
     # should leave none, or the run times the compiler.
     triton_compiles: dict | None = None
+    # Speculative decoding in the timed run (None when off): draft tokens verified and
+    # accepted, verify steps, acceptance rate, mean accepted length.
+    spec_decode: dict | None = None
 
 
 def throughput_result(requests: Sequence[BenchRequest], output_tokens: int,
@@ -46,10 +50,24 @@ def run_throughput(engine, requests: Sequence[BenchRequest],
     """All requests at once, stepped to completion (an offline batch job)."""
     check_fits(requests, engine.config.scheduler.max_model_len)
     warm_up(engine)
+    before = engine.stats()
     with TritonCompileWatch() as watch:
         result = _timed_run(engine, requests, progress)
     result.triton_compiles = watch.summary()
+    if engine.config.speculative is not None:
+        result.spec_decode = spec_decode_delta(before, engine.stats())
     return result
+
+
+def spec_decode_delta(before, after) -> dict:
+    """Speculative decoding's counts between two engine stats, and their rates."""
+    drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    steps = after.spec_num_verify_steps - before.spec_num_verify_steps
+    rate, length = spec_rates(drafts, accepted, steps)
+    return {"num_draft_tokens": drafts, "num_accepted_tokens": accepted,
+            "num_verify_steps": steps, "acceptance_rate": rate,
+            "mean_accepted_length": length}
 
 
 def _timed_run(engine, requests: Sequence[BenchRequest],

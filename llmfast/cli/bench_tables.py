@@ -120,6 +120,12 @@ def throughput_table(run: dict) -> Table:
             lines.append(f"HF batch {run['hf_batch_size']} is the fastest probed "
                          f"(output tok/s by batch: {tried})")
         table.caption = "\n".join(lines)
+    spec = run["throughput"].get("spec_decode")
+    if spec:
+        note = (f"speculative decoding: acceptance {spec['acceptance_rate']:.1%}, mean "
+                f"accepted length {spec['mean_accepted_length']:.2f} tokens per verify step "
+                f"({spec['num_verify_steps']} steps)")
+        table.caption = f"{table.caption}\n{note}" if table.caption else note
     compiles = run["throughput"].get("triton_compiles") or {}
     if compiles.get("count"):
         kernels = ", ".join(f"{k} x{n}" for k, n in compiles["by_kernel"].items())

@@ -308,8 +308,16 @@ def _stats_report(session: ChatSession) -> str:
         session.settings_line(),
     ]
     stats = engine_stats(session.llm.engine)
+    spec = {k: stats.pop(k) for k in list(stats) if k.startswith("spec_")}
     if stats:
         lines.append("engine: " + ", ".join(f"{k}={_fmt(v)}" for k, v in stats.items()))
+    if session.llm.engine.config.speculative is not None and spec:
+        lines.append(
+            f"speculative decoding ({session.llm.engine.config.speculative.method}): "
+            f"acceptance {spec['spec_acceptance_rate']:.1%}, mean accepted length "
+            f"{spec['spec_mean_accepted_length']:.2f} tokens per verify step "
+            f"({spec['spec_num_accepted_tokens']} of {spec['spec_num_draft_tokens']} drafts "
+            f"in {spec['spec_num_verify_steps']} steps)")
     startup = session.llm.engine.startup_times
     if startup:
         lines.append("start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in startup.items()))

@@ -46,6 +46,9 @@ PANELS = {
                                     "cuda_graph_mode", "cuda_graph_sizes",
                                     "piecewise_graph_sizes"),
     "Parallelism": ("tensor_parallel_size", "distributed_executor_backend", "ray_address"),
+    "Speculative decoding": ("speculative_method", "speculative_model",
+                             "num_speculative_tokens", "ngram_prompt_lookup_min",
+                             "ngram_prompt_lookup_max"),
     "Options": ("debug",),  # with the command's own options
 }
 OTHER_ENGINE_PANEL = "Engine"

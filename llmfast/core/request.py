@@ -106,6 +106,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_token_set",
     )
@@ -149,6 +150,9 @@ class Request:
         # scheduler on add): an output of an earlier step for the same id belongs to an
         # earlier request that used the id, and is dropped.
         self.first_step = 0
+        # Speculative decoding: drafts proposed after the last step, verified in the next
+        # one the request decodes in (empty: a plain decode). Never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

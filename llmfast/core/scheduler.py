@@ -17,6 +17,14 @@ tokens. A request that samples in a step holds a placeholder for that token
 N's token as there to compute. Stop conditions apply when values arrive, one step late:
 a token sampled for a request that has finished since is dropped. A request whose last
 allowed token (max_tokens) is a placeholder is not scheduled again.
+
+Speculative decoding (synchronous loop only): a decoding request with drafts
+(`Request.spec_token_ids`, proposed by the runner after the last step) is scheduled
+1 + K tokens (its last known token and the K drafts), counted in the token budget and
+given KV slots like any other. After the step, `update()` rolls `num_computed_tokens`
+back by the rejected drafts (their slots hold stale KV and are written again next
+step), so only accepted tokens are ever computed, hashed or cached. Drafts are cut to
+what the budget, max_model_len and max_tokens leave room for.
 """
 
 from __future__ import annotations
@@ -77,6 +85,25 @@ class SchedulerStats:
     prefix_cache_hits: int  # of which found cached
     prefix_cache_hit_rate: float
     kv_cache_usage: float  # fraction of usable blocks held
+    # Speculative decoding, since start: draft tokens verified, of which accepted, and
+    # request-steps that verified drafts.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+    # accepted / verified drafts, and tokens emitted per verify step (accepted + 1);
+    # 0.0 before any verify step.
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+
+
+def spec_rates(num_draft_tokens: int, num_accepted_tokens: int,
+               num_verify_steps: int) -> tuple[float, float]:
+    """(acceptance rate, mean accepted length): accepted / verified drafts, and tokens
+    emitted per verify step (its accepted drafts plus the bonus or recovered token)."""
+    if not num_verify_steps:
+        return 0.0, 0.0
+    return (num_accepted_tokens / num_draft_tokens,
+            (num_accepted_tokens + num_verify_steps) / num_verify_steps)
 
 
 def _append_token(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
@@ -96,10 +123,13 @@ def _append_token(request: Request, token: int, max_model_len: int) -> RequestSt
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, num_lookahead_slots: int = 0,
     ) -> None:
         """`sliding_window`: the window every layer of the model attends within, if one
-        does (ModelConfig.kv_sliding_window): blocks that leave it are freed."""
+        does (ModelConfig.kv_sliding_window): blocks that leave it are freed.
+        `num_lookahead_slots`: KV slots past its scheduled tokens each decoding request
+        gets (a draft-model proposer writes its drafts' KV there,
+        worker/spec_decode/proposer.py)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -120,6 +150,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls so far; SchedulerOutput.step_index
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_num_verify_steps = 0
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -185,6 +219,8 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        rate, length = spec_rates(self.spec_num_draft_tokens, self.spec_num_accepted_tokens,
+                                  self.spec_num_verify_steps)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -193,6 +229,11 @@ class Scheduler:
             prefix_cache_hits=kv.stats.hits,
             prefix_cache_hit_rate=kv.stats.hit_rate,
             kv_cache_usage=kv.usage,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_verify_steps=self.spec_num_verify_steps,
+            spec_acceptance_rate=rate,
+            spec_mean_accepted_length=length,
         )
 
     # ---- one step ------------------------------------------------------------------
@@ -202,6 +243,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         # Victims are taken from the back of `running`, so pushing each to the front
@@ -221,6 +263,8 @@ class Scheduler:
         )
         new_reqs: list[NewRequestData] = []
         preempted_ids: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
+        lookahead = self.num_lookahead_slots
         allocate = self.kv_cache_manager.allocate_slots
         running = self.running
         # The last token of a sequence of max_model_len tokens is never computed.
@@ -237,6 +281,13 @@ class Scheduler:
                 len(request.output_token_ids) + num_placeholders >= request.max_tokens
             ):
                 num_new = 0  # its last token is in flight: it finishes when that arrives
+            drafts = request.spec_token_ids
+            if drafts and num_new == 1:
+                # A decode with drafts verifies them too: its last token and up to K
+                # drafts, no more than max_tokens can still take (the step emits up to
+                # one token past the accepted drafts).
+                num_new += min(len(drafts),
+                               request.max_tokens - len(request.output_token_ids) - 1)
             # min(num_new, budget, max_computed - num_computed), without the calls.
             if num_new > budget:
                 num_new = budget
@@ -245,23 +296,32 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = allocate(request, num_new)
+            num_alloc = num_new
+            if lookahead:
+                num_alloc += min(lookahead, max_computed - num_computed - num_new)
+            new_blocks = allocate(request, num_alloc)
             while new_blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
                 if victim is request:
                     break
-                new_blocks = allocate(request, num_new)
+                new_blocks = allocate(request, num_alloc)
             if new_blocks is None:  # it preempted itself: nothing later can fit either
                 break
             rid = request.request_id
+            if drafts:
+                # Consumed: the step's output brings the next ones.
+                request.spec_token_ids = []
+                num_drafts = num_computed + num_new - num_tokens
+                if num_drafts > 0:
+                    spec_tokens[rid] = drafts[:num_drafts]
             num_scheduled_tokens[rid] = num_new
             cached_ids.append(rid)
             cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else _NO_BLOCKS)
             cached_computed.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
-            if num_computed + num_new == num_tokens:  # reaches the end: samples a token
+            if num_computed + num_new >= num_tokens:  # reaches the end: samples a token
                 request.num_output_placeholders = num_placeholders + 1
             budget -= num_new
             i += 1
@@ -280,6 +340,7 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted_ids,
             step_index=self.num_steps - 1,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
 
     def _schedule_waiting(
@@ -299,7 +360,11 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+            num_alloc = num_new
+            if self.num_lookahead_slots:  # (see the running loop)
+                num_alloc += min(self.num_lookahead_slots,
+                                 self.max_model_len - 1 - num_cached - num_new)
+            if kv.allocate_slots(request, num_alloc, computed_blocks) is None:
                 break  # FIFO: nothing behind it jumps the queue
             waiting.popleft()
             running.append(request)
@@ -335,6 +400,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         step_index = scheduler_output.step_index
         all_logprobs = model_runner_output.logprobs
+        if scheduler_output.scheduled_spec_decode_tokens or model_runner_output.spec_token_ids:
+            self._update_spec(scheduler_output, model_runner_output)
         updates: list[RequestUpdate] = []
         finished: list[tuple[Request, RequestStatus]] = []
         for idx, (rid, sampled) in enumerate(
@@ -392,3 +459,33 @@ class Scheduler:
             if stopped_running:
                 self.running = [r for r in self.running if r.status is _RUNNING]
         return updates
+
+    def _update_spec(self, scheduler_output: SchedulerOutput,
+                     model_runner_output: ModelRunnerOutput) -> None:
+        """Speculative decoding's part of `update`, before the tokens are appended: roll
+        each verifying request's num_computed_tokens back by its rejected drafts, count
+        the acceptance, and keep the drafts proposed for the next step.
+
+        E.g. 10 known tokens, 9 computed, drafts [d1 d2 d3] scheduled (num_computed 13
+        after schedule); the step emits [d1 d2 r]: 1 draft rejected, num_computed 12 ->
+        the 12 tokens t0..t9 d1 d2 have valid KV, and r (token 12) is computed next step.
+        """
+        requests = self.requests
+        step_index = scheduler_output.step_index
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        proposals = model_runner_output.spec_token_ids
+        for idx, (rid, sampled) in enumerate(
+                zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)):
+            request = requests.get(rid)
+            if (request is None or request.first_step > step_index
+                    or request.status is not _RUNNING):
+                continue
+            drafts = scheduled_drafts.get(rid)
+            if drafts and sampled:
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_num_draft_tokens += len(drafts)
+                self.spec_num_accepted_tokens += num_accepted
+                self.spec_num_verify_steps += 1
+            if proposals is not None and sampled:
+                request.spec_token_ids = proposals[idx]

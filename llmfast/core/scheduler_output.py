@@ -49,6 +49,9 @@ class SchedulerOutput:
     # Which schedule() call made this (0, 1, ...): tells a late output's request apart
     # from a later one that reuses its id.
     step_index: int = 0
+    # Speculative decoding: per request with drafts this step, its draft token ids (the
+    # last num_scheduled_tokens - 1 of its scheduled tokens are these drafts).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,7 +70,8 @@ class PromptLogprobsChunk:
 @dataclass
 class ModelRunnerOutput:
     """Per scheduled request, in `req_ids` order: the sampled token ids (empty for a
-    prefill chunk that does not reach the end of the prompt)."""
+    prefill chunk that does not reach the end of the prompt; with speculative decoding
+    the accepted drafts then the bonus or recovered token)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -75,3 +79,6 @@ class ModelRunnerOutput:
     logprobs: list[list[tuple[float, dict[int, float]]]] | None = None
     # Requests that asked for prompt logprobs and scored prompt tokens this step.
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+    # Speculative decoding: per request (req_ids order), the drafts proposed for its next
+    # step ([] for none); None when speculation is off.
+    spec_token_ids: list[list[int]] | None = None

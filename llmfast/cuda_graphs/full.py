@@ -41,21 +41,24 @@ class FullGraphRunner:
     def __init__(self, capturer, check_static_addresses: bool = False) -> None:
         self.capturer = capturer
         self.check_static_addresses = check_static_addresses
-        self.graphs: dict[int, _FullGraph] = {}
+        # By BatchDescriptor.graph_key: a decode graph's size, a verify graph's (size,
+        # query length).
+        self.graphs: dict[int | tuple[int, int], _FullGraph] = {}
         self.num_replays = 0
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self.graphs))
+        return tuple(sorted(k for k in self.graphs if isinstance(k, int)))
 
-    def capture(self, size: int, fn: Callable[[], torch.Tensor],
+    def capture(self, size: int | tuple[int, int], fn: Callable[[], torch.Tensor],
                 inputs: Sequence[torch.Tensor]) -> None:
         """Capture `fn()` (which must read `inputs` and nothing else per step) at `size`."""
         replay, output = self.capturer.capture(fn, ())
         self.graphs[size] = _FullGraph(replay, self.capturer.static_outputs(output),
                                        tuple(t.data_ptr() for t in inputs))
 
-    def replay(self, size: int, inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    def replay(self, size: int | tuple[int, int],
+               inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Run the graph of `size` on the buffers' current contents; returns its output
         (valid until the next replay of any graph). `inputs`: what it reads, checked
         against the captured addresses in debug mode (else not looked at)."""

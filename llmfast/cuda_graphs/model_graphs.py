@@ -40,7 +40,9 @@ from llmfast.cuda_graphs.stats import GraphStats
 # `full_forward(size, dummy)` -> (fn, inputs): a closure running the whole forward and
 # lm_head at `size` tokens/request rows from the runner's persistent buffers, and those
 # buffers (for the static-address check). With dummy=True it first fills the buffers
-# with a harmless decode batch (slot -1: no KV write).
+# with a harmless decode batch (slot -1: no KV write). Verify graphs (speculative
+# decoding) call `full_forward(size, True, query_len)`: size / query_len requests
+# of query_len tokens each.
 FullForward = Callable[[int, bool], tuple[Callable[[], torch.Tensor], list[torch.Tensor]]]
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,8 @@ class ModelCudaGraphs:
 
     def __init__(self, config: CompileConfig, device: torch.device | str,
                  max_num_tokens: int, *, max_num_reqs: int | None = None,
-                 graph_impl: str = "auto", stats: GraphStats | None = None) -> None:
+                 graph_impl: str = "auto", stats: GraphStats | None = None,
+                 spec_query_len: int = 0) -> None:
         self.config = config
         self.device = torch.device(device)
         self.max_num_tokens = max_num_tokens
@@ -93,7 +96,8 @@ class ModelCudaGraphs:
             self.full = FullGraphRunner(capturer, config.check_static_addresses)
         self.dispatcher = GraphDispatcher(mode, self.capture_sizes,
                                           max_num_reqs if max_num_reqs is not None
-                                          else max_num_tokens, self.piecewise_capture_sizes)
+                                          else max_num_tokens, self.piecewise_capture_sizes,
+                                          spec_query_len)
 
     @property
     def wrap_piece(self) -> PieceWrapper | None:
@@ -129,9 +133,11 @@ class ModelCudaGraphs:
         that fits, else `num_tokens` (eager, CPU, or larger than every graph)."""
         return self.dispatcher.padded_num_tokens(num_tokens, uniform_decode)
 
-    def replay_full(self, num_tokens: int, inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """Replay the full graph of `num_tokens` (a dispatched FULL size); returns its
-        logits [num_tokens, vocab], valid until the next replay of any graph. `inputs`
+    def replay_full(self, num_tokens: int | tuple[int, int],
+                    inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """Replay the full graph of `num_tokens` (a dispatched FULL size, or a verify
+        graph's (size, query length): BatchDescriptor.graph_key); returns its logits
+        [size, vocab], valid until the next replay of any graph. `inputs`
         (what the graph reads) are only looked at when `checks_static_addresses`."""
         assert self.full is not None and self.piecewise is not None
         with self.piecewise.whole_forward():  # for the CPU emulation's re-run
@@ -163,11 +169,14 @@ class ModelCudaGraphs:
         on_cuda = isinstance(state.capturer, CudaGraphCapturer)
         piecewise_sizes = self.dispatcher.piecewise_sizes
         full_sizes = self.dispatcher.full_sizes if self.full is not None else ()
+        # Speculative decoding's verify graphs (dispatch.py), by size.
+        spec_sizes = self.dispatcher.spec_full_sizes if self.full is not None else ()
+        spec_query_len = self.dispatcher.spec_query_len
         if full_sizes and full_forward is None:
             # A caller without the runner's buffers (tests, benchmarks of the pieces):
             # piecewise graphs only, and no step dispatched to a full graph.
             logger.info("no full_forward given: capturing piecewise graphs only")
-            self.full, full_sizes = None, ()
+            self.full, full_sizes, spec_sizes = None, (), ()
             mode = self.config.cuda_graph_mode
             self.dispatcher = GraphDispatcher(
                 CudaGraphMode.PIECEWISE if mode.has_piecewise else CudaGraphMode.NONE,
@@ -175,7 +184,7 @@ class ModelCudaGraphs:
             if not piecewise_sizes:
                 run_dummy(min(self.max_num_tokens, 8))  # triggers the compile
                 return 0
-        sizes = sorted(set(piecewise_sizes) | set(full_sizes), reverse=True)
+        sizes = sorted(set(piecewise_sizes) | set(full_sizes) | set(spec_sizes), reverse=True)
         run_dummy(sizes[0])  # compile before measuring memory
         free_before = self._free_device_memory(on_cuda)
         start = time.perf_counter()
@@ -187,6 +196,8 @@ class ModelCudaGraphs:
                         run_dummy(size)
                 if size in full_sizes:
                     self._capture_full(size, full_forward)
+                if size in spec_sizes:
+                    self._capture_full((size, spec_query_len), full_forward)
         graph_bytes = max(free_before - self._free_device_memory(on_cuda), 0)
         stats = self.stats
         stats.captured_sizes = tuple(sorted(piecewise_sizes))
@@ -194,21 +205,25 @@ class ModelCudaGraphs:
         stats.num_cuda_graphs = state.num_graphs
         stats.capture_time_s = time.perf_counter() - start
         stats.graph_memory_bytes = graph_bytes
-        logger.info("captured %d piecewise graphs at %d sizes and %d full graphs in %.1f s, "
-                    "%.0f MiB", state.num_graphs, len(piecewise_sizes), len(full_sizes),
+        logger.info("captured %d piecewise graphs at %d sizes and %d full graphs (%d of "
+                    "them verify steps) in %.1f s, %.0f MiB", state.num_graphs,
+                    len(piecewise_sizes), len(full_sizes) + len(spec_sizes), len(spec_sizes),
                     stats.capture_time_s, graph_bytes / 2**20)
         return graph_bytes
 
-    def _capture_full(self, size: int, full_forward: FullForward) -> None:
+    def _capture_full(self, key: int | tuple[int, int], full_forward: FullForward) -> None:
         """Capture the full graph of `size` after one uncaptured run of it: a size's
         launch may be a Triton variant of its own (e.g. split partials whose sum buffer
         is not 16-byte aligned at that size), compiled in that warm-up, never inside the
         capture, where compiling fails."""
         assert self.full is not None and self.piecewise is not None
-        fn, inputs = full_forward(size, True)
+        if isinstance(key, tuple):  # a verify graph: (size, query length)
+            fn, inputs = full_forward(key[0], True, key[1])
+        else:
+            fn, inputs = full_forward(key, True)
         with self.piecewise.whole_forward():
             fn()
-            self.full.capture(size, fn, inputs)
+            self.full.capture(key, fn, inputs)
 
     def _free_device_memory(self, on_cuda: bool) -> int:
         if not on_cuda:

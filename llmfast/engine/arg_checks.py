@@ -58,6 +58,11 @@ def check_engine_args(args: Any) -> None:
         _check_graph_mode_wanted(args)
     # An unknown backend, or uni with several ranks, fails here too.
     args.parallel_config()
+    if args.speculative_method is not None and not isinstance(args.speculative_method, str):
+        raise ConfigError(f"speculative-method must be ngram or draft, got "
+                          f"{describe(args.speculative_method)}")
+    # Speculative decoding's flags that contradict each other or another flag.
+    args.speculative_config()
     for flag in ("cuda_graph_sizes", "piecewise_graph_sizes"):
         sizes = getattr(args, flag)
         if sizes is not None and (isinstance(sizes, (str, bytes)) or not all(

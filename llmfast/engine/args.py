@@ -35,6 +35,7 @@ from llmfast.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_quantization,
     dtype_name,
     parse_cuda_graph_mode,
@@ -77,6 +78,10 @@ def engine_flag(default: Any, help: str, *, flags: tuple[str, ...] = (),
     return field(default=default, metadata={"help": help, "flags": flags, "parse": parse,
                                             "minimum": minimum, "maximum": maximum})
 
+
+# Drafts per request and step: past 16 a verify step costs like a prefill chunk.
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 # torch's generators take seeds up to 2**64 - 1; a larger one fails deep in model loading.
 MAX_SEED = 2**64 - 1
@@ -166,7 +171,23 @@ class EngineArgs:
     # One step in flight (the host prepares step N+1 while the device runs step N).
     async_scheduling: bool | None = engine_flag(
         None, "Prepare step N+1 on the host while the device runs step N.  [default: on for "
-              "CUDA; off for CPU, where nothing overlaps (profiles/host.md)]")
+              "CUDA; off for CPU, where nothing overlaps (profiles/host.md); off with "
+              "speculative decoding]")
+    speculative_method: str | None = engine_flag(
+        None, "Speculative decoding: ngram (drafts looked up in the request's own prompt and "
+              "output) or draft (a smaller model of the same tokenizer, "
+              "--speculative-model). Each decode step verifies the drafts in one forward; "
+              "greedy output is unchanged.  [default: off; draft when --speculative-model "
+              "is given]")
+    speculative_model: str | None = engine_flag(
+        None, "The draft model for --speculative-method draft (what --model takes).")
+    num_speculative_tokens: int | None = engine_flag(
+        None, "Drafts verified per request and step (K).  [default: 3 with speculation]",
+        minimum=1, maximum=MAX_SPECULATIVE_TOKENS)
+    ngram_prompt_lookup_min: int | None = engine_flag(
+        None, "Shortest suffix the n-gram proposer looks up.  [default: 2]", minimum=1)
+    ngram_prompt_lookup_max: int | None = engine_flag(
+        None, "Longest suffix the n-gram proposer looks up.  [default: 4]", minimum=1)
 
     tensor_parallel_size: int = engine_flag(
         1, "Split the model over this many devices (tensor parallelism).", minimum=1,
@@ -244,8 +265,12 @@ class EngineArgs:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
-                async_scheduling=(device.type == "cuda") if self.async_scheduling is None
-                else self.async_scheduling,
+                # Off with speculation: the next step's drafts (and the request's length)
+                # depend on how many of this step's drafts were accepted, which only the
+                # collected outputs tell (arg_checks.py refuses the explicit pair).
+                async_scheduling=(device.type == "cuda" and self.speculative_method is None
+                                  and self.speculative_model is None)
+                if self.async_scheduling is None else self.async_scheduling,
             ),
             compile=CompileConfig(
                 enforce_eager=enforce_eager,
@@ -264,11 +289,50 @@ class EngineArgs:
             chat_template=self.chat_template,
             sampling_defaults=resolved.sampling_defaults,
             quantization=self.quantization,
+            speculative=self.speculative_config(),
         )
         if device.type == "cpu" and self.max_model_len is None:
             # To what the KV cache holds in the memory free when the model was resolved.
             config = fit_cpu_max_model_len(config, available=resolved.host_memory_available)
         return config
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """Speculative decoding's config, None when off; ConfigError for a combination
+        that cannot run (arg_checks.py calls it when the arguments are made)."""
+        method = self.speculative_method
+        if method is None and self.speculative_model is not None:
+            method = "draft"
+        if method is None:
+            for name in ("num_speculative_tokens", "ngram_prompt_lookup_min",
+                         "ngram_prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{name.replace('_', '-')} needs "
+                                      "--speculative-method ngram or draft")
+            return None
+        if method == "draft":
+            for name in ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{name.replace('_', '-')} is for "
+                                      "--speculative-method ngram")
+        if self.async_scheduling:
+            raise ConfigError("--async-scheduling does not run with speculative decoding "
+                              "yet (the next step depends on how many drafts were "
+                              "accepted); drop one of the two")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("speculative decoding runs on one device; drop "
+                              "--tensor-parallel-size or --speculative-method")
+        lookup_max = 4 if self.ngram_prompt_lookup_max is None else self.ngram_prompt_lookup_max
+        lookup_min = (min(2, lookup_max) if self.ngram_prompt_lookup_min is None
+                      else self.ngram_prompt_lookup_min)
+        return SpeculativeConfig(
+            method=method,
+            num_speculative_tokens=(DEFAULT_NUM_SPECULATIVE_TOKENS
+                                    if self.num_speculative_tokens is None
+                                    else self.num_speculative_tokens),
+            draft_model=self.speculative_model,
+            prompt_lookup_min=lookup_min,
+            prompt_lookup_max=lookup_max,
+        )
 
     def parallel_config(self) -> ParallelConfig:
         """The ranks and their executor; the backend defaults to uni for one rank, mp for

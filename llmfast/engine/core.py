@@ -39,8 +39,11 @@ class EngineCore:
         self.config = config
         self.executor = started.executor
         self.eos_token_ids = started.tokens.eos_token_ids
+        spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, config.cache, started.num_blocks,
-                                   config.model.kv_sliding_window)
+                                   config.model.kv_sliding_window,
+                                   num_lookahead_slots=0 if spec is None
+                                   else spec.num_lookahead_slots)
         self.async_scheduling = config.scheduler.async_scheduling
         # The launched step whose outputs the next step() reads (async scheduling only);
         # the second item is the executor's handle.
@@ -80,7 +83,9 @@ class EngineCore:
         s = self.scheduler.get_stats()
         return StepStats(s.num_running_reqs, s.num_waiting_reqs, s.num_preemptions,
                          s.prefix_cache_queries, s.prefix_cache_hits,
-                         s.prefix_cache_hit_rate, s.kv_cache_usage, self.num_steps)
+                         s.prefix_cache_hit_rate, s.kv_cache_usage, self.num_steps,
+                         s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
+                         s.spec_num_verify_steps)
 
     def set_phase_timer(self, timer) -> None:
         self.phase_timer = timer
@@ -123,6 +128,9 @@ class EngineCore:
     def set_async_scheduling(self, enabled: bool) -> EngineCoreOutputs | None:
         """Switch between the pipelined and the synchronous loop between steps; the
         outputs of a step still in flight."""
+        if enabled and self.config.speculative is not None:
+            raise ValueError("async scheduling does not run with speculative decoding (the "
+                             "next step depends on how many drafts were accepted)")
         outputs = None
         if not enabled and self._in_flight is not None:
             done, self._in_flight = self._in_flight, None

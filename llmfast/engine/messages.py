@@ -38,6 +38,10 @@ class StepStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_hit_rate: float
     kv_cache_usage: float
     num_steps: int = 0
+    # Speculative decoding, since start (SchedulerStats' spec_* fields).
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -19,6 +19,7 @@ import torch
 from llmfast.sampling_params import SamplingParams, seed_to_int64
 from llmfast.worker.block_table import BlockTable
 from llmfast.worker.buffers import CpuGpuBuffer
+from llmfast.worker.spec_decode.eligibility import drafts_allowed
 
 # Written where a sampled token's value is not known on the host yet; never a valid id,
 # so a placeholder that reached the model unfilled fails loudly instead of passing.
@@ -90,6 +91,9 @@ class InputBatch:
         # Top-n prompt logprobs the row wants, or -1 (most rows): a step finds the rows
         # that score prompt tokens with one vectorised test (prompt_logprobs.py).
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        # Whether the row's request may get draft tokens (speculative decoding,
+        # spec_decode/eligibility.py): the proposer reads it for every row each step.
+        self.spec_allowed = np.zeros(max_num_reqs, dtype=np.bool_)
 
         self.sampling = {
             name: CpuGpuBuffer(max_num_reqs, dtype=tdtype, device=device)
@@ -136,6 +140,7 @@ class InputBatch:
         # A request resumed with tokens generated has had its whole prompt scored.
         wants_prompt = params.prompt_logprobs is not None and not output
         self.num_prompt_logprobs[row] = params.prompt_logprobs if wants_prompt else -1
+        self.spec_allowed[row] = drafts_allowed(params)
         values = {
             "temperature": params.temperature,
             "top_k": params.top_k,
@@ -163,6 +168,7 @@ class InputBatch:
         self.pending_src[row] = -1
         self.has_logit_rules[row] = False
         self.num_prompt_logprobs[row] = -1
+        self.spec_allowed[row] = False
         self.block_table.clear_row(row)
         self._free_rows.append(row)
         return row
@@ -191,11 +197,13 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.pending_src, self.has_logit_rules, self.num_prompt_logprobs):
+                    self.pending_src, self.has_logit_rules, self.num_prompt_logprobs,
+                    self.spec_allowed):
             arr[dst] = arr[src]
         self.has_logit_rules[src] = False
         self.pending_src[src] = -1
         self.num_prompt_logprobs[src] = -1
+        self.spec_allowed[src] = False
         for buf in self.sampling.values():
             buf.np[dst] = buf.np[src]
         self.block_table.move_row(src, dst)

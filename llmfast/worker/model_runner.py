@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from llmfast.attention.triton.launch import tune_model_prefill_tiles
@@ -53,6 +54,12 @@ from llmfast.worker.sampling.prompt_logprobs import (
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
+from llmfast.worker.spec_decode.spec_decoder import (
+    SpecDecoder,
+    TargetFacts,
+    collect_verify_logprobs,
+    make_proposer,
+)
 from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
 from llmfast.worker.startup.kernel_precompile import DryBatch, dry_batches, precompile_kernels
@@ -117,7 +124,18 @@ class ModelRunner:
         self.placeholders = PlaceholderFill(self.max_num_reqs, self.device)
         self.sampling_staging = SamplingStaging(self.device)
         self.prompt_logprobs_staging = PromptLogprobsStaging(self.device)
-        self.output_copier = OutputCopier(self.max_num_reqs, self.device)
+        # Speculative decoding: drafts in, the verify step's rejection sampling, the
+        # proposer after each step (spec_decode/spec_decoder.py); None when off.
+        self.spec = None
+        if config.speculative is not None:
+            proposer = make_proposer(config.speculative, TargetFacts(
+                self.vocab_size, self.dtype, self.kv_dtype, self.device, self.max_model_len,
+                config.seed))
+            self.spec = SpecDecoder(config.speculative, self.max_num_reqs,
+                                    self.max_num_tokens, self.device, proposer)
+        self.output_copier = OutputCopier(
+            self.max_num_reqs, self.device,
+            1 if self.spec is None else config.speculative.num_speculative_tokens + 2)
         # CUDA: recorded after a step's host-to-device copies; the next step waits on it
         # before rewriting the pinned buffers those copies read (in steady state they
         # finished long ago: they ran before the previous forward).
@@ -141,7 +159,10 @@ class ModelRunner:
         self.cuda_graphs = ModelCudaGraphs(
             config.compile, self.device, self.max_num_tokens, max_num_reqs=self.max_num_reqs,
             graph_impl="emulated" if config.compile.emulate_cuda_graphs else "auto",
-            stats=stats)
+            stats=stats,
+            # Verify steps of 1 + K tokens a request get full graphs of their own.
+            spec_query_len=0 if config.speculative is None
+            else 1 + config.speculative.num_speculative_tokens)
         self.compiled = CompiledModel(
             self.model, config.compile, self.device, graphs=self.cuda_graphs, stats=stats,
             # Not under tensor parallelism: every rank would have to load alike, and
@@ -228,9 +249,10 @@ class ModelRunner:
                                                   self.cuda_graphs, self.device)
             self.startup_times["profile"] = time.perf_counter() - t0
             num_blocks = num_gpu_blocks(cfg.cache, model_cfg, self.kv_dtype, self.device,
-                                        peak + graph_reserve)
+                                        peak + graph_reserve, self._draft_block_bytes())
         else:
-            num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.kv_dtype)
+            num_blocks = num_cpu_blocks(cfg.cache, model_cfg, self.kv_dtype,
+                                        extra_block_bytes=self._draft_block_bytes())
         # Every rank's cache holds the blocks the one scheduler hands out: the fewest.
         num_blocks = min_across_ranks(num_blocks, self.tp_group, self.device)
         t0 = time.perf_counter()
@@ -251,6 +273,8 @@ class ModelRunner:
             self.attention_workspaces.arrivals(self.device, arrivals_bound(
                 self.max_num_tokens, self.max_num_reqs, model_cfg.num_key_value_heads))
         self.num_blocks = num_blocks
+        if self.spec is not None:  # a draft model's cache: the same blocks
+            self.spec.proposer.initialize(num_blocks, self.block_size)
         self.startup_times["kv_cache"] = time.perf_counter() - t0
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks,
                     self.block_size, num_blocks * block_bytes / 2**20,
@@ -263,6 +287,11 @@ class ModelRunner:
             log("the CUDA graphs took %.0f MiB (%.0f MiB were left for them)",
                 graph_bytes / 2**20, graph_reserve / 2**20)
         return num_blocks
+
+    def _draft_block_bytes(self) -> int:
+        """What a block of a draft model's KV cache takes (0 without one): the target's
+        cache is sized for both."""
+        return 0 if self.spec is None else self.spec.proposer.kv_block_bytes(self.block_size)
 
     def _dry_batches(self) -> list[DryBatch]:
         """The batches whose dry forwards compile every Triton variant the start-up and
@@ -285,9 +314,9 @@ class ModelRunner:
         config. A method, so that a CPU test can run that order (tests/test_full_graphs.py)."""
         return self.device.type == "cuda"
 
-    def _full_inputs(self, size: int) -> list[torch.Tensor]:
+    def _full_inputs(self, size: int, query_len: int = 1) -> list[torch.Tensor]:
         """What a full graph of `size` reads (the persistent buffers, the KV caches)."""
-        return self.capture_inputs.full_inputs(size)
+        return self.capture_inputs.full_inputs(size, query_len)
 
     # ------------------------------------------------------------------ per step
 
@@ -312,6 +341,7 @@ class ModelRunner:
                 self._inputs_copied.synchronize()
                 self._inputs_copy_queued = False
             update_states(self.requests, self.input_batch, out)
+            num_draft_total = self.spec.write_drafts(out, self.input_batch) if self.spec else 0
             grammar = self._update_grammars(out)
             batch = self.input_batch
             n = batch.num_reqs
@@ -332,13 +362,16 @@ class ModelRunner:
             step = record_placeholders(batch, self.requests, num_sched, sampling_rows,
                                        metadata.max_num_logprobs is not None)
         if dispatch.runner is RunnerKind.FULL:
-            # One token per row, in row order: the graph's logits rows are the rows'.
+            # One token per row, in row order: the graph's logits rows are the rows'
+            # (a verify step: q = 1 + K tokens per row, its logits rows the tokens').
             # The graph's inputs are listed only for the debug check: ~50 us of module
             # attribute reads per step for a 16-layer model.
-            inputs = (self._full_inputs(num_padded) if self.cuda_graphs.checks_static_addresses
-                      else ())
+            q = max(dispatch.descriptor.query_len, 1)
+            inputs = (self._full_inputs(num_padded, q)
+                      if self.cuda_graphs.checks_static_addresses else ())
             with nvtx_range(f"forward[{num_padded} full graph]", self.phase_timer):
-                logits = self.cuda_graphs.replay_full(num_padded, inputs)[:n]
+                logits = self.cuda_graphs.replay_full(dispatch.descriptor.graph_key,
+                                                      inputs)[:n * q]
             hidden = None
         else:
             with nvtx_range(f"forward[{num_padded}]", self.phase_timer):
@@ -351,21 +384,40 @@ class ModelRunner:
                 metadata.grammar_bitmask = grammar.fill(
                     grammar_plan, last.wait() if last is not None and max(
                         grammar_plan.pending_src) >= 0 else None)
-        with nvtx_range("sample", self.phase_timer):
-            if logits is None:
-                logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
-            sampler_out = (self.sampler(logits, metadata) if self.tp_group.world_size == 1
-                           else sample_on_first_rank(self.sampler, logits, metadata,
-                                                     self.tp_group))
-            sampled = sampler_out.sampled_token_ids  # [n], stays on the device
-            self.placeholders.prev_sampled = sampled
+        if num_draft_total:
+            # A verify step: logits of every draft position and each request's last one,
+            # rejection-sampled. Under a full graph (every request verifying K drafts)
+            # those rows are all the step's tokens, in order: the graph's logits.
+            with nvtx_range("verify", self.phase_timer):
+                rows = self.spec.logits_rows(num_sched, num_draft_total)
+                target_logits = (logits if logits is not None
+                                 else self.model.compute_logits(hidden[rows]))
+                sampled, sampled_logprobs = self.spec.verify(
+                    target_logits, metadata, n, num_draft_total)
+                # [n, K + 2]; the synchronous loop only (no placeholder reads it).
+                self.placeholders.prev_sampled = sampled
+                step["spec_width"] = sampled.shape[1]
+        else:
+            with nvtx_range("sample", self.phase_timer):
+                if logits is None:
+                    logits = self.model.compute_logits(hidden[self.logits_indices.gpu[:n]])
+                sampler_out = (self.sampler(logits, metadata) if self.tp_group.world_size == 1
+                               else sample_on_first_rank(self.sampler, logits, metadata,
+                                                         self.tp_group))
+                sampled = sampler_out.sampled_token_ids  # [n], stays on the device
+                sampled_logprobs = sampler_out.logprobs
+                self.placeholders.prev_sampled = sampled
         prompt_logprobs = None
         if prompt_plan is not None:
             with nvtx_range("prompt_logprobs", self.phase_timer):
                 prompt_logprobs = self._prompt_logprobs(prompt_plan, hidden, logits,
                                                         dispatch.runner)
             step["prompt_spans"] = prompt_plan.spans
-        step.update(self.output_copier.copy(sampled, sampler_out.logprobs, prompt_logprobs))
+        if self.spec is not None and self.spec.needs_step_tensors:
+            step["spec_step"] = self.spec.step_tensors(self.inputs, batch, md,
+                                                       int(num_sched.sum()), sampled,
+                                                       sampling_rows)
+        step.update(self.output_copier.copy(sampled, sampled_logprobs, prompt_logprobs))
         pending = PendingStep(sampled_device=sampled, **step)
         if grammar is not None:
             self._last_step = pending
@@ -399,6 +451,8 @@ class ModelRunner:
         """Wait for a launched step's sampled ids; write them into the batch rows that
         still hold their placeholders; return them per scheduled request."""
         sampled_np = step.wait()
+        if step.spec_width:
+            return self._collect_verify(step, sampled_np)
         write_sampled_tokens(step, sampled_np, self.requests, self.input_batch)
         if self.placeholders.prev_sampled is step.sampled_device:
             # No step launched since this one (the synchronous loop): the host rows now
@@ -416,4 +470,32 @@ class ModelRunner:
             logprobs = step.collect_logprobs()
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=tokens,
                                  logprobs=logprobs,
-                                 prompt_logprobs=step.collect_prompt_logprobs())
+                                 prompt_logprobs=step.collect_prompt_logprobs(),
+                                 spec_token_ids=self._propose(step))
+
+    def _collect_verify(self, step: PendingStep, packed: np.ndarray) -> ModelRunnerOutput:
+        """`collect` for a verify step: a variable number of tokens per request."""
+        batch = self.input_batch
+        if step.batch_version != batch.version:
+            raise RuntimeError("a verify step collected after the batch changed")
+        self.input_batch.pending_src[:] = -1  # (the synchronous loop: see collect)
+        num_emitted, tokens = self.spec.emitted(packed, batch, step.sampling_rows,
+                                                step.placeholder_cols)
+        counts = num_emitted.tolist()
+        token_rows = tokens.tolist()
+        out = [token_rows[r][:counts[r]] if s else [] for r, s in zip(step.rows, step.samples)]
+        logprobs = None
+        if step.logprobs_host is not None:
+            logprobs = collect_verify_logprobs(step.logprobs_host, step.rows, step.samples,
+                                               step.num_logprobs, counts)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out,
+                                 logprobs=logprobs,
+                                 prompt_logprobs=step.collect_prompt_logprobs(),
+                                 spec_token_ids=self._propose(step))
+
+    def _propose(self, step: PendingStep) -> list[list[int]] | None:
+        """The drafts for the next step, per scheduled request (None: speculation off)."""
+        if self.spec is None:
+            return None
+        drafts = self.spec.propose(self.input_batch, step.sampling_rows, step.spec_step)
+        return [drafts[r] for r in step.rows]

@@ -15,7 +15,7 @@ import torch
 
 from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.core.scheduler_output import SchedulerOutput
-from llmfast.cuda_graphs.dispatch import GraphDispatcher, StepDispatch, is_uniform_decode
+from llmfast.cuda_graphs.dispatch import GraphDispatcher, StepDispatch, uniform_query_len
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.placeholders import PlaceholderFill
@@ -58,7 +58,8 @@ class StepInputs:
         num_sched = scheduled_per_row(out.num_scheduled_tokens, batch.req_ids[:n])
         cu = np.cumsum(num_sched)
         num_tokens = int(cu[-1])
-        dispatch = dispatcher.dispatch(num_tokens, n, is_uniform_decode(num_sched))
+        query_len = uniform_query_len(num_sched)
+        dispatch = dispatcher.dispatch(num_tokens, n, query_len == 1, query_len)
         num_padded, num_rows = dispatch.descriptor.num_tokens, dispatch.num_reqs
         req_indices = np.repeat(self._arange[:n], num_sched)
         offsets = self._arange[:num_tokens] - np.repeat(cu - num_sched, num_sched)

@@ -47,6 +47,12 @@ class PendingStep:
     prompt_spans: list[PromptSpan] | None = None
     # InputBatch.version at launch: unchanged at collect, the rows are the launch's.
     batch_version: int = -1
+    # Speculative decoding's verify step: sampled_host holds [num_rows, spec_width]
+    # (per row: its number of emitted tokens, then the tokens); 0 for a plain step.
+    spec_width: int = 0
+    # Speculative decoding with a draft model: the step's tensors it catches up from
+    # (spec_decode/proposer.py's StepTensors).
+    spec_step: object | None = None
 
     def wait(self) -> np.ndarray:
         """Block until the copy has landed; the sampled ids per row at launch."""
@@ -77,10 +83,11 @@ class PendingStep:
 
 
 class OutputCopier:
-    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, device: torch.device, width: int = 1) -> None:
+        """`width`: ids per row at most (speculative decoding's verify step: K + 2)."""
         self.device = device
         cuda = device.type == "cuda"
-        self._host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda)
+        self._host = [torch.zeros(max_num_reqs * width, dtype=torch.int64, pin_memory=cuda)
                       for _ in range(2)]
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
@@ -88,12 +95,12 @@ class OutputCopier:
 
     def copy(self, sampled: torch.Tensor, logprobs: LogprobsTensors | None,
              prompt_logprobs: torch.Tensor | None = None) -> dict:
-        """Queue the copy of `sampled` [n] (and `logprobs`, `prompt_logprobs`) to the
-        host; returns `PendingStep`'s fields for the host tensors (valid once the event
-        has completed) and the event."""
+        """Queue the copy of `sampled` [n] or [n, width] (and `logprobs`,
+        `prompt_logprobs`) to the host; returns `PendingStep`'s fields for the host
+        tensors (valid once the event has completed) and the event."""
         slot = self._next
         self._next ^= 1
-        host = self._host[slot][: sampled.shape[0]]
+        host = self._host[slot][: sampled.numel()].view(sampled.shape)
         if self._stream is None:
             host.copy_(sampled)
             return {"sampled_host": host, "logprobs_host": logprobs,

@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from llmfast.core.scheduler import spec_rates
+
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
 SHARED_METRICS_ENV = "LLMFAST_SHARED_METRICS_DIR"  # set with it by the launcher
 
@@ -61,6 +63,21 @@ class _EngineStats:
                                   s.num_preemptions)
         yield CounterMetricFamily("llmfast_engine_steps", "Engine steps taken.",
                                   self.front.num_steps)
+        if s.spec_num_verify_steps:  # speculative decoding (--speculative-method)
+            rate, length = spec_rates(s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
+                                      s.spec_num_verify_steps)
+            yield CounterMetricFamily("llmfast_spec_decode_num_draft_tokens",
+                                      "Draft tokens verified.", s.spec_num_draft_tokens)
+            yield CounterMetricFamily("llmfast_spec_decode_num_accepted_tokens",
+                                      "Draft tokens accepted.", s.spec_num_accepted_tokens)
+            yield CounterMetricFamily("llmfast_spec_decode_num_verify_steps",
+                                      "Request-steps that verified drafts.",
+                                      s.spec_num_verify_steps)
+            yield GaugeMetricFamily("llmfast_spec_decode_acceptance_rate",
+                                    "Accepted / verified draft tokens, since start.", rate)
+            yield GaugeMetricFamily("llmfast_spec_decode_mean_accepted_length",
+                                    "Tokens emitted per verify step (accepted drafts + 1), "
+                                    "since start.", length)
 
 
 class ServerMetrics:

@@ -182,6 +182,68 @@ def compute_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> L
     return LogprobsTensors(sampled_lp, topk_ids, topk_lp)
 
 
+def is_plain_greedy(md: SamplingMetadata) -> bool:
+    """True when every row takes the argmax of the raw logits: no stage changes them and
+    no row wants logprobs (the decode fast path: no float32 copy of the logits)."""
+    return (md.all_greedy and md.no_penalties and md.no_min_tokens and md.no_logit_rules
+            and md.max_num_logprobs is None and md.grammar_bitmask is None)
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The stages before the greedy / random split: grammar bitmask -> logit rules
+    (allowed_token_ids, logit_bias) -> penalties -> min_tokens masking. Returns float32
+    logits # [n, vocab_size]; their log_softmax is what logprobs report, their argmax
+    what greedy rows take.
+
+    .float() may alias the caller's tensor: every op here is out of place but the grammar
+    bitmask (the runner's logits are the sampler's alone), and only tensors created here
+    are modified in place afterwards.
+    """
+    logits = logits.float()  # [n, vocab_size]
+    if md.grammar_bitmask is not None:
+        # In place, on the caller's tensor where .float() aliased it: the runner's
+        # logits rows are the sampler's alone (a copy of [n, vocab] float32 would cost
+        # more than the whole mask: page faults of a fresh 12 MB on a CPU).
+        apply_grammar_bitmask(logits, md.grammar_bitmask)
+    if not md.no_logit_rules:
+        logits = apply_logit_rules(logits, md)
+    if not md.no_penalties:
+        logits = apply_penalties(logits, md)
+    if not md.no_min_tokens:
+        logits = apply_min_tokens(logits, md)
+    return logits
+
+
+def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: temperature -> top-k -> top-p -> min-p ->
+    softmax, over `process_logits`' output (not modified). # [n, vocab_size]"""
+    # Greedy rows divide by 1 instead of ~0; their draw is discarded anyway.
+    temperature = torch.where(md.temperature < GREEDY_TEMPERATURE, 1.0, md.temperature)
+    logits = logits / temperature[:, None]  # new tensor: in place is safe from here
+    if not (md.no_top_k and md.no_top_p):
+        logits = apply_top_k_top_p(logits, md)
+    if not md.no_min_p:
+        logits = apply_min_p(logits, md)
+    return logits.softmax(dim=-1)
+
+
+def exponential_noise(md: SamplingMetadata, num_rows: int, width: int,
+                      device: torch.device) -> torch.Tensor:
+    """Exp(1) noise # [num_rows, width]: seeded rows from `seeded_exponential(seed, step)`
+    (a pure function of seed, step and column), the others from the global generator."""
+    q = torch.empty(num_rows, width, dtype=torch.float32, device=device).exponential_()
+    if md.no_seeds:
+        return q
+    seeded = seeded_exponential(md.seeds, md.step, width)
+    return torch.where(md.has_seed[:, None], seeded, q)
+
+
+def exponential_race(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """argmax(p_i / q_i) with q_i ~ Exp(1) picks token i with probability p_i / sum(p):
+    the rows need not be normalised. Overwrites `probs` and `q`. # [n]"""
+    return probs.div_(q.clamp_min_(_TINY)).argmax(dim=-1)
+
+
 class Sampler(nn.Module):
     """logits [n, vocab_size] + SamplingMetadata -> one token id per row, no host sync.
 
@@ -193,25 +255,10 @@ class Sampler(nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if (md.all_greedy and md.no_penalties and md.no_min_tokens and md.no_logit_rules
-                and md.max_num_logprobs is None and md.grammar_bitmask is None):
+        if is_plain_greedy(md):
             # The common decode fast path: one argmax, no float32 copy of the logits.
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
-        # .float() may alias the caller's tensor: every op up to the temperature division
-        # is out of place but the grammar bitmask (the runner's logits are the sampler's
-        # alone), and only tensors created here are modified in place.
-        logits = logits.float()  # [n, vocab_size]
-        if md.grammar_bitmask is not None:
-            # In place, on the caller's tensor where .float() aliased it: the runner's
-            # logits rows are the sampler's alone (a copy of [n, vocab] float32 would cost
-            # more than the whole mask: page faults of a fresh 12 MB on a CPU).
-            apply_grammar_bitmask(logits, md.grammar_bitmask)
-        if not md.no_logit_rules:
-            logits = apply_logit_rules(logits, md)
-        if not md.no_penalties:
-            logits = apply_penalties(logits, md)
-        if not md.no_min_tokens:
-            logits = apply_min_tokens(logits, md)
+        logits = process_logits(logits, md)
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
@@ -234,19 +281,6 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        # Greedy rows divide by 1 instead of ~0; their draw is discarded anyway.
-        temperature = torch.where(md.temperature < GREEDY_TEMPERATURE, 1.0, md.temperature)
-        logits = logits / temperature[:, None]  # new tensor: in place is safe from here
-        if not (md.no_top_k and md.no_top_p):
-            logits = apply_top_k_top_p(logits, md)
-        if not md.no_min_p:
-            logits = apply_min_p(logits, md)
-        probs = logits.softmax(dim=-1)  # [n, vocab_size]
-
-        # argmax(p_i / q_i) with q_i ~ Exp(1) picks token i with probability p_i.
-        if md.no_seeds:
-            q = torch.empty_like(probs).exponential_()
-        else:
-            q = seeded_exponential(md.seeds, md.step, probs.shape[-1])
-            q = torch.where(md.has_seed[:, None], q, torch.empty_like(probs).exponential_())
-        return probs.div_(q.clamp_min_(_TINY)).argmax(dim=-1)
+        probs = random_probs(logits, md)  # [n, vocab_size]
+        q = exponential_noise(md, probs.shape[0], probs.shape[-1], probs.device)
+        return exponential_race(probs, q)

@@ -63,24 +63,26 @@ class CaptureInputs:
                                inputs.max_query_len)
         return inputs.input_ids.gpu[:num_tokens], inputs.positions.gpu[:num_tokens], md
 
-    def full_inputs(self, size: int) -> list[torch.Tensor]:
+    def full_inputs(self, size: int, query_len: int = 1) -> list[torch.Tensor]:
         """What a full graph of `size` reads: the persistent buffers' first `size`
-        tokens / request rows and the KV caches (see cuda_graphs/full.py)."""
+        tokens and `size / query_len` request rows, and the KV caches (see
+        cuda_graphs/full.py)."""
         inputs = self.inputs
         table = self.batch.block_table
+        rows = size // query_len
         caches = [t for layer in self.model.attention_layers()
                   for t in (layer.k_cache, layer.v_cache)]
         return [inputs.input_ids.gpu[:size], inputs.positions.gpu[:size],
-                table.slot_mapping.gpu[:size], table.table.gpu[:size],
-                inputs.query_start_loc.gpu[: size + 1], inputs.seq_lens.gpu[:size], *caches]
+                table.slot_mapping.gpu[:size], table.table.gpu[:rows],
+                inputs.query_start_loc.gpu[: rows + 1], inputs.seq_lens.gpu[:rows], *caches]
 
-    def full_forward(self, size: int, dummy: bool):
+    def full_forward(self, size: int, dummy: bool, query_len: int = 1):
         """(fn, inputs) for a full graph of `size` uniform-decode rows: fn runs the
         compiled forward and lm_head on the buffers (`model_graphs.FullForward`). The
         dummy batch: `size` one-token requests at position 0, slot -1 (nothing written),
         each reading one slot of the block its table row names."""
-        inputs = self.full_inputs(size)
-        ids, positions, md = self.full_batch(size, dummy)
+        inputs = self.full_inputs(size, query_len)
+        ids, positions, md = self.full_batch(size, dummy, query_len)
         compiled, model = self.compiled, self.model
 
         def fn() -> torch.Tensor:
@@ -88,20 +90,22 @@ class CaptureInputs:
 
         return fn, inputs
 
-    def full_batch(self, size: int, dummy: bool
+    def full_batch(self, size: int, dummy: bool, query_len: int = 1
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input ids, positions, metadata) a full graph of `size` runs on: the buffers'
-        first `size` rows, first filled with the dummy batch if `dummy`."""
-        ids, positions, slots, table, query_start_loc, seq_lens = self.full_inputs(size)[:6]
+        """(input ids, positions, metadata) a full graph of `size` tokens in rows of
+        `query_len` runs on: the buffers' first rows, first filled with the dummy batch
+        if `dummy`."""
+        ids, positions, slots, table, query_start_loc, seq_lens = \
+            self.full_inputs(size, query_len)[:6]
         if dummy:
             ids.zero_()
             positions.zero_()
             slots.fill_(-1)
-            query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
-            seq_lens.fill_(1)
-        # A full graph holds a uniform decode step (one token a row): its capture takes
-        # the attention kernels such a step takes.
-        max_query_len = host_max_query_len(1)  # (made in a capture: see there)
+            query_start_loc.copy_(torch.arange(0, size + 1, query_len, dtype=torch.int32))
+            seq_lens.fill_(query_len)
+        # A full graph holds a uniform step (query_len tokens a row: 1 for a decode, 1 + K
+        # for a verify step): its capture takes the attention kernels such a step takes.
+        max_query_len = host_max_query_len(query_len)  # (made in a capture: see there)
         return ids, positions, AttentionMetadata(slots, table, query_start_loc, seq_lens,
                                                  max_query_len)
 

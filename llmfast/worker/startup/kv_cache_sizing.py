@@ -90,25 +90,27 @@ def default_cpu_kv_cache_bytes(available: int) -> int:
 
 
 def num_cpu_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
-                   available: int | None = None) -> int:
+                   available: int | None = None, extra_block_bytes: int = 0) -> int:
     """Blocks of the CPU KV cache: --kv-cache-memory's worth, else the default share of
-    `available` host memory (default: what the kernel reports now)."""
+    `available` host memory (default: what the kernel reports now). `extra_block_bytes`:
+    what each block costs beyond the model's own (a draft model's cache of the same
+    blocks, speculative decoding)."""
     budget = cache.kv_cache_memory
     if budget is None:
         budget = default_cpu_kv_cache_bytes(
             available_host_memory() if available is None else available)
-    return budget // kv_block_bytes(model, cache.block_size, dtype)
+    return budget // (kv_block_bytes(model, cache.block_size, dtype) + extra_block_bytes)
 
 
 def num_gpu_blocks(
     cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-    peak_bytes: int,
+    peak_bytes: int, extra_block_bytes: int = 0,
 ) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device after the profiled peak
     (weights + the largest forward's activations + the CUDA graphs' estimate, from the
     caller); with `kv_cache_memory` set, that many bytes' worth instead (several engines sharing
     one GPU, e.g. benchmarks comparing executors)."""
-    block_bytes = kv_block_bytes(model, cache.block_size, dtype)
+    block_bytes = kv_block_bytes(model, cache.block_size, dtype) + extra_block_bytes
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = max(total - free - torch.cuda.memory_reserved(device), 0)
     return gpu_kv_cache_bytes(cache, total, used_by_others, peak_bytes, block_bytes) \
