@@ -156,8 +156,8 @@ def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
         x = x.index_select(1, x_index)  # [M, K']
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
-    if out.shape[1] != out_features:  # padded rows
-        out = out[:, :out_features]
+    if out.shape[1] != out_features:  # padded rows (contiguous: the op's fake result is)
+        out = out[:, :out_features].contiguous()
     return out.to(dtype)  # the model's dtype (float32 on CPU)
 
 
