@@ -22,13 +22,26 @@ import tempfile
 from pathlib import Path
 
 VARIANTS = ("gguf", "none")
+# A variant: `--quantization` value, "+compile" for torch.compile (eager otherwise).
+COMPILED = "+compile"
 
 
-def llmfast_run(quantization: str, steps: int, context: int) -> dict:
+def engine_kwargs(variant: str) -> dict:
+    quantization, compiled = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
+    return {"quantization": quantization, "compile": compiled}
+
+
+def cli_flags(variant: str) -> list[str]:
+    kwargs = engine_kwargs(variant)
+    return ["--quantization", kwargs["quantization"],
+            "--compile" if kwargs["compile"] else "--no-compile"]
+
+
+def llmfast_run(variant: str, steps: int, context: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         subprocess.run([sys.executable, "-m", "llmfast", "bench", "--sizes", "1", "--steps",
-                        str(steps), "--context", str(context), "--quantization", quantization,
+                        str(steps), "--context", str(context), *cli_flags(variant),
                         "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
         data = json.loads(out.read_text())
     run = data["runs"]["default"]
@@ -46,7 +59,7 @@ def llmfast_run(quantization: str, steps: int, context: int) -> dict:
     }
 
 
-def interleaved_decode(rounds: int, steps: int, context: int) -> dict:
+def interleaved_decode(variants: list[str], rounds: int, steps: int, context: int) -> dict:
     """Both variants in this one process, their decodes alternating round by round, so
     that a shared machine's load falls on both alike: per round and variant, the time of
     `steps` decode tokens = a (steps + 1)-token generation less a 1-token one (the same
@@ -58,10 +71,10 @@ def interleaved_decode(rounds: int, steps: int, context: int) -> dict:
     from llmfast import LLM, SamplingParams
 
     prompt = list(range(1000, 1000 + context))
-    llms = {v: LLM(quantization=v, max_model_len=context + steps + 8) for v in VARIANTS}
+    llms = {v: LLM(**engine_kwargs(v), max_model_len=context + steps + 8) for v in variants}
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     many = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for llm in llms.values():  # warm-up
         llm.generate({"prompt_token_ids": prompt}, many)
     for _ in range(rounds):
@@ -96,38 +109,45 @@ def main() -> None:
     parser.add_argument("--llama-bench", default=None)
     parser.add_argument("--interleaved-rounds", type=int, default=9,
                         help="rounds of the in-process interleaved decode timing")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated --quantization values, each optionally with "
+                        f"'{COMPILED}' (torch.compile); the first two make the ratios")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from llmfast.models.sources.default_model import default_model_gguf, ensure_default_model
 
     gguf = default_model_gguf(ensure_default_model())
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = args.variants.split(",")
+    packed, base = variants[0], variants[1]
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     if args.llama_bench:
         runs["llama.cpp"] = []
     for round_ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             runs[variant].append(llmfast_run(variant, args.steps, args.context))
             print(round_, variant, runs[variant][-1], file=sys.stderr)
         if args.llama_bench:
-            threads = runs["gguf"][-1]["threads"]
+            threads = runs[packed][-1]["threads"]
             runs["llama.cpp"].append(llama_bench_run(args.llama_bench, gguf, threads,
                                                      args.steps, args.context))
             print(round_, "llama.cpp", runs["llama.cpp"][-1], file=sys.stderr)
     medians = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-               for v, rs in runs.items()}
-    ratios = {
-        "decode_tok_s gguf / none": medians["gguf"]["decode_tok_s"]
-        / medians["none"]["decode_tok_s"],
-        "weight_bytes gguf / none": medians["gguf"]["weight_bytes"]
-        / medians["none"]["weight_bytes"],
-    }
-    if args.llama_bench:
-        ratios["decode_tok_s gguf / llama.cpp"] = (medians["gguf"]["decode_tok_s"]
-                                                   / medians["llama.cpp"]["decode_tok_s"])
-    interleaved = interleaved_decode(args.interleaved_rounds, args.steps, args.context)
-    ratios["interleaved decode_tok_s gguf / none"] = (interleaved["gguf"]["decode_tok_s"]
-                                                      / interleaved["none"]["decode_tok_s"])
+               for v, rs in runs.items() if rs}
+    ratios = {}
+    if runs[packed]:
+        ratios[f"decode_tok_s {packed} / {base}"] = (medians[packed]["decode_tok_s"]
+                                                     / medians[base]["decode_tok_s"])
+        ratios[f"weight_bytes {packed} / {base}"] = (medians[packed]["weight_bytes"]
+                                                     / medians[base]["weight_bytes"])
+    if args.llama_bench and runs[packed]:
+        ratios[f"decode_tok_s {packed} / llama.cpp"] = (medians[packed]["decode_tok_s"]
+                                                        / medians["llama.cpp"]["decode_tok_s"])
+    interleaved = interleaved_decode(variants, args.interleaved_rounds, args.steps,
+                                     args.context)
+    for variant in variants[1:]:
+        ratios[f"interleaved decode_tok_s {packed} / {variant}"] = (
+            interleaved[packed]["decode_tok_s"] / interleaved[variant]["decode_tok_s"])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     import torch

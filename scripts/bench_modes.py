@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
+from llmfast.bench import layer_kinds
 from llmfast.compile import CompiledModel, CompileStats
 from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
 from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
@@ -77,6 +78,14 @@ def parse_args() -> argparse.Namespace:
                         "per batch size and write each kernel's device µs per step there "
                         "(<mode>_B<b>_kernels.md)")
     p.add_argument("--trace-modes", default="full")
+    p.add_argument("--kinds-json", type=Path, default=None,
+                   help="per batch size, where the step's time goes per layer kind (qkv, "
+                        "o, gate_up, down, lm_head, attention, other): bytes, µs, %% of "
+                        "HBM (llmfast/bench/layer_kinds.py); the step is `full`'s (else "
+                        "the first mode's); a markdown table beside it (.md)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="the KV cache's element type for --kinds-json's attention bytes "
+                        "(default: the model dtype, as the harness's cache)")
     return p.parse_args()
 
 
@@ -174,14 +183,16 @@ def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp8Linear))]
 
 
-def make_linears_step(model: torch.nn.Module, batch: int, device: torch.device, dtype):
-    """Every nn.Linear of the model in module order (projections, then lm_head), each on
-    its own [batch, in_features] input: the weight-streaming part of a decode step.
+def make_linears_step(model: torch.nn.Module, batch: int, device: torch.device, dtype,
+                      layers: list[torch.nn.Module] | None = None):
+    """Every nn.Linear of the model in module order (projections, then lm_head), or
+    `layers`, each on its own [batch, in_features] input: the weight-streaming part of a
+    decode step.
 
     On CUDA the sequence is replayed from one CUDA graph: called eagerly, ~65 launches of
     ~20 µs host time each would make the floor a host-speed figure (~1.3 ms at B=1 for
     the 1B shape, above its ~0.82 ms weight-streaming limit) and #15's bar lenient."""
-    layers = linear_layers(model)
+    layers = linear_layers(model) if layers is None else layers
     inputs = [torch.randn(batch, m.in_features, device=device, dtype=dtype) for m in layers]
 
     def run_all() -> None:
@@ -199,9 +210,9 @@ def make_linears_step(model: torch.nn.Module, batch: int, device: torch.device, 
     return graph.replay
 
 
-def write_kernel_trace(step, path: Path, title: str, steps: int = 5) -> None:
-    """Each kernel's device time per step over `steps` profiled steps (torch.profiler),
-    largest first: which kernels a mode launches, how many of each, what they cost."""
+def profile_kernels(step, steps: int = 5) -> list:
+    """The profiler's per-kernel averages over `steps` steps (CUDA kernels, those inside
+    CUDA-graph replays included)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -210,7 +221,13 @@ def write_kernel_trace(step, path: Path, title: str, steps: int = 5) -> None:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    return [e for e in prof.key_averages() if e.self_device_time_total > 0]
+
+
+def write_kernel_trace(step, path: Path, title: str, steps: int = 5) -> None:
+    """Each kernel's device time per step over `steps` profiled steps (torch.profiler),
+    largest first: which kernels a mode launches, how many of each, what they cost."""
+    kernels = profile_kernels(step, steps)
     kernels.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in kernels) / steps
     lines = [f"# {title}: {total:.1f} µs of kernels per step ({steps} steps)", "",
@@ -221,6 +238,33 @@ def write_kernel_trace(step, path: Path, title: str, steps: int = 5) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     print(f"kernel trace: {path}", flush=True)
+
+
+def measure_kinds(model, step, batch: int, step_ms: float, args, device, dtype) -> dict:
+    """The per-kind table of one decode step (llmfast/bench/layer_kinds.py): each
+    projection kind's layers replayed alone (one CUDA graph per kind, timed interleaved),
+    attention and the rest from the profiler's kernel times in `step` (CUDA only)."""
+    shape = layer_kinds.step_shape(model, batch, args.context_len,
+                                   kv_dtype=getattr(torch, args.kv_cache_dtype)
+                                   if args.kv_cache_dtype else None)
+    kind_steps = {kind: make_linears_step(model, batch, device, dtype, layers)
+                  for kind, layers in layer_kinds.kind_modules(model).items() if layers}
+    times = time_interleaved(kind_steps, args.iters or 10, args.warmup, device)
+    us = {kind: ms * 1e3 for kind, ms in times.items()}
+    kernels, by_kind = {}, {}
+    if device.type == "cuda":
+        steps = 5
+        kernels = {e.key: e.self_device_time_total / steps for e in profile_kernels(step, steps)}
+        by_kind = layer_kinds.profile_kinds(kernels)
+        us.update(attention=by_kind["attention"], other=by_kind["other"])
+    peak = None
+    if device.type == "cuda":
+        from llmfast.bench.bandwidth import peak_bandwidth
+
+        peak = peak_bandwidth(torch.cuda.get_device_name(device))
+    rows = layer_kinds.table(layer_kinds.kind_bytes(model, shape), us, step_ms * 1e3, peak)
+    return {"rows": rows, "profile_us": by_kind, "kernel_us": kernels,
+            "linears_standalone_us": sum(us.get(k, 0.0) for k in layer_kinds.LINEAR_KINDS)}
 
 
 def time_interleaved(steps: dict, iters: int, warmup: int, device: torch.device) -> dict:
@@ -239,6 +283,25 @@ def time_interleaved(steps: dict, iters: int, warmup: int, device: torch.device)
             sync()
             times[mode].append(time.perf_counter() - t0)
     return {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}
+
+
+def write_kinds(args, kinds: dict[int, dict], device, dtype) -> None:
+    import os
+
+    on_cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
+    title = (f"{args.model} {str(dtype).removeprefix('torch.')}"
+             f"{' fp8' if args.quantization else ''}, context {args.context_len}, {name}, "
+             f"LLMFAST_GEMV={os.environ.get('LLMFAST_GEMV', 'table')}")
+    args.kinds_json.parent.mkdir(parents=True, exist_ok=True)
+    args.kinds_json.write_text(json.dumps({
+        "model": args.model, "dtype": str(dtype), "quantization": args.quantization,
+        "gemv": os.environ.get("LLMFAST_GEMV", "table"), "device_name": name,
+        "torch": torch.__version__, "context_len": args.context_len,
+        "batches": {str(b): k for b, k in kinds.items()}}, indent=1))
+    args.kinds_json.with_suffix(".md").write_text("\n".join(
+        layer_kinds.markdown(k["rows"], f"{title}, B={b} ({k['mode']})")
+        for b, k in kinds.items()))
 
 
 def main() -> None:
@@ -305,6 +368,7 @@ def main() -> None:
     results: dict[str, dict[int, float]] = {mode: {} for mode in modes}
     reference = next((m for m in modes if m != "linears"), None)
     agree: dict[int, dict[str, dict[str, float]]] = {}
+    kinds: dict[int, dict] = {}
     for b in batches:
         decode_batch(static, b, args.context_len)
         steps = {mode: make_step(static, fwd, b, pad(b)) for mode, (fwd, pad) in forwards.items()}
@@ -318,6 +382,12 @@ def main() -> None:
         print(f"B={b}: " + ", ".join(f"{m} {results[m][b]:.2f} ms" for m in modes), flush=True)
         if reference is not None:
             agree[b] = agreement(steps, reference)
+        if args.kinds_json is not None:
+            kind_mode = "full" if "full" in steps else next(m for m in modes if m != "linears")
+            kinds[b] = measure_kinds(model, steps[kind_mode], b, results[kind_mode][b], args,
+                                     device, dtype)
+            kinds[b]["mode"] = kind_mode
+            print(layer_kinds.markdown(kinds[b]["rows"], f"B={b}, {kind_mode}"), flush=True)
         if args.trace_dir is not None and on_cuda:
             for mode in args.trace_modes.split(","):
                 if mode in steps:
@@ -363,6 +433,8 @@ def main() -> None:
             print(f"linears (CUDA-graph replay) stream {nbytes / 1e9:.2f} GB of weights: the "
                   f"HBM limit at peak bandwidth is {hbm_limit_ms:.3f} ms; linears at B=1 "
                   f"reach {hbm_limit_ms / results['linears'][batches[0]]:.0%} of it")
+    if args.kinds_json is not None:
+        write_kinds(args, kinds, device, dtype)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

@@ -65,6 +65,7 @@ PROMPTS = {
     "explain": "Explain in a short paragraph why the sky is blue.",
 }
 COPY_HEAVY = ("repeat", "fix_typos", "past_to_present")
+MEASURED_COMMIT = "unknown"
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,6 +81,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--k", default="3", help="drafts per step to try, e.g. 2,4")
     p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--quantization", default=None,
+                   help="the engine flag (none: a GGUF's weights dequantized to --dtype)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and mode")
     p.add_argument("--prompts", default=",".join(PROMPTS))
@@ -126,6 +129,8 @@ def git_commit() -> str:
 
 def main() -> None:
     args = parse_args()
+    global MEASURED_COMMIT
+    MEASURED_COMMIT = git_commit()  # the tree imported now, not the HEAD at the end
     if args.mode == "verify-cost":
         return verify_cost_main(args)
     ks = [int(k) for k in args.k.split(",")]
@@ -133,6 +138,8 @@ def main() -> None:
     common = dict(device=args.device, seed=0)
     if args.model:
         common["model"] = args.model
+    if args.quantization:
+        common["quantization"] = args.quantization
     modes = {"plain": LLM(**common)}
     for k in ks:
         modes[f"ngram_k{k}"] = LLM(**common, speculative_method="ngram",
@@ -155,6 +162,7 @@ def main() -> None:
                       f"{r['accepted']}/{r['drafts']}", file=sys.stderr)
     report = summarize(results, names, list(modes))
     report["config"] = {"model": modes["plain"].engine.source.name, "device": args.device,
+                        "quantization": modes["plain"].engine.config.quantization,
                         "k": ks, "ngram_prompt_lookup_max": args.ngram_max,
                         "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "batch_size": 1, "greedy": True, "prompts": {n: PROMPTS[n] for n in names},
@@ -166,7 +174,7 @@ def main() -> None:
 def write_report(report: dict, path: Path | None) -> None:
     report["environment"] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+        "commit": MEASURED_COMMIT, "torch": torch.__version__, "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if path:

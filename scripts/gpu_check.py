@@ -22,7 +22,11 @@ Other steps: `moe` and `moe_decode` (#52: scripts/bench_moe.py, and the decode s
 random:qwen3-30b-a3b), `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
 `decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
 load), `executor` (uni vs mp), `spec` = `spec_decode` + `spec_decode_8b` (#50: the verify
-step's cost at K = 1..8 and the forced-acceptance speed-up, 1B and 8B).
+step's cost at K = 1..8 and the forced-acceptance speed-up, 1B and 8B). #49
+(profiles/decode-bw.md): `decode_bw` (1B: the per-layer-kind tables and the 1..512 sweep
+with the GEMV off and on, bench_gemv's shapes), `decode_bw_8b`, `decode_bw_kinds_8b`,
+`decode_bw_fused` (LLMFAST_GEMV_FUSE=1), `tune_bf16` / `tune_fp8` (the GEMV's launch table
+tuned, installed, then swept).
 
 Under $OUT (default /tmp/llmfast_gpu_check): gpu_check.json (the one result: tree, device,
 versions, command, date, per step its commands, samples, figures with median and spread,
@@ -216,8 +220,84 @@ STEPS = {s.name: s for s in (
                    "--json", "{json}"),
          samples=1, extract="sweep"),
 )}
+
+
+# #49 (profiles/decode-bw.md): batch-1 decode against the HBM limit, 1B and 8B, bf16 and
+# fp8, cuBLAS (LLMFAST_GEMV=0) vs the Triton GEMV (1: the heuristic's configs; table: the
+# shipped table, after `gemv_tune` installed one in the device's copy). One sample of a
+# 32-step sweep each (the sweep's own median over steps): the device's minutes are few.
+_BW_MODELS = {"1b": "random:llama-3.2-1b", "8b": "random:llama-3.1-8b"}
+# fused: the decoder layers' projections with their norms, SiLU-and-mul and residual
+# adds (models/fused_layer.py), on the heuristic's configs.
+_BW_GEMV = {"cublas": {"LLMFAST_GEMV": "0"}, "gemv": {"LLMFAST_GEMV": "1"},
+            "table": {"LLMFAST_GEMV": "table"},
+            "fused": {"LLMFAST_GEMV": "1", "LLMFAST_GEMV_FUSE": "1"}}
+
+
+def _bw_step(size: str, fp8: bool, gemv: str) -> Step:
+    quant = ("--quantization", "fp8") if fp8 else ()
+    est, limit = (90, 240) if size == "1b" else (150, 360)
+    return Step(f"bw_{size}{'_fp8' if fp8 else ''}_{gemv}", "decode-bw", est, limit,
+                (PY, "-m", "llmfast", "bench", "--model", _BW_MODELS[size], "--dtype",
+                 "bfloat16", *quant, "--sizes", "1..512", "--context", "128", "--steps", "32",
+                 "--json", "{json}"),
+                _BENCH + ("--device", "cpu", *quant, "--sizes", "1,2", "--context", "16",
+                          "--steps", "4", "--json", "{json}"),
+                samples=1, extract="sweep", env=_BW_GEMV[gemv])
+
+
+def _kinds_step(size: str, fp8: bool, gemv: str) -> Step:
+    """The per-layer-kind table of the full-graph step at batch 1 and 64 (bench_modes
+    --kinds-json: bytes, µs and % of HBM per qkv, o, gate_up, down, lm_head, attention,
+    other), its raw JSON and markdown under $OUT."""
+    quant = ("--quantization", "fp8") if fp8 else ()
+    name = f"kinds_{size}{'_fp8' if fp8 else ''}_{gemv}"
+    return Step(name, "decode-bw", 90 if size == "1b" else 150, 300,
+                (PY, "scripts/bench_modes.py", "--model", _BW_MODELS[size], "--dtype",
+                 "bfloat16", *quant, "--batch-sizes", "1,64", "--modes", "full,linears",
+                 "--iters", "30", "--json", "{json}", "--kinds-json", "{out}/" + name + ".json"),
+                (PY, "scripts/bench_modes.py", "--model", "{model}", "--dtype", "{dtype}",
+                 "--device", "cpu", *quant, "--batch-sizes", "1", "--modes", "eager,linears",
+                 "--iters", "2", "--warmup", "1", "--max-model-len", "256", "--json",
+                 "{json}", "--kinds-json", "{out}/" + name + ".json"),
+                samples=1, extract="modes", env=_BW_GEMV[gemv])
+
+
+def _gemv_step(fp8: bool, tune: bool) -> Step:
+    """bench_gemv.py at both presets' shapes: cuBLAS vs the heuristic's GEMV, or with
+    tuning every candidate, the winners installed into the device copy's shipped table
+    (for the `_table` steps after it) and copied to $OUT for committing."""
+    kind = "fp8" if fp8 else "bf16"
+    flags = ("--tune", "--install", "--copy-to", f"{{out}}/gemv_table_{kind}.json",
+             "--rows", "1,4,16") if tune else ("--rows", "1,2,4,8,16")
+    return Step(f"gemv_{'tune' if tune else 'shapes'}_{kind}", "decode-bw",
+                200 if tune else 60, 480 if tune else 200,
+                (PY, "scripts/bench_gemv.py", "--models",
+                 ",".join(_BW_MODELS.values()), *(("--fp8",) if fp8 else ()), *flags,
+                 "--json", "{json}"),
+                (PY, "scripts/bench_gemv.py", "--help"), samples=1)
+
+
+for _step in ([_bw_step(size, fp8, gemv) for size in _BW_MODELS for fp8 in (False, True)
+               for gemv in _BW_GEMV]
+              + [_kinds_step(size, fp8, gemv) for size in _BW_MODELS for fp8 in (False, True)
+                 for gemv in ("cublas", "gemv", "fused")]
+              + [_gemv_step(fp8, tune) for fp8 in (False, True) for tune in (False, True)]):
+    STEPS[_step.name] = _step
+
 GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests"),
           "sliding": ("sliding_kernels", "sliding_decode"),
+          # ~8 min on a fresh machine (estimates: nothing of it has run on a GPU yet).
+          "decode_bw": ("kinds_1b_cublas", "bw_1b_cublas", "bw_1b_gemv", "gemv_shapes_bf16",
+                        "kinds_1b_gemv"),
+          "decode_bw_8b": ("bw_8b_cublas", "bw_8b_gemv", "bw_8b_fp8_gemv"),
+          "decode_bw_kinds_8b": ("kinds_8b_cublas", "kinds_8b_gemv", "kinds_8b_fp8_gemv"),
+          "decode_bw_fused": ("bw_1b_fused", "kinds_1b_fused", "bw_8b_fused",
+                              "bw_8b_fp8_fused"),
+          # The tables are installed into the device copy: the `_table` sweeps that read
+          # them run in the same call.
+          "tune_bf16": ("gemv_tune_bf16", "bw_1b_table", "bw_8b_table"),
+          "tune_fp8": ("gemv_tune_fp8", "bw_8b_fp8_table", "bw_8b_fp8_cublas"),
           "spec": ("spec_decode", "spec_decode_8b")}
 
 
@@ -404,6 +484,12 @@ def check(names: list[str], out: Path, budget: float, dry: bool) -> dict:
                                                   f"(needs ~{step.est_s} s)")])
             continue
         result["steps"][name] = run_step(step, out, left, dry)
+        cross = gpu_verdicts.judge_cross(name, result["steps"])
+        if dry:
+            for v in cross:
+                v["verdict"] = "DRY-" + v["verdict"] if v["verdict"] in ("PASS", "FAIL") \
+                    else v["verdict"]
+        result["steps"][name]["verdicts"] += cross
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1))  # as it goes
     result["seconds"] = round(time.monotonic() - start, 1)
     return result

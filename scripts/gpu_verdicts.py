@@ -259,7 +259,75 @@ BARS = (
     Bar("throughput", "llmfast / HF output tok/s", False, 10.0, "#18"),
     Bar("moe", "qwen3-30b-a3b T=64 loop / fused", False, 5.0, "#52"),
     Bar("moe_decode", "B=1 % of HBM", False, 60.0, "#52"),
+    Bar("bw_1b_gemv", "B=1 % of HBM", False, 75.0, "#49"),
+    Bar("bw_1b_table", "B=1 % of HBM", False, 75.0, "#49"),
+    Bar("bw_8b_gemv", "B=1 % of HBM", False, 85.0, "#49"),
+    Bar("bw_8b_table", "B=1 % of HBM", False, 85.0, "#49"),
+    Bar("bw_1b_fused", "B=1 % of HBM", False, 75.0, "#49"),
+    Bar("bw_8b_fused", "B=1 % of HBM", False, 85.0, "#49"),
 )
+
+
+@dataclass(frozen=True)
+class CrossBar:
+    """A bar on two steps' figures, judged once `step` has run: `speedup` is `base`'s
+    median over `step`'s at the batch sizes `batches` (the worst of them); at least
+    `bar` (`at_most`: at most)."""
+
+    step: str
+    base: str
+    batches: tuple[int, ...]
+    at_most: bool
+    bar: float
+    issue: str
+    what: str
+
+
+_LARGE = (64, 128, 256, 512)
+CROSS_BARS = (
+    CrossBar("bw_8b_fp8_gemv", "bw_8b_gemv", (1,), False, 1.6, "#49", "fp8 over bf16 speed"),
+    CrossBar("bw_8b_fp8_table", "bw_8b_table", (1,), False, 1.6, "#49", "fp8 over bf16 speed"),
+    # The GEMV never runs past 16 rows: batch 64-512 keep their speed (noise: 5 %).
+    CrossBar("bw_1b_gemv", "bw_1b_cublas", _LARGE, False, 0.95, "#49", "GEMV-on speed vs off"),
+    CrossBar("bw_8b_gemv", "bw_8b_cublas", _LARGE, False, 0.95, "#49", "GEMV-on speed vs off"),
+    CrossBar("bw_8b_fp8_gemv", "bw_8b_fp8_cublas", _LARGE, False, 0.95, "#49",
+             "GEMV-on speed vs off"),
+    CrossBar("bw_8b_fp8_fused", "bw_8b_fused", (1,), False, 1.6, "#49", "fp8 over bf16 speed"),
+    # The fused layers run their torch form past 16 rows: what that costs (decides
+    # whether LLMFAST_GEMV_FUSE can be the default).
+    CrossBar("bw_1b_fused", "bw_1b_cublas", _LARGE, False, 0.95, "#49", "fused speed vs plain"),
+    CrossBar("bw_8b_fused", "bw_8b_cublas", _LARGE, False, 0.95, "#49", "fused speed vs plain"),
+)
+
+
+def judge_cross(step: str, steps: dict[str, dict]) -> list[dict]:
+    """The cross-step bars of `step` against the steps already run (`steps`: name ->
+    its record with `figures`), plus the batch-1 speedup over the base as information."""
+    lines = []
+    for bar in (b for b in CROSS_BARS if b.step == step):
+        mine = (steps.get(step) or {}).get("figures") or {}
+        base = (steps.get(bar.base) or {}).get("figures") or {}
+        ratios = {b: base[f"B={b} step ms"]["median"] / mine[f"B={b} step ms"]["median"]
+                  for b in bar.batches
+                  if f"B={b} step ms" in mine and f"B={b} step ms" in base}
+        sign = "<=" if bar.at_most else ">="
+        if bar.base not in steps:  # (another call's step: not judged here)
+            lines.append(dict(verdict="SKIPPED", text=f"{bar.issue} {step}: {bar.what} "
+                              f"against {bar.base}: {bar.base} not run in this call"))
+            continue
+        if not ratios:
+            lines.append(dict(verdict="MISSING", text=f"{bar.issue} {step}: {bar.what} "
+                              f"against {bar.base}: not measured (bar {sign} {bar.bar:g})"))
+            continue
+        worst_b = (max if bar.at_most else min)(ratios, key=ratios.get)
+        worst = ratios[worst_b]
+        ok = worst <= bar.bar if bar.at_most else worst >= bar.bar
+        lines.append(dict(verdict="PASS" if ok else "FAIL",
+                          text=f"{bar.issue} {step}: {bar.what} against {bar.base} "
+                               f"(step ms ratio, worst at B={worst_b} of "
+                               f"{','.join(map(str, ratios))}): {_fmt(worst)} "
+                               f"(bar {sign} {bar.bar:g})"))
+    return lines
 
 
 def _fmt(v: float) -> str:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmfast.attention.metadata import AttentionMetadata
+from llmfast.config import CacheConfig
 from llmfast.attention.workspaces import AttentionWorkspaces
 from llmfast.models.loading.load_error import LoadError
 from llmfast.models.loading.loader import build_model
@@ -24,7 +25,7 @@ from llmfast.sampling_params import SamplingParams
 from llmfast.worker.spec_decode.draft_proposer import DraftModelProposer
 from llmfast.worker.spec_decode.proposer import ProposalInputs, StepTensors
 from llmfast.worker.spec_decode.rejection_sampler import rejection_sample
-from llmfast.worker.startup.kv_cache_sizing import kv_block_bytes
+from llmfast.worker.startup.kv_cache_sizing import kv_block_bytes, num_cpu_blocks
 from tests.helpers.checkpoints import make_hf_checkpoint
 from tests.helpers.sampling import metadata_from_params
 
@@ -55,12 +56,13 @@ class VerifyLoop:
     rejection sampling, then the proposer's drafts for the next step."""
 
     def __init__(self, target_path, proposer: DraftModelProposer | None,
-                 params: list[SamplingParams], chunk: int = 8) -> None:
-        self.model = build_model(resolve_model(str(target_path)), torch.float32, "cpu",
+                 params: list[SamplingParams], chunk: int = 8, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.model = build_model(resolve_model(str(target_path)), torch.float32, self.device,
                                  max_positions=MAX_LEN)
         cfg = self.model.rank_config
         self.cache = torch.zeros(cfg.num_hidden_layers, 2, NUM_BLOCKS, BLOCK,
-                                 cfg.num_key_value_heads, cfg.head_dim)
+                                 cfg.num_key_value_heads, cfg.head_dim, device=self.device)
         self.model.bind_kv_caches([(c[0], c[1]) for c in self.cache])
         self.workspaces = AttentionWorkspaces([self.cache])
         self.proposer = proposer
@@ -110,11 +112,12 @@ class VerifyLoop:
             if c + len(known) == self.num_tokens[r]:  # the prompt is done: it samples
                 sample_rows.append(len(qsl) - 2)
                 drafts.append(self.drafts[r])
-        block_table = self.block_table[rows]
-        md = AttentionMetadata(torch.tensor(slots), block_table,
-                               torch.tensor(qsl, dtype=torch.int32),
-                               torch.tensor(seq_lens, dtype=torch.int32))
-        input_ids, positions = torch.tensor(ids), torch.tensor(pos)
+        dev = self.device
+        block_table = self.block_table[rows].to(dev)
+        md = AttentionMetadata(torch.tensor(slots, device=dev), block_table,
+                               torch.tensor(qsl, dtype=torch.int32, device=dev),
+                               torch.tensor(seq_lens, dtype=torch.int32, device=dev))
+        input_ids, positions = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, md)
             # Per sampling row: its draft positions then its last position.
@@ -123,20 +126,23 @@ class VerifyLoop:
             logits = self.model.compute_logits(hidden[logit_rows])
         params = [self.params[rows[i]] for i in sample_rows]
         steps = [int(self.num_tokens[rows[i]] - self.num_prompt[rows[i]]) for i in sample_rows]
-        sampling = metadata_from_params(params, vocab_size=logits.shape[-1], steps=steps)
+        sampling = metadata_from_params(params, vocab_size=logits.shape[-1], steps=steps,
+                                        device=dev)
         flat = [t for d in drafts for t in d]
-        cu = torch.tensor([0, *np.cumsum([len(d) for d in drafts]).tolist()], dtype=torch.int32)
-        res = rejection_sample(logits, torch.tensor(flat, dtype=torch.int64), cu,
+        cu = torch.tensor([0, *np.cumsum([len(d) for d in drafts]).tolist()], dtype=torch.int32,
+                          device=dev)
+        res = rejection_sample(logits, torch.tensor(flat, dtype=torch.int64, device=dev), cu,
                                self.draft_probs([rows[i] for i in sample_rows], drafts),
                                sampling,
                                max_num_draft_tokens=K)
         n = len(rows)
-        output_token_ids = torch.full((n, K + 1), -1, dtype=torch.int64)
-        num_emitted = torch.zeros(n, dtype=torch.int32)
+        output_token_ids = torch.full((n, K + 1), -1, dtype=torch.int64, device=dev)
+        num_emitted = torch.zeros(n, dtype=torch.int32, device=dev)
         output_token_ids[sample_rows] = res.output_token_ids
         num_emitted[sample_rows] = res.num_emitted.to(torch.int32)
+        out_host, emitted_host = output_token_ids.cpu(), num_emitted.tolist()
         for i, r in enumerate(rows):
-            c, e = int(self.num_computed[r]), int(num_emitted[i])
+            c, e = int(self.num_computed[r]), emitted_host[i]
             if e == 0:  # a prompt chunk
                 self.num_computed[r] = c + qsl[i + 1] - qsl[i]
                 continue
@@ -144,7 +150,7 @@ class VerifyLoop:
             self.accepted += e - 1
             room = min(e, self.max_tokens[r] - (self.num_tokens[r] - self.num_prompt[r]))
             self.token_ids[r, self.num_tokens[r]:self.num_tokens[r] + room] = \
-                output_token_ids[i, :room].numpy()
+                out_host[i, :room].numpy()
             self.num_tokens[r] += room
             self.num_computed[r] = self.num_tokens[r] - 1
         self.propose(rows, sample_rows, StepTensors(
@@ -169,7 +175,8 @@ class VerifyLoop:
             max_drafts[i] = max(0, min(K, MAX_LEN - 1 - self.num_tokens[r], left - 1))
         # The per-row metadata of the rows in step order (rows that only ran a chunk
         # draw nothing: any params do).
-        full = metadata_from_params([self.params[r] for r in rows], vocab_size=256)
+        full = metadata_from_params([self.params[r] for r in rows], vocab_size=256,
+                                    device=self.device)
         out = self.proposer.propose(ProposalInputs(
             req_ids=[str(r) for r in rows], token_ids=self.token_ids[rows],
             num_tokens=self.num_tokens[rows], max_num_drafts=max_drafts, step=step),
@@ -197,8 +204,9 @@ PROMPTS = {0: [5, 17, 99, 3, 42, 8, 250, 61, 7, 7, 19], 1: [200, 1, 64], 2: list
 LATE = {3: [9, 8, 7, 6, 5, 4]}
 
 
-def plain(ckpts, params, max_tokens):
-    return VerifyLoop(ckpts["target"], None, params).run(PROMPTS, max_tokens, dict(LATE))
+def plain(ckpts, params, max_tokens, device="cpu"):
+    return VerifyLoop(ckpts["target"], None, params, device=device).run(
+        PROMPTS, max_tokens, dict(LATE))
 
 
 def proposer_for(path, device="cpu"):
@@ -254,3 +262,30 @@ def test_vocab_mismatch_and_block_bytes(ckpts):
     assert proposer.kv_block_bytes(BLOCK) == kv_block_bytes(cfg, BLOCK, torch.float32)
     assert proposer.kv_block_bytes(BLOCK) == 2 * 1 * cfg.kv_size * 4 * BLOCK  # 1 layer
     assert proposer.num_lookahead_slots == K
+    # The cache sizing counts both caches in every block.
+    target = build_model(resolve_model(str(ckpts["target"])), torch.float32, "cpu",
+                         max_positions=MAX_LEN).rank_config
+    cache = CacheConfig(block_size=BLOCK, kv_cache_memory=1 << 20)
+    both = kv_block_bytes(target, BLOCK, torch.float32) + proposer.kv_block_bytes(BLOCK)
+    assert num_cpu_blocks(cache, target, torch.float32,
+                          extra_block_bytes=proposer.kv_block_bytes(BLOCK)) == (1 << 20) // both
+    assert num_cpu_blocks(cache, target, torch.float32) == \
+        (1 << 20) // kv_block_bytes(target, BLOCK, torch.float32)
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_and_sampled_drafts(ckpts):
+    """The same loop on a GPU: greedy output equals plain decoding with a different
+    draft, the target's own weights are accepted in full, sampled drafts nearly so."""
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    want = plain(ckpts, greedy, 12, device="cuda")
+    for draft in ("target", "perturbed"):
+        loop = VerifyLoop(ckpts["target"], proposer_for(ckpts[draft], "cuda"), greedy,
+                          device="cuda")
+        assert loop.run(PROMPTS, 12, dict(LATE)) == want
+        assert draft != "target" or loop.accepted == loop.proposed
+    sampled = [SamplingParams(temperature=0.9, seed=s) for s in range(4)]
+    loop = VerifyLoop(ckpts["target"], proposer_for(ckpts["target"], "cuda"), sampled,
+                      device="cuda")
+    loop.run(PROMPTS, 12, dict(LATE))
+    assert loop.accepted >= 0.95 * loop.proposed > 0

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmfast.kernels.cpu.int4_linear import Int4Linear, dequantize_planes, nibble_planes
+from llmfast.kernels.cpu.int4_linear import (
+    Int4Linear,
+    dequantize_packed,
+    dequantize_planes,
+    nibble_planes,
+)
 from llmfast.models.formats.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from tests.helpers.gguf_files import quantized_blocks, tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import train_byte_level_bpe
@@ -47,19 +52,41 @@ def test_decoded_codes_and_planes_are_the_gguf_weights(type_name):
 
 
 @pytest.mark.parametrize("type_name", PACKABLE_TYPES)
+# 70 tokens: past DEQUANTIZE_MIN_TOKENS, the dequantized float32 GEMM.
 @pytest.mark.parametrize("num_tokens", [1, 5, 70])
 def test_packed_matmul_matches_float64(type_name, num_tokens):
     rows = 40  # not a multiple of 16: padded rows, sliced off
     raw = _blocks(type_name, rows, 512, seed=num_tokens)
     weight = torch.from_numpy(_dequantized(raw, type_name))  # [N, K] float64
     bias = torch.randn(rows)
-    layer = Int4Linear(decode_blocks(raw, type_name, 512), bias)
+    layer = Int4Linear.from_codes(decode_blocks(raw, type_name, 512), bias)
     x = torch.randn(num_tokens, 512)
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (num_tokens, rows)
     want = x.double() @ weight.T + bias.double()
     bound = MATMUL_RTOL * (x.double().abs() @ weight.abs().T) + 1e-6
     assert ((out.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("type_name", PACKABLE_TYPES)
+def test_dequantized_kernel_layout_is_the_planes(type_name):
+    """The prefill path reads the kernel's packed bytes back (dequantize_packed): the
+    planes' values with the kernel's bfloat16 scales and zeros, folded onto the columns."""
+    from llmfast.kernels.cpu.int4_linear import packed_layout_known
+
+    if not packed_layout_known():  # another torch or ISA: every call takes the kernel
+        pytest.skip("this torch packs int4 weights in another layout")
+    raw = _blocks(type_name, 40, 512)
+    codes = decode_blocks(raw, type_name, 512)
+    layer = Int4Linear.from_codes(codes)
+    values, sz, x_index = nibble_planes(codes)
+    want = dequantize_planes(values, torch.from_numpy(sz).bfloat16().float().numpy(),
+                             x_index, 512)
+    got = dequantize_packed(layer.weight_packed, layer.scales_and_zeros, layer.x_index,
+                            512, 40)
+    assert got.shape == (40, 512)
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=0,
+                               atol=1e-6 * np.abs(want).max())
 
 
 def test_unknown_type_refused():
@@ -218,8 +245,29 @@ def test_tensor_table_of_a_non_gguf_file_is_refused(tmp_path):
 
 def test_packed_linear_keeps_a_bfloat16_models_dtype():
     raw = _blocks("Q4_1", 16, 256)
-    layer = Int4Linear(decode_blocks(raw, "Q4_1", 256), torch.randn(16))
+    layer = Int4Linear.from_codes(decode_blocks(raw, "Q4_1", 256), torch.randn(16))
     x = torch.randn(3, 256)
     out = layer(x.bfloat16())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), layer(x), rtol=2**-6, atol=2**-6 * x.abs().sum())
+
+
+def test_packed_linear_traces_as_one_op():
+    """Compiled graphs see the layer as `llmfast::int4_linear` (Inductor's own lowering
+    of the int4 kernel fails under fake tensors): same outputs as eager, a decode-sized
+    call and a prefill-sized one (the dequantizing path) through one graph."""
+    raw = _blocks("Q8_0", 40, 512)  # two planes: the column index too
+    layer = Int4Linear.from_codes(decode_blocks(raw, "Q8_0", 512), torch.randn(40))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(layer, backend=backend, dynamic=True, fullgraph=True)
+    for num_tokens in (3, 70):
+        x = torch.randn(num_tokens, 512)
+        assert torch.equal(compiled(x), layer(x))
+    ops = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.llmfast.int4_linear in ops  # Dynamo's graphs hold the packet
+    assert not any("int4pack" in str(op) for op in ops)

@@ -347,6 +347,26 @@ def test_runs_on_meta_tensors_so_it_never_reads_device_values():
         assert res.logprobs.topk_ids.shape == (3, 4, 2)
 
 
+def test_traces_as_one_graph():
+    """fullgraph=True fails on any graph break (a .item(), a data-dependent branch): the
+    verify step's sampling can be compiled (or captured) with the forward."""
+    vocab = 32
+    params = [SP(temperature=0.0, logprobs=1), SP(seed=3, top_k=5, top_p=0.9,
+                                                 repetition_penalty=1.2, min_tokens=4)]
+    md = metadata_from_params(params, vocab_size=vocab, prompt_token_ids=[[1], [2]],
+                              output_token_ids=[[4], [5]], eos_token_id=0)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    logits = torch.randn(7, vocab, generator=gen(13))
+    drafts = torch.cat([logits[:3].argmax(-1), torch.randint(vocab, (2,), generator=gen(14))])
+    q = torch.softmax(torch.randn(5, vocab, generator=gen(15)), -1)
+    compiled = torch.compile(rejection_sample, backend="eager", fullgraph=True)
+    for probs in (None, q):  # both rows deterministic: greedy, seeded
+        got = compiled(logits, drafts, cu, probs, md, max_num_draft_tokens=3)
+        want = rejection_sample(logits, drafts, cu, probs, md, max_num_draft_tokens=3)
+        assert torch.equal(got.output_token_ids, want.output_token_ids)
+        assert got.num_emitted[0] == 4  # the greedy row's drafts are its argmaxes
+
+
 @pytest.mark.gpu
 def test_cuda_no_sync_and_seeded_tokens_match_cpu():
     vocab, k, n = 32000, 4, 16

@@ -4,6 +4,7 @@ batches, under chunked prefill, preemption and prefix-cache hits; a proposer tha
 replays the target's own greedy tokens is accepted in full; stops mid-way through the
 emitted tokens; requests that get no drafts share the steps of those that do."""
 
+# ruff: noqa: F811 (the tests take test_engine_families' fixture `family_env` by name)
 from __future__ import annotations
 
 import random
@@ -14,24 +15,9 @@ import torch
 
 from llmfast import LLM, SamplingParams
 from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
-from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import greedy_oracle
+from tests.test_engine_families import family_env  # noqa: F401  (fixture)
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def family_env(tmp_path_factory):
-    envs = {}
-
-    def get(family: str):
-        if family not in envs:
-            path = make_hf_checkpoint(tmp_path_factory.mktemp(family) / "ckpt", family=family,
-                                      tie=family == "qwen2")
-            envs[family] = (path, greedy_oracle(load_hf_model(path)))
-        return envs[family]
-
-    return get
 
 
 def copy_workload(seed: int, shared_prefix: int = 0, num: int = 12):
@@ -217,3 +203,36 @@ def test_draft_model_greedy_matches_hf(family_env, tmp_path_factory, draft):
         assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
     else:
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_seeded_sampling_with_drafts_is_batch_independent(family_env):
+    """A seeded random request draws the same tokens alone and beside others: its drafts
+    come from its own tokens and the verify step's noise from its seed and positions."""
+    ckpt, _ = family_env("llama")
+    prompts, lengths = copy_workload(8, num=6)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True,
+                            seed=1234)
+    # One-token suffixes: sampled text repeats fewer pairs than greedy text does.
+    alone = _generate(_llm(ckpt, ngram_prompt_lookup_min=1), prompts[:1], [seeded])[0].token_ids
+    llm = _llm(ckpt, ngram_prompt_lookup_min=1)
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    batched = _generate(llm, prompts, [seeded] + others[1:])[0].token_ids
+    assert batched == alone and len(alone) == 24
+    assert llm.engine.stats().spec_num_verify_steps > 0
+
+
+def test_draft_model_samples_its_drafts_for_random_requests(family_env):
+    """Random requests: the draft model draws its drafts with the row's temperature and
+    the verify step gets their distributions (draft_probs). With the target's own
+    weights as the draft, q = p, so min(1, p/q) accepts (nearly) every draft; treated as
+    point masses they would be accepted with probability p(x) only."""
+    ckpt, _ = family_env("llama")
+    prompts, _ = copy_workload(9, num=4)
+    params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    llm = _llm(ckpt, speculative_method="draft", speculative_model=str(ckpt))
+    outs = _generate(llm, prompts, params)
+    assert all(len(o.token_ids) == 20 for o in outs)
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens

@@ -12,7 +12,7 @@ from llmfast.bench.workload import (
     check_fits,
     warm_up,
 )
-from llmfast.core.scheduler import spec_rates
+from llmfast.core.spec_decode import spec_rates
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.utils.progress import CountProgress
 

@@ -51,6 +51,7 @@ from llmfast.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from llmfast.core.spec_decode import SpecDecodeCounts, apply_verify_results
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +97,6 @@ class SchedulerStats:
     # 0.0 before any verify step.
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
-
-
-def spec_rates(num_draft_tokens: int, num_accepted_tokens: int,
-               num_verify_steps: int) -> tuple[float, float]:
-    """(acceptance rate, mean accepted length): accepted / verified drafts, and tokens
-    emitted per verify step (its accepted drafts plus the bonus or recovered token)."""
-    if not num_verify_steps:
-        return 0.0, 0.0
-    return (num_accepted_tokens / num_draft_tokens,
-            (num_accepted_tokens + num_verify_steps) / num_verify_steps)
 
 
 def _append_token(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
@@ -166,9 +157,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls so far; SchedulerOutput.step_index
         self.num_lookahead_slots = num_lookahead_slots
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_num_verify_steps = 0
+        self.spec_counts = SpecDecodeCounts()  # speculative decoding's, since start
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -250,8 +239,8 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        rate, length = spec_rates(self.spec_num_draft_tokens, self.spec_num_accepted_tokens,
-                                  self.spec_num_verify_steps)
+        spec = self.spec_counts
+        rate, length = spec.rates()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -260,9 +249,9 @@ class Scheduler:
             prefix_cache_hits=kv.stats.hits,
             prefix_cache_hit_rate=kv.stats.hit_rate,
             kv_cache_usage=kv.usage,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-            spec_num_verify_steps=self.spec_num_verify_steps,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_verify_steps=spec.num_verify_steps,
             spec_acceptance_rate=rate,
             spec_mean_accepted_length=length,
         )
@@ -433,7 +422,8 @@ class Scheduler:
         step_index = scheduler_output.step_index
         all_logprobs = model_runner_output.logprobs
         if scheduler_output.scheduled_spec_decode_tokens or model_runner_output.spec_token_ids:
-            self._update_spec(scheduler_output, model_runner_output)
+            apply_verify_results(requests, scheduler_output, model_runner_output,
+                                 self.spec_counts)
         updates: list[RequestUpdate] = []
         finished: list[tuple[Request, RequestStatus]] = []
         for idx, (rid, sampled) in enumerate(
@@ -491,33 +481,3 @@ class Scheduler:
             if stopped_running:
                 self.running = [r for r in self.running if r.status is _RUNNING]
         return updates
-
-    def _update_spec(self, scheduler_output: SchedulerOutput,
-                     model_runner_output: ModelRunnerOutput) -> None:
-        """Speculative decoding's part of `update`, before the tokens are appended: roll
-        each verifying request's num_computed_tokens back by its rejected drafts, count
-        the acceptance, and keep the drafts proposed for the next step.
-
-        E.g. 10 known tokens, 9 computed, drafts [d1 d2 d3] scheduled (num_computed 13
-        after schedule); the step emits [d1 d2 r]: 1 draft rejected, num_computed 12 ->
-        the 12 tokens t0..t9 d1 d2 have valid KV, and r (token 12) is computed next step.
-        """
-        requests = self.requests
-        step_index = scheduler_output.step_index
-        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
-        proposals = model_runner_output.spec_token_ids
-        for idx, (rid, sampled) in enumerate(
-                zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)):
-            request = requests.get(rid)
-            if (request is None or request.first_step > step_index
-                    or request.status is not _RUNNING):
-                continue
-            drafts = scheduled_drafts.get(rid)
-            if drafts and sampled:
-                num_accepted = len(sampled) - 1
-                request.num_computed_tokens -= len(drafts) - num_accepted
-                self.spec_num_draft_tokens += len(drafts)
-                self.spec_num_accepted_tokens += num_accepted
-                self.spec_num_verify_steps += 1
-            if proposals is not None and sampled:
-                request.spec_token_ids = proposals[idx]

@@ -30,6 +30,7 @@ from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.layers.rotary import rope_fuses_into_attention
+from llmfast.models.fused_layer import fusable, fused_layer_forward, takes_fused
 from llmfast.models.parallel_layers import (
     gather_logits,
     row_parallel_linear,
@@ -103,6 +104,12 @@ class Attention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        return self.o_proj(self.attend(positions, qkv, attn_metadata))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """qkv [num_tokens, q_size + 2 * kv_size] -> the heads' outputs [num_tokens,
+        q_size], before o_proj (which the fused layer applies with its residual add)."""
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Queries and keys are adjacent columns: rotate them as one [T, heads + kv_heads, d].
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -148,7 +155,7 @@ class Attention(nn.Module):
             *rope_args,
             window=self.window,
         )
-        return self.o_proj(out.view(-1, self.q_size))
+        return out.view(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -224,6 +231,8 @@ class DecoderModel(nn.Module):
                                         MLP(config, tp))
 
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
+        # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py).
+        self.fusable = fusable(config, tp.world_size)
         self.norm = make_norm(config, config.hidden_size)
         # Gemma: embeddings times sqrt(hidden_size), that factor rounded to the
         # embeddings' dtype (the model is built in its dtype: loading/loader.py) first,
@@ -240,6 +249,11 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        if self.fusable and takes_fused(hidden):
+            residual = hidden  # [num_tokens, hidden_size]: the stream, sums included
+            for layer in self.layers:
+                residual = fused_layer_forward(layer, positions, residual, attn_metadata)
+            return self.norm(residual)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from llmfast.attention.triton.launch import tune_model_prefill_tiles
@@ -54,12 +53,7 @@ from llmfast.worker.sampling.prompt_logprobs import (
 from llmfast.worker.sampling.sampler import Sampler
 from llmfast.worker.sampling.sampling_metadata import SamplingStaging, build_sampling_metadata
 from llmfast.worker.sampling.tp_sampling import sample_on_first_rank
-from llmfast.worker.spec_decode.spec_decoder import (
-    SpecDecoder,
-    TargetFacts,
-    collect_verify_logprobs,
-    make_proposer,
-)
+from llmfast.worker.spec_decode.spec_decoder import SpecDecoder, TargetFacts, make_proposer
 from llmfast.worker.startup.graph_capture import CaptureInputs, compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
 from llmfast.worker.startup.kernel_precompile import DryBatch, dry_batches, precompile_kernels
@@ -425,6 +419,8 @@ class ModelRunner:
             step["spec_step"] = self.spec.step_tensors(self.inputs, batch, md,
                                                        int(num_sched.sum()), sampled,
                                                        sampling_rows)
+            if not metadata.all_greedy:
+                step["spec_sampling"] = metadata
         step.update(self.output_copier.copy(sampled, sampled_logprobs, prompt_logprobs))
         pending = PendingStep(sampled_device=sampled, **step)
         if grammar is not None:
@@ -460,7 +456,7 @@ class ModelRunner:
         still hold their placeholders; return them per scheduled request."""
         sampled_np = step.wait()
         if step.spec_width:
-            return self._collect_verify(step, sampled_np)
+            return self.spec.collect_verify(step, sampled_np, self.input_batch)
         write_sampled_tokens(step, sampled_np, self.requests, self.input_batch)
         if self.placeholders.prev_sampled is step.sampled_device:
             # No step launched since this one (the synchronous loop): the host rows now
@@ -479,31 +475,5 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=tokens,
                                  logprobs=logprobs,
                                  prompt_logprobs=step.collect_prompt_logprobs(),
-                                 spec_token_ids=self._propose(step))
-
-    def _collect_verify(self, step: PendingStep, packed: np.ndarray) -> ModelRunnerOutput:
-        """`collect` for a verify step: a variable number of tokens per request."""
-        batch = self.input_batch
-        if step.batch_version != batch.version:
-            raise RuntimeError("a verify step collected after the batch changed")
-        self.input_batch.pending_src[:] = -1  # (the synchronous loop: see collect)
-        num_emitted, tokens = self.spec.emitted(packed, batch, step.sampling_rows,
-                                                step.placeholder_cols)
-        counts = num_emitted.tolist()
-        token_rows = tokens.tolist()
-        out = [token_rows[r][:counts[r]] if s else [] for r, s in zip(step.rows, step.samples)]
-        logprobs = None
-        if step.logprobs_host is not None:
-            logprobs = collect_verify_logprobs(step.logprobs_host, step.rows, step.samples,
-                                               step.num_logprobs, counts)
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out,
-                                 logprobs=logprobs,
-                                 prompt_logprobs=step.collect_prompt_logprobs(),
-                                 spec_token_ids=self._propose(step))
-
-    def _propose(self, step: PendingStep) -> list[list[int]] | None:
-        """The drafts for the next step, per scheduled request (None: speculation off)."""
-        if self.spec is None:
-            return None
-        drafts = self.spec.propose(self.input_batch, step.sampling_rows, step.spec_step)
-        return [drafts[r] for r in step.rows]
+                                 spec_token_ids=None if self.spec is None
+                                 else self.spec.propose_for(step, self.input_batch))

@@ -53,6 +53,9 @@ class PendingStep:
     # Speculative decoding with a draft model: the step's tensors it catches up from
     # (spec_decode/proposer.py's StepTensors).
     spec_step: object | None = None
+    # ... and the step's sampling metadata, when some row samples at random (the draft
+    # model then samples its drafts likewise and returns their distributions).
+    spec_sampling: object | None = None
 
     def wait(self) -> np.ndarray:
         """Block until the copy has landed; the sampled ids per row at launch."""

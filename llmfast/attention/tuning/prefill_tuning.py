@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import triton
 
+from llmfast.kernels.launch.device_tables import device_slug
 from llmfast.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -149,11 +150,6 @@ def tuning_mode() -> str:
         raise ValueError(f"LLMFAST_ATTENTION_TUNING must be one of {', '.join(TUNING_MODES)}, "
                          f"not {mode!r}")
     return mode
-
-
-def device_slug(device_name: str) -> str:
-    """"NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
-    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
 
 
 def tuned_table_path(device_name: str) -> Path:

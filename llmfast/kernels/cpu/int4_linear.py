@@ -17,9 +17,18 @@ bfloat16 activations only (float32 ones take a scalar path, 6-12x slower), so th
 activations, scales and zeros are bfloat16 and the output (bfloat16) is widened to
 float32. That rounds the scales (f16 in GGUF, 11 bits) to 8 bits and the products'
 sum to bfloat16: relative errors of ~2^-8, what the tests bound.
+
+The kernel is a GEMV at heart: its time grows with the tokens about as a float32 GEMM's
+does not, so a call of DEQUANTIZE_MIN_TOKENS or more (a prefill) unpacks the weight to
+float32 for the call and runs F.linear instead (prompts ~1.5x faster from 128 tokens on
+the dev VM; profiles/cpu.md). Compiled graphs call the layer as the opaque
+`llmfast::int4_linear` op, so that choice happens at run time.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,8 +37,14 @@ from torch import nn
 from llmfast.kernels.cpu.affine_codes import AffineCodes
 
 GROUP = 32  # columns per scale/zero pair, the kernel's smallest group
-ROW_MULTIPLE = 16  # the kernel's packing needs N divisible by 16
+# The kernel's packing needs N divisible by 16; a multiple of 32 keeps its layout to
+# whole blocks of 32 rows (a last block of 16 is laid out otherwise), which
+# `dequantize_packed` reads.
+ROW_MULTIPLE = 32
 ACT_DTYPE = torch.bfloat16
+# From this many tokens a call dequantizes its weight and runs a float32 GEMM instead of
+# the int4 kernel (measured: scripts/bench_cpu_quant.py --prefill, profiles/cpu.md).
+DEQUANTIZE_MIN_TOKENS = 64
 
 
 def int4_supported() -> bool:
@@ -81,44 +96,148 @@ def dequantize_planes(values: np.ndarray, sz: np.ndarray, x_index: np.ndarray,
     return out[:, :cols]
 
 
+def dequantize_packed(weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                      x_index: torch.Tensor | None, in_features: int,
+                      out_features: int) -> torch.Tensor:
+    """float32 [N, K]: the weight the kernel's packed planes stand for (scales and zeros
+    as the kernel reads them, in bfloat16), the planes folded back onto x's columns.
+
+    The kernel's layout (torch 2.13, `_convert_weight_to_int4pack_for_cpu`, checked by
+    tests/test_gguf_packed.py against the values packed): blocks of 32 rows, as
+    [N' / 32, K', 16] bytes whose low nibble is row 32 b + l and high nibble row 32 b + 16 + l.
+    """
+    rows, cols = weight_packed.shape[0], weight_packed.shape[1] * 2  # N', K'
+    if rows % 32:
+        raise ValueError(f"{rows} packed rows: not whole blocks of 32")
+    p = weight_packed.view(rows // 32, cols, 16)
+    # Unpacked straight into float32 (the copy converts): [N' / 32, 2, 16, K'].
+    w = torch.empty(rows // 32, 2, 16, cols)
+    w[:, 0].copy_((p & 15).transpose(1, 2))
+    w[:, 1].copy_((p >> 4).transpose(1, 2))
+    w = w.view(rows, cols // GROUP, GROUP)[:out_features]  # [N, K' / 32, 32]
+    sz = scales_and_zeros[:, :out_features].float().transpose(0, 1)  # [N, K' / 32, 2]
+    scale = sz[..., 0:1]
+    w = w.mul_(scale).add_(sz[..., 1:2] - 8 * scale).view(out_features, cols)  # (v - 8) s + z
+    if x_index is None:
+        return w
+    folded = w.new_zeros(out_features, in_features + 1)  # the last: the zero column
+    return folded.index_add_(1, x_index, w)[:, :in_features]
+
+
+@functools.cache
+def packed_layout_known() -> bool:
+    """Whether this torch packs as `dequantize_packed` reads (checked once on a probe;
+    where not, every call takes the kernel)."""
+    values = torch.arange(64 * 64, dtype=torch.int32).reshape(64, 64) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    if packed.shape != (64, 32) or packed.dtype != torch.uint8:
+        return False
+    sz = torch.zeros(2, 64, 2, dtype=ACT_DTYPE)
+    sz[..., 0] = 1
+    sz[..., 1] = 8  # w = v - 8 + 8 = v
+    return torch.equal(dequantize_packed(packed, sz, None, 64, 64), values.float())
+
+
+def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
+                     scales_and_zeros: torch.Tensor, x_index: torch.Tensor | None,
+                     zero_column: bool, out_features: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: the int4 kernel for few tokens; for many (a
+    prefill), a float32 GEMM on the weight dequantized for this call, which from
+    DEQUANTIZE_MIN_TOKENS costs less than the kernel (a GEMV at heart)."""
+    dtype = x.dtype
+    if x.shape[0] >= DEQUANTIZE_MIN_TOKENS and packed_layout_known():
+        w = dequantize_packed(weight_packed, scales_and_zeros, x_index, x.shape[1],
+                              out_features)
+        return torch.nn.functional.linear(x, w.to(dtype))
+    x = x.to(ACT_DTYPE)
+    if x_index is not None:
+        if zero_column:
+            x = torch.nn.functional.pad(x, (0, 1))
+        x = x.index_select(1, x_index)  # [M, K']
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
+    if out.shape[1] != out_features:  # padded rows (contiguous: the op's fake result is)
+        out = out[:, :out_features].contiguous()
+    return out.to(dtype)  # the model's dtype (float32 on CPU)
+
+
+# A plain library definition, not `torch.library.custom_op`: the latter's Python wrapper
+# costs ~40 us more a call (60 against 18 us measured on the dev VM), 121 calls a step.
+_LIB = torch.library.Library("llmfast", "FRAGMENT")
+_LIB.define("int4_linear(Tensor x, Tensor weight_packed, Tensor scales_and_zeros, "
+            "Tensor? x_index, bool zero_column, int out_features) -> Tensor")
+_LIB.impl("int4_linear", int4_linear_impl, "CPU")
+
+
+@torch.library.register_fake("llmfast::int4_linear")
+def _(x: torch.Tensor, weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+      x_index: torch.Tensor | None, zero_column: bool, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """An `Int4Linear`'s tensors (what the start-up cache stores)."""
+
+    weight_packed: torch.Tensor  # [N', K' / 2] uint8, the kernel's layout
+    scales_and_zeros: torch.Tensor  # [K' / 32, N', 2] bfloat16
+    x_index: torch.Tensor | None  # [K'] int64 into x's columns (K: a zero column); None: x as is
+    in_features: int
+    out_features: int
+
+
+def pack_int4(a: AffineCodes) -> PackedInt4:
+    out_features, in_features = a.codes.shape
+    values, sz, x_index = nibble_planes(a)
+    padded = -out_features % ROW_MULTIPLE
+    if padded:  # rows of v = 8, scale 0, zero 0: outputs of 0, sliced off
+        values = np.concatenate([values, np.full((padded, values.shape[1]), 8, np.uint8)])
+        sz = np.concatenate([sz, np.zeros((sz.shape[0], padded, 2), np.float32)], axis=1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.from_numpy(values.astype(np.int32)), 1)
+    identity = x_index.size == in_features and bool((x_index == np.arange(in_features)).all())
+    return PackedInt4(packed, torch.from_numpy(sz).to(ACT_DTYPE),
+                      None if identity else torch.from_numpy(x_index), in_features,
+                      out_features)
+
+
 class Int4Linear(nn.Module):
     """x [M, K] -> [M, N] in x's dtype, from int4 nibble planes."""
 
-    def __init__(self, a: AffineCodes, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, packed: PackedInt4, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = a.codes.shape
-        values, sz, x_index = nibble_planes(a)
-        padded = -self.out_features % ROW_MULTIPLE
-        if padded:  # rows of v = 8, scale 0, zero 0: outputs of 0, sliced off
-            values = np.concatenate([values, np.full((padded, values.shape[1]), 8,
-                                                     np.uint8)])
-            sz = np.concatenate([sz, np.zeros((sz.shape[0], padded, 2), np.float32)], axis=1)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(values.astype(np.int32)), 1)
+        self.out_features, self.in_features = packed.out_features, packed.in_features
         # Parameters, not buffers: models/weight_bytes.py counts parameters.
-        self.weight_packed = nn.Parameter(packed, requires_grad=False)  # [N', K' / 2] uint8
-        self.scales_and_zeros = nn.Parameter(  # [K' / 32, N', 2]
-            torch.from_numpy(sz).to(ACT_DTYPE), requires_grad=False)
-        identity = x_index.size == self.in_features and bool(
-            (x_index == np.arange(self.in_features)).all())
-        self.zero_column = bool((x_index == self.in_features).any())
+        self.weight_packed = nn.Parameter(packed.weight_packed, requires_grad=False)
+        self.scales_and_zeros = nn.Parameter(packed.scales_and_zeros, requires_grad=False)
+        x_index = packed.x_index
+        self.zero_column = x_index is not None and bool((x_index == self.in_features).any())
         # Gathered columns of x: None when the planes read x as is.
-        self.register_buffer("x_index", None if identity else torch.from_numpy(x_index),
-                             persistent=False)
+        self.register_buffer("x_index", x_index, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
+    @classmethod
+    def from_codes(cls, a: AffineCodes, bias: torch.Tensor | None = None) -> Int4Linear:
+        return cls(pack_int4(a), bias)
+
+    def packed(self) -> PackedInt4:
+        return PackedInt4(self.weight_packed.data, self.scales_and_zeros.data, self.x_index,
+                          self.in_features, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x = x.reshape(-1, self.in_features).to(ACT_DTYPE)  # [M, K]
-        if self.x_index is not None:
-            if self.zero_column:
-                x = torch.nn.functional.pad(x, (0, 1))
-            x = x.index_select(1, self.x_index)  # [M, K']
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.weight_packed, GROUP, self.scales_and_zeros)  # [M, N'] bf16
-        out = out[:, :self.out_features].to(dtype)  # the model's dtype (float32 on CPU)
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)  # [M, K]
+        if torch.compiler.is_compiling():
+            # An opaque op: Inductor's own lowering of the int4 kernel adds a real tensor
+            # constant that fails under its fake tensors (torch 2.13).
+            out = torch.ops.llmfast.int4_linear(x, self.weight_packed, self.scales_and_zeros,
+                                                self.x_index, self.zero_column,
+                                                self.out_features)
+        else:
+            out = int4_linear_impl(x, self.weight_packed, self.scales_and_zeros,
+                                   self.x_index, self.zero_column, self.out_features)
         if self.bias is not None:
-            out = out + self.bias.to(dtype)
+            out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfast.kernels.gemv.ops import gemv_wanted
+from llmfast.kernels.gemv.ops import linear as gemv_linear
+
 logger = logging.getLogger(__name__)
 
 # Row blocks per weight; more blocks than threads balance the work.
@@ -110,7 +113,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same state-dict names) with the CPU paths.
 
-    Eager CPU forward, by token count M:
+    On CUDA, the skinny-GEMM op (kernels/gemv/) where its table or LLMFAST_GEMV says so,
+else F.linear. Eager CPU forward, by token count M:
     - M <= max_packed_split_tokens, or no packed weight and M <= max_split_tokens: row split;
     - a packed weight (`prepack()`): oneDNN's GEMM on it;
     - otherwise F.linear.
@@ -137,6 +141,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and gemv_wanted(x, self.weight):  # decode-sized M: kernels/gemv/
+            return gemv_linear(x, self.weight, bias=self.bias)
         if not (x.is_cpu and x.dim() == 2 and self.row_blocks > 1 and self.weight.is_contiguous()):
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():

@@ -16,13 +16,10 @@ E.g. a table with rows 1, 16, 64, 512: T = 40 -> the 64 row; T = 2048 -> the 512
 from __future__ import annotations
 
 import functools
-import json
-import logging
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from llmfast.kernels.launch.device_tables import read_shipped_table
 
 TABLE_DIR = Path(__file__).parent / "tile_tables"
 FORMAT_VERSION = 1
@@ -64,11 +61,6 @@ def heuristic_tiles(num_tokens: int, num_experts: int, top_k: int) -> MoeTiles:
     return MoeTiles(64, 128, 64, group_m=8, num_warps=8, num_stages=3)
 
 
-def device_slug(device_name: str) -> str:
-    """"NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3" (the attention tables' names)."""
-    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-
-
 def parse_table(data: dict) -> dict[str, dict[int, MoeTiles]]:
     if data.get("format") != FORMAT_VERSION:
         raise ValueError(f"unknown format {data.get('format')!r}")
@@ -81,14 +73,7 @@ def parse_table(data: dict) -> dict[str, dict[int, MoeTiles]]:
 @functools.cache
 def shipped_table(device_name: str) -> dict[str, dict[int, MoeTiles]]:
     """This GPU model's shipped table ({} if none; a bad one is logged and ignored)."""
-    path = TABLE_DIR / f"{device_slug(device_name)}.json"
-    if not path.is_file():
-        return {}
-    try:
-        return parse_table(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        logger.warning("ignoring the MoE tile table %s: %s", path, e)
-        return {}
+    return read_shipped_table(TABLE_DIR, device_name, parse_table, "MoE tile table") or {}
 
 
 def lookup(rows: dict[int, MoeTiles], num_tokens: int) -> MoeTiles:

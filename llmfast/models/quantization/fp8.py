@@ -16,6 +16,8 @@ from torch import nn
 
 from llmfast.distributed import TensorParallelGroup, all_reduce
 from llmfast.kernels.cpu.linear import Linear
+from llmfast.kernels.gemv.ops import gemv_wanted
+from llmfast.kernels.gemv.ops import linear as gemv_linear
 from llmfast.kernels.fp8_linear import (
     fp8_linear,
     fp8_shape_supported,
@@ -55,6 +57,12 @@ class Fp8Linear(nn.Module):
                    scaled_mm_out_dtype(weight.device.type, weight.dtype), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and gemv_wanted(x, self.weight_fp8):
+            # Decode-sized M: the fp8 GEMV (weight-only: the rows stay in x's dtype);
+            # larger M, or where cuBLAS measured faster: `fp8_linear` inside the op.
+            out = gemv_linear(x, self.weight_fp8, self.weight_scale, self.bias,
+                              mm_out_dtype=self.mm_out_dtype)
+            return out if self.tp is None else all_reduce(out, self.tp)
         out = fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.mm_out_dtype)
         return out if self.tp is None else all_reduce(out, self.tp)
 

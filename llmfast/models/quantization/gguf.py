@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmfast.kernels.cpu.int4_linear import Int4Linear, int4_supported
+from llmfast.kernels.cpu.int4_linear import Int4Linear, int4_supported, pack_int4
 from llmfast.models.formats.gguf import hf_row_order, plan_tensors
 from llmfast.models.formats.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from llmfast.models.formats.gguf_metadata import GGUFError
 from llmfast.models.formats.gguf_tensors import read_tensor_infos
+from llmfast.models.quantization.gguf_pack_cache import load_packed, pack_cache_path, save_packed
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +69,18 @@ def wants_gguf_packing(quantization: str | None, gguf_path: Path | None,
             and tp_world_size == 1 and packable_gguf(gguf_path))
 
 
-def pack_gguf_linears(model: nn.Module, gguf_path: Path) -> GGUFPackSummary:
+def pack_gguf_linears(model: nn.Module, gguf_path: Path,
+                      use_cache: bool = True) -> GGUFPackSummary:
     """Replace, in place, each linear layer of a loaded CPU `model` whose weight comes
-    from packable GGUF blocks of `gguf_path` by an `Int4Linear`."""
+    from packable GGUF blocks of `gguf_path` by an `Int4Linear`; with `use_cache`, the
+    packed tensors come from (or go to) the start-up cache (gguf_pack_cache.py)."""
     config = model.config
     by_hf = {t.hf_name: t for t in plan_tensors(read_tensor_infos(gguf_path), config,
                                                   gguf_path.name)}
+    cache_path = pack_cache_path(gguf_path) if use_cache else None
+    cached = load_packed(cache_path) if cache_path is not None else None
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    kept, before, after = [], 0, 0
+    kept, before, after, made = [], 0, 0, {}
     for name in names:
         layer = model.get_submodule(name)
         sources = _hf_sources(name, config.tie_word_embeddings)
@@ -84,23 +89,34 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path) -> GGUFPackSummary:
         if None in tensors or len(types) != 1 or not types <= set(PACKABLE_TYPES):
             kept.append(name)
             continue
-        (type_name,) = types
-        raw = torch.cat([hf_row_order(torch.from_numpy(np.array(t.reader_tensor.data)),
-                                      t.gguf_name, config) for t in tensors])
-        codes = decode_blocks(raw.numpy(), type_name, layer.in_features)
-        if codes.codes.shape[0] != layer.out_features:
-            kept.append(name)
-            continue
+        shape = (layer.in_features, layer.out_features)
+        packed = cached.get(name) if cached is not None else None
+        if packed is None or (packed.in_features, packed.out_features) != shape:
+            (type_name,) = types
+            raw = torch.cat([hf_row_order(torch.from_numpy(np.array(t.reader_tensor.data)),
+                                          t.gguf_name, config) for t in tensors])
+            codes = decode_blocks(raw.numpy(), type_name, layer.in_features)
+            if codes.codes.shape[0] != layer.out_features:
+                kept.append(name)
+                continue
+            packed = pack_int4(codes)
+            made[name] = packed
         bias = None if layer.bias is None else layer.bias.detach()
-        packed = Int4Linear(codes, bias)
+        module = Int4Linear(packed, bias)
         before += layer.weight.numel() * layer.weight.element_size()
-        after += sum(p.numel() * p.element_size() for p in packed.parameters())
+        after += sum(p.numel() * p.element_size() for p in module.parameters())
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, packed)
+        setattr(model.get_submodule(parent) if parent else model, child, module)
         del layer
+    if cache_path is not None and made:
+        save_packed(cache_path, {name: model.get_submodule(name).packed()
+                                 for name in names if name not in kept})
     if kept:
         logger.info("gguf: %d linear layer(s) kept float32: %s", len(kept),
                     ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
+    logger.info("gguf: %d packed linear layer(s) %s", len(names) - len(kept),
+                "from the start-up cache" if cached is not None and not made
+                else f"packed now ({len(made)})")
     return GGUFPackSummary(len(names) - len(kept), tuple(kept), before, after)
 
 

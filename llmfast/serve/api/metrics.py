@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from llmfast.core.scheduler import spec_rates
+from llmfast.core.spec_decode import spec_rates
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for it
 SHARED_METRICS_ENV = "LLMFAST_SHARED_METRICS_DIR"  # set with it by the launcher

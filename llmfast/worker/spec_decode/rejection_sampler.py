@@ -188,11 +188,10 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 
     logprobs = None
     if raw_logprobs is not None:
-        k = md.max_num_logprobs
-        row_lp = raw_logprobs[table_rows]  # [num_reqs, max_K + 1, vocab_size]
-        sampled_lp = row_lp.gather(2, out.clamp(min=0)[:, :, None]).squeeze(2)
-        topk_lp, topk_ids = row_lp.topk(k, dim=-1)
-        logprobs = LogprobsTensors(sampled_lp, topk_ids, topk_lp)
+        # Gathered per row, never as a [num_reqs, max_K + 1, vocab_size] copy.
+        sampled_lp = raw_logprobs[table_rows, out.clamp(min=0)]  # [num_reqs, max_K + 1]
+        topk_lp, topk_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)  # [num_rows, k]
+        logprobs = LogprobsTensors(sampled_lp, topk_ids[table_rows], topk_lp[table_rows])
     return RejectionOutput(out, num_emitted, logprobs)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from llmfast.attention.metadata import AttentionMetadata
 from llmfast.config import SpeculativeConfig
-from llmfast.core.scheduler_output import SchedulerOutput
+from llmfast.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.sampling.sampler import LogprobsTensors, SamplingMetadata
@@ -35,6 +35,7 @@ from llmfast.worker.spec_decode.rejection_sampler import rejection_sample
 from llmfast.worker.spec_decode.ngram_proposer import NgramProposer
 from llmfast.worker.spec_decode.proposer import ProposalInputs, Proposer, StepTensors
 from llmfast.worker.step_inputs import StepInputs
+from llmfast.worker.step_output import PendingStep
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,15 @@ class SpecDecoder:
                                                 device=device)
         self.num_drafts = np.zeros(max_num_reqs, dtype=np.int64)  # this step's, per row
         self.max_num_drafts = 0  # this step's most drafts in a row (sizes the output)
+        # A draft model sampling its drafts: the distributions they were drawn from,
+        # [rows then, K, vocab] on the device, and each request's row then; the next
+        # step's verify gathers its drafts' rows (`write_drafts`).
+        self._proposed_probs: torch.Tensor | None = None
+        self._proposed_rows: dict[str, int] = {}
+        self.draft_probs: torch.Tensor | None = None  # this step's [num_drafts, vocab]
+        self.draft_probs_index = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)
+        # Per row, whether it sampled this step (a draft model's StepTensors).
+        self.sampled_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)
         # Per logits row, its request's row: a per-request grammar bitmask expanded.
         self.row_req = CpuGpuBuffer(max_num_tokens + max_num_reqs, dtype=torch.int64,
                                     device=device)
@@ -111,6 +121,7 @@ class SpecDecoder:
         num_drafts = self.num_drafts
         num_drafts[:n] = 0
         self.max_num_drafts = 0
+        self.draft_probs = None
         spec = out.scheduled_spec_decode_tokens
         if not spec:
             return 0
@@ -131,7 +142,23 @@ class SpecDecoder:
             np.repeat(rows, counts), np.repeat(num_tokens[rows].astype(np.int64), counts) + offsets]
         self.cu_num_draft_tokens.np[0] = 0
         np.cumsum(num_drafts[:n], out=self.cu_num_draft_tokens.np[1:n + 1])
+        if self._proposed_probs is not None:
+            self.draft_probs = self._gather_probs(batch, rows, counts, offsets, total)
         return total
+
+    def _gather_probs(self, batch: InputBatch, rows: np.ndarray, counts: np.ndarray,
+                      offsets: np.ndarray, total: int) -> torch.Tensor | None:
+        """This step's drafts' distributions, in draft order: draft j of the request in
+        row r came from row `_proposed_rows[req]` of the proposal, position j. None if a
+        drafting request has none (then every draft counts as a point mass)."""
+        probs, then = self._proposed_probs, self._proposed_rows
+        rows_then = [then.get(batch.req_ids[r], -1) for r in rows.tolist()]
+        if min(rows_then) < 0:
+            return None
+        k = probs.shape[1]
+        index = self.draft_probs_index
+        index.np[:total] = np.repeat(np.asarray(rows_then, dtype=np.int64) * k, counts) + offsets
+        return probs.reshape(-1, probs.shape[-1]).index_select(0, index.copy_to_gpu(total))
 
     def logits_rows(self, num_sched: np.ndarray, num_draft_total: int) -> torch.Tensor:
         """The device indices of the hidden rows to compute logits for (module doc, 2.)."""
@@ -159,7 +186,7 @@ class SpecDecoder:
                 0, self.row_req.copy_to_gpu(total)))
         result = rejection_sample(
             logits, self.draft_token_ids.gpu[:num_draft_total],
-            self.cu_num_draft_tokens.gpu[:num_reqs + 1], None, md,
+            self.cu_num_draft_tokens.gpu[:num_reqs + 1], self.draft_probs, md,
             max_num_draft_tokens=self.max_num_drafts)
         packed = torch.cat([result.num_emitted.to(torch.int64)[:, None],
                             result.output_token_ids.to(torch.int64)], dim=1)
@@ -190,15 +217,15 @@ class SpecDecoder:
         persistent buffers, valid until the next step's inputs are prepared. `tokens`:
         the sampled ids [n] or the verify step's packed [n, K + 2]."""
         n = batch.num_reqs
-        emitted = np.zeros(n, dtype=np.int32)
+        # 1 where the row sampled (a verify row: times its emitted count, on the device).
+        sampled = self.sampled_rows
+        sampled.np[:n] = 0
+        sampled.np[sampling_rows] = 1
+        num_emitted = sampled.copy_to_gpu(n)
         if tokens.dim() == 1:
-            emitted[sampling_rows] = 1
             out_ids = tokens[:, None]
         else:
-            emitted[sampling_rows] = 1  # replaced by the counts on the device below
             out_ids = tokens[:, 1:]
-        num_emitted = torch.as_tensor(emitted, device=tokens.device)
-        if tokens.dim() == 2:
             num_emitted = num_emitted * tokens[:, 0].to(torch.int32)
         return StepTensors(
             input_ids=inputs.input_ids.gpu[:num_tokens], positions=inputs.positions.gpu[:num_tokens],
@@ -206,10 +233,39 @@ class SpecDecoder:
             seq_lens=inputs.seq_lens.gpu[:n], block_table=batch.block_table.table.gpu[:n],
             output_token_ids=out_ids, num_emitted=num_emitted)
 
+    def collect_verify(self, step: PendingStep, packed: np.ndarray,
+                       batch: InputBatch) -> ModelRunnerOutput:
+        """The runner's `collect` for a verify step (module doc, 4. and 5.): a variable
+        number of tokens per request, their logprobs, the next drafts."""
+        if step.batch_version != batch.version:
+            raise RuntimeError("a verify step collected after the batch changed")
+        batch.pending_src[:] = -1  # (the synchronous loop: see ModelRunner.collect)
+        num_emitted, tokens = self.emitted(packed, batch, step.sampling_rows,
+                                           step.placeholder_cols)
+        counts = num_emitted.tolist()
+        token_rows = tokens.tolist()
+        out = [token_rows[r][:counts[r]] if s else [] for r, s in zip(step.rows, step.samples)]
+        logprobs = None
+        if step.logprobs_host is not None:
+            logprobs = collect_verify_logprobs(step.logprobs_host, step.rows, step.samples,
+                                               step.num_logprobs, counts)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out,
+                                 logprobs=logprobs,
+                                 prompt_logprobs=step.collect_prompt_logprobs(),
+                                 spec_token_ids=self.propose_for(step, batch))
+
+    def propose_for(self, step: PendingStep, batch: InputBatch) -> list[list[int]]:
+        """The drafts for the next step, per scheduled request of `step` (collected)."""
+        drafts = self.propose(batch, step.sampling_rows, step.spec_step, step.spec_sampling)
+        return [drafts[r] for r in step.rows]
+
     def propose(self, batch: InputBatch, sampling_rows: np.ndarray,
-                step: StepTensors | None = None) -> list[list[int]]:
+                step: StepTensors | None = None,
+                sampling: SamplingMetadata | None = None) -> list[list[int]]:
         """Drafts for the next step, per batch row 0..n-1 ([] where none). `step`: the
-        target step's tensors, for a draft model."""
+        target step's tensors, for a draft model; `sampling`: the step's metadata, for a
+        draft model to sample its drafts as each row samples (None: greedy drafts)."""
+        self._proposed_probs = None
         n = batch.num_reqs
         max_num_drafts = np.zeros(n, dtype=np.int32)
         allowed = sampling_rows[batch.spec_allowed[sampling_rows]]
@@ -221,9 +277,14 @@ class SpecDecoder:
         if not max_num_drafts.any() and not self.needs_step_tensors:
             # (A draft model still catches its KV cache up with the step.)
             return [[] for _ in range(n)]
-        drafts = self.proposer.propose(ProposalInputs(
+        inputs = ProposalInputs(
             req_ids=batch.req_ids[:n], token_ids=batch.token_ids,
-            num_tokens=batch.num_tokens[:n], max_num_drafts=max_num_drafts, step=step))
+            num_tokens=batch.num_tokens[:n], max_num_drafts=max_num_drafts, step=step)
+        drafts = (self.proposer.propose(inputs, sampling) if sampling is not None
+                  else self.proposer.propose(inputs))
+        if drafts.probs is not None:
+            self._proposed_probs = drafts.probs
+            self._proposed_rows = {rid: r for r, rid in enumerate(batch.req_ids[:n])}
         return drafts.as_lists()
 
 
