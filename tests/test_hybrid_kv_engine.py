@@ -316,6 +316,7 @@ def test_verify_full_graphs_read_every_groups_tables(gemma7):
     from llmfast.engine.args import EngineArgs
     from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
     from tests.helpers.engine_config import engine_config
+    from tests.test_full_graphs import _run
     from tests.test_spec_decode_graphs import _Spy
 
     path, oracle = gemma7
@@ -335,16 +336,7 @@ def test_verify_full_graphs_read_every_groups_tables(gemma7):
     expected = [oracle(p, n) for p, n in zip(prompts, lengths)]
     engine.runner.spec.proposer = ReplayProposer(k, [p + e for p, e in zip(prompts, expected)])
     spy = _Spy(engine)
-    ids = {}
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        ids[engine.add_request({"prompt_token_ids": p},
-                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                               stream=False)] = i
-    got = {}
-    while len(got) < len(prompts):
-        for out in engine.step():
-            if out.finished:
-                got[ids[out.request_id]] = list(out.outputs[0].token_ids)
-    assert [got[i] for i in range(len(prompts))] == expected
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    assert _run(engine, prompts, params, [0] * len(prompts)) == expected
     assert any(isinstance(c["key"], tuple) for c in spy.calls), "no verify full graph ran"
     assert len(engine.runner._full_inputs(6)) == 6 + 2 * 3 + 2 * 7

@@ -402,12 +402,7 @@ class GroupedFakeRunner(FakeRunner):
                     assert self.kv.get(slot) == keys[pos], (rid, g, pos)
             st_["computed"] = start + n
             req_ids.append(rid)
-            if start + n == len(tokens):
-                tok = self.rng.randrange(2, 9)
-                tokens.append(tok)
-                sampled.append([tok])
-            else:
-                sampled.append([])
+            sampled.append(self.sample(tokens, start + n))
         return ModelRunnerOutput(req_ids, sampled)
 
 

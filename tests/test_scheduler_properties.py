@@ -73,13 +73,16 @@ class FakeRunner:
                 assert self.kv.get(blocks[pos // bs] * bs + pos % bs) == keys[pos], (rid, pos)
             st_["computed"] = start + n
             req_ids.append(rid)
-            if start + n == len(tokens):
-                tok = self.rng.randrange(2, 9)
-                tokens.append(tok)
-                sampled.append([tok])
-            else:
-                sampled.append([])
+            sampled.append(self.sample(tokens, start + n))
         return ModelRunnerOutput(req_ids, sampled)
+
+    def sample(self, tokens: list[int], computed: int) -> list[int]:
+        """A random token appended where the step reached the end of `tokens`."""
+        if computed != len(tokens):
+            return []
+        tok = self.rng.randrange(2, 9)
+        tokens.append(tok)
+        return [tok]
 
 
 def check_invariants(sched: Scheduler) -> None:
