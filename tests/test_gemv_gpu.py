@@ -3,7 +3,7 @@ presets' projection shapes, each fusion and fp8 weights, against the float64 ora
 its bound (tests/helpers/gemv.py); split-K inside a CUDA graph; the op compiled by
 Inductor with an unbacked token count; the fused decoder against the plain one.
 
-Never run in a session without a GPU; `python -m pytest -m gpu tests/test_gemv_gpu.py`."""
+Marked gpu (deselected by default); run on a CUDA machine with `python -m pytest -m gpu tests/test_gemv_gpu.py`."""
 
 from __future__ import annotations
 
