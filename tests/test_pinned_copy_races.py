@@ -238,7 +238,7 @@ def test_no_pinned_source_is_rewritten_before_its_copy_is_known_done(
     _separate_zeroed_device_views(monkeypatch)
     # A KV cache of 26 blocks (24 hold one request of max_model_len): requests are
     # preempted and come back, so rows leave and join mid-run.
-    monkeypatch.setattr(model_runner, "num_cpu_blocks", lambda *args: 26)
+    monkeypatch.setattr(model_runner, "num_cpu_blocks", lambda *args, **kwargs: 26)
     # The graphs' path (padding, full-graph steps) without Inductor: the pieces run as
     # traced; the host side is the same.
     monkeypatch.setattr(model_runner, "CompiledModel",
