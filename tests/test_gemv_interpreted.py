@@ -19,22 +19,16 @@ _CHILD = """
 import json
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
-from llmfast.kernels.gemv import ops
+from tests.helpers.gemv import record_gemv_rows
 from tests.test_full_graphs import _engine, _run, _workload
-
-calls = []
-real = ops.gemv_triton
-def spy(*args, **kwargs):
-    calls.append(args[0].shape[0])
-    return real(*args, **kwargs)
-ops.gemv_triton = spy
 
 path = {path!r}
 prompts, lengths, arrivals = _workload()
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-eager = _run(_engine(path, None), prompts, params, arrivals)
-full = _engine(path, CudaGraphMode.FULL_AND_PIECEWISE)
-graphs = _run(full, prompts, params, arrivals)
+with record_gemv_rows() as calls:
+    eager = _run(_engine(path, None), prompts, params, arrivals)
+    full = _engine(path, CudaGraphMode.FULL_AND_PIECEWISE)
+    graphs = _run(full, prompts, params, arrivals)
 print(json.dumps({{"eager": eager, "graphs": graphs, "gemv_rows": sorted(set(calls)),
                   "full_replays": full.runner.compiled.graphs.full.num_replays}}))
 """

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmfast.kernels.gemv.ops import skinny_linear_torch
-from tests.helpers.gemv import assert_within, oracle, random_inputs
+from tests.helpers.gemv import assert_within, oracle, random_inputs, record_gemv_rows
 
 FUSIONS = {  # name -> (skinny_linear keywords taken from random_inputs, silu_mul)
     "plain": ((), False),
@@ -105,19 +105,11 @@ def check_dispatch(rows: int, mode: str) -> None:
 
     os.environ["LLMFAST_GEMV"] = mode
     ops._choice.cache_clear()
-    calls = []
-    real = ops.gemv_triton
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
-
-    ops.gemv_triton = spy
     try:
-        args, want = _case("residual", rows, 24, 40, torch.float32)
-        assert_within(ops.skinny_linear(**args), want, torch.float32)
+        with record_gemv_rows() as calls:
+            args, want = _case("residual", rows, 24, 40, torch.float32)
+            assert_within(ops.skinny_linear(**args), want, torch.float32)
     finally:
-        ops.gemv_triton = real
         del os.environ["LLMFAST_GEMV"]
     assert calls == ([rows] if rows <= 16 and mode != "0" else []), calls
 
@@ -163,7 +155,6 @@ def check_fused_decoder(dtype: str, rows: int) -> None:
     plain layers on the same batch, every kernel interpreted: `rows` decode requests
     (each a GEMV launch of `rows` rows: 4 fused launches a layer), or past 16 rows one
     prefill (the op's torch form). The KV writes are the same in both runs."""
-    from llmfast.kernels.gemv import ops
     from llmfast.models import fused_layer
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
@@ -191,22 +182,14 @@ def check_fused_decoder(dtype: str, rows: int) -> None:
         static.table[r].copy_(static.block_table[r])
         static.seq_lens[r] = context
     static.query_start_loc[:num_reqs + 1] = torch.arange(num_reqs + 1) * (1 if decode else rows)
-    calls = []
-    real = ops.gemv_triton
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
-
-    ops.gemv_triton = spy
     try:
         outs = {}
-        for fused in (False, True):
-            fused_layer._ENABLED = fused
-            outs[fused] = static.run(model.model, rows, num_reqs,
-                                     max_query_len=1 if decode else rows).double()
+        with record_gemv_rows() as calls:
+            for fused in (False, True):
+                fused_layer._ENABLED = fused
+                outs[fused] = static.run(model.model, rows, num_reqs,
+                                         max_query_len=1 if decode else rows).double()
     finally:
-        ops.gemv_triton = real
         fused_layer._ENABLED = None
     assert calls == ([rows] * 4 * model.config.num_hidden_layers if decode else []), calls
     err = (outs[True] - outs[False]).abs().max().item()

@@ -6,6 +6,9 @@ to nearest) and its float32 accumulation over K (K ulps of float32)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 F32_ULP = 2.0**-23
@@ -73,3 +76,23 @@ def assert_within(got: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor],
     assert excess.max().item() <= 1e-30, (
         f"error {(got.double() - value).abs().flatten()[worst].item():.3g} past the bound "
         f"{bound.flatten()[worst].item():.3g} at {divmod(worst.item(), value.shape[1])}")
+
+
+@contextlib.contextmanager
+def record_gemv_rows() -> Iterator[list[int]]:
+    """The row count of every Triton GEMV launch (`ops.gemv_triton`) inside the block, in
+    call order; the real kernel still runs."""
+    from llmfast.kernels.gemv import ops
+
+    rows: list[int] = []
+    real = ops.gemv_triton
+
+    def spy(*args, **kwargs):
+        rows.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    ops.gemv_triton = spy
+    try:
+        yield rows
+    finally:
+        ops.gemv_triton = real
