@@ -232,7 +232,11 @@ def test_start_up_dry_batches_carry_every_groups_tables(gemma7):
             assert slots.shape == md.slot_mapping.shape and (slots == -1).all()
         with torch.inference_mode():
             hidden = runner.model(ids, positions, md)
-        assert hidden.shape == (ids.shape[0], 64) and torch.isfinite(hidden).all()
+        assert hidden.shape == (ids.shape[0], 64)
+        # Rows past the last request's tokens (a dummy batch's padding) are left as the
+        # attention's output buffer was: unwritten memory, not necessarily finite.
+        covered = int(md.query_start_loc[-1])
+        assert covered >= 1 and torch.isfinite(hidden[:covered]).all()
 
 
 def test_speculative_decoding_with_groups_matches_hf(gemma7):
