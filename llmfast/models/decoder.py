@@ -119,42 +119,34 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         cos_sin = self.rotary.cos_sin
-        if rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache, self.v_cache):
+        compiling = torch.compiler.is_compiling()
+        # The eager torch paths' per-step memo (attention/cpu_step.py); compiled graphs
+        # must not read it.
+        cpu_step = None if compiling else attn_metadata.cpu_step
+        if cpu_step is None and rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache,
+                                                          self.v_cache):
             # The op rotates q and k in its KV write (attention/triton/rope_cache.py): one kernel
             # a layer fewer than rotating here.
             rope_args = (positions, cos_sin, attn_metadata.max_query_len)
         else:
-            qk = self.rotary(positions, qk)
+            qk = self.rotary(positions, qk, cpu_step)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             rope_args = ()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        # Compiled graphs record the custom op (the backend splits there); eager calls
-        # skip its dispatcher, which costs more than the CPU attention itself at batch 1.
-        attention = (
-            torch.ops.llmfast.unified_attention
-            if torch.compiler.is_compiling()
-            else unified_attention_impl
-        )
         if self.kv_group is None:
             slot_mapping, block_table = attn_metadata.slot_mapping, attn_metadata.block_table
         else:
             slot_mapping = attn_metadata.group_slot_mappings[self.kv_group]
             block_table = attn_metadata.group_block_tables[self.kv_group]
-        attention(
-            q,
-            k,
-            v,
-            self.k_cache,
-            self.v_cache,
-            slot_mapping,
-            block_table,
-            attn_metadata.query_start_loc,
-            attn_metadata.seq_lens,
-            self.scale,
-            out,
-            *rope_args,
-            window=self.window,
-        )
+        args = (q, k, v, self.k_cache, self.v_cache, slot_mapping, block_table,
+                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale, out,
+                *rope_args)
+        # Compiled graphs record the custom op (the backend splits there); eager calls
+        # skip its dispatcher, which costs more than the CPU attention itself at batch 1.
+        if compiling:
+            torch.ops.llmfast.unified_attention(*args, window=self.window)
+        else:
+            unified_attention_impl(*args, window=self.window, cpu_step=cpu_step)
         return out.view(-1, self.q_size)
 
 

@@ -154,11 +154,17 @@ def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
         if zero_column:
             x = torch.nn.functional.pad(x, (0, 1))
         x = x.index_select(1, x_index)  # [M, K']
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
+    out = _INT4_MM(x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
     if out.shape[1] != out_features:  # padded rows (contiguous: the op's fake result is)
         out = out[:, :out_features].contiguous()
     return out.to(dtype)  # the model's dtype (float32 on CPU)
+
+
+# The kernel's overload, bound once: the packet's attribute lookups and overload
+# resolution cost a few microseconds a call, 121 calls a step (None where torch lacks it:
+# `int4_supported`).
+_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default",
+                   None)
 
 
 # A plain library definition, not `torch.library.custom_op`: the latter's Python wrapper
@@ -225,20 +231,24 @@ class Int4Linear(nn.Module):
                           self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)  # [M, K]
         if torch.compiler.is_compiling():
             # An opaque op: Inductor's own lowering of the int4 kernel adds a real tensor
             # constant that fails under its fake tensors (torch 2.13).
-            out = torch.ops.llmfast.int4_linear(x, self.weight_packed, self.scales_and_zeros,
-                                                self.x_index, self.zero_column,
-                                                self.out_features)
-        else:
-            out = int4_linear_impl(x, self.weight_packed, self.scales_and_zeros,
-                                   self.x_index, self.zero_column, self.out_features)
+            shape = x.shape
+            out = torch.ops.llmfast.int4_linear(
+                x.reshape(-1, self.in_features), self.weight_packed, self.scales_and_zeros,
+                self.x_index, self.zero_column, self.out_features)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.reshape(*shape[:-1], self.out_features)
+        # Eager: the decoder's activations are already [M, K] (no reshape calls then).
+        flat = x.dim() == 2
+        out = int4_linear_impl(x if flat else x.reshape(-1, self.in_features),
+                               self.weight_packed, self.scales_and_zeros, self.x_index,
+                               self.zero_column, self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+        return out if flat else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         planes = self.scales_and_zeros.shape[0] * GROUP // self.in_features
