@@ -148,11 +148,22 @@ def test_padding_flag_and_cache_write(slots):
             assert torch.equal(caches[2].view(-1, 2, 4)[s], k[i])
 
 
-def _sliding_model() -> DecoderForCausalLM:
+FAMILIES = {
+    # sliding and global layers: two KV-cache groups
+    "llama, sliding": dict(sliding_window=6,
+                           layer_types=("sliding_attention", "full_attention") * 2),
+    "qwen3: q/k norms, qkv biases, a sparse MLP": dict(
+        qk_norm=True, qkv_bias=True, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16),
+    "gemma-like: GeGLU, offset norms, o bias": dict(
+        hidden_act="gelu_pytorch_tanh", norm_offset=True, o_bias=True),
+}
+
+
+def _model(**options) -> DecoderForCausalLM:
     config = ModelConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                         vocab_size=96, sliding_window=6,
-                         layer_types=("sliding_attention", "full_attention") * 2)
+                         vocab_size=96, **options)
     torch.manual_seed(0)
     model = DecoderForCausalLM(config, max_positions=128)
     with torch.no_grad():
@@ -161,12 +172,26 @@ def _sliding_model() -> DecoderForCausalLM:
     return model.eval()
 
 
-def test_model_step_with_the_memo_equals_without():
-    """Decodes, chunks and new prompts (MIXED_STEPS) through a model of sliding and
-    global layers: the same logits, bit for bit, with a memo per step as without."""
-    model = _sliding_model()
-    assert model.kv_groups.num_groups > 1
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_model_step_with_the_memo_equals_without(family):
+    """Decodes, chunks and new prompts (MIXED_STEPS): the eager CPU layers with a memo
+    per step (`DecoderLayer.forward_cpu`) give the same logits, bit for bit, as the
+    modules' forwards without one."""
+    model = _model(**FAMILIES[family])
+    assert model.model.cpu_layers
+    if "sliding" in family:
+        assert model.kv_groups.num_groups > 1
     plain = PagedSequences(model, num_seqs=4, max_len=64, block_size=4)
     memo = PagedSequences(model, num_seqs=4, max_len=64, block_size=4, cpu_step=True)
-    for chunks in MIXED_STEPS:
-        assert torch.equal(memo.step(chunks), plain.step(chunks))
+    calls = []
+    forward_cpu = type(model.model.layers[0]).forward_cpu
+
+    def counted(layer, *args):
+        calls.append(layer)
+        return forward_cpu(layer, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(model.model.layers[0]), "forward_cpu", counted)
+        for chunks in MIXED_STEPS:
+            assert torch.equal(memo.step(chunks), plain.step(chunks))
+    assert len(calls) == len(MIXED_STEPS) * 4  # the memo's steps took the CPU layers

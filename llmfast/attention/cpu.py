@@ -62,24 +62,65 @@ class _PrefillRow:
 
 
 @dataclass(frozen=True)
+class _Gathered:
+    """One decode chunk's or prefill row's gather targets in a plan's buffer, and the
+    views attention reads them through (made once per plan and cache layout: every
+    layer of the step gathers into the same places)."""
+
+    k_out: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    v_out: torch.Tensor
+    # decode: strided [D, kv_heads, L', head_dim]; prefill: [kv_heads, num_keys, head_dim]
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Workspace:
+    buffer: torch.Tensor  # [2, max_gather_blocks, block_size, kv_heads, head_dim]
+    decode: tuple[_Gathered, ...]  # per decode chunk
+    prefill: tuple[_Gathered, ...]  # per prefill row
+
+
+@dataclass(frozen=True)
 class _Plan:
     decode: tuple[_DecodeChunk, ...]
     prefill: tuple[_PrefillRow, ...]
     max_gather_blocks: int  # the most cache blocks one decode chunk or prefill row reads
-    # Gathered keys and values, [2, max_gather_blocks, block_size, kv_heads, head_dim],
-    # allocated by the first layer and reused by the others (keyed by dtype and block
-    # shape, as two caches may share a plan). A fresh
-    # tensor per gather costs more than the gather: large allocations come straight from
-    # mmap, and first-touch page faults on tens of MiB a layer dominated decode at batch 64.
+    # Gathered keys and values (`_Workspace`), allocated by the first layer and reused by
+    # the others (keyed by dtype and block shape, as two caches may share a plan). A
+    # fresh tensor per gather costs more than the gather: large allocations come straight
+    # from mmap, and first-touch page faults on tens of MiB a layer dominated decode at
+    # batch 64.
     workspace: dict = field(default_factory=dict, compare=False, hash=False)
 
-    def gather_buffers(self, cache: torch.Tensor, num_blocks: int):
+    def gathered(self, cache: torch.Tensor) -> _Workspace:
         key = (cache.dtype, cache.shape[1:])
-        buf = self.workspace.get(key)
-        if buf is None:
-            buf = cache.new_empty((2, self.max_gather_blocks, *cache.shape[1:]))
-            self.workspace[key] = buf
-        return buf[0, :num_blocks], buf[1, :num_blocks]
+        ws = self.workspace.get(key)
+        if ws is None:
+            ws = self.workspace[key] = self._workspace(cache)
+        return ws
+
+    def _workspace(self, cache: torch.Tensor) -> _Workspace:
+        block_size, num_kv_heads, head_dim = cache.shape[1:]
+        buf = cache.new_empty((2, self.max_gather_blocks, *cache.shape[1:]))
+        decode = []
+        for chunk in self.decode:
+            k_out, v_out = buf[0, : chunk.blocks.shape[0]], buf[1, : chunk.blocks.shape[0]]
+            # [D, L, kv_heads, head_dim] -> strided [D, kv_heads, L', head_dim] (L': the
+            # visible slice of a one-row chunk, else L)
+            shape = (chunk.tokens.shape[0], chunk.num_blocks * block_size, num_kv_heads,
+                     head_dim)
+            decode.append(_Gathered(k_out, v_out,
+                                    k_out.view(shape)[:, chunk.keys].transpose(1, 2),
+                                    v_out.view(shape)[:, chunk.keys].transpose(1, 2)))
+        prefill = []
+        for row in self.prefill:
+            k_out, v_out = buf[0, : row.blocks.shape[0]], buf[1, : row.blocks.shape[0]]
+            # [seq_len, kv_heads, head_dim] -> [kv_heads, seq_len, head_dim]
+            prefill.append(_Gathered(k_out, v_out,
+                                     k_out.flatten(0, 1)[: row.num_keys].transpose(0, 1),
+                                     v_out.flatten(0, 1)[: row.num_keys].transpose(0, 1)))
+        return _Workspace(buf, tuple(decode), tuple(prefill))
 
 
 def plan_key(k_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
@@ -116,10 +157,11 @@ def paged_attention_cpu(
     """`plan`: this step's (`step_plan` of the same arguments), if the caller has it."""
     if plan is None:
         plan = step_plan(k_cache, block_table, query_start_loc, seq_lens, window)
-    for chunk in plan.decode:
-        _decode(q, k_cache, v_cache, chunk, scale, out, plan)
-    for row in plan.prefill:
-        _prefill(q, k_cache, v_cache, row, scale, out, plan)
+    ws = plan.gathered(k_cache)
+    for chunk, gathered in zip(plan.decode, ws.decode):
+        _decode(q, k_cache, v_cache, chunk, gathered, scale, out)
+    for row, gathered in zip(plan.prefill, ws.prefill):
+        _prefill(q, k_cache, v_cache, row, gathered, scale, out)
 
 
 def _additive(visible: np.ndarray) -> torch.Tensor:
@@ -197,31 +239,29 @@ def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
     return _Plan(tuple(decode), tuple(prefill), max_gather_blocks)
 
 
-def _gather(k_cache, v_cache, blocks: torch.Tensor, plan: _Plan):
-    keys, values = plan.gather_buffers(k_cache, blocks.shape[0])
-    torch.index_select(k_cache, 0, blocks, out=keys)
-    torch.index_select(v_cache, 0, blocks, out=values)
-    return keys, values
+def _gather(k_cache, v_cache, blocks: torch.Tensor, gathered: _Gathered) -> tuple:
+    """The keys and values attention reads (float32), after gathering `blocks` into the
+    plan's buffer."""
+    torch.index_select(k_cache, 0, blocks, out=gathered.k_out)
+    torch.index_select(v_cache, 0, blocks, out=gathered.v_out)
+    if k_cache.dtype == torch.float32:
+        return gathered.keys, gathered.values
+    return gathered.keys.float(), gathered.values.float()
 
 
-def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out, plan: _Plan) -> None:
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, gathered: _Gathered, scale: float,
+            out) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2:]
     num_rows = chunk.tokens.shape[0]
-    group = q.shape[1] // num_kv_heads
-    length = chunk.num_blocks * block_size
-    # [D, L, num_kv_heads, head_dim] -> strided [D, num_kv_heads, L', head_dim] views
-    # (L': the visible slice of a one-row chunk, else L).
-    shape = (num_rows, length, num_kv_heads, head_dim)
-    keys, values = _gather(k_cache, v_cache, chunk.blocks, plan)
-    keys = keys.view(shape)[:, chunk.keys].transpose(1, 2)
-    values = values.view(shape)[:, chunk.keys].transpose(1, 2)
+    keys, values = _gather(k_cache, v_cache, chunk.blocks, gathered)
     first = chunk.first_token
     rows = (q[first : first + num_rows] if first is not None
             else q.index_select(0, chunk.tokens))
     # The group's query heads become SDPA's query positions: [D, num_kv_heads, group, hd].
-    queries = rows.view(num_rows, num_kv_heads, group, head_dim)
+    queries = rows.view(num_rows, num_kv_heads, -1, head_dim)
     result = F.scaled_dot_product_attention(
-        queries.float(), keys.float(), values.float(), attn_mask=chunk.mask, scale=scale
+        queries if queries.dtype == torch.float32 else queries.float(), keys, values,
+        attn_mask=chunk.mask, scale=scale,
     ).reshape(num_rows, -1, head_dim)
     if first is not None:
         out[first : first + num_rows] = result
@@ -229,15 +269,13 @@ def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out, plan: _
         out.index_copy_(0, chunk.tokens, result.to(out.dtype))
 
 
-def _prefill(q, k_cache, v_cache, row: _PrefillRow, scale: float, out, plan: _Plan) -> None:
-    # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
-    keys, values = _gather(k_cache, v_cache, row.blocks, plan)
-    keys = keys.flatten(0, 1)[: row.num_keys].transpose(0, 1)
-    values = values.flatten(0, 1)[: row.num_keys].transpose(0, 1)
+def _prefill(q, k_cache, v_cache, row: _PrefillRow, gathered: _Gathered, scale: float,
+             out) -> None:
+    keys, values = _gather(k_cache, v_cache, row.blocks, gathered)
     result = F.scaled_dot_product_attention(
         q[row.q_start : row.q_end].transpose(0, 1).float(),  # [num_heads, num_q, head_dim]
-        keys.float(),
-        values.float(),
+        keys,
+        values,
         attn_mask=row.mask,
         scale=scale,
         enable_gqa=True,

@@ -26,16 +26,11 @@ Shapes (T = tokens in the step, padded; R = requests):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from llmfast.attention.cpu import paged_attention_cpu
 from llmfast.config import FP8_E4M3_MAX
 from llmfast.kernels.triton_mode import use_triton
-
-if TYPE_CHECKING:
-    from llmfast.attention.cpu_step import CpuStepState
 
 
 def _triton_attention():
@@ -188,12 +183,11 @@ def unified_attention_impl(
     cos_sin: torch.Tensor | None = None,
     max_query_len: torch.Tensor | None = None,
     window: int | None = None,
-    cpu_step: CpuStepState | None = None,
 ) -> None:
     """The op's body. Eager callers may call it directly: the custom-op dispatcher adds
-    ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op.
-    `cpu_step` (eager torch paths only; not an argument of the op): the step's memo of
-    the plan and padding flag every layer shares (attention/cpu_step.py)."""
+    ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op. (The eager
+    CPU decoder's own path, `Attention.attend_cpu`, calls the torch branch's two
+    functions itself with its step's memo.)"""
     triton = use_triton(q)
     if positions is not None and not triton:  # torch: rotate, then as usual
         q, k = _rotate_reference(positions, q, cos_sin), _rotate_reference(positions, k, cos_sin)
@@ -218,15 +212,9 @@ def unified_attention_impl(
             window=window,
         )
     else:
-        if cpu_step is None:
-            reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
-            plan = None
-        else:
-            reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping,
-                                        cpu_step.has_padding(slot_mapping))
-            plan = cpu_step.plan(k_cache, block_table, query_start_loc, seq_lens, window)
+        reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
         paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
-                            out, window, plan)
+                            out, window)
 
 
 @torch.library.custom_op(

@@ -22,14 +22,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfast.attention.cpu import paged_attention_cpu
+from llmfast.attention.cpu_step import CpuStepState
 from llmfast.attention.metadata import AttentionMetadata
-from llmfast.attention.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
+from llmfast.attention.ops import (  # also registers torch.ops.llmfast.*
+    reshape_and_cache_reference,
+    unified_attention_impl,
+)
 from llmfast.config import ModelConfig, RopeScaling
 from llmfast.core.kv_cache_groups import kv_cache_groups
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
-from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
+from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl, rms_norm_reference
 from llmfast.kernels.layers.rotary import rope_fuses_into_attention
+from llmfast.kernels.layers.rotary_reference import rotate
 from llmfast.models.fused_layer import fusable, fused_layer_forward, takes_fused
 from llmfast.models.parallel_layers import (
     gather_logits,
@@ -110,44 +116,82 @@ class Attention(nn.Module):
                attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv [num_tokens, q_size + 2 * kv_size] -> the heads' outputs [num_tokens,
         q_size], before o_proj (which the fused layer applies with its residual add)."""
+        qk, v = self._heads(qkv)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        cos_sin = self.rotary.cos_sin
+        if rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache, self.v_cache):
+            # The op rotates q and k in its KV write (attention/triton/rope_cache.py): one kernel
+            # a layer fewer than rotating here.
+            rope_args = (positions, cos_sin, attn_metadata.max_query_len)
+        else:
+            qk = self.rotary(positions, qk)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            rope_args = ()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # Compiled graphs record the custom op (the backend splits there); eager calls
+        # skip its dispatcher, which costs more than the CPU attention itself at batch 1.
+        attention = (
+            torch.ops.llmfast.unified_attention
+            if torch.compiler.is_compiling()
+            else unified_attention_impl
+        )
+        slot_mapping, block_table = self._tables(attn_metadata)
+        attention(
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            slot_mapping,
+            block_table,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            self.scale,
+            out,
+            *rope_args,
+            window=self.window,
+        )
+        return out.view(-1, self.q_size)
+
+    def attend_cpu(self, positions: torch.Tensor, qkv: torch.Tensor,
+                   attn_metadata: AttentionMetadata, step: CpuStepState) -> torch.Tensor:
+        """`attend` on the eager torch path (no Triton: the CPU), with the work every
+        layer of the step shares looked up in the step's memo (attention/cpu_step.py):
+        the rotary rows, the padding flag, the attention plan. The same values as
+        `attend` (tests/test_cpu_step.py)."""
+        qk, v = self._heads(qkv)
+        rotary = self.rotary
+        qk = rotate(qk, *step.rope(positions, rotary.cos_sin, rotary.rotate_sign))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        slot_mapping, block_table = self._tables(attn_metadata)
+        k_cache, v_cache = self.k_cache, self.v_cache
+        query_start_loc, seq_lens = attn_metadata.query_start_loc, attn_metadata.seq_lens
+        reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping,
+                                    step.has_padding(slot_mapping))
+        out = torch.empty(q.shape, dtype=q.dtype)
+        paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                            self.scale, out, self.window,
+                            step.plan(k_cache, block_table, query_start_loc, seq_lens,
+                                      self.window))
+        return out.view(-1, self.q_size)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv -> (queries and keys [T, heads + kv_heads, head_dim] (q/k-normed where the
+        family norms them), values [T, kv_heads, head_dim])."""
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Queries and keys are adjacent columns: rotate them as one [T, heads + kv_heads, d].
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        cos_sin = self.rotary.cos_sin
-        compiling = torch.compiler.is_compiling()
-        # The eager torch paths' per-step memo (attention/cpu_step.py); compiled graphs
-        # must not read it.
-        cpu_step = None if compiling else attn_metadata.cpu_step
-        if cpu_step is None and rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache,
-                                                          self.v_cache):
-            # The op rotates q and k in its KV write (attention/triton/rope_cache.py): one kernel
-            # a layer fewer than rotating here.
-            rope_args = (positions, cos_sin, attn_metadata.max_query_len)
-        else:
-            qk = self.rotary(positions, qk, cpu_step)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            rope_args = ()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return qk, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def _tables(self, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's KV-cache group's (slot_mapping, block_table)."""
         if self.kv_group is None:
-            slot_mapping, block_table = attn_metadata.slot_mapping, attn_metadata.block_table
-        else:
-            slot_mapping = attn_metadata.group_slot_mappings[self.kv_group]
-            block_table = attn_metadata.group_block_tables[self.kv_group]
-        args = (q, k, v, self.k_cache, self.v_cache, slot_mapping, block_table,
-                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale, out,
-                *rope_args)
-        # Compiled graphs record the custom op (the backend splits there); eager calls
-        # skip its dispatcher, which costs more than the CPU attention itself at batch 1.
-        if compiling:
-            torch.ops.llmfast.unified_attention(*args, window=self.window)
-        else:
-            unified_attention_impl(*args, window=self.window, cpu_step=cpu_step)
-        return out.view(-1, self.q_size)
+            return attn_metadata.slot_mapping, attn_metadata.block_table
+        return (attn_metadata.group_slot_mappings[self.kv_group],
+                attn_metadata.group_block_tables[self.kv_group])
 
 
 class MLP(nn.Module):
@@ -190,6 +234,36 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def forward_cpu(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata, step: CpuStepState,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on the eager torch path (the CPU), the same values in the same ops,
+        less the host work around them: the modules' forwards called directly (no
+        `nn.Module.__call__`), the norms' torch maths without the kernel choice, the
+        attention with the step's memo (`Attention.attend_cpu`). On the CPU that host
+        work is most of a decode step besides the weights' streaming, and each call
+        costs several times its hot cost after a projection has streamed its weights
+        through the caches (profiles/cpu.md)."""
+        norm = self.input_layernorm
+        if residual is None:  # the first layer: the embeddings are the residual
+            residual = hidden
+        else:
+            residual = hidden + residual  # (add_rms_norm's sum)
+        hidden = rms_norm_reference(residual, norm.weight, norm.eps, norm.offset)
+        attn = self.self_attn
+        qkv = attn.qkv_proj.forward(hidden)
+        hidden = attn.o_proj.forward(attn.attend_cpu(positions, qkv, attn_metadata, step))
+        norm = self.post_attention_layernorm
+        residual = hidden + residual
+        hidden = rms_norm_reference(residual, norm.weight, norm.eps, norm.offset)
+        mlp = self.mlp
+        if type(mlp) is not MLP:  # a sparse MLP: its own forward
+            return mlp.forward(hidden), residual
+        gate, up = mlp.gate_up_proj.forward(hidden).chunk(2, dim=-1)
+        gate = F.gelu(gate, approximate="tanh") if mlp.tanh_gelu else F.silu(gate)
+        return mlp.down_proj.forward(gate * up), residual
+
 
 class DecoderModel(nn.Module):
     """`config`: this rank's view (see `DecoderForCausalLM`)."""
@@ -223,6 +297,9 @@ class DecoderModel(nn.Module):
                                         MLP(config, tp))
 
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
+        # Eager CPU steps run `DecoderLayer.forward_cpu` (Gemma's sandwich layers: their
+        # own forward).
+        self.cpu_layers = all(type(layer) is DecoderLayer for layer in self.layers)
         # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py).
         self.fusable = fusable(config, tp.world_size)
         self.norm = make_norm(config, config.hidden_size)
@@ -247,8 +324,16 @@ class DecoderModel(nn.Module):
                 residual = fused_layer_forward(layer, positions, residual, attn_metadata)
             return self.norm(residual)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        # The eager torch path's per-step memo (attention/cpu_step.py); compiled graphs
+        # never read it.
+        step = None if torch.compiler.is_compiling() else attn_metadata.cpu_step
+        if step is not None and self.cpu_layers:
+            for layer in self.layers:
+                hidden, residual = layer.forward_cpu(positions, hidden, residual,
+                                                     attn_metadata, step)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, attn_metadata)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -6,17 +6,12 @@ Frequencies are computed in float64 and stored in float32, the table once per mo
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from llmfast.config import RopeScaling
 from llmfast.kernels.layers.rotary import rotary_impl
-from llmfast.kernels.layers.rotary_reference import rotate
-
-if TYPE_CHECKING:
-    from llmfast.attention.cpu_step import CpuStepState
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -112,16 +107,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("rotate_sign", torch.tensor([[-1.0], [1.0]]), persistent=False)
         self.head_dim = head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                cpu_step: CpuStepState | None = None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [num_tokens, heads, head_dim] by each token's position. The caller
         passes queries and keys together (one pass instead of two). One Triton kernel on
         CUDA (kernels/layers/rotary.py); compiled graphs record the op, eager calls skip its
-        dispatcher. `cpu_step` (eager torch paths): the step's memo, which holds the
-        positions' table rows every layer shares."""
-        if torch.compiler.is_compiling():
-            return torch.ops.llmfast.rotary_embedding(positions, x, self.cos_sin,
-                                                      self.rotate_sign)
-        if cpu_step is not None:
-            return rotate(x, *cpu_step.rope(positions, self.cos_sin, self.rotate_sign))
-        return rotary_impl(positions, x, self.cos_sin, self.rotate_sign)
+        dispatcher."""
+        compiling = torch.compiler.is_compiling()
+        rotate = torch.ops.llmfast.rotary_embedding if compiling else rotary_impl
+        return rotate(positions, x, self.cos_sin, self.rotate_sign)

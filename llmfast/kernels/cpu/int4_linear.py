@@ -221,6 +221,11 @@ class Int4Linear(nn.Module):
         # Gathered columns of x: None when the planes read x as is.
         self.register_buffer("x_index", x_index, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        # The kernel's result is the layer's as is: x read as is, no padded rows, no
+        # bias (every projection of the default model; its eager decode calls skip
+        # the general path's checks).
+        self.plain = (x_index is None and bias is None
+                      and packed.weight_packed.shape[0] == self.out_features)
 
     @classmethod
     def from_codes(cls, a: AffineCodes, bias: torch.Tensor | None = None) -> Int4Linear:
@@ -243,6 +248,10 @@ class Int4Linear(nn.Module):
             return out.reshape(*shape[:-1], self.out_features)
         # Eager: the decoder's activations are already [M, K] (no reshape calls then).
         flat = x.dim() == 2
+        if self.plain and flat and x.shape[0] < DEQUANTIZE_MIN_TOKENS:
+            # int4_linear_impl's kernel path, inlined: 121 calls a decode step.
+            return _INT4_MM(x.to(ACT_DTYPE), self.weight_packed, GROUP,
+                            self.scales_and_zeros).to(x.dtype)
         out = int4_linear_impl(x if flat else x.reshape(-1, self.in_features),
                                self.weight_packed, self.scales_and_zeros, self.x_index,
                                self.zero_column, self.out_features)
