@@ -18,6 +18,7 @@ from llmfast.attention.ops import paged_attention_reference, reshape_and_cache_r
 from llmfast.attention.workspaces import AttentionWorkspaces
 from llmfast.config import ModelConfig, RopeScaling
 from llmfast.kernels.layers.rotary_reference import rope_rows, rotary_reference, rotate
+from llmfast.models.cpu_layer import cpu_layer_forward
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.rope import rope_table
 from tests.helpers.paged import MIXED_STEPS, PagedSequences
@@ -175,7 +176,7 @@ def _model(**options) -> DecoderForCausalLM:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_model_step_with_the_memo_equals_without(family):
     """Decodes, chunks and new prompts (MIXED_STEPS): the eager CPU layers with a memo
-    per step (`DecoderLayer.forward_cpu`) give the same logits, bit for bit, as the
+    per step (models/cpu_layer.py) give the same logits, bit for bit, as the
     modules' forwards without one."""
     model = _model(**FAMILIES[family])
     assert model.model.cpu_layers
@@ -184,14 +185,44 @@ def test_model_step_with_the_memo_equals_without(family):
     plain = PagedSequences(model, num_seqs=4, max_len=64, block_size=4)
     memo = PagedSequences(model, num_seqs=4, max_len=64, block_size=4, cpu_step=True)
     calls = []
-    forward_cpu = type(model.model.layers[0]).forward_cpu
+    from llmfast.models import decoder
 
     def counted(layer, *args):
         calls.append(layer)
-        return forward_cpu(layer, *args)
+        return cpu_layer_forward(layer, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(type(model.model.layers[0]), "forward_cpu", counted)
+        mp.setattr(decoder, "cpu_layer_forward", counted)
         for chunks in MIXED_STEPS:
             assert torch.equal(memo.step(chunks), plain.step(chunks))
     assert len(calls) == len(MIXED_STEPS) * 4  # the memo's steps took the CPU layers
+
+
+def test_packed_model_step_with_the_memo_equals_without(tmp_path, monkeypatch):
+    """A GGUF model whose projections are packed (Int4Linear, Q4_1; the tied head Q8_0
+    through a column index): the CPU layers, which leave the packed o_proj's and
+    down_proj's bfloat16 results for the residual add to widen, give the same logits,
+    bit for bit, as the modules' forwards."""
+    import gguf
+
+    from llmfast.kernels.cpu.int4_linear import Int4Linear
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+    from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
+    from tests.helpers.tokenizers import train_byte_level_bpe
+
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path / "cache"))
+    bpe = train_byte_level_bpe()
+    path = write_llama_gguf(tmp_path / "tiny.gguf",
+                            tiny_llama(bpe.get_vocab_size(), tie=True, hidden_size=256,
+                                       intermediate_size=256, head_dim=64),
+                            bpe, gguf.GGMLQuantizationType.Q4_1, quant_embedding=True)
+    model = build_model(resolve_model(str(path)), torch.float32, "cpu", max_positions=128,
+                        quantization="gguf")
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.o_proj) is Int4Linear and layer.self_attn.o_proj.plain
+    assert type(layer.mlp.down_proj) is Int4Linear
+    plain = PagedSequences(model, num_seqs=4, max_len=64, block_size=4)
+    memo = PagedSequences(model, num_seqs=4, max_len=64, block_size=4, cpu_step=True)
+    for chunks in MIXED_STEPS:
+        assert torch.equal(memo.step(chunks), plain.step(chunks))

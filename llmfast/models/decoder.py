@@ -33,9 +33,10 @@ from llmfast.config import ModelConfig, RopeScaling
 from llmfast.core.kv_cache_groups import kv_cache_groups
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
-from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl, rms_norm_reference
+from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.layers.rotary import rope_fuses_into_attention
 from llmfast.kernels.layers.rotary_reference import rotate
+from llmfast.models.cpu_layer import cpu_layer_forward
 from llmfast.models.fused_layer import fusable, fused_layer_forward, takes_fused
 from llmfast.models.parallel_layers import (
     gather_logits,
@@ -234,36 +235,6 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def forward_cpu(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-        attn_metadata: AttentionMetadata, step: CpuStepState,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` on the eager torch path (the CPU), the same values in the same ops,
-        less the host work around them: the modules' forwards called directly (no
-        `nn.Module.__call__`), the norms' torch maths without the kernel choice, the
-        attention with the step's memo (`Attention.attend_cpu`). On the CPU that host
-        work is most of a decode step besides the weights' streaming, and each call
-        costs several times its hot cost after a projection has streamed its weights
-        through the caches (profiles/cpu.md)."""
-        norm = self.input_layernorm
-        if residual is None:  # the first layer: the embeddings are the residual
-            residual = hidden
-        else:
-            residual = hidden + residual  # (add_rms_norm's sum)
-        hidden = rms_norm_reference(residual, norm.weight, norm.eps, norm.offset)
-        attn = self.self_attn
-        qkv = attn.qkv_proj.forward(hidden)
-        hidden = attn.o_proj.forward(attn.attend_cpu(positions, qkv, attn_metadata, step))
-        norm = self.post_attention_layernorm
-        residual = hidden + residual
-        hidden = rms_norm_reference(residual, norm.weight, norm.eps, norm.offset)
-        mlp = self.mlp
-        if type(mlp) is not MLP:  # a sparse MLP: its own forward
-            return mlp.forward(hidden), residual
-        gate, up = mlp.gate_up_proj.forward(hidden).chunk(2, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if mlp.tanh_gelu else F.silu(gate)
-        return mlp.down_proj.forward(gate * up), residual
-
 
 class DecoderModel(nn.Module):
     """`config`: this rank's view (see `DecoderForCausalLM`)."""
@@ -297,9 +268,10 @@ class DecoderModel(nn.Module):
                                         MLP(config, tp))
 
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
-        # Eager CPU steps run `DecoderLayer.forward_cpu` (Gemma's sandwich layers: their
+        # Eager CPU steps run models/cpu_layer.py's layer (Gemma's sandwich layers: their
         # own forward).
-        self.cpu_layers = all(type(layer) is DecoderLayer for layer in self.layers)
+        self.cpu_layers = len(self.layers) > 0 and all(type(layer) is DecoderLayer
+                                                       for layer in self.layers)
         # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py).
         self.fusable = fusable(config, tp.world_size)
         self.norm = make_norm(config, config.hidden_size)
@@ -329,8 +301,10 @@ class DecoderModel(nn.Module):
         step = None if torch.compiler.is_compiling() else attn_metadata.cpu_step
         if step is not None and self.cpu_layers:
             for layer in self.layers:
-                hidden, residual = layer.forward_cpu(positions, hidden, residual,
+                hidden, residual = cpu_layer_forward(layer, positions, hidden, residual,
                                                      attn_metadata, step)
+            # add_rms_norm's sum, made here: a packed last layer's output is bfloat16.
+            return self.norm(hidden + residual)
         else:
             for layer in self.layers:
                 hidden, residual = layer(positions, hidden, residual, attn_metadata)

@@ -259,6 +259,15 @@ class Int4Linear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out if flat else out.reshape(*x.shape[:-1], self.out_features)
 
+    def forward_unwidened(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for eager decode-sized calls, leaving the kernel's bfloat16 result
+        as it is, for a caller that adds it to a float32 tensor next: the add widens it
+        exactly (the same values as `forward`'s, one cast fewer; models/decoder.py's
+        CPU layer, twice a layer). Other calls: `forward`."""
+        if self.plain and x.dim() == 2 and x.shape[0] < DEQUANTIZE_MIN_TOKENS:
+            return _INT4_MM(x.to(ACT_DTYPE), self.weight_packed, GROUP, self.scales_and_zeros)
+        return self.forward(x)
+
     def extra_repr(self) -> str:
         planes = self.scales_and_zeros.shape[0] * GROUP // self.in_features
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
