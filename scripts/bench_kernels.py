@@ -42,16 +42,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_lib import (
-    flash_backend,
-    L2_FLUSH_BYTES,
-    copy_bandwidth,
-    graph_replay,
-    host_launch_us,
-    paged_copy,
-    time_us,
-    time_us_interleaved,
-)
 from bench_kernels_prefill import (
     mixed_lines,
     prefill_lines,
@@ -72,6 +62,15 @@ from llmfast.attention.tuning.split_table import (
     merge_sweep,
 )
 from llmfast.attention.workspaces import AttentionWorkspaces
+from llmfast.bench.attention_inputs import flash_backend, paged_copy
+from llmfast.bench.cuda_timing import (
+    L2_FLUSH_BYTES,
+    copy_bandwidth,
+    graph_replay,
+    host_launch_us,
+    time_us,
+    time_us_interleaved,
+)
 
 
 def _sdpa_decode(q_s, k_s, v_s, causal: bool, scale: float):

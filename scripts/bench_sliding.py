@@ -44,11 +44,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels_lib import L2_FLUSH_BYTES, decode_case, time_us_interleaved  # noqa: E402
 from gpu_check import tree_stamp  # noqa: E402  (the measured tree, as every figure has)
 
 from llmfast.attention import ops  # noqa: E402
 from llmfast.attention.triton import launch as attention  # noqa: E402
+from llmfast.bench.attention_inputs import decode_case  # noqa: E402
+from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, time_us_interleaved  # noqa: E402
 from llmfast.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from llmfast.core.kv_cache_groups import KVCacheGroups, kv_cache_groups  # noqa: E402
 from llmfast.core.request import Request  # noqa: E402

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_lib import L2_FLUSH_BYTES, decode_case, graph_replay, time_us
-
 from llmfast.attention.triton import launch as attention
+from llmfast.bench.attention_inputs import decode_case
+from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, graph_replay, time_us
 
 
 def main() -> None:
