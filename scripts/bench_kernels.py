@@ -8,7 +8,7 @@ Beside each: torch's scaled_dot_product_attention on the same values laid out
 contiguously (GQA via enable_gqa), and the largest difference between the two outputs.
 Prefill (2k/4k/8k causal, vs SDPA's FlashAttention backend, TFLOP/s), mixed batches (one
 launch vs its two parts) and the prefill tile tuning that runs first (--tune): see
-bench_kernels_prefill.py. A device-to-device copy gives the bandwidth ceiling
+llmfast/bench/attention_prefill.py. A device-to-device copy gives the bandwidth ceiling
 (bytes read + written / time). Times are medians of CUDA-event timings (--iters calls;
 --eager-iters for the eager decode rows against SDPA), with L2 flushed before every timed
 call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
@@ -42,16 +42,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_prefill import (
-    mixed_lines,
-    prefill_lines,
-    run_mixed,
-    run_prefill,
-    tune,
-    tuned_table_note,
-    tuning_lines,
-)
-
 from llmfast.attention.triton import launch as attention
 from llmfast.attention.tuning.prefill_tuning import kv_dtype_name
 from llmfast.attention.tuning.split_table import (
@@ -63,6 +53,15 @@ from llmfast.attention.tuning.split_table import (
 )
 from llmfast.attention.workspaces import AttentionWorkspaces
 from llmfast.bench.attention_inputs import flash_backend, paged_copy
+from llmfast.bench.attention_prefill import (
+    mixed_lines,
+    prefill_lines,
+    run_mixed,
+    run_prefill,
+    tune,
+    tuned_table_note,
+    tuning_lines,
+)
 from llmfast.bench.cuda_timing import (
     L2_FLUSH_BYTES,
     copy_bandwidth,

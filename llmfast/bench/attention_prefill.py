@@ -1,4 +1,5 @@
-"""Prefill, mixed-batch and tile-tuning rows of scripts/bench_kernels.py (CUDA).
+"""Prefill, mixed-batch and tile-tuning rows of scripts/bench_kernels.py (CUDA), and their
+markdown tables.
 
 - Prefill: one request of T fresh tokens, causal, against torch SDPA pinned to its
   FlashAttention backend; eager and replayed from a CUDA graph, both sides; our kernel
