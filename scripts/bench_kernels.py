@@ -1,6 +1,15 @@
 """Benchmark the Triton paged-attention kernel against torch SDPA (needs a CUDA GPU).
 
     python scripts/bench_kernels.py [--json PATH] [--markdown PATH] [--iters 50]
+    python scripts/bench_kernels.py decode-configs --head-dim 64 --json decode_configs.json
+    python scripts/bench_kernels.py ship-prefill-tiles --model random:llama-3.2-1b \
+        --dtype bfloat16 --copy-to $OUT/prefill_tiles_llama-3.2-1b.json
+
+Two more commands for the same kernel: `decode-configs` sweeps the decode launch
+configuration (llmfast/bench/decode_configs.py) and prints, per shape, the configuration
+`select_config` picks now and the best one measured; `ship-prefill-tiles` makes this
+GPU's prefill tile table cover a model and installs it as the shipped one (below, at
+ship_prefill_tiles). Without a command: the table of the kernel against SDPA.
 
 Decode: batch 1/8/64/256 x context 512/2048/8192, one query token per request over a
 paged cache with shuffled blocks; reports achieved bandwidth on the K/V bytes read.
@@ -32,8 +41,11 @@ Decode only (no prefill, mixed, tuning or split sweep in that mode).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmfast.attention.triton import launch as attention
+from llmfast.attention.tuning import prefill_tuning
 from llmfast.attention.tuning.prefill_tuning import kv_dtype_name
 from llmfast.attention.tuning.split_table import (
     DEFAULT_DECODE_STAGES,
@@ -59,10 +72,14 @@ from llmfast.bench.attention_prefill import (
     tuning_lines,
 )
 from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, copy_bandwidth
+from llmfast.bench.decode_configs import sweep_shape
+from llmfast.models.sources.model_source import resolve_model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Other commands: `decode-configs --help`, `ship-prefill-tiles --help`.")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--num-heads", type=int, default=32)
@@ -98,7 +115,7 @@ def main() -> None:
                              "tables show the first)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="fp8: decode rows over a float8_e4m3fn cache (decode only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kv_cache_dtype == "fp8":
         if args.sweep_splits or args.prefill_tokens or args.mixed or args.tune != "off":
             sys.exit("--kv-cache-dtype fp8 times decode only: pass --prefill-tokens "
@@ -241,5 +258,117 @@ def main() -> None:
         ), indent=2, default=str))
 
 
+def decode_configs(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="bench_kernels.py decode-configs", description=(
+        "Sweep the decode attention launch configuration on a GPU "
+        "(llmfast/bench/decode_configs.py)."))
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[140, 512, 2048, 8192])
+    p.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--min-split-tiles", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--warps", type=int, nargs="+", default=[4])
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="KV split counts to try (default: the one select_config picks)")
+    p.add_argument("--loops", type=int, nargs="+", default=[2, 1], choices=[1, 2],
+                   help="key-tile loops: 2 (unmasked bulk + masked tail) and/or 1")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py decode-configs needs a CUDA GPU (none found); nothing was "
+                 "measured.")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    width = -(-args.max_model_len // args.block_size)
+    print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}; head_dim "
+          f"{args.head_dim}, {args.num_heads}/{args.num_kv_heads} heads, block table "
+          f"{width * args.block_size} keys wide", flush=True)
+    rows = []
+    for batch, ctx in itertools.product(args.batches, args.contexts):
+        row, failed = sweep_shape(batch, ctx, args, flush, gen)
+        for name, error in failed.items():
+            print(f"  {name}: {error}"[:200])
+        rows.append(row)
+        timings, best = row["timings"], row["best"]
+        now_txt = f"{row['now_us']:.1f}" if row["now_us"] is not None else "n/a"
+        print(f"B={batch:4d} ctx={ctx:5d} splits={row['splits']:2d}  now {row['now']} "
+              f"{now_txt} us  best {best} {timings[best]['us']:.1f} us  | "
+              + " ".join(f"{c}:{t['us']:.1f}" for c, t in timings.items()), flush=True)
+    ratios = [r["best_one_loop_us"] / r["best_two_loops_us"] for r in rows
+              if r["best_one_loop_us"] and r["best_two_loops_us"]]
+    if ratios:
+        print(f"one loop / two loops (each's best): median {statistics.median(ratios):.3f}, "
+              f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} shapes "
+              "(< 1: set attention_config.DECODE_ONE_KV_LOOP = True)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(0),
+                                             torch=torch.__version__, head_dim=args.head_dim,
+                                             rows=rows), indent=1))
+
+
+def ship_prefill_tiles(argv: list[str]) -> None:
+    """A first start on a GPU model without a shipped table tunes the model's two prefill
+    shape classes (attention/tuning/prefill_tuning.py; ~20-60 s on an H100). A start-up
+    benchmark should time what a user gets once the table ships, so run this first: it
+    tunes the model's classes that no table knows yet (whatever LLMFAST_ATTENTION_TUNING
+    says), then merges the tuned classes into
+    `llmfast/attention/tuning/prefill_tables/<gpu>.json` of this working copy, and copies
+    that file to --copy-to so it can be committed. Without CUDA it says so and does
+    nothing; with CUDA, a run that leaves nothing to ship exits 1."""
+    p = argparse.ArgumentParser(prog="bench_kernels.py ship-prefill-tiles", description=(
+        "Make this GPU's prefill tile table cover a model, and install it as the shipped "
+        "one."))
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--copy-to", help="also write the shipped table here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to tune or ship")
+        return
+    cfg = resolve_model(args.model).config
+    device = torch.device("cuda", 0)
+    t0 = time.perf_counter()
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    if not attention.prefill_tunable(cfg.head_dim, getattr(torch, args.dtype)):
+        print(f"{args.model} in {args.dtype}: prefill tiles are not tuned for this shape "
+              "(the engine uses its heuristic): nothing to ship")
+        return
+    classes = attention.model_prefill_classes(cfg.head_dim, group, getattr(torch, args.dtype))
+    for cls in classes:  # a class some table already knows is kept, not re-tuned
+        if attention.tune_prefill_tiles(device, cls) is None:
+            print(f"{cls.key}: no tile candidate ran; the heuristic stays")
+    print(f"{args.model}: prefill classes {', '.join(c.key for c in classes)} ready in "
+          f"{time.perf_counter() - t0:.1f} s")
+    name = torch.cuda.get_device_name(device)
+    _, tuned_json = prefill_tuning.read_table(prefill_tuning.tuned_table_path(name))
+    shipped_path = prefill_tuning.shipped_table_path(name)
+    _, shipped_json = prefill_tuning.read_table(shipped_path)
+    merged = dict(tuned_json or shipped_json,
+                  tiles={**shipped_json.get("tiles", {}), **tuned_json.get("tiles", {})})
+    missing = [c.key for c in classes if c.key not in merged["tiles"]]
+    if missing:
+        print(f"no tiles for {', '.join(missing)} on {name}: nothing to ship")
+        sys.exit(1)
+    prefill_tuning.parse_tiles(merged)  # the engine must be able to read what ships
+    text = json.dumps(merged, indent=2, sort_keys=True)
+    shipped_path.write_text(text)
+    print(f"shipped table {shipped_path}: {', '.join(sorted(merged['tiles']))}")
+    if args.copy_to:
+        with open(args.copy_to, "w") as f:
+            f.write(text)
+
+
+COMMANDS = {"decode-configs": decode_configs, "ship-prefill-tiles": ship_prefill_tiles}
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+        COMMANDS[sys.argv[1]](sys.argv[2:])
+    else:
+        main(sys.argv[1:])
