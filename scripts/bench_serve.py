@@ -123,8 +123,7 @@ def main() -> int:
     g.add_argument("--offline-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.offline_child:
-        print(json.dumps(offline_rows(json.loads(args.offline_child))))
-        return 0
+        return _offline_child(json.loads(args.offline_child))
     if args.vs_offline or args.cpu_bar or args.gpu_bar:
         return vs_offline(ap, args)
 
@@ -283,6 +282,17 @@ def _offline(spec: dict) -> list[dict]:
     proc = subprocess.run([sys.executable, __file__, "--offline-child", json.dumps(spec)],
                           env=_env(), stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _offline_child(spec: dict) -> int:
+    from llmfast.engine.flags import engine_kwargs_from_argv
+    from llmfast.llm import LLM
+
+    kwargs = engine_kwargs_from_argv(shlex.split(spec["serve_args"]))
+    model = spec["model"]
+    llm = LLM(None if model == "default" else model, **kwargs)
+    print(json.dumps(offline_rows(llm, spec)))
+    return 0
 
 
 def _serve(spec: dict, api_servers: int | None, rep: int) -> list[dict]:

@@ -11,7 +11,6 @@ every step), the figure the GPU bar compares the server's TPOT with.
 from __future__ import annotations
 
 import math
-import shlex
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,16 +25,11 @@ def spec_requests(spec: dict, streams: int) -> list[BenchRequest]:
                            spec["vocab_size"], 0.0, spec["seed"])
 
 
-def offline_rows(spec: dict) -> list[dict]:
-    """Every stream count's offline figures (a warm-up of 4 streams first): output tok/s,
-    TTFT and TPOT p50 and p99 in ms. Loads the model in this process."""
-    from llmfast.engine.flags import engine_kwargs_from_argv
-    from llmfast.llm import LLM
+def offline_rows(llm, spec: dict) -> list[dict]:
+    """Every stream count's offline figures on `llm` (an `LLM` built with the workload's
+    serve_args; a warm-up of 4 streams first): output tok/s, TTFT and TPOT p50 and p99
+    in ms."""
     from llmfast.sampling_params import SamplingParams
-
-    kwargs = engine_kwargs_from_argv(shlex.split(spec["serve_args"]))
-    model = spec["model"]
-    llm = LLM(None if model == "default" else model, **kwargs)
 
     def generate(requests):
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
