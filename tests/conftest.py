@@ -63,3 +63,17 @@ def server(request, serve_model_dir, tmp_path_factory):
                         "--api-servers", str(request.param))
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The real `openai` client on the module's `server` (this file's, or a module's own)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The served model's id, as /v1/models lists it."""
+    return client.models.list().data[0].id
