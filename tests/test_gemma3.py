@@ -12,7 +12,8 @@ from llmfast.models.families import hf_dict_from_model_config, model_config_from
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.hf_baseline import assert_hf_baseline_logits
-from tests.test_engine import _check, _llm, greedy_oracle
+from tests.helpers.hf_oracle import greedy_oracle
+from tests.test_engine import _check, _llm
 from tests.test_sliding_models import long_workload
 
 
