@@ -37,6 +37,7 @@ from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
 from llmfast.kernels.cpu.linear import prepack_budget_bytes, prepack_linears
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
+from llmfast.models.gemv_routing import decode_rows, route_gemv
 from llmfast.models.loading.loader import build_model
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.profiling.nvtx_ranges import nvtx_range
@@ -196,6 +197,8 @@ class ModelRunner:
         if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype,
                                     progress, kv_dtype=self.kv_dtype):  # CUDA only
             self.startup_times["tune"] = time.perf_counter() - t0
+        # Which projections take the GEMV (--gemv auto times what no table knows, CUDA).
+        route_gemv(self.model, self.config.gemv, decode_rows(self.config.compile), progress)
         # The Triton variants the rest launches, compiled in threads now (the tiles are
         # known); what it still compiles at a launch is counted.
         if not self._precompiles_kernels():
