@@ -331,3 +331,26 @@ def test_flags_reach_the_config():
         EngineArgs(gemv="cublas", gemv_fuse=True)
     with pytest.raises(ConfigError, match="gemv-fuse must be True or False"):
         EngineArgs(gemv_fuse="yes")
+
+
+def test_a_measured_table_ships_with_one_command(tmp_path, monkeypatch):
+    """The timings' file (what `bench_gemv.py --startup --copy-to` writes) merged by
+    `bench_gemv.py --ship` into the shipped table of the GPU it names, which the engine
+    then reads: its shapes need no measurement at the next start."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_gemv
+
+    timer = FakeTimer({(KEY, 1): 12.0, (KEY, 16): 9.0})
+    measure_missing({KEY: _launches()}, [1, 16], H100, 132, timer, tmp_path / "cache")
+    (measured,) = (tmp_path / "cache").glob("*.json")
+    launch_config.TABLE_DIR.mkdir()
+    shipped = bench_gemv.ship(measured)
+    assert shipped == launch_config.TABLE_DIR / "nvidia-h100-80gb-hbm3.json"
+    launch_config.shipped_table.cache_clear()
+    assert launch_config.shipped_table(H100) == {
+        KEY: {1: startup_candidates(1, 2048, 8192, 132)[0], 16: None}}
+    stored = json.loads(shipped.read_text())["shapes"][KEY]["1"]["timings_us"]
+    assert stored["cublas"] == 12.0

@@ -147,6 +147,8 @@ def _measure(launches: list[Launch], rows: Sequence[int], gpu: GpuFacts, measure
                        "keep cuBLAS", type(exc).__name__, exc,
                        exc_info=logger.isEnabledFor(logging.DEBUG))
         return ()
+    finally:
+        torch.cuda.empty_cache()  # the timing graphs' pools, before memory is profiled
     launch_config.add_measured(gpu.name, table)
     ops.forget_choices()
     return tuple(table)

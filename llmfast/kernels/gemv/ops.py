@@ -3,6 +3,8 @@ fusions (RMSNorm of x before, silu(gate) * up or + residual after), by the Trito
 (triton_kernels.py) where launch_config.py chooses it, else by the torch ops it replaces
 (cuBLAS for the product: `F.linear`, or `fp8_linear` for an fp8 weight).
 
+`backend` is --gemv's (the layer passes the one models/gemv_routing.py gave it).
+
 Compiled graphs call `torch.ops.llmfast.skinny_linear`: the token count is an unbacked
 symbol there, so the choice by M happens inside the op, at run time (a CUDA graph
 captures the choice of its size). Its fake impl gives Inductor the output's shape.
