@@ -78,6 +78,9 @@ def route_gemv(model: nn.Module, settings: SkinnyLinearConfig, rows: Sequence[in
     when None (a CPU test passes them, and a fake `measure`, to route as on a GPU)."""
     decoder = model.model
     device = model.lm_head.weight.device
+    for module in model.modules():  # (as loaded: a second routing starts afresh)
+        if isinstance(module, (Linear, Fp8Linear)):
+            module.gemv_backend = ""
     on_triton = device.type == "cuda" or gpu is not None or triton_interpret_enabled()
     fused = (settings.fused_layers and settings.backend != "cublas" and decoder.fusable
              and on_triton)
