@@ -339,3 +339,38 @@ def test_a_measured_table_ships_with_one_command(tmp_path, monkeypatch):
         KEY: {1: startup_candidates(1, 2048, 8192, 132)[0], 16: None}}
     stored = json.loads(shipped.read_text())["shapes"][KEY]["1"]["timings_us"]
     assert stored["cublas"] == 12.0
+
+
+def test_the_gpu_checks_startup_step_writes_a_table_to_ship(tmp_path, monkeypatch):
+    """`bench_gemv.py --startup` (gpu_check's gemv_startup) with the GPU faked: both
+    quantizations of a preset routed as a start routes them, every shape measured whatever
+    is shipped, the table with its timings written for --ship, and the report."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_gemv
+
+    real_route = gemv_routing.route_gemv
+    timer = FakeTimer(50.0)
+
+    def route_on_a_fake_gpu(model, settings, rows, progress=None):
+        return real_route(model, settings, rows, progress, measure=timer,
+                          cache=tmp_path / "cache", gpu=GPU)
+
+    monkeypatch.setattr(gemv_routing, "route_gemv", route_on_a_fake_gpu)
+    monkeypatch.setattr(startup_tuning, "cache_path",
+                        lambda fields, directory=None: tmp_path / "cache" / "timings.json")
+    args = argparse.Namespace(models="random:tiny", quantizations="none,fp8", rows="1,4",
+                              dtype="float32", install=False,
+                              copy_to=tmp_path / "table.json", json=tmp_path / "report.json")
+    bench_gemv.startup(args, torch.device("cpu"), H100)
+    table = launch_config.parse_table(json.loads(args.copy_to.read_text()))
+    assert "n512-k64-float32" in table and "n128-k64-float8_e4m3fn" in table
+    assert all(set(rows) == {1, 4} for rows in table.values())
+    report = json.loads(args.json.read_text())
+    assert [(r["model"], r["quantization"]) for r in report["runs"]] == [
+        ("random:tiny", "none"), ("random:tiny", "fp8")]
+    assert report["runs"][1]["shapes"]["n128-k64-float8_e4m3fn"]["1"]["timings_us"]["cublas"] \
+        == 50.0
