@@ -70,27 +70,21 @@ def append_sampled_tokens(
         request.num_output_placeholders -= 1
         if len(sampled) == 1:  # a decode step's one token: the loop below, unrolled
             status = _append_token(request, sampled[0], max_model_len)
-            logprobs = None if all_logprobs is None else all_logprobs[idx][:1]
-            if status is None:
-                updates.append(RequestUpdate(rid, sampled, None, logprobs))
-                continue
-            updates.append(RequestUpdate(rid, sampled, status.finish_reason, logprobs))
-            finished.append((request, status))
-            continue
-        status = None
-        num_accepted = 0
-        for token in sampled:
-            num_accepted += 1
-            status = _append_token(request, token, max_model_len)
-            if status is not None:
-                break
-        new_ids = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
-        logprobs = None
-        if all_logprobs is not None:
-            logprobs = all_logprobs[idx][:num_accepted]
+            new_ids = sampled
+            num_accepted = 1
+        else:
+            status = None
+            num_accepted = 0
+            for token in sampled:
+                num_accepted += 1
+                status = _append_token(request, token, max_model_len)
+                if status is not None:
+                    break
+            new_ids = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
+        logprobs = None if all_logprobs is None else all_logprobs[idx][:num_accepted]
         if status is None:
             updates.append(RequestUpdate(rid, new_ids, None, logprobs))
-            continue
-        updates.append(RequestUpdate(rid, new_ids, status.finish_reason, logprobs))
-        finished.append((request, status))
+        else:
+            updates.append(RequestUpdate(rid, new_ids, status.finish_reason, logprobs))
+            finished.append((request, status))
     return updates, finished
