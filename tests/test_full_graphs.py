@@ -185,6 +185,7 @@ def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=Non
     memory) and bound -> the model compiled and every graph captured once on it.
     `calls` records "profile", "size" and "capture" as they happen."""
     from llmfast.worker import model_runner
+    from llmfast.worker.startup import runner_startup
     from llmfast.worker.startup.memory_profile import bind_one_block_caches
 
     def one_block_profile(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,
@@ -204,10 +205,10 @@ def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=Non
             calls.append("capture")
         return compile_and_capture(*args)
 
-    compile_and_capture = model_runner.compile_and_capture
-    monkeypatch.setattr(model_runner, "profile_peak_memory", profile or one_block_profile)
-    monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
-    monkeypatch.setattr(model_runner, "compile_and_capture", capture_recorded)
+    compile_and_capture = runner_startup.compile_and_capture
+    monkeypatch.setattr(runner_startup, "profile_peak_memory", profile or one_block_profile)
+    monkeypatch.setattr(runner_startup, "num_gpu_blocks", blocks)
+    monkeypatch.setattr(runner_startup, "compile_and_capture", capture_recorded)
     monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
                         lambda self: True)
 
