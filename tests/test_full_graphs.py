@@ -34,10 +34,10 @@ def ckpt(tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp("full_graphs") / "ckpt", vocab_size=256)
 
 
-def _engine(ckpt, mode: CudaGraphMode) -> LLMEngine:
+def _engine(ckpt, mode: CudaGraphMode, **engine_args) -> LLMEngine:
     args = EngineArgs(model=str(ckpt), device="cpu", max_model_len=96, block_size=4,
                       seed=0, compile=mode is not None, max_num_seqs=MAX_SEQS,
-                      max_num_batched_tokens=32, cuda_graph_sizes=SIZES)
+                      max_num_batched_tokens=32, cuda_graph_sizes=SIZES, **engine_args)
     config, source = engine_config(args)
     if mode is not None:
         config = dataclasses.replace(config, compile=dataclasses.replace(

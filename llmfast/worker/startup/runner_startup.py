@@ -1,6 +1,7 @@
 """The model runner's start-up stages, in `initialize`'s order: the prefill tiles tuned,
-the Triton variants compiled in threads, the KV cache sized (from a profile on CUDA, from
-the config elsewhere) and allocated, the model compiled and its CUDA graphs captured.
+the projections routed (--gemv), the Triton variants compiled in threads, the KV cache
+sized (from a profile on CUDA, from the config elsewhere) and allocated, the model
+compiled and its CUDA graphs captured.
 The stages themselves live beside this module; this is their order and bookkeeping.
 
 `RunnerStartup` is a base of ModelRunner (worker/model_runner.py): it reads the runner's
@@ -19,6 +20,7 @@ from llmfast.config import dtype_name
 from llmfast.distributed import min_across_ranks
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
+from llmfast.models.gemv_routing import decode_rows, route_gemv
 from llmfast.utils.progress import Progress
 from llmfast.worker.startup.graph_capture import compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
@@ -42,7 +44,8 @@ class RunnerStartup:
         """Size and allocate the KV cache, compiling (and on CUDA capturing graphs) on the
         way; returns the number of blocks.
 
-        Order on CUDA: tune the prefill attention tiles no table knows yet -> compile
+        Order on CUDA: tune the prefill attention tiles no table knows yet -> route the
+        projections to the GEMV or cuBLAS (models/gemv_routing.py) -> compile
         the Triton variants the rest will launch, in threads (dry forwards) -> profile
         the largest step on a scratch cache, and estimate what the CUDA graphs will take
         (startup/graph_memory.py) -> size the KV cache from what is left and allocate it
@@ -55,6 +58,8 @@ class RunnerStartup:
         if tune_model_prefill_tiles(self.device, model_cfg.head_dim, group, self.dtype,
                                     progress, kv_dtype=self.kv_dtype):  # CUDA only
             self.startup_times["tune"] = time.perf_counter() - t0
+        # Which projections take the GEMV (--gemv auto times what no table knows, CUDA).
+        route_gemv(self.model, self.config.gemv, decode_rows(self.config.compile), progress)
         # The Triton variants the rest launches, compiled in threads now (the tiles are
         # known); what it still compiles at a launch is counted.
         if not self._precompiles_kernels():
