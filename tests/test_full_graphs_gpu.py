@@ -175,7 +175,7 @@ def test_default_sizes_both_kinds_capture_on_llama_1b(caplog):
 
     from llmfast import LLM
 
-    with caplog.at_level(logging.INFO, logger="llmfast.worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="llmfast.worker.startup.runner_startup"):
         llm = LLM("random:llama-3.2-1b", device="cuda", max_model_len=2048)
     took = [r for r in caplog.records if "the CUDA graphs took" in r.getMessage()]
     print("\n" + "\n".join(r.getMessage() for r in took))

@@ -1,8 +1,9 @@
 """The fused decoder layers (models/fused_layer.py: the projections' GEMV with the norms,
-SiLU-and-mul and residual adds) in the engine, as far as a CPU goes: a tiny Llama
-checkpoint with every Triton kernel run by the interpreter in a child process, eager and
-then compiled with emulated full and piecewise CUDA graphs (the skinny_linear op inside
-the compiled pieces, its choice by rows at run time), against HF's greedy tokens."""
+SiLU-and-mul and residual adds) in the engine (`--gemv triton --gemv-fuse`), as far as a
+CPU goes: a tiny Llama checkpoint with every Triton kernel run by the interpreter in a
+child process, eager and then compiled with emulated full and piecewise CUDA graphs (the
+skinny_linear op inside the compiled pieces, its choice by rows at run time), against
+HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from tests.helpers.full_graphs import arrival_workload, emulated_graph_engine, r
 path = {path!r}
 prompts, lengths, arrivals = arrival_workload()
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+gemv = dict(gemv="triton", gemv_fuse=True)
 with record_gemv_rows() as calls:
-    eager = run_with_arrivals(emulated_graph_engine(path, None), prompts, params, arrivals)
-    full = emulated_graph_engine(path, CudaGraphMode.FULL_AND_PIECEWISE)
+    eager = run_with_arrivals(emulated_graph_engine(path, None, **gemv), prompts, params, arrivals)
+    full = emulated_graph_engine(path, CudaGraphMode.FULL_AND_PIECEWISE, **gemv)
     graphs = run_with_arrivals(full, prompts, params, arrivals)
 print(json.dumps({{"eager": eager, "graphs": graphs, "gemv_rows": sorted(set(calls)),
                   "full_replays": full.runner.compiled.graphs.full.num_replays}}))
@@ -38,8 +40,8 @@ print(json.dumps({{"eager": eager, "graphs": graphs, "gemv_rows": sorted(set(cal
 def test_engine_with_fused_gemv_layers_matches_hf(tmp_path):
     path = make_hf_checkpoint(tmp_path / "ckpt", family="llama")
     result = run_interpreted(_CHILD.format(path=str(path)), timeout_s=1500,
-                             LLMFAST_LAYER_KERNELS="0", LLMFAST_GEMV="1",
-                             LLMFAST_GEMV_FUSE="1", LLMFAST_CACHE=str(tmp_path / "cache"))
+                             LLMFAST_LAYER_KERNELS="0",
+                             LLMFAST_CACHE=str(tmp_path / "cache"))
     # Decode steps of 1..6 rows took the GEMV; prefill chunks past 16 rows did not.
     assert result["gemv_rows"] and max(result["gemv_rows"]) <= 16
     assert result["full_replays"] > 0

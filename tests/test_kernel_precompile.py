@@ -33,6 +33,7 @@ from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import kernel_choice, triton_kernels
 from llmfast.attention.tuning.split_table import SplitTable
 from llmfast.worker import model_runner
+from llmfast.worker.startup import runner_startup
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
 from tests.helpers.full_graphs import (
     arrival_workload,
@@ -177,7 +178,7 @@ def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
         return submit(self, kernel, grid, args, kwargs)
 
     monkeypatch.setattr(precompile.KernelPrecompiler, "submit", failing_submit)
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+    with caplog.at_level(logging.WARNING, logger=runner_startup.__name__):
         engine = emulated_graph_engine(ckpt, None)
     variants = engine.runner.triton_variants
     assert variants["precompile_failed"] == 1 and variants["precompiled"] == 0
@@ -206,7 +207,7 @@ def test_graphs_start_up_with_split_counts_between_the_powers_of_two(
         *shape, best))
     # Plans are kept per shape for the process (its table is fixed): none of earlier tests'.
     monkeypatch.setattr(attention, "_PLANS", launch_cache.PlanCache())
-    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+    with caplog.at_level(logging.INFO, logger=runner_startup.__name__):
         engine, _ = _graphs_engine(ckpt, monkeypatch, tmp_path)
     assert engine.runner.triton_variants["compiled_at_launch"] == 0, caplog.text[-2000:]
     _workload_compiles_nothing(engine)

@@ -35,6 +35,7 @@ from llmfast.compile import CompiledModel
 from llmfast.config import CudaGraphMode
 from llmfast.worker import model_runner
 from llmfast.worker.buffers import CpuGpuBuffer, StagingBuffer
+from llmfast.worker.startup import runner_startup
 from llmfast.worker.step_output import OutputCopier
 from tests.helpers.full_graphs import arrival_workload, emulated_graph_engine, run_with_arrivals
 from tests.test_graph_input_properties import _separate_zeroed_device_views
@@ -238,7 +239,7 @@ def test_no_pinned_source_is_rewritten_before_its_copy_is_known_done(
     _separate_zeroed_device_views(monkeypatch)
     # A KV cache of 26 blocks (24 hold one request of max_model_len): requests are
     # preempted and come back, so rows leave and join mid-run.
-    monkeypatch.setattr(model_runner, "num_cpu_blocks", lambda *args, **kwargs: 26)
+    monkeypatch.setattr(runner_startup, "num_cpu_blocks", lambda *args, **kwargs: 26)
     # The graphs' path (padding, full-graph steps) without Inductor: the pieces run as
     # traced; the host side is the same.
     monkeypatch.setattr(model_runner, "CompiledModel",

@@ -30,7 +30,7 @@ from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.layers.rotary import rope_fuses_into_attention
-from llmfast.models.fused_layer import fusable, fused_layer_forward, takes_fused
+from llmfast.models.fused_layer import fusable, fused_layer_forward
 from llmfast.models.parallel_layers import (
     gather_logits,
     row_parallel_linear,
@@ -231,8 +231,11 @@ class DecoderModel(nn.Module):
                                         MLP(config, tp))
 
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
-        # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py).
+        # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py):
+        # `gemv_fused` the --gemv backend they run on when --gemv-fuse routed them
+        # there at start-up (models/gemv_routing.py), "" for the plain layers.
         self.fusable = fusable(config, tp.world_size)
+        self.gemv_fused = ""
         self.norm = make_norm(config, config.hidden_size)
         # Gemma: embeddings times sqrt(hidden_size), that factor rounded to the
         # embeddings' dtype (the model is built in its dtype: loading/loader.py) first,
@@ -249,10 +252,11 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        if self.fusable and takes_fused(hidden):
+        if self.gemv_fused:
             residual = hidden  # [num_tokens, hidden_size]: the stream, sums included
             for layer in self.layers:
-                residual = fused_layer_forward(layer, positions, residual, attn_metadata)
+                residual = fused_layer_forward(layer, positions, residual, attn_metadata,
+                                               self.gemv_fused)
             return self.norm(residual)
         residual = None
         for layer in self.layers:

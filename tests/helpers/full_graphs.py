@@ -20,10 +20,10 @@ MAX_SEQS = 6
 SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def emulated_graph_engine(ckpt, mode: CudaGraphMode) -> LLMEngine:
+def emulated_graph_engine(ckpt, mode: CudaGraphMode, **engine_args) -> LLMEngine:
     args = EngineArgs(model=str(ckpt), device="cpu", max_model_len=96, block_size=4,
                       seed=0, compile=mode is not None, max_num_seqs=MAX_SEQS,
-                      max_num_batched_tokens=32, cuda_graph_sizes=SIZES)
+                      max_num_batched_tokens=32, cuda_graph_sizes=SIZES, **engine_args)
     config, source = engine_config(args)
     if mode is not None:
         config = dataclasses.replace(config, compile=dataclasses.replace(
@@ -91,6 +91,7 @@ def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=Non
     memory) and bound -> the model compiled and every graph captured once on it.
     `calls` records "profile", "size" and "capture" as they happen."""
     from llmfast.worker import model_runner
+    from llmfast.worker.startup import runner_startup
     from llmfast.worker.startup.memory_profile import bind_one_block_caches
 
     def one_block_profile(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,
@@ -110,9 +111,9 @@ def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=Non
             calls.append("capture")
         return compile_and_capture(*args)
 
-    compile_and_capture = model_runner.compile_and_capture
-    monkeypatch.setattr(model_runner, "profile_peak_memory", profile or one_block_profile)
-    monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
-    monkeypatch.setattr(model_runner, "compile_and_capture", capture_recorded)
+    compile_and_capture = runner_startup.compile_and_capture
+    monkeypatch.setattr(runner_startup, "profile_peak_memory", profile or one_block_profile)
+    monkeypatch.setattr(runner_startup, "num_gpu_blocks", blocks)
+    monkeypatch.setattr(runner_startup, "compile_and_capture", capture_recorded)
     monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
                         lambda self: True)
