@@ -1,0 +1,111 @@
+"""`--gemv auto`'s start-up timing compiles its Triton candidates in threads, all at once,
+before timing them (startup_tuning.compile_candidates), instead of one after another at
+each candidate's first launch; on the CPU: Triton's compiler for sm_90 offline, each
+launch recorded instead of run (kernels/launch/offline_target.py).
+
+The oracle: Triton's own compile hooks (TritonCompileWatch) around every timed launch,
+and the threads in which Triton's compiler ran."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import triton
+
+from llmfast.config import SkinnyLinearConfig
+from llmfast.kernels.gemv import launch_config, ops, startup_tuning
+from llmfast.kernels.gemv import triton_kernels as gemv_kernels
+from llmfast.kernels.launch import precompile
+from llmfast.kernels.launch.compile_watch import TritonCompileWatch
+from llmfast.kernels.launch.offline_target import offline_hopper
+from llmfast.models.gemv_routing import GpuFacts, route_gemv
+
+pytestmark = pytest.mark.skipif(
+    precompile.KernelPrecompiler().available is False,
+    reason="this Triton has no asynchronous compile mode")
+
+GPU = GpuFacts("NVIDIA H100 80GB HBM3", 132, converts_fp8=True)
+KERNELS = (gemv_kernels.gemv_kernel, gemv_kernels.gemv_reduce_kernel)
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No table but what the test measures; the GEMV's compiled variants forgotten for
+    the test (restored after it); Triton compiling for sm_90, launches recorded."""
+    monkeypatch.setattr(launch_config, "TABLE_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(launch_config, "_MEASURED", {})
+    launch_config.shipped_table.cache_clear()
+    ops.forget_choices()
+    # Several compiles at once, as on a GPU machine, more than a 2-core CI machine gets.
+    monkeypatch.setattr(precompile, "default_workers", lambda: 4)
+    saved = {k: dict(k.device_caches) for k in KERNELS}
+    for kernel in KERNELS:
+        kernel.device_caches.clear()
+    try:
+        with offline_hopper(record_launches=True) as launches:
+            yield launches
+    finally:
+        for kernel, caches in saved.items():
+            kernel.device_caches.clear()
+            kernel.device_caches.update(caches)
+        launch_config.shipped_table.cache_clear()
+        ops.forget_choices()
+
+
+def test_the_timed_candidates_were_compiled_in_threads(offline, tmp_path, monkeypatch):
+    """random:tiny's five projection shapes at the 1 bucket, under the real timer's
+    place: every Triton candidate it launches finds its variant compiled (in the
+    precompile's threads, several at once); the GEMV then wins everywhere."""
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+
+    model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=64)
+    compiling_threads: list[str] = []
+    compile = triton.compiler.compile  # what a kernel's binder imports when made
+
+    def recording_compile(*args, **kwargs):
+        compiling_threads.append(threading.current_thread().name)
+        return compile(*args, **kwargs)
+
+    monkeypatch.setattr(triton.compiler, "compile", recording_compile)
+    compiled_at_launch = []
+
+    def timer(launches, rows, config):
+        """What time_on_cuda launches (each layer of the shape with the candidate),
+        recorded instead of run; cuBLAS slower than any candidate."""
+        if config is None:
+            return 10.0
+        first = launches[0]
+        x = torch.zeros(rows, first.k, dtype=first.dtype)  # [M, K]
+        with TritonCompileWatch() as watch:
+            for launch in launches:
+                ops.gemv_triton(x, launch.weight, config, launch.weight_scale, launch.bias)
+        compiled_at_launch.extend(watch.compiles)
+        return 5.0
+
+    monkeypatch.setattr(startup_tuning, "time_on_cuda", timer)
+    routing = route_gemv(model, SkinnyLinearConfig("auto"), (1,), cache=tmp_path, gpu=GPU)
+    assert routing.routed == 9 and len(routing.measured) == 5
+    assert compiled_at_launch == [], [c.name for c in compiled_at_launch]
+    assert compiling_threads
+    assert all(t.startswith("llmfast-triton-compile") for t in compiling_threads)
+    assert offline  # the timed launches were recorded (the dry ones: none)
+
+
+def test_a_dry_launch_submits_and_runs_nothing(offline):
+    """Under the start-up's dry launches (the runner's precompile too), the GEMV and its
+    split-K reduce submit their compiles and launch nothing; after `wait` a real
+    launch of the same variant compiles nothing."""
+    weight = torch.zeros(64, 2048)
+    x = torch.zeros(1, 2048)
+    config = launch_config.GemvConfig(block_n=16, block_k=128, split_k=4)
+    precompiler = precompile.KernelPrecompiler()
+    with precompiler.dry_launches():
+        ops.gemv_triton(x, weight, config)
+    precompiler.wait()
+    assert precompiler.num_submitted == 2 and offline == []  # kernel + reduce, none run
+    with TritonCompileWatch() as watch:
+        ops.gemv_triton(x, weight, config)
+    assert watch.compiles == [] and len(offline) == 2
