@@ -1,10 +1,12 @@
-"""`--gemv auto`'s start-up timing compiles its Triton candidates in threads, all at once,
-before timing them (startup_tuning.compile_candidates), instead of one after another at
-each candidate's first launch; on the CPU: Triton's compiler for sm_90 offline, each
-launch recorded instead of run (kernels/launch/offline_target.py).
+"""What `--gemv auto`'s start-up measurement costs a start, on the CPU:
 
-The oracle: Triton's own compile hooks (TritonCompileWatch) around every timed launch,
-and the threads in which Triton's compiler ran."""
+- it compiles its Triton candidates in threads, all at once, before timing them
+  (startup_tuning.compile_candidates), instead of one after another at each candidate's
+  first launch: Triton's compiler for sm_90 offline, each launch recorded instead of run
+  (kernels/launch/offline_target.py); the oracle: Triton's own compile hooks
+  (TritonCompileWatch) around every timed launch, and the threads its compiler ran in;
+- its seconds are a stage of the start-up report (`gemv`), not lost in "other".
+"""
 
 from __future__ import annotations
 
@@ -109,3 +111,46 @@ def test_a_dry_launch_submits_and_runs_nothing(offline):
     with TritonCompileWatch() as watch:
         ops.gemv_triton(x, weight, config)
     assert watch.compiles == [] and len(offline) == 2
+
+
+def test_the_measurement_is_a_start_up_stage(tmp_path, monkeypatch):
+    """A CPU engine routed as on a GPU (fake facts and timer): the routing's seconds are
+    the runner's `gemv` stage, and `bench --startup`'s table names it."""
+    from rich.console import Console
+
+    from llmfast.cli.bench_tables import startup_table
+    from llmfast.engine.args import EngineArgs
+    from llmfast.engine.llm_engine import LLMEngine
+    from llmfast.models import gemv_routing
+    from llmfast.worker.startup import runner_startup
+    from tests.helpers.engine_config import engine_config
+
+    monkeypatch.setattr(launch_config, "TABLE_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(launch_config, "_MEASURED", {})
+    launch_config.shipped_table.cache_clear()
+    ops.forget_choices()
+    timed = []
+
+    def timer(launches, rows, config):
+        timed.append(launches[0].key)
+        return 10.0 if config is None else 5.0
+
+    def route_as_on_a_gpu(model, settings, rows, progress=None):
+        return gemv_routing.route_gemv(model, settings, rows, progress, measure=timer,
+                                       cache=tmp_path / "cache", gpu=GPU)
+
+    monkeypatch.setattr(runner_startup, "route_gemv", route_as_on_a_gpu)
+    config, source = engine_config(EngineArgs(model="random:tiny", device="cpu",
+                                              enforce_eager=True, max_model_len=64))
+    try:
+        engine = LLMEngine(config, source)
+    finally:
+        launch_config.shipped_table.cache_clear()
+        ops.forget_choices()
+    assert timed and engine.runner.startup_times["gemv"] > 0
+    run = dict(stages=dict(engine.runner.startup_times), import_s=1.0, engine_s=9.0,
+               first_step_s=0.1, time_to_first_token_s=10.0, compile_cache_hits=0,
+               compile_cache_misses=0, device="cpu")
+    console = Console(width=400, record=True)
+    console.print(startup_table(dict(model="random:tiny", cold=run, warm=run)))
+    assert "time the GEMV against cuBLAS (once per GPU)" in console.export_text()
