@@ -21,8 +21,8 @@ from llmfast.kernels.gemv import launch_config, ops, startup_tuning
 from llmfast.kernels.gemv import triton_kernels as gemv_kernels
 from llmfast.kernels.launch import precompile
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
-from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.models.gemv_routing import GpuFacts, route_gemv
+from tests.helpers.offline_variants import fresh_offline_variants
 
 pytestmark = pytest.mark.skipif(
     precompile.KernelPrecompiler().available is False,
@@ -42,16 +42,10 @@ def offline(tmp_path, monkeypatch):
     ops.forget_choices()
     # Several compiles at once, as on a GPU machine, more than a 2-core CI machine gets.
     monkeypatch.setattr(precompile, "default_workers", lambda: 4)
-    saved = {k: dict(k.device_caches) for k in KERNELS}
-    for kernel in KERNELS:
-        kernel.device_caches.clear()
     try:
-        with offline_hopper(record_launches=True) as launches:
+        with fresh_offline_variants(KERNELS) as launches:
             yield launches
     finally:
-        for kernel, caches in saved.items():
-            kernel.device_caches.clear()
-            kernel.device_caches.update(caches)
         launch_config.shipped_table.cache_clear()
         ops.forget_choices()
 

@@ -38,7 +38,7 @@ from llmfast.kernels.gemv.ops import (
     weight_key,
 )
 from llmfast.kernels.launch.device_tables import device_slug
-from llmfast.kernels.launch.precompile import KernelPrecompiler
+from llmfast.kernels.launch.precompile import KernelPrecompiler, kernel_precompile_enabled
 from llmfast.utils.paths import cache_dir
 from llmfast.utils.progress import Progress
 
@@ -168,8 +168,11 @@ def compile_candidates(groups: dict[str, list[Launch]], todo: Sequence[tuple[str
     timing would otherwise compile them one after another at their first launches, each
     about a second (Llama-3.2-1B's five shapes at five buckets, four candidates each:
     ~70 variants, ~130 with --gemv-fuse). Returns how many were submitted, or None
-    (a Triton without asynchronous compiles, or a failure: logged; the launches then
-    compile what they need, as without this)."""
+    (a Triton without asynchronous compiles, LLMFAST_KERNEL_PRECOMPILE=0 as for the
+    runner's precompile, or a failure: logged; the launches then compile what they
+    need, as without this)."""
+    if not kernel_precompile_enabled():
+        return None
     precompiler = KernelPrecompiler()
     if not precompiler.available:
         return None
