@@ -17,6 +17,7 @@ this returns.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from llmfast.cuda_graphs.capture_context import CaptureStream
+from llmfast.cuda_graphs.capturers import CudaGraphCapturer
 from llmfast.kernels.gemv import launch_config
 from llmfast.kernels.gemv.launch_config import GemvConfig
 from llmfast.kernels.gemv.ops import (
@@ -295,11 +298,16 @@ def time_on_cuda(launches: list[Launch], rows: int, config: GemvConfig | None,
         for launch in launches:
             run(launch, config)
 
-    step()  # (cuBLAS's workspace and handles before the capture)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Captured as the runner captures (cuda_graphs/capturers.py), not by
+    # `torch.cuda.graph`: only this thread's CUDA calls are checked (the engine loads its
+    # tokenizer in another meanwhile; a global capture fails on its calls), and no
+    # synchronize + empty_cache() per capture (a cold 1B start makes ~125). On one side
+    # stream, warmed up first, so cuBLAS makes its per-stream workspace once, outside
+    # any capture.
+    with _capture_stream(device).current():
         step()
+        replay, _ = CudaGraphCapturer(device).capture(step, ())
+    torch.cuda.synchronize(device)
     flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size,
                         dtype=torch.uint8, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -307,8 +315,15 @@ def time_on_cuda(launches: list[Launch], rows: int, config: GemvConfig | None,
     for _ in range(reps):
         flush.zero_()
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / len(launches))
     return statistics.median(samples)
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> CaptureStream:
+    """The side stream of every timing capture on `device` (one: cuBLAS keeps a
+    workspace per stream)."""
+    return CaptureStream(device)
