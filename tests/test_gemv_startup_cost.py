@@ -107,6 +107,17 @@ def test_a_dry_launch_submits_and_runs_nothing(offline):
     assert watch.compiles == [] and len(offline) == 2
 
 
+def test_precompile_off_compiles_nothing_ahead(offline, monkeypatch):
+    """LLMFAST_KERNEL_PRECOMPILE=0 (the runner's A/B switch) leaves the candidates to
+    their launches too."""
+    monkeypatch.setenv("LLMFAST_KERNEL_PRECOMPILE", "0")
+    launch = startup_tuning.Launch(weight=torch.zeros(64, 2048), dtype=torch.float32)
+    with TritonCompileWatch() as watch:
+        assert startup_tuning.compile_candidates({launch.key: [launch]},
+                                                 [(launch.key, 1)], 132) is None
+    assert watch.compiles == [] and offline == []
+
+
 def test_the_measurement_is_a_start_up_stage(tmp_path, monkeypatch):
     """A CPU engine routed as on a GPU (fake facts and timer): the routing's seconds are
     the runner's `gemv` stage, and `bench --startup`'s table names it."""
