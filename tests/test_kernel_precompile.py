@@ -35,6 +35,7 @@ from llmfast.attention.tuning.split_table import SplitTable
 from llmfast.worker import model_runner
 from llmfast.worker.startup import runner_startup
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
+from tests.helpers.offline_variants import fresh_offline_variants
 from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
     _engine,
     _run,
@@ -68,16 +69,8 @@ def offline_triton(monkeypatch):
     for module, name in ((attention, "_ATTENTION_LAUNCHES"), (attention, "_DECODE_ROPE_LAUNCHES"),
                          (kv_write, "_KV_WRITE_LAUNCHES"), (rope_cache, "_LAUNCHES")):
         monkeypatch.setattr(module, name, launch_cache.LaunchCache(getattr(module, name).kernel))
-    saved = {k: dict(k.device_caches) for k in _jit_kernels()}
-    for kernel in saved:
-        kernel.device_caches.clear()
-    try:
-        with offline_hopper(record_launches=True) as launches:
-            yield launches
-    finally:
-        for kernel, caches in saved.items():
-            kernel.device_caches.clear()
-            kernel.device_caches.update(caches)
+    with fresh_offline_variants(_jit_kernels()) as launches:
+        yield launches
 
 
 def _profile_on_the_cpu(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,
