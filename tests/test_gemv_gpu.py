@@ -153,38 +153,45 @@ def test_fused_decoder_close_to_plain_on_llama_1b_shapes(rows):
 def test_startup_measurement_times_keeps_and_reuses(tmp_path, monkeypatch):
     """--gemv auto on this GPU (no shipped entry: the test's own empty tables): every
     projection shape timed at buckets 1 and 4 by the real timer (CUDA graphs, events),
+    each candidate compiled in threads before (its timing compiles nothing at a launch),
     the file written; a second routing reads it and times nothing; the routed model's
     decode step stays close to cuBLAS's."""
     import json
 
     from llmfast.config import SkinnyLinearConfig
     from llmfast.kernels.gemv import startup_tuning
+    from llmfast.kernels.launch.compile_watch import TritonCompileWatch
     from llmfast.models.gemv_routing import model_launches, route_gemv
 
     model = _llama_1b_two_layers()
     static = _decode_batch(model, 4)
     plain = static.run(model.model, 4, 4, max_query_len=1).float()
     keys = {launch.key for _, launch in model_launches(model, fused=False)}
-    calls = []
+    calls, compiled_at_launch = [], []
+    time_on_cuda = startup_tuning.time_on_cuda
 
-    def timer(launches, rows, config):
+    def timer(launches, rows, config):  # the real timer, watched
         calls.append((launches[0].key, rows))
-        return startup_tuning.time_on_cuda(launches, rows, config)
+        with TritonCompileWatch() as watch:
+            us = time_on_cuda(launches, rows, config)
+        compiled_at_launch.extend(c.name for c in watch.compiles)
+        return us
 
+    # The start-up's own path (no `measure` passed): the candidates compile ahead.
+    monkeypatch.setattr(startup_tuning, "time_on_cuda", timer)
     monkeypatch.setattr(launch_config, "TABLE_DIR", tmp_path / "no-shipped-tables")
     monkeypatch.setattr(launch_config, "_MEASURED", {})
     launch_config.shipped_table.cache_clear()
     try:
-        routing = route_gemv(model, SkinnyLinearConfig("auto"), (1, 4), measure=timer,
-                             cache=tmp_path)
+        routing = route_gemv(model, SkinnyLinearConfig("auto"), (1, 4), cache=tmp_path)
         assert set(routing.measured) == keys and {r for _, r in calls} == {1, 4}
+        assert compiled_at_launch == []
         (path,) = tmp_path.glob("*.json")
         table = launch_config.parse_table(json.loads(path.read_text()))
         assert set(table) == keys and all(set(rows) == {1, 4} for rows in table.values())
         print(json.dumps(json.loads(path.read_text())["shapes"], indent=1))
         calls.clear()
-        again = route_gemv(model, SkinnyLinearConfig("auto"), (1, 4), measure=timer,
-                           cache=tmp_path)
+        again = route_gemv(model, SkinnyLinearConfig("auto"), (1, 4), cache=tmp_path)
         assert calls == [] and again.routed == routing.routed
         routed = static.run(model.model, 4, 4, max_query_len=1).float()
         assert (routed - plain).abs().max().item() <= 5e-2 * plain.abs().max().item()

@@ -42,6 +42,7 @@ from tests.helpers.full_graphs import (
     rope_in_the_op,
     run_with_arrivals,
 )
+from tests.helpers.offline_variants import fresh_offline_variants
 
 pytestmark = pytest.mark.skipif(
     precompile.KernelPrecompiler().available is False,
@@ -67,16 +68,8 @@ def offline_triton(monkeypatch):
     for module, name in ((attention, "_ATTENTION_LAUNCHES"), (attention, "_DECODE_ROPE_LAUNCHES"),
                          (kv_write, "_KV_WRITE_LAUNCHES"), (rope_cache, "_LAUNCHES")):
         monkeypatch.setattr(module, name, launch_cache.LaunchCache(getattr(module, name).kernel))
-    saved = {k: dict(k.device_caches) for k in _jit_kernels()}
-    for kernel in saved:
-        kernel.device_caches.clear()
-    try:
-        with offline_hopper(record_launches=True) as launches:
-            yield launches
-    finally:
-        for kernel, caches in saved.items():
-            kernel.device_caches.clear()
-            kernel.device_caches.update(caches)
+    with fresh_offline_variants(_jit_kernels()) as launches:
+        yield launches
 
 
 def _profile_on_the_cpu(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,

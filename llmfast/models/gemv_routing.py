@@ -94,8 +94,10 @@ def route_gemv(model: nn.Module, settings: SkinnyLinearConfig, rows: Sequence[in
     measured, seconds = (), 0.0
     if settings.backend == "auto":
         t0 = time.perf_counter()
+        # The real timer's candidates compile in threads first (a fake one launches none).
         measured = _measure([launch for _, launch in launches], rows, gpu,
-                            measure or startup_tuning.time_on_cuda, cache, progress)
+                            measure or startup_tuning.time_on_cuda, cache, progress,
+                            compile_ahead=measure is None)
         seconds = time.perf_counter() - t0
     routed = 0
     for layer, launch in launches:
@@ -131,7 +133,8 @@ def model_launches(model: nn.Module, fused: bool) -> list[tuple[nn.Module | None
 
 
 def _measure(launches: list[Launch], rows: Sequence[int], gpu: GpuFacts, measure: Measure,
-             cache: Path | None, progress: Progress | None) -> tuple[str, ...]:
+             cache: Path | None, progress: Progress | None,
+             compile_ahead: bool = False) -> tuple[str, ...]:
     """Time the shapes no shipped table names (startup_tuning.py) and add the winners to
     this GPU's launch table; the keys timed or read. Any error: logged, nothing added."""
     shipped = launch_config.shipped_table(gpu.name)
@@ -144,7 +147,7 @@ def _measure(launches: list[Launch], rows: Sequence[int], gpu: GpuFacts, measure
         return ()
     try:
         table = startup_tuning.measure_missing(groups, buckets, gpu.name, gpu.num_sms,
-                                               measure, cache, progress)
+                                               measure, cache, progress, compile_ahead)
     except Exception as exc:  # noqa: BLE001 - an optimisation: cuBLAS serves meanwhile
         logger.warning("timing the GEMV against cuBLAS failed (%s: %s); the projections "
                        "keep cuBLAS", type(exc).__name__, exc,

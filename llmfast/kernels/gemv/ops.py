@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from llmfast.kernels.fp8_linear import fp8_linear
 from llmfast.kernels.gemv import launch_config
 from llmfast.kernels.gemv.launch_config import Choice, GemvConfig, m_bucket
+from llmfast.kernels.launch import precompile
 from llmfast.kernels.layers.rms_norm import rms_norm_impl
 from llmfast.kernels.triton_mode import triton_interpret_enabled
 
@@ -101,20 +102,26 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     part = (torch.empty(split_k, rows, 2 * n if silu_mul else n, dtype=torch.float32,
                         device=x.device) if split_k > 1 else None)
     res_stride = residual.stride(0) if residual is not None else 0
-    kernels.gemv_kernel[(tiles, split_k)](
+    launches = [(kernels.gemv_kernel, (tiles, split_k), (
         x, weight, weight_scale, norm_weight, bias, residual, out, part,
-        rows, n, k, k_per_split, x.stride(0), weight.stride(0), res_stride, out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-        NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, W_SCALE=weight_scale is not None, DOT=config.dot,
-        DOT_F32=triton_interpret_enabled(), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        rows, n, k, k_per_split, x.stride(0), weight.stride(0), res_stride, out.stride(0), eps),
+        dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+             NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
+             HAS_BIAS=bias is not None, W_SCALE=weight_scale is not None, DOT=config.dot,
+             DOT_F32=triton_interpret_enabled(), num_warps=config.num_warps,
+             num_stages=config.num_stages))]
     if split_k > 1:
-        kernels.gemv_reduce_kernel[(tiles,)](
-            part, bias, residual, out, rows, n, res_stride, out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=config.block_n, SPLIT_K=split_k, SILU_MUL=silu_mul,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            num_warps=config.num_warps)
+        launches.append((kernels.gemv_reduce_kernel, (tiles,), (
+            part, bias, residual, out, rows, n, res_stride, out.stride(0)),
+            dict(BLOCK_M=block_m, BLOCK_N=config.block_n, SPLIT_K=split_k, SILU_MUL=silu_mul,
+                 RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+                 num_warps=config.num_warps)))
+    dry = precompile.ACTIVE
+    for kernel, grid, args, kwargs in launches:
+        if dry is not None:  # a dry launch (kernels/launch/precompile.py): compile, do not run
+            dry.submit(kernel, grid, args, kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
     return out
 
 

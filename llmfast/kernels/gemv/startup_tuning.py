@@ -17,17 +17,20 @@ this returns.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llmfast.cuda_graphs.capture_context import CaptureStream
+from llmfast.cuda_graphs.capturers import CudaGraphCapturer
 from llmfast.kernels.gemv import launch_config
 from llmfast.kernels.gemv.launch_config import GemvConfig
 from llmfast.kernels.gemv.ops import (
@@ -38,6 +41,7 @@ from llmfast.kernels.gemv.ops import (
     weight_key,
 )
 from llmfast.kernels.launch.device_tables import device_slug
+from llmfast.kernels.launch.precompile import KernelPrecompiler, kernel_precompile_enabled
 from llmfast.utils.paths import cache_dir
 from llmfast.utils.progress import Progress
 
@@ -123,12 +127,13 @@ def pick_winner(launches: list[Launch], rows: int, num_sms: int, measure: Measur
 
 def measure_missing(groups: dict[str, list[Launch]], buckets: Iterable[int],
                     device_name: str, num_sms: int, measure: Measure,
-                    directory: Path | None = None, progress: Progress | None = None
-                    ) -> dict[str, dict[int, GemvConfig | None]]:
+                    directory: Path | None = None, progress: Progress | None = None,
+                    compile_ahead: bool = False) -> dict[str, dict[int, GemvConfig | None]]:
     """The launch table of `groups` (shape key -> its launches) at `buckets`: what this
     GPU's file (in `directory`, default `<cache dir>/gemv`) holds, and what it lacked,
     measured now and added to it. Raises what measuring raises (the caller then keeps
-    cuBLAS)."""
+    cuBLAS). `compile_ahead`: the candidates to time compiled in threads first
+    (`compile_candidates`; what `time_on_cuda` launches)."""
     fields = cache_fields(device_name)
     path = cache_path(fields, directory)
     raw = read_cache(path, fields)
@@ -138,6 +143,8 @@ def measure_missing(groups: dict[str, list[Launch]], buckets: Iterable[int],
         if progress:
             progress(f"timing the GEMV against cuBLAS: {len(todo)} shape and batch pairs "
                      "(once per GPU model)", None)
+        if compile_ahead:
+            compile_candidates(groups, todo, num_sms)
         measured: Measured = {}
         for key, bucket in todo:
             measured.setdefault(key, {})[bucket] = pick_winner(groups[key], bucket, num_sms,
@@ -155,6 +162,66 @@ def measure_missing(groups: dict[str, list[Launch]], buckets: Iterable[int],
     table = launch_config.parse_table({"format": launch_config.FORMAT_VERSION,
                                        "shapes": raw})
     return {key: table[key] for key in groups if key in table}
+
+
+def compile_candidates(groups: dict[str, list[Launch]], todo: Sequence[tuple[str, int]],
+                       num_sms: int) -> int | None:
+    """Compile the Triton variants that timing `todo` ((shape key, bucket) pairs) will
+    launch, in threads, all at once (kernels/launch/precompile.py's dry launches): the
+    timing would otherwise compile them one after another at their first launches, each
+    about a second (Llama-3.2-1B's five shapes at five buckets, four candidates each:
+    ~70 variants, ~130 with --gemv-fuse). Returns how many were submitted, or None
+    (a Triton without asynchronous compiles, LLMFAST_KERNEL_PRECOMPILE=0 as for the
+    runner's precompile, or a failure: logged; the launches then compile what they
+    need, as without this)."""
+    if not kernel_precompile_enabled():
+        return None
+    precompiler = KernelPrecompiler()
+    if not precompiler.available:
+        return None
+    try:
+        with precompiler.dry_launches():
+            for key, bucket in todo:
+                first = groups[key][0]
+                x, residual = _rows(first, bucket, torch.empty)
+                for config in launch_config.startup_candidates(bucket, first.n, first.k,
+                                                               num_sms, first.fp8):
+                    _launch(first, x, residual, config)
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the launches compile
+        logger.warning("compiling the GEMV candidates ahead of their timing failed "
+                       "(%s: %s); each compiles at its first launch",
+                       type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return None
+    finally:
+        precompiler.wait()
+    logger.info("compiled %d GEMV variants in threads for the timing",
+                precompiler.num_submitted)
+    return precompiler.num_submitted
+
+
+def _rows(first: Launch, rows: int, make: Callable[..., torch.Tensor] = torch.randn
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A launch's inputs at `rows` rows: x [M, K], and the residual [M, N] where one is
+    added; `make` (randn, or empty for a dry launch) draws them in float32."""
+    device = first.weight.device
+    gen = {"generator": torch.Generator(device=device).manual_seed(rows)} \
+        if make is torch.randn else {}
+    x = make(rows, first.k, device=device, **gen).to(first.dtype)  # [M, K]
+    residual = (make(rows, first.n, device=device, **gen).to(first.dtype)
+                if first.residual else None)  # [M, N]
+    return x, residual
+
+
+def _launch(launch: Launch, x: torch.Tensor, residual: torch.Tensor | None,
+            gemv: GemvConfig | None) -> torch.Tensor:
+    """`launch` on the rows x: by the Triton GEMV with config `gemv`, or the torch form
+    (cuBLAS) for None."""
+    if gemv is None:
+        return skinny_linear_torch(x, launch.weight, launch.weight_scale, launch.bias,
+                                   launch.norm_weight, residual, launch.eps,
+                                   launch.silu_mul, launch.mm_out_dtype)
+    return gemv_triton(x, launch.weight, gemv, launch.weight_scale, launch.bias,
+                       launch.norm_weight, residual, launch.eps, launch.silu_mul)
 
 
 # ------------------------------------------------------------------ the file
@@ -215,18 +282,10 @@ def time_on_cuda(launches: list[Launch], rows: int, config: GemvConfig | None,
     graph whose replays CUDA events time after an L2 flush; the median of `reps`."""
     first = launches[0]
     device = first.weight.device
-    gen = torch.Generator(device=device).manual_seed(rows)
-    x = torch.randn(rows, first.k, generator=gen, device=device).to(first.dtype)  # [M, K]
-    residual = (torch.randn(rows, first.n, generator=gen, device=device).to(first.dtype)
-                if first.residual else None)  # [M, N]
+    x, residual = _rows(first, rows)
 
     def run(launch: Launch, gemv: GemvConfig | None) -> torch.Tensor:
-        if gemv is None:
-            return skinny_linear_torch(x, launch.weight, launch.weight_scale, launch.bias,
-                                       launch.norm_weight, residual, launch.eps,
-                                       launch.silu_mul, launch.mm_out_dtype)
-        return gemv_triton(x, launch.weight, gemv, launch.weight_scale, launch.bias,
-                           launch.norm_weight, residual, launch.eps, launch.silu_mul)
+        return _launch(launch, x, residual, gemv)
 
     if config is not None:  # (the first call also compiles the variant)
         got, want = run(first, config).float(), run(first, None).float()
@@ -239,11 +298,16 @@ def time_on_cuda(launches: list[Launch], rows: int, config: GemvConfig | None,
         for launch in launches:
             run(launch, config)
 
-    step()  # (cuBLAS's workspace and handles before the capture)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Captured as the runner captures (cuda_graphs/capturers.py), not by
+    # `torch.cuda.graph`: only this thread's CUDA calls are checked (the engine loads its
+    # tokenizer in another meanwhile; a global capture fails on its calls), and no
+    # synchronize + empty_cache() per capture (a cold 1B start makes ~125). On one side
+    # stream, warmed up first, so cuBLAS makes its per-stream workspace once, outside
+    # any capture.
+    with _capture_stream(device).current():
         step()
+        replay, _ = CudaGraphCapturer(device).capture(step, ())
+    torch.cuda.synchronize(device)
     flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size,
                         dtype=torch.uint8, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -251,8 +315,15 @@ def time_on_cuda(launches: list[Launch], rows: int, config: GemvConfig | None,
     for _ in range(reps):
         flush.zero_()
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / len(launches))
     return statistics.median(samples)
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> CaptureStream:
+    """The side stream of every timing capture on `device` (one: cuBLAS keeps a
+    workspace per stream)."""
+    return CaptureStream(device)

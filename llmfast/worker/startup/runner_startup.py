@@ -59,7 +59,11 @@ class RunnerStartup:
                                     progress, kv_dtype=self.kv_dtype):  # CUDA only
             self.startup_times["tune"] = time.perf_counter() - t0
         # Which projections take the GEMV (--gemv auto times what no table knows, CUDA).
-        route_gemv(self.model, self.config.gemv, decode_rows(self.config.compile), progress)
+        t0 = time.perf_counter()
+        routing = route_gemv(self.model, self.config.gemv, decode_rows(self.config.compile),
+                             progress)
+        if routing.measured:  # (timed now, or read from the file of an earlier start)
+            self.startup_times["gemv"] = time.perf_counter() - t0
         # The Triton variants the rest launches, compiled in threads now (the tiles are
         # known); what it still compiles at a launch is counted.
         if not self._precompiles_kernels():
