@@ -281,7 +281,7 @@ def test_the_engine_on_the_cpu_never_measures(monkeypatch):
     from llmfast import SamplingParams
     from llmfast.engine.llm_engine import LLMEngine
     from tests.helpers.engine_config import engine_config
-    from tests.test_full_graphs import _run
+    from tests.helpers.full_graphs import run_with_arrivals
 
     def boom(*args, **kwargs):
         raise AssertionError("the start-up timed the GEMV on the CPU")
@@ -299,7 +299,7 @@ def test_the_engine_on_the_cpu_never_measures(monkeypatch):
         model = engine.runner.model
         assert set(_backends(model).values()) == {""} and model.model.gemv_fused == ""
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        outputs[backend] = _run(engine, [[5, 6, 7]], [params], [0])
+        outputs[backend] = run_with_arrivals(engine, [[5, 6, 7]], [params], [0])
     assert outputs["auto"] == outputs["triton"] == outputs["cublas"]
 
 
