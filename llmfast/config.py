@@ -439,7 +439,7 @@ class CompileConfig:
 @dataclass(frozen=True)
 class SkinnyLinearConfig:
     """How the projections of decode-sized steps (at most 16 token rows) run on CUDA
-    (kernels/gemv/, models/gemv_routing.py). `backend` (--gemv): one of GEMV_BACKENDS;
+    (kernels/gemv/, worker/startup/gemv_routing.py). `backend` (--gemv): one of GEMV_BACKENDS;
     `fused_layers` (--gemv-fuse): Llama-shaped decoder layers as four fused GEMV
     launches and attention (models/fused_layer.py). The CPU ignores both."""
 

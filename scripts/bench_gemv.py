@@ -17,7 +17,7 @@ differs from cuBLAS's by more than a few bf16 ulps of the output's scale is drop
 `--copy-to` writes that table where it can be committed from.
 
 `--startup` instead runs the engine's own start-up measurement (`--gemv auto`:
-models/gemv_routing.py, kernels/gemv/startup_tuning.py) on each --models preset as loaded
+worker/startup/gemv_routing.py, worker/startup/gemv_tuning.py) on each --models preset as loaded
 for serving (random weights, --dtype, and fp8 with `--quantizations none,fp8`), every
 shape timed whatever is shipped, at --rows' buckets; its timings go to the cache dir as a
 start's would (later `--gemv auto` starts read them), the winners with every candidate's
@@ -51,7 +51,7 @@ from llmfast.kernels.fp8_linear import fp8_linear, quantize_weight, scaled_mm_ou
 from llmfast.kernels.gemv import launch_config  # noqa: E402
 from llmfast.kernels.gemv.launch_config import GemvConfig, m_bucket, shape_key  # noqa: E402
 from llmfast.kernels.gemv.ops import gemv_triton  # noqa: E402
-from llmfast.kernels.gemv.startup_tuning import candidate_name  # noqa: E402
+from llmfast.worker.startup.gemv_tuning import candidate_name  # noqa: E402
 
 COPIES_BYTES = 256 << 20
 
@@ -96,9 +96,9 @@ def parse_args() -> argparse.Namespace:
 
 def _time_us(fns: list, iters: int, device: torch.device) -> list[float]:
     """Median µs of each fn, calls interleaved: CUDA events around graph replays with
-    L2 flushed before each (bench_kernels_lib), or wall clock on the CPU."""
+    L2 flushed before each (llmfast/bench/cuda_timing.py), or wall clock on the CPU."""
     if device.type == "cuda":
-        from bench_kernels_lib import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
+        from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
 
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
         return time_us_interleaved([graph_replay(f) for f in fns], iters, flush)
@@ -214,8 +214,8 @@ def startup(args, device: torch.device, name: str) -> None:
     import tempfile
 
     from llmfast.config import SkinnyLinearConfig
-    from llmfast.kernels.gemv import startup_tuning
-    from llmfast.models.gemv_routing import route_gemv
+    from llmfast.worker.startup import gemv_tuning
+    from llmfast.worker.startup.gemv_routing import route_gemv
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
 
@@ -232,7 +232,7 @@ def startup(args, device: torch.device, name: str) -> None:
             routing = route_gemv(model, SkinnyLinearConfig("auto"), rows)
             del model
             torch.cuda.empty_cache()
-            path = startup_tuning.cache_path(startup_tuning.cache_fields(name))
+            path = gemv_tuning.cache_path(gemv_tuning.cache_fields(name))
             shapes = json.loads(path.read_text())["shapes"] if path.is_file() else {}
             table = launch_config.parse_table({"format": launch_config.FORMAT_VERSION,
                                                "shapes": shapes})

@@ -20,7 +20,7 @@ in persistent buffers (tests/helpers/static_buffers.py), as in the runner. Media
 `--quantization fp8` quantizes the projections as the engine's flag does (the lm_head
 stays in --dtype); `linears` then times the fp8 projections, and its HBM limit counts
 their fp8 bytes. Compare against a run without it, on the same machine. `--gemv` and
-`--gemv-fuse` route the projections as the engine's flags do (models/gemv_routing.py:
+`--gemv-fuse` route the projections as the engine's flags do (worker/startup/gemv_routing.py:
 auto times what no table knows at the --batch-sizes up to 16 first).
 
 Targets for `full` on the H100 (issue 15): <= 1.25x `linears` at B=1, <= 1.3x at B=64,
@@ -55,7 +55,7 @@ from llmfast.config import (
 )
 from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
 from llmfast.kernels.cpu.linear import prepack_linears
-from llmfast.models.gemv_routing import route_gemv
+from llmfast.worker.startup.gemv_routing import route_gemv
 from llmfast.models.loading.loader import build_model
 from llmfast.models.quantization.fp8 import Fp8Linear
 from llmfast.models.sources.model_source import resolve_model

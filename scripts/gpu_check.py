@@ -20,7 +20,7 @@ one 600 s call does not finish it: the files it did not reach are listed in the 
 the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in the next calls.
 Other steps: `moe` and `moe_decode` (#52: scripts/bench_moe.py, and the decode sweep of
 random:qwen3-30b-a3b), `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
-`decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
+`decode_configs` (bench_kernels.py decode-configs), `serve_procs` (--api-servers 0, 1, 2 under one
 load), `executor` (uni vs mp), `spec` = `spec_decode` + `spec_decode_8b` (#50: the verify
 step's cost at K = 1..8 and the forced-acceptance speed-up, 1B and 8B). #49
 (profiles/decode-bw.md): `decode_bw` (1B: the per-layer-kind tables and the 1..512 sweep
@@ -180,8 +180,8 @@ STEPS = {s.name: s for s in (
          (PY, "-m", "llmfast", "bench", "--model", "random:tiny", "--device", "cpu",
           "--sizes", "1,2", "--context", "16", "--steps", "4", "--json", "{json}"), samples=1),
     Step("decode_configs", "kernels", 150, 400,
-         (PY, "scripts/sweep_decode_configs.py", "--json", "{json}"),
-         (PY, "scripts/sweep_decode_configs.py", "--help"), samples=1),
+         (PY, "scripts/bench_kernels.py", "decode-configs", "--json", "{json}"),
+         (PY, "scripts/bench_kernels.py", "decode-configs", "--help"), samples=1),
     Step("executor", "executor", 150, 400,
          (PY, "scripts/bench_executor.py", "--model", "{model}", "--device", "cuda",
           "--configs", "uni:1,mp:1", "--sizes", "1,64", "--json", "{json}"),

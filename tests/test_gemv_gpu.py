@@ -137,7 +137,7 @@ def test_fused_decoder_close_to_plain_on_llama_1b_shapes(rows):
     the plain layers' on the same decode batch, bf16 (different roundings of the same
     sums: a few % of the scale two layers deep); both routed --gemv triton."""
     from llmfast.config import SkinnyLinearConfig
-    from llmfast.models.gemv_routing import route_gemv
+    from llmfast.worker.startup.gemv_routing import route_gemv
 
     model = _llama_1b_two_layers()
     static = _decode_batch(model, rows)
@@ -159,16 +159,16 @@ def test_startup_measurement_times_keeps_and_reuses(tmp_path, monkeypatch):
     import json
 
     from llmfast.config import SkinnyLinearConfig
-    from llmfast.kernels.gemv import startup_tuning
+    from llmfast.worker.startup import gemv_tuning
     from llmfast.kernels.launch.compile_watch import TritonCompileWatch
-    from llmfast.models.gemv_routing import model_launches, route_gemv
+    from llmfast.worker.startup.gemv_routing import model_launches, route_gemv
 
     model = _llama_1b_two_layers()
     static = _decode_batch(model, 4)
     plain = static.run(model.model, 4, 4, max_query_len=1).float()
     keys = {launch.key for _, launch in model_launches(model, fused=False)}
     calls, compiled_at_launch = [], []
-    time_on_cuda = startup_tuning.time_on_cuda
+    time_on_cuda = gemv_tuning.time_on_cuda
 
     def timer(launches, rows, config):  # the real timer, watched
         calls.append((launches[0].key, rows))
@@ -178,7 +178,7 @@ def test_startup_measurement_times_keeps_and_reuses(tmp_path, monkeypatch):
         return us
 
     # The start-up's own path (no `measure` passed): the candidates compile ahead.
-    monkeypatch.setattr(startup_tuning, "time_on_cuda", timer)
+    monkeypatch.setattr(gemv_tuning, "time_on_cuda", timer)
     monkeypatch.setattr(launch_config, "TABLE_DIR", tmp_path / "no-shipped-tables")
     monkeypatch.setattr(launch_config, "_MEASURED", {})
     launch_config.shipped_table.cache_clear()

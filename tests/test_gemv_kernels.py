@@ -150,7 +150,7 @@ def check_fused_decoder(dtype: str, rows: int) -> None:
     prefill (the op's torch form). The KV writes are the same in both runs; the fused
     form is routed as the engine routes it (--gemv triton --gemv-fuse)."""
     from llmfast.config import SkinnyLinearConfig
-    from llmfast.models.gemv_routing import route_gemv
+    from llmfast.worker.startup.gemv_routing import route_gemv
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
     from tests.helpers.static_buffers import StaticBatch

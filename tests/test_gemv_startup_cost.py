@@ -1,7 +1,7 @@
 """What `--gemv auto`'s start-up measurement costs a start, on the CPU:
 
 - it compiles its Triton candidates in threads, all at once, before timing them
-  (startup_tuning.compile_candidates), instead of one after another at each candidate's
+  (gemv_tuning.compile_candidates), instead of one after another at each candidate's
   first launch: Triton's compiler for sm_90 offline, each launch recorded instead of run
   (kernels/launch/offline_target.py); the oracle: Triton's own compile hooks
   (TritonCompileWatch) around every timed launch, and the threads its compiler ran in;
@@ -17,11 +17,12 @@ import torch
 import triton
 
 from llmfast.config import SkinnyLinearConfig
-from llmfast.kernels.gemv import launch_config, ops, startup_tuning
+from llmfast.kernels.gemv import launch_config, ops
+from llmfast.worker.startup import gemv_tuning
 from llmfast.kernels.gemv import triton_kernels as gemv_kernels
 from llmfast.kernels.launch import precompile
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
-from llmfast.models.gemv_routing import GpuFacts, route_gemv
+from llmfast.worker.startup.gemv_routing import GpuFacts, route_gemv
 from tests.helpers.offline_variants import fresh_offline_variants
 
 pytestmark = pytest.mark.skipif(
@@ -81,7 +82,7 @@ def test_the_timed_candidates_were_compiled_in_threads(offline, tmp_path, monkey
         compiled_at_launch.extend(watch.compiles)
         return 5.0
 
-    monkeypatch.setattr(startup_tuning, "time_on_cuda", timer)
+    monkeypatch.setattr(gemv_tuning, "time_on_cuda", timer)
     routing = route_gemv(model, SkinnyLinearConfig("auto"), (1,), cache=tmp_path, gpu=GPU)
     assert routing.routed == 9 and len(routing.measured) == 5
     assert compiled_at_launch == [], [c.name for c in compiled_at_launch]
@@ -111,9 +112,9 @@ def test_precompile_off_compiles_nothing_ahead(offline, monkeypatch):
     """LLMFAST_KERNEL_PRECOMPILE=0 (the runner's A/B switch) leaves the candidates to
     their launches too."""
     monkeypatch.setenv("LLMFAST_KERNEL_PRECOMPILE", "0")
-    launch = startup_tuning.Launch(weight=torch.zeros(64, 2048), dtype=torch.float32)
+    launch = gemv_tuning.Launch(weight=torch.zeros(64, 2048), dtype=torch.float32)
     with TritonCompileWatch() as watch:
-        assert startup_tuning.compile_candidates({launch.key: [launch]},
+        assert gemv_tuning.compile_candidates({launch.key: [launch]},
                                                  [(launch.key, 1)], 132) is None
     assert watch.compiles == [] and offline == []
 
@@ -126,7 +127,7 @@ def test_the_measurement_is_a_start_up_stage(tmp_path, monkeypatch):
     from llmfast.cli.bench_tables import startup_table
     from llmfast.engine.args import EngineArgs
     from llmfast.engine.llm_engine import LLMEngine
-    from llmfast.models import gemv_routing
+    from llmfast.worker.startup import gemv_routing
     from llmfast.worker.startup import runner_startup
     from tests.helpers.engine_config import engine_config
 

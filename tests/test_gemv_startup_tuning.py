@@ -1,5 +1,5 @@
-"""`--gemv auto`'s start-up measurement (kernels/gemv/startup_tuning.py) and the routing it
-feeds (models/gemv_routing.py), on the CPU: a fake timer (µs from a table) drives the
+"""`--gemv auto`'s start-up measurement (worker/startup/gemv_tuning.py) and the routing it
+feeds (worker/startup/gemv_routing.py), on the CPU: a fake timer (µs from a table) drives the
 choice per shape and M bucket; the timings' file round-trips and is ignored when the GPU,
 torch, Triton or the kernels' sources change; a failing measurement leaves cuBLAS and
 logs why; the engine on the CPU never measures; --gemv and --gemv-fuse reach the config.
@@ -20,11 +20,12 @@ from llmfast.config import (
     SkinnyLinearConfig,
 )
 from llmfast.engine.args import EngineArgs
-from llmfast.kernels.gemv import launch_config, ops, startup_tuning
+from llmfast.kernels.gemv import launch_config, ops
+from llmfast.worker.startup import gemv_tuning
 from llmfast.kernels.gemv.launch_config import GemvConfig, startup_candidates, table_json
-from llmfast.kernels.gemv.startup_tuning import Launch, candidate_name, measure_missing
-from llmfast.models import gemv_routing
-from llmfast.models.gemv_routing import GpuFacts, decode_rows, route_gemv
+from llmfast.worker.startup.gemv_tuning import Launch, candidate_name, measure_missing
+from llmfast.worker.startup import gemv_routing
+from llmfast.worker.startup.gemv_routing import GpuFacts, decode_rows, route_gemv
 
 H100 = "NVIDIA H100 80GB HBM3"
 GPU = GpuFacts(H100, 132, converts_fp8=True)
@@ -88,7 +89,7 @@ def test_the_faster_of_cublas_and_the_candidates_wins_per_bucket(tmp_path):
     assert {(rows, name) for _, rows, name in timer.calls} >= {(1, "cublas"), (1, failing),
                                                                 (16, "cublas")}
     assert sum(rows == 1 for _, rows, _ in timer.calls) == 1 + launch_config.STARTUP_CANDIDATES
-    stored = json.loads(startup_tuning.cache_path(startup_tuning.cache_fields(H100),
+    stored = json.loads(gemv_tuning.cache_path(gemv_tuning.cache_fields(H100),
                                                   tmp_path).read_text())
     row = stored["shapes"][KEY]["1"]
     assert row["backend"] == "triton" and failing not in row["timings_us"]
@@ -113,7 +114,7 @@ def test_the_file_round_trips_and_only_missing_buckets_are_timed(tmp_path):
     assert {rows for _, rows, _ in timer.calls} == {4}  # only the new bucket
     assert more[KEY][1] == first[KEY][1] and set(more[KEY]) == {1, 4, 16}
     # The file is a launch table: shipped as it is, launches read it alike.
-    path = startup_tuning.cache_path(startup_tuning.cache_fields(H100), tmp_path)
+    path = gemv_tuning.cache_path(gemv_tuning.cache_fields(H100), tmp_path)
     assert launch_config.parse_table(json.loads(path.read_text())) == more
 
 
@@ -123,7 +124,7 @@ def test_the_file_is_keyed_by_gpu_versions_and_sources(tmp_path, monkeypatch, ch
 
     timer = FakeTimer({(KEY, 1): 12.0})
     measure_missing({KEY: _launches()}, [1], H100, 132, timer, tmp_path)
-    fields = startup_tuning.cache_fields(H100)
+    fields = gemv_tuning.cache_fields(H100)
     device = H100
     if change == "device":
         device = "NVIDIA H200"
@@ -134,10 +135,10 @@ def test_the_file_is_keyed_by_gpu_versions_and_sources(tmp_path, monkeypatch, ch
     else:  # another kernel source
         kernels = tmp_path / "src"
         kernels.mkdir()
-        for name in startup_tuning._SOURCES:
+        for name in gemv_tuning._SOURCES:
             (kernels / name).write_text(f"# {name}, edited\n")
-        monkeypatch.setattr(startup_tuning, "__file__", str(kernels / "startup_tuning.py"))
-    assert startup_tuning.cache_fields(device) != fields
+        monkeypatch.setattr(gemv_tuning, "_SOURCE_DIR", kernels)
+    assert gemv_tuning.cache_fields(device) != fields
     timer.calls.clear()
     measure_missing({KEY: _launches()}, [1], device, 132, timer, tmp_path)
     assert timer.calls, "timings made under other versions were reused"
@@ -147,9 +148,9 @@ def test_the_file_is_keyed_by_gpu_versions_and_sources(tmp_path, monkeypatch, ch
 
 def test_a_file_of_other_fields_or_corrupt_is_timed_again_and_rewritten(tmp_path, caplog):
     timer = FakeTimer({(KEY, 1): 12.0})
-    fields = startup_tuning.cache_fields(H100)
-    path = startup_tuning.cache_path(fields, tmp_path)
-    startup_tuning.write_cache(path, {**fields, "torch": "0.1"},
+    fields = gemv_tuning.cache_fields(H100)
+    path = gemv_tuning.cache_path(fields, tmp_path)
+    gemv_tuning.write_cache(path, {**fields, "torch": "0.1"},
                                table_json(H100, {KEY: {1: (GemvConfig(16, 256), {})}})["shapes"])
     measure_missing({KEY: _launches()}, [1], H100, 132, timer, tmp_path)
     assert timer.calls  # the file's own key did not match: ignored
@@ -286,8 +287,8 @@ def test_the_engine_on_the_cpu_never_measures(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the start-up timed the GEMV on the CPU")
 
-    monkeypatch.setattr(startup_tuning, "measure_missing", boom)
-    monkeypatch.setattr(startup_tuning, "time_on_cuda", boom)
+    monkeypatch.setattr(gemv_tuning, "measure_missing", boom)
+    monkeypatch.setattr(gemv_tuning, "time_on_cuda", boom)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     outputs = {}
     for backend in ("auto", "triton", "cublas"):
@@ -360,7 +361,7 @@ def test_the_gpu_checks_startup_step_writes_a_table_to_ship(tmp_path, monkeypatc
                           cache=tmp_path / "cache", gpu=GPU)
 
     monkeypatch.setattr(gemv_routing, "route_gemv", route_on_a_fake_gpu)
-    monkeypatch.setattr(startup_tuning, "cache_path",
+    monkeypatch.setattr(gemv_tuning, "cache_path",
                         lambda fields, directory=None: tmp_path / "cache" / "timings.json")
     args = argparse.Namespace(models="random:tiny", quantizations="none,fp8", rows="1,4",
                               dtype="float32", install=False,

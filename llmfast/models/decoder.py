@@ -233,7 +233,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
         # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py):
         # `gemv_fused` the --gemv backend they run on when --gemv-fuse routed them
-        # there at start-up (models/gemv_routing.py), "" for the plain layers.
+        # there at start-up (worker/startup/gemv_routing.py), "" for the plain layers.
         self.fusable = fusable(config, tp.world_size)
         self.gemv_fused = ""
         self.norm = make_norm(config, config.hidden_size)

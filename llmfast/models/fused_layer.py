@@ -11,7 +11,7 @@ The residual stream is one tensor, each sum rounded as the plain layer's
 `add_rms_norm` rounds it, so both compute the same values. Launches of at most 16 rows
 take the fused Triton GEMV where chosen (launch_config.py), larger ones the separate
 torch ops inside the same op: the fused form is for decode-sized batches, opt-in with
-`--gemv-fuse` (models/gemv_routing.py) until a GPU run shows larger batches lose nothing
+`--gemv-fuse` (worker/startup/gemv_routing.py) until a GPU run shows larger batches lose nothing
 by it.
 
 Layers it takes: dense MLPs with SiLU, plain RMSNorm weights, no q/k norms, no

@@ -113,7 +113,7 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same state-dict names) with the CPU paths.
 
     On CUDA, the skinny-GEMM op (kernels/gemv/) where the start-up routed this layer
-there (`gemv_backend`: models/gemv_routing.py), else F.linear. Eager CPU forward, by
+there (`gemv_backend`: worker/startup/gemv_routing.py), else F.linear. Eager CPU forward, by
 token count M:
     - M <= max_packed_split_tokens, or no packed weight and M <= max_split_tokens: row split;
     - a packed weight (`prepack()`): oneDNN's GEMM on it;
@@ -131,7 +131,7 @@ token count M:
         self.row_blocks = num_row_blocks(out_features)
         self.max_split_tokens = max_split_tokens
         self.packed_weight: torch.Tensor | None = None
-        # --gemv's backend for this layer's launches (models/gemv_routing.py sets it at
+        # --gemv's backend for this layer's launches (worker/startup/gemv_routing.py sets it at
         # start-up on CUDA, before any trace); "": never the op. A plain str: a constant
         # to torch.compile, and part of the saved trace's fingerprint.
         self.gemv_backend = ""

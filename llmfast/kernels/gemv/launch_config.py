@@ -1,6 +1,6 @@
 """Which kernel a skinny projection takes, and its launch configuration: per GPU model,
 from a shipped table (`tables/<gpu name slug>.json`, as the MoE tiles and attention
-splits are), else from what the start-up measured on this GPU (startup_tuning.py), else
+splits are), else from what the start-up measured on this GPU (worker/startup/gemv_tuning.py), else
 a heuristic.
 
 A table holds per weight shape `n{N}-k{K}-{weight dtype}[-{fusion}]` and per M bucket
@@ -160,7 +160,7 @@ def shipped_table(device_name: str) -> dict[str, dict[int, GemvConfig | None]]:
     return read_shipped_table(TABLE_DIR, device_name, parse_table, "GEMV table") or {}
 
 
-# What start-up measurements chose in this process, per GPU model (startup_tuning.py
+# What start-up measurements chose in this process, per GPU model (worker/startup/gemv_tuning.py
 # fills it before any CUDA graph is captured; shipped entries take precedence).
 _MEASURED: dict[str, dict[str, dict[int, GemvConfig | None]]] = {}
 

@@ -3,7 +3,7 @@ fusions (RMSNorm of x before, silu(gate) * up or + residual after), by the Trito
 (triton_kernels.py) where launch_config.py chooses it, else by the torch ops it replaces
 (cuBLAS for the product: `F.linear`, or `fp8_linear` for an fp8 weight).
 
-`backend` is --gemv's (the layer passes the one models/gemv_routing.py gave it).
+`backend` is --gemv's (the layer passes the one worker/startup/gemv_routing.py gave it).
 
 Compiled graphs call `torch.ops.llmfast.skinny_linear`: the token count is an unbacked
 symbol there, so the choice by M happens inside the op, at run time (a CUDA graph
@@ -154,7 +154,7 @@ def _choice(rows: int, n: int, k: int, key: str, device_index: int | None, backe
 
 
 def forget_choices() -> None:
-    """After the launch table grew (startup_tuning.py): choose afresh."""
+    """After the launch table grew (worker/startup/gemv_tuning.py): choose afresh."""
     _choice.cache_clear()
 
 
@@ -226,7 +226,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
            bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
            mm_out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
-    """What the layers call (those models/gemv_routing.py routed here, with their
+    """What the layers call (those worker/startup/gemv_routing.py routed here, with their
     `backend`): the op under torch.compile, `skinny_linear` in eager."""
     fn = skinny_linear_op if torch.compiler.is_compiling() else skinny_linear
     return fn(x, weight, weight_scale, bias, norm_weight, residual, eps, silu_mul,

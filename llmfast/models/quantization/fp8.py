@@ -45,7 +45,7 @@ class Fp8Linear(nn.Module):
         # Decided at load, outside any trace: a constant to torch.compile.
         self.mm_out_dtype = mm_out_dtype
         self.tp = tp
-        self.gemv_backend = ""  # as `Linear.gemv_backend` (models/gemv_routing.py)
+        self.gemv_backend = ""  # as `Linear.gemv_backend` (worker/startup/gemv_routing.py)
 
     @classmethod
     def from_linear(cls, layer: Linear) -> Fp8Linear:

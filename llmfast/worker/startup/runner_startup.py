@@ -20,7 +20,7 @@ from llmfast.config import dtype_name
 from llmfast.distributed import min_across_ranks
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
-from llmfast.models.gemv_routing import decode_rows, route_gemv
+from llmfast.worker.startup.gemv_routing import decode_rows, route_gemv
 from llmfast.utils.progress import Progress
 from llmfast.worker.startup.graph_capture import compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
@@ -45,7 +45,7 @@ class RunnerStartup:
         way; returns the number of blocks.
 
         Order on CUDA: tune the prefill attention tiles no table knows yet -> route the
-        projections to the GEMV or cuBLAS (models/gemv_routing.py) -> compile
+        projections to the GEMV or cuBLAS (worker/startup/gemv_routing.py) -> compile
         the Triton variants the rest will launch, in threads (dry forwards) -> profile
         the largest step on a scratch cache, and estimate what the CUDA graphs will take
         (startup/graph_memory.py) -> size the KV cache from what is left and allocate it

@@ -11,7 +11,7 @@ tables' format (launch_config.table_json): copied to `tables/<gpu slug>.json` it
 
 The timing is injectable (`Measure`): CPU tests drive the choice with a fake timer; the
 default (`time_on_cuda`) replays the launches from a CUDA graph, as the engine runs them.
-Nothing here decides which layers take the op: models/gemv_routing.py does, from what
+Nothing here decides which layers take the op: worker/startup/gemv_routing.py does, from what
 this returns.
 """
 
@@ -32,6 +32,7 @@ import torch
 from llmfast.cuda_graphs.capture_context import CaptureStream
 from llmfast.cuda_graphs.capturers import CudaGraphCapturer
 from llmfast.kernels.gemv import launch_config
+from llmfast.kernels.gemv import ops as ops_module
 from llmfast.kernels.gemv.launch_config import GemvConfig
 from llmfast.kernels.gemv.ops import (
     fusion_name,
@@ -48,6 +49,7 @@ from llmfast.utils.progress import Progress
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("triton_kernels.py", "ops.py")  # what a timing measured: the kernel, its launch
+_SOURCE_DIR = Path(ops_module.__file__).parent  # llmfast/kernels/gemv/
 TIMING_REPS = 5
 # A Triton result further than this from the torch form's (relative to its largest
 # value) is garbage (wrong tiles, NaN), not rounding: the candidate is dropped. The
@@ -234,7 +236,7 @@ def cache_fields(device_name: str) -> dict[str, str | int]:
 
     source = hashlib.sha256()
     for name in _SOURCES:
-        source.update((Path(__file__).parent / name).read_bytes())
+        source.update((_SOURCE_DIR / name).read_bytes())
     return {"format": launch_config.FORMAT_VERSION, "device": device_name,
             "torch": torch.__version__, "triton": triton.__version__,
             "kernels": source.hexdigest()[:16]}

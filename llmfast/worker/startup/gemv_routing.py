@@ -8,7 +8,7 @@ of a saved trace's fingerprint, compile/graph_inputs.py).
   under Triton's interpreter when asked (how the CPU tests them);
 - triton: every projection takes the op (the GEMV up to 16 rows, cuBLAS past them);
 - auto: a projection takes the op where the launch table (the shipped one, else the
-  start-up's measurement: kernels/gemv/startup_tuning.py) has the GEMV win at some
+  start-up's measurement: worker/startup/gemv_tuning.py) has the GEMV win at some
   decode size; elsewhere it keeps its plain `F.linear`. A measurement that fails is
   logged and leaves cuBLAS: it never stops a start.
 """
@@ -26,9 +26,10 @@ from torch import nn
 
 from llmfast.config import CompileConfig, SkinnyLinearConfig
 from llmfast.kernels.cpu.linear import Linear
-from llmfast.kernels.gemv import launch_config, ops, startup_tuning
+from llmfast.kernels.gemv import launch_config, ops
+from llmfast.worker.startup import gemv_tuning
 from llmfast.kernels.gemv.launch_config import MAX_GEMV_ROWS, m_bucket
-from llmfast.kernels.gemv.startup_tuning import Launch, Measure
+from llmfast.worker.startup.gemv_tuning import Launch, Measure
 from llmfast.kernels.triton_mode import triton_interpret_enabled
 from llmfast.models.fused_layer import RESIDUAL_KINDS, fused_projections, projection_weights
 from llmfast.models.quantization.fp8 import Fp8Linear
@@ -73,7 +74,7 @@ def route_gemv(model: nn.Module, settings: SkinnyLinearConfig, rows: Sequence[in
                cache: Path | None = None, gpu: GpuFacts | None = None) -> GemvRouting:
     """Set the routing of `model` (a DecoderForCausalLM) for decode steps of `rows` token
     rows; under auto on CUDA, time first what no table knows (`measure`: the timer,
-    default `startup_tuning.time_on_cuda`; `cache`: the directory of the timings' files,
+    default `gemv_tuning.time_on_cuda`; `cache`: the directory of the timings' files,
     default `<cache dir>/gemv`). `gpu`: the GPU's facts, read from the model's device
     when None (a CPU test passes them, and a fake `measure`, to route as on a GPU)."""
     decoder = model.model
@@ -96,7 +97,7 @@ def route_gemv(model: nn.Module, settings: SkinnyLinearConfig, rows: Sequence[in
         t0 = time.perf_counter()
         # The real timer's candidates compile in threads first (a fake one launches none).
         measured = _measure([launch for _, launch in launches], rows, gpu,
-                            measure or startup_tuning.time_on_cuda, cache, progress,
+                            measure or gemv_tuning.time_on_cuda, cache, progress,
                             compile_ahead=measure is None)
         seconds = time.perf_counter() - t0
     routed = 0
@@ -135,7 +136,7 @@ def model_launches(model: nn.Module, fused: bool) -> list[tuple[nn.Module | None
 def _measure(launches: list[Launch], rows: Sequence[int], gpu: GpuFacts, measure: Measure,
              cache: Path | None, progress: Progress | None,
              compile_ahead: bool = False) -> tuple[str, ...]:
-    """Time the shapes no shipped table names (startup_tuning.py) and add the winners to
+    """Time the shapes no shipped table names (gemv_tuning.py) and add the winners to
     this GPU's launch table; the keys timed or read. Any error: logged, nothing added."""
     shipped = launch_config.shipped_table(gpu.name)
     groups: dict[str, list[Launch]] = {}
@@ -146,7 +147,7 @@ def _measure(launches: list[Launch], rows: Sequence[int], gpu: GpuFacts, measure
     if not groups or not buckets:
         return ()
     try:
-        table = startup_tuning.measure_missing(groups, buckets, gpu.name, gpu.num_sms,
+        table = gemv_tuning.measure_missing(groups, buckets, gpu.name, gpu.num_sms,
                                                measure, cache, progress, compile_ahead)
     except Exception as exc:  # noqa: BLE001 - an optimisation: cuBLAS serves meanwhile
         logger.warning("timing the GEMV against cuBLAS failed (%s: %s); the projections "
