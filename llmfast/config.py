@@ -36,6 +36,10 @@ QUANTIZATION_METHODS = ("fp8", "gguf", "none")
 # default without calibrated scales). Aliases as vLLM spells them.
 KV_CACHE_DTYPES = ("auto", "fp8")
 _KV_CACHE_DTYPE_ALIASES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+# --gemv: which kernel runs a projection of at most 16 token rows (a decode step) on
+# CUDA (kernels/gemv/): auto = the Triton GEMV where this GPU's shipped table, or a
+# measurement at start-up, found it faster than cuBLAS; triton = always; cublas = never.
+GEMV_BACKENDS = ("auto", "triton", "cublas")
 # e4m3fn has no inf: anything past its largest finite value converts to NaN (or
 # saturates, depending on the torch version), so writes clamp to it first.
 FP8_E4M3_MAX = 448.0
@@ -129,6 +133,14 @@ def parse_quantization(text: str) -> str:
     """`--quantization`'s value, checked (a bad one is a usage error, before loading)."""
     check_quantization(text)
     return text
+
+
+def parse_gemv_backend(name: object) -> str:
+    """`--gemv`'s value, checked (a bad one is a one-line usage error)."""
+    if name not in GEMV_BACKENDS:
+        raise ConfigError(f"unknown gemv backend {name!r:.40}; use "
+                          f"{', '.join(GEMV_BACKENDS[:-1])} or {GEMV_BACKENDS[-1]}")
+    return name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -424,6 +436,23 @@ class CompileConfig:
                 object.__setattr__(self, name, tuple(sorted(set(sizes))))
 
 
+@dataclass(frozen=True)
+class SkinnyLinearConfig:
+    """How the projections of decode-sized steps (at most 16 token rows) run on CUDA
+    (kernels/gemv/, worker/startup/gemv_routing.py). `backend` (--gemv): one of GEMV_BACKENDS;
+    `fused_layers` (--gemv-fuse): Llama-shaped decoder layers as four fused GEMV
+    launches and attention (models/fused_layer.py). The CPU ignores both."""
+
+    backend: str = "auto"
+    fused_layers: bool = False
+
+    def __post_init__(self) -> None:
+        parse_gemv_backend(self.backend)
+        if self.fused_layers and self.backend == "cublas":
+            raise ConfigError("--gemv-fuse runs the fused layers on the Triton GEMV, which "
+                              "--gemv cublas turns off; drop one of the two")
+
+
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -514,6 +543,8 @@ class EngineConfig:
     quantization: str | None = None
     # Speculative decoding (None: off).
     speculative: SpeculativeConfig | None = None
+    # The decode-sized projections' kernels (--gemv, --gemv-fuse).
+    gemv: SkinnyLinearConfig = field(default_factory=SkinnyLinearConfig)
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)

@@ -16,6 +16,17 @@ differs from cuBLAS's by more than a few bf16 ulps of the output's scale is drop
 `--install` merges the winners into this tree's shipped table (tables/<gpu>.json);
 `--copy-to` writes that table where it can be committed from.
 
+`--startup` instead runs the engine's own start-up measurement (`--gemv auto`:
+worker/startup/gemv_routing.py, worker/startup/gemv_tuning.py) on each --models preset as loaded
+for serving (random weights, --dtype, and fp8 with `--quantizations none,fp8`), every
+shape timed whatever is shipped, at --rows' buckets; its timings go to the cache dir as a
+start's would (later `--gemv auto` starts read them), the winners with every candidate's
+µs to --copy-to / --install as a launch table, and per preset the seconds it took to
+--json:
+
+    python scripts/bench_gemv.py --startup --models random:llama-3.2-1b,random:llama-3.1-8b \
+        --quantizations none,fp8 --copy-to $OUT/gemv_startup_table.json --json $OUT/s.json
+
 On the CPU (`--device cpu`, under TRITON_INTERPRET=1) the same steps run at the given
 `--shape`s with wall-clock timing: a check of the plumbing, not a figure.
 """
@@ -40,6 +51,7 @@ from llmfast.kernels.fp8_linear import fp8_linear, quantize_weight, scaled_mm_ou
 from llmfast.kernels.gemv import launch_config  # noqa: E402
 from llmfast.kernels.gemv.launch_config import GemvConfig, m_bucket, shape_key  # noqa: E402
 from llmfast.kernels.gemv.ops import gemv_triton  # noqa: E402
+from llmfast.worker.startup.gemv_tuning import candidate_name  # noqa: E402
 
 COPIES_BYTES = 256 << 20
 
@@ -67,6 +79,12 @@ def parse_args() -> argparse.Namespace:
                    help="float8_e4m3fn weights with per-row scales (the lm_head stays in "
                         "--dtype, as --quantization fp8 leaves it); cuBLAS is _scaled_mm")
     p.add_argument("--tune", action="store_true", help="time every candidate, keep the best")
+    p.add_argument("--startup", action="store_true",
+                   help="the engine's start-up measurement of each --models preset instead")
+    p.add_argument("--quantizations", default="none",
+                   help="--startup: the presets' weights, comma-separated of none, fp8")
+    p.add_argument("--ship", type=Path, default=None,
+                   help="merge this table file into the shipped table of its GPU, and stop")
     p.add_argument("--install", action="store_true",
                    help="merge the winners into llmfast/kernels/gemv/tables/<gpu>.json")
     p.add_argument("--copy-to", type=Path, default=None, help="also write the table here")
@@ -78,9 +96,9 @@ def parse_args() -> argparse.Namespace:
 
 def _time_us(fns: list, iters: int, device: torch.device) -> list[float]:
     """Median µs of each fn, calls interleaved: CUDA events around graph replays with
-    L2 flushed before each (bench_kernels_lib), or wall clock on the CPU."""
+    L2 flushed before each (llmfast/bench/cuda_timing.py), or wall clock on the CPU."""
     if device.type == "cuda":
-        from bench_kernels_lib import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
+        from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
 
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
         return time_us_interleaved([graph_replay(f) for f in fns], iters, flush)
@@ -146,25 +164,18 @@ def bench_shape(name: str, n: int, k: int, rows: int, args, device, dtype, fp8: 
 
     timings = {"cublas": round(per_call[0], 3)}
     for config, us in zip(kept, per_call[1:]):
-        timings[_label(config)] = round(us, 3)
+        timings[candidate_name(config)] = round(us, 3)
     best_i = min(range(len(kept)), key=lambda i: per_call[i + 1]) if kept else None
     best = kept[best_i] if best_i is not None else None
     best_us = per_call[best_i + 1] if best_i is not None else None
     winner = best if best_us is not None and best_us < per_call[0] else None
-    heuristic_us = timings.get(_label(heuristic))
+    heuristic_us = timings.get(candidate_name(heuristic))
     return {"shape": name, "n": n, "k": k, "rows": rows, "bytes": nbytes, "copies": copies,
             "cublas": figures(per_call[0]),
             "heuristic": figures(heuristic_us) if heuristic_us else None,
-            "best": {**figures(best_us), "config": _label(best)} if best else None,
-            "winner": "cublas" if winner is None else _label(winner),
+            "best": {**figures(best_us), "config": candidate_name(best)} if best else None,
+            "winner": candidate_name(winner),
             "winner_config": winner, "timings_us": timings}
-
-
-def _label(config: GemvConfig | None) -> str:
-    if config is None:
-        return "cublas"
-    return (f"n{config.block_n}-k{config.block_k}-s{config.split_k}-w{config.num_warps}"
-            + ("-dot" if config.dot else ""))
 
 
 def install(device_name: str, tuned: dict, copy_to: Path | None, write_shipped: bool) -> Path:
@@ -189,8 +200,76 @@ def install(device_name: str, tuned: dict, copy_to: Path | None, write_shipped: 
     return path
 
 
+def ship(path: Path) -> Path:
+    """--ship: `path`'s table (checked) merged into tables/<its GPU>.json."""
+    data = json.loads(path.read_text())
+    table = launch_config.parse_table(data)
+    tuned = {key: {b: (config, data["shapes"][key][str(b)].get("timings_us", {}))
+                   for b, config in rows.items()} for key, rows in table.items()}
+    return install(data["device"], tuned, None, True)
+
+
+def startup(args, device: torch.device, name: str) -> None:
+    """--startup (see the module's docstring)."""
+    import tempfile
+
+    from llmfast.config import SkinnyLinearConfig
+    from llmfast.worker.startup import gemv_tuning
+    from llmfast.worker.startup.gemv_routing import route_gemv
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+
+    rows = [int(r) for r in args.rows.split(",")]
+    shipped_dir = launch_config.TABLE_DIR
+    launch_config.TABLE_DIR = Path(tempfile.mkdtemp())  # every shape timed
+    launch_config.shipped_table.cache_clear()
+    runs, tuned = [], {}
+    for spec in filter(None, args.models.split(",")):
+        for quant in args.quantizations.split(","):
+            model = build_model(resolve_model(spec), getattr(torch, args.dtype), device,
+                                max_positions=256,
+                                quantization=None if quant == "none" else quant)
+            routing = route_gemv(model, SkinnyLinearConfig("auto"), rows)
+            del model
+            torch.cuda.empty_cache()
+            path = gemv_tuning.cache_path(gemv_tuning.cache_fields(name))
+            shapes = json.loads(path.read_text())["shapes"] if path.is_file() else {}
+            table = launch_config.parse_table({"format": launch_config.FORMAT_VERSION,
+                                               "shapes": shapes})
+            for key in routing.measured:
+                tuned[key] = {b: (config, shapes[key][str(b)].get("timings_us", {}))
+                              for b, config in table[key].items()}
+            runs.append({"model": spec, "quantization": quant, "seconds": routing.seconds,
+                         "routed": routing.routed, "shapes": {k: shapes.get(k)
+                                                              for k in routing.measured}})
+            print(f"{spec} {quant}: {len(routing.measured)} shapes in {routing.seconds:.1f} s,"
+                  f" {routing.routed} projections take the GEMV", flush=True)
+            for key in routing.measured:
+                print(f"  {key}: " + ", ".join(
+                    f"M{b} {candidate_name(c)}" for b, c in sorted(table[key].items())))
+    launch_config.TABLE_DIR = shipped_dir
+    launch_config.shipped_table.cache_clear()
+    write_results(args, name, tuned, {"rows": rows, "runs": runs})
+
+
+def write_results(args, name: str, tuned: dict, figures: dict) -> None:
+    """The table (--install, --copy-to) and the --json report."""
+    table_path = None
+    if tuned and (args.install or args.copy_to):
+        table_path = install(name, tuned, args.copy_to, args.install)
+        print(f"table: {table_path if args.install else args.copy_to}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "device_name": name, "torch": torch.__version__, "dtype": args.dtype,
+            **figures, "table": str(table_path) if table_path else None}, indent=1))
+
+
 def main() -> None:
     args = parse_args()
+    if args.ship is not None:
+        print(f"shipped: {ship(args.ship)}")
+        return
     device = torch.device(args.device)
     if device.type != "cuda":
         from llmfast.kernels.triton_mode import triton_interpret_enabled
@@ -201,6 +280,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     on_cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if on_cuda else "cpu (interpreter)"
+    if args.startup:
+        if not on_cuda:
+            print("--startup measures on a GPU only (the engine never measures on the CPU)")
+            return
+        return startup(args, device, name)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 8
     peak = None
     if on_cuda:
@@ -232,17 +316,9 @@ def main() -> None:
             print(f"{label:>34} N={n:>6} K={k:>6} M={rows:>2}: cublas {show(r['cublas'])}, "
                   f"heuristic {show(r['heuristic'])}, best {show(r['best'])} "
                   f"[{r['best']['config'] if r['best'] else '-'}] -> {r['winner']}", flush=True)
-    table_path = None
-    if args.tune and (args.install or args.copy_to):
-        table_path = install(name, tuned, args.copy_to, args.install)
-        print(f"table: {table_path if args.install else args.copy_to}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "device_name": name, "torch": torch.__version__, "dtype": args.dtype,
-            "fp8": args.fp8, "tuned": args.tune, "iters": args.iters,
-            "peak_bytes_per_s": peak, "rows": results,
-            "table": str(table_path) if table_path else None}, indent=1))
+    write_results(args, name, tuned if args.tune else {},
+                  {"fp8": args.fp8, "tuned": args.tune, "iters": args.iters,
+                   "peak_bytes_per_s": peak, "rows": results})
 
 
 if __name__ == "__main__":

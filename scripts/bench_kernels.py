@@ -1,6 +1,15 @@
 """Benchmark the Triton paged-attention kernel against torch SDPA (needs a CUDA GPU).
 
     python scripts/bench_kernels.py [--json PATH] [--markdown PATH] [--iters 50]
+    python scripts/bench_kernels.py decode-configs --head-dim 64 --json decode_configs.json
+    python scripts/bench_kernels.py ship-prefill-tiles --model random:llama-3.2-1b \
+        --dtype bfloat16 --copy-to $OUT/prefill_tiles_llama-3.2-1b.json
+
+Two more commands for the same kernel: `decode-configs` sweeps the decode launch
+configuration (llmfast/bench/decode_configs.py) and prints, per shape, the configuration
+`select_config` picks now and the best one measured; `ship-prefill-tiles` makes this
+GPU's prefill tile table cover a model and installs it as the shipped one (below, at
+ship_prefill_tiles). Without a command: the table of the kernel against SDPA.
 
 Decode: batch 1/8/64/256 x context 512/2048/8192, one query token per request over a
 paged cache with shuffled blocks; reports achieved bandwidth on the K/V bytes read.
@@ -8,7 +17,7 @@ Beside each: torch's scaled_dot_product_attention on the same values laid out
 contiguously (GQA via enable_gqa), and the largest difference between the two outputs.
 Prefill (2k/4k/8k causal, vs SDPA's FlashAttention backend, TFLOP/s), mixed batches (one
 launch vs its two parts) and the prefill tile tuning that runs first (--tune): see
-bench_kernels_prefill.py. A device-to-device copy gives the bandwidth ceiling
+llmfast/bench/attention_prefill.py. A device-to-device copy gives the bandwidth ceiling
 (bytes read + written / time). Times are medians of CUDA-event timings (--iters calls;
 --eager-iters for the eager decode rows against SDPA), with L2 flushed before every timed
 call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
@@ -32,27 +41,28 @@ Decode only (no prefill, mixed, tuning or split sweep in that mode).
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_lib import (
-    flash_backend,
-    L2_FLUSH_BYTES,
-    copy_bandwidth,
-    graph_replay,
-    host_launch_us,
-    paged_copy,
-    time_us,
-    time_us_interleaved,
+from llmfast.attention.triton import launch as attention
+from llmfast.attention.tuning import prefill_tuning
+from llmfast.attention.tuning.prefill_tuning import kv_dtype_name
+from llmfast.attention.tuning.split_table import (
+    DEFAULT_DECODE_STAGES,
+    best_split,
+    find_table,
+    merge_sweep,
 )
-from bench_kernels_prefill import (
+from llmfast.bench.attention_decode import run_case
+from llmfast.bench.attention_prefill import (
     mixed_lines,
     prefill_lines,
     run_mixed,
@@ -61,147 +71,15 @@ from bench_kernels_prefill import (
     tuned_table_note,
     tuning_lines,
 )
-
-from llmfast.attention.triton import launch as attention
-from llmfast.attention.tuning.prefill_tuning import kv_dtype_name
-from llmfast.attention.tuning.split_table import (
-    DEFAULT_DECODE_STAGES,
-    SWEEP_SPLITS,
-    best_split,
-    find_table,
-    merge_sweep,
-)
-from llmfast.attention.workspaces import AttentionWorkspaces
+from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, copy_bandwidth
+from llmfast.bench.decode_configs import sweep_shape
+from llmfast.models.sources.model_source import resolve_model
 
 
-def _sdpa_decode(q_s, k_s, v_s, causal: bool, scale: float):
-    """(fn, variant, backend): SDPA with enable_gqa, to run and time inside `backend()`:
-    FlashAttention (its fastest decode path, reading each K/V head once) where it takes
-    these inputs, else SDPA's own choice; the variant is recorded. Not flash with K/V
-    expanded to every query head: memory-bound decode would read group x more and
-    flatter our ratio."""
-
-    def sdpa():
-        return F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=causal, scale=scale,
-                                              enable_gqa=True)
-
-    try:
-        with flash_backend():
-            sdpa()
-        return sdpa, "flash, enable_gqa", flash_backend
-    except RuntimeError:
-        return sdpa, "default backend", contextlib.nullcontext
-
-
-def run_case(batch: int, ctx: int, num_new: int, args, flush, gen) -> dict:
-    """`batch` requests, each with `num_new` query tokens at the end of `ctx` positions."""
-    dtype = getattr(torch, args.dtype)
-    heads, kv_heads, hd = args.num_heads, args.num_kv_heads, args.head_dim
-    q = torch.randn(batch, num_new, heads, hd, dtype=dtype, device="cuda", generator=gen)
-    k = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device="cuda", generator=gen)
-    v = torch.randn(batch, ctx, kv_heads, hd, dtype=dtype, device="cuda", generator=gen)
-    fp8 = args.kv_cache_dtype == "fp8"
-    if fp8:  # the values an fp8 cache holds, in --dtype (SDPA reads these)
-        k, v = (t.to(torch.float8_e4m3fn).to(dtype) for t in (k, v))  # |randn| << 448
-    k_cache, v_cache, block_table = paged_copy(k, v, args.block_size, gen)
-    if fp8:  # exact: every value is an fp8 value
-        k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
-
-    q_flat = q.view(batch * num_new, heads, hd)
-    out = torch.empty_like(q_flat)
-    qsl = torch.arange(0, batch * num_new + 1, num_new, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    scale = hd**-0.5
-    # Split partials reused across calls, as the engine's runner keeps them for its cache.
-    workspaces = AttentionWorkspaces([k_cache])  # noqa: F841 - held while `ours` runs
-
-    def ours():
-        attention.unified_attention(
-            q_flat, k_cache, v_cache, block_table, qsl, seq_lens, scale, out
-        )
-
-    # SDPA on contiguous [B, heads, L, hd]; causal only matters when there are many queries
-    # (with num_new == ctx, SDPA's top-left causal mask equals ours).
-    q_s, k_s, v_s = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-
-    sdpa, sdpa_variant, sdpa_backend = _sdpa_decode(q_s, k_s, v_s, num_new > 1, scale)
-    with sdpa_backend():  # (around both: its host cost in neither's figure)
-        ours_us, sdpa_us = time_us_interleaved([ours, sdpa], args.eager_iters, flush,
-                                               idle=True)
-        want = sdpa().float()
-
-    def max_diff(fn) -> float:
-        out.fill_(float("nan"))
-        fn()
-        return (out.view(batch, num_new, heads, hd).transpose(1, 2).float() - want).abs().max().item()
-
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def splits_for(width: int) -> int:
-        # What unified_attention picks: the measured table for this GPU if any, else
-        # the heuristic.
-        return attention.select_config(
-            batch * num_new, batch, heads, kv_heads, hd, args.block_size, width, dtype,
-            num_sms, attention._device_split_tables(torch.device("cuda", 0)),
-            kv_dtype=k_cache.dtype).num_splits
-
-    result = dict(batch=batch, ctx=ctx, num_new=num_new, splits=splits_for(block_table.shape[1]),
-                  ours_us=ours_us, sdpa_us=sdpa_us, sdpa_variant=sdpa_variant,
-                  max_abs_diff=max_diff(ours))
-    if num_new == 1:
-        result["graph_us"] = time_us(graph_replay(ours), args.iters, flush)
-        # Like for like with graph_us: SDPA replayed from a CUDA graph too (its eager
-        # sdpa_us includes a host launch that a full-graph step does not pay).
-        try:
-            with sdpa_backend():
-                result["sdpa_graph_us"] = time_us(graph_replay(sdpa), args.iters, flush)
-        except RuntimeError as e:  # a backend that cannot be captured: said, not fatal
-            result["sdpa_graph_error"] = f"{type(e).__name__}: {e}"[:200]
-
-        def two_kernel():  # splits merged by a second kernel, as before issue 17
-            attention.unified_attention(q_flat, k_cache, v_cache, block_table, qsl, seq_lens,
-                                        scale, out, fused_merge=False)
-
-        result["two_kernel_us"] = time_us(two_kernel, args.iters, flush, idle=True)
-        result["launch_host_us"] = host_launch_us(ours)
-        # The cached path handing the launcher the tensors (it then reads each address
-        # and has the driver check it) instead of their addresses.
-        attention._ATTENTION_LAUNCHES.raw_pointers = False
-        result["launch_host_tensors_us"] = host_launch_us(ours)
-        attention._ATTENTION_LAUNCHES.raw_pointers = True
-        attention._ATTENTION_LAUNCHES.enabled = False  # Triton's JIT dispatch, for comparison
-        result["launch_host_jit_us"] = host_launch_us(ours)
-        attention._ATTENTION_LAUNCHES.enabled = True
-        # The full graph's launch: splits from a table max_model_len wide (zeros past
-        # the live blocks: never read).
-        width = -(-args.max_model_len // args.block_size)
-        wide = torch.zeros(batch, max(width, block_table.shape[1]), dtype=torch.int32,
-                           device="cuda")
-        wide[:, : block_table.shape[1]] = block_table
-
-        def fixed():
-            attention.unified_attention(q_flat, k_cache, v_cache, wide, qsl, seq_lens, scale, out)
-
-        result.update(
-            fixed_splits=splits_for(wide.shape[1]),
-            fixed_us=time_us(fixed, args.iters, flush, idle=True),
-            fixed_graph_us=time_us(graph_replay(fixed), args.iters, flush),
-        )
-        result["fixed_max_abs_diff"] = max_diff(fixed)
-        if args.sweep_splits:
-            # Issue 17's split table: each count of SWEEP_SPLITS, graph-replayed.
-            sweep = {}
-            for splits in SWEEP_SPLITS:
-                def forced(splits=splits):
-                    attention.unified_attention(q_flat, k_cache, v_cache, block_table, qsl,
-                                                seq_lens, scale, out, num_splits=splits)
-                sweep[splits] = time_us(graph_replay(forced), args.iters, flush)
-            result["split_sweep_graph_us"] = sweep
-    return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Other commands: `decode-configs --help`, `ship-prefill-tiles --help`.")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--num-heads", type=int, default=32)
@@ -237,7 +115,7 @@ def main() -> None:
                              "tables show the first)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="fp8: decode rows over a float8_e4m3fn cache (decode only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kv_cache_dtype == "fp8":
         if args.sweep_splits or args.prefill_tokens or args.mixed or args.tune != "off":
             sys.exit("--kv-cache-dtype fp8 times decode only: pass --prefill-tokens "
@@ -380,5 +258,117 @@ def main() -> None:
         ), indent=2, default=str))
 
 
+def decode_configs(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="bench_kernels.py decode-configs", description=(
+        "Sweep the decode attention launch configuration on a GPU "
+        "(llmfast/bench/decode_configs.py)."))
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[140, 512, 2048, 8192])
+    p.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--min-split-tiles", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--warps", type=int, nargs="+", default=[4])
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="KV split counts to try (default: the one select_config picks)")
+    p.add_argument("--loops", type=int, nargs="+", default=[2, 1], choices=[1, 2],
+                   help="key-tile loops: 2 (unmasked bulk + masked tail) and/or 1")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py decode-configs needs a CUDA GPU (none found); nothing was "
+                 "measured.")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    width = -(-args.max_model_len // args.block_size)
+    print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}; head_dim "
+          f"{args.head_dim}, {args.num_heads}/{args.num_kv_heads} heads, block table "
+          f"{width * args.block_size} keys wide", flush=True)
+    rows = []
+    for batch, ctx in itertools.product(args.batches, args.contexts):
+        row, failed = sweep_shape(batch, ctx, args, flush, gen)
+        for name, error in failed.items():
+            print(f"  {name}: {error}"[:200])
+        rows.append(row)
+        timings, best = row["timings"], row["best"]
+        now_txt = f"{row['now_us']:.1f}" if row["now_us"] is not None else "n/a"
+        print(f"B={batch:4d} ctx={ctx:5d} splits={row['splits']:2d}  now {row['now']} "
+              f"{now_txt} us  best {best} {timings[best]['us']:.1f} us  | "
+              + " ".join(f"{c}:{t['us']:.1f}" for c, t in timings.items()), flush=True)
+    ratios = [r["best_one_loop_us"] / r["best_two_loops_us"] for r in rows
+              if r["best_one_loop_us"] and r["best_two_loops_us"]]
+    if ratios:
+        print(f"one loop / two loops (each's best): median {statistics.median(ratios):.3f}, "
+              f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} shapes "
+              "(< 1: set attention_config.DECODE_ONE_KV_LOOP = True)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(0),
+                                             torch=torch.__version__, head_dim=args.head_dim,
+                                             rows=rows), indent=1))
+
+
+def ship_prefill_tiles(argv: list[str]) -> None:
+    """A first start on a GPU model without a shipped table tunes the model's two prefill
+    shape classes (attention/tuning/prefill_tuning.py; ~20-60 s on an H100). A start-up
+    benchmark should time what a user gets once the table ships, so run this first: it
+    tunes the model's classes that no table knows yet (whatever LLMFAST_ATTENTION_TUNING
+    says), then merges the tuned classes into
+    `llmfast/attention/tuning/prefill_tables/<gpu>.json` of this working copy, and copies
+    that file to --copy-to so it can be committed. Without CUDA it says so and does
+    nothing; with CUDA, a run that leaves nothing to ship exits 1."""
+    p = argparse.ArgumentParser(prog="bench_kernels.py ship-prefill-tiles", description=(
+        "Make this GPU's prefill tile table cover a model, and install it as the shipped "
+        "one."))
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--copy-to", help="also write the shipped table here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to tune or ship")
+        return
+    cfg = resolve_model(args.model).config
+    device = torch.device("cuda", 0)
+    t0 = time.perf_counter()
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    if not attention.prefill_tunable(cfg.head_dim, getattr(torch, args.dtype)):
+        print(f"{args.model} in {args.dtype}: prefill tiles are not tuned for this shape "
+              "(the engine uses its heuristic): nothing to ship")
+        return
+    classes = attention.model_prefill_classes(cfg.head_dim, group, getattr(torch, args.dtype))
+    for cls in classes:  # a class some table already knows is kept, not re-tuned
+        if attention.tune_prefill_tiles(device, cls) is None:
+            print(f"{cls.key}: no tile candidate ran; the heuristic stays")
+    print(f"{args.model}: prefill classes {', '.join(c.key for c in classes)} ready in "
+          f"{time.perf_counter() - t0:.1f} s")
+    name = torch.cuda.get_device_name(device)
+    _, tuned_json = prefill_tuning.read_table(prefill_tuning.tuned_table_path(name))
+    shipped_path = prefill_tuning.shipped_table_path(name)
+    _, shipped_json = prefill_tuning.read_table(shipped_path)
+    merged = dict(tuned_json or shipped_json,
+                  tiles={**shipped_json.get("tiles", {}), **tuned_json.get("tiles", {})})
+    missing = [c.key for c in classes if c.key not in merged["tiles"]]
+    if missing:
+        print(f"no tiles for {', '.join(missing)} on {name}: nothing to ship")
+        sys.exit(1)
+    prefill_tuning.parse_tiles(merged)  # the engine must be able to read what ships
+    text = json.dumps(merged, indent=2, sort_keys=True)
+    shipped_path.write_text(text)
+    print(f"shipped table {shipped_path}: {', '.join(sorted(merged['tiles']))}")
+    if args.copy_to:
+        with open(args.copy_to, "w") as f:
+            f.write(text)
+
+
+COMMANDS = {"decode-configs": decode_configs, "ship-prefill-tiles": ship_prefill_tiles}
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+        COMMANDS[sys.argv[1]](sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -19,7 +19,9 @@ in persistent buffers (tests/helpers/static_buffers.py), as in the runner. Media
 
 `--quantization fp8` quantizes the projections as the engine's flag does (the lm_head
 stays in --dtype); `linears` then times the fp8 projections, and its HBM limit counts
-their fp8 bytes. Compare against a run without it, on the same machine.
+their fp8 bytes. Compare against a run without it, on the same machine. `--gemv` and
+`--gemv-fuse` route the projections as the engine's flags do (worker/startup/gemv_routing.py:
+auto times what no table knows at the --batch-sizes up to 16 first).
 
 Targets for `full` on the H100 (issue 15): <= 1.25x `linears` at B=1, <= 1.3x at B=64,
 >= 6x eager at B=1; the table prints those ratios.
@@ -28,6 +30,7 @@ Targets for `full` on the H100 (issue 15): <= 1.25x `linears` at B=1, <= 1.3x at
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -42,9 +45,17 @@ import torch
 from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.bench import layer_kinds
 from llmfast.compile import CompiledModel, CompileStats
-from llmfast.config import CompileConfig, CudaGraphMode, parse_dtype
+from llmfast.config import (
+    GEMV_BACKENDS,
+    CompileConfig,
+    ConfigError,
+    CudaGraphMode,
+    SkinnyLinearConfig,
+    parse_dtype,
+)
 from llmfast.cuda_graphs.model_graphs import ModelCudaGraphs
 from llmfast.kernels.cpu.linear import prepack_linears
+from llmfast.worker.startup.gemv_routing import route_gemv
 from llmfast.models.loading.loader import build_model
 from llmfast.models.quantization.fp8 import Fp8Linear
 from llmfast.models.sources.model_source import resolve_model
@@ -72,6 +83,10 @@ def parse_args() -> argparse.Namespace:
                    help="torch CPU threads (on a shared CPU, 1 avoids OpenMP oversubscription)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="quantize the projections at load, as the engine's flag")
+    p.add_argument("--gemv", choices=GEMV_BACKENDS, default="auto",
+                   help="the decode-sized projections' kernels, as the engine's flag")
+    p.add_argument("--gemv-fuse", action="store_true",
+                   help="the fused decoder layers, as the engine's flag")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="CUDA only: after timing, profile 5 steps of each of --trace-modes "
@@ -285,18 +300,20 @@ def time_interleaved(steps: dict, iters: int, warmup: int, device: torch.device)
     return {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}
 
 
-def write_kinds(args, kinds: dict[int, dict], device, dtype) -> None:
-    import os
+def gemv_label(args) -> str:
+    return f"--gemv {args.gemv}" + (" --gemv-fuse" if args.gemv_fuse else "")
 
+
+def write_kinds(args, kinds: dict[int, dict], device, dtype) -> None:
     on_cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     title = (f"{args.model} {str(dtype).removeprefix('torch.')}"
              f"{' fp8' if args.quantization else ''}, context {args.context_len}, {name}, "
-             f"LLMFAST_GEMV={os.environ.get('LLMFAST_GEMV', 'table')}")
+             f"{gemv_label(args)}")
     args.kinds_json.parent.mkdir(parents=True, exist_ok=True)
     args.kinds_json.write_text(json.dumps({
         "model": args.model, "dtype": str(dtype), "quantization": args.quantization,
-        "gemv": os.environ.get("LLMFAST_GEMV", "table"), "device_name": name,
+        "gemv": gemv_label(args), "device_name": name,
         "torch": torch.__version__, "context_len": args.context_len,
         "batches": {str(b): k for b, k in kinds.items()}}, indent=1))
     args.kinds_json.with_suffix(".md").write_text("\n".join(
@@ -328,6 +345,15 @@ def main() -> None:
     if device.type == "cpu":
         # As the runner does for eager CPU runs; compiled graphs do not use the packs.
         prepack_linears(model, None)
+    try:
+        gemv = SkinnyLinearConfig(args.gemv, args.gemv_fuse)
+    except ConfigError as e:
+        sys.exit(str(e))
+    routing = route_gemv(model, gemv, batches)  # (before anything is compiled)
+    print(f"[gemv] {gemv_label(args)}: {routing.routed} projections take the op"
+          + (", fused layers" if routing.fused else "")
+          + (f", {len(routing.measured)} shapes timed or read in {routing.seconds:.1f} s"
+             if routing.measured else ""), flush=True)
     static = StaticBatch(model, max_batch, args.context_len, max_num_tokens=max_batch,
                          block_size=args.block_size, table_len=args.max_model_len)
     # Random cache contents, so a graph reading the wrong blocks shows in `agreement`
@@ -439,6 +465,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "model": args.model, "dtype": str(dtype), "quantization": args.quantization,
+            "gemv": gemv_label(args), "gemv_routing": dataclasses.asdict(routing),
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
             "torch": torch.__version__, "context_len": args.context_len, "iters": iters,

@@ -35,8 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels_lib import L2_FLUSH_BYTES, graph_replay, time_us_interleaved  # noqa: E402
-
+from llmfast.bench.cuda_timing import (  # noqa: E402
+    L2_FLUSH_BYTES,
+    graph_replay,
+    time_us_interleaved,
+)
 from llmfast.kernels.moe.tile_table import (  # noqa: E402
     MoeTiles,
     shape_key,

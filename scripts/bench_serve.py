@@ -12,10 +12,21 @@
     python scripts/bench_serve.py --cpu-bar --json profiles/serving/serving-cpu.json
     python scripts/bench_serve.py --gpu-bar --json profiles/serving/serving-gpu.json
 
+    python scripts/bench_serve.py --vs-offline --launch random:tiny --streams 64,256 ...
+
 Streaming /v1/completions requests with random token-id prompts (seeded), Poisson
 arrivals at each rate (inf: all at once), at most --max-concurrency in flight. Prints,
 per rate, throughput and TTFT / TPOT / ITL / e2e (mean, median, p90, p99, max) in ms,
 then one summary table; --json writes every figure.
+
+Serve against offline (--vs-offline, --cpu-bar, --gpu-bar: the serving bars of the
+engine-core split, serve/offline output tok/s, TTFT and TPOT): each repeat runs the
+offline engine in a child process of its own (every stream count, then it exits, freeing
+its memory: on a GPU the server needs it), then starts the server (once per
+--api-servers value) and sends each stream count as that many streaming /v1/completions
+requests at once (greedy, ignore_eos, fixed lengths). Repeats interleave offline and
+serve, so a machine whose load drifts shifts both; the table gives medians over the
+repeats (llmfast/bench/serve_vs_offline.py).
 """
 
 from __future__ import annotations
@@ -39,15 +50,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(1, str(REPO / "scripts"))
 
 from llmfast.bench.environment import environment_info, local_device_facts
+from llmfast.bench.serve_vs_offline import offline_rows, spec_requests, vs_offline_table
 from llmfast.bench.serving import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
 from llmfast.engine.args import resolve_device
 from llmfast.utils.ports import free_port
 
-import bench_serve_offline as vs_offline  # noqa: E402 - scripts/ beside this file
+# The bars of issue "[serve-core]": serve/offline output tok/s at least this, per streams.
+CPU_BAR = {"model": "random:tiny", "input_len": 32, "output_len": 96, "streams": [64, 256],
+           "vocab_size": 500, "serve_args": "--device cpu --max-num-seqs 256",
+           "bars": {64: 0.6, 256: 0.5}}
+GPU_BAR = {"model": "random:llama-3.2-1b", "input_len": 256, "output_len": 128,
+           "streams": [256], "vocab_size": 1000,
+           "serve_args": "--dtype bfloat16 --max-num-seqs 256", "bars": {256: 0.85}}
 
 
 def _rates(text: str) -> list[float]:
@@ -93,10 +110,22 @@ def main() -> int:
     ap.add_argument("--engine-baseline", action="store_true",
                     help="with --launch: first run the same workload on the engine "
                          "in-process (llmfast.bench.latency), for comparison")
-    vs_offline.add_arguments(ap)
+    g = ap.add_argument_group("serve against offline LLM.generate")
+    g.add_argument("--vs-offline", action="store_true",
+                   help="with --launch MODEL: offline LLM.generate and the server on the "
+                        "same prompts, --streams at once each, --repeat times")
+    g.add_argument("--cpu-bar", action="store_true",
+                   help=f"--vs-offline with the CPU bar's workload: {CPU_BAR}")
+    g.add_argument("--gpu-bar", action="store_true",
+                   help=f"--vs-offline with the GPU bar's workload: {GPU_BAR}")
+    g.add_argument("--streams", default=None, help="stream counts, e.g. 64,256")
+    g.add_argument("--repeat", type=int, default=3)
+    g.add_argument("--offline-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if vs_offline.wanted(args):
-        return vs_offline.run(ap, args)
+    if args.offline_child:
+        return _offline_child(json.loads(args.offline_child))
+    if args.vs_offline or args.cpu_bar or args.gpu_bar:
+        return vs_offline(ap, args)
 
     requests = random_requests(args.num_prompts, args.input_len, args.output_len,
                                args.vocab_size, args.range_ratio, args.seed)
@@ -182,9 +211,8 @@ def engine_baseline(model: str, flags: list[str], requests, rates, seed: int):
 
 def launch(model: str, flags: list[str], quiet: bool = False):
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "llmfast", "serve", "--model", model,
-                             "--port", str(port), *flags], env=env,
+                             "--port", str(port), *flags], env=_env(),
                             stderr=subprocess.DEVNULL if quiet else None)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -200,6 +228,111 @@ def launch(model: str, flags: list[str], quiet: bool = False):
         time.sleep(0.25)
     proc.kill()
     raise SystemExit("llmfast serve did not become healthy in 300 s")
+
+
+def vs_offline(ap: argparse.ArgumentParser, args) -> int:
+    """--vs-offline, --cpu-bar, --gpu-bar: offline and serve, --repeat times."""
+    preset = CPU_BAR if args.cpu_bar else GPU_BAR if args.gpu_bar else None
+    explicit = set(sys.argv)
+    spec = {
+        "model": args.launch or (preset or {}).get("model"),
+        "input_len": args.input_len if "--input-len" in explicit or not preset
+        else preset["input_len"],
+        "output_len": args.output_len if "--output-len" in explicit or not preset
+        else preset["output_len"],
+        "vocab_size": args.vocab_size if "--vocab-size" in explicit or not preset
+        else preset["vocab_size"],
+        "serve_args": args.serve_args if "--serve-args" in explicit or not preset
+        else preset["serve_args"],
+        "streams": [int(n) for n in args.streams.split(",")] if args.streams
+        else (preset or {}).get("streams", [args.num_prompts]),
+        "seed": args.seed,
+    }
+    if not spec["model"]:
+        ap.error("--vs-offline needs --launch MODEL")
+    bars = (preset or {}).get("bars", {})
+    api_servers = args.api_servers or [None]
+    rows: list[dict] = []
+    for rep in range(args.repeat):
+        for row in _offline(spec):
+            rows.append({"what": "offline", "repeat": rep, **row})
+            _say(rows[-1])
+        for n_api in api_servers:
+            rows += _serve(spec, n_api, rep)
+    table = vs_offline_table(rows, spec["streams"], api_servers, bars)
+    print(table, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "argv": sys.argv, "workload": spec, "bars": bars,
+            "tree": _git_head(), "load_average_at_end": os.getloadavg(),
+            "environment": environment_info(local_device_facts(str(resolve_device("auto")))),
+            "table": table, "runs": rows}, indent=2) + "\n")
+    return 0 if all(r.get("failed", 0) == 0 for r in rows) else 1
+
+
+def _say(row: dict) -> None:
+    print(f"[{row['what']} repeat {row['repeat']}] {row['streams']} streams: "
+          f"{row['out_tok_s']:.0f} out tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
+          f"TPOT p50 {row['tpot_p50_ms']:.2f} ms", flush=True)
+
+
+def _offline(spec: dict) -> list[dict]:
+    """Every stream count's offline figures, from a child process of its own."""
+    proc = subprocess.run([sys.executable, __file__, "--offline-child", json.dumps(spec)],
+                          env=_env(), stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _offline_child(spec: dict) -> int:
+    from llmfast.engine.flags import engine_kwargs_from_argv
+    from llmfast.llm import LLM
+
+    kwargs = engine_kwargs_from_argv(shlex.split(spec["serve_args"]))
+    model = spec["model"]
+    llm = LLM(None if model == "default" else model, **kwargs)
+    print(json.dumps(offline_rows(llm, spec)))
+    return 0
+
+
+def _serve(spec: dict, api_servers: int | None, rep: int) -> list[dict]:
+    flags = shlex.split(spec["serve_args"])
+    what = "serve"
+    if api_servers is not None:
+        flags += ["--api-servers", str(api_servers)]
+        what = f"serve --api-servers {api_servers}"
+    proc, url = launch(spec["model"], flags, quiet=True)
+    rows = []
+    try:
+        for streams in spec["streams"]:
+            r = asyncio.run(run_serve_bench(url, spec_requests(spec, streams), math.inf,
+                                            seed=spec["seed"]))
+            rows.append({"what": what, "repeat": rep, "streams": streams,
+                         "duration_s": r.duration_s, "out_tok_s": r.output_tokens_per_s,
+                         "failed": r.failed, "errors": r.errors,
+                         "ttft_p50_ms": r.ttft.median * 1e3, "ttft_p99_ms": r.ttft.p99 * 1e3,
+                         "tpot_p50_ms": r.tpot.median * 1e3, "tpot_p99_ms": r.tpot.p99 * 1e3,
+                         "itl_p50_ms": r.itl.median * 1e3, "itl_p99_ms": r.itl.p99 * 1e3})
+            _say(rows[-1])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    return rows
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _git_head() -> str | None:
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], text=True,
+                              capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "llmfast"],
+                               text=True, capture_output=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 if __name__ == "__main__":

@@ -20,13 +20,15 @@ one 600 s call does not finish it: the files it did not reach are listed in the 
 the report, for `GPU_CHECK_TESTS="<files>" gpu_check.py tests` in the next calls.
 Other steps: `moe` and `moe_decode` (#52: scripts/bench_moe.py, and the decode sweep of
 random:qwen3-30b-a3b), `kernels_sweep` (bench_kernels' split sweep for this GPU's table),
-`decode_configs` (sweep_decode_configs.py), `serve_procs` (--api-servers 0, 1, 2 under one
+`decode_configs` (bench_kernels.py decode-configs), `serve_procs` (--api-servers 0, 1, 2 under one
 load), `executor` (uni vs mp), `spec` = `spec_decode` + `spec_decode_8b` (#50: the verify
 step's cost at K = 1..8 and the forced-acceptance speed-up, 1B and 8B). #49
 (profiles/decode-bw.md): `decode_bw` (1B: the per-layer-kind tables and the 1..512 sweep
 with the GEMV off and on, bench_gemv's shapes), `decode_bw_8b`, `decode_bw_kinds_8b`,
-`decode_bw_fused` (LLMFAST_GEMV_FUSE=1), `tune_bf16` / `tune_fp8` (the GEMV's launch table
-tuned, installed, then swept).
+`decode_bw_fused` (--gemv-fuse), `tune_bf16` / `tune_fp8` (the GEMV's launch table
+tuned, installed, then swept), `tune_startup` / `tune_startup_8b` (the start-up
+measurement of --gemv auto on both presets, bf16 and fp8, its table for shipping, then
+swept against cuBLAS).
 
 Under $OUT (default /tmp/llmfast_gpu_check): gpu_check.json (the one result: tree, device,
 versions, command, date, per step its commands, samples, figures with median and spread,
@@ -178,8 +180,8 @@ STEPS = {s.name: s for s in (
          (PY, "-m", "llmfast", "bench", "--model", "random:tiny", "--device", "cpu",
           "--sizes", "1,2", "--context", "16", "--steps", "4", "--json", "{json}"), samples=1),
     Step("decode_configs", "kernels", 150, 400,
-         (PY, "scripts/sweep_decode_configs.py", "--json", "{json}"),
-         (PY, "scripts/sweep_decode_configs.py", "--help"), samples=1),
+         (PY, "scripts/bench_kernels.py", "decode-configs", "--json", "{json}"),
+         (PY, "scripts/bench_kernels.py", "decode-configs", "--help"), samples=1),
     Step("executor", "executor", 150, 400,
          (PY, "scripts/bench_executor.py", "--model", "{model}", "--device", "cuda",
           "--configs", "uni:1,mp:1", "--sizes", "1,64", "--json", "{json}"),
@@ -223,15 +225,17 @@ STEPS = {s.name: s for s in (
 
 
 # #49 (profiles/decode-bw.md): batch-1 decode against the HBM limit, 1B and 8B, bf16 and
-# fp8, cuBLAS (LLMFAST_GEMV=0) vs the Triton GEMV (1: the heuristic's configs; table: the
-# shipped table, after `gemv_tune` installed one in the device's copy). One sample of a
-# 32-step sweep each (the sweep's own median over steps): the device's minutes are few.
+# fp8, cuBLAS (--gemv cublas) vs the Triton GEMV (gemv: --gemv triton, the heuristic's
+# configs; table: --gemv auto after `gemv_tune` installed a shipped table in the device's
+# copy; auto: --gemv auto after `gemv_startup` left its start-up timings in the cache
+# dir, or timing at the bench's own start). One sample of a 32-step sweep each (the
+# sweep's own median over steps): the device's minutes are few.
 _BW_MODELS = {"1b": "random:llama-3.2-1b", "8b": "random:llama-3.1-8b"}
 # fused: the decoder layers' projections with their norms, SiLU-and-mul and residual
 # adds (models/fused_layer.py), on the heuristic's configs.
-_BW_GEMV = {"cublas": {"LLMFAST_GEMV": "0"}, "gemv": {"LLMFAST_GEMV": "1"},
-            "table": {"LLMFAST_GEMV": "table"},
-            "fused": {"LLMFAST_GEMV": "1", "LLMFAST_GEMV_FUSE": "1"}}
+_BW_GEMV = {"cublas": ("--gemv", "cublas"), "gemv": ("--gemv", "triton"),
+            "table": ("--gemv", "auto"), "auto": ("--gemv", "auto"),
+            "fused": ("--gemv", "triton", "--gemv-fuse")}
 
 
 def _bw_step(size: str, fp8: bool, gemv: str) -> Step:
@@ -239,11 +243,11 @@ def _bw_step(size: str, fp8: bool, gemv: str) -> Step:
     est, limit = (90, 240) if size == "1b" else (150, 360)
     return Step(f"bw_{size}{'_fp8' if fp8 else ''}_{gemv}", "decode-bw", est, limit,
                 (PY, "-m", "llmfast", "bench", "--model", _BW_MODELS[size], "--dtype",
-                 "bfloat16", *quant, "--sizes", "1..512", "--context", "128", "--steps", "32",
-                 "--json", "{json}"),
-                _BENCH + ("--device", "cpu", *quant, "--sizes", "1,2", "--context", "16",
-                          "--steps", "4", "--json", "{json}"),
-                samples=1, extract="sweep", env=_BW_GEMV[gemv])
+                 "bfloat16", *quant, *_BW_GEMV[gemv], "--sizes", "1..512", "--context",
+                 "128", "--steps", "32", "--json", "{json}"),
+                _BENCH + ("--device", "cpu", *quant, *_BW_GEMV[gemv], "--sizes", "1,2",
+                          "--context", "16", "--steps", "4", "--json", "{json}"),
+                samples=1, extract="sweep")
 
 
 def _kinds_step(size: str, fp8: bool, gemv: str) -> Step:
@@ -254,13 +258,14 @@ def _kinds_step(size: str, fp8: bool, gemv: str) -> Step:
     name = f"kinds_{size}{'_fp8' if fp8 else ''}_{gemv}"
     return Step(name, "decode-bw", 90 if size == "1b" else 150, 300,
                 (PY, "scripts/bench_modes.py", "--model", _BW_MODELS[size], "--dtype",
-                 "bfloat16", *quant, "--batch-sizes", "1,64", "--modes", "full,linears",
-                 "--iters", "30", "--json", "{json}", "--kinds-json", "{out}/" + name + ".json"),
+                 "bfloat16", *quant, *_BW_GEMV[gemv], "--batch-sizes", "1,64", "--modes",
+                 "full,linears", "--iters", "30", "--json", "{json}", "--kinds-json",
+                 "{out}/" + name + ".json"),
                 (PY, "scripts/bench_modes.py", "--model", "{model}", "--dtype", "{dtype}",
-                 "--device", "cpu", *quant, "--batch-sizes", "1", "--modes", "eager,linears",
-                 "--iters", "2", "--warmup", "1", "--max-model-len", "256", "--json",
-                 "{json}", "--kinds-json", "{out}/" + name + ".json"),
-                samples=1, extract="modes", env=_BW_GEMV[gemv])
+                 "--device", "cpu", *quant, *_BW_GEMV[gemv], "--batch-sizes", "1", "--modes",
+                 "eager,linears", "--iters", "2", "--warmup", "1", "--max-model-len", "256",
+                 "--json", "{json}", "--kinds-json", "{out}/" + name + ".json"),
+                samples=1, extract="modes")
 
 
 def _gemv_step(fp8: bool, tune: bool) -> Step:
@@ -277,6 +282,18 @@ def _gemv_step(fp8: bool, tune: bool) -> Step:
                  "--json", "{json}"),
                 (PY, "scripts/bench_gemv.py", "--help"), samples=1)
 
+
+# The start-up measurement (--gemv auto) of both presets in bf16 and fp8, every shape
+# timed whatever is shipped, into the cache dir the `_auto` sweeps then read (same
+# machine) and as a launch table under $OUT: `gemv_startup_table.json`, shipped by
+# copying it to llmfast/kernels/gemv/tables/<gpu slug>.json (profiles/decode-bw.md).
+_STARTUP = Step("gemv_startup", "decode-bw", 300, 540,
+                (PY, "scripts/bench_gemv.py", "--startup", "--models",
+                 ",".join(_BW_MODELS.values()), "--quantizations", "none,fp8",
+                 "--rows", "1,2,4,8,16", "--copy-to", "{out}/gemv_startup_table.json",
+                 "--json", "{json}"),
+                (PY, "scripts/bench_gemv.py", "--help"), samples=1)
+STEPS[_STARTUP.name] = _STARTUP
 
 for _step in ([_bw_step(size, fp8, gemv) for size in _BW_MODELS for fp8 in (False, True)
                for gemv in _BW_GEMV]
@@ -298,6 +315,9 @@ GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "se
           # them run in the same call.
           "tune_bf16": ("gemv_tune_bf16", "bw_1b_table", "bw_8b_table"),
           "tune_fp8": ("gemv_tune_fp8", "bw_8b_fp8_table", "bw_8b_fp8_cublas"),
+          # The cuBLAS sweeps before the `_auto` ones: the cross bars judge against them.
+          "tune_startup": ("gemv_startup", "bw_1b_cublas", "bw_1b_auto"),
+          "tune_startup_8b": ("bw_8b_cublas", "bw_8b_auto", "bw_8b_fp8_auto"),
           "spec": ("spec_decode", "spec_decode_8b")}
 
 

@@ -265,6 +265,8 @@ BARS = (
     Bar("bw_8b_table", "B=1 % of HBM", False, 85.0, "#49"),
     Bar("bw_1b_fused", "B=1 % of HBM", False, 75.0, "#49"),
     Bar("bw_8b_fused", "B=1 % of HBM", False, 85.0, "#49"),
+    Bar("bw_1b_auto", "B=1 % of HBM", False, 75.0, "#49"),
+    Bar("bw_8b_auto", "B=1 % of HBM", False, 85.0, "#49"),
 )
 
 
@@ -284,6 +286,7 @@ class CrossBar:
 
 
 _LARGE = (64, 128, 256, 512)
+_DECODE = (1, 2, 4, 8, 16)  # the GEMV's sizes
 CROSS_BARS = (
     CrossBar("bw_8b_fp8_gemv", "bw_8b_gemv", (1,), False, 1.6, "#49", "fp8 over bf16 speed"),
     CrossBar("bw_8b_fp8_table", "bw_8b_table", (1,), False, 1.6, "#49", "fp8 over bf16 speed"),
@@ -294,9 +297,16 @@ CROSS_BARS = (
              "GEMV-on speed vs off"),
     CrossBar("bw_8b_fp8_fused", "bw_8b_fused", (1,), False, 1.6, "#49", "fp8 over bf16 speed"),
     # The fused layers run their torch form past 16 rows: what that costs (decides
-    # whether LLMFAST_GEMV_FUSE can be the default).
+    # whether --gemv-fuse can be the default).
     CrossBar("bw_1b_fused", "bw_1b_cublas", _LARGE, False, 0.95, "#49", "fused speed vs plain"),
     CrossBar("bw_8b_fused", "bw_8b_cublas", _LARGE, False, 0.95, "#49", "fused speed vs plain"),
+    # --gemv auto keeps cuBLAS wherever the start-up measured it faster: no decode size
+    # slower than --gemv cublas beyond noise (3 %), batch 64-512 unchanged.
+    CrossBar("bw_1b_auto", "bw_1b_cublas", _DECODE, False, 0.97, "#49", "auto speed vs cuBLAS"),
+    CrossBar("bw_8b_auto", "bw_8b_cublas", _DECODE, False, 0.97, "#49", "auto speed vs cuBLAS"),
+    CrossBar("bw_1b_auto", "bw_1b_cublas", _LARGE, False, 0.95, "#49", "auto speed vs cuBLAS"),
+    CrossBar("bw_8b_auto", "bw_8b_cublas", _LARGE, False, 0.95, "#49", "auto speed vs cuBLAS"),
+    CrossBar("bw_8b_fp8_auto", "bw_8b_auto", (1,), False, 1.6, "#49", "fp8 over bf16 speed"),
 )
 
 

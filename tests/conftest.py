@@ -43,6 +43,24 @@ def _unfreeze_gc():
     gc.unfreeze()
 
 
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny random HF Llama checkpoint (vocabulary 256), one per module; a module that
+    needs another model defines its own `ckpt`."""
+    from tests.helpers.checkpoints import make_hf_checkpoint
+
+    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt", vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt):
+    """(prompt, n) -> HF's greedy continuation on the module's `ckpt`."""
+    from tests.helpers.checkpoints import load_hf_model
+    from tests.helpers.hf_oracle import greedy_oracle
+
+    return greedy_oracle(load_hf_model(ckpt))
+
+
 @pytest.fixture(scope="session")
 def serve_model_dir(tmp_path_factory):
     """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template."""
@@ -63,3 +81,17 @@ def server(request, serve_model_dir, tmp_path_factory):
                         "--api-servers", str(request.param))
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The real `openai` client on the module's `server` (this file's, or a module's own)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The served model's id, as /v1/models lists it."""
+    return client.models.list().data[0].id

@@ -55,6 +55,10 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
     (["bench", *NO_MODEL, "--startup", "--mode", "sweep", "--sizes", "0"], "sizes must be >= 1"),
     # A choice error read "Invalid value for '--tracer': Value error, 'foo' is not ...".
     (["profile", "--tracer", "foo"], "Invalid value for '--tracer': 'foo' is not one of"),
+    # --gemv's values, and the pair that contradicts itself (config.SkinnyLinearConfig).
+    (["generate", "hi", *NO_MODEL, "--gemv", "fast"], "unknown gemv backend 'fast'"),
+    (["generate", "hi", *NO_MODEL, "--gemv", "cublas", "--gemv-fuse"],
+     "--gemv-fuse runs the fused layers on the Triton GEMV"),
     # os.access says yes (to root, and to /proc); the write after the run then failed.
     (["bench", *NO_MODEL, "--json", "/proc/llmfast-bench.json"], "cannot write --json"),
 ])

@@ -29,15 +29,28 @@ def _case(seed: int, q_lens: list[int], ctx_lens: list[int], num_heads=6, num_kv
     return q, k_cache, v_cache, table, qsl, seq_lens, total
 
 
+def _reference(q, kc, vc, table, qsl, seq_lens, scale, window=None) -> torch.Tensor:
+    """The float64 reference's output (rows past the batch's tokens stay NaN)."""
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
+                              scale, out, compute_dtype=torch.float64, window=window)
+    return out
+
+
+def _cpu_op(q, kc, vc, table, qsl, seq_lens, scale, window=None) -> torch.Tensor:
+    """The CPU op's output, into a NaN-filled buffer (a row it skipped stays NaN)."""
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, scale, out, window)
+    return out
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mixed_batch_matches_reference(seed, monkeypatch):
     # decodes (1 token), prefill chunks over cached prefixes, an idle row (0 tokens)
     q_lens = [1, 5, 1, 0, 9, 1]
     ctx = [17, 5, 40, 12, 30, 1]
     q, kc, vc, table, qsl, seq_lens, total = _case(seed, q_lens, ctx)
-    expected = torch.full(q.shape, float("nan"), dtype=torch.float64)
-    paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
-                              0.25, expected, compute_dtype=torch.float64)
+    expected = _reference(q, kc, vc, table, qsl, seq_lens, 0.25)
     # Force several decode chunks too.
     monkeypatch.setattr(cpu_attention, "_MAX_GATHER_ELEMENTS", 2000)  # (no owner: no memo)
     # Poison every cache slot past each request's context with stale finite garbage (the
@@ -47,19 +60,15 @@ def test_mixed_batch_matches_reference(seed, monkeypatch):
             block = int(table[r, pos // kc.shape[1]])
             kc[block, pos % kc.shape[1]] = 1e4
             vc[block, pos % kc.shape[1]] = -1e4
-    out = torch.full_like(q, float("nan"))
-    cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.25, out)
+    out = _cpu_op(q, kc, vc, table, qsl, seq_lens, 0.25)
     torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_matches_reference():
     q, kc, vc, table, qsl, seq_lens, total = _case(3, [1, 4, 1], [9, 20, 33], num_heads=8,
                                                    num_kv=1, dtype=torch.bfloat16)
-    expected = torch.empty(q.shape, dtype=torch.float64)
-    paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
-                              0.3, expected, compute_dtype=torch.float64)
-    out = torch.full_like(q, float("nan"))
-    cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.3, out)
+    expected = _reference(q, kc, vc, table, qsl, seq_lens, 0.3)
+    out = _cpu_op(q, kc, vc, table, qsl, seq_lens, 0.3)
     torch.testing.assert_close(out[:total].double(), expected[:total], atol=2e-2, rtol=2e-2)
 
 
@@ -73,11 +82,8 @@ def test_layers_sharing_a_plan_reuse_one_workspace_per_cache_shape():
     owner = AttentionWorkspaces(case[1] for case in cases)  # as a runner owns its cache
     table = cases[0][3]
     for q, kc, vc, _, qsl, seq_lens, total in cases:
-        expected = torch.empty(q.shape, dtype=torch.float64)
-        paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
-                                  0.3, expected, compute_dtype=torch.float64)
-        out = torch.full_like(q, float("nan"))
-        cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.3, out)
+        expected = _reference(q, kc, vc, table, qsl, seq_lens, 0.3)
+        out = _cpu_op(q, kc, vc, table, qsl, seq_lens, 0.3)
         torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)
     assert owner.num_plans == 1  # the plan was shared
     (plan,) = owner._plans.values()
@@ -107,9 +113,7 @@ def test_sliding_window_matches_reference_and_skips_old_blocks(window, monkeypat
     ctx = [70, 45, 40, 12, 30, 1, 66]
     block_size = 8
     q, kc, vc, table, qsl, seq_lens, total = _case(4, q_lens, ctx, block_size=block_size)
-    expected = torch.full(q.shape, float("nan"), dtype=torch.float64)
-    paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
-                              0.25, expected, compute_dtype=torch.float64, window=window)
+    expected = _reference(q, kc, vc, table, qsl, seq_lens, 0.25, window)
     monkeypatch.setattr(cpu_attention, "_MAX_GATHER_ELEMENTS", 3000)  # several chunks
     poisoned = 0
     for r, (n, length) in enumerate(zip(q_lens, ctx)):
@@ -118,8 +122,7 @@ def test_sliding_window_matches_reference_and_skips_old_blocks(window, monkeypat
             kc[block], vc[block] = float("nan"), float("nan")
             poisoned += 1
     assert poisoned > 0 or window == 100
-    out = torch.full_like(q, float("nan"))
-    cpu_attention.paged_attention_cpu(q, kc, vc, table, qsl, seq_lens, 0.25, out, window)
+    out = _cpu_op(q, kc, vc, table, qsl, seq_lens, 0.25, window)
     torch.testing.assert_close(out[:total].double(), expected[:total], atol=1e-5, rtol=1e-5)
     # A decode gathers at most the blocks its window spans.
     plan = cpu_attention._build_plan(
@@ -134,9 +137,7 @@ def test_reference_window_is_hf_mask():
     q, kc, vc, table, qsl, seq_lens, total = _case(2, [6], [13], num_heads=2, num_kv=2,
                                                    block_size=4)
     window = 4
-    out = torch.empty(q.shape, dtype=torch.float64)
-    paged_attention_reference(q.double(), kc.double(), vc.double(), table, qsl, seq_lens,
-                              0.5, out, compute_dtype=torch.float64, window=window)
+    out = _reference(q, kc, vc, table, qsl, seq_lens, 0.5, window)
     keys = kc.double()[table[0].long()].reshape(-1, 2, 16)[:13]
     values = vc.double()[table[0].long()].reshape(-1, 2, 16)[:13]
     for i in range(6):

@@ -16,14 +16,12 @@ import torch
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.worker import buffers
-from tests.test_engine import oracle  # noqa: F401  (fixture)
-from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
-    _engine,
-    _run,
-    _workload,
-    ckpt,
+from tests.helpers.full_graphs import (
+    arrival_workload,
+    emulated_graph_engine,
     greedy_matches_hf,
     rope_in_the_op,
+    run_with_arrivals,
 )
 
 JUNK = 77  # what a device view holds before its first copy
@@ -47,19 +45,19 @@ def _separate_device_views(monkeypatch) -> None:
     monkeypatch.setattr(buffers.StagingBuffer, "_grow", separate_grow)
 
 
-def test_cuda_default_path_with_separate_device_views_matches_hf(ckpt, oracle,  # noqa: F811
+def test_cuda_default_path_with_separate_device_views_matches_hf(ckpt, oracle,
                                                                   monkeypatch, tmp_path):
     _separate_device_views(monkeypatch)
     rope_in_the_op(monkeypatch, tmp_path)
-    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    engine = emulated_graph_engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
     assert engine.runner.inputs.input_ids.gpu is not engine.runner.inputs.input_ids.cpu
     greedy_matches_hf(engine, oracle)
 
 
-def test_sampling_features_with_separate_device_views(ckpt, monkeypatch):  # noqa: F811
+def test_sampling_features_with_separate_device_views(ckpt, monkeypatch):
     # Penalties, seeds, logprobs, logit bias, min_tokens and stop ids read per-request
     # state from staged device views: the same tokens as with the views aliased.
-    prompts, lengths, arrivals = _workload(seed=3)
+    prompts, lengths, arrivals = arrival_workload(seed=3)
     params = [SamplingParams(temperature=0.8 if i % 2 else 0.0, top_p=0.9, top_k=20,
                              max_tokens=n, seed=100 + i, ignore_eos=True,
                              repetition_penalty=1.3, presence_penalty=0.5,
@@ -71,7 +69,7 @@ def test_sampling_features_with_separate_device_views(ckpt, monkeypatch):  # noq
     for separate in (False, True):
         if separate:
             _separate_device_views(monkeypatch)
-        engine = _engine(ckpt, None)
+        engine = emulated_graph_engine(ckpt, None)
         engine.set_async_scheduling(True)
-        results.append(_run(engine, prompts, params, arrivals))
+        results.append(run_with_arrivals(engine, prompts, params, arrivals))
     assert results[1] == results[0]

@@ -6,51 +6,11 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 
 from llmfast import LLM, SamplingParams
 from llmfast.core.request import Request, RequestRejected
 from llmfast.kernels.cpu.linear import Linear
-from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.workloads import NUM_PROMPTS, greedy_params, random_workload
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("engine") / "ckpt", vocab_size=256)
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation by HF with its own KV cache; eos ignored."""
-    ids = torch.tensor([prompt])
-    out = []
-    past = None
-    with torch.inference_mode():
-        for _ in range(n):
-            res = hf(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            token = int(res.logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
-
-
-def greedy_oracle(hf):
-    """(prompt, n) -> HF's greedy continuation, each computed once."""
-    cache = {}
-
-    def expected(prompt, n):
-        key = (tuple(prompt), n)
-        if key not in cache:
-            cache[key] = _hf_greedy(hf, prompt, n)
-        return cache[key]
-
-    return expected
-
-
-@pytest.fixture(scope="module")
-def oracle(ckpt):
-    return greedy_oracle(load_hf_model(ckpt))
 
 
 def _check(llm, prompts, lengths, oracle):

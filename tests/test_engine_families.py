@@ -10,7 +10,8 @@ import pytest
 
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.workloads import random_workload as _workload
-from tests.test_engine import _check, _llm, greedy_oracle
+from tests.helpers.hf_oracle import greedy_oracle
+from tests.test_engine import _check, _llm
 
 FAMILIES = ("mistral", "qwen2", "qwen3")
 

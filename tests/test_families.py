@@ -14,6 +14,7 @@ from llmfast.models.loading.load_error import LoadError
 from llmfast.models.sources.model_source import resolve_model
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from tests.helpers.checkpoints import make_hf_checkpoint
+from tests.helpers.hf_baseline import assert_hf_baseline_logits
 from tests.test_model import _check_prefill_then_decode
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
@@ -178,27 +179,18 @@ def test_random_weights_map_to_the_hf_family(architecture):
     and q/k norms included, and the preset's config.json)."""
     import torch
 
-    from llmfast.bench.hf import hf_model_from_llmfast
     from llmfast.models.families import family_config
-    from llmfast.models.loading.loader import build_model
-    from llmfast.models.sources.model_source import ModelSource
-    from tests.helpers.paged import PagedSequences
 
     config = family_config(
         architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=300,
         tie_word_embeddings=architecture == "Qwen2ForCausalLM", max_position_embeddings=64,
         **_EXPERTS.get(architecture, {}))
-    ours = build_model(ModelSource("random:test", None, config), torch.float32, "cpu", seed=3)
-    with torch.no_grad():  # random weights give norms of 1 and biases of ~0.02: make them show
-        for name, p in ours.named_parameters():
-            p.mul_(torch.empty_like(p).uniform_(0.5, 1.5)) if "norm" in name else p.mul_(5.0)
-    hf = hf_model_from_llmfast(ours, config).eval()
-    prompt = list(range(7, 27))
-    got = PagedSequences(ours, num_seqs=1, max_len=32).step({0: prompt})
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+    def perturb(name, p):  # random weights give norms of 1 and biases of ~0.02: make them show
+        p.mul_(torch.empty_like(p).uniform_(0.5, 1.5)) if "norm" in name else p.mul_(5.0)
+
+    assert_hf_baseline_logits(config, list(range(7, 27)), perturb)
 
 
 # bf16 against HF's fp32: measured on these tiny models (CPU) the largest error is ~3.5% of

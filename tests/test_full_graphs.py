@@ -11,8 +11,6 @@ tokens in every mode. The GPU versions: tests/test_full_graphs_gpu.py.
 
 from __future__ import annotations
 
-import dataclasses
-import random
 
 import numpy as np
 import pytest
@@ -20,58 +18,14 @@ import pytest
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
 from llmfast.engine import LLMEngine
-from llmfast.engine.args import EngineArgs
-from tests.helpers.checkpoints import make_hf_checkpoint
-from tests.helpers.engine_config import engine_config
-from tests.test_engine import oracle  # noqa: F401  (fixture)
-
-MAX_SEQS = 6
-SIZES = (1, 2, 4, 8, 16, 32)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("full_graphs") / "ckpt", vocab_size=256)
-
-
-def _engine(ckpt, mode: CudaGraphMode) -> LLMEngine:
-    args = EngineArgs(model=str(ckpt), device="cpu", max_model_len=96, block_size=4,
-                      seed=0, compile=mode is not None, max_num_seqs=MAX_SEQS,
-                      max_num_batched_tokens=32, cuda_graph_sizes=SIZES)
-    config, source = engine_config(args)
-    if mode is not None:
-        config = dataclasses.replace(config, compile=dataclasses.replace(
-            config.compile, cuda_graph_mode=mode, emulate_cuda_graphs=True,
-            check_static_addresses=True))
-    return LLMEngine(config, source)
-
-
-def _workload(seed: int = 0):
-    """10 prompts (1-30 tokens) generating 3-24 tokens; 6 run at once, so requests
-    finish and others join mid-decode; with block size 4 every context crosses
-    several block boundaries while decoding."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 31))] for _ in range(10)]
-    lengths = [rng.randrange(3, 25) for _ in range(10)]
-    arrivals = [0, 0, 0, 0, 2, 5, 9, 14, 20, 27]  # step at which each request arrives
-    return prompts, lengths, arrivals
-
-
-def _run(engine: LLMEngine, prompts, params, arrivals) -> list[list[int]]:
-    ids: dict[str, int] = {}
-    tokens: dict[int, list[int]] = {}
-    step = 0
-    while len(tokens) < len(prompts):
-        for i, at in enumerate(arrivals):
-            if at == step:
-                ids[engine.add_request({"prompt_token_ids": prompts[i]}, params[i],
-                                       stream=False)] = i
-        for out in engine.step():
-            if out.finished:
-                tokens[ids[out.request_id]] = list(out.outputs[0].token_ids)
-        step += 1
-        assert step < 1000
-    return [tokens[i] for i in range(len(prompts))]
+from tests.helpers.full_graphs import (
+    arrival_workload,
+    cuda_start_up_order,
+    emulated_graph_engine,
+    greedy_matches_hf,
+    rope_in_the_op,
+    run_with_arrivals,
+)
 
 
 class _ReplaySpy:
@@ -102,10 +56,10 @@ class _ReplaySpy:
     # dispatch rule's (test_graph_dispatch.py) and the plain compiled mode's.
     pytest.param(CudaGraphMode.FULL_DECODE, False, marks=pytest.mark.slow),
 ])
-def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode,  # noqa: F811
+def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode,
                                                              async_scheduling):
-    prompts, lengths, arrivals = _workload()
-    engine = _engine(ckpt, mode)
+    prompts, lengths, arrivals = arrival_workload()
+    engine = emulated_graph_engine(ckpt, mode)
     engine.set_async_scheduling(async_scheduling)
     compiled = engine.runner.compiled
     assert compiled.stats.full_graph_sizes == (1, 2, 4)  # sizes <= max_num_seqs 6
@@ -113,7 +67,7 @@ def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode
     assert (piecewise_graphs > 0) == mode.has_piecewise
     spy = _ReplaySpy(engine)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    got = _run(engine, prompts, params, arrivals)
+    got = run_with_arrivals(engine, prompts, params, arrivals)
     for p, n, tokens in zip(prompts, lengths, got):
         assert tokens == oracle(p, n)
     # Full graphs ran, at padded sizes too, and their padding rows were harmless:
@@ -136,31 +90,7 @@ def test_full_graphs_match_hf_with_joins_finishes_and_padding(ckpt, oracle, mode
         spy.replay(2, inputs)
 
 
-def rope_in_the_op(monkeypatch, cache_dir) -> None:
-    """The decoder hands RoPE to the attention op, as on CUDA (on the CPU the op then
-    rotates with the torch reference), with a compile cache of its own (`cache_dir`), so
-    the first start traces: a guard problem shows on a cold start only."""
-    from llmfast.kernels.layers.rotary_reference import rope_cache_takes
-    from llmfast.models import decoder
-
-    monkeypatch.setattr(decoder, "rope_fuses_into_attention", rope_cache_takes)
-    monkeypatch.setenv("LLMFAST_CACHE", str(cache_dir))
-
-
-def greedy_matches_hf(engine: LLMEngine, oracle) -> None:  # noqa: F811 (the fixture's value)
-    """The workload, greedy, under async scheduling: every request's tokens are HF's,
-    and both graph kinds were replayed."""
-    prompts, lengths, arrivals = _workload()
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    engine.set_async_scheduling(True)
-    got = _run(engine, prompts, params, arrivals)
-    for p, n, tokens in zip(prompts, lengths, got):
-        assert tokens == oracle(p, n)
-    compiled = engine.runner.compiled
-    assert compiled.graphs.full.num_replays > 0 and compiled.graphs.piecewise.num_replays > 0
-
-
-def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noqa: F811
+def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,
                                                            monkeypatch, tmp_path):
     # The model hands RoPE to the attention op, as on CUDA (on the CPU the op rotates
     # with the torch reference), so the step's host max_query_len is a graph input that
@@ -170,7 +100,7 @@ def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noq
     rope_in_the_op(monkeypatch, tmp_path)
     # Cold (traced and saved), then warm (the saved split graph loaded: no Dynamo).
     for warm in (False, True):
-        engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+        engine = emulated_graph_engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
         greedy_matches_hf(engine, oracle)
         compiled = engine.runner.compiled
         assert compiled.stats.precompiled == warm
@@ -178,41 +108,7 @@ def test_full_graphs_with_rope_in_the_attention_op_match_hf(ckpt, oracle,  # noq
             assert compiled.stats.num_dynamo_graphs == 1  # one trace: every capture, step
 
 
-def cuda_start_up_order(monkeypatch, calls: list[str] | None = None, profile=None) -> None:
-    """The runner starts in its CUDA order on the CPU: the memory profile (by default a
-    stand-in leaving one-block scratch caches bound, as the real one does) and the
-    graphs' estimate -> the KV cache sized (256 blocks: a stand-in for the device's free
-    memory) and bound -> the model compiled and every graph captured once on it.
-    `calls` records "profile", "size" and "capture" as they happen."""
-    from llmfast.worker import model_runner
-    from llmfast.worker.startup.memory_profile import bind_one_block_caches
-
-    def one_block_profile(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,
-                          device, max_model_len=None):
-        bind_one_block_caches(model, block_size, dtype, device)
-        if calls is not None:
-            calls.append("profile")
-        return 0
-
-    def blocks(*args):
-        if calls is not None:
-            calls.append("size")
-        return 256
-
-    def capture_recorded(*args):
-        if calls is not None:
-            calls.append("capture")
-        return compile_and_capture(*args)
-
-    compile_and_capture = model_runner.compile_and_capture
-    monkeypatch.setattr(model_runner, "profile_peak_memory", profile or one_block_profile)
-    monkeypatch.setattr(model_runner, "num_gpu_blocks", blocks)
-    monkeypatch.setattr(model_runner, "compile_and_capture", capture_recorded)
-    monkeypatch.setattr(model_runner.ModelRunner, "_sizes_cache_by_profiling",
-                        lambda self: True)
-
-
-def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path):  # noqa: F811
+def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path):
     # What a CUDA start does, on the CPU (emulated graphs, RoPE in the op, async): the
     # memory profiled on one-block scratch caches, the real KV cache sized and bound,
     # then the model compiled and every graph captured once, on the real cache. The
@@ -220,7 +116,7 @@ def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path)
     calls: list[str] = []
     cuda_start_up_order(monkeypatch, calls)
     rope_in_the_op(monkeypatch, tmp_path)
-    engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+    engine = emulated_graph_engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
     assert calls == ["profile", "size", "capture"] and engine.runner.num_blocks == 256
     compiled = engine.runner.compiled
     assert compiled.stats.full_graph_sizes == (1, 2, 4)
@@ -238,14 +134,14 @@ def test_the_cuda_start_up_order_matches_hf(ckpt, oracle, monkeypatch, tmp_path)
 
 @pytest.mark.slow  # ~30 s on 2 cores; the GPU suite checks the same on real graphs
 def test_seeded_sampling_gives_the_same_tokens_in_every_mode(ckpt):
-    prompts, lengths, arrivals = _workload(seed=1)
+    prompts, lengths, arrivals = arrival_workload(seed=1)
     params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=n, seed=100 + i,
                              ignore_eos=True) for i, n in enumerate(lengths)]
     results = {}
     for mode in (CudaGraphMode.NONE, CudaGraphMode.FULL_AND_PIECEWISE):
-        results[mode] = _run(_engine(ckpt, mode), prompts, params, arrivals)
+        results[mode] = run_with_arrivals(emulated_graph_engine(ckpt, mode), prompts, params,
+                                          arrivals)
     assert results[CudaGraphMode.FULL_AND_PIECEWISE] == results[CudaGraphMode.NONE]
-
 
 
 def _capture_rig(piecewise_sizes=None):
@@ -397,14 +293,15 @@ _INTERPRETED_FULL_GRAPHS_CHILD = """
 import json
 from llmfast import SamplingParams
 from llmfast.config import CudaGraphMode
-from tests.test_full_graphs import _engine, _run, _workload
+from tests.helpers.full_graphs import arrival_workload, emulated_graph_engine, run_with_arrivals
 
-prompts, lengths, arrivals = _workload()
+prompts, lengths, arrivals = arrival_workload()
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-full = _engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
+full = emulated_graph_engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
 full.set_async_scheduling(True)
-result = {"eager_sync": _run(_engine("random:tiny", None), prompts, params, arrivals),
-          "full_async": _run(full, prompts, params, arrivals)}
+eager = emulated_graph_engine("random:tiny", None)
+result = {"eager_sync": run_with_arrivals(eager, prompts, params, arrivals),
+          "full_async": run_with_arrivals(full, prompts, params, arrivals)}
 print(json.dumps(dict(result, full_replays=full.runner.compiled.graphs.full.num_replays)))
 """
 
@@ -450,16 +347,18 @@ from llmfast.config import CudaGraphMode
 from llmfast.attention.triton import launch as attention
 from llmfast.kernels.layers.rotary_reference import rope_cache_takes
 from llmfast.models import decoder
-from tests.test_full_graphs import _engine, _run, _workload
+from tests.helpers.full_graphs import arrival_workload, emulated_graph_engine, run_with_arrivals
 
-prompts, lengths, arrivals = _workload()
+prompts, lengths, arrivals = arrival_workload()
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-result = {"eager_sync": _run(_engine("random:tiny", None), prompts, params, arrivals)}
+result = {"eager_sync": run_with_arrivals(emulated_graph_engine("random:tiny", None), prompts,
+                                          params, arrivals)}
 decoder.rope_fuses_into_attention = rope_cache_takes
-result["eager_sync_rope_in_op"] = _run(_engine("random:tiny", None), prompts, params, arrivals)
-full = _engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
+result["eager_sync_rope_in_op"] = run_with_arrivals(emulated_graph_engine("random:tiny", None),
+                                                    prompts, params, arrivals)
+full = emulated_graph_engine("random:tiny", CudaGraphMode.FULL_AND_PIECEWISE)
 full.set_async_scheduling(True)
-result["full_async"] = _run(full, prompts, params, arrivals)
+result["full_async"] = run_with_arrivals(full, prompts, params, arrivals)
 result["fused_decode_plans"] = sum(plan.rope for plan in attention._PLANS.values())
 print(json.dumps(dict(result, full_replays=full.runner.compiled.graphs.full.num_replays)))
 """

@@ -23,7 +23,7 @@ from llmfast.config import DEFAULT_CUDA_GRAPH_SIZES, CudaGraphMode
 from llmfast.engine import LLMEngine
 from llmfast.engine.args import EngineArgs
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_full_graphs import _run
+from tests.helpers.full_graphs import run_with_arrivals
 from tests.helpers.engine_config import engine_config
 
 pytestmark = [
@@ -138,7 +138,7 @@ def test_greedy_tokens_identical_in_every_mode_and_equal_hf(ckpt, engines, batch
     for mode, engine in engines.items():
         full = engine.runner.compiled.graphs.full
         before = full.num_replays if full is not None else 0
-        results[mode] = _run(engine, prompts, params, arrivals)
+        results[mode] = run_with_arrivals(engine, prompts, params, arrivals)
         if full is not None:
             assert full.num_replays > before, f"{mode}: no full-graph step at batch {batch}"
     hf = load_hf_model(ckpt).cuda()
@@ -160,7 +160,8 @@ def test_seeded_sampling_identical_in_every_mode(engines):
     prompts, lengths, arrivals = _workload(17, seed=99)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=n,
                              seed=1000 + i, ignore_eos=True) for i, n in enumerate(lengths)]
-    results = {mode: _run(engine, prompts, params, arrivals) for mode, engine in engines.items()}
+    results = {mode: run_with_arrivals(engine, prompts, params, arrivals)
+               for mode, engine in engines.items()}
     for mode in MODES[1:]:
         assert results[mode] == results["none"], mode
 
@@ -174,7 +175,7 @@ def test_default_sizes_both_kinds_capture_on_llama_1b(caplog):
 
     from llmfast import LLM
 
-    with caplog.at_level(logging.INFO, logger="llmfast.worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="llmfast.worker.startup.runner_startup"):
         llm = LLM("random:llama-3.2-1b", device="cuda", max_model_len=2048)
     took = [r for r in caplog.records if "the CUDA graphs took" in r.getMessage()]
     print("\n" + "\n".join(r.getMessage() for r in took))

@@ -11,7 +11,9 @@ import torch
 from llmfast.models.families import hf_dict_from_model_config, model_config_from_hf
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import _check, _llm, greedy_oracle
+from tests.helpers.hf_baseline import assert_hf_baseline_logits
+from tests.helpers.hf_oracle import greedy_oracle
+from tests.test_engine import _check, _llm
 from tests.test_sliding_models import long_workload
 
 
@@ -79,11 +81,7 @@ def test_presets_are_gemma3_shapes(preset, hidden, layers, window):
 def test_random_weights_map_to_hf_gemma3():
     """The HF baseline of a random Gemma 3 (bench/hf.py: llmfast's weights copied into
     HF's model, its embedding scale restored) computes llmfast's logits past the window."""
-    from llmfast.bench.hf import hf_model_from_llmfast
     from llmfast.models.families import family_config
-    from llmfast.models.loading.loader import build_model
-    from llmfast.models.sources.model_source import ModelSource
-    from tests.helpers.paged import PagedSequences
 
     config = family_config(
         "Gemma3ForCausalLM", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -91,16 +89,11 @@ def test_random_weights_map_to_hf_gemma3():
         tie_word_embeddings=True, max_position_embeddings=128, sliding_window=8,
         layer_types=("sliding_attention", "full_attention", "sliding_attention"),
         hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32.0, rope_local_theta=100.0)
-    ours = build_model(ModelSource("random:test", None, config), torch.float32, "cpu", seed=3)
-    with torch.no_grad():  # random weights: norms of 0 (scale 1), small projections
-        for name, p in ours.named_parameters():
-            p.uniform_(-0.5, 0.5) if "norm" in name else p.mul_(5.0)
-    hf = hf_model_from_llmfast(ours, config).eval()
-    prompt = list(range(7, 37))
-    got = PagedSequences(ours, num_seqs=1, max_len=32).step({0: prompt})
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+    def perturb(name, p):  # random weights: norms of 0 (scale 1), small projections
+        p.uniform_(-0.5, 0.5) if "norm" in name else p.mul_(5.0)
+
+    assert_hf_baseline_logits(config, list(range(7, 37)), perturb)
 
 
 @pytest.mark.slow

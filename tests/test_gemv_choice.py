@@ -1,7 +1,8 @@
 """Which kernel a skinny projection takes (kernels/gemv/launch_config.py): M buckets, the
 heuristic's split-K, the shipped table's lookup and its file format, cuBLAS kept above
-16 rows and where the table says so, LLMFAST_GEMV; the op's registration, fake impl and
-compile; and the CPU path, which never takes the GEMV."""
+16 rows and where the table says so, the --gemv backends; the op's registration, fake
+impl and compile; a layer's routing in its trace; and the CPU path, which never takes the
+GEMV."""
 
 from __future__ import annotations
 
@@ -119,33 +120,25 @@ def test_choose(table_dir):
     tuned = GemvConfig(16, 256, split_k=4)
     _write(table_dir, H100, {key: {1: (tuned, {}), 8: (None, {})}})
 
-    def pick(rows, mode, device=H100, k=key):
-        return choose(rows, 2048, 8192, k, device, 132, mode)
+    def pick(rows, backend, device=H100, k=key):
+        return choose(rows, 2048, 8192, k, device, 132, backend)
 
-    assert pick(1, "table").config == tuned and pick(1, "table").source == "table"
-    assert pick(5, "table").config is None  # the 8 bucket: cuBLAS measured faster
-    assert pick(5, "1").config is None  # the table wins over the heuristic
-    assert pick(16, "table").config is None and pick(16, "table").source == "no table entry"
-    assert pick(16, "1").config == heuristic_config(16, 2048, 8192, 132)
+    assert pick(1, "auto").config == tuned and pick(1, "auto").source == "table"
+    assert pick(5, "auto").config is None  # the 8 bucket: cuBLAS measured faster
+    assert pick(1, "triton").config == tuned  # the table's Triton config
+    # triton: Triton always, the heuristic's where the table says cuBLAS or nothing.
+    assert pick(5, "triton").config == heuristic_config(5, 2048, 8192, 132)
+    assert pick(16, "auto").config is None and pick(16, "auto").source == "no table entry"
+    assert pick(16, "triton").config == heuristic_config(16, 2048, 8192, 132)
     other = "n4096-k4096-bfloat16"
-    assert pick(1, "table", k=other).config is None  # no entry: cuBLAS by default
-    assert pick(1, "table", device="NVIDIA H200").config is None  # no table for this GPU
-    # Batch 64-512 (and anything past 16 rows) keep cuBLAS whatever the table or mode.
+    assert pick(1, "auto", k=other).config is None  # no entry: cuBLAS by default
+    assert pick(1, "auto", device="NVIDIA H200").config is None  # no table for this GPU
+    # Batch 64-512 (and anything past 16 rows) keep cuBLAS whatever the table or backend.
     for rows in (MAX_GEMV_ROWS + 1, 64, 512):
-        for mode in ("table", "1"):
-            assert pick(rows, mode).config is None and pick(rows, mode).source == "rows"
-    assert pick(1, "0").source == "off" and pick(1, "0").config is None
-    assert pick(3, "table", device=None).config == launch_config.INTERPRETER_CONFIG
-
-
-def test_mode_from_the_environment(monkeypatch):
-    monkeypatch.delenv("LLMFAST_GEMV", raising=False)
-    assert launch_config.gemv_mode() == "table"
-    monkeypatch.setenv("LLMFAST_GEMV", "1")
-    assert launch_config.gemv_mode() == "1"
-    monkeypatch.setenv("LLMFAST_GEMV", "yes")
-    with pytest.raises(ValueError, match="LLMFAST_GEMV must be one of"):
-        launch_config.gemv_mode()
+        for backend in ("auto", "triton"):
+            assert pick(rows, backend).config is None and pick(rows, backend).source == "rows"
+    assert pick(1, "cublas").source == "off" and pick(1, "cublas").config is None
+    assert pick(3, "auto", device=None).config == launch_config.INTERPRETER_CONFIG
 
 
 # ------------------------------------------------------------------ the op
@@ -158,7 +151,7 @@ def _args(rows: int, silu_mul: bool = False, fused: bool = True):
     weight = torch.randn(2 * n if silu_mul else n, k, generator=g)
     norm = torch.rand(k, generator=g) + 0.5 if fused else None
     residual = torch.randn(rows, n, generator=g) if fused else None
-    return (x, weight, None, None, norm, residual, 1e-5, silu_mul, None)
+    return (x, weight, None, None, norm, residual, 1e-5, silu_mul, None, "auto")
 
 
 def test_op_registered_and_passes_opcheck():
@@ -201,27 +194,37 @@ def test_op_compiles_with_an_unbacked_token_count():
     assert counter.frame_count == 1
 
 
-def test_gemv_wanted_is_a_trace_time_constant(monkeypatch):
-    """Dynamo records `_gemv_wanted` as a constant (no graph break on its env and file
-    reads); it follows LLMFAST_GEMV."""
-    monkeypatch.setattr(ops, "_device", lambda index: ("NVIDIA H100 80GB HBM3", 132))
-    for mode, want in (("1", 3.0), ("0", 2.0)):
-        monkeypatch.setenv("LLMFAST_GEMV", mode)
+def test_a_layers_routing_decides_its_trace():
+    """`gemv_backend` is a plain attribute Dynamo reads as a constant: a routed Linear
+    records the op in the graph (with its backend), an unrouted one does not; both give
+    the torch form's result on the CPU."""
+    from llmfast.kernels.cpu.linear import Linear
+
+    layer = Linear(40, 24)
+    x = torch.randn(3, 40)
+    for backend in ("", "triton"):
+        layer.gemv_backend = backend
+        graphs = []
+
+        def keep(gm, inputs):
+            graphs.append(gm)
+            return gm.forward
+
         torch._dynamo.reset()
-
-        @torch.compile(backend="eager", fullgraph=True)
-        def f(x):
-            return x + (3.0 if ops._gemv_wanted(24, 40, "bfloat16", "", 0) else 2.0)
-
-        assert f(torch.zeros(2)).tolist() == [want, want]
+        out = torch.compile(layer, backend=keep, fullgraph=True)(x)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight,
+                                                                   layer.bias))
+        ops_called = [n for n in graphs[0].graph.nodes if "skinny_linear" in str(n.target)]
+        assert len(ops_called) == (1 if backend else 0)
+        if backend:
+            assert ops_called[0].args[-1] == "triton"
 
 
 def test_cpu_never_takes_the_gemv(monkeypatch):
-    """CPU tensors (no interpreter): the choice is torch's, gemv_wanted is false, and a
-    Linear runs as before even with LLMFAST_GEMV=1."""
+    """CPU tensors (no interpreter): the choice is torch's whatever the backend, and a
+    Linear runs as before."""
     from llmfast.kernels.cpu.linear import Linear
 
-    monkeypatch.setenv("LLMFAST_GEMV", "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def boom(*args, **kwargs):
@@ -230,8 +233,9 @@ def test_cpu_never_takes_the_gemv(monkeypatch):
     monkeypatch.setattr(ops, "gemv_triton", boom)
     x = torch.randn(2, 40)
     layer = Linear(40, 24)
-    assert not ops.gemv_wanted(x, layer.weight)
-    assert ops.choice_for(x, layer.weight, False, False, False).source == "cpu"
+    assert layer.gemv_backend == ""
+    for backend in ("auto", "triton"):
+        assert ops.choice_for(x, layer.weight, False, False, False, backend).source == "cpu"
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))
     args = _args(2)
     torch.testing.assert_close(ops.skinny_linear(*args[:8]),

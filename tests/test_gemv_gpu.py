@@ -1,7 +1,8 @@
 """The skinny GEMM (kernels/gemv/) on CUDA: the heuristic's launches at the 1B and 8B
 presets' projection shapes, each fusion and fp8 weights, against the float64 oracle and
 its bound (tests/helpers/gemv.py); split-K inside a CUDA graph; the op compiled by
-Inductor with an unbacked token count; the fused decoder against the plain one.
+Inductor with an unbacked token count; the fused decoder against the plain one; the
+start-up measurement (--gemv auto) with its real timer and file.
 
 Marked gpu (deselected by default); run on a CUDA machine with `python -m pytest -m gpu tests/test_gemv_gpu.py`."""
 
@@ -83,13 +84,12 @@ def test_split_k_in_a_cuda_graph():
     assert torch.equal(captured, want) and not torch.equal(captured, out)
 
 
-def test_op_under_inductor_with_an_unbacked_token_count(monkeypatch):
-    """LLMFAST_GEMV=1: up to 16 rows the GEMV inside the compiled graph, past them
+def test_op_under_inductor_with_an_unbacked_token_count():
+    """--gemv triton: up to 16 rows the GEMV inside the compiled graph, past them
     cuBLAS; results within the oracle's bound either way."""
-    monkeypatch.setenv("LLMFAST_GEMV", "1")
-    ops._choice.cache_clear()
     compiled = torch.compile(
-        lambda x, w, norm: ops.linear(x, w, norm_weight=norm, eps=1e-5) + 1.0, fullgraph=True)
+        lambda x, w, norm: ops.linear(x, w, norm_weight=norm, eps=1e-5, backend="triton")
+        + 1.0, fullgraph=True)
     for rows in (1, 5, 16, 40):
         inputs = random_inputs(rows, 3072, 2048, torch.bfloat16, seed=rows)
         x = inputs["x"].cuda()
@@ -102,24 +102,21 @@ def test_op_under_inductor_with_an_unbacked_token_count(monkeypatch):
                       torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_fused_decoder_close_to_plain_on_llama_1b_shapes(monkeypatch, rows):
-    """random:llama-3.2-1b with 2 layers: the fused layers' last hidden states against
-    the plain layers' on the same decode batch, bf16 (different roundings of the same
-    sums: a few % of the scale two layers deep)."""
+def _llama_1b_two_layers():
     import dataclasses
 
-    from llmfast.models import fused_layer
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
-    from tests.helpers.static_buffers import StaticBatch
 
-    monkeypatch.setenv("LLMFAST_GEMV", "1")
-    ops._choice.cache_clear()
     source = resolve_model("random:llama-3.2-1b")
     source = dataclasses.replace(source, config=dataclasses.replace(source.config,
                                                                     num_hidden_layers=2))
-    model = build_model(source, torch.bfloat16, "cuda", max_positions=256)
+    return build_model(source, torch.bfloat16, "cuda", max_positions=256)
+
+
+def _decode_batch(model, rows: int):
+    from tests.helpers.static_buffers import StaticBatch
+
     static = StaticBatch(model, rows, 128, max_num_tokens=rows)
     for k_cache, v_cache in static.caches:
         k_cache.normal_()
@@ -131,9 +128,73 @@ def test_fused_decoder_close_to_plain_on_llama_1b_shapes(monkeypatch, rows):
     static.table[:rows].copy_(static.block_table[:rows])
     static.query_start_loc[:rows + 1] = torch.arange(rows + 1, dtype=torch.int32)
     static.seq_lens[:rows] = pos + 1
+    return static
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_fused_decoder_close_to_plain_on_llama_1b_shapes(rows):
+    """random:llama-3.2-1b with 2 layers: the fused layers' last hidden states against
+    the plain layers' on the same decode batch, bf16 (different roundings of the same
+    sums: a few % of the scale two layers deep); both routed --gemv triton."""
+    from llmfast.config import SkinnyLinearConfig
+    from llmfast.worker.startup.gemv_routing import route_gemv
+
+    model = _llama_1b_two_layers()
+    static = _decode_batch(model, rows)
     outs = {}
     for fused in (False, True):
-        monkeypatch.setattr(fused_layer, "_ENABLED", fused)
+        route_gemv(model, SkinnyLinearConfig("triton", fused), range(1, 17))
+        assert model.model.gemv_fused == ("triton" if fused else "")
         outs[fused] = static.run(model.model, rows, rows, max_query_len=1).float()
     err = (outs[True] - outs[False]).abs().max().item()
     assert err <= 5e-2 * outs[False].abs().max().item()
+
+
+def test_startup_measurement_times_keeps_and_reuses(tmp_path, monkeypatch):
+    """--gemv auto on this GPU (no shipped entry: the test's own empty tables): every
+    projection shape timed at buckets 1 and 4 by the real timer (CUDA graphs, events),
+    each candidate compiled in threads before (its timing compiles nothing at a launch),
+    the file written; a second routing reads it and times nothing; the routed model's
+    decode step stays close to cuBLAS's."""
+    import json
+
+    from llmfast.config import SkinnyLinearConfig
+    from llmfast.worker.startup import gemv_tuning
+    from llmfast.kernels.launch.compile_watch import TritonCompileWatch
+    from llmfast.worker.startup.gemv_routing import model_launches, route_gemv
+
+    model = _llama_1b_two_layers()
+    static = _decode_batch(model, 4)
+    plain = static.run(model.model, 4, 4, max_query_len=1).float()
+    keys = {launch.key for _, launch in model_launches(model, fused=False)}
+    calls, compiled_at_launch = [], []
+    time_on_cuda = gemv_tuning.time_on_cuda
+
+    def timer(launches, rows, config):  # the real timer, watched
+        calls.append((launches[0].key, rows))
+        with TritonCompileWatch() as watch:
+            us = time_on_cuda(launches, rows, config)
+        compiled_at_launch.extend(c.name for c in watch.compiles)
+        return us
+
+    # The start-up's own path (no `measure` passed): the candidates compile ahead.
+    monkeypatch.setattr(gemv_tuning, "time_on_cuda", timer)
+    monkeypatch.setattr(launch_config, "TABLE_DIR", tmp_path / "no-shipped-tables")
+    monkeypatch.setattr(launch_config, "_MEASURED", {})
+    launch_config.shipped_table.cache_clear()
+    try:
+        routing = route_gemv(model, SkinnyLinearConfig("auto"), (1, 4), cache=tmp_path)
+        assert set(routing.measured) == keys and {r for _, r in calls} == {1, 4}
+        assert compiled_at_launch == []
+        (path,) = tmp_path.glob("*.json")
+        table = launch_config.parse_table(json.loads(path.read_text()))
+        assert set(table) == keys and all(set(rows) == {1, 4} for rows in table.values())
+        print(json.dumps(json.loads(path.read_text())["shapes"], indent=1))
+        calls.clear()
+        again = route_gemv(model, SkinnyLinearConfig("auto"), (1, 4), cache=tmp_path)
+        assert calls == [] and again.routed == routing.routed
+        routed = static.run(model.model, 4, 4, max_query_len=1).float()
+        assert (routed - plain).abs().max().item() <= 5e-2 * plain.abs().max().item()
+    finally:
+        launch_config.shipped_table.cache_clear()
+        ops.forget_choices()

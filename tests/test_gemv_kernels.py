@@ -96,22 +96,15 @@ def check_fp8(fusion: str, rows: int, n: int, k: int, dtype: str, config: dict) 
     assert_within(got, want, dt)
 
 
-def check_dispatch(rows: int, mode: str) -> None:
+def check_dispatch(rows: int, backend: str) -> None:
     """skinny_linear under the interpreter: up to 16 rows the Triton GEMV (the
-    interpreter's config), more rows the torch form; LLMFAST_GEMV=0: never Triton."""
-    import os
-
+    interpreter's config), more rows the torch form; --gemv cublas: never Triton."""
     from llmfast.kernels.gemv import ops
 
-    os.environ["LLMFAST_GEMV"] = mode
-    ops._choice.cache_clear()
-    try:
-        with record_gemv_rows() as calls:
-            args, want = _case("residual", rows, 24, 40, torch.float32)
-            assert_within(ops.skinny_linear(**args), want, torch.float32)
-    finally:
-        del os.environ["LLMFAST_GEMV"]
-    assert calls == ([rows] if rows <= 16 and mode != "0" else []), calls
+    with record_gemv_rows() as calls:
+        args, want = _case("residual", rows, 24, 40, torch.float32)
+        assert_within(ops.skinny_linear(**args, backend=backend), want, torch.float32)
+    assert calls == ([rows] if rows <= 16 and backend != "cublas" else []), calls
 
 
 SMALL = dict(block_n=16, block_k=32, num_warps=1, num_stages=1)
@@ -144,18 +137,20 @@ def test_triton_fp8_gemv_matches_float64(interpreter, fusion, shape, dtype):
     interpreter("check_fp8", fusion=fusion, rows=rows, n=n, k=k, dtype=dtype, config=config)
 
 
-@pytest.mark.parametrize(("rows", "mode"), [(1, "table"), (16, "1"), (17, "table"),
-                                            (4, "0")])
-def test_dispatch_by_rows(interpreter, rows, mode):
-    interpreter("check_dispatch", rows=rows, mode=mode)
+@pytest.mark.parametrize(("rows", "backend"), [(1, "auto"), (16, "triton"), (17, "auto"),
+                                               (4, "cublas")])
+def test_dispatch_by_rows(interpreter, rows, backend):
+    interpreter("check_dispatch", rows=rows, backend=backend)
 
 
 def check_fused_decoder(dtype: str, rows: int) -> None:
     """A tiny Llama's forward with the fused layers (models/fused_layer.py) against the
     plain layers on the same batch, every kernel interpreted: `rows` decode requests
     (each a GEMV launch of `rows` rows: 4 fused launches a layer), or past 16 rows one
-    prefill (the op's torch form). The KV writes are the same in both runs."""
-    from llmfast.models import fused_layer
+    prefill (the op's torch form). The KV writes are the same in both runs; the fused
+    form is routed as the engine routes it (--gemv triton --gemv-fuse)."""
+    from llmfast.config import SkinnyLinearConfig
+    from llmfast.worker.startup.gemv_routing import route_gemv
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
     from tests.helpers.static_buffers import StaticBatch
@@ -182,15 +177,15 @@ def check_fused_decoder(dtype: str, rows: int) -> None:
         static.table[r].copy_(static.block_table[r])
         static.seq_lens[r] = context
     static.query_start_loc[:num_reqs + 1] = torch.arange(num_reqs + 1) * (1 if decode else rows)
-    try:
-        outs = {}
-        with record_gemv_rows() as calls:
-            for fused in (False, True):
-                fused_layer._ENABLED = fused
-                outs[fused] = static.run(model.model, rows, num_reqs,
-                                         max_query_len=1 if decode else rows).double()
-    finally:
-        fused_layer._ENABLED = None
+    outs = {}
+    with record_gemv_rows() as calls:
+        for fused in (False, True):
+            routing = route_gemv(model, SkinnyLinearConfig("triton", fused), range(1, 17))
+            assert routing.fused == fused and model.model.gemv_fused == ("triton" if fused
+                                                                         else "")
+            assert routing.routed == 0  # (CPU: the plain layers keep their own paths)
+            outs[fused] = static.run(model.model, rows, num_reqs,
+                                     max_query_len=1 if decode else rows).double()
     assert calls == ([rows] * 4 * model.config.num_hidden_layers if decode else []), calls
     err = (outs[True] - outs[False]).abs().max().item()
     scale = outs[False].abs().max().item()
@@ -205,7 +200,6 @@ def check_fused_decoder_compiles() -> None:
     triton ops take no interpreted kernels under compile: torch's ops here.)"""
     from llmfast.kernels.layers import kernel_choice
     from llmfast.kernels.layers.triton_ops import register_triton_ops
-    from llmfast.models import fused_layer
     from llmfast.models.loading.loader import build_model
     from llmfast.models.sources.model_source import resolve_model
     from tests.helpers.static_buffers import StaticBatch
@@ -223,7 +217,8 @@ def check_fused_decoder_compiles() -> None:
     static.query_start_loc[:3] = torch.tensor([0, 1, 2])
     static.seq_lens[:2] = pos + 1
     saved = kernel_choice._ENABLED
-    kernel_choice._ENABLED, fused_layer._ENABLED = False, True
+    kernel_choice._ENABLED = False
+    model.model.gemv_fused = "auto"  # (the interpreter's config: what routing sets)
     try:
         register_triton_ops()
         eager = static.run(model.model, 2, 2, max_query_len=1)
@@ -242,7 +237,7 @@ def check_fused_decoder_compiles() -> None:
 
         got = static.run(forward, 2, 2, max_query_len=1)
     finally:
-        kernel_choice._ENABLED, fused_layer._ENABLED = saved, None
+        kernel_choice._ENABLED = saved
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("skinny_linear" in t for t in targets) == 4 * model.config.num_hidden_layers

@@ -13,7 +13,7 @@ from llmfast.models.families import model_config_from_json
 from llmfast.models.formats.gguf import convert_gguf_to_hf_dir
 from tests.helpers.gguf_files import tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import MIXED_TEXT, train_byte_level_bpe
-from tests.test_engine import _hf_greedy
+from tests.helpers.hf_oracle import hf_greedy
 from tests.test_gguf import hf_gguf_model
 
 
@@ -82,7 +82,7 @@ def check_generates_like_source(out_dir, model) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(model, prompt, 6)
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 6)
 
 
 def test_gemma3_gguf_generates_what_the_source_model_generates(bpe, tmp_path):
@@ -111,4 +111,4 @@ def test_gemma3_gguf_generates_what_the_source_model_generates(bpe, tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for prompt, got in zip(prompts, outs):
-        assert got.outputs[0].token_ids == _hf_greedy(model, prompt, 12)
+        assert got.outputs[0].token_ids == hf_greedy(model, prompt, 12)

@@ -288,8 +288,9 @@ def test_interleaved_timing_alternates_the_calls_and_takes_each_ones_median(monk
     # bench_kernels' decode ratio vs SDPA: the two timed call by call in turn, each
     # figure the median of its own calls. A fake clock stands for CUDA events: each call
     # advances it by its cost (the second function's drifting), a record reads it.
-    import bench_kernels_lib
     import torch
+
+    from llmfast.bench import cuda_timing
 
     clock, calls = [0.0], []
 
@@ -316,7 +317,7 @@ def test_interleaved_timing_alternates_the_calls_and_takes_each_ones_median(monk
     flush = torch.zeros(4)
     a = fn("a", [9.0] * 3 + [0.010, 0.012, 0.011])
     b = fn("b", [9.0] * 3 + [0.020, 0.050, 0.030])
-    got = bench_kernels_lib.time_us_interleaved([a, b], 3, flush, idle=True)
+    got = cuda_timing.time_us_interleaved([a, b], 3, flush, idle=True)
     assert got == pytest.approx([11.0, 30.0])  # µs: each one's median, warm-up left out
     timed = calls[calls.index("sync") + 1:]
     assert timed == ["sync", "a", "sync", "b"] * 3 + ["sync"]  # idle: a sync before each

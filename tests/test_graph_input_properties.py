@@ -32,13 +32,12 @@ from llmfast.cuda_graphs.full import FullGraphRunner
 from llmfast.cuda_graphs.piecewise import PiecewiseGraphRunner
 from llmfast.worker import buffers, model_runner
 from tests.test_device_views import _separate_device_views
-from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
-    _engine,
-    _run,
-    _workload,
-    ckpt,
+from tests.helpers.full_graphs import (
+    arrival_workload,
     cuda_start_up_order,
+    emulated_graph_engine,
     rope_in_the_op,
+    run_with_arrivals,
 )
 
 # What Dynamo guards on an input whose sizes vary between calls (marked unbacked): the
@@ -230,7 +229,7 @@ def _separate_zeroed_device_views(monkeypatch) -> None:
     # split graph instead of tracing (compile/precompiled.py).
     pytest.param("inductor", marks=pytest.mark.slow),
 ])
-def test_graph_inputs_at_every_replay_are_those_of_their_capture(ckpt, monkeypatch,  # noqa: F811
+def test_graph_inputs_at_every_replay_are_those_of_their_capture(ckpt, monkeypatch,
                                                                  tmp_path, pieces):
     _separate_zeroed_device_views(monkeypatch)
     rope_in_the_op(monkeypatch, tmp_path)  # max_query_len a graph input; a cold trace
@@ -241,7 +240,7 @@ def test_graph_inputs_at_every_replay_are_those_of_their_capture(ckpt, monkeypat
     rec = GraphInputRecorder(monkeypatch)
     for warm in (False, True) if pieces == "inductor" else (False,):
         rec.reset()
-        engine = _engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
+        engine = emulated_graph_engine(ckpt, CudaGraphMode.FULL_AND_PIECEWISE)
         assert engine.runner.compiled.stats.precompiled == warm
         _check_a_run(engine, rec)
 
@@ -250,9 +249,9 @@ def _check_a_run(engine, rec: GraphInputRecorder) -> None:
     runner, compiled = engine.runner, engine.runner.compiled
     assert compiled.graphs.full.sizes == (1, 2, 4)  # captured once, on the real cache
     engine.set_async_scheduling(True)
-    prompts, lengths, arrivals = _workload()
+    prompts, lengths, arrivals = arrival_workload()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    _run(engine, prompts, params, arrivals)
+    run_with_arrivals(engine, prompts, params, arrivals)
 
     assert not rec.mismatches
     # Every replay of both kinds went through the checks, and the steps used both.

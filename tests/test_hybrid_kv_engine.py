@@ -17,7 +17,8 @@ from llmfast.core.kv_cache_groups import kv_cache_groups
 from llmfast.worker.group_block_tables import MultiGroupBlockTable
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.helpers.workloads import greedy_params
-from tests.test_engine import _llm, greedy_oracle
+from tests.helpers.hf_oracle import greedy_oracle
+from tests.test_engine import _llm
 from tests.test_sliding_models import long_workload
 
 S, G = "sliding_attention", "full_attention"
@@ -154,39 +155,18 @@ def test_compiled_groups_with_full_graphs_and_a_warm_start(gemma7, monkeypatch, 
     per-group tables are graph inputs from persistent buffers (addresses checked at each
     full replay) and HF's tokens come out; the saved trace names every group's tables,
     and a second start loads it without tracing and gives the same tokens."""
-    import dataclasses
-
-    from llmfast import SamplingParams
     from llmfast.config import CudaGraphMode
-    from llmfast.engine import LLMEngine
-    from llmfast.engine.args import EngineArgs
-    from tests.helpers.engine_config import engine_config
-    from tests.test_full_graphs import _run, _workload
+    from tests.helpers.full_graphs import emulated_graph_engine, greedy_matches_hf
 
     monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
     monkeypatch.delenv("LLMFAST_PRECOMPILED", raising=False)
     path, oracle = gemma7
-
-    def engine() -> LLMEngine:
-        args = EngineArgs(model=str(path), device="cpu", max_model_len=96, block_size=BS,
-                          seed=0, compile=True, max_num_seqs=6, max_num_batched_tokens=32,
-                          cuda_graph_sizes=(1, 2, 4, 8, 16, 32))
-        config, source = engine_config(args)
-        config = dataclasses.replace(config, compile=dataclasses.replace(
-            config.compile, cuda_graph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
-            emulate_cuda_graphs=True, check_static_addresses=True))
-        return LLMEngine(config, source)
-
-    prompts, lengths, arrivals = _workload()
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     for start in ("cold", "warm"):
-        eng = engine()
-        eng.set_async_scheduling(True)
-        got = _run(eng, prompts, params, arrivals)
-        for p, n, tokens in zip(prompts, lengths, got):
-            assert tokens == oracle(p, n)
+        # The full-graph tests' engine (block size 4 = BS) and their workload, greedy
+        # under async scheduling: HF's tokens, both graph kinds replayed.
+        eng = emulated_graph_engine(str(path), CudaGraphMode.FULL_AND_PIECEWISE)
+        greedy_matches_hf(eng, oracle)
         compiled = eng.runner.compiled
-        assert compiled.graphs.full.num_replays > 0 and compiled.graphs.piecewise.num_replays > 0
         assert compiled.stats.precompiled == (start == "warm"), start
         # Every group's slot mapping and block table is an input of the full graphs.
         assert len(eng.runner._full_inputs(2)) == 6 + 2 * 3 + 2 * 7
@@ -320,7 +300,7 @@ def test_verify_full_graphs_read_every_groups_tables(gemma7):
     from llmfast.engine.args import EngineArgs
     from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
     from tests.helpers.engine_config import engine_config
-    from tests.test_full_graphs import _run
+    from tests.helpers.full_graphs import run_with_arrivals
     from tests.test_spec_decode_graphs import _Spy
 
     path, oracle = gemma7
@@ -341,6 +321,6 @@ def test_verify_full_graphs_read_every_groups_tables(gemma7):
     engine.runner.spec.proposer = ReplayProposer(k, [p + e for p, e in zip(prompts, expected)])
     spy = _Spy(engine)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    assert _run(engine, prompts, params, [0] * len(prompts)) == expected
+    assert run_with_arrivals(engine, prompts, params, [0] * len(prompts)) == expected
     assert any(isinstance(c["key"], tuple) for c in spy.calls), "no verify full graph ran"
     assert len(engine.runner._full_inputs(6)) == 6 + 2 * 3 + 2 * 7

@@ -33,15 +33,16 @@ from llmfast.kernels.launch.offline_target import offline_hopper
 from llmfast.kernels.layers import kernel_choice, triton_kernels
 from llmfast.attention.tuning.split_table import SplitTable
 from llmfast.worker import model_runner
+from llmfast.worker.startup import runner_startup
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
-from tests.test_full_graphs import (  # noqa: F401  (ckpt: fixture)
-    _engine,
-    _run,
-    _workload,
-    ckpt,
+from tests.helpers.full_graphs import (
+    arrival_workload,
     cuda_start_up_order,
+    emulated_graph_engine,
     rope_in_the_op,
+    run_with_arrivals,
 )
+from tests.helpers.offline_variants import fresh_offline_variants
 
 pytestmark = pytest.mark.skipif(
     precompile.KernelPrecompiler().available is False,
@@ -67,16 +68,8 @@ def offline_triton(monkeypatch):
     for module, name in ((attention, "_ATTENTION_LAUNCHES"), (attention, "_DECODE_ROPE_LAUNCHES"),
                          (kv_write, "_KV_WRITE_LAUNCHES"), (rope_cache, "_LAUNCHES")):
         monkeypatch.setattr(module, name, launch_cache.LaunchCache(getattr(module, name).kernel))
-    saved = {k: dict(k.device_caches) for k in _jit_kernels()}
-    for kernel in saved:
-        kernel.device_caches.clear()
-    try:
-        with offline_hopper(record_launches=True) as launches:
-            yield launches
-    finally:
-        for kernel, caches in saved.items():
-            kernel.device_caches.clear()
-            kernel.device_caches.update(caches)
+    with fresh_offline_variants(_jit_kernels()) as launches:
+        yield launches
 
 
 def _profile_on_the_cpu(model, sampler, max_num_tokens, max_num_reqs, block_size, dtype,
@@ -111,20 +104,20 @@ def _cuda_start_up(monkeypatch) -> list[str]:
 
 
 def _workload_compiles_nothing(engine) -> None:
-    prompts, lengths, arrivals = _workload()
+    prompts, lengths, arrivals = arrival_workload()
     from llmfast import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     engine.set_async_scheduling(True)
     with TritonCompileWatch() as watch:
-        _run(engine, prompts, params, arrivals)
+        run_with_arrivals(engine, prompts, params, arrivals)
     assert watch.available and watch.compiles == []
 
 
-def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton,  # noqa: F811
+def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton,
                                                           monkeypatch):
     threads = _cuda_start_up(monkeypatch)
-    engine = _engine(ckpt, None)  # eager: the layers' norm kernels, RoPE in the op
+    engine = emulated_graph_engine(ckpt, None)  # eager: the layers' norm kernels, RoPE in the op
     variants = engine.runner.triton_variants
     assert variants is not None and variants["compiled_at_launch"] == 0
     assert variants["precompiled"] >= 4  # 2 norms, RoPE + KV write, attention kinds
@@ -148,11 +141,11 @@ def _graphs_engine(checkpoint, monkeypatch, tmp_path):
     monkeypatch.setattr(model_runner, "CompiledModel",
                         functools.partial(CompiledModel, piece_compiler="eager"))
     rope_in_the_op(monkeypatch, tmp_path)
-    return _engine(checkpoint, CudaGraphMode.FULL_AND_PIECEWISE), threads
+    return emulated_graph_engine(checkpoint, CudaGraphMode.FULL_AND_PIECEWISE), threads
 
 
 def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
-        ckpt, offline_triton, monkeypatch, tmp_path):  # noqa: F811
+        ckpt, offline_triton, monkeypatch, tmp_path):
     engine, threads = _graphs_engine(ckpt, monkeypatch, tmp_path)
     variants = engine.runner.triton_variants
     assert variants is not None and variants["compiled_at_launch"] == 0
@@ -165,7 +158,7 @@ def test_compiled_start_up_with_graphs_compiles_every_variant_in_threads(
 
 
 def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
-        ckpt, offline_triton, monkeypatch, caplog):  # noqa: F811
+        ckpt, offline_triton, monkeypatch, caplog):
     # The precompile is an optimisation: should its dry forwards raise on some GPU (a
     # bind failure, say), the start goes on and each variant compiles at its launch, as
     # without it; the start-up report counts them and says the precompile failed.
@@ -178,8 +171,8 @@ def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
         return submit(self, kernel, grid, args, kwargs)
 
     monkeypatch.setattr(precompile.KernelPrecompiler, "submit", failing_submit)
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
-        engine = _engine(ckpt, None)
+    with caplog.at_level(logging.WARNING, logger=runner_startup.__name__):
+        engine = emulated_graph_engine(ckpt, None)
     variants = engine.runner.triton_variants
     assert variants["precompile_failed"] == 1 and variants["precompiled"] == 0
     assert variants["compiled_at_launch"] > 0  # the start's launches compiled the rest
@@ -190,15 +183,15 @@ def test_a_failed_precompile_leaves_the_compiles_to_the_launches(
     # It serves: the workload's steps launch (and compile what the start did not).
     from llmfast import SamplingParams
 
-    prompts, lengths, arrivals = _workload()
+    prompts, lengths, arrivals = arrival_workload()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    tokens = _run(engine, prompts, params, arrivals)
+    tokens = run_with_arrivals(engine, prompts, params, arrivals)
     assert [len(t) for t in tokens] == lengths
     assert offline_triton
 
 
 def test_graphs_start_up_with_split_counts_between_the_powers_of_two(
-        ckpt, offline_triton, monkeypatch, tmp_path, caplog):  # noqa: F811
+        ckpt, offline_triton, monkeypatch, tmp_path, caplog):
     # A split table giving 3 and 6 splits (no power of two): the dry forwards compile
     # the variants (split code bound 8) that every later launch takes, whatever its
     # count; the CUDA default's path.
@@ -207,7 +200,7 @@ def test_graphs_start_up_with_split_counts_between_the_powers_of_two(
         *shape, best))
     # Plans are kept per shape for the process (its table is fixed): none of earlier tests'.
     monkeypatch.setattr(attention, "_PLANS", launch_cache.PlanCache())
-    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+    with caplog.at_level(logging.INFO, logger=runner_startup.__name__):
         engine, _ = _graphs_engine(ckpt, monkeypatch, tmp_path)
     assert engine.runner.triton_variants["compiled_at_launch"] == 0, caplog.text[-2000:]
     _workload_compiles_nothing(engine)

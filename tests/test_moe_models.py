@@ -19,7 +19,7 @@ from llmfast.models.sources.model_source import resolve_model
 from llmfast.models.sources.random_presets import RANDOM_PRESETS
 from llmfast.models.sparse_moe import SparseMoeBlock
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import greedy_oracle
+from tests.helpers.hf_oracle import greedy_oracle
 from tests.test_engine_families import _run_all_paths
 from tests.test_model import _check_prefill_then_decode, _load_ours
 

@@ -35,8 +35,9 @@ from llmfast.compile import CompiledModel
 from llmfast.config import CudaGraphMode
 from llmfast.worker import model_runner
 from llmfast.worker.buffers import CpuGpuBuffer, StagingBuffer
+from llmfast.worker.startup import runner_startup
 from llmfast.worker.step_output import OutputCopier
-from tests.test_full_graphs import _engine, _run, _workload, ckpt  # noqa: F401  (fixture)
+from tests.helpers.full_graphs import arrival_workload, emulated_graph_engine, run_with_arrivals
 from tests.test_graph_input_properties import _separate_zeroed_device_views
 
 NOT_LANDED = -12345  # what a pinned destination holds before its copy is waited for
@@ -234,25 +235,25 @@ def _sampling_params(lengths) -> list[SamplingParams]:
     (None, False),
 ])
 def test_no_pinned_source_is_rewritten_before_its_copy_is_known_done(
-        ckpt, monkeypatch, mode, async_scheduling):  # noqa: F811
+        ckpt, monkeypatch, mode, async_scheduling):
     _separate_zeroed_device_views(monkeypatch)
     # A KV cache of 26 blocks (24 hold one request of max_model_len): requests are
     # preempted and come back, so rows leave and join mid-run.
-    monkeypatch.setattr(model_runner, "num_cpu_blocks", lambda *args, **kwargs: 26)
+    monkeypatch.setattr(runner_startup, "num_cpu_blocks", lambda *args, **kwargs: 26)
     # The graphs' path (padding, full-graph steps) without Inductor: the pieces run as
     # traced; the host side is the same.
     monkeypatch.setattr(model_runner, "CompiledModel",
                         functools.partial(CompiledModel, piece_compiler="eager"))
     det = PinnedCopyRaceDetector(monkeypatch)
-    engine = _engine(ckpt, mode)
+    engine = emulated_graph_engine(ckpt, mode)
     runner = engine.runner
     assert runner.num_blocks == 26
     assert runner._inputs_copied is None  # (the CPU's)
     runner._inputs_copied = StandInEvent(det, "inputs copied")
     det.name_buffers(runner)
     engine.set_async_scheduling(async_scheduling)
-    prompts, lengths, arrivals = _workload(seed=3)
-    got = _run(engine, prompts, _sampling_params(lengths), arrivals)
+    prompts, lengths, arrivals = arrival_workload(seed=3)
+    got = run_with_arrivals(engine, prompts, _sampling_params(lengths), arrivals)
 
     assert not det.races
     assert engine.scheduler.num_preemptions > 0

@@ -1,6 +1,7 @@
 """`llmfast serve` driven by the real `openai` client and httpx: completions, chat,
 streaming, n > 1, stop strings, logprobs, concurrency, a killed client, and greedy text
-equal to `llmfast generate`. One server subprocess for the module (tests/conftest.py)."""
+equal to `llmfast generate`. One server subprocess for the module, its `openai` client and
+model id (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,6 @@ import pytest
 from tests.serve_server import repo_env
 
 PROMPTS = ["hello there", "The capital of France is", "Tell me a story", "how are you today?"]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

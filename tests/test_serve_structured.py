@@ -54,16 +54,6 @@ def server(serve_model_dir, tmp_path_factory):
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def _chat(client, model, temperature, **kw):
     kw = {"max_tokens": 300, "seed": 7, **kw}
     return client.chat.completions.create(model=model, messages=MESSAGES,

@@ -102,7 +102,8 @@ def test_engine_frees_blocks_and_matches_hf(tmp_path, async_scheduling):
     scheduling one step ahead (the freed blocks' last reader may still be in flight: a
     later step's writes to them come after it)."""
     from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
-    from tests.test_engine import _llm, greedy_oracle
+    from tests.helpers.hf_oracle import greedy_oracle
+    from tests.test_engine import _llm
     from tests.test_sliding_models import long_workload
     from tests.helpers.workloads import greedy_params
 

@@ -12,7 +12,8 @@ import pytest
 from llmfast.config import ModelConfig
 from llmfast.models.families import hf_dict_from_model_config, model_config_from_hf
 from tests.helpers.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.test_engine import _check, _llm, greedy_oracle
+from tests.helpers.hf_oracle import greedy_oracle
+from tests.test_engine import _check, _llm
 
 WINDOW = 16
 CHECKPOINTS = {

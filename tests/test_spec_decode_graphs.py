@@ -24,8 +24,6 @@ from llmfast.engine import LLMEngine
 from llmfast.engine.args import EngineArgs
 from llmfast.worker.spec_decode.replay_proposer import ReplayProposer
 from tests.helpers.engine_config import engine_config
-from tests.test_full_graphs import ckpt  # noqa: F401  (fixture)
-from tests.test_engine import oracle  # noqa: F401  (fixture)
 
 MODE = CudaGraphMode.FULL_AND_PIECEWISE
 
@@ -106,7 +104,7 @@ class _Spy:
         return self.replay(key, inputs)
 
 
-def test_verify_steps_replay_full_graphs_and_match_hf(ckpt, oracle):  # noqa: F811
+def test_verify_steps_replay_full_graphs_and_match_hf(ckpt, oracle):
     k = 2
     args = EngineArgs(model=str(ckpt), device="cpu", max_model_len=96, block_size=4, seed=0,
                       compile=True, max_num_seqs=4, max_num_batched_tokens=32,

@@ -16,7 +16,12 @@ from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.placeholders import PlaceholderFill
 from llmfast.worker.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 from llmfast.worker.spec_decode.proposer import ProposalInputs
-from llmfast.worker.spec_decode.spec_decoder import SpecDecoder, spec_logits_rows
+from llmfast.worker.spec_decode.spec_decoder import (
+    SpecDecoder,
+    TargetFacts,
+    make_proposer,
+    spec_logits_rows,
+)
 from llmfast.worker.state_updates import update_states
 from llmfast.worker.step_inputs import StepInputs
 
@@ -97,6 +102,15 @@ def test_logits_rows_match_naive_loop():
 BS = 4
 
 
+def _ngram_spec_decoder() -> SpecDecoder:
+    """K = 3 n-gram drafts, 8 rows, 128 tokens a step, on the CPU."""
+    config = SpeculativeConfig("ngram", 3)
+    cpu = torch.device("cpu")
+    target = TargetFacts(vocab_size=64, dtype=torch.float32, kv_dtype=torch.float32,
+                         device=cpu, max_model_len=128, seed=0)
+    return SpecDecoder(config, 8, 128, cpu, make_proposer(config, target))
+
+
 def _batch_with_drafts(drafts_per_req, known, computed_prefill):
     """A batch of requests that ran before (`known` tokens each, decoding) plus one new
     prefill, and a SchedulerOutput giving each decoding request its drafts."""
@@ -127,7 +141,7 @@ def test_verify_step_inputs_match_naive_loop():
     drafts = [[11, 12, 13], [], [21], [31, 32, 33]]
     known = [5, 8, 4, 13]
     batch, requests, out = _batch_with_drafts(drafts, known, computed_prefill=4)
-    spec = SpecDecoder(SpeculativeConfig("ngram", 3), 8, 128, torch.device("cpu"))
+    spec = _ngram_spec_decoder()
     update_states(requests, batch, out)
     total = spec.write_drafts(out, batch)
     assert total == 7
@@ -180,7 +194,7 @@ def test_verify_step_inputs_match_naive_loop():
 
 def test_emitted_tokens_written_into_rows():
     batch, requests, out = _batch_with_drafts([[11, 12], [21, 22, 23]], [5, 6], 0)
-    spec = SpecDecoder(SpeculativeConfig("ngram", 3), 8, 128, torch.device("cpu"))
+    spec = _ngram_spec_decoder()
     update_states(requests, batch, out)
     spec.write_drafts(out, batch)
     before = batch.num_tokens[:3].copy()

@@ -157,6 +157,7 @@ STARTUP_ROWS = (("join_group", "join the rank group (workers)"), ("load", "load 
                 ("setup", "runner buffers + compiler set-up"),
                 ("tokenizer", "load tokenizer"),
                 ("tune", "tune prefill tiles (once per GPU)"),
+                ("gemv", "time the GEMV against cuBLAS (once per GPU)"),
                 ("precompile", "submit Triton compiles (threads)"),
                 ("profile", "profile memory"), ("compile", "compile"),
                 ("capture", "capture CUDA graphs"), ("kv_cache", "allocate KV cache"),

@@ -44,7 +44,7 @@ PANELS = {
                               "enable_prefix_caching", "async_scheduling"),
     "Compilation and CUDA graphs": ("enforce_eager", "compile", "cuda_graphs",
                                     "cuda_graph_mode", "cuda_graph_sizes",
-                                    "piecewise_graph_sizes"),
+                                    "piecewise_graph_sizes", "gemv", "gemv_fuse"),
     "Parallelism": ("tensor_parallel_size", "distributed_executor_backend", "ray_address"),
     "Speculative decoding": ("speculative_method", "speculative_model",
                              "num_speculative_tokens", "ngram_prompt_lookup_min",

@@ -33,7 +33,6 @@ from llmfast.core.block_pool import BlockHash, KVCacheBlock
 from llmfast.core.kv_cache_manager import SKIPPED, KVCacheManager, _scores_prompt
 from llmfast.core.request import Request
 
-_NO_NEW_BLOCKS: list = []  # allocate_slots' answer when no list grows (shared, never mutated)
 _NO_HITS: tuple = ()  # get_computed_blocks' blocks when nothing hits
 
 
@@ -78,7 +77,8 @@ def longest_hit(cached: Sequence[Sequence[bool]], windows: Sequence[int | None],
 
 class HybridKVCacheManager(KVCacheManager):
     """`windows`: per group (core/kv_cache_groups.py's order: group 0 the global or
-    widest), its sliding window or None."""
+    widest), its sliding window or None. `allocate_slots` and `free` are
+    KVCacheManager's; the hooks below give them the per-group lists."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  windows: Sequence[int | None]) -> None:
@@ -92,12 +92,14 @@ class HybridKVCacheManager(KVCacheManager):
             if window is not None:
                 by_window.setdefault(window, []).append(g)
         self.sliding = tuple((w, tuple(gs)) for w, gs in by_window.items())
+        self.frees_outside_window = bool(self.sliding)
         # Per request: per group, its leading SKIPPED blocks, and its leading blocks dealt
-        # with for caching. Group 0's caching count is the least of them (it frees
-        # nothing early, or frees latest), so a step tests that one alone.
+        # with for caching. `num_cached_blocks` holds the positions that every group has
+        # dealt with (group 0's count, the least: it frees nothing early, or frees
+        # latest), so a step tests that one alone.
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}  # type: ignore[assignment]
         self.num_skipped_blocks: dict[str, list[int]] = {}  # type: ignore[assignment]
-        self.num_cached_blocks: dict[str, list[int]] = {}  # type: ignore[assignment]
+        self.num_cached_per_group: dict[str, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------------
 
@@ -166,88 +168,38 @@ class HybridKVCacheManager(KVCacheManager):
     def _cache_group(self, request: Request, g: int, blocks: list[KVCacheBlock],
                      num_full: int) -> None:
         """Cache group g's full blocks up to `num_full` under (g, hash)."""
-        counts = self.num_cached_blocks[request.request_id]
-        start = counts[g]
-        if num_full <= start:
-            return
-        hashes = request.block_hashes
-        parent = hashes[start - 1] if start else None
-        cache_block = self.block_pool.cache_block
-        for i in range(start, num_full):
-            block = blocks[i]
-            if block is SKIPPED:  # left the window uncached: hashed for the chain only
-                parent = self._block_hash(request, i, parent)
-                continue
-            if block.block_hash is not None:  # a prefix hit: already in the map
-                parent = block.block_hash[1]
-                continue
-            block_hash = self._block_hash(request, i, parent)
-            cached = cache_block(block, (g, block_hash))  # type: ignore[arg-type]
-            # Another request cached this content first: `block` stays a private copy.
-            parent = cached.block_hash[1]
-            hashes[i] = parent
-        counts[g] = num_full
+        counts = self.num_cached_per_group[request.request_id]
+        if num_full > counts[g]:
+            self._cache_blocks(request, blocks, counts[g], num_full, g)
+            counts[g] = num_full
 
-    # ---- allocation ----------------------------------------------------------------
+    def _cache_full_blocks(self, request: Request,  # type: ignore[override]
+                           lists: list[list[KVCacheBlock]], num_full: int) -> None:
+        """Every group's full blocks up to `num_full` cached."""
+        for g, blocks in enumerate(lists):
+            self._cache_group(request, g, blocks, num_full)
+        self.num_cached_blocks[request.request_id] = num_full
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        new_computed_blocks: list[list[KVCacheBlock]] | tuple | None = None,
-    ) -> list[list[KVCacheBlock]] | None:
-        """KVCacheManager.allocate_slots over the groups: the new blocks per group (the
-        shared empty list when no list grows), or None, with nothing changed, if the pool
-        lacks them. `new_computed_blocks`: get_computed_blocks' hits (on admission)."""
-        rid = request.request_id
-        bs = self.block_size
-        lists = self.req_to_blocks.get(rid)
-        num_computed = request.num_computed_tokens
-        if lists is not None and self.sliding:
-            self._free_outside_windows(request, lists, num_computed)
-        if (new_computed_blocks is None and lists is not None
-                and num_computed + num_new_tokens <= len(lists[0]) * bs):
-            new_blocks: list = _NO_NEW_BLOCKS  # (most decode steps)
-        else:
-            num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
-            new_blocks = self._allocate_groups(request, num_new_tokens, new_computed_blocks,
-                                               num_hit, lists)
-            if new_blocks is None:
-                return None
-            lists = self.req_to_blocks[rid]
-            num_computed += num_hit * bs
-            if new_computed_blocks is not None and self.enable_caching:
-                self._count_admission(request, num_hit)
-        if self.enable_caching:
-            num_full = min(num_computed, len(request.all_token_ids)) // bs
-            if num_full > self.num_cached_blocks[rid][0]:
-                for g, blocks in enumerate(lists):
-                    self._cache_group(request, g, blocks, num_full)
-        return new_blocks
+    # ---- allocation (KVCacheManager.allocate_slots, over the groups) ------------------
 
-    def _allocate_groups(self, request: Request, num_new_tokens: int,
-                         hits: list[list[KVCacheBlock]] | tuple | None, num_hit: int,
-                         lists: list[list[KVCacheBlock]] | None
-                         ) -> list[list[KVCacheBlock]] | None:
-        rid = request.request_id
-        bs = self.block_size
-        num_computed = request.num_computed_tokens + num_hit * bs
-        num_have = num_hit + (0 if lists is None else len(lists[0]))
-        per_group = (num_computed + num_new_tokens + bs - 1) // bs - num_have
-        if per_group <= 0 and not num_hit and lists is not None:
-            return _NO_NEW_BLOCKS
-        per_group = max(per_group, 0)
+    @staticmethod
+    def _num_hit_blocks(hits: list[list[KVCacheBlock]]) -> int:  # type: ignore[override]
+        return len(hits[0])
+
+    def _num_free_hits(self, hits: list[list[KVCacheBlock]]) -> int:  # type: ignore[override]
+        return sum(1 for blocks in hits for b in blocks if b is not SKIPPED and b.ref_cnt == 0)
+
+    def _take_blocks(self, rid: str,  # type: ignore[override]
+                     lists: list[list[KVCacheBlock]] | None,
+                     hits: list[list[KVCacheBlock]] | tuple | None, num_hit: int,
+                     per_group: int) -> list[list[KVCacheBlock]]:
+        """The hits (a sliding group's leading SKIPPED ones held by no pool), then
+        `per_group` new blocks in each group; the new blocks per group."""
         pool = self.block_pool
-        num_free = pool.free_block_queue.num_free_blocks
-        if num_hit:
-            # A free cached hit leaves the free queue when touched.
-            num_free -= sum(1 for blocks in hits for b in blocks
-                            if b is not SKIPPED and b.ref_cnt == 0)
-        if per_group * self.num_groups > num_free:
-            return None
         if lists is None:
             lists = self.req_to_blocks[rid] = [[] for _ in range(self.num_groups)]
-            self.num_cached_blocks[rid] = [0] * self.num_groups
+            self.num_cached_blocks[rid] = 0
+            self.num_cached_per_group[rid] = [0] * self.num_groups
             self.num_skipped_blocks[rid] = [0] * self.num_groups
         if num_hit:
             skipped = self.num_skipped_blocks[rid]
@@ -265,8 +217,8 @@ class HybridKVCacheManager(KVCacheManager):
             blocks.extend(new)
         return new_blocks
 
-    def _free_outside_windows(self, request: Request, lists: list[list[KVCacheBlock]],
-                              num_computed: int) -> None:
+    def _free_outside_window(self, request: Request,  # type: ignore[override]
+                             lists: list[list[KVCacheBlock]], num_computed: int) -> None:
         """Each sliding group returns the blocks before the window of the request's next
         query (module doc) to the pool, caching the full ones first so that they stay
         findable while free."""
@@ -290,21 +242,10 @@ class HybridKVCacheManager(KVCacheManager):
                 skipped[g] = first_needed
                 self.block_pool.free_blocks(reversed(leaving))
 
-    def free(self, request: Request) -> None:
-        """Release every group's blocks, caching the computed full ones first; tail
-        positions first, all groups at each (module doc)."""
-        rid = request.request_id
-        lists = self.req_to_blocks.pop(rid, None)
-        if lists is None:
-            return
-        if self.enable_caching:
-            num_known = min(request.num_computed_tokens, len(request.all_token_ids))
-            num_full = min(num_known // self.block_size, len(lists[0]))
-            for g, blocks in enumerate(lists):
-                self._cache_group(request, g, blocks, num_full)
-        del self.num_cached_blocks[rid]
-        skipped = self.num_skipped_blocks.pop(rid)
-        self.block_pool.free_blocks(_tail_first(lists, skipped))
+    def _release(self, rid: str, lists: list[list[KVCacheBlock]]) -> None:  # type: ignore[override]
+        """`free`'s last part: tail positions first, all groups at each (module doc)."""
+        del self.num_cached_per_group[rid]
+        self.block_pool.free_blocks(_tail_first(lists, self.num_skipped_blocks.pop(rid)))
 
 
 def _tail_first(lists: list[list[KVCacheBlock]], skipped: list[int]) -> Iterator[KVCacheBlock]:

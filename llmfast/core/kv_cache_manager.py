@@ -52,10 +52,17 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        # The groups each position takes a block in (the hybrid manager has several),
+        # and whether blocks that left a window are freed.
+        self.num_groups = 1
+        self.frees_outside_window = sliding_window is not None
         # Per request: how many leading blocks are SKIPPED (sliding window only).
         self.num_skipped_blocks: dict[str, int] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Per request: the tokens its blocks hold (block_size per position), what
+        # allocate_slots' hot path checks, whatever the shape of its block lists.
+        self.num_slots: dict[str, int] = {}
         # How many leading blocks of each request are already dealt with for caching
         # (hashed into the map, or found there); the next caching pass starts after them.
         self.num_cached_blocks: dict[str, int] = {}
@@ -140,25 +147,30 @@ class KVCacheManager:
         self, request: Request, blocks: list[KVCacheBlock], num_full: int
     ) -> None:
         rid = request.request_id
-        start = self.num_cached_blocks[rid]
+        self._cache_blocks(request, blocks, self.num_cached_blocks[rid], num_full, None)
+        self.num_cached_blocks[rid] = num_full
+
+    def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], start: int,
+                      num_full: int, group: int | None) -> None:
+        """Put the request's full blocks start..num_full-1 in the hash map: under their
+        hash, or with several KV-cache groups under (group, hash)."""
         hashes = request.block_hashes
         parent = hashes[start - 1] if start else None
         cache_block = self.block_pool.cache_block
         for i in range(start, num_full):
             block = blocks[i]
-            if block.block_hash is not None:  # a prefix hit: already in the map
-                parent = block.block_hash
-                continue
             if block is SKIPPED:  # left the window uncached: hashed for the chain only
                 parent = self._block_hash(request, i, parent)
                 continue
+            if block.block_hash is not None:  # a prefix hit: already in the map
+                parent = block.block_hash if group is None else block.block_hash[1]
+                continue
             block_hash = self._block_hash(request, i, parent)
-            cached = cache_block(block, block_hash)
+            cached = cache_block(block, block_hash if group is None else (group, block_hash))
             # If another request cached this content first, `block` stays a private,
             # unhashed copy; the chain continues from the cached object.
-            parent = cached.block_hash
+            parent = cached.block_hash if group is None else cached.block_hash[1]
             hashes[i] = parent
-        self.num_cached_blocks[rid] = num_full
 
     # ---- allocation ----------------------------------------------------------------
 
@@ -174,36 +186,36 @@ class KVCacheManager:
         admission, possibly empty) are taken before the new tokens. Returns the newly
         allocated blocks, or None, with nothing changed, if the free blocks don't
         suffice. Also caches the request's full blocks whose tokens are computed by now
-        (before this step: the ones scheduled now are not computed yet).
+        (before this step: the ones scheduled now are not computed yet). The hybrid
+        manager runs this too, over its groups' lists (its hooks: `_num_hit_blocks`,
+        `_num_free_hits`, `_take_blocks`, `_free_outside_window`, `_cache_full_blocks`).
         """
         rid = request.request_id
-        bs = self.block_size
-        req_blocks = self.req_to_blocks.get(rid)
         num_computed = request.num_computed_tokens
-        if self.sliding_window is not None and req_blocks is not None:
-            self._free_outside_window(request, req_blocks, num_computed)
-        if (new_computed_blocks is None and req_blocks is not None
-                and num_computed + num_new_tokens <= len(req_blocks) * bs):
+        num_slots = self.num_slots.get(rid)
+        if self.frees_outside_window and num_slots is not None:
+            self._free_outside_window(request, self.req_to_blocks[rid], num_computed)
+        if (new_computed_blocks is None and num_slots is not None
+                and num_computed + num_new_tokens <= num_slots):
             # Hot path: a running request whose new tokens fit in its blocks (a decode
             # step, but one in block_size). The shared empty list: no new object per
             # request and step.
             new_blocks: list[KVCacheBlock] = _NO_NEW_BLOCKS
         else:
-            num_hit = len(new_computed_blocks) if new_computed_blocks else 0
+            num_hit = self._num_hit_blocks(new_computed_blocks) if new_computed_blocks else 0
             new_blocks = self._allocate(request, num_new_tokens, new_computed_blocks,
-                                        num_hit, req_blocks)
+                                        num_hit, num_slots)
             if new_blocks is None:
                 return None
-            req_blocks = self.req_to_blocks[rid]
-            num_computed += num_hit * bs
+            num_computed += num_hit * self.block_size
             if new_computed_blocks is not None and self.enable_caching:
                 self._count_admission(request, num_hit)
         if self.enable_caching:
             # Only blocks whose token values are all known: a placeholder (a token still in
             # flight, see Request) must never be hashed.
-            num_full = min(num_computed, len(request.all_token_ids)) // bs
+            num_full = min(num_computed, len(request.all_token_ids)) // self.block_size
             if num_full > self.num_cached_blocks[rid]:
-                self._cache_full_blocks(request, req_blocks, num_full)
+                self._cache_full_blocks(request, self.req_to_blocks[rid], num_full)
         return new_blocks
 
     def _count_admission(self, request: Request, num_hit: int) -> None:
@@ -216,31 +228,51 @@ class KVCacheManager:
 
     def _allocate(self, request: Request, num_new_tokens: int,
                   new_computed_blocks: list[KVCacheBlock] | None, num_hit: int,
-                  req_blocks: list[KVCacheBlock] | None) -> list[KVCacheBlock] | None:
+                  num_slots: int | None) -> list[KVCacheBlock] | None:
         """allocate_slots' general case: take the `num_hit` prefix hits, then the new
-        blocks the tokens need; None, with nothing changed, if the free blocks don't
-        suffice."""
+        blocks the tokens need (in every group); None, with nothing changed, if the free
+        blocks don't suffice. `num_slots`: the request's, None before its admission."""
         rid = request.request_id
         bs = self.block_size
         num_computed = request.num_computed_tokens + num_hit * bs
-        num_have = num_hit + (0 if req_blocks is None else len(req_blocks))
-        # ceil((num_computed + num_new_tokens) / bs) blocks needed in all.
+        num_have = num_hit + (0 if num_slots is None else num_slots // bs)
+        # ceil((num_computed + num_new_tokens) / bs) blocks needed in all (per group).
         num_new_blocks = (num_computed + num_new_tokens + bs - 1) // bs - num_have
-        if num_new_blocks <= 0 and not num_hit and req_blocks is not None:
+        if num_new_blocks <= 0 and not num_hit and num_slots is not None:
             return _NO_NEW_BLOCKS  # fits (admission with no hits)
-        pool = self.block_pool
-        num_free = pool.free_block_queue.num_free_blocks
+        num_new_blocks = max(num_new_blocks, 0)
+        num_free = self.block_pool.free_block_queue.num_free_blocks
         if num_hit:
             # Touching a free cached hit takes it out of the free queue too.
-            num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > num_free:
+            num_free -= self._num_free_hits(new_computed_blocks)
+        if num_new_blocks * self.num_groups > num_free:
             return None
+        new_blocks = self._take_blocks(rid, self.req_to_blocks.get(rid), new_computed_blocks,
+                                       num_hit, num_new_blocks)
+        self.num_slots[rid] = (num_have + num_new_blocks) * bs
+        return new_blocks
+
+    @staticmethod
+    def _num_hit_blocks(hits: list[KVCacheBlock]) -> int:
+        """The positions `get_computed_blocks`' hits cover."""
+        return len(hits)
+
+    def _num_free_hits(self, hits: list[KVCacheBlock]) -> int:
+        """How many of the prefix hits are free (in the free queue)."""
+        return sum(1 for b in hits if b.ref_cnt == 0)
+
+    def _take_blocks(self, rid: str, req_blocks: list[KVCacheBlock] | None,
+                     hits: list[KVCacheBlock] | None, num_hit: int,
+                     num_new_blocks: int) -> list[KVCacheBlock]:
+        """`_allocate` once the pool has room: the hits, then `num_new_blocks` new blocks,
+        onto the request's list (made on admission); the new blocks."""
+        pool = self.block_pool
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []
             self.num_cached_blocks[rid] = 0
         if num_hit:
-            pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
+            pool.touch(hits)
+            req_blocks.extend(hits)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks.extend(new_blocks)
         return new_blocks
@@ -276,12 +308,17 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, None)
         if blocks is None:
             return
+        num_slots = self.num_slots.pop(rid)
         if self.enable_caching:
-            num_known = min(request.num_computed_tokens, len(request.all_token_ids))
-            num_full = min(num_known // self.block_size, len(blocks))
+            num_known = min(request.num_computed_tokens, len(request.all_token_ids), num_slots)
+            num_full = num_known // self.block_size
             if num_full > self.num_cached_blocks[rid]:
                 self._cache_full_blocks(request, blocks, num_full)
         del self.num_cached_blocks[rid]
+        self._release(rid, blocks)
+
+    def _release(self, rid: str, blocks: list[KVCacheBlock]) -> None:
+        """`free`'s last part: the held blocks back to the pool, the last first."""
         skipped = self.num_skipped_blocks.pop(rid, 0)
         self.block_pool.free_blocks(reversed(blocks[skipped:]))
 

@@ -9,7 +9,9 @@ request is preempted: its blocks are freed and it is recomputed later from scrat
 full blocks usually come back as prefix-cache hits).
 
 The engine calls, per step: `schedule()` -> runner -> `update()` -> (engine's stop-string
-check) `finish_requests()`. Aborts and additions happen between steps.
+check) `finish_requests()`. Aborts and additions happen between steps. `update()` appends
+the sampled tokens with core/request_updates.py and rolls back rejected drafts with
+core/spec_decode.py.
 
 With async scheduling the engine schedules step N+1 before `update()` has seen step N's
 tokens. A request that samples in a step holds a placeholder for that token
@@ -32,7 +34,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from llmfast.config import CacheConfig, SchedulerConfig
 from llmfast.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -45,19 +46,19 @@ from llmfast.core.request import (
     check_blocks_fit,
     check_prompt_length,
 )
+from llmfast.core.request_updates import RequestUpdate, append_sampled_tokens
 from llmfast.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from llmfast.core.scheduler_stats import SchedulerStats
 from llmfast.core.spec_decode import SpecDecodeCounts, apply_verify_results
 
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH
 # A running request's new block ids when it got none (most decode steps): one shared
 # empty tuple instead of a list per request and step.
 _NO_BLOCKS: tuple[int, ...] = ()
@@ -66,51 +67,6 @@ _REASON_TO_STATUS = {
     "length": RequestStatus.FINISHED_LENGTH,
     "abort": RequestStatus.FINISHED_ABORTED,
 }
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step did to a request, for the engine's output stream."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # None while the request keeps running
-    # Per new token: (logprob of the sampled token, {token: logprob} top-n), if asked.
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_preemptions: int  # since start
-    prefix_cache_queries: int  # tokens of admitted requests
-    prefix_cache_hits: int  # of which found cached
-    prefix_cache_hit_rate: float
-    kv_cache_usage: float  # fraction of usable blocks held
-    # Speculative decoding, since start: draft tokens verified, of which accepted, and
-    # request-steps that verified drafts.
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_verify_steps: int = 0
-    # accepted / verified drafts, and tokens emitted per verify step (accepted + 1);
-    # 0.0 before any verify step.
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0
-
-
-def _append_token(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
-    """Append one sampled token to `request`; the status it finishes with, if any: a stop
-    token past min_tokens, else max_tokens or the model's length reached."""
-    out_ids = request.output_token_ids
-    out_ids.append(token)
-    request.all_token_ids.append(token)
-    num_out = len(out_ids)
-    if token in request.stop_token_set and num_out > request.min_tokens:
-        return _STOPPED
-    if num_out >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
-        return _LENGTH
-    return None
 
 
 class Scheduler:
@@ -206,17 +162,25 @@ class Scheduler:
             raise ValueError(f"{status.name} is not a finished status")
         if isinstance(req_ids, str):
             req_ids = (req_ids,)
-        stopped_running = False
-        stopped_waiting: list[Request] = []
+        finished: list[tuple[Request, RequestStatus]] = []
         for rid in req_ids:
             request = self.requests.pop(rid, None)
-            if request is None:
-                continue
+            if request is not None:
+                finished.append((request, status))
+        self._retire(finished)
+
+    def _retire(self, finished: list[tuple[Request, RequestStatus]]) -> None:
+        """Give each finished request (already out of `self.requests`) its status: a
+        running one frees its blocks and the runner drops its state; a waiting or
+        preempted one (holds no blocks, the runner never kept it) leaves `waiting`."""
+        stopped_running = False
+        stopped_waiting: list[Request] = []
+        for request, status in finished:
             if request.status is _RUNNING:
                 self.kv_cache_manager.free(request)
-                self.finished_req_ids.add(rid)
+                self.finished_req_ids.add(request.request_id)
                 stopped_running = True
-            else:  # waiting or preempted: holds no blocks, the runner never kept it
+            else:
                 stopped_waiting.append(request)
             request.status = status
         if stopped_running:
@@ -418,66 +382,13 @@ class Scheduler:
         was computed from the right inputs); one finished or aborted since does not.
         """
         requests = self.requests
-        max_model_len = self.max_model_len
-        step_index = scheduler_output.step_index
-        all_logprobs = model_runner_output.logprobs
         if scheduler_output.scheduled_spec_decode_tokens or model_runner_output.spec_token_ids:
             apply_verify_results(requests, scheduler_output, model_runner_output,
                                  self.spec_counts)
-        updates: list[RequestUpdate] = []
-        finished: list[tuple[Request, RequestStatus]] = []
-        for idx, (rid, sampled) in enumerate(
-            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
-        ):
-            # A prefill chunk short of the prompt's end samples nothing.
-            if not sampled:
-                continue
-            request = requests.get(rid)
-            # Gone (finished or aborted since schedule), or a later request reusing the id.
-            if request is None or request.first_step > step_index:
-                continue
-            # One sampling step fills one placeholder, however many tokens it yields.
-            if request.num_output_placeholders < 1:
-                raise RuntimeError(f"request {rid}: a token arrived that was never scheduled")
-            request.num_output_placeholders -= 1
-            if len(sampled) == 1:  # a decode step's one token: the loop below, unrolled
-                status = _append_token(request, sampled[0], max_model_len)
-                logprobs = None if all_logprobs is None else all_logprobs[idx][:1]
-                if status is None:
-                    updates.append(RequestUpdate(rid, sampled, None, logprobs))
-                    continue
-                updates.append(RequestUpdate(rid, sampled, status.finish_reason, logprobs))
-                finished.append((request, status))
-                continue
-            status = None
-            num_accepted = 0
-            for token in sampled:
-                num_accepted += 1
-                status = _append_token(request, token, max_model_len)
-                if status is not None:
-                    break
-            new_ids = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
-            logprobs = None
-            if all_logprobs is not None:
-                logprobs = all_logprobs[idx][:num_accepted]
-            if status is None:
-                updates.append(RequestUpdate(rid, new_ids, None, logprobs))
-                continue
-            updates.append(RequestUpdate(rid, new_ids, status.finish_reason, logprobs))
-            finished.append((request, status))
+        updates, finished = append_sampled_tokens(requests, scheduler_output,
+                                                  model_runner_output, self.max_model_len)
         if finished:
-            free = self.kv_cache_manager.free
-            stopped_running = False
-            for request, status in finished:
-                rid = request.request_id
-                if request.status is _RUNNING:
-                    free(request)
-                    self.finished_req_ids.add(rid)
-                    stopped_running = True
-                else:  # preempted while its last token was in flight: holds no blocks
-                    self.waiting.remove(request)
-                request.status = status
-                del requests[rid]
-            if stopped_running:
-                self.running = [r for r in self.running if r.status is _RUNNING]
+            for request, _ in finished:
+                del requests[request.request_id]
+            self._retire(finished)
         return updates

@@ -58,6 +58,7 @@ def check_engine_args(args: Any) -> None:
         _check_graph_mode_wanted(args)
     # An unknown backend, or uni with several ranks, fails here too.
     args.parallel_config()
+    args.gemv_config()
     if args.speculative_method is not None and not isinstance(args.speculative_method, str):
         raise ConfigError(f"speculative-method must be ngram or draft, got "
                           f"{describe(args.speculative_method)}")

@@ -35,7 +35,9 @@ from llmfast.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SkinnyLinearConfig,
     SpeculativeConfig,
+    parse_gemv_backend,
     parse_quantization,
     dtype_name,
     parse_cuda_graph_mode,
@@ -168,6 +170,15 @@ class EngineArgs:
               f"when they should differ from --cuda-graph-sizes (fewer: a faster start): "
               f"{SIZES_HELP}.  [default: --cuda-graph-sizes]",
         parse=functools.partial(parse_sizes, flag="--piecewise-graph-sizes"))
+    gemv: str = engine_flag(
+        "auto", "Projections of decode-sized steps (up to 16 token rows) on CUDA: auto (the "
+                "Triton GEMV where this GPU's shipped table, or a measurement at start-up "
+                "kept in the cache directory, found it faster than cuBLAS), triton (always "
+                "the GEMV), cublas (never).", parse=parse_gemv_backend)
+    gemv_fuse: bool = engine_flag(
+        False, "Llama-shaped decoder layers as four fused GEMV launches for decode-sized "
+               "steps (the RMSNorm into QKV, SiLU-and-mul into gate/up, the residual adds "
+               "into O and down; CUDA).")
     # One step in flight (the host prepares step N+1 while the device runs step N).
     async_scheduling: bool | None = engine_flag(
         None, "Prepare step N+1 on the host while the device runs step N.  [default: on for "
@@ -290,6 +301,7 @@ class EngineArgs:
             sampling_defaults=resolved.sampling_defaults,
             quantization=self.quantization,
             speculative=self.speculative_config(),
+            gemv=self.gemv_config(),
         )
         if device.type == "cpu" and self.max_model_len is None:
             # To what the KV cache holds in the memory free when the model was resolved.
@@ -333,6 +345,12 @@ class EngineArgs:
             prompt_lookup_min=lookup_min,
             prompt_lookup_max=lookup_max,
         )
+
+    def gemv_config(self) -> SkinnyLinearConfig:
+        """--gemv and --gemv-fuse; ConfigError for a bad value or the pair that
+        contradicts itself (arg_checks.py calls it when the arguments are made)."""
+        return SkinnyLinearConfig(backend=parse_gemv_backend(self.gemv),
+                                  fused_layers=self.gemv_fuse)
 
     def parallel_config(self) -> ParallelConfig:
         """The ranks and their executor; the backend defaults to uni for one rank, mp for

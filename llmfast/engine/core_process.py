@@ -382,7 +382,7 @@ def main(argv: list[str]) -> int:
     del started
     # The busy loop on a thread of its own, the main thread only waiting (and taking
     # signals): torch ops issued from the main thread ran many times slower than from a
-    # worker thread on an oversubscribed CPU (profiles/serve-cpu.md), and the in-process
+    # worker thread on an oversubscribed CPU (profiles/serving.md), and the in-process
     # engine of `LLM` benchmarks and the old server stepped on a worker thread too.
     failure: list[BaseException] = []
 

@@ -37,7 +37,7 @@ from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.layers.rotary import rope_fuses_into_attention
 from llmfast.kernels.layers.rotary_reference import rotate
 from llmfast.models.cpu_layer import cpu_layer_forward
-from llmfast.models.fused_layer import fusable, fused_layer_forward, takes_fused
+from llmfast.models.fused_layer import fusable, fused_layer_forward
 from llmfast.models.parallel_layers import (
     gather_logits,
     row_parallel_linear,
@@ -272,8 +272,11 @@ class DecoderModel(nn.Module):
         # own forward).
         self.cpu_layers = len(self.layers) > 0 and all(type(layer) is DecoderLayer
                                                        for layer in self.layers)
-        # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py).
+        # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py):
+        # `gemv_fused` the --gemv backend they run on when --gemv-fuse routed them
+        # there at start-up (worker/startup/gemv_routing.py), "" for the plain layers.
         self.fusable = fusable(config, tp.world_size)
+        self.gemv_fused = ""
         self.norm = make_norm(config, config.hidden_size)
         # Gemma: embeddings times sqrt(hidden_size), that factor rounded to the
         # embeddings' dtype (the model is built in its dtype: loading/loader.py) first,
@@ -290,10 +293,11 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        if self.fusable and takes_fused(hidden):
+        if self.gemv_fused:
             residual = hidden  # [num_tokens, hidden_size]: the stream, sums included
             for layer in self.layers:
-                residual = fused_layer_forward(layer, positions, residual, attn_metadata)
+                residual = fused_layer_forward(layer, positions, residual, attn_metadata,
+                                               self.gemv_fused)
             return self.norm(residual)
         residual = None
         # The eager torch path's per-step memo (attention/cpu_step.py); compiled graphs
@@ -305,9 +309,8 @@ class DecoderModel(nn.Module):
                                                      attn_metadata, step)
             # add_rms_norm's sum, made here: a packed last layer's output is bfloat16.
             return self.norm(hidden + residual)
-        else:
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from llmfast.core.scheduler import SchedulerStats
+    from llmfast.core.scheduler_stats import SchedulerStats
     from llmfast.sampling_params import SamplingParams
 
 

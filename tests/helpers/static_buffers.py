@@ -1,6 +1,6 @@
 """Persistent (static-address) input buffers over a paged KV cache, padded to a graph
 size: what CUDA-graph replay needs, without the engine. For model-level benchmarks
-(scripts/bench_modes.py, scripts/bench_tp.py) and, with a step function on top
+(scripts/bench_modes.py) and, with a step function on top
 (tests/helpers/static_batch.py), the compile and graph tests.
 
 Each sequence owns a shuffled (non-contiguous) set of cache blocks; block 0 stays

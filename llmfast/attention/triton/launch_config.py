@@ -51,7 +51,7 @@ class AttentionConfig:
 
 
 # Decode tiles walk their keys in one loop (AttentionConfig.one_kv_loop): on an H100
-# (2026-11-26, scripts/sweep_decode_configs.py, profiles/kernels.md) each form's
+# (2026-11-26, `bench_kernels.py decode-configs`, profiles/kernels.md) each form's
 # best config over 16 decode shapes (head dim 64 and 128, B=1..64, 140-8192 keys): one
 # loop / two = 0.976 (median; 0.93-1.03), B=64 never slower.
 DECODE_ONE_KV_LOOP = True

@@ -40,8 +40,8 @@ from llmfast.utils.paths import cache_dir
 
 # The stages, in start-up order (LLMEngine.startup_times' keys: the runner's, then the
 # engine's tokenizer and scheduler).
-STARTUP_STAGES = ("load", "setup", "tokenizer", "tune", "precompile", "profile", "compile",
-                  "capture", "kv_cache", "tokenizer_wait", "scheduler")
+STARTUP_STAGES = ("load", "setup", "tokenizer", "tune", "gemv", "precompile", "profile",
+                  "compile", "capture", "kv_cache", "tokenizer_wait", "scheduler")
 
 
 @dataclass

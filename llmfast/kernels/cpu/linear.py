@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfast.kernels.gemv.ops import gemv_wanted
 from llmfast.kernels.gemv.ops import linear as gemv_linear
 
 logger = logging.getLogger(__name__)
@@ -113,8 +112,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same state-dict names) with the CPU paths.
 
-    On CUDA, the skinny-GEMM op (kernels/gemv/) where its table or LLMFAST_GEMV says so,
-else F.linear. Eager CPU forward, by token count M:
+    On CUDA, the skinny-GEMM op (kernels/gemv/) where the start-up routed this layer
+there (`gemv_backend`: worker/startup/gemv_routing.py), else F.linear. Eager CPU forward, by
+token count M:
     - M <= max_packed_split_tokens, or no packed weight and M <= max_split_tokens: row split;
     - a packed weight (`prepack()`): oneDNN's GEMM on it;
     - otherwise F.linear.
@@ -131,6 +131,10 @@ else F.linear. Eager CPU forward, by token count M:
         self.row_blocks = num_row_blocks(out_features)
         self.max_split_tokens = max_split_tokens
         self.packed_weight: torch.Tensor | None = None
+        # --gemv's backend for this layer's launches (worker/startup/gemv_routing.py sets it at
+        # start-up on CUDA, before any trace); "": never the op. A plain str: a constant
+        # to torch.compile, and part of the saved trace's fingerprint.
+        self.gemv_backend = ""
 
     def prepack(self) -> bool:
         """Keep a oneDNN-packed copy of the weight (twice the weight memory); after
@@ -141,8 +145,8 @@ else F.linear. Eager CPU forward, by token count M:
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and gemv_wanted(x, self.weight):  # decode-sized M: kernels/gemv/
-            return gemv_linear(x, self.weight, bias=self.bias)
+        if self.gemv_backend and x.dim() == 2:  # decode-sized M: kernels/gemv/
+            return gemv_linear(x, self.weight, bias=self.bias, backend=self.gemv_backend)
         if not (x.is_cpu and x.dim() == 2 and self.row_blocks > 1 and self.weight.is_contiguous()):
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():

@@ -1,6 +1,7 @@
 """Which kernel a skinny projection takes, and its launch configuration: per GPU model,
-from a shipped table (`tables/<gpu name slug>.json`, written by `scripts/bench_gemv.py
-tune`, as the MoE tiles and attention splits are), else a heuristic.
+from a shipped table (`tables/<gpu name slug>.json`, as the MoE tiles and attention
+splits are), else from what the start-up measured on this GPU (worker/startup/gemv_tuning.py), else
+a heuristic.
 
 A table holds per weight shape `n{N}-k{K}-{weight dtype}[-{fusion}]` and per M bucket
 (1, 2, 4, 8, 16: a launch of M rows takes the smallest bucket >= M) the faster of
@@ -9,19 +10,17 @@ measured. E.g. {"n3072-k2048-bfloat16": {"1": {"backend": "triton", "block_n": 1
 "16": {"backend": "cublas"}}}: a 3-row launch takes the 4 bucket, absent here, so the
 next bucket up that is present (16: cuBLAS).
 
-Who takes the GEMV (`LLMFAST_GEMV`, read once per process):
-- `table` (the default): only where this GPU's table says Triton measured faster;
-  no table, no GEMV: the engine runs as before until a GPU run ships one;
-- `1`: every launch of at most MAX_GEMV_ROWS rows, the table's config or the heuristic's
-  (what the GPU check compares against cuBLAS before any table exists);
-- `0`: never.
+The backend (`--gemv`, config.SkinnyLinearConfig, passed to the op by each layer):
+- `auto`: the table's choice (shipped, else measured at start-up); no entry: cuBLAS;
+- `triton`: every launch of at most MAX_GEMV_ROWS rows, the table's Triton config or
+  the heuristic's (what the GPU check compares against cuBLAS);
+- `cublas`: never.
 More than MAX_GEMV_ROWS rows always keep cuBLAS (batch 64-512 are GEMMs it does well).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +32,6 @@ TABLE_DIR = Path(__file__).parent / "tables"
 FORMAT_VERSION = 1
 MAX_GEMV_ROWS = 16
 M_BUCKETS = (1, 2, 4, 8, 16)
-MODES = ("table", "1", "0")
 
 
 @dataclass(frozen=True)
@@ -68,13 +66,6 @@ class Choice:
 
 # Every program runs in Python under the interpreter: few, small ones.
 INTERPRETER_CONFIG = GemvConfig(block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1)
-
-
-def gemv_mode() -> str:
-    mode = os.environ.get("LLMFAST_GEMV", "table")
-    if mode not in MODES:
-        raise ValueError(f"LLMFAST_GEMV must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
 
 
 def m_bucket(rows: int) -> int:
@@ -124,6 +115,24 @@ def tuning_candidates(rows: int, n: int, k: int, num_sms: int,
     return sorted(out, key=lambda c: (c != base, c.block_n, c.block_k, c.split_k))
 
 
+# Triton configurations a start-up times per shape and bucket besides cuBLAS: each is a
+# compile (about a second; unmeasured on a GPU), so a handful, not the tuning's 25.
+STARTUP_CANDIDATES = 4
+
+
+def startup_candidates(rows: int, n: int, k: int, num_sms: int, fp8: bool = False,
+                       limit: int = STARTUP_CANDIDATES) -> list[GemvConfig]:
+    """The heuristic's config and its nearest neighbours among `tuning_candidates`
+    (fewest doublings or halvings of columns, K step and split away)."""
+    base = heuristic_config(rows, n, k, num_sms, fp8)
+
+    def distance(c: GemvConfig) -> int:
+        return sum(abs(getattr(c, f).bit_length() - getattr(base, f).bit_length())
+                   for f in ("block_n", "block_k", "split_k")) + (c.num_warps != base.num_warps)
+
+    return sorted(tuning_candidates(rows, n, k, num_sms, fp8), key=distance)[:limit]
+
+
 def parse_row(row: dict) -> GemvConfig | None:
     if row.get("backend") == "cublas":
         return None
@@ -151,6 +160,20 @@ def shipped_table(device_name: str) -> dict[str, dict[int, GemvConfig | None]]:
     return read_shipped_table(TABLE_DIR, device_name, parse_table, "GEMV table") or {}
 
 
+# What start-up measurements chose in this process, per GPU model (worker/startup/gemv_tuning.py
+# fills it before any CUDA graph is captured; shipped entries take precedence).
+_MEASURED: dict[str, dict[str, dict[int, GemvConfig | None]]] = {}
+
+
+def add_measured(device_name: str, table: dict[str, dict[int, GemvConfig | None]]) -> None:
+    _MEASURED.setdefault(device_name, {}).update(table)
+
+
+def launch_table(device_name: str) -> dict[str, dict[int, GemvConfig | None]]:
+    """The entries launches read: the shipped table's shapes, the measured ones besides."""
+    return {**_MEASURED.get(device_name, {}), **shipped_table(device_name)}
+
+
 def table_entry(rows: dict[int, GemvConfig | None], bucket: int) -> tuple[bool, GemvConfig | None]:
     """(found, config) for `bucket`: the smallest measured bucket >= it (a larger M
     streams the same weight with more work per byte), else not found."""
@@ -158,21 +181,27 @@ def table_entry(rows: dict[int, GemvConfig | None], bucket: int) -> tuple[bool, 
     return (True, rows[above[0]]) if above else (False, None)
 
 
+def takes_triton(device_name: str, key: str) -> bool:
+    """Whether the table has the Triton GEMV win any bucket of the weight `key`: a layer
+    that never would keeps its plain `F.linear` (under --gemv auto)."""
+    return any(c is not None for c in launch_table(device_name).get(key, {}).values())
+
+
 def choose(rows: int, n: int, k: int, key: str, device_name: str | None, num_sms: int,
-           mode: str, fp8: bool = False) -> Choice:
-    """The kernel of a launch of `rows` rows on the weight `key` ([n, k]); device_name
-    None: the interpreter (its config, any mode but 0)."""
-    if mode == "0":
+           backend: str, fp8: bool = False) -> Choice:
+    """The kernel of a launch of `rows` rows on the weight `key` ([n, k]) under
+    `backend` (--gemv); device_name None: the interpreter (its config, unless cublas)."""
+    if backend == "cublas":
         return Choice(None, "off")
     if rows > MAX_GEMV_ROWS:
         return Choice(None, "rows")
     if device_name is None:
         return Choice(INTERPRETER_CONFIG, "interpreter")
-    found, config = table_entry(shipped_table(device_name).get(key, {}), m_bucket(rows))
+    found, config = table_entry(launch_table(device_name).get(key, {}), m_bucket(rows))
+    if backend == "triton" and config is None:
+        return Choice(heuristic_config(rows, n, k, num_sms, fp8), "heuristic")
     if found:
         return Choice(config, "table")
-    if mode == "1":
-        return Choice(heuristic_config(rows, n, k, num_sms, fp8), "heuristic")
     return Choice(None, "no table entry")
 
 

@@ -3,6 +3,8 @@ fusions (RMSNorm of x before, silu(gate) * up or + residual after), by the Trito
 (triton_kernels.py) where launch_config.py chooses it, else by the torch ops it replaces
 (cuBLAS for the product: `F.linear`, or `fp8_linear` for an fp8 weight).
 
+`backend` is --gemv's (the layer passes the one worker/startup/gemv_routing.py gave it).
+
 Compiled graphs call `torch.ops.llmfast.skinny_linear`: the token count is an unbacked
 symbol there, so the choice by M happens inside the op, at run time (a CUDA graph
 captures the choice of its size). Its fake impl gives Inductor the output's shape.
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from llmfast.kernels.fp8_linear import fp8_linear
 from llmfast.kernels.gemv import launch_config
 from llmfast.kernels.gemv.launch_config import Choice, GemvConfig, m_bucket
+from llmfast.kernels.launch import precompile
 from llmfast.kernels.layers.rms_norm import rms_norm_impl
 from llmfast.kernels.triton_mode import triton_interpret_enabled
 
@@ -99,20 +102,26 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     part = (torch.empty(split_k, rows, 2 * n if silu_mul else n, dtype=torch.float32,
                         device=x.device) if split_k > 1 else None)
     res_stride = residual.stride(0) if residual is not None else 0
-    kernels.gemv_kernel[(tiles, split_k)](
+    launches = [(kernels.gemv_kernel, (tiles, split_k), (
         x, weight, weight_scale, norm_weight, bias, residual, out, part,
-        rows, n, k, k_per_split, x.stride(0), weight.stride(0), res_stride, out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-        NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, W_SCALE=weight_scale is not None, DOT=config.dot,
-        DOT_F32=triton_interpret_enabled(), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        rows, n, k, k_per_split, x.stride(0), weight.stride(0), res_stride, out.stride(0), eps),
+        dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+             NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
+             HAS_BIAS=bias is not None, W_SCALE=weight_scale is not None, DOT=config.dot,
+             DOT_F32=triton_interpret_enabled(), num_warps=config.num_warps,
+             num_stages=config.num_stages))]
     if split_k > 1:
-        kernels.gemv_reduce_kernel[(tiles,)](
-            part, bias, residual, out, rows, n, res_stride, out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=config.block_n, SPLIT_K=split_k, SILU_MUL=silu_mul,
-            RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            num_warps=config.num_warps)
+        launches.append((kernels.gemv_reduce_kernel, (tiles,), (
+            part, bias, residual, out, rows, n, res_stride, out.stride(0)),
+            dict(BLOCK_M=block_m, BLOCK_N=config.block_n, SPLIT_K=split_k, SILU_MUL=silu_mul,
+                 RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+                 num_warps=config.num_warps)))
+    dry = precompile.ACTIVE
+    for kernel, grid, args, kwargs in launches:
+        if dry is not None:  # a dry launch (kernels/launch/precompile.py): compile, do not run
+            dry.submit(kernel, grid, args, kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
     return out
 
 
@@ -125,55 +134,69 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 @functools.cache
-def _device(index: int) -> tuple[str, int]:
+def cuda_device(index: int) -> tuple[str, int]:
+    """(name, SM count) of GPU `index`."""
     props = torch.cuda.get_device_properties(index)
     return props.name, props.multi_processor_count
 
 
 @functools.cache
-def _converts_fp8(index: int) -> bool:
+def converts_fp8(index: int) -> bool:
     """Triton converts float8_e4m3fn in registers from sm_89 on."""
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=4096)
-def _choice(rows: int, n: int, k: int, key: str, device_index: int | None, mode: str,
+def _choice(rows: int, n: int, k: int, key: str, device_index: int | None, backend: str,
             fp8: bool) -> Choice:
-    name, sms = _device(device_index) if device_index is not None else (None, 0)
-    return launch_config.choose(rows, n, k, key, name, sms, mode, fp8)
+    name, sms = cuda_device(device_index) if device_index is not None else (None, 0)
+    return launch_config.choose(rows, n, k, key, name, sms, backend, fp8)
+
+
+def forget_choices() -> None:
+    """After the launch table grew (worker/startup/gemv_tuning.py): choose afresh."""
+    _choice.cache_clear()
+
+
+def cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def weight_key(weight: torch.Tensor, n: int, fusion: str) -> str:
+    """The launch table's key of a weight [N (2N with silu_mul), K]: N the output's."""
+    return launch_config.shape_key(n, weight.shape[1],
+                                   str(weight.dtype).removeprefix("torch."), fusion)
 
 
 def choice_for(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, norm: bool,
-               residual: bool) -> Choice:
+               residual: bool, backend: str) -> Choice:
     """The kernel of this launch (see launch_config.choose): CUDA tensors by this GPU's
     table, CPU tensors by the interpreter's config when it is on, else torch's ops."""
     fp8 = weight.dtype == torch.float8_e4m3fn
     if x.is_cuda:
-        device_index = x.device.index if x.device.index is not None else \
-            torch.cuda.current_device()
-        if fp8 and not _converts_fp8(device_index):
+        device_index = cuda_index(x.device)
+        if fp8 and not converts_fp8(device_index):
             return Choice(None, "no fp8 conversion on this GPU")
     elif triton_interpret_enabled():
         device_index = None
     else:
         return Choice(None, "cpu")
     n = out_features(weight, silu_mul)
-    key = launch_config.shape_key(n, x.shape[1], str(weight.dtype).removeprefix("torch."),
-                                  fusion_name(norm, silu_mul, residual))
-    return _choice(x.shape[0], n, x.shape[1], key, device_index, launch_config.gemv_mode(),
-                   fp8)
+    key = weight_key(weight, n, fusion_name(norm, silu_mul, residual))
+    return _choice(x.shape[0], n, x.shape[1], key, device_index, backend, fp8)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                   weight_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, eps: float = 0.0,
-                  silu_mul: bool = False,
-                  mm_out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, N]: `skinny_linear_torch`'s result, by the GEMV where chosen."""
+                  silu_mul: bool = False, mm_out_dtype: torch.dtype | None = None,
+                  backend: str = "auto") -> torch.Tensor:
+    """x [M, K] -> [M, N]: `skinny_linear_torch`'s result, by the GEMV where `backend`
+    (--gemv) and the launch table choose it."""
     if gemv_takes(x, weight, bias, residual, silu_mul):
         config = choice_for(x, weight, silu_mul, norm_weight is not None,
-                            residual is not None).config
+                            residual is not None, backend).config
         if config is not None:
             return gemv_triton(x, weight, config, weight_scale, bias, norm_weight,
                                residual, eps, silu_mul)
@@ -185,57 +208,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor,
                      weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
                      norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
-                     eps: float, silu_mul: bool,
-                     mm_out_dtype: torch.dtype | None) -> torch.Tensor:
+                     eps: float, silu_mul: bool, mm_out_dtype: torch.dtype | None,
+                     backend: str) -> torch.Tensor:
     return skinny_linear(x, weight, weight_scale, bias, norm_weight, residual, eps,
-                         silu_mul, mm_out_dtype)
+                         silu_mul, mm_out_dtype, backend)
 
 
 @skinny_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
       bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
       residual: torch.Tensor | None, eps: float, silu_mul: bool,
-      mm_out_dtype: torch.dtype | None) -> torch.Tensor:
+      mm_out_dtype: torch.dtype | None, backend: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features(weight, silu_mul))
-
-
-def gemv_wanted(x: torch.Tensor, weight: torch.Tensor, fusion: str = "") -> bool:
-    """Whether a layer's launches may take the GEMV at all: on CUDA, with LLMFAST_GEMV=1,
-    or a table entry for its shape choosing Triton. A static property of the layer (a
-    constant to Dynamo): a layer no table knows keeps its plain `F.linear` in the graph,
-    as before the GEMV existed."""
-    if not x.is_cuda or x.dim() != 2:  # (the op's rows: [M, K])
-        return False
-    index = x.device.index if x.device.index is not None else -1
-    n = out_features(weight, "silu_mul" in fusion)
-    return _gemv_wanted(n, weight.shape[1], str(weight.dtype).removeprefix("torch."), fusion,
-                        index)
-
-
-def _gemv_wanted(n: int, k: int, weight_dtype: str, fusion: str, device_index: int) -> bool:
-    mode = launch_config.gemv_mode()
-    index = device_index if device_index >= 0 else torch.cuda.current_device()
-    if mode == "0" or (weight_dtype == "float8_e4m3fn" and not _converts_fp8(index)):
-        return False
-    if mode == "1":
-        return True
-    name = _device(index)[0]
-    rows = launch_config.shipped_table(name).get(
-        launch_config.shape_key(n, k, weight_dtype, fusion), {})
-    return any(config is not None for config in rows.values())
-
-
-# What `torch.compiler.assume_constant_result` sets (Dynamo calls the function while
-# tracing and records its result as a constant: it reads the environment and a file),
-# set directly: the decorator imports Dynamo, which importing a layer must not.
-_gemv_wanted._dynamo_marked_constant = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
            bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
-           mm_out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """What the layers call: the op under torch.compile, `skinny_linear` in eager."""
+           mm_out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+    """What the layers call (those worker/startup/gemv_routing.py routed here, with their
+    `backend`): the op under torch.compile, `skinny_linear` in eager."""
     fn = skinny_linear_op if torch.compiler.is_compiling() else skinny_linear
     return fn(x, weight, weight_scale, bias, norm_weight, residual, eps, silu_mul,
-              mm_out_dtype)
+              mm_out_dtype, backend)

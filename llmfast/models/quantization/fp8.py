@@ -16,7 +16,6 @@ from torch import nn
 
 from llmfast.distributed import TensorParallelGroup, all_reduce
 from llmfast.kernels.cpu.linear import Linear
-from llmfast.kernels.gemv.ops import gemv_wanted
 from llmfast.kernels.gemv.ops import linear as gemv_linear
 from llmfast.kernels.fp8_linear import (
     fp8_linear,
@@ -46,6 +45,7 @@ class Fp8Linear(nn.Module):
         # Decided at load, outside any trace: a constant to torch.compile.
         self.mm_out_dtype = mm_out_dtype
         self.tp = tp
+        self.gemv_backend = ""  # as `Linear.gemv_backend` (worker/startup/gemv_routing.py)
 
     @classmethod
     def from_linear(cls, layer: Linear) -> Fp8Linear:
@@ -57,11 +57,11 @@ class Fp8Linear(nn.Module):
                    scaled_mm_out_dtype(weight.device.type, weight.dtype), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and gemv_wanted(x, self.weight_fp8):
+        if self.gemv_backend and x.dim() == 2:
             # Decode-sized M: the fp8 GEMV (weight-only: the rows stay in x's dtype);
             # larger M, or where cuBLAS measured faster: `fp8_linear` inside the op.
             out = gemv_linear(x, self.weight_fp8, self.weight_scale, self.bias,
-                              mm_out_dtype=self.mm_out_dtype)
+                              mm_out_dtype=self.mm_out_dtype, backend=self.gemv_backend)
             return out if self.tp is None else all_reduce(out, self.tp)
         out = fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.mm_out_dtype)
         return out if self.tp is None else all_reduce(out, self.tp)

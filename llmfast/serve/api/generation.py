@@ -54,9 +54,7 @@ async def run_generation(request: Request, front: EngineFront, metrics: ServerMe
     try:
         done = await _until_disconnect(request, _collect(rs, builder, tracker))
     finally:
-        if not builder.done:
-            front.abort(rs.engine_ids)
-            metrics.aborted.inc()
+        _abort_unfinished(front, metrics, rs, builder)
     if not done:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(builder.response())
@@ -141,6 +139,13 @@ async def _events(front: EngineFront, metrics: ServerMetrics, rs: DeltaQueue,
             yield "".join(parts)
         yield (event(builder.usage_chunk()) if include_usage else "") + DONE
     finally:
-        if not builder.done:
-            front.abort(rs.engine_ids)
-            metrics.aborted.inc()
+        _abort_unfinished(front, metrics, rs, builder)
+
+
+def _abort_unfinished(front: EngineFront, metrics: ServerMetrics, rs: DeltaQueue,
+                      builder: ResponseBuilder) -> None:
+    """A response that ends before its last delta (the client left, an error): its
+    engine requests are aborted and counted."""
+    if not builder.done:
+        front.abort(rs.engine_ids)
+        metrics.aborted.inc()

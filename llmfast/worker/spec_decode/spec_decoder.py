@@ -85,11 +85,12 @@ def spec_logits_rows(num_sched: np.ndarray, num_drafts: np.ndarray, out: np.ndar
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_num_reqs: int, max_num_tokens: int,
-                 device: torch.device, proposer: Proposer | None = None) -> None:
+                 device: torch.device, proposer: Proposer) -> None:
+        """`proposer`: make_proposer's for `config` (a test or benchmark may put its own
+        in its place)."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = proposer if proposer is not None else NgramProposer(
-            self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer
         # A proposer with a KV cache of its own (a draft model) reads the target step's
         # tensors (StepTensors); the n-gram proposer needs none.
         self.needs_step_tensors = self.proposer.num_lookahead_slots > 0

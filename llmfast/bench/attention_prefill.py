@@ -1,4 +1,5 @@
-"""Prefill, mixed-batch and tile-tuning rows of scripts/bench_kernels.py (CUDA).
+"""Prefill, mixed-batch and tile-tuning rows of scripts/bench_kernels.py (CUDA), and their
+markdown tables.
 
 - Prefill: one request of T fresh tokens, causal, against torch SDPA pinned to its
   FlashAttention backend; eager and replayed from a CUDA graph, both sides; our kernel
@@ -18,19 +19,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from bench_kernels_lib import (
-    flash_backend,
-    graph_replay,
-    max_diff_ulps,
-    paged_copy,
-    sdpa_flash,
-    time_us,
-)
 
 from llmfast.attention.triton import launch as attention
 from llmfast.attention.tuning import prefill_tuning
 from llmfast.attention.tuning.prefill_tuning import ShapeClass, heuristic_tiles
 from llmfast.attention.workspaces import AttentionWorkspaces
+from llmfast.bench.attention_inputs import flash_backend, paged_copy, sdpa_flash
+from llmfast.bench.cuda_timing import graph_replay, max_diff_ulps, time_us
 
 
 def tune(args, device: torch.device) -> dict:
