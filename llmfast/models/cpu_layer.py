@@ -8,7 +8,7 @@ checks), and each op costs several times its hot cost right after a projection h
 streamed its weights through the caches. So this layer
 - calls the projections' `forward` directly (no `__call__`), and a packed projection
   before a residual add leaves its bfloat16 result for the add to widen (the same
-  values, one cast fewer: `Int4Linear.forward_unwidened`);
+  values, the cast inside the add's call: `Int4Linear.forward_unwidened`);
 - runs the norms' torch maths without the kernel choice;
 - attends through `Attention.attend_cpu`, which takes what every layer of the step
   shares (rotary rows, padding flag, attention plan) from the step's memo

@@ -262,8 +262,9 @@ class Int4Linear(nn.Module):
     def forward_unwidened(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` for eager decode-sized calls, leaving the kernel's bfloat16 result
         as it is, for a caller that adds it to a float32 tensor next: the add widens it
-        exactly (the same values as `forward`'s, one cast fewer; models/decoder.py's
-        CPU layer, twice a layer). Other calls: `forward`."""
+        exactly (the same values as `forward`'s; the add casts inside its own call, one
+        op call fewer from Python; models/cpu_layer.py, twice a layer). Other calls:
+        `forward`."""
         if self.plain and x.dim() == 2 and x.shape[0] < DEQUANTIZE_MIN_TOKENS:
             return _INT4_MM(x.to(ACT_DTYPE), self.weight_packed, GROUP, self.scales_and_zeros)
         return self.forward(x)
