@@ -8,6 +8,14 @@ thread count joins each round (decode of 32 tokens after a 128-token prompt, as 
 
     python scripts/bench_cpu_quant.py --rounds 3 --out profiles/cpu/cpu-quant-smollm2.json \
         [--llama-bench /path/to/llama-bench]
+
+With --prefill, prompts instead: the packed path's int4 kernel against dequantize +
+float32 GEMM (kernels/cpu/int4_linear.py's DEQUANTIZE_MIN_TOKENS), and the float32
+model, in one process, alternating round by round (--rounds of them after a warm-up);
+each round a fresh prompt (no prefix-cache hits) of each of --lengths, one output token.
+
+    python scripts/bench_cpu_quant.py --prefill --lengths 32,64,128,512 --rounds 5 \
+        --out profiles/cpu/cpu-quant-prefill.json
 """
 
 from __future__ import annotations
@@ -101,6 +109,45 @@ def llama_bench_run(binary: str, gguf: Path, threads: int, steps: int, context: 
             "loadavg_1m": os.getloadavg()[0]}
 
 
+def prefill_rounds(lengths: list[int], rounds: int) -> dict:
+    """Prefill tok/s per variant and prompt length (module doc), medians of `rounds`."""
+    import time
+
+    import torch
+
+    from llmfast import LLM, SamplingParams
+    from llmfast.kernels.cpu import int4_linear
+
+    limit = max(lengths) + 8
+    llms = {"gguf": LLM(quantization="gguf", max_model_len=limit),
+            "none": LLM(quantization="none", max_model_len=limit)}
+    variants = {"gguf kernel only": ("gguf", 10**9),
+                "gguf dequantize": ("gguf", int4_linear.DEQUANTIZE_MIN_TOKENS),
+                "none": ("none", None)}
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times: dict[str, dict[int, list[float]]] = {v: {n: [] for n in lengths} for v in variants}
+    default_threshold = int4_linear.DEQUANTIZE_MIN_TOKENS
+    start = 1000
+    for round_ in range(rounds + 1):  # round 0: warm-up
+        for variant, (llm, threshold) in variants.items():
+            if threshold is not None:
+                int4_linear.DEQUANTIZE_MIN_TOKENS = threshold
+            for n in lengths:
+                prompt = list(range(start, start + n))
+                start += n
+                t0 = time.perf_counter()
+                llms[llm].generate({"prompt_token_ids": prompt}, one)
+                if round_:
+                    times[variant][n].append(time.perf_counter() - t0)
+    int4_linear.DEQUANTIZE_MIN_TOKENS = default_threshold
+    return {
+        "threads": torch.get_num_threads(),
+        "prefill_tok_s": {v: {n: n / statistics.median(ts) for n, ts in per.items()}
+                          for v, per in times.items()},
+        "times_s": times,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -112,8 +159,22 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated --quantization values, each optionally with "
                         f"'{COMPILED}' (torch.compile); the first two make the ratios")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time prompts (int4 kernel, dequantize + GEMM, float32) instead "
+                        "of decode; --rounds then counts prefill rounds")
+    parser.add_argument("--lengths", default="32,64,128,512",
+                        help="--prefill: comma-separated prompt lengths")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.prefill:
+        import torch
+
+        report = {"command": " ".join(sys.argv), "torch": torch.__version__,
+                  **prefill_rounds([int(n) for n in args.lengths.split(",")], args.rounds),
+                  "loadavg_end": os.getloadavg()}
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["prefill_tok_s"], indent=2))
+        return
 
     from llmfast.models.sources.default_model import default_model_gguf, ensure_default_model
 

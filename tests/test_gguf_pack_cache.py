@@ -97,3 +97,37 @@ def test_key_follows_contents_and_layout(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_pack_cache, "PACK_LAYOUT_VERSION",
                         gguf_pack_cache.PACK_LAYOUT_VERSION + 1)
     assert gguf_pack_cache.pack_cache_path(tiny_gguf) != key
+
+
+def test_write_prunes_stale_packs(tiny_gguf, tmp_path, monkeypatch):
+    """A pack written under a new key (here a layout bump) deletes the same GGUF's pack
+    under the old key, files of the naming before packs carried their GGUF's hash, and
+    a crashed write's old temporary; other GGUF files' packs, a write in progress and
+    foreign files stay."""
+    import os
+    import time
+
+    from llmfast.models.quantization import gguf_pack_cache
+
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    _build(tiny_gguf)
+    old = gguf_pack_cache.pack_cache_path(tiny_gguf)
+    assert old.is_file()
+    folder = old.parent
+    legacy = folder / ("0" * 24 + ".safetensors")
+    other_gguf = folder / ("f" * 16 + "-" + "1" * 24 + ".safetensors")
+    crashed, in_progress, foreign = folder / "tmpold.tmp", folder / "tmpnew.tmp", folder / "notes.txt"
+    for f in (legacy, other_gguf, crashed, in_progress, foreign):
+        f.write_bytes(b"x")
+    hours_ago = time.time() - 2 * gguf_pack_cache.STALE_TMP_SECONDS
+    os.utime(crashed, (hours_ago, hours_ago))
+    _build(tiny_gguf)  # a hit: nothing written, nothing pruned
+    assert legacy.is_file() and crashed.is_file()
+
+    monkeypatch.setattr(gguf_pack_cache, "PACK_LAYOUT_VERSION",
+                        gguf_pack_cache.PACK_LAYOUT_VERSION + 1)
+    _build(tiny_gguf)
+    new = gguf_pack_cache.pack_cache_path(tiny_gguf)
+    assert new != old and new.is_file()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        p.name for p in (new, other_gguf, in_progress, foreign))

@@ -146,6 +146,26 @@ def test_tiny_model_logits_match_dequantized(tiny_gguf, tmp_path, monkeypatch):
     assert (picked >= want.max(-1).values - 2 * tol).all()
 
 
+def test_packed_model_starts_through_the_engine(tiny_gguf, tmp_path, monkeypatch):
+    """The engine starts and decodes a packed model on the CPU (its start-up reads the
+    model's device without a `weight` on the packed lm_head: worker/startup/
+    gemv_routing.py), its greedy tokens those of the packed model stepped by hand."""
+    from llmfast import LLM, SamplingParams
+    from llmfast.kernels.cpu.int4_linear import Int4Linear
+    from tests.helpers.tp_runs import paged_logits
+
+    monkeypatch.setenv("LLMFAST_CACHE", str(tmp_path))
+    type_name, path = tiny_gguf
+    llm = LLM(str(path), quantization="gguf", max_model_len=64)
+    model = llm.engine.runner.model
+    assert isinstance(model.lm_head, Int4Linear)
+    prompt = PROMPTS[0]
+    (out,) = llm.generate({"prompt_token_ids": prompt},
+                          SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    want = paged_logits(model, [prompt], [0])[len(prompt) - 1].argmax()  # its last token
+    assert out.outputs[0].token_ids == [int(want)], type_name
+
+
 def test_packed_weight_bytes(tiny_gguf, tmp_path, monkeypatch):
     """decode_weight_bytes counts the packed planes and scales, not the float32 copy;
     the float32 embedding is read by rows only, so it is not counted once untied."""

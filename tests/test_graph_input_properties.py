@@ -16,6 +16,7 @@ and replay) and compares them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from llmfast import SamplingParams
+from llmfast.attention.metadata import EAGER_ONLY
 from llmfast.compile.compiled_model import CompiledModel
 from llmfast.config import CudaGraphMode
 from llmfast.cuda_graphs.full import FullGraphRunner
@@ -148,7 +150,10 @@ class GraphInputRecorder:
 
     def _compiled_call(self, compiled: CompiledModel, input_ids, positions, md) -> None:
         inputs = {"input_ids": input_ids, "positions": positions}
-        inputs.update({f"md.{name}": value for name, value in vars(md).items()})
+        # (Fields marked EAGER_ONLY, the eager CPU paths' per-step memo, are no graph's
+        # input: the compiled model never reads them.)
+        inputs.update({f"md.{f.name}": getattr(md, f.name) for f in dataclasses.fields(md)
+                       if not f.metadata.get(EAGER_ONLY)})
         for i, layer in enumerate(compiled.model.attention_layers()):
             inputs[f"layer{i}.k_cache"], inputs[f"layer{i}.v_cache"] = (layer.k_cache,
                                                                          layer.v_cache)

@@ -7,11 +7,19 @@ dozens of decoding requests costs more than the matmuls. Here:
   once and memoised on the metadata's bytes (a few KiB; hashing them costs microseconds)
   by the cache owner's `AttentionWorkspaces`, which frees it with the cache;
 - all single-token (decode) rows are served by one gather and one SDPA call per chunk,
-  the GQA group folded into SDPA's query-length axis;
+  the GQA group folded into SDPA's query-length axis; a chunk of one row (batch 1)
+  slices its keys to the visible ones instead of masking, and a chunk whose rows are
+  consecutive slices q and out instead of gathering and scattering them;
 - prefill chunks use SDPA with an explicit causal mask and `enable_gqa`;
 - a sliding-window layer's plan gathers only the blocks that hold a key some query's
   window reaches (per row from its own first such block), and its masks hide the keys
-  that left the window: the work stays bounded by the window, not the context.
+  that left the window: the work stays bounded by the window, not the context;
+- masks are additive float32 (0 or -inf), made once with the plan: SDPA would otherwise
+  convert a boolean one in every layer.
+
+An eager step that carries a `CpuStepState` (attention/cpu_step.py) looks its plan up
+once per KV-cache group and window (`step_plan`); a call without one (compiled graphs,
+tests) finds it in the owner's memo by the metadata's bytes, as each layer did before.
 
 Slots past a request's context in its last block may hold stale values of an earlier
 request: they are masked out of the softmax. They are always finite because the runner
@@ -36,8 +44,12 @@ _MAX_GATHER_ELEMENTS = 1 << 24
 class _DecodeChunk:
     tokens: torch.Tensor  # [D] rows of q / out
     blocks: torch.Tensor  # [D * num_blocks] cache blocks to gather, row-major
-    mask: torch.Tensor  # [D, 1, 1, L] True where the key position is in the context
+    # [D, 1, 1, L] float32: 0 where the key position is visible, -inf where not; None
+    # for a chunk of one row, whose visible keys are the slice `keys`.
+    mask: torch.Tensor | None
     num_blocks: int  # per row, from the row's first block in its window
+    first_token: int | None  # tokens[0] when the rows are consecutive, else None
+    keys: slice  # the gathered positions attended (all of them when masked)
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,27 @@ class _PrefillRow:
     q_end: int
     num_keys: int  # keys gathered: the context from the first block any query sees
     blocks: torch.Tensor  # [ceil(num_keys / block_size)]
-    mask: torch.Tensor  # [num_q, num_keys] causal (and windowed): what query i sees
+    mask: torch.Tensor  # [num_q, num_keys] float32 causal (and windowed): 0 where query i sees
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """One decode chunk's or prefill row's gather targets in a plan's buffer, and the
+    views attention reads them through (made once per plan and cache layout: every
+    layer of the step gathers into the same places)."""
+
+    k_out: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    v_out: torch.Tensor
+    # decode: strided [D, kv_heads, L', head_dim]; prefill: [kv_heads, num_keys, head_dim]
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Workspace:
+    buffer: torch.Tensor  # [2, max_gather_blocks, block_size, kv_heads, head_dim]
+    decode: tuple[_Gathered, ...]  # per decode chunk
+    prefill: tuple[_Gathered, ...]  # per prefill row
 
 
 @dataclass(frozen=True)
@@ -54,20 +86,60 @@ class _Plan:
     decode: tuple[_DecodeChunk, ...]
     prefill: tuple[_PrefillRow, ...]
     max_gather_blocks: int  # the most cache blocks one decode chunk or prefill row reads
-    # Gathered keys and values, [2, max_gather_blocks, block_size, kv_heads, head_dim],
-    # allocated by the first layer and reused by the others (keyed by dtype and block
-    # shape, as two caches may share a plan). A fresh
-    # tensor per gather costs more than the gather: large allocations come straight from
-    # mmap, and first-touch page faults on tens of MiB a layer dominated decode at batch 64.
+    # Gathered keys and values (`_Workspace`), allocated by the first layer and reused by
+    # the others (keyed by dtype and block shape, as two caches may share a plan). A
+    # fresh tensor per gather costs more than the gather: large allocations come straight
+    # from mmap, and first-touch page faults on tens of MiB a layer dominated decode at
+    # batch 64.
     workspace: dict = field(default_factory=dict, compare=False, hash=False)
 
-    def gather_buffers(self, cache: torch.Tensor, num_blocks: int):
+    def gathered(self, cache: torch.Tensor) -> _Workspace:
         key = (cache.dtype, cache.shape[1:])
-        buf = self.workspace.get(key)
-        if buf is None:
-            buf = cache.new_empty((2, self.max_gather_blocks, *cache.shape[1:]))
-            self.workspace[key] = buf
-        return buf[0, :num_blocks], buf[1, :num_blocks]
+        ws = self.workspace.get(key)
+        if ws is None:
+            ws = self.workspace[key] = self._workspace(cache)
+        return ws
+
+    def _workspace(self, cache: torch.Tensor) -> _Workspace:
+        block_size, num_kv_heads, head_dim = cache.shape[1:]
+        buf = cache.new_empty((2, self.max_gather_blocks, *cache.shape[1:]))
+        decode = []
+        for chunk in self.decode:
+            k_out, v_out = buf[0, : chunk.blocks.shape[0]], buf[1, : chunk.blocks.shape[0]]
+            # [D, L, kv_heads, head_dim] -> strided [D, kv_heads, L', head_dim] (L': the
+            # visible slice of a one-row chunk, else L)
+            shape = (chunk.tokens.shape[0], chunk.num_blocks * block_size, num_kv_heads,
+                     head_dim)
+            decode.append(_Gathered(k_out, v_out,
+                                    k_out.view(shape)[:, chunk.keys].transpose(1, 2),
+                                    v_out.view(shape)[:, chunk.keys].transpose(1, 2)))
+        prefill = []
+        for row in self.prefill:
+            k_out, v_out = buf[0, : row.blocks.shape[0]], buf[1, : row.blocks.shape[0]]
+            # [seq_len, kv_heads, head_dim] -> [kv_heads, seq_len, head_dim]
+            prefill.append(_Gathered(k_out, v_out,
+                                     k_out.flatten(0, 1)[: row.num_keys].transpose(0, 1),
+                                     v_out.flatten(0, 1)[: row.num_keys].transpose(0, 1)))
+        return _Workspace(buf, tuple(decode), tuple(prefill))
+
+
+def plan_key(k_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+             seq_lens: torch.Tensor, window: int | None) -> tuple:
+    """What a plan depends on: the metadata's bytes, the cache's block layout, the window."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    table = np.ascontiguousarray(block_table.numpy())
+    return (query_start_loc.numpy().tobytes(), seq_lens.numpy().tobytes(), table.tobytes(),
+            table.shape, block_size, num_kv_heads * head_dim, window)
+
+
+def step_plan(k_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+              seq_lens: torch.Tensor, window: int | None) -> _Plan:
+    """The plan of a step's attention over `k_cache`: from the cache owner's memo (built
+    there once), or built now where nobody owns the cache."""
+    key = plan_key(k_cache, block_table, query_start_loc, seq_lens, window)
+    owner = AttentionWorkspaces.of(k_cache)
+    return (owner.cpu_plan(key, lambda: _build_plan(*key)) if owner is not None
+            else _build_plan(*key))
 
 
 def paged_attention_cpu(
@@ -80,18 +152,21 @@ def paged_attention_cpu(
     scale: float,
     out: torch.Tensor,
     window: int | None = None,
+    plan: _Plan | None = None,
 ) -> None:
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    table = np.ascontiguousarray(block_table.numpy())
-    key = (query_start_loc.numpy().tobytes(), seq_lens.numpy().tobytes(), table.tobytes(),
-           table.shape, block_size, num_kv_heads * head_dim, window)
-    owner = AttentionWorkspaces.of(k_cache)
-    plan = (owner.cpu_plan(key, lambda: _build_plan(*key)) if owner is not None
-            else _build_plan(*key))
-    for chunk in plan.decode:
-        _decode(q, k_cache, v_cache, chunk, scale, out, plan)
-    for row in plan.prefill:
-        _prefill(q, k_cache, v_cache, row, scale, out, plan)
+    """`plan`: this step's (`step_plan` of the same arguments), if the caller has it."""
+    if plan is None:
+        plan = step_plan(k_cache, block_table, query_start_loc, seq_lens, window)
+    ws = plan.gathered(k_cache)
+    for chunk, gathered in zip(plan.decode, ws.decode):
+        _decode(q, k_cache, v_cache, chunk, gathered, scale, out)
+    for row, gathered in zip(plan.prefill, ws.prefill):
+        _prefill(q, k_cache, v_cache, row, gathered, scale, out)
+
+
+def _additive(visible: np.ndarray) -> torch.Tensor:
+    """A boolean mask as SDPA's additive float32 one: 0 where visible, -inf where not."""
+    return torch.from_numpy(np.where(visible, np.float32(0), np.float32(-np.inf)))
 
 
 def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
@@ -127,11 +202,20 @@ def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
             blocks = np.take_along_axis(table[rows], columns, axis=1)
             key_pos = key_pos + first_block[rows, None] * block_size
             visible = (key_pos < lens[rows, None]) & (key_pos >= lens[rows, None] - window)
+        tokens = starts[rows]
+        consecutive = bool((np.diff(tokens) == 1).all())
+        if len(rows) == 1:  # its visible keys are one run of the gathered positions
+            seen = np.flatnonzero(visible[0])
+            mask, keys = None, slice(int(seen[0]), int(seen[-1]) + 1)
+        else:
+            mask, keys = _additive(visible)[:, None, None, :], slice(None)
         decode.append(_DecodeChunk(
-            tokens=torch.from_numpy(starts[rows]),
+            tokens=torch.from_numpy(tokens),
             blocks=torch.from_numpy(blocks.astype(np.int64).reshape(-1)),
-            mask=torch.from_numpy(visible)[:, None, None, :],
+            mask=mask,
             num_blocks=num_blocks,
+            first_token=int(tokens[0]) if consecutive else None,
+            keys=keys,
         ))
     prefill = []
     for r in np.flatnonzero(num_q > 1):
@@ -147,7 +231,7 @@ def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
             num_keys=seq_len - first * block_size,
             blocks=torch.from_numpy(
                 table[r, first : -(-seq_len // block_size)].astype(np.int64)),
-            mask=torch.from_numpy(visible),
+            mask=_additive(visible),
         ))
     max_gather_blocks = max(
         [c.blocks.shape[0] for c in decode] + [r.blocks.shape[0] for r in prefill], default=0
@@ -155,41 +239,43 @@ def _build_plan(qsl_bytes: bytes, lens_bytes: bytes, table_bytes: bytes,
     return _Plan(tuple(decode), tuple(prefill), max_gather_blocks)
 
 
-def _gather(k_cache, v_cache, blocks: torch.Tensor, plan: _Plan):
-    keys, values = plan.gather_buffers(k_cache, blocks.shape[0])
-    torch.index_select(k_cache, 0, blocks, out=keys)
-    torch.index_select(v_cache, 0, blocks, out=values)
-    return keys, values
+def _gather(k_cache, v_cache, blocks: torch.Tensor, gathered: _Gathered) -> tuple:
+    """The keys and values attention reads (float32), after gathering `blocks` into the
+    plan's buffer."""
+    torch.index_select(k_cache, 0, blocks, out=gathered.k_out)
+    torch.index_select(v_cache, 0, blocks, out=gathered.v_out)
+    if k_cache.dtype == torch.float32:
+        return gathered.keys, gathered.values
+    return gathered.keys.float(), gathered.values.float()
 
 
-def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, scale: float, out, plan: _Plan) -> None:
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+def _decode(q, k_cache, v_cache, chunk: _DecodeChunk, gathered: _Gathered, scale: float,
+            out) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2:]
     num_rows = chunk.tokens.shape[0]
-    group = q.shape[1] // num_kv_heads
-    length = chunk.num_blocks * block_size
-    # [D, L, num_kv_heads, head_dim] -> strided [D, num_kv_heads, L, head_dim] views.
-    shape = (num_rows, length, num_kv_heads, head_dim)
-    keys, values = _gather(k_cache, v_cache, chunk.blocks, plan)
-    keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+    keys, values = _gather(k_cache, v_cache, chunk.blocks, gathered)
+    first = chunk.first_token
+    rows = (q[first : first + num_rows] if first is not None
+            else q.index_select(0, chunk.tokens))
     # The group's query heads become SDPA's query positions: [D, num_kv_heads, group, hd].
-    queries = q.index_select(0, chunk.tokens).view(num_rows, num_kv_heads, group, head_dim)
-    dtype = torch.float32
+    queries = rows.view(num_rows, num_kv_heads, -1, head_dim)
     result = F.scaled_dot_product_attention(
-        queries.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=chunk.mask, scale=scale
-    )
-    out.index_copy_(0, chunk.tokens, result.reshape(num_rows, -1, head_dim).to(out.dtype))
+        queries if queries.dtype == torch.float32 else queries.float(), keys, values,
+        attn_mask=chunk.mask, scale=scale,
+    ).reshape(num_rows, -1, head_dim)
+    if first is not None:
+        out[first : first + num_rows] = result
+    else:
+        out.index_copy_(0, chunk.tokens, result.to(out.dtype))
 
 
-def _prefill(q, k_cache, v_cache, row: _PrefillRow, scale: float, out, plan: _Plan) -> None:
-    # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
-    keys, values = _gather(k_cache, v_cache, row.blocks, plan)
-    keys = keys.flatten(0, 1)[: row.num_keys].transpose(0, 1)
-    values = values.flatten(0, 1)[: row.num_keys].transpose(0, 1)
-    dtype = torch.float32
+def _prefill(q, k_cache, v_cache, row: _PrefillRow, gathered: _Gathered, scale: float,
+             out) -> None:
+    keys, values = _gather(k_cache, v_cache, row.blocks, gathered)
     result = F.scaled_dot_product_attention(
-        q[row.q_start : row.q_end].transpose(0, 1).to(dtype),  # [num_heads, num_q, head_dim]
-        keys.to(dtype),
-        values.to(dtype),
+        q[row.q_start : row.q_end].transpose(0, 1).float(),  # [num_heads, num_q, head_dim]
+        keys,
+        values,
         attn_mask=row.mask,
         scale=scale,
         enable_gqa=True,

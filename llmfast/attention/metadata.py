@@ -4,9 +4,18 @@ persistent buffers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llmfast.attention.cpu_step import CpuStepState
+
+
+# Marks a field that compiled graphs never read (dataclasses.field metadata): a
+# precompiled model does not check it against the traced call's.
+EAGER_ONLY = "eager_only"
 
 
 @dataclass
@@ -27,6 +36,12 @@ class AttentionMetadata:
     # group, whose tables are the two above.
     group_slot_mappings: tuple[torch.Tensor, ...] | None = None
     group_block_tables: tuple[torch.Tensor, ...] | None = None
+    # The torch (CPU) paths' per-step memo of what every layer computes alike: the
+    # attention plan, the rotary rows, the padding flag (attention/cpu_step.py). Made
+    # fresh with each step's metadata; eager code only reads it, compiled graphs never
+    # (not a graph input: `EAGER_ONLY`). None: each layer computes its own.
+    cpu_step: CpuStepState | None = field(default=None, repr=False, compare=False,
+                                          metadata={EAGER_ONLY: True})
 
 
 def host_max_query_len(value: int = 0) -> torch.Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from llmfast.attention.cpu import paged_attention_cpu
 from llmfast.config import FP8_E4M3_MAX
 from llmfast.kernels.triton_mode import use_triton
 
@@ -55,12 +56,18 @@ def reshape_and_cache_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    has_padding: bool | None = None,
 ) -> None:
+    """`has_padding`: whether slot_mapping holds a -1 (None: look; a step's eager layers
+    pass what the first of them found, attention/cpu_step.py)."""
     # A slot indexes the cache viewed as [num_blocks * block_size, num_kv_heads, head_dim];
     # view (not reshape) so a non-contiguous cache fails loudly instead of writing a copy.
     num_tokens = slot_mapping.shape[0]
-    k, v = k[:num_tokens], v[:num_tokens]
-    if bool((slot_mapping < 0).any()):  # padding tokens: drop them
+    if k.shape[0] != num_tokens:
+        k, v = k[:num_tokens], v[:num_tokens]
+    if has_padding is None:
+        has_padding = bool((slot_mapping < 0).any())
+    if has_padding:  # padding tokens: drop them
         valid = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
@@ -73,7 +80,8 @@ def _write_rows(cache_flat: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) 
     """cache_flat[slots] = x in the cache's dtype. An fp8 cache: clamped to +-448 first
     (e4m3fn has no inf), and copied as bytes (torch has no fp8 index_copy_ on CPU)."""
     if cache_flat.dtype != torch.float8_e4m3fn:
-        cache_flat.index_copy_(0, slots, x.to(cache_flat.dtype))
+        cache_flat.index_copy_(0, slots, x if x.dtype == cache_flat.dtype
+                               else x.to(cache_flat.dtype))
         return
     x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_flat.dtype)
     cache_flat.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
@@ -177,11 +185,14 @@ def unified_attention_impl(
     window: int | None = None,
 ) -> None:
     """The op's body. Eager callers may call it directly: the custom-op dispatcher adds
-    ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op."""
-    if positions is not None and not use_triton(q):  # torch: rotate, then as usual
+    ~90 us per call on CPU, 30 calls a step; compiled graphs must use the op. (The eager
+    CPU decoder's own path, `Attention.attend_cpu`, calls the torch branch's two
+    functions itself with its step's memo.)"""
+    triton = use_triton(q)
+    if positions is not None and not triton:  # torch: rotate, then as usual
         q, k = _rotate_reference(positions, q, cos_sin), _rotate_reference(positions, k, cos_sin)
         positions = None
-    if use_triton(q):
+    if triton:
         attention = _ATTENTION or _triton_attention()
         if positions is not None:
             # Rotation and KV write first (the rotated queries go to `out`, which the
@@ -201,8 +212,6 @@ def unified_attention_impl(
             window=window,
         )
     else:
-        from llmfast.attention.cpu import paged_attention_cpu
-
         reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)
         paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
                             out, window)

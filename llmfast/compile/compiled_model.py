@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmfast.attention.metadata import AttentionMetadata
+from llmfast.attention.metadata import EAGER_ONLY, AttentionMetadata
 from llmfast.compile import precompiled
 from llmfast.compile.backend import PiecewiseBackend, assemble_split_graph
 from llmfast.compile.cache import compile_cache_dir, compile_cache_key, inductor_cache
@@ -285,7 +285,8 @@ class CompiledModel:
                 return
             md = call[2]
             none_fields = tuple(f.name for f in dataclasses.fields(md)
-                                if getattr(md, f.name) is None)
+                                if getattr(md, f.name) is None
+                                and not f.metadata.get(EAGER_ONLY))
             flatten = bind_slots(slots, self.model, none_fields)
             flat = flatten(*call)
             mismatch = first_mismatch(flat, example_inputs)

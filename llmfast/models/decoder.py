@@ -22,14 +22,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfast.attention.cpu import paged_attention_cpu
+from llmfast.attention.cpu_step import CpuStepState
 from llmfast.attention.metadata import AttentionMetadata
-from llmfast.attention.ops import unified_attention_impl  # also registers torch.ops.llmfast.*
+from llmfast.attention.ops import (  # also registers torch.ops.llmfast.*
+    reshape_and_cache_reference,
+    unified_attention_impl,
+)
 from llmfast.config import ModelConfig, RopeScaling
 from llmfast.core.kv_cache_groups import kv_cache_groups
 from llmfast.distributed import TensorParallelGroup
 from llmfast.kernels.cpu.linear import MAX_SPLIT_TOKENS_LM_HEAD, Linear
 from llmfast.kernels.layers.rms_norm import add_rms_norm_impl, rms_norm_impl
 from llmfast.kernels.layers.rotary import rope_fuses_into_attention
+from llmfast.kernels.layers.rotary_reference import rotate
+from llmfast.models.cpu_layer import cpu_layer_forward
 from llmfast.models.fused_layer import fusable, fused_layer_forward
 from llmfast.models.parallel_layers import (
     gather_logits,
@@ -110,13 +117,7 @@ class Attention(nn.Module):
                attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv [num_tokens, q_size + 2 * kv_size] -> the heads' outputs [num_tokens,
         q_size], before o_proj (which the fused layer applies with its residual add)."""
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Queries and keys are adjacent columns: rotate them as one [T, heads + kv_heads, d].
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self._heads(qkv)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         cos_sin = self.rotary.cos_sin
         if rope_fuses_into_attention(q, k, v, cos_sin, self.k_cache, self.v_cache):
@@ -135,11 +136,7 @@ class Attention(nn.Module):
             if torch.compiler.is_compiling()
             else unified_attention_impl
         )
-        if self.kv_group is None:
-            slot_mapping, block_table = attn_metadata.slot_mapping, attn_metadata.block_table
-        else:
-            slot_mapping = attn_metadata.group_slot_mappings[self.kv_group]
-            block_table = attn_metadata.group_block_tables[self.kv_group]
+        slot_mapping, block_table = self._tables(attn_metadata)
         attention(
             q,
             k,
@@ -156,6 +153,46 @@ class Attention(nn.Module):
             window=self.window,
         )
         return out.view(-1, self.q_size)
+
+    def attend_cpu(self, positions: torch.Tensor, qkv: torch.Tensor,
+                   attn_metadata: AttentionMetadata, step: CpuStepState) -> torch.Tensor:
+        """`attend` on the eager torch path (no Triton: the CPU), with the work every
+        layer of the step shares looked up in the step's memo (attention/cpu_step.py):
+        the rotary rows, the padding flag, the attention plan. The same values as
+        `attend` (tests/test_cpu_step.py)."""
+        qk, v = self._heads(qkv)
+        rotary = self.rotary
+        qk = rotate(qk, *step.rope(positions, rotary.cos_sin, rotary.rotate_sign))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        slot_mapping, block_table = self._tables(attn_metadata)
+        k_cache, v_cache = self.k_cache, self.v_cache
+        query_start_loc, seq_lens = attn_metadata.query_start_loc, attn_metadata.seq_lens
+        reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping,
+                                    step.has_padding(slot_mapping))
+        out = torch.empty(q.shape, dtype=q.dtype)
+        paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                            self.scale, out, self.window,
+                            step.plan(k_cache, block_table, query_start_loc, seq_lens,
+                                      self.window))
+        return out.view(-1, self.q_size)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv -> (queries and keys [T, heads + kv_heads, head_dim] (q/k-normed where the
+        family norms them), values [T, kv_heads, head_dim])."""
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Queries and keys are adjacent columns: rotate them as one [T, heads + kv_heads, d].
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        return qk, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def _tables(self, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's KV-cache group's (slot_mapping, block_table)."""
+        if self.kv_group is None:
+            return attn_metadata.slot_mapping, attn_metadata.block_table
+        return (attn_metadata.group_slot_mappings[self.kv_group],
+                attn_metadata.group_block_tables[self.kv_group])
 
 
 class MLP(nn.Module):
@@ -231,6 +268,10 @@ class DecoderModel(nn.Module):
                                         MLP(config, tp))
 
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
+        # Eager CPU steps run models/cpu_layer.py's layer (Gemma's sandwich layers: their
+        # own forward).
+        self.cpu_layers = len(self.layers) > 0 and all(type(layer) is DecoderLayer
+                                                       for layer in self.layers)
         # Decode-sized steps with the projections' neighbours fused (models/fused_layer.py):
         # `gemv_fused` the --gemv backend they run on when --gemv-fuse routed them
         # there at start-up (worker/startup/gemv_routing.py), "" for the plain layers.
@@ -259,6 +300,15 @@ class DecoderModel(nn.Module):
                                                self.gemv_fused)
             return self.norm(residual)
         residual = None
+        # The eager torch path's per-step memo (attention/cpu_step.py); compiled graphs
+        # never read it.
+        step = None if torch.compiler.is_compiling() else attn_metadata.cpu_step
+        if step is not None and self.cpu_layers:
+            for layer in self.layers:
+                hidden, residual = cpu_layer_forward(layer, positions, hidden, residual,
+                                                     attn_metadata, step)
+            # add_rms_norm's sum, made here: a packed last layer's output is bfloat16.
+            return self.norm(hidden + residual)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
         if residual is None:  # no layers

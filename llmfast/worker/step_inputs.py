@@ -13,9 +13,11 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from llmfast.attention.cpu_step import CpuStepState
 from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
 from llmfast.core.scheduler_output import SchedulerOutput
 from llmfast.cuda_graphs.dispatch import GraphDispatcher, StepDispatch, uniform_query_len
+from llmfast.kernels.triton_mode import use_triton
 from llmfast.worker.buffers import CpuGpuBuffer
 from llmfast.worker.input_batch import InputBatch
 from llmfast.worker.placeholders import PlaceholderFill
@@ -36,6 +38,9 @@ class StepInputs:
         self.max_query_len = host_max_query_len()
         self._max_query_len_np = self.max_query_len.numpy()
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
+        # The torch paths (the CPU without Triton's interpreter) share per-step work
+        # between layers through a fresh memo in each step's metadata.
+        self.cpu_step = not use_triton(self.positions.gpu)
 
     def prepare(
         self, out: SchedulerOutput, batch: InputBatch, dispatcher: GraphDispatcher,
@@ -94,6 +99,7 @@ class StepInputs:
                 query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
                 seq_lens=self.seq_lens.copy_to_gpu(num_rows),
                 max_query_len=self.max_query_len,
+                cpu_step=CpuStepState() if self.cpu_step else None,
             )
             table.table.copy_to_gpu(n)
         else:  # several KV-cache groups: each group's tables too
@@ -104,6 +110,7 @@ class StepInputs:
                 seq_lens=self.seq_lens.copy_to_gpu(num_rows),
                 max_query_len=self.max_query_len,
                 group_slot_mappings=slots, group_block_tables=tables,
+                cpu_step=CpuStepState() if self.cpu_step else None,
             )
         self.input_ids.copy_to_gpu(num_padded)
         # After the host's input ids reach the device: the fill overwrites placeholders.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmfast.attention.cpu_step import CpuStepState
 from llmfast.attention.metadata import AttentionMetadata
 from tests.helpers.static_buffers import shuffled_blocks
 from llmfast.attention.workspaces import AttentionWorkspaces
@@ -53,8 +54,11 @@ class PagedSequences:
     """A few sequences, each owning a shuffled (non-contiguous) set of cache blocks."""
 
     def __init__(self, model: DecoderForCausalLM, num_seqs: int, max_len: int, block_size: int = 4,
-                 seed: int = 0, device: torch.device | str = "cpu", forward=None) -> None:
-        """`forward`: called instead of `model` (e.g. its `CompiledModel`)."""
+                 seed: int = 0, device: torch.device | str = "cpu", forward=None,
+                 cpu_step: bool = False) -> None:
+        """`forward`: called instead of `model` (e.g. its `CompiledModel`). `cpu_step`: each
+        step's metadata carries a fresh `CpuStepState`, as the runner's does on the CPU."""
+        self.cpu_step = cpu_step
         self.caches, self.block_table = shuffled_blocks(model, num_seqs, max_len, block_size, seed,
                                                         device)
         self.device = device
@@ -82,6 +86,7 @@ class PagedSequences:
             seq_lens=torch.tensor(s.seq_lens, dtype=torch.int32, device=dev),
             group_slot_mappings=(slots,) * num_groups if num_groups > 1 else None,
             group_block_tables=(table,) * num_groups if num_groups > 1 else None,
+            cpu_step=CpuStepState() if self.cpu_step else None,
         )
         with torch.inference_mode():
             ids = torch.tensor(s.ids, device=dev)

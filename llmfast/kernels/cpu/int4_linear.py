@@ -154,11 +154,17 @@ def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
         if zero_column:
             x = torch.nn.functional.pad(x, (0, 1))
         x = x.index_select(1, x_index)  # [M, K']
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
+    out = _INT4_MM(x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
     if out.shape[1] != out_features:  # padded rows (contiguous: the op's fake result is)
         out = out[:, :out_features].contiguous()
     return out.to(dtype)  # the model's dtype (float32 on CPU)
+
+
+# The kernel's overload, bound once: the packet's attribute lookups and overload
+# resolution cost a few microseconds a call, 121 calls a step (None where torch lacks it:
+# `int4_supported`).
+_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default",
+                   None)
 
 
 # A plain library definition, not `torch.library.custom_op`: the latter's Python wrapper
@@ -215,6 +221,11 @@ class Int4Linear(nn.Module):
         # Gathered columns of x: None when the planes read x as is.
         self.register_buffer("x_index", x_index, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        # The kernel's result is the layer's as is: x read as is, no padded rows, no
+        # bias (every projection of the default model; its eager decode calls skip
+        # the general path's checks).
+        self.plain = (x_index is None and bias is None
+                      and packed.weight_packed.shape[0] == self.out_features)
 
     @classmethod
     def from_codes(cls, a: AffineCodes, bias: torch.Tensor | None = None) -> Int4Linear:
@@ -225,20 +236,38 @@ class Int4Linear(nn.Module):
                           self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)  # [M, K]
         if torch.compiler.is_compiling():
             # An opaque op: Inductor's own lowering of the int4 kernel adds a real tensor
             # constant that fails under its fake tensors (torch 2.13).
-            out = torch.ops.llmfast.int4_linear(x, self.weight_packed, self.scales_and_zeros,
-                                                self.x_index, self.zero_column,
-                                                self.out_features)
-        else:
-            out = int4_linear_impl(x, self.weight_packed, self.scales_and_zeros,
-                                   self.x_index, self.zero_column, self.out_features)
+            shape = x.shape
+            out = torch.ops.llmfast.int4_linear(
+                x.reshape(-1, self.in_features), self.weight_packed, self.scales_and_zeros,
+                self.x_index, self.zero_column, self.out_features)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.reshape(*shape[:-1], self.out_features)
+        # Eager: the decoder's activations are already [M, K] (no reshape calls then).
+        flat = x.dim() == 2
+        if self.plain and flat and x.shape[0] < DEQUANTIZE_MIN_TOKENS:
+            # int4_linear_impl's kernel path, inlined: 121 calls a decode step.
+            return _INT4_MM(x.to(ACT_DTYPE), self.weight_packed, GROUP,
+                            self.scales_and_zeros).to(x.dtype)
+        out = int4_linear_impl(x if flat else x.reshape(-1, self.in_features),
+                               self.weight_packed, self.scales_and_zeros, self.x_index,
+                               self.zero_column, self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+        return out if flat else out.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_unwidened(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for eager decode-sized calls, leaving the kernel's bfloat16 result
+        as it is, for a caller that adds it to a float32 tensor next: the add widens it
+        exactly (the same values as `forward`'s; the add casts inside its own call, one
+        op call fewer from Python; models/cpu_layer.py, twice a layer). Other calls:
+        `forward`."""
+        if self.plain and x.dim() == 2 and x.shape[0] < DEQUANTIZE_MIN_TOKENS:
+            return _INT4_MM(x.to(ACT_DTYPE), self.weight_packed, GROUP, self.scales_and_zeros)
+        return self.forward(x)
 
     def extra_repr(self) -> str:
         planes = self.scales_and_zeros.shape[0] * GROUP // self.in_features

@@ -14,11 +14,26 @@ def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Te
     the halves as an axis of size 2, swapped by a flip (`rotate_sign`: [[-1], [1]]).
     Inductor makes fewer kernels of that than of the cat form, and eager runs no more
     ops."""
+    return rotate(x, *rope_rows(positions, cos_sin, rotate_sign))
+
+
+def rope_rows(positions: torch.Tensor, cos_sin: torch.Tensor,
+              rotate_sign: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the table `rotate` multiplies by: cos [num_tokens, 1, 1, head_dim / 2]
+    and the signed sin [num_tokens, 1, 2, head_dim / 2] (-sin for the first output half,
+    +sin for the second). The same for every layer of a step (attention/cpu_step.py
+    keeps them)."""
     cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2]
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+    return cos[:, None, None, :], sin[:, None, None, :] * rotate_sign
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim] rotated by `rope_rows`' rows, in float32, rounded
+    once to x's dtype. (Multiplying by the sign first is exact: the same values as
+    signing the product.)"""
     halves = x.float().unflatten(-1, (2, -1))  # [num_tokens, heads, 2, head_dim / 2]
-    rotated = halves * cos + halves.flip(-2) * sin * rotate_sign
-    return rotated.flatten(-2).to(x.dtype)
+    rotated = (halves * cos + halves.flip(-2) * signed_sin).flatten(-2)
+    return rotated if x.dtype == torch.float32 else rotated.to(x.dtype)
 
 
 def rotate_sign(device: torch.device) -> torch.Tensor:

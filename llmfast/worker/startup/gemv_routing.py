@@ -78,7 +78,8 @@ def route_gemv(model: nn.Module, settings: SkinnyLinearConfig, rows: Sequence[in
     default `<cache dir>/gemv`). `gpu`: the GPU's facts, read from the model's device
     when None (a CPU test passes them, and a fake `measure`, to route as on a GPU)."""
     decoder = model.model
-    device = model.lm_head.weight.device
+    # (The embedding's: a packed GGUF lm_head, Int4Linear, has no `weight`.)
+    device = decoder.embed_tokens.weight.device
     for module in model.modules():  # (as loaded: a second routing starts afresh)
         if isinstance(module, (Linear, Fp8Linear)):
             module.gemv_backend = ""
