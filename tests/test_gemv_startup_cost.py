@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
-import triton
 
 from llmfast.config import SkinnyLinearConfig
 from llmfast.kernels.gemv import launch_config, ops
@@ -23,7 +21,7 @@ from llmfast.kernels.gemv import triton_kernels as gemv_kernels
 from llmfast.kernels.launch import precompile
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.worker.startup.gemv_routing import GpuFacts, route_gemv
-from tests.helpers.offline_variants import fresh_offline_variants
+from tests.helpers.offline_variants import fresh_offline_variants, record_compiling_threads
 
 pytestmark = pytest.mark.skipif(
     precompile.KernelPrecompiler().available is False,
@@ -59,14 +57,7 @@ def test_the_timed_candidates_were_compiled_in_threads(offline, tmp_path, monkey
     from llmfast.models.sources.model_source import resolve_model
 
     model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=64)
-    compiling_threads: list[str] = []
-    compile = triton.compiler.compile  # what a kernel's binder imports when made
-
-    def recording_compile(*args, **kwargs):
-        compiling_threads.append(threading.current_thread().name)
-        return compile(*args, **kwargs)
-
-    monkeypatch.setattr(triton.compiler, "compile", recording_compile)
+    compiling_threads = record_compiling_threads(monkeypatch)
     compiled_at_launch = []
 
     def timer(launches, rows, config):

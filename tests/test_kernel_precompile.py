@@ -42,7 +42,7 @@ from tests.helpers.full_graphs import (
     rope_in_the_op,
     run_with_arrivals,
 )
-from tests.helpers.offline_variants import fresh_offline_variants
+from tests.helpers.offline_variants import fresh_offline_variants, record_compiling_threads
 
 pytestmark = pytest.mark.skipif(
     precompile.KernelPrecompiler().available is False,
@@ -92,14 +92,7 @@ def _cuda_start_up(monkeypatch) -> list[str]:
     # Several compiles at once, as on the GPU machine (16 cores: 8 threads), more than
     # default_workers() gives a 2-core CI machine.
     monkeypatch.setattr(precompile, "default_workers", lambda: 4)
-    compiling_threads: list[str] = []
-    compile = triton.compiler.compile  # what a kernel's binder imports when made
-
-    def recording_compile(*args, **kwargs):
-        compiling_threads.append(threading.current_thread().name)
-        return compile(*args, **kwargs)
-
-    monkeypatch.setattr(triton.compiler, "compile", recording_compile)
+    compiling_threads = record_compiling_threads(monkeypatch)
     return compiling_threads
 
 
