@@ -110,6 +110,7 @@ def _workload_compiles_nothing(engine) -> None:
 def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton,
                                                           monkeypatch):
     threads = _cuda_start_up(monkeypatch)
+    _first_two_compiles_meet(monkeypatch)
     engine = emulated_graph_engine(ckpt, None)  # eager: the layers' norm kernels, RoPE in the op
     variants = engine.runner.triton_variants
     assert variants is not None and variants["compiled_at_launch"] == 0
@@ -119,6 +120,26 @@ def test_eager_start_up_compiles_every_variant_in_threads(ckpt, offline_triton,
     assert "precompile" in engine.runner.startup_times
     _workload_compiles_nothing(engine)
     assert offline_triton  # the workload's launches were recorded (the dry ones: none)
+
+
+def _first_two_compiles_meet(monkeypatch) -> None:
+    """The first compile waits (up to a minute) until a second one has started: compiles
+    that run side by side meet at once, while one thread taking every compile (the pool
+    reusing a thread that went idle, as a loaded machine allowed) waits out the timeout
+    and then fails the test's check of several threads, not by chance."""
+    meeting = threading.Barrier(2, timeout=60)
+    started = iter(range(2))
+    compile = triton.compiler.compile
+
+    def meeting_compile(*args, **kwargs):
+        if next(started, None) is not None:
+            try:
+                meeting.wait()
+            except threading.BrokenBarrierError:
+                pass
+        return compile(*args, **kwargs)
+
+    monkeypatch.setattr(triton.compiler, "compile", meeting_compile)
 
 
 def _graphs_engine(checkpoint, monkeypatch, tmp_path):
