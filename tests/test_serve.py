@@ -347,10 +347,10 @@ def test_concurrent_streams_batch_and_finish(server, client, model):
     steps = server.metrics()["llmfast_engine_steps_total"] - steps_before
     assert all(usage.completion_tokens == 10 for _, usage in results)
     assert [text for text, _ in results[:4]] == alone
-    # One at a time would take 32 * 10 steps; shared steps make it far fewer (16-18 on a
-    # quiet 2-core machine; ~90 seen with the whole suite loading both cores, as the
-    # streams then reach the core spread over time).
-    assert steps <= 32 * 10 / 2, f"{steps} steps for 320 tokens: requests rarely shared a step"
+    # One at a time would take 32 * 10 steps; shared steps make it far fewer: 16-18 on a
+    # quiet 2-core machine, but 90-172 seen with the whole suite loading both cores (the
+    # streams then reach the engine spread over time), so the bound is a quarter fewer.
+    assert steps <= 32 * 10 * 3 / 4, f"{steps} steps for 320 tokens: requests rarely shared a step"
 
 
 _STREAMER = textwrap.dedent("""
