@@ -22,13 +22,13 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llmfast.attention.tuning.prefill_measure import median_device_us_interleaved
 from llmfast.cuda_graphs.capture_context import CaptureStream
 from llmfast.cuda_graphs.capturers import CudaGraphCapturer
 from llmfast.kernels.gemv import launch_config
@@ -312,16 +312,8 @@ def time_on_cuda(launches: list[Launch], rows: int, config: GemvConfig | None,
     torch.cuda.synchronize(device)
     flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size,
                         dtype=torch.uint8, device=device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        flush.zero_()
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(launches))
-    return statistics.median(samples)
+    (replay_us,) = median_device_us_interleaved([replay], reps, warmup=0, before=flush.zero_)
+    return replay_us / len(launches)
 
 
 @functools.cache
