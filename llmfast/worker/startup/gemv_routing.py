@@ -61,6 +61,11 @@ class GemvRouting:
     seconds: float  # spent timing
 
 
+# A draft model (--speculative-method draft) runs its forwards eagerly, each of as many
+# rows as requests draft or catch up: any count up to 16 takes the GEMV.
+DRAFT_ROWS = tuple(range(1, MAX_GEMV_ROWS + 1))
+
+
 def decode_rows(compile_config: CompileConfig) -> tuple[int, ...]:
     """The token counts of the decode steps the GEMV can take: the full CUDA graphs'
     sizes up to 16 where they run (a step pads to one), else every count up to 16."""
