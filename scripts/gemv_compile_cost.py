@@ -26,9 +26,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# A fresh Triton cache: every variant compiles (set before Triton reads its knobs).
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gemv-cost-triton-")
-
 import torch  # noqa: E402
 
 from llmfast.kernels.gemv import launch_config  # noqa: E402
@@ -107,6 +104,8 @@ def main() -> None:
                    help="count the distinct variants the launches bind, compile nothing")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    # A fresh Triton cache: every variant compiles (Triton reads it at each compile).
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gemv-cost-triton-")
     if args.workers:
         precompile.default_workers = lambda: args.workers
     groups: dict[str, list[Launch]] = {}

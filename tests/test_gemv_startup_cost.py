@@ -151,3 +151,37 @@ def test_the_measurement_is_a_start_up_stage(tmp_path, monkeypatch):
     console = Console(width=400, record=True)
     console.print(startup_table(dict(model="random:tiny", cold=run, warm=run)))
     assert "time the GEMV against cuBLAS (once per GPU)" in console.export_text()
+
+
+def test_every_split_count_of_a_tile_shares_one_variant(offline):
+    """The split count is a launch argument, not a constexpr: timing splits 2, 4 and 8
+    of one tile compiles one GEMV variant and one reduce (split 1, no reduce: one more)."""
+    weight = torch.zeros(64, 2048)
+    x = torch.zeros(1, 2048)
+    precompiler = precompile.KernelPrecompiler()
+    with precompiler.dry_launches():
+        for split_k in (2, 4, 8):
+            ops.gemv_triton(x, weight, launch_config.GemvConfig(16, 128, split_k=split_k))
+    assert precompiler.num_submitted == 2
+    with precompiler.dry_launches():
+        ops.gemv_triton(x, weight, launch_config.GemvConfig(16, 128, split_k=1))
+    precompiler.wait()
+    assert precompiler.num_submitted == 3
+
+
+@pytest.mark.parametrize(("preset", "fused", "variants"), [
+    ("random:llama-3.2-1b", False, 37), ("random:llama-3.2-1b", True, 84),
+    ("random:llama-3.1-8b", False, 32)])
+def test_a_cold_start_binds_few_variants(preset, fused, variants):
+    """What --gemv auto's start-up compiles for a preset in bf16 at the five buckets on
+    132 SMs (scripts/gemv_compile_cost.py --count-only: the variants its launches bind,
+    nothing compiled): 67, 135 and 59 while the split count was a constexpr."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import gemv_compile_cost
+
+    groups = gemv_compile_cost.preset_launches(preset, fp8=False, fused=fused)
+    todo = [(key, b) for key in groups for b in launch_config.M_BUCKETS]
+    assert gemv_compile_cost.count_variants(groups, todo) == variants
