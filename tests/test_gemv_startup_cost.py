@@ -185,3 +185,37 @@ def test_a_cold_start_binds_few_variants(preset, fused, variants):
     groups = gemv_compile_cost.preset_launches(preset, fp8=False, fused=fused)
     todo = [(key, b) for key in groups for b in launch_config.M_BUCKETS]
     assert gemv_compile_cost.count_variants(groups, todo) == variants
+
+
+def test_the_dry_launches_compile_every_routed_bucket(offline, tmp_path, monkeypatch):
+    """The start-up's dry launches (precompile_kernels' `gemv`) reach every routed
+    projection, the lm_head too, at each M bucket of the decode sizes: a launch table
+    that chose the GEMV (here --gemv triton's heuristic, as on the faked GPU) then
+    compiles nothing at the real launches of those sizes (the captures' warm-up)."""
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+    from llmfast.worker.startup.gemv_routing import dry_gemv_launches
+
+    model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=64)
+    route_gemv(model, SkinnyLinearConfig("triton"), (1,), cache=tmp_path, gpu=GPU)
+    choose = launch_config.choose
+
+    def choice_as_on_the_gpu(x, weight, silu_mul, norm, residual, backend):
+        n = ops.out_features(weight, silu_mul)
+        return choose(x.shape[0], n, x.shape[1], "", GPU.name, GPU.num_sms, backend)
+
+    monkeypatch.setattr(ops, "choice_for", choice_as_on_the_gpu)
+    rows = (1, 3, 16)  # buckets 1, 4, 16
+    precompiler = precompile.KernelPrecompiler()
+    with precompiler.dry_launches():
+        assert dry_gemv_launches(model, rows) == 5 * 3  # five shapes, three buckets
+    precompiler.wait()
+    assert precompiler.num_submitted > 0 and offline == []
+    routed = [m for m in model.modules() if getattr(m, "gemv_backend", "")]
+    assert len(routed) == 9 and model.lm_head in routed
+    with TritonCompileWatch() as watch:
+        for module in routed:
+            for m in (1, 4, 16):
+                module(torch.zeros(m, module.in_features))
+    assert watch.compiles == [], [c.name for c in watch.compiles]
+    assert len(offline) >= 9 * 3

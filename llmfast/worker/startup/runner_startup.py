@@ -77,8 +77,11 @@ class RunnerStartup:
             progress("compiling the attention and layer kernels", None)
         failed = False
         try:
+            gemv = [(self.model, decode_rows(self.config.compile))]
+            if draft is not None:
+                gemv.append((draft, DRAFT_ROWS))
             precompiled = precompile_kernels(self.model, self._dry_batches(), self.block_size,
-                                             self.kv_dtype, self.device)
+                                             self.kv_dtype, self.device, gemv)
         except Exception as exc:  # noqa: BLE001 - an optimisation: the launches compile
             # Nothing is lost: each variant compiles at its first launch, as without the
             # precompile (counted below, so the start-up report shows the failure).
