@@ -220,36 +220,50 @@ def startup(args, device: torch.device, name: str) -> None:
     from llmfast.models.sources.model_source import resolve_model
 
     rows = [int(r) for r in args.rows.split(",")]
-    shipped_dir = launch_config.TABLE_DIR
-    launch_config.TABLE_DIR = Path(tempfile.mkdtemp())  # every shape timed
-    launch_config.shipped_table.cache_clear()
+    shipped_dir, scratch = launch_config.TABLE_DIR, Path(tempfile.mkdtemp())
     runs, tuned = [], {}
-    for spec in filter(None, args.models.split(",")):
-        for quant in args.quantizations.split(","):
-            model = build_model(resolve_model(spec), getattr(torch, args.dtype), device,
-                                max_positions=256,
-                                quantization=None if quant == "none" else quant)
-            routing = route_gemv(model, SkinnyLinearConfig("auto"), rows)
-            del model
-            torch.cuda.empty_cache()
-            path = gemv_tuning.cache_path(gemv_tuning.cache_fields(name))
-            shapes = json.loads(path.read_text())["shapes"] if path.is_file() else {}
-            table = launch_config.parse_table({"format": launch_config.FORMAT_VERSION,
-                                               "shapes": shapes})
-            for key in routing.measured:
-                tuned[key] = {b: (config, shapes[key][str(b)].get("timings_us", {}))
-                              for b, config in table[key].items()}
-            runs.append({"model": spec, "quantization": quant, "seconds": routing.seconds,
-                         "routed": routing.routed, "shapes": {k: shapes.get(k)
-                                                              for k in routing.measured}})
-            print(f"{spec} {quant}: {len(routing.measured)} shapes in {routing.seconds:.1f} s,"
-                  f" {routing.routed} projections take the GEMV", flush=True)
-            for key in routing.measured:
-                print(f"  {key}: " + ", ".join(
-                    f"M{b} {candidate_name(c)}" for b, c in sorted(table[key].items())))
-    launch_config.TABLE_DIR = shipped_dir
+
+    def save() -> None:
+        """The table and report so far: a later preset cut off by the step's time limit
+        (gpu_check kills the process) loses only itself."""
+        launch_config.TABLE_DIR = shipped_dir
+        try:
+            write_results(args, name, tuned, {"rows": rows, "runs": runs})
+        finally:
+            launch_config.TABLE_DIR = scratch
+            launch_config.shipped_table.cache_clear()
+
+    launch_config.TABLE_DIR = scratch  # every shape timed
     launch_config.shipped_table.cache_clear()
-    write_results(args, name, tuned, {"rows": rows, "runs": runs})
+    try:
+        for spec in filter(None, args.models.split(",")):
+            for quant in args.quantizations.split(","):
+                model = build_model(resolve_model(spec), getattr(torch, args.dtype), device,
+                                    max_positions=256,
+                                    quantization=None if quant == "none" else quant)
+                routing = route_gemv(model, SkinnyLinearConfig("auto"), rows)
+                del model
+                torch.cuda.empty_cache()
+                path = gemv_tuning.cache_path(gemv_tuning.cache_fields(name))
+                shapes = json.loads(path.read_text())["shapes"] if path.is_file() else {}
+                table = launch_config.parse_table({"format": launch_config.FORMAT_VERSION,
+                                                   "shapes": shapes})
+                for key in routing.measured:
+                    tuned[key] = {b: (config, shapes[key][str(b)].get("timings_us", {}))
+                                  for b, config in table[key].items()}
+                runs.append({"model": spec, "quantization": quant,
+                             "seconds": routing.seconds, "routed": routing.routed,
+                             "shapes": {k: shapes.get(k) for k in routing.measured}})
+                print(f"{spec} {quant}: {len(routing.measured)} shapes in "
+                      f"{routing.seconds:.1f} s, {routing.routed} projections take the GEMV",
+                      flush=True)
+                for key in routing.measured:
+                    print(f"  {key}: " + ", ".join(
+                        f"M{b} {candidate_name(c)}" for b, c in sorted(table[key].items())))
+                save()
+    finally:
+        launch_config.TABLE_DIR = shipped_dir
+        launch_config.shipped_table.cache_clear()
 
 
 def write_results(args, name: str, tuned: dict, figures: dict) -> None:

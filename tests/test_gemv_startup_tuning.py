@@ -375,6 +375,17 @@ def test_the_gpu_checks_startup_step_writes_a_table_to_ship(tmp_path, monkeypatc
         ("random:tiny", "none"), ("random:tiny", "fp8")]
     assert report["runs"][1]["shapes"]["n128-k64-float8_e4m3fn"]["1"]["timings_us"]["cublas"] \
         == 50.0
+    # A preset that never finishes (gpu_check kills the step at its limit; here it
+    # raises) loses only itself: what the earlier ones measured is written already.
+    args.copy_to.unlink()
+    args.json.unlink()
+    args.models = "random:tiny,random:no-such-preset"
+    args.quantizations = "none"
+    with pytest.raises(Exception):
+        bench_gemv.startup(args, torch.device("cpu"), H100)
+    assert "n512-k64-float32" in launch_config.parse_table(json.loads(args.copy_to.read_text()))
+    assert [r["model"] for r in json.loads(args.json.read_text())["runs"]] == ["random:tiny"]
+    assert launch_config.TABLE_DIR == tmp_path / "shipped"  # (the fixture's, restored)
 
 
 def test_a_draft_model_is_routed_like_the_target(tmp_path, monkeypatch):
