@@ -9,13 +9,15 @@ thread count joins each round (decode of 32 tokens after a 128-token prompt, as 
     python scripts/bench_cpu_quant.py --rounds 3 --out profiles/cpu/cpu-quant-smollm2.json \
         [--llama-bench /path/to/llama-bench]
 
-With --prefill, prompts instead: the packed path's int4 kernel against dequantize +
-float32 GEMM (kernels/cpu/int4_linear.py's DEQUANTIZE_MIN_TOKENS), and the float32
-model, in one process, alternating round by round (--rounds of them after a warm-up);
-each round a fresh prompt (no prefix-cache hits) of each of --lengths, one output token.
+With --prefill, prompts instead: the packed model with the int4 kernel at every length
+against the dequantized float32 GEMM at every length (what DEQUANTIZE_MIN_TOKENS in
+kernels/cpu/int4_linear.py chooses between), optionally the prefill path as git revision
+--before had it, and the float32 model, in one process, alternating round by round
+(--rounds of them after a warm-up); each round a fresh prompt (no prefix-cache hits) of
+each of --lengths, one output token.
 
-    python scripts/bench_cpu_quant.py --prefill --lengths 32,64,128,512 --rounds 5 \
-        --out profiles/cpu/cpu-quant-prefill.json
+    python scripts/bench_cpu_quant.py --prefill --lengths 16,32,48,64,128,512 --rounds 5 \
+        --before main --out profiles/cpu/cpu-quant-prefill.json
 """
 
 from __future__ import annotations
@@ -109,8 +111,37 @@ def llama_bench_run(binary: str, gguf: Path, threads: int, steps: int, context: 
             "loadavg_1m": os.getloadavg()[0]}
 
 
-def prefill_rounds(lengths: list[int], rounds: int) -> dict:
-    """Prefill tok/s per variant and prompt length (module doc), medians of `rounds`."""
+def revision_prefill_impl(rev: str):
+    """`int4_linear_impl` as kernels/cpu/int4_linear.py had it at git revision `rev` (its
+    helper functions with it; the op and class definitions left out, which cannot be
+    defined twice), and that revision's DEQUANTIZE_MIN_TOKENS: the "before" of a change
+    to the prefill path, run in this process beside the current code."""
+    import ast
+
+    import torch
+
+    from llmfast.kernels.cpu import int4_linear
+
+    source = subprocess.run(["git", "show", f"{rev}:llmfast/kernels/cpu/int4_linear.py"],
+                            check=True, capture_output=True, text=True).stdout
+    tree = ast.parse(source)
+    body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in
+            ("dequantize_packed", "int4_linear_impl")]
+    namespace = {"torch": torch, "GROUP": int4_linear.GROUP, "ACT_DTYPE": int4_linear.ACT_DTYPE,
+                 "_INT4_MM": int4_linear._INT4_MM, "packed_layout_known": lambda: True}
+    for node in tree.body:  # its constants (DEQUANTIZE_MIN_TOKENS among them)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            body.append(node)
+    exec(compile(ast.Module(body=body, type_ignores=[]), f"{rev}:int4_linear.py", "exec"),
+         namespace)
+    return namespace["int4_linear_impl"], namespace["DEQUANTIZE_MIN_TOKENS"]
+
+
+def prefill_rounds(lengths: list[int], rounds: int, before: str | None) -> dict:
+    """Prefill tok/s per variant and prompt length (module doc), medians of `rounds`:
+    the packed model with the int4 kernel at every length, with the dequantized GEMM at
+    every length, as the revision `before` had its prefill path (optional), and the
+    float32 model."""
     import time
 
     import torch
@@ -121,27 +152,35 @@ def prefill_rounds(lengths: list[int], rounds: int) -> dict:
     limit = max(lengths) + 8
     llms = {"gguf": LLM(quantization="gguf", max_model_len=limit),
             "none": LLM(quantization="none", max_model_len=limit)}
-    variants = {"gguf kernel only": ("gguf", 10**9),
-                "gguf dequantize": ("gguf", int4_linear.DEQUANTIZE_MIN_TOKENS),
-                "none": ("none", None)}
+    current = (int4_linear.int4_linear_impl, int4_linear.DEQUANTIZE_MIN_TOKENS)
+    # variant -> (model, (prefill impl, threshold) or None: the float32 model)
+    variants = {"gguf kernel only": ("gguf", (current[0], 10**9)),
+                # From the shortest prompt: every prompt's layers, not the lm_head's one row.
+                "gguf dequantize": ("gguf", (current[0], min(lengths)))}
+    if before:
+        variants[f"gguf at {before}"] = ("gguf", revision_prefill_impl(before))
+    variants["none"] = ("none", None)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times: dict[str, dict[int, list[float]]] = {v: {n: [] for n in lengths} for v in variants}
-    default_threshold = int4_linear.DEQUANTIZE_MIN_TOKENS
     start = 1000
-    for round_ in range(rounds + 1):  # round 0: warm-up
-        for variant, (llm, threshold) in variants.items():
-            if threshold is not None:
-                int4_linear.DEQUANTIZE_MIN_TOKENS = threshold
-            for n in lengths:
-                prompt = list(range(start, start + n))
-                start += n
-                t0 = time.perf_counter()
-                llms[llm].generate({"prompt_token_ids": prompt}, one)
-                if round_:
-                    times[variant][n].append(time.perf_counter() - t0)
-    int4_linear.DEQUANTIZE_MIN_TOKENS = default_threshold
+    try:
+        for round_ in range(rounds + 1):  # round 0: warm-up
+            for variant, (llm, path) in variants.items():
+                if path is not None:
+                    int4_linear.int4_linear_impl, int4_linear.DEQUANTIZE_MIN_TOKENS = path
+                for n in lengths:
+                    prompt = list(range(start, start + n))
+                    start += n
+                    t0 = time.perf_counter()
+                    llms[llm].generate({"prompt_token_ids": prompt}, one)
+                    if round_:
+                        times[variant][n].append(time.perf_counter() - t0)
+    finally:
+        int4_linear.int4_linear_impl, int4_linear.DEQUANTIZE_MIN_TOKENS = current
     return {
         "threads": torch.get_num_threads(),
+        "dequantize_min_tokens": current[1],
+        "before_dequantize_min_tokens": variants[f"gguf at {before}"][1][1] if before else None,
         "prefill_tok_s": {v: {n: n / statistics.median(ts) for n, ts in per.items()}
                           for v, per in times.items()},
         "times_s": times,
@@ -164,13 +203,17 @@ def main() -> None:
                         "of decode; --rounds then counts prefill rounds")
     parser.add_argument("--lengths", default="32,64,128,512",
                         help="--prefill: comma-separated prompt lengths")
+    parser.add_argument("--before", default=None,
+                        help="--prefill: also time the packed prefill path as the git "
+                        "revision BEFORE had it (e.g. main), in this process")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.prefill:
         import torch
 
         report = {"command": " ".join(sys.argv), "torch": torch.__version__,
-                  **prefill_rounds([int(n) for n in args.lengths.split(",")], args.rounds),
+                  **prefill_rounds([int(n) for n in args.lengths.split(",")], args.rounds,
+                                    args.before),
                   "loadavg_end": os.getloadavg()}
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report["prefill_tok_s"], indent=2))

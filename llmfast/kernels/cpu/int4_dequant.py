@@ -1,0 +1,153 @@
+"""Prefill-sized calls of a packed int4 linear (int4_linear.py): the weight unpacked from
+the kernel's packed bytes to float32, a chunk of rows at a time, into a scratch buffer
+reused across layers and steps, each chunk followed by its float32 GEMM.
+
+torch's int4 kernel costs about as much per token as per weight read (a GEMV at heart),
+so from DEQUANTIZE_MIN_TOKENS tokens an unpack of the whole weight plus MKL's float32
+GEMM costs less. What the unpack costs, measured per projection of the default model
+(2-core AVX2 VM, torch 2.13, shared machine; profiles/cpu.md, "Prefill"):
+- eager torch reaches ~1.3 ns a weight however the ops are ordered (byte planes through
+  int64 words, a transposed [K', N'] layout, one addcmul or a mul and an add): each op is
+  one pass over the float32 weight, and two of them are the floor;
+- a fresh float32 tensor per call (the former code) pays for the allocation's pages
+  each time: medians 1.5-4x a reused buffer's on the loaded machine, minima about equal;
+- chunks smaller than the layer (L2-sized, to keep the float32 weight in cache for the
+  GEMM) lose: six op calls a chunk cost more than the cache misses they save;
+- torch.compile (Inductor C++) of the unpack gave one fused loop that ran slower than
+  the eager ops (0.69 against 0.49 ms for 576 x 576) after a 4-20 s cold compile per
+  weight shape (3-4 s warm): not kept.
+So one chunk holds the largest projection of the default model whole (gate_up, 3072 x 576);
+a larger weight (a tied lm_head on a batch of many sampled rows) goes through in chunks
+of that size, so the scratch never holds more than SCRATCH_ELEMENTS floats.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+# Columns per scale/zero pair (the kernel's group) and rows per block of its layout.
+GROUP = 32
+BLOCK_ROWS = 32
+# The float32 scratch's size in weights (8 MiB): the default model's gate_up whole.
+SCRATCH_ELEMENTS = 1 << 21
+
+
+class _Scratch(threading.local):
+    """Per thread (two engines' threads never share it): the float32 weight chunk and the
+    byte plane it is unpacked through, grown to the largest chunk seen."""
+
+    def __init__(self) -> None:
+        self.weight = torch.empty(0)
+        self.codes = torch.empty(0, dtype=torch.uint8)
+
+    def buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.weight.numel() < numel:
+            self.weight = torch.empty(numel)
+            self.codes = torch.empty(numel // 2, dtype=torch.uint8)
+        return self.weight, self.codes
+
+
+_SCRATCH = _Scratch()
+
+
+def affine_maps(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[K' / 32, N', 2] (the kernel's scales and zeros) -> scale, offset float32
+    [N', K' / 32, 1] with w = v * scale + offset (the kernel's (v - 8) scale + zero)."""
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N', K' / 32, 2]
+    scale = sz[..., 0:1]
+    return scale, sz[..., 1:2] - 8 * scale
+
+
+def unpack_rows(weight_packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                start: int, stop: int, weight: torch.Tensor,
+                codes: torch.Tensor) -> torch.Tensor:
+    """float32 [stop - start, K'] in `weight`'s first elements: rows start:stop (whole
+    blocks of 32) of the weight the packed planes stand for; `codes` is byte scratch for
+    half as many elements.
+
+    The kernel's layout (torch 2.13, `_convert_weight_to_int4pack_for_cpu`, checked by
+    `packed_layout_known` and tests/test_gguf_packed.py): blocks of 32 rows, as
+    [N' / 32, K', 16] bytes whose low nibble is row 32 b + l and high nibble row 32 b + 16 + l.
+    """
+    rows, cols = stop - start, weight_packed.shape[1] * 2
+    blocks = rows // BLOCK_ROWS
+    packed = weight_packed[start:stop].view(blocks, cols, 16)
+    plane = codes[:blocks * cols * 16].view(blocks, cols, 16)
+    w = weight[:rows * cols].view(blocks, 2, 16, cols)
+    torch.bitwise_and(packed, 15, out=plane)
+    w[:, 0].copy_(plane.transpose(1, 2))  # converts to float32 as it transposes
+    torch.bitwise_right_shift(packed, 4, out=plane)
+    w[:, 1].copy_(plane.transpose(1, 2))
+    w = w.view(rows, cols // GROUP, GROUP)
+    w.mul_(scale[start:stop]).add_(offset[start:stop])
+    return w.view(rows, cols)
+
+
+def chunk_rows(cols: int) -> int:
+    """Rows per chunk: whole blocks filling SCRATCH_ELEMENTS (at least one block)."""
+    return max(BLOCK_ROWS, SCRATCH_ELEMENTS // cols // BLOCK_ROWS * BLOCK_ROWS)
+
+
+def dequantized_linear(x: torch.Tensor, weight_packed: torch.Tensor,
+                       scales_and_zeros: torch.Tensor, x_index: torch.Tensor | None,
+                       zero_column: bool, out_features: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: float32 GEMMs on the weight unpacked chunk by
+    chunk. Planes beyond the first (codes of 5-8 bits, groups of 16) are not folded back
+    onto x's columns: x's columns are gathered to the planes' K' instead (M x K', smaller
+    than the weight), as for the kernel."""
+    dtype = x.dtype
+    x = x.float()
+    if x_index is not None:
+        if zero_column:
+            x = torch.nn.functional.pad(x, (0, 1))
+        x = x.index_select(1, x_index)  # [M, K']
+    cols = weight_packed.shape[1] * 2
+    needed = -(-out_features // BLOCK_ROWS) * BLOCK_ROWS  # padded rows past it: unused
+    step = chunk_rows(cols)
+    scale, offset = affine_maps(scales_and_zeros)
+    weight, codes = _SCRATCH.buffers(min(step, needed) * cols)
+    if needed <= step:
+        w = unpack_rows(weight_packed, scale, offset, 0, needed, weight, codes)
+        return torch.nn.functional.linear(x, w[:out_features]).to(dtype)
+    out = x.new_empty(x.shape[0], out_features)
+    for start in range(0, needed, step):
+        stop = min(start + step, needed)
+        w = unpack_rows(weight_packed, scale, offset, start, stop, weight, codes)
+        end = min(stop, out_features)
+        torch.mm(x, w[:end - start].t(), out=out[:, start:end])
+    return out.to(dtype)
+
+
+def dequantize_packed(weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                      x_index: torch.Tensor | None, in_features: int,
+                      out_features: int) -> torch.Tensor:
+    """float32 [N, K], a new tensor: the weight the kernel's packed planes stand for
+    (scales and zeros as the kernel reads them, in bfloat16), the planes folded back onto
+    x's columns (what tests compare with the GGUF blocks)."""
+    rows, cols = weight_packed.shape[0], weight_packed.shape[1] * 2
+    if rows % BLOCK_ROWS:
+        raise ValueError(f"{rows} packed rows: not whole blocks of {BLOCK_ROWS}")
+    scale, offset = affine_maps(scales_and_zeros)
+    w = unpack_rows(weight_packed, scale, offset, 0, rows, torch.empty(rows * cols),
+                    torch.empty(rows * cols // 2, dtype=torch.uint8))[:out_features]
+    if x_index is None:
+        return w
+    folded = w.new_zeros(out_features, in_features + 1)  # the last: the zero column
+    return folded.index_add_(1, x_index, w)[:, :in_features]
+
+
+@functools.cache
+def packed_layout_known() -> bool:
+    """Whether this torch packs as `unpack_rows` reads (checked once on a probe; where
+    not, every call takes the kernel)."""
+    values = torch.arange(64 * 64, dtype=torch.int32).reshape(64, 64) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    if packed.shape != (64, 32) or packed.dtype != torch.uint8:
+        return False
+    sz = torch.zeros(2, 64, 2, dtype=torch.bfloat16)
+    sz[..., 0] = 1
+    sz[..., 1] = 8  # w = v - 8 + 8 = v
+    return torch.equal(dequantize_packed(packed, sz, None, 64, 64), values.float())
