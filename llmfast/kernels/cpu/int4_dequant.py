@@ -4,21 +4,24 @@ reused across layers and steps, each chunk followed by its float32 GEMM.
 
 torch's int4 kernel costs about as much per token as per weight read (a GEMV at heart),
 so from DEQUANTIZE_MIN_TOKENS tokens an unpack of the whole weight plus MKL's float32
-GEMM costs less. What the unpack costs, measured per projection of the default model
-(2-core AVX2 VM, torch 2.13, shared machine; profiles/cpu.md, "Prefill"):
-- eager torch reaches ~1.3 ns a weight however the ops are ordered (byte planes through
-  int64 words, a transposed [K', N'] layout, one addcmul or a mul and an add): each op is
-  one pass over the float32 weight, and two of them are the floor;
-- a fresh float32 tensor per call (the former code) pays for the allocation's pages
-  each time: medians 1.5-4x a reused buffer's on the loaded machine, minima about equal;
-- chunks smaller than the layer (L2-sized, to keep the float32 weight in cache for the
-  GEMM) lose: six op calls a chunk cost more than the cache misses they save;
-- torch.compile (Inductor C++) of the unpack gave one fused loop that ran slower than
-  the eager ops (0.69 against 0.49 ms for 576 x 576) after a 4-20 s cold compile per
-  weight shape (3-4 s warm): not kept.
-So one chunk holds the largest projection of the default model whole (gate_up, 3072 x 576);
-a larger weight (a tied lm_head on a batch of many sampled rows) goes through in chunks
-of that size, so the scratch never holds more than SCRATCH_ELEMENTS floats.
+GEMM costs less. The unpack is five eager ops (two nibble planes, each converted to
+float32 as it is transposed into place, then scale and offset): ~2.3 ms for the default
+model's gate_up (3072 x 576) on the 2-core AVX2 VM, 1 thread, ~0.15 s of CPU for the whole
+model per prefill step. Measured there against it (scripts/bench_cpu_quant.py --unpack,
+profiles/cpu.md "Prefill"), none kept:
+- other eager orders (the nibbles split as int64 words, a [K', N'] layout whose
+  conversion copy is contiguous, one addcmul, the offset folded into the GEMM through
+  x's group sums): 2.1-3.3 ms, every one a pass over the float32 weight, within the
+  noise of this one or slower (the offset fold: 10-15 % at 16 tokens, none at 64);
+- chunks of 1 MiB or less (to keep the float32 chunk in L2 for its GEMM): slower, the
+  op calls per chunk cost more than the misses they save (128 KiB: 1.7-3.7x slower);
+- torch.compile (Inductor C++) of the unpack: one fused loop, but one that loads 8 bytes
+  a vector through a partial load: 0.55-0.69 ms for 576 x 576 against 0.50 eager, after
+  a cold compile of 2-22 s per weight shape (Inductor's import ~3 s of it);
+- bfloat16 weights and activations: oneDNN's GEMM 4-6x slower than float32 on AVX2.
+What the buffer buys: no float32 weight allocated per call, and a bounded one: a layer
+larger than SCRATCH_ELEMENTS (a tied lm_head on many sampled rows: 49152 x 1152 planes,
+226 MB as one tensor plus 113 MB folded, before) goes through in chunks of that size.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ sum to bfloat16: relative errors of ~2^-8, what the tests bound.
 
 The kernel is a GEMV at heart: its time grows with the tokens about as a float32 GEMM's
 does not, so a call of DEQUANTIZE_MIN_TOKENS or more (a prefill) unpacks the weight to
-float32 for the call and runs F.linear instead (prompts ~1.5x faster from 128 tokens on
-the dev VM; profiles/cpu.md). Compiled graphs call the layer as the opaque
-`llmfast::int4_linear` op, so that choice happens at run time.
+float32 into a reused scratch and runs float32 GEMMs instead (int4_dequant.py; prompts
+~1.5x faster from 96 tokens on the dev VM; profiles/cpu.md). Compiled graphs call the
+layer as the opaque `llmfast::int4_linear` op, so that choice happens at run time.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ from llmfast.kernels.cpu.int4_dequant import (
 ROW_MULTIPLE = BLOCK_ROWS
 ACT_DTYPE = torch.bfloat16
 # From this many tokens a call dequantizes its weight and runs a float32 GEMM instead of
-# the int4 kernel (measured: scripts/bench_cpu_quant.py --prefill, profiles/cpu.md).
+# the int4 kernel: where the two cost the same for each projection of the default model
+# (scripts/bench_cpu_quant.py --unpack) and for whole prompts (--prefill: the kernel
+# ahead at 48 tokens, even at 64, the GEMM ahead from 96; profiles/cpu.md).
 DEQUANTIZE_MIN_TOKENS = 64
 
 
