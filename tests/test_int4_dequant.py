@@ -65,16 +65,16 @@ def test_unpacked_weight_is_the_naive_loops(type_name):
     layer = Int4Linear.from_codes(codes)
     rows, cols = layer.weight_packed.shape[0], layer.weight_packed.shape[1] * 2
     scale, offset = affine_maps(layer.scales_and_zeros)
-    weight, scratch = torch.empty(rows * cols), torch.empty(rows * cols // 2, dtype=torch.uint8)
+    weight, scratch = torch.empty(rows * cols), torch.empty(rows * cols, dtype=torch.uint8)
     want = _naive_unpack(layer)
     # Whole, and block by block into the same scratch (the chunks' path).
-    got = unpack_rows(layer.weight_packed, scale, offset, 0, rows, weight, scratch)
-    np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-6, atol=1e-7)
+    got = unpack_rows(layer.weight_packed, scale, offset, 0, rows, weight, scratch)  # [K', N']
+    np.testing.assert_allclose(got.t().double().numpy(), want, rtol=1e-6, atol=1e-7)
     for start in range(0, rows, 32):
         got = unpack_rows(layer.weight_packed, scale, offset, start, start + 32, weight,
                           scratch)
-        np.testing.assert_allclose(got.double().numpy(), want[start:start + 32], rtol=1e-6,
-                                   atol=1e-7)
+        np.testing.assert_allclose(got.t().double().numpy(), want[start:start + 32],
+                                   rtol=1e-6, atol=1e-7)
     # The planes' own float64 weight (bfloat16 maps) is the same, folded onto x's columns.
     values, sz, x_index = nibble_planes(codes)
     planes = dequantize_planes(values, torch.from_numpy(sz).bfloat16().float().numpy(),

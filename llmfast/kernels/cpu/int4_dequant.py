@@ -4,24 +4,24 @@ reused across layers and steps, each chunk followed by its float32 GEMM.
 
 torch's int4 kernel costs about as much per token as per weight read (a GEMV at heart),
 so from DEQUANTIZE_MIN_TOKENS tokens an unpack of the whole weight plus MKL's float32
-GEMM costs less. The unpack is five eager ops (two nibble planes, each converted to
-float32 as it is transposed into place, then scale and offset): ~2.3 ms for the default
-model's gate_up (3072 x 576) on the 2-core AVX2 VM, 1 thread, ~0.15 s of CPU for the whole
-model per prefill step. Measured there against it (scripts/bench_cpu_quant.py --unpack,
-profiles/cpu.md "Prefill"), none kept:
-- other eager orders (the nibbles split as int64 words, a [K', N'] layout whose
-  conversion copy is contiguous, one addcmul, the offset folded into the GEMM through
-  x's group sums): 2.1-3.3 ms, every one a pass over the float32 weight, within the
-  noise of this one or slower (the offset fold: 10-15 % at 16 tokens, none at 64);
+GEMM costs less. The unpack is four eager ops into the weight's transpose
+(`unpack_rows`): 1.6 ms for the default model's gate_up (3072 x 576) on the 2-core AVX2
+VM, 1 thread, against 2.5 ms for the former per-call unpack into the weight's own layout
+(scripts/bench_cpu_quant.py --unpack; profiles/cpu.md, "Prefill"). Measured there and
+not kept:
+- other eager orders (the nibbles split as int64 words, mul + add instead of addcmul,
+  the offset folded into the GEMM through x's group sums): the same or slower; a scale
+  strided along N' (the bfloat16 pairs' float view as is) halves the unpack's speed;
 - chunks of 1 MiB or less (to keep the float32 chunk in L2 for its GEMM): slower, the
   op calls per chunk cost more than the misses they save (128 KiB: 1.7-3.7x slower);
 - torch.compile (Inductor C++) of the unpack: one fused loop, but one that loads 8 bytes
-  a vector through a partial load: 0.55-0.69 ms for 576 x 576 against 0.50 eager, after
-  a cold compile of 2-22 s per weight shape (Inductor's import ~3 s of it);
+  a vector through a partial load: 0.55-0.69 ms for 576 x 576 against 0.50 for the
+  former eager unpack, after a cold compile of 2-22 s per weight shape (Inductor's
+  import ~3 s of it);
 - bfloat16 weights and activations: oneDNN's GEMM 4-6x slower than float32 on AVX2.
-What the buffer buys: no float32 weight allocated per call, and a bounded one: a layer
-larger than SCRATCH_ELEMENTS (a tied lm_head on many sampled rows: 49152 x 1152 planes,
-226 MB as one tensor plus 113 MB folded, before) goes through in chunks of that size.
+The scratch also bounds the unpack: a layer larger than SCRATCH_ELEMENTS (a tied
+lm_head on many sampled rows: 49152 x 1152 planes, 226 MB as one tensor plus 113 MB
+folded, before) goes through in chunks of that size.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SCRATCH_ELEMENTS = 1 << 21
 
 class _Scratch(threading.local):
     """Per thread (two engines' threads never share it): the float32 weight chunk and the
-    byte plane it is unpacked through, grown to the largest chunk seen."""
+    bytes it is unpacked through, grown to the largest chunk seen."""
 
     def __init__(self) -> None:
         self.weight = torch.empty(0)
@@ -49,7 +49,7 @@ class _Scratch(threading.local):
     def buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.weight.numel() < numel:
             self.weight = torch.empty(numel)
-            self.codes = torch.empty(numel // 2, dtype=torch.uint8)
+            self.codes = torch.empty(numel, dtype=torch.uint8)
         return self.weight, self.codes
 
 
@@ -58,35 +58,39 @@ _SCRATCH = _Scratch()
 
 def affine_maps(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[K' / 32, N', 2] (the kernel's scales and zeros) -> scale, offset float32
-    [N', K' / 32, 1] with w = v * scale + offset (the kernel's (v - 8) scale + zero)."""
-    sz = scales_and_zeros.float().transpose(0, 1)  # [N', K' / 32, 2]
-    scale = sz[..., 0:1]
-    return scale, sz[..., 1:2] - 8 * scale
+    [K' / 32, 1, N'], contiguous along N' (a strided one halves the unpack's speed), with
+    w = v * scale + offset (the kernel's (v - 8) scale + zero)."""
+    sz = scales_and_zeros.float().permute(2, 0, 1)  # [2, K' / 32, N']
+    scale = sz[0].contiguous()
+    return scale.unsqueeze(1), torch.add(sz[1], scale, alpha=-8).unsqueeze(1)
 
 
 def unpack_rows(weight_packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                 start: int, stop: int, weight: torch.Tensor,
                 codes: torch.Tensor) -> torch.Tensor:
-    """float32 [stop - start, K'] in `weight`'s first elements: rows start:stop (whole
-    blocks of 32) of the weight the packed planes stand for; `codes` is byte scratch for
-    half as many elements.
+    """float32 [K', stop - start] in `weight`'s first elements: the transpose of rows
+    start:stop (whole blocks of 32) of the weight the packed planes stand for; `codes`
+    is byte scratch for as many elements.
 
     The kernel's layout (torch 2.13, `_convert_weight_to_int4pack_for_cpu`, checked by
-    `packed_layout_known` and tests/test_gguf_packed.py): blocks of 32 rows, as
+    `packed_layout_known` and tests/test_int4_dequant.py): blocks of 32 rows, as
     [N' / 32, K', 16] bytes whose low nibble is row 32 b + l and high nibble row 32 b + 16 + l.
+    The transpose is what makes the unpack cheap: both nibble planes are split off whole
+    (two contiguous byte ops), then one conversion copy reads 16 bytes and writes 16
+    floats at a time, where the weight's own layout needs a transposing copy per plane
+    (1.3-1.8x the time for the whole unpack); MKL's GEMM reads either layout as fast.
     """
     rows, cols = stop - start, weight_packed.shape[1] * 2
     blocks = rows // BLOCK_ROWS
     packed = weight_packed[start:stop].view(blocks, cols, 16)
-    plane = codes[:blocks * cols * 16].view(blocks, cols, 16)
-    w = weight[:rows * cols].view(blocks, 2, 16, cols)
-    torch.bitwise_and(packed, 15, out=plane)
-    w[:, 0].copy_(plane.transpose(1, 2))  # converts to float32 as it transposes
-    torch.bitwise_right_shift(packed, 4, out=plane)
-    w[:, 1].copy_(plane.transpose(1, 2))
-    w = w.view(rows, cols // GROUP, GROUP)
-    w.mul_(scale[start:stop]).add_(offset[start:stop])
-    return w.view(rows, cols)
+    planes = codes[:rows * cols].view(blocks, 2, cols, 16)  # [block, nibble, k, lane]
+    torch.bitwise_and(packed, 15, out=planes[:, 0])
+    torch.bitwise_right_shift(packed, 4, out=planes[:, 1])
+    w_t = weight[:rows * cols].view(cols, blocks, 2, 16)  # [k, row = (block, nibble, lane)]
+    w_t.copy_(planes.permute(2, 0, 1, 3))  # converts to float32
+    grouped = w_t.view(cols // GROUP, GROUP, rows)
+    torch.addcmul(offset[..., start:stop], grouped, scale[..., start:stop], out=grouped)
+    return w_t.view(cols, rows)
 
 
 def chunk_rows(cols: int) -> int:
@@ -113,14 +117,14 @@ def dequantized_linear(x: torch.Tensor, weight_packed: torch.Tensor,
     scale, offset = affine_maps(scales_and_zeros)
     weight, codes = _SCRATCH.buffers(min(step, needed) * cols)
     if needed <= step:
-        w = unpack_rows(weight_packed, scale, offset, 0, needed, weight, codes)
-        return torch.nn.functional.linear(x, w[:out_features]).to(dtype)
+        w_t = unpack_rows(weight_packed, scale, offset, 0, needed, weight, codes)
+        return torch.mm(x, w_t[:, :out_features]).to(dtype)
     out = x.new_empty(x.shape[0], out_features)
     for start in range(0, needed, step):
         stop = min(start + step, needed)
-        w = unpack_rows(weight_packed, scale, offset, start, stop, weight, codes)
+        w_t = unpack_rows(weight_packed, scale, offset, start, stop, weight, codes)
         end = min(stop, out_features)
-        torch.mm(x, w[:end - start].t(), out=out[:, start:end])
+        torch.mm(x, w_t[:, :end - start], out=out[:, start:end])
     return out.to(dtype)
 
 
@@ -135,9 +139,9 @@ def dequantize_packed(weight_packed: torch.Tensor, scales_and_zeros: torch.Tenso
         raise ValueError(f"{rows} packed rows: not whole blocks of {BLOCK_ROWS}")
     scale, offset = affine_maps(scales_and_zeros)
     w = unpack_rows(weight_packed, scale, offset, 0, rows, torch.empty(rows * cols),
-                    torch.empty(rows * cols // 2, dtype=torch.uint8))[:out_features]
+                    torch.empty(rows * cols, dtype=torch.uint8)).t()[:out_features]
     if x_index is None:
-        return w
+        return w.contiguous()
     folded = w.new_zeros(out_features, in_features + 1)  # the last: the zero column
     return folded.index_add_(1, x_index, w)[:, :in_features]
 

@@ -21,7 +21,7 @@ sum to bfloat16: relative errors of ~2^-8, what the tests bound.
 The kernel is a GEMV at heart: its time grows with the tokens about as a float32 GEMM's
 does not, so a call of DEQUANTIZE_MIN_TOKENS or more (a prefill) unpacks the weight to
 float32 into a reused scratch and runs float32 GEMMs instead (int4_dequant.py; prompts
-~1.5x faster from 96 tokens on the dev VM; profiles/cpu.md). Compiled graphs call the
+1.4-2x faster than the kernel from 64 tokens on the dev VM; profiles/cpu.md). Compiled graphs call the
 layer as the opaque `llmfast::int4_linear` op, so that choice happens at run time.
 """
 
@@ -47,10 +47,11 @@ from llmfast.kernels.cpu.int4_dequant import (
 ROW_MULTIPLE = BLOCK_ROWS
 ACT_DTYPE = torch.bfloat16
 # From this many tokens a call dequantizes its weight and runs a float32 GEMM instead of
-# the int4 kernel: where the two cost the same for each projection of the default model
-# (scripts/bench_cpu_quant.py --unpack) and for whole prompts (--prefill: the kernel
-# ahead at 48 tokens, even at 64, the GEMM ahead from 96; profiles/cpu.md).
-DEQUANTIZE_MIN_TOKENS = 64
+# the int4 kernel: near where the two cost the same (scripts/bench_cpu_quant.py: per
+# projection of the default model, the kernel ahead at 32 tokens, the GEMM at 64; whole
+# prompts on the shared VM, the two within noise of each other at 40-48, the GEMM ahead
+# from 56, by 1.07-1.4x; profiles/cpu.md, "Prefill").
+DEQUANTIZE_MIN_TOKENS = 48
 
 
 def int4_supported() -> bool:
