@@ -96,9 +96,9 @@ def parse_args() -> argparse.Namespace:
 
 def _time_us(fns: list, iters: int, device: torch.device) -> list[float]:
     """Median µs of each fn, calls interleaved: CUDA events around graph replays with
-    L2 flushed before each (llmfast/bench/cuda_timing.py), or wall clock on the CPU."""
+    L2 flushed before each (llmfast/bench/kernels/cuda_timing.py), or wall clock on the CPU."""
     if device.type == "cuda":
-        from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
+        from llmfast.bench.kernels.cuda_timing import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
 
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
         return time_us_interleaved([graph_replay(f) for f in fns], iters, flush)

@@ -115,7 +115,7 @@ def test_the_measurement_is_a_start_up_stage(tmp_path, monkeypatch):
     the runner's `gemv` stage, and `bench --startup`'s table names it."""
     from rich.console import Console
 
-    from llmfast.cli.bench_tables import startup_table
+    from llmfast.cli.bench.tables import startup_table
     from llmfast.engine.args import EngineArgs
     from llmfast.engine.llm_engine import LLMEngine
     from llmfast.worker.startup import gemv_routing
