@@ -17,15 +17,15 @@ length in an order rotated each round (--rounds of them after a warm-up); each r
 fresh prompt (no prefix-cache hits) of each of --lengths, one output token. Wall time
 and the process's CPU time.
 
-    python scripts/bench_cpu_quant.py --prefill --lengths 16,32,48,64,128,512 --rounds 5 \
-        --before main --out profiles/cpu/cpu-quant-prefill.json
+    python scripts/bench_cpu_quant.py --prefill --lengths 16,32,40,48,64,96,128,512 --rounds 5 \
+        --before d321b96 --out profiles/cpu/cpu-quant-prefill.json
 
 With --unpack, that path's parts per projection shape (a micro-benchmark, in turn round
 by round): the weight's unpack alone, unpack + GEMM, --before's, the int4 kernel and the
 float32 GEMM alone, at --lengths token counts.
 
     python scripts/bench_cpu_quant.py --unpack --lengths 16,32,64,128 --rounds 30 \
-        --threads 1 --before main --out profiles/cpu/cpu-int4-unpack.json
+        --threads 1 --before d321b96 --out profiles/cpu/cpu-int4-unpack.json
 """
 
 from __future__ import annotations
@@ -134,8 +134,12 @@ def revision_prefill_impl(rev: str) -> dict:
     source = subprocess.run(["git", "show", f"{rev}:llmfast/kernels/cpu/int4_linear.py"],
                             check=True, capture_output=True, text=True).stdout
     tree = ast.parse(source)
+    wanted = ("dequantize_packed", "int4_linear_impl")
     body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in
-            ("dequantize_packed", "int4_linear_impl")]
+            wanted]
+    if len(body) != len(wanted):  # the unpack moved to int4_dequant.py after d321b96
+        raise SystemExit(f"--before {rev}: its int4_linear.py lacks {' or '.join(wanted)}; "
+                         "give a revision from before the scratch unpack, e.g. d321b96")
     body += [node for node in tree.body  # its constants
              if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)]
     namespace = {"torch": torch, "GROUP": int4_linear.GROUP, "ACT_DTYPE": int4_linear.ACT_DTYPE,
