@@ -44,6 +44,14 @@ def test_generate_says_it_stopped_at_max_tokens():
     (record,) = json.loads(done.stdout)
     said = "stopped at max tokens" in done.stderr
     assert said == (record["finish_reason"] == "length")
+    # Cut by the context's end before --max-tokens: it says so, not "max tokens".
+    ctx = invoke("generate", "hello", *TINY, "--max-tokens", "500", "--ignore-eos",
+                 "--max-model-len", "32", "--json", "-")
+    assert ctx.exit_code == 0, ctx.output
+    (record,) = json.loads(ctx.stdout)
+    assert record["finish_reason"] == "length" and len(record["token_ids"]) < 500
+    assert "stopped at the context's end (max-model-len 32, prompt included)" in ctx.stderr
+    assert "max tokens" not in ctx.stderr
 
 
 def test_bench_json_dash_is_stdout_alone():

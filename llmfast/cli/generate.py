@@ -108,17 +108,24 @@ def generate(
             err.print(f"wrote {json_out}", style="dim")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     err.print(f"{len(outputs)} prompt(s), {tokens} tokens in {elapsed:.2f} s "
-              f"({tokens / elapsed:.1f} tok/s)" + _at_max_tokens(outputs, max_tokens), style="dim",
-              soft_wrap=True)
+              f"({tokens / elapsed:.1f} tok/s)"
+              + _cut_short(outputs, max_tokens, llm.engine.config.scheduler.max_model_len),
+              style="dim", soft_wrap=True)
 
 
-def _at_max_tokens(outputs, max_tokens: int) -> str:
-    """` · stopped at max tokens (...)`: a completion cut short says so, as chat does."""
-    cut = sum(o.outputs[0].finish_reason == "length" for o in outputs)
-    if not cut:
-        return ""
-    which = "" if len(outputs) == 1 else f"{cut} of {len(outputs)} "
-    return f" · {which}stopped at max tokens ({max_tokens}; raise --max-tokens for more)"
+def _cut_short(outputs, max_tokens: int, max_model_len: int) -> str:
+    """` · stopped at max tokens (...)`: a completion cut short says so, as chat does,
+    and by which limit: --max-tokens, or the context's end (max-model-len) before it."""
+    cut = [o.outputs[0] for o in outputs if o.outputs[0].finish_reason == "length"]
+    at_max = sum(len(c.token_ids) >= max_tokens for c in cut)
+    said = []
+    for count, what in ((at_max, f"stopped at max tokens ({max_tokens}; raise --max-tokens "
+                                 "for more)"),
+                        (len(cut) - at_max, f"stopped at the context's end (max-model-len "
+                                            f"{max_model_len}, prompt included)")):
+        if count:
+            said.append(what if len(outputs) == 1 else f"{count} of {len(outputs)} {what}")
+    return "".join(f" · {s}" for s in said)
 
 
 def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:
