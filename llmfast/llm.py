@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Self
 
 from llmfast.engine.args import EngineArgs
@@ -29,6 +29,7 @@ from llmfast.engine.llm_engine import LLMEngine
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.utils.progress import CountProgress
+from llmfast.utils.value_checks import describe
 
 
 class LLM:
@@ -82,10 +83,21 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise TypeError("prompts must be a str, a list of token ids, a dict with "
+                            "'prompt_token_ids', or a list of these; got "
+                            f"{describe(prompts)}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
+            # (A dict would iterate as its keys, a str as its letters.)
+            bad = ([sampling_params] if isinstance(sampling_params, (dict, str, bytes))
+                   or not isinstance(sampling_params, Iterable) else
+                   [p for p in sampling_params if not isinstance(p, SamplingParams)])
+            if bad:
+                raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                                f"one per prompt; got {describe(bad[0])}")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(
