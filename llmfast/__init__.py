@@ -1,4 +1,4 @@
-"""llmfast: a small, fast inference engine for Llama, Mistral and Qwen models.
+"""llmfast: a small, fast inference engine for Llama, Mistral, Qwen and Gemma 3 models.
 
 `LLM` (and with it torch) is imported on first use, so importing a light part of the
 package (`llmfast.core`, the CLI's `--help`) does not pay for torch.
