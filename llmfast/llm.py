@@ -26,7 +26,7 @@ from typing import Self
 from llmfast.engine.args import EngineArgs
 from llmfast.engine.input_processor import Prompt
 from llmfast.engine.llm_engine import LLMEngine
-from llmfast.outputs import RequestOutput
+from llmfast.outputs import GenerationInterrupted, RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.utils.progress import CountProgress
 from llmfast.utils.value_checks import describe
@@ -78,7 +78,8 @@ class LLM:
         """Run all prompts to completion, batched; outputs come back in input order.
 
         `progress=True` shows a progress bar on stderr; a callable receives
-        (finished, total) after every step instead."""
+        (finished, total) after every step instead. Ctrl-C (KeyboardInterrupt) raises
+        GenerationInterrupted, whose `outputs` hold the prompts that had finished."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -234,6 +235,19 @@ class LLM:
                  on_step: CountProgress | None = None) -> list[RequestOutput]:
         """Run the requests to completion; their final outputs, in order."""
         final: dict[str, RequestOutput] = {}
+        try:
+            return self._collect_into(final, req_ids, on_step)
+        except GenerationInterrupted:
+            raise
+        except KeyboardInterrupt:
+            for req_id in req_ids:  # also what a step queued just before the interrupt
+                for out in self._queues.get(req_id, ()):
+                    if out.finished:
+                        final[req_id] = out
+            raise GenerationInterrupted([final.get(i) for i in req_ids]) from None
+
+    def _collect_into(self, final: dict[str, RequestOutput], req_ids: Sequence[str],
+                      on_step: CountProgress | None) -> list[RequestOutput]:
         pending = list(req_ids)
         while True:
             still = []

@@ -28,6 +28,7 @@ from llmfast.cli.common import (
     stderr_console,
 )
 from llmfast.cli.structured_flags import structured_flags
+from llmfast.outputs import GenerationInterrupted
 from llmfast.sampling_params import SamplingParams
 
 GENERATE_EXAMPLES = """\
@@ -94,23 +95,37 @@ def generate(
     llm = load_llm(opts, err)
     inputs = _prepare(llm, texts, chat, system)
     t0 = time.perf_counter()
-    with count_progress("generating", err) as progress:
-        outputs = llm.generate(inputs, params, progress=progress)
+    try:
+        with count_progress("generating", err) as progress:
+            outputs = llm.generate(inputs, params, progress=progress)
+    except GenerationInterrupted as e:  # Ctrl-C: what finished is written, then exit 130
+        _write(texts, e.outputs, json_out, err)
+        err.print(f"interrupted: {e}; the others are left out"
+                  + ("" if json_out is None else ' (finish_reason "interrupted")'),
+                  style="dim", markup=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     elapsed = time.perf_counter() - t0
-    records = [_as_json(text, out) for text, out in zip(texts, outputs)]
-    if json_out == "-":
-        json.dump(records, sys.stdout, indent=2, ensure_ascii=False)
-        sys.stdout.write("\n")
-    else:
-        _print_plain(texts, outputs)
-        if json_out is not None:
-            Path(json_out).write_text(json.dumps(records, indent=2, ensure_ascii=False) + "\n")
-            err.print(f"wrote {json_out}", style="dim")
+    _write(texts, outputs, json_out, err)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     err.print(f"{len(outputs)} prompt(s), {tokens} tokens in {elapsed:.2f} s "
               f"({tokens / elapsed:.1f} tok/s)"
               + _cut_short(outputs, max_tokens, llm.engine.config.scheduler.max_model_len),
               style="dim", soft_wrap=True)
+
+
+def _write(texts: list[str], outputs: list, json_out: str | None, err: Console) -> None:
+    """The completions as text and/or JSON; an output that is None (not finished when
+    Ctrl-C came) is left out of the text and recorded as interrupted."""
+    records = [_as_json(text, out) for text, out in zip(texts, outputs)]
+    if json_out == "-":
+        json.dump(records, sys.stdout, indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return
+    _print_plain(texts, outputs)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(records, indent=2, ensure_ascii=False) + "\n")
+        err.print(f"wrote {json_out}", style="dim")
 
 
 def _cut_short(outputs, max_tokens: int, max_model_len: int) -> str:
@@ -167,6 +182,9 @@ def _prepare(llm, texts: list[str], chat: bool | None, system: str | None) -> li
 
 
 def _as_json(prompt: str, out) -> dict:
+    if out is None:
+        return {"prompt": prompt, "text": None, "token_ids": None,
+                "finish_reason": "interrupted", "metrics": None}
     completion = out.outputs[0]
     m = out.metrics
     return {
@@ -186,6 +204,8 @@ def _as_json(prompt: str, out) -> dict:
 def _print_plain(texts: list[str], outputs) -> None:
     con = Console(highlight=False, soft_wrap=True)
     for i, (prompt, out) in enumerate(zip(texts, outputs)):
+        if out is None:
+            continue
         if len(texts) > 1:
             title = prompt if len(prompt) <= 60 else prompt[:57] + "..."
             con.print(Rule(Text(f"{i + 1}: {title}"), style="dim"))
