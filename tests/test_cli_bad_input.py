@@ -53,6 +53,10 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
      "--random-range-ratio must be in [0, 1)"),
     # Read after --startup's two engine starts; now before anything runs.
     (["bench", *NO_MODEL, "--startup", "--mode", "sweep", "--sizes", "0"], "sizes must be >= 1"),
+    # Named alone, with its value (the message listed all five counts).
+    (["bench", *NO_MODEL, "--steps", "0"], "error: --steps must be >= 1, got 0"),
+    (["bench", *NO_MODEL, "--mode", "throughput", "--output-len", "-2"],
+     "error: --output-len must be >= 1, got -2"),
     # A choice error read "Invalid value for '--tracer': Value error, 'foo' is not ...".
     (["profile", "--tracer", "foo"], "Invalid value for '--tracer': 'foo' is not one of"),
     # --gemv's values, and the pair that contradicts itself (config.SkinnyLinearConfig).
