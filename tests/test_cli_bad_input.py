@@ -28,6 +28,9 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
     # A blank argument (an unset shell variable) was sent as a prompt.
     (["generate", "hi", "  ", *NO_MODEL], "prompt argument 2 is empty"),
     (["generate", "", *NO_MODEL], "prompt argument 1 is empty"),
+    # An empty file said "no prompts: pass them as arguments or with --file".
+    (["generate", *NO_MODEL, "--file", "/dev/null"],
+     "/dev/null holds no prompts (one per line; blank lines are skipped)"),
     (["generate", "hi", "--no-chat", "--system", "Be brief.", *NO_MODEL],
      "--system needs the chat template"),
     # A graph mode that another flag turns off ran without graphs, saying nothing.

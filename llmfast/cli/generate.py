@@ -159,7 +159,11 @@ def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:
             content = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{file} is not valid UTF-8 (byte {e.start})") from None
-        texts += [line for line in content.splitlines() if line.strip()]
+        lines = [line for line in content.splitlines() if line.strip()]
+        if not lines:  # "pass them with --file" would tell the user what they just did
+            raise ValueError(f"{file} holds no prompts (one per line; blank lines are "
+                             "skipped)")
+        texts += lines
     if not texts:
         raise ValueError("no prompts: pass them as arguments or with --file")
     return texts
