@@ -58,6 +58,7 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
     (["bench", *NO_MODEL, "--startup", "--mode", "sweep", "--sizes", "0"], "sizes must be >= 1"),
     # Named alone, with its value (the message listed all five counts).
     (["bench", *NO_MODEL, "--steps", "0"], "error: --steps must be >= 1, got 0"),
+    (["profile", *NO_MODEL, "--context", "0"], "error: --context must be >= 1, got 0"),
     (["bench", *NO_MODEL, "--mode", "throughput", "--output-len", "-2"],
      "error: --output-len must be >= 1, got -2"),
     # A choice error read "Invalid value for '--tracer': Value error, 'foo' is not ...".
