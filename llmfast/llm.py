@@ -4,7 +4,7 @@
 One engine, many callers. `LLMEngine.step()` advances every live request at once, so
 with several callers on one engine (a `generate` call, open `stream`s, other threads)
 the one that steps serves the others: each request is added with its own queue, and the
-output processor appends every output to its request's queue (engine/output_processor.py)
+output processor appends every output to its request's queue (engine/processing/output_processor.py)
 whoever stepped. Every engine call runs under one lock; a caller that finds its queue
 empty takes the lock and steps, unless another caller's step filled the queue while it
 waited. Outputs of requests added on `llm.engine` directly come back from that step
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Self
 
 from llmfast.engine.args import EngineArgs
-from llmfast.engine.input_processor import Prompt
+from llmfast.engine.processing.input_processor import Prompt
 from llmfast.engine.llm_engine import LLMEngine
 from llmfast.outputs import GenerationInterrupted, RequestOutput
 from llmfast.sampling_params import SamplingParams

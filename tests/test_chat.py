@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmfast.cli.chat_session import ChatCommandError, ChatSession, ChatSettings
+from llmfast.cli.chat.session import ChatCommandError, ChatSession, ChatSettings
 from llmfast.cli.main import app
 from tests.helpers.chat_model import make_chat_model
 

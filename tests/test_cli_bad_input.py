@@ -97,7 +97,7 @@ def test_json_that_cannot_be_written_after_the_run_is_saved_elsewhere(tmp_path):
     from rich.console import Console
 
     from llmfast.bench import BenchError
-    from llmfast.cli.bench import write_outputs
+    from llmfast.cli.bench.command import write_outputs
 
     report = {"runs": {"default": {"sweep": [{"batch_size": 1}]}}}
     gone = tmp_path / "gone" / "sweep.json"  # its directory went away during the run
@@ -118,7 +118,7 @@ def test_bench_failing_in_its_second_mode_keeps_the_first(where, tmp_path, monke
     engine is an eager one (its mode's overrides replaced): compiling the model only to
     fail after it cost the test ~30 s."""
     import llmfast.bench as bench_pkg
-    import llmfast.cli.bench as bench_cli
+    import llmfast.cli.bench.command as bench_cli
 
     monkeypatch.setitem(bench_cli.EXEC_MODES, "compiled", bench_cli.EXEC_MODES["eager"])
     module, name = (bench_cli, "load_llm") if where == "start" else (bench_pkg, "run_sweep")

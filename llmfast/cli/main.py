@@ -14,8 +14,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from llmfast.cli.bench import BENCH_EXAMPLES, bench
-from llmfast.cli.chat import CHAT_EXAMPLES, chat
+from llmfast.cli.bench.command import BENCH_EXAMPLES, bench
+from llmfast.cli.chat.command import CHAT_EXAMPLES, chat
 from llmfast.cli.common import engine_command, print_error
 from llmfast.cli.help import CompactHelpCommand
 from llmfast.cli.generate import GENERATE_EXAMPLES, generate

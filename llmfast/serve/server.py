@@ -35,7 +35,7 @@ def start_core(config, source):
 
 def frontend_spec(core, config, source, model_name: str, tool_call_parser: str | None = None):
     """What every frontend of this server starts from (its own tokenizer loaded here)."""
-    from llmfast.engine.frontend_tokenizer import load_frontend_tokenizer
+    from llmfast.engine.processing.tokenizer import load_frontend_tokenizer
     from llmfast.serve.frontend import FrontendSpec, api_limits
 
     tokens = load_frontend_tokenizer(config, source)

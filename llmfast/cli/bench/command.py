@@ -16,8 +16,8 @@ import typer
 from rich.console import Console
 
 from llmfast.bench import BenchError
-from llmfast.cli.bench_checks import check_mode_options, check_output_paths, save_elsewhere
-from llmfast.cli.bench_tables import (
+from llmfast.cli.bench.checks import check_mode_options, check_output_paths, save_elsewhere
+from llmfast.cli.bench.tables import (
     latency_table,
     startup_table,
     sweep_table,
@@ -221,7 +221,7 @@ def write_outputs(report: dict, json_path: Path | None, plot_path: Path | None,
             failures.append(f"cannot write --json {json_path}: {e.strerror or e}; " + (
                 f"the report is saved in {saved}" if saved else "the tables above hold it"))
     if plot_path is not None:
-        from llmfast.cli.plot import plot_report
+        from llmfast.cli.bench.plot import plot_report
 
         try:
             plot_report(report, plot_path)

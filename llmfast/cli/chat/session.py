@@ -1,5 +1,5 @@
 """A multi-turn chat over an `LLM`: history, sampling settings, slash commands and one
-streamed reply at a time. No terminal I/O here; `llmfast.cli.chat` drives it.
+streamed reply at a time. No terminal I/O here; `llmfast.cli.chat.command` drives it.
 
 Each turn re-renders the whole conversation with the chat template, so the prompt of
 turn n starts with turn n-1's prompt and reply: the prefix cache serves those blocks and
@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmfast.cli.repetition import repeating_period
+from llmfast.cli.chat.repetition import repeating_period
 from llmfast.sampling_params import SamplingParams, SamplingParamsError
 
 

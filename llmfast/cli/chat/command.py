@@ -22,7 +22,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from llmfast.cli.chat_session import (
+from llmfast.cli.chat.session import (
     DEFAULT_MAX_REPEATS,
     ChatCommandError,
     ChatSession,
@@ -39,7 +39,7 @@ from llmfast.cli.common import (
     print_error,
     stderr_console,
 )
-from llmfast.cli.repetition import MAX_PERIOD
+from llmfast.cli.chat.repetition import MAX_PERIOD
 
 # "The model's": its generation_config.json, or the default model's card (CHAT_EXAMPLES).
 _MODEL_DEFAULT = "  [default: the model's, else {}]"
