@@ -27,6 +27,14 @@ start's would (later `--gemv auto` starts read them), the winners with every can
     python scripts/bench_gemv.py --startup --models random:llama-3.2-1b,random:llama-3.1-8b \
         --quantizations none,fp8 --copy-to $OUT/gemv_startup_table.json --json $OUT/s.json
 
+`--compile-cost` needs no GPU: what a cold `--gemv auto` start with no shipped table
+compiles for each --models preset (Triton targeting sm_90 offline, an empty Triton
+cache, the start-up's own compile_candidates; llmfast/bench/kernels/gemv_compile_cost.py):
+variants and seconds, or with `--count-only` the variants its launches bind:
+
+    python scripts/bench_gemv.py --compile-cost --models random:llama-3.2-1b \
+        --quantizations none [--fuse] [--count-only] --json /tmp/cost.json
+
 On the CPU (`--device cpu`, under TRITON_INTERPRET=1) the same steps run at the given
 `--shape`s with wall-clock timing: a check of the plumbing, not a figure.
 """
@@ -88,6 +96,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--install", action="store_true",
                    help="merge the winners into llmfast/kernels/gemv/tables/<gpu>.json")
     p.add_argument("--copy-to", type=Path, default=None, help="also write the table here")
+    p.add_argument("--compile-cost", action="store_true",
+                   help="count and time a cold start's GEMV compiles for sm_90 (no GPU)")
+    p.add_argument("--fuse", action="store_true", help="--compile-cost: the --gemv-fuse launches")
+    p.add_argument("--count-only", action="store_true",
+                   help="--compile-cost: count the variants the launches bind, compile nothing")
+    p.add_argument("--workers", type=int, default=None, help="--compile-cost: compile threads")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path, default=None)
@@ -279,11 +293,26 @@ def write_results(args, name: str, tuned: dict, figures: dict) -> None:
             **figures, "table": str(table_path) if table_path else None}, indent=1))
 
 
+def compile_cost(args) -> None:
+    from llmfast.bench.kernels.gemv_compile_cost import compile_cost as measure
+    from llmfast.kernels.launch import precompile
+
+    if args.workers:
+        precompile.default_workers = lambda: args.workers
+    result = measure(args.models.split(","), args.quantizations.split(","), args.fuse,
+                     [int(r) for r in args.rows.split(",")], args.count_only)
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> None:
     args = parse_args()
     if args.ship is not None:
         print(f"shipped: {ship(args.ship)}")
         return
+    if args.compile_cost:
+        return compile_cost(args)
     device = torch.device(args.device)
     if device.type != "cuda":
         from llmfast.kernels.triton_mode import triton_interpret_enabled

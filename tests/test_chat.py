@@ -146,6 +146,18 @@ def test_piped_non_utf8_line_is_reported_and_skipped(chat_model, bad):
     assert "Traceback" not in result.output
 
 
+def test_piped_reply_cut_by_the_context_says_so(chat_model):
+    # --max-tokens 500 is never reached: max-model-len 64 ends the reply first.
+    result = run_chat(chat_model, b"hi\n", "--max-tokens", "500", "--ignore-eos",
+                      "--max-model-len", "64")
+    assert result.exit_code == 0, result.output
+    assert "stopped at the context's end (max-model-len 64)" in result.stderr
+    assert "stopped at max tokens" not in result.stderr
+    result = run_chat(chat_model, b"hi\n", "--max-tokens", "3", "--ignore-eos",
+                      "--max-model-len", "64")
+    assert "stopped at max tokens" in result.stderr and "context" not in result.stderr
+
+
 def test_piped_too_long_message_is_skipped_and_the_run_fails(chat_model):
     long = ("word " * 200).encode()
     result = run_chat(chat_model, long + b"\nhi\n", "--max-tokens", "2", "--max-model-len", "64")

@@ -28,6 +28,9 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
     # A blank argument (an unset shell variable) was sent as a prompt.
     (["generate", "hi", "  ", *NO_MODEL], "prompt argument 2 is empty"),
     (["generate", "", *NO_MODEL], "prompt argument 1 is empty"),
+    # An empty file said "no prompts: pass them as arguments or with --file".
+    (["generate", *NO_MODEL, "--file", "/dev/null"],
+     "/dev/null holds no prompts (one per line; blank lines are skipped)"),
     (["generate", "hi", "--no-chat", "--system", "Be brief.", *NO_MODEL],
      "--system needs the chat template"),
     # A graph mode that another flag turns off ran without graphs, saying nothing.
@@ -53,6 +56,11 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
      "--random-range-ratio must be in [0, 1)"),
     # Read after --startup's two engine starts; now before anything runs.
     (["bench", *NO_MODEL, "--startup", "--mode", "sweep", "--sizes", "0"], "sizes must be >= 1"),
+    # Named alone, with its value (the message listed all five counts).
+    (["bench", *NO_MODEL, "--steps", "0"], "error: --steps must be >= 1, got 0"),
+    (["profile", *NO_MODEL, "--context", "0"], "error: --context must be >= 1, got 0"),
+    (["bench", *NO_MODEL, "--mode", "throughput", "--output-len", "-2"],
+     "error: --output-len must be >= 1, got -2"),
     # A choice error read "Invalid value for '--tracer': Value error, 'foo' is not ...".
     (["profile", "--tracer", "foo"], "Invalid value for '--tracer': 'foo' is not one of"),
     # --gemv's values, and the pair that contradicts itself (config.SkinnyLinearConfig).

@@ -174,13 +174,9 @@ def test_every_split_count_of_a_tile_shares_one_variant(offline):
     ("random:llama-3.1-8b", False, 32)])
 def test_a_cold_start_binds_few_variants(preset, fused, variants):
     """What --gemv auto's start-up compiles for a preset in bf16 at the five buckets on
-    132 SMs (scripts/gemv_compile_cost.py --count-only: the variants its launches bind,
+    132 SMs (scripts/bench_gemv.py --compile-cost --count-only: the variants its launches bind,
     nothing compiled): 67, 135 and 59 while the split count was a constexpr."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import gemv_compile_cost
+    from llmfast.bench.kernels import gemv_compile_cost
 
     groups = gemv_compile_cost.preset_launches(preset, fp8=False, fused=fused)
     todo = [(key, b) for key in groups for b in launch_config.M_BUCKETS]

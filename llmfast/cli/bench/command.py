@@ -119,9 +119,11 @@ def bench(
         mode = BenchMode.sweep
     check_mode_options(mode.value if mode else None, _given_options(ctx))
     check_output_paths(json_path, plot_path)
-    if min(context, steps, num_prompts, input_len, output_len) < 1:
-        raise BenchError("--context, --steps, --num-prompts, --input-len and --output-len "
-                         "must be >= 1")
+    counts = {"--context": context, "--steps": steps, "--num-prompts": num_prompts,
+              "--input-len": input_len, "--output-len": output_len}
+    for flag, value in counts.items():
+        if value < 1:
+            raise BenchError(f"{flag} must be >= 1, got {value}")
     if not 0.0 <= random_range_ratio < 1.0:  # else found only once the model is loaded
         raise BenchError(f"--random-range-ratio must be in [0, 1), got {random_range_ratio}")
     if mode is BenchMode.latency:

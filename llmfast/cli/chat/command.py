@@ -286,7 +286,8 @@ def _stats_line(r: TurnResult) -> str:
     if r.dropped_turns:
         parts.append(f"{r.dropped_turns} old turn(s) dropped to fit")
     if r.finish_reason == "length":
-        parts.append("stopped at max tokens")
+        parts.append("stopped at max tokens" if r.max_model_len is None else
+                     f"stopped at the context's end (max-model-len {r.max_model_len})")
     if r.repeating_period:
         parts.append("stopped: repeating")
     return " · ".join(parts)

@@ -143,6 +143,7 @@ class TurnResult:
     aborted: bool
     dropped_turns: int  # old turns dropped to fit max-model-len
     repeating_period: int | None = None  # stopped in a loop of this many tokens
+    max_model_len: int | None = None  # set when the context's end, not max_tokens, cut it
 
 
 @dataclass
@@ -258,6 +259,9 @@ class ChatSession:
             stream.close()
         text = last.outputs[0].text if last is not None else ""
         result = _turn_result(last, ids, text, aborted, dropped, period or None)
+        if (result.finish_reason == "length"
+                and result.num_output_tokens < self.settings.max_tokens):
+            result = dataclasses.replace(result, max_model_len=max_len)
         self.totals.turns += 1
         self.totals.prompt_tokens += len(ids)
         self.totals.cached_tokens += result.num_cached_tokens

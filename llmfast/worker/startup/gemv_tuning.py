@@ -173,7 +173,7 @@ def compile_candidates(groups: dict[str, list[Launch]], todo: Sequence[tuple[str
     timing would otherwise compile them one after another at their first launches, each
     about a second (Llama-3.2-1B's five shapes at five buckets, four candidates each:
     37 variants, 84 with --gemv-fuse; the split counts of a tile share one, and Triton
-    dedups the rest across shapes: scripts/gemv_compile_cost.py counts them). Returns
+    dedups the rest across shapes: scripts/bench_gemv.py --compile-cost counts them). Returns
     how many were submitted, or None (a Triton without asynchronous compiles,
     LLMFAST_KERNEL_PRECOMPILE=0 as for the runner's precompile, or a failure: logged;
     the launches then compile what they need, as without this)."""
