@@ -69,18 +69,43 @@ def serve_model_dir(tmp_path_factory):
     return make_chat_model(tmp_path_factory.mktemp("serve") / "tiny")
 
 
-@pytest.fixture(scope="session", params=[0, 1], ids=lambda n: f"api-servers-{n}")
-def server(request, serve_model_dir, tmp_path_factory):
-    """One `llmfast serve` subprocess shared by the server tests (start-up is the cost),
-    with the frontend in the main process (--api-servers 0) and in a process of its own
-    (1), the engine core in its own process either way."""
+# The shared servers' flags beside --api-servers.
+SHARED_SERVER_FLAGS = ("--max-model-len", "2048", "--max-num-seqs", "48")
+
+
+@pytest.fixture(scope="session")
+def shared_servers(serve_model_dir, tmp_path_factory):
+    """`api_servers -> ServerProcess`: one `llmfast serve` subprocess per --api-servers
+    value, started on first use and kept until the worker ends, so every file on the worker
+    shares it (a start costs 15-50 s on the 2-core CI machine: three processes each import
+    torch). A session-scoped parametrized fixture would be torn down and restarted at
+    every switch between its values, twice per file."""
     from tests.serve_server import start_server
 
-    log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    proc = start_server(serve_model_dir, log, "--max-model-len", "2048", "--max-num-seqs", "48",
-                        "--api-servers", str(request.param))
-    yield proc
-    proc.stop()
+    servers = {}
+
+    def get(api_servers: int):
+        if api_servers not in servers:
+            log = tmp_path_factory.mktemp(f"serve-log-{api_servers}") / "server.log"
+            servers[api_servers] = start_server(serve_model_dir, log, *SHARED_SERVER_FLAGS,
+                                                "--api-servers", str(api_servers))
+        server = servers[api_servers]
+        if server.proc.poll() is not None:
+            pytest.fail(f"the shared server (--api-servers {api_servers}) exited with "
+                        f"{server.proc.returncode}:\n{server.log()[-3000:]}")
+        return server
+
+    yield get
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=lambda n: f"api-servers-{n}")
+def server(request, shared_servers):
+    """The shared `llmfast serve` (`shared_servers`) with the frontend in the main process
+    (--api-servers 0) and in a process of its own (1), the engine core in its own process
+    either way."""
+    return shared_servers(request.param)
 
 
 @pytest.fixture(scope="module")
