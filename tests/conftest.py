@@ -19,10 +19,27 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
 
 
+# The files that take longest (seconds summed over their default tests on the 2-core CI
+# machine, `--durations`), longest first: `-n auto --dist loadfile` hands files to the
+# workers in collection order, so these go first and the many short files fill the gaps
+# at the end, where a long file handed out last would keep one worker busy alone. Order
+# only: a file missing here runs after them; a renamed one just loses its place.
+LONGEST_FILES = tuple(f"tests/test_{name}.py" for name in (
+    "executor_failures", "serve_api_processes", "serve_lifecycle", "serve", "serve_errors",
+    "serve_faults", "attention_kernels", "full_graphs", "executor_mp", "compile",
+    "precompiled", "gpu_check", "executor_ray", "generation_config", "rope_cache",
+    "executor_cli", "chat_template", "serve_structured", "serve_tokenize"))
+
+
 def pytest_configure(config):
     """In an xdist worker, torch (and every process a test starts: OMP_NUM_THREADS) gets
     the CPUs divided among the workers, not all of them each: with 2 workers on 2 CPUs
     that took the suite from 11:07 to 9:34 (oversubscribed OpenMP threads spin)."""
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist's default for loadfile hands out the files with most tests first, which
+        # puts the few-test, subprocess-heavy files last (the run's tail); keep
+        # `pytest_collection_modifyitems`' order instead.
+        config.option.loadscopereorder = False
     workers = getattr(config, "workerinput", {}).get("workercount")
     if not workers or "OMP_NUM_THREADS" in os.environ:
         return
@@ -31,6 +48,13 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture parameters
+def pytest_collection_modifyitems(config, items):
+    """`LONGEST_FILES` first, in their order; every file's tests keep their own order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture(autouse=True)
