@@ -19,16 +19,18 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
 
 
-# The files that take longest (seconds summed over their default tests on the 2-core CI
-# machine, `--durations`), longest first: `-n auto --dist loadfile` hands files to the
-# workers in collection order, so these go first and the many short files fill the gaps
-# at the end, where a long file handed out last would keep one worker busy alone. Order
-# only: a file missing here runs after them; a renamed one just loses its place.
+# The files that take longest (seconds summed over their default tests, `--durations=80`
+# of the whole suite on the 2-core VM at d321b96), longest first: `-n auto --dist
+# loadfile` hands files to the workers in collection order, so these go first and the
+# many short files fill the gaps at the end, where a long file handed out last would keep
+# one worker busy alone. Order only: a file missing here runs after them; a renamed one
+# just loses its place.
 LONGEST_FILES = tuple(f"tests/test_{name}.py" for name in (
-    "executor_failures", "serve_api_processes", "serve_lifecycle", "serve", "serve_errors",
-    "serve_faults", "attention_kernels", "full_graphs", "executor_mp", "compile",
-    "precompiled", "gpu_check", "executor_ray", "generation_config", "rope_cache",
-    "executor_cli", "chat_template", "serve_structured", "serve_tokenize"))
+    "bench_workers", "rope_cache", "serve", "serve_lifecycle", "serve_faults", "compile",
+    "serve_api_processes", "cli_bad_input", "executor_failures", "attention_kernels",
+    "serve_structured", "generation_config", "fp8", "serve_tokenize", "kv_cache_fp8",
+    "serve_errors", "chat", "precompiled", "executor_ray", "profile", "device_views", "cli",
+    "chat_template", "async_scheduling"))
 
 
 def pytest_configure(config):
