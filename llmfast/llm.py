@@ -4,7 +4,7 @@
 One engine, many callers. `LLMEngine.step()` advances every live request at once, so
 with several callers on one engine (a `generate` call, open `stream`s, other threads)
 the one that steps serves the others: each request is added with its own queue, and the
-output processor appends every output to its request's queue (engine/output_processor.py)
+output processor appends every output to its request's queue (engine/processing/output_processor.py)
 whoever stepped. Every engine call runs under one lock; a caller that finds its queue
 empty takes the lock and steps, unless another caller's step filled the queue while it
 waited. Outputs of requests added on `llm.engine` directly come back from that step
@@ -20,15 +20,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Self
 
 from llmfast.engine.args import EngineArgs
-from llmfast.engine.input_processor import Prompt
+from llmfast.engine.processing.input_processor import Prompt
 from llmfast.engine.llm_engine import LLMEngine
-from llmfast.outputs import RequestOutput
+from llmfast.outputs import GenerationInterrupted, RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.utils.progress import CountProgress
+from llmfast.utils.value_checks import describe
 
 
 class LLM:
@@ -77,15 +78,27 @@ class LLM:
         """Run all prompts to completion, batched; outputs come back in input order.
 
         `progress=True` shows a progress bar on stderr; a callable receives
-        (finished, total) after every step instead."""
+        (finished, total) after every step instead. Ctrl-C (KeyboardInterrupt) raises
+        GenerationInterrupted, whose `outputs` hold the prompts that had finished."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise TypeError("prompts must be a str, a list of token ids, a dict with "
+                            "'prompt_token_ids', or a list of these; got "
+                            f"{describe(prompts)}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
+            # (A dict would iterate as its keys, a str as its letters.)
+            bad = ([sampling_params] if isinstance(sampling_params, (dict, str, bytes))
+                   or not isinstance(sampling_params, Iterable) else
+                   [p for p in sampling_params if not isinstance(p, SamplingParams)])
+            if bad:
+                raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                                f"one per prompt; got {describe(bad[0])}")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(
@@ -222,6 +235,19 @@ class LLM:
                  on_step: CountProgress | None = None) -> list[RequestOutput]:
         """Run the requests to completion; their final outputs, in order."""
         final: dict[str, RequestOutput] = {}
+        try:
+            return self._collect_into(final, req_ids, on_step)
+        except GenerationInterrupted:
+            raise
+        except KeyboardInterrupt:
+            for req_id in req_ids:  # also what a step queued just before the interrupt
+                for out in self._queues.get(req_id, ()):
+                    if out.finished:
+                        final[req_id] = out
+            raise GenerationInterrupted([final.get(i) for i in req_ids]) from None
+
+    def _collect_into(self, final: dict[str, RequestOutput], req_ids: Sequence[str],
+                      on_step: CountProgress | None) -> list[RequestOutput]:
         pending = list(req_ids)
         while True:
             still = []

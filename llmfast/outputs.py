@@ -67,3 +67,14 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # The same tokens' ranks in their distributions (1 = the most likely; None first).
     prompt_logprob_ranks: list[int | None] | None = None
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """`LLM.generate` (or `chat`) stopped by Ctrl-C: what had finished is not lost.
+    `outputs` is in input order, the RequestOutput of each prompt that finished before
+    the interrupt and None for the others (aborted, their KV blocks freed)."""
+
+    def __init__(self, outputs: list[RequestOutput | None]) -> None:
+        super().__init__(f"{sum(o is not None for o in outputs)} of {len(outputs)} "
+                         "completions finished")
+        self.outputs = outputs

@@ -2,7 +2,7 @@
 
 `Tokenizer` wraps a transformers tokenizer loaded from a local model directory (never
 with remote code). The incremental detokenizer that turns sampled ids into text deltas
-is the engine's (llmfast/engine/detokenizer.py).
+is the engine's (llmfast/engine/processing/detokenizer.py).
 """
 
 from __future__ import annotations

@@ -9,13 +9,23 @@ thread count joins each round (decode of 32 tokens after a 128-token prompt, as 
     python scripts/bench_cpu_quant.py --rounds 3 --out profiles/cpu/cpu-quant-smollm2.json \
         [--llama-bench /path/to/llama-bench]
 
-With --prefill, prompts instead: the packed path's int4 kernel against dequantize +
-float32 GEMM (kernels/cpu/int4_linear.py's DEQUANTIZE_MIN_TOKENS), and the float32
-model, in one process, alternating round by round (--rounds of them after a warm-up);
-each round a fresh prompt (no prefix-cache hits) of each of --lengths, one output token.
+With --prefill, prompts instead: the packed model with the int4 kernel at every length
+against the dequantized float32 GEMM at every length (what DEQUANTIZE_MIN_TOKENS in
+kernels/cpu/int4_linear.py chooses between), optionally the prefill path as git
+revision --before had it, and the float32 model, in one process, side by side at each
+length in an order rotated each round (--rounds of them after a warm-up); each round a
+fresh prompt (no prefix-cache hits) of each of --lengths, one output token. Wall time
+and the process's CPU time.
 
-    python scripts/bench_cpu_quant.py --prefill --lengths 32,64,128,512 --rounds 5 \
-        --out profiles/cpu/cpu-quant-prefill.json
+    python scripts/bench_cpu_quant.py --prefill --lengths 16,32,40,48,64,96,128,512 --rounds 5 \
+        --before d321b96 --out profiles/cpu/cpu-quant-prefill.json
+
+With --unpack, that path's parts per projection shape (a micro-benchmark, in turn round
+by round): the weight's unpack alone, unpack + GEMM, --before's, the int4 kernel and the
+float32 GEMM alone, at --lengths token counts.
+
+    python scripts/bench_cpu_quant.py --unpack --lengths 16,32,64,128 --rounds 30 \
+        --threads 1 --before d321b96 --out profiles/cpu/cpu-int4-unpack.json
 """
 
 from __future__ import annotations
@@ -109,8 +119,93 @@ def llama_bench_run(binary: str, gguf: Path, threads: int, steps: int, context: 
             "loadavg_1m": os.getloadavg()[0]}
 
 
-def prefill_rounds(lengths: list[int], rounds: int) -> dict:
-    """Prefill tok/s per variant and prompt length (module doc), medians of `rounds`."""
+def revision_prefill_impl(rev: str) -> dict:
+    """kernels/cpu/int4_linear.py's prefill path as git revision `rev` had it: its
+    `int4_linear_impl` and `dequantize_packed` (the op and class definitions left out,
+    which cannot be defined twice) and its constants (DEQUANTIZE_MIN_TOKENS), in a
+    namespace: the "before" of a change to that path, run in this process beside the
+    current code."""
+    import ast
+
+    import torch
+
+    from llmfast.kernels.cpu import int4_linear
+
+    source = subprocess.run(["git", "show", f"{rev}:llmfast/kernels/cpu/int4_linear.py"],
+                            check=True, capture_output=True, text=True).stdout
+    tree = ast.parse(source)
+    wanted = ("dequantize_packed", "int4_linear_impl")
+    body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in
+            wanted]
+    if len(body) != len(wanted):  # the unpack moved to int4_dequant.py after d321b96
+        raise SystemExit(f"--before {rev}: its int4_linear.py lacks {' or '.join(wanted)}; "
+                         "give a revision from before the scratch unpack, e.g. d321b96")
+    body += [node for node in tree.body  # its constants
+             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)]
+    namespace = {"torch": torch, "GROUP": int4_linear.GROUP, "ACT_DTYPE": int4_linear.ACT_DTYPE,
+                 "_INT4_MM": int4_linear._INT4_MM, "packed_layout_known": lambda: True}
+    exec(compile(ast.Module(body=body, type_ignores=[]), f"{rev}:int4_linear.py", "exec"),
+         namespace)
+    return namespace
+
+
+def unpack_rounds(rounds: int, before: str | None, token_counts: list[int]) -> dict:
+    """Per projection shape of the default model (Q4_1 codes, random): the prefill path's
+    unpack alone and with its GEMM, against `before`'s and the int4 kernel's, and the
+    float32 GEMM alone, every candidate once a round in turn; medians and minima in ms."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from llmfast.kernels.cpu import int4_dequant
+    from llmfast.kernels.cpu.affine_codes import AffineCodes
+    from llmfast.kernels.cpu.int4_linear import ACT_DTYPE, GROUP, Int4Linear
+
+    old = revision_prefill_impl(before) if before else None
+    rng = np.random.default_rng(0)
+    results = {}
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:  # qkv, o, gate_up, down
+        layer = Int4Linear.from_codes(AffineCodes(
+            rng.integers(0, 16, (n, k), dtype=np.uint8),
+            rng.normal(0, 0.01, (n, k // 32)).astype(np.float32),
+            rng.normal(0, 0.01, (n, k // 32)).astype(np.float32), 4, 32))
+        packed, sz = layer.weight_packed, layer.scales_and_zeros
+        weight = int4_dequant.dequantize_packed(packed, sz, None, k, n)
+        scale, offset = int4_dequant.affine_maps(sz)
+        scratch = int4_dequant._Scratch().buffers(n * k)
+        cases = {"unpack": lambda: int4_dequant.unpack_rows(packed, scale, offset, 0, n,
+                                                            *scratch)}
+        if old:
+            cases[f"unpack at {before}"] = lambda: old["dequantize_packed"](packed, sz, None,
+                                                                            k, n)
+        for m in token_counts:
+            x = torch.randn(m, k)
+            cases[f"{m}: unpack + GEMM"] = lambda x=x: int4_dequant.dequantized_linear(
+                x, packed, sz, None, False, n)
+            if old:
+                cases[f"{m}: at {before}"] = lambda x=x: torch.nn.functional.linear(
+                    x, old["dequantize_packed"](packed, sz, None, k, n))
+            cases[f"{m}: int4 kernel"] = lambda x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(ACT_DTYPE), packed, GROUP, sz).float()
+            cases[f"{m}: float32 GEMM"] = lambda x=x: torch.nn.functional.linear(x, weight)
+        times = {case: [] for case in cases}
+        for round_ in range(rounds + 1):  # round 0: warm-up
+            for case, fn in cases.items():
+                start = time.perf_counter()
+                fn()
+                if round_:
+                    times[case].append((time.perf_counter() - start) * 1e3)
+        results[f"{n}x{k}"] = {case: {"median_ms": statistics.median(ts), "min_ms": min(ts)}
+                               for case, ts in times.items()}
+    return {"threads": torch.get_num_threads(), "unpack_ms": results}
+
+
+def prefill_rounds(lengths: list[int], rounds: int, before: str | None) -> dict:
+    """Prefill tok/s per variant and prompt length (module doc), medians of `rounds`:
+    the packed model with the int4 kernel at every length, with the dequantized GEMM at
+    every length, as the revision `before` had its prefill path (optional), and the
+    float32 model."""
     import time
 
     import torch
@@ -121,30 +216,53 @@ def prefill_rounds(lengths: list[int], rounds: int) -> dict:
     limit = max(lengths) + 8
     llms = {"gguf": LLM(quantization="gguf", max_model_len=limit),
             "none": LLM(quantization="none", max_model_len=limit)}
-    variants = {"gguf kernel only": ("gguf", 10**9),
-                "gguf dequantize": ("gguf", int4_linear.DEQUANTIZE_MIN_TOKENS),
-                "none": ("none", None)}
+    current = (int4_linear.int4_linear_impl, int4_linear.DEQUANTIZE_MIN_TOKENS)
+    # variant -> (model, (prefill impl, threshold) or None: the float32 model)
+    variants = {"gguf kernel only": ("gguf", (current[0], 10**9)),
+                # From the shortest prompt: every prompt's layers, not the lm_head's one row.
+                "gguf dequantize": ("gguf", (current[0], min(lengths)))}
+    if before:
+        old = revision_prefill_impl(before)
+        variants[f"gguf at {before}"] = ("gguf", (old["int4_linear_impl"],
+                                                  old["DEQUANTIZE_MIN_TOKENS"]))
+    variants["none"] = ("none", None)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times: dict[str, dict[int, list[float]]] = {v: {n: [] for n in lengths} for v in variants}
-    default_threshold = int4_linear.DEQUANTIZE_MIN_TOKENS
+    cpu_times: dict[str, dict[int, list[float]]] = {v: {n: [] for n in lengths}
+                                                    for v in variants}
+    names = list(variants)
     start = 1000
-    for round_ in range(rounds + 1):  # round 0: warm-up
-        for variant, (llm, threshold) in variants.items():
-            if threshold is not None:
-                int4_linear.DEQUANTIZE_MIN_TOKENS = threshold
+    try:
+        for round_ in range(rounds + 1):  # round 0: warm-up
             for n in lengths:
-                prompt = list(range(start, start + n))
-                start += n
-                t0 = time.perf_counter()
-                llms[llm].generate({"prompt_token_ids": prompt}, one)
-                if round_:
-                    times[variant][n].append(time.perf_counter() - t0)
-    int4_linear.DEQUANTIZE_MIN_TOKENS = default_threshold
+                # The variants side by side at each length, their order rotated each
+                # round: a shared machine's load shifts within seconds.
+                for i in range(len(names)):
+                    variant = names[(i + round_) % len(names)]
+                    llm, path = variants[variant]
+                    if path is not None:
+                        int4_linear.int4_linear_impl, int4_linear.DEQUANTIZE_MIN_TOKENS = path
+                    prompt = list(range(start, start + n))
+                    start += n
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    llms[llm].generate({"prompt_token_ids": prompt}, one)
+                    if round_:
+                        times[variant][n].append(time.perf_counter() - t0)
+                        cpu_times[variant][n].append(time.process_time() - c0)
+    finally:
+        int4_linear.int4_linear_impl, int4_linear.DEQUANTIZE_MIN_TOKENS = current
     return {
         "threads": torch.get_num_threads(),
+        "dequantize_min_tokens": current[1],
+        "before_dequantize_min_tokens": variants[f"gguf at {before}"][1][1] if before else None,
         "prefill_tok_s": {v: {n: n / statistics.median(ts) for n, ts in per.items()}
                           for v, per in times.items()},
+        # Per second of this process's CPU time (all its threads): what a shared
+        # machine's waits for a core leave out.
+        "prefill_tok_per_cpu_s": {v: {n: n / statistics.median(ts) for n, ts in per.items()}
+                                  for v, per in cpu_times.items()},
         "times_s": times,
+        "cpu_times_s": cpu_times,
     }
 
 
@@ -163,17 +281,41 @@ def main() -> None:
                         help="time prompts (int4 kernel, dequantize + GEMM, float32) instead "
                         "of decode; --rounds then counts prefill rounds")
     parser.add_argument("--lengths", default="32,64,128,512",
-                        help="--prefill: comma-separated prompt lengths")
+                        help="--prefill: comma-separated prompt lengths (--unpack: token "
+                        "counts of the GEMMs)")
+    parser.add_argument("--unpack", action="store_true",
+                        help="time the prefill path's weight unpack per projection shape "
+                        "(micro-benchmark) instead; --rounds then counts its rounds")
+    parser.add_argument("--threads", type=int, default=None, help="--unpack: torch threads")
+    parser.add_argument("--before", default=None,
+                        help="--prefill, --unpack: also time the packed prefill path as "
+                        "git revision BEFORE had it (e.g. main), in this process")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.unpack:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        report = {"command": " ".join(sys.argv), "torch": torch.__version__,
+                  **unpack_rounds(args.rounds, args.before,
+                                  [int(n) for n in args.lengths.split(",")]),
+                  "loadavg_end": os.getloadavg()}
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        for shape, cases in report["unpack_ms"].items():
+            print(shape, "  ".join(f"{c} {t['median_ms']:.2f}/{t['min_ms']:.2f}"
+                                   for c, t in cases.items()))
+        return
     if args.prefill:
         import torch
 
         report = {"command": " ".join(sys.argv), "torch": torch.__version__,
-                  **prefill_rounds([int(n) for n in args.lengths.split(",")], args.rounds),
+                  **prefill_rounds([int(n) for n in args.lengths.split(",")], args.rounds,
+                                    args.before),
                   "loadavg_end": os.getloadavg()}
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(json.dumps(report["prefill_tok_s"], indent=2))
+        for key in ("prefill_tok_s", "prefill_tok_per_cpu_s"):
+            print(key, json.dumps(report[key], indent=2))
         return
 
     from llmfast.models.sources.default_model import default_model_gguf, ensure_default_model

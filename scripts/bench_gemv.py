@@ -27,6 +27,14 @@ start's would (later `--gemv auto` starts read them), the winners with every can
     python scripts/bench_gemv.py --startup --models random:llama-3.2-1b,random:llama-3.1-8b \
         --quantizations none,fp8 --copy-to $OUT/gemv_startup_table.json --json $OUT/s.json
 
+`--compile-cost` needs no GPU: what a cold `--gemv auto` start with no shipped table
+compiles for each --models preset (Triton targeting sm_90 offline, an empty Triton
+cache, the start-up's own compile_candidates; llmfast/bench/kernels/gemv_compile_cost.py):
+variants and seconds, or with `--count-only` the variants its launches bind:
+
+    python scripts/bench_gemv.py --compile-cost --models random:llama-3.2-1b \
+        --quantizations none [--fuse] [--count-only] --json /tmp/cost.json
+
 On the CPU (`--device cpu`, under TRITON_INTERPRET=1) the same steps run at the given
 `--shape`s with wall-clock timing: a check of the plumbing, not a figure.
 """
@@ -88,6 +96,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--install", action="store_true",
                    help="merge the winners into llmfast/kernels/gemv/tables/<gpu>.json")
     p.add_argument("--copy-to", type=Path, default=None, help="also write the table here")
+    p.add_argument("--compile-cost", action="store_true",
+                   help="count and time a cold start's GEMV compiles for sm_90 (no GPU)")
+    p.add_argument("--fuse", action="store_true", help="--compile-cost: the --gemv-fuse launches")
+    p.add_argument("--count-only", action="store_true",
+                   help="--compile-cost: count the variants the launches bind, compile nothing")
+    p.add_argument("--workers", type=int, default=None, help="--compile-cost: compile threads")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path, default=None)
@@ -96,9 +110,9 @@ def parse_args() -> argparse.Namespace:
 
 def _time_us(fns: list, iters: int, device: torch.device) -> list[float]:
     """Median µs of each fn, calls interleaved: CUDA events around graph replays with
-    L2 flushed before each (llmfast/bench/cuda_timing.py), or wall clock on the CPU."""
+    L2 flushed before each (llmfast/bench/kernels/cuda_timing.py), or wall clock on the CPU."""
     if device.type == "cuda":
-        from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
+        from llmfast.bench.kernels.cuda_timing import L2_FLUSH_BYTES, graph_replay, time_us_interleaved
 
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
         return time_us_interleaved([graph_replay(f) for f in fns], iters, flush)
@@ -220,36 +234,50 @@ def startup(args, device: torch.device, name: str) -> None:
     from llmfast.models.sources.model_source import resolve_model
 
     rows = [int(r) for r in args.rows.split(",")]
-    shipped_dir = launch_config.TABLE_DIR
-    launch_config.TABLE_DIR = Path(tempfile.mkdtemp())  # every shape timed
-    launch_config.shipped_table.cache_clear()
+    shipped_dir, scratch = launch_config.TABLE_DIR, Path(tempfile.mkdtemp())
     runs, tuned = [], {}
-    for spec in filter(None, args.models.split(",")):
-        for quant in args.quantizations.split(","):
-            model = build_model(resolve_model(spec), getattr(torch, args.dtype), device,
-                                max_positions=256,
-                                quantization=None if quant == "none" else quant)
-            routing = route_gemv(model, SkinnyLinearConfig("auto"), rows)
-            del model
-            torch.cuda.empty_cache()
-            path = gemv_tuning.cache_path(gemv_tuning.cache_fields(name))
-            shapes = json.loads(path.read_text())["shapes"] if path.is_file() else {}
-            table = launch_config.parse_table({"format": launch_config.FORMAT_VERSION,
-                                               "shapes": shapes})
-            for key in routing.measured:
-                tuned[key] = {b: (config, shapes[key][str(b)].get("timings_us", {}))
-                              for b, config in table[key].items()}
-            runs.append({"model": spec, "quantization": quant, "seconds": routing.seconds,
-                         "routed": routing.routed, "shapes": {k: shapes.get(k)
-                                                              for k in routing.measured}})
-            print(f"{spec} {quant}: {len(routing.measured)} shapes in {routing.seconds:.1f} s,"
-                  f" {routing.routed} projections take the GEMV", flush=True)
-            for key in routing.measured:
-                print(f"  {key}: " + ", ".join(
-                    f"M{b} {candidate_name(c)}" for b, c in sorted(table[key].items())))
-    launch_config.TABLE_DIR = shipped_dir
+
+    def save() -> None:
+        """The table and report so far: a later preset cut off by the step's time limit
+        (gpu_check kills the process) loses only itself."""
+        launch_config.TABLE_DIR = shipped_dir
+        try:
+            write_results(args, name, tuned, {"rows": rows, "runs": runs})
+        finally:
+            launch_config.TABLE_DIR = scratch
+            launch_config.shipped_table.cache_clear()
+
+    launch_config.TABLE_DIR = scratch  # every shape timed
     launch_config.shipped_table.cache_clear()
-    write_results(args, name, tuned, {"rows": rows, "runs": runs})
+    try:
+        for spec in filter(None, args.models.split(",")):
+            for quant in args.quantizations.split(","):
+                model = build_model(resolve_model(spec), getattr(torch, args.dtype), device,
+                                    max_positions=256,
+                                    quantization=None if quant == "none" else quant)
+                routing = route_gemv(model, SkinnyLinearConfig("auto"), rows)
+                del model
+                torch.cuda.empty_cache()
+                path = gemv_tuning.cache_path(gemv_tuning.cache_fields(name))
+                shapes = json.loads(path.read_text())["shapes"] if path.is_file() else {}
+                table = launch_config.parse_table({"format": launch_config.FORMAT_VERSION,
+                                                   "shapes": shapes})
+                for key in routing.measured:
+                    tuned[key] = {b: (config, shapes[key][str(b)].get("timings_us", {}))
+                                  for b, config in table[key].items()}
+                runs.append({"model": spec, "quantization": quant,
+                             "seconds": routing.seconds, "routed": routing.routed,
+                             "shapes": {k: shapes.get(k) for k in routing.measured}})
+                print(f"{spec} {quant}: {len(routing.measured)} shapes in "
+                      f"{routing.seconds:.1f} s, {routing.routed} projections take the GEMV",
+                      flush=True)
+                for key in routing.measured:
+                    print(f"  {key}: " + ", ".join(
+                        f"M{b} {candidate_name(c)}" for b, c in sorted(table[key].items())))
+                save()
+    finally:
+        launch_config.TABLE_DIR = shipped_dir
+        launch_config.shipped_table.cache_clear()
 
 
 def write_results(args, name: str, tuned: dict, figures: dict) -> None:
@@ -265,11 +293,26 @@ def write_results(args, name: str, tuned: dict, figures: dict) -> None:
             **figures, "table": str(table_path) if table_path else None}, indent=1))
 
 
+def compile_cost(args) -> None:
+    from llmfast.bench.kernels.gemv_compile_cost import compile_cost as measure
+    from llmfast.kernels.launch import precompile
+
+    if args.workers:
+        precompile.default_workers = lambda: args.workers
+    result = measure(args.models.split(","), args.quantizations.split(","), args.fuse,
+                     [int(r) for r in args.rows.split(",")], args.count_only)
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> None:
     args = parse_args()
     if args.ship is not None:
         print(f"shipped: {ship(args.ship)}")
         return
+    if args.compile_cost:
+        return compile_cost(args)
     device = torch.device(args.device)
     if device.type != "cuda":
         from llmfast.kernels.triton_mode import triton_interpret_enabled

@@ -6,7 +6,7 @@
         --dtype bfloat16 --copy-to $OUT/prefill_tiles_llama-3.2-1b.json
 
 Two more commands for the same kernel: `decode-configs` sweeps the decode launch
-configuration (llmfast/bench/decode_configs.py) and prints, per shape, the configuration
+configuration (llmfast/bench/kernels/decode_configs.py) and prints, per shape, the configuration
 `select_config` picks now and the best one measured; `ship-prefill-tiles` makes this
 GPU's prefill tile table cover a model and installs it as the shipped one (below, at
 ship_prefill_tiles). Without a command: the table of the kernel against SDPA.
@@ -17,7 +17,7 @@ Beside each: torch's scaled_dot_product_attention on the same values laid out
 contiguously (GQA via enable_gqa), and the largest difference between the two outputs.
 Prefill (2k/4k/8k causal, vs SDPA's FlashAttention backend, TFLOP/s), mixed batches (one
 launch vs its two parts) and the prefill tile tuning that runs first (--tune): see
-llmfast/bench/attention_prefill.py. A device-to-device copy gives the bandwidth ceiling
+llmfast/bench/kernels/attention_prefill.py. A device-to-device copy gives the bandwidth ceiling
 (bytes read + written / time). Times are medians of CUDA-event timings (--iters calls;
 --eager-iters for the eager decode rows against SDPA), with L2 flushed before every timed
 call. Default config: bf16, head_dim 128, 32 q heads, 8 KV heads,
@@ -61,8 +61,8 @@ from llmfast.attention.tuning.split_table import (
     find_table,
     merge_sweep,
 )
-from llmfast.bench.attention_decode import run_case
-from llmfast.bench.attention_prefill import (
+from llmfast.bench.kernels.attention_decode import run_case
+from llmfast.bench.kernels.attention_prefill import (
     mixed_lines,
     prefill_lines,
     run_mixed,
@@ -71,8 +71,8 @@ from llmfast.bench.attention_prefill import (
     tuned_table_note,
     tuning_lines,
 )
-from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, copy_bandwidth
-from llmfast.bench.decode_configs import sweep_shape
+from llmfast.bench.kernels.cuda_timing import L2_FLUSH_BYTES, copy_bandwidth
+from llmfast.bench.kernels.decode_configs import sweep_shape
 from llmfast.models.sources.model_source import resolve_model
 
 
@@ -261,7 +261,7 @@ def main(argv: list[str]) -> None:
 def decode_configs(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="bench_kernels.py decode-configs", description=(
         "Sweep the decode attention launch configuration on a GPU "
-        "(llmfast/bench/decode_configs.py)."))
+        "(llmfast/bench/kernels/decode_configs.py)."))
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)

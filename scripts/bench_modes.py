@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from llmfast.attention.metadata import AttentionMetadata, host_max_query_len
-from llmfast.bench import layer_kinds
+from llmfast.bench.kernels import layer_kinds
 from llmfast.compile import CompiledModel, CompileStats
 from llmfast.config import (
     GEMV_BACKENDS,
@@ -96,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kinds-json", type=Path, default=None,
                    help="per batch size, where the step's time goes per layer kind (qkv, "
                         "o, gate_up, down, lm_head, attention, other): bytes, µs, %% of "
-                        "HBM (llmfast/bench/layer_kinds.py); the step is `full`'s (else "
+                        "HBM (llmfast/bench/kernels/layer_kinds.py); the step is `full`'s (else "
                         "the first mode's); a markdown table beside it (.md)")
     p.add_argument("--kv-cache-dtype", default=None,
                    help="the KV cache's element type for --kinds-json's attention bytes "
@@ -256,7 +256,7 @@ def write_kernel_trace(step, path: Path, title: str, steps: int = 5) -> None:
 
 
 def measure_kinds(model, step, batch: int, step_ms: float, args, device, dtype) -> dict:
-    """The per-kind table of one decode step (llmfast/bench/layer_kinds.py): each
+    """The per-kind table of one decode step (llmfast/bench/kernels/layer_kinds.py): each
     projection kind's layers replayed alone (one CUDA graph per kind, timed interleaved),
     attention and the rest from the profiler's kernel times in `step` (CUDA only)."""
     shape = layer_kinds.step_shape(model, batch, args.context_len,

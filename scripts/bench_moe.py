@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmfast.bench.cuda_timing import (  # noqa: E402
+from llmfast.bench.kernels.cuda_timing import (  # noqa: E402
     L2_FLUSH_BYTES,
     graph_replay,
     time_us_interleaved,

@@ -26,7 +26,7 @@ its memory: on a GPU the server needs it), then starts the server (once per
 --api-servers value) and sends each stream count as that many streaming /v1/completions
 requests at once (greedy, ignore_eos, fixed lengths). Repeats interleave offline and
 serve, so a machine whose load drifts shifts both; the table gives medians over the
-repeats (llmfast/bench/serve_vs_offline.py).
+repeats (llmfast/bench/serving/vs_offline.py).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from llmfast.bench.environment import environment_info, local_device_facts
-from llmfast.bench.serve_vs_offline import offline_rows, spec_requests, vs_offline_table
-from llmfast.bench.serving import format_result, run_serve_bench
+from llmfast.bench.serving.vs_offline import offline_rows, spec_requests, vs_offline_table
+from llmfast.bench.serving.load_generator import format_result, run_serve_bench
 from llmfast.bench.workload import random_requests
 from llmfast.engine.args import resolve_device
 from llmfast.utils.ports import free_port

@@ -48,8 +48,8 @@ from gpu_check import tree_stamp  # noqa: E402  (the measured tree, as every fig
 
 from llmfast.attention import ops  # noqa: E402
 from llmfast.attention.triton import launch as attention  # noqa: E402
-from llmfast.bench.attention_inputs import decode_case  # noqa: E402
-from llmfast.bench.cuda_timing import L2_FLUSH_BYTES, time_us_interleaved  # noqa: E402
+from llmfast.bench.kernels.attention_inputs import decode_case  # noqa: E402
+from llmfast.bench.kernels.cuda_timing import L2_FLUSH_BYTES, time_us_interleaved  # noqa: E402
 from llmfast.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from llmfast.core.kv_cache_groups import KVCacheGroups, kv_cache_groups  # noqa: E402
 from llmfast.core.request import Request  # noqa: E402

@@ -23,7 +23,10 @@ random:qwen3-30b-a3b), `kernels_sweep` (bench_kernels' split sweep for this GPU'
 `decode_configs` (bench_kernels.py decode-configs), `serve_procs` (--api-servers 0, 1, 2 under one
 load), `executor` (uni vs mp), `spec` = `spec_decode` + `spec_decode_8b` (#50: the verify
 step's cost at K = 1..8 and the forced-acceptance speed-up, 1B and 8B). #49
-(profiles/decode-bw.md): `decode_bw` (1B: the per-layer-kind tables and the 1..512 sweep
+(profiles/decode-bw.md), in the order of its worth: `decode_bw_first` (--gemv auto's
+start-up table for 1B and 8B, bf16 and fp8, then the sweeps its three bars judge),
+`decode_bw_second` (the GEMV's GPU tests, the 8B cuBLAS baseline, the per-kind tables of
+--gemv auto); further: `decode_bw` (1B: the per-layer-kind tables and the 1..512 sweep
 with the GEMV off and on, bench_gemv's shapes), `decode_bw_8b`, `decode_bw_kinds_8b`,
 `decode_bw_fused` (--gemv-fuse), `tune_bf16` / `tune_fp8` (the GEMV's launch table
 tuned, installed, then swept), `tune_startup` / `tune_startup_8b` (the start-up
@@ -287,24 +290,45 @@ def _gemv_step(fp8: bool, tune: bool) -> Step:
 # timed whatever is shipped, into the cache dir the `_auto` sweeps then read (same
 # machine) and as a launch table under $OUT: `gemv_startup_table.json`, shipped by
 # copying it to llmfast/kernels/gemv/tables/<gpu slug>.json (profiles/decode-bw.md).
-_STARTUP = Step("gemv_startup", "decode-bw", 300, 540,
+# Estimate: ~40 Triton variants a preset and dtype compiled in 8 threads (~5 s), ~125
+# graph timings a preset (~20 s), four presets built with random weights.
+_STARTUP = Step("gemv_startup", "decode-bw", 180, 480,
                 (PY, "scripts/bench_gemv.py", "--startup", "--models",
                  ",".join(_BW_MODELS.values()), "--quantizations", "none,fp8",
                  "--rows", "1,2,4,8,16", "--copy-to", "{out}/gemv_startup_table.json",
                  "--json", "{json}"),
                 (PY, "scripts/bench_gemv.py", "--help"), samples=1)
 STEPS[_STARTUP.name] = _STARTUP
+# The GEMV's own GPU tests: each kernel and fusion against float64 at the presets'
+# shapes, split-K in a CUDA graph, the op under Inductor, the start-up measurement with
+# its real timer (tests/test_gemv_gpu.py; ~40 variants compiled).
+_GEMV_TESTS = Step("gemv_tests", "decode-bw", 120, 300,
+                   (PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rA",
+                    "tests/test_gemv_gpu.py"),
+                   (PY, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
+                    "no:cacheprovider", "tests/test_gemv_gpu.py"), samples=1)
+STEPS[_GEMV_TESTS.name] = _GEMV_TESTS
 
 for _step in ([_bw_step(size, fp8, gemv) for size in _BW_MODELS for fp8 in (False, True)
                for gemv in _BW_GEMV]
               + [_kinds_step(size, fp8, gemv) for size in _BW_MODELS for fp8 in (False, True)
-                 for gemv in ("cublas", "gemv", "fused")]
+                 for gemv in ("cublas", "gemv", "fused", "auto")]
               + [_gemv_step(fp8, tune) for fp8 in (False, True) for tune in (False, True)]):
     STEPS[_step.name] = _step
 
 GROUPS = {"headline": ("sweep", "modes", "throughput", "kernels", "startup", "serve", "tests"),
           "sliding": ("sliding_kernels", "sliding_decode"),
-          # ~8 min on a fresh machine (estimates: nothing of it has run on a GPU yet).
+          # #49 in the order of its worth, for a lease of 15 minutes in all: the first
+          # call (~560 s of estimates, the machine's start besides) measures what ships
+          # (--gemv auto's table for 1B and 8B, bf16 and fp8) and the three bars with it
+          # (1B, 8B % of HBM at batch 1, fp8 over bf16); the budget skips what does not
+          # fit, in this order. The second, if time is left: the GEMV's GPU tests, the 8B
+          # cuBLAS baseline, the per-kind tables of what ships.
+          "decode_bw_first": ("gemv_startup", "bw_1b_cublas", "bw_1b_auto", "bw_8b_auto",
+                              "bw_8b_fp8_auto"),
+          "decode_bw_second": ("gemv_tests", "bw_8b_cublas", "kinds_1b_auto", "kinds_8b_auto",
+                               "kinds_8b_fp8_auto"),
+          # Further #49 steps (estimates: nothing of it has run on a GPU yet).
           "decode_bw": ("kinds_1b_cublas", "bw_1b_cublas", "bw_1b_gemv", "gemv_shapes_bf16",
                         "kinds_1b_gemv"),
           "decode_bw_8b": ("bw_8b_cublas", "bw_8b_gemv", "bw_8b_fp8_gemv"),

@@ -95,7 +95,7 @@ async def serving_front(engine):
     """The engine's core behind `EngineCoreProc` on a thread of this process (its step can
     be patched), a started `Frontend` connected to it as in `llmfast serve`; yields both."""
     from llmfast.engine.core_process import EngineCoreProc
-    from llmfast.engine.frontend_tokenizer import FrontendTokenizer
+    from llmfast.engine.processing.tokenizer import FrontendTokenizer
     from llmfast.serve.frontend import Frontend, FrontendSpec, api_limits
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmfast.cli.chat_session import ChatCommandError, ChatSession, ChatSettings
+from llmfast.cli.chat.session import ChatCommandError, ChatSession, ChatSettings
 from llmfast.cli.main import app
 from tests.helpers.chat_model import make_chat_model
 
@@ -144,6 +144,18 @@ def test_piped_non_utf8_line_is_reported_and_skipped(chat_model, bad):
     assert errors[0].endswith("; skipped")
     assert result.stdout.count("\n\n") == 2  # lines 1 and 3 answered
     assert "Traceback" not in result.output
+
+
+def test_piped_reply_cut_by_the_context_says_so(chat_model):
+    # --max-tokens 500 is never reached: max-model-len 64 ends the reply first.
+    result = run_chat(chat_model, b"hi\n", "--max-tokens", "500", "--ignore-eos",
+                      "--max-model-len", "64")
+    assert result.exit_code == 0, result.output
+    assert "stopped at the context's end (max-model-len 64)" in result.stderr
+    assert "stopped at max tokens" not in result.stderr
+    result = run_chat(chat_model, b"hi\n", "--max-tokens", "3", "--ignore-eos",
+                      "--max-model-len", "64")
+    assert "stopped at max tokens" in result.stderr and "context" not in result.stderr
 
 
 def test_piped_too_long_message_is_skipped_and_the_run_fails(chat_model):

@@ -11,14 +11,14 @@ import pytest
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from llmfast.cli.chat_session import (
+from llmfast.cli.chat.session import (
     LOCAL_CHAT_DEFAULTS,
     ChatCommandError,
     ChatSession,
     ChatSettings,
 )
 from llmfast.cli.main import app
-from llmfast.cli.repetition import MAX_PERIOD, MIN_SPAN, repeating_period
+from llmfast.cli.chat.repetition import MAX_PERIOD, MIN_SPAN, repeating_period
 from llmfast.models.sources.default_model import DEFAULT_MODEL_CARD_SAMPLING
 from tests.helpers.chat_model import make_chat_model
 

@@ -171,7 +171,7 @@ def test_bench_startup_cold_and_warm_eager(tmp_path):
     # Where llmfast primes its own bytecode cache, the table says what that took.
     from rich.console import Console
 
-    from llmfast.cli.bench_tables import startup_table
+    from llmfast.cli.bench.tables import startup_table
 
     for modules, says in ((2400, "2400 modules of a start compiled into it before the cold "
                                  "start in 7.50 s"),
@@ -340,7 +340,7 @@ def test_debug_shows_traceback():
 
 def test_sweep_overrides_raise_unset_limits_only():
     from llmfast.bench import BenchError
-    from llmfast.cli.bench import parse_exec_modes
+    from llmfast.cli.bench.command import parse_exec_modes
     from llmfast.cli.common import EngineOptions, sweep_overrides
 
     unset = EngineOptions(model=None, debug=False)

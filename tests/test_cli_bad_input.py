@@ -28,6 +28,9 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
     # A blank argument (an unset shell variable) was sent as a prompt.
     (["generate", "hi", "  ", *NO_MODEL], "prompt argument 2 is empty"),
     (["generate", "", *NO_MODEL], "prompt argument 1 is empty"),
+    # An empty file said "no prompts: pass them as arguments or with --file".
+    (["generate", *NO_MODEL, "--file", "/dev/null"],
+     "/dev/null holds no prompts (one per line; blank lines are skipped)"),
     (["generate", "hi", "--no-chat", "--system", "Be brief.", *NO_MODEL],
      "--system needs the chat template"),
     # A graph mode that another flag turns off ran without graphs, saying nothing.
@@ -53,6 +56,11 @@ NO_MODEL = ["--model", "/nonexistent/model", "--device", "cpu"]
      "--random-range-ratio must be in [0, 1)"),
     # Read after --startup's two engine starts; now before anything runs.
     (["bench", *NO_MODEL, "--startup", "--mode", "sweep", "--sizes", "0"], "sizes must be >= 1"),
+    # Named alone, with its value (the message listed all five counts).
+    (["bench", *NO_MODEL, "--steps", "0"], "error: --steps must be >= 1, got 0"),
+    (["profile", *NO_MODEL, "--context", "0"], "error: --context must be >= 1, got 0"),
+    (["bench", *NO_MODEL, "--mode", "throughput", "--output-len", "-2"],
+     "error: --output-len must be >= 1, got -2"),
     # A choice error read "Invalid value for '--tracer': Value error, 'foo' is not ...".
     (["profile", "--tracer", "foo"], "Invalid value for '--tracer': 'foo' is not one of"),
     # --gemv's values, and the pair that contradicts itself (config.SkinnyLinearConfig).
@@ -89,7 +97,7 @@ def test_json_that_cannot_be_written_after_the_run_is_saved_elsewhere(tmp_path):
     from rich.console import Console
 
     from llmfast.bench import BenchError
-    from llmfast.cli.bench import write_outputs
+    from llmfast.cli.bench.command import write_outputs
 
     report = {"runs": {"default": {"sweep": [{"batch_size": 1}]}}}
     gone = tmp_path / "gone" / "sweep.json"  # its directory went away during the run
@@ -110,7 +118,7 @@ def test_bench_failing_in_its_second_mode_keeps_the_first(where, tmp_path, monke
     engine is an eager one (its mode's overrides replaced): compiling the model only to
     fail after it cost the test ~30 s."""
     import llmfast.bench as bench_pkg
-    import llmfast.cli.bench as bench_cli
+    import llmfast.cli.bench.command as bench_cli
 
     monkeypatch.setitem(bench_cli.EXEC_MODES, "compiled", bench_cli.EXEC_MODES["eager"])
     module, name = (bench_cli, "load_llm") if where == "start" else (bench_pkg, "run_sweep")

@@ -85,3 +85,13 @@ def test_help_all_groups_engine_flags_by_topic():
 def test_wide_terminal_keeps_lines_readable():
     text = _help("chat", "--help", columns=300)
     assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_arguments_are_named_as_the_usage_line_names_them():
+    # `serve [MODEL]` in the usage line, and MODEL in the Arguments panel (not MODEL_ARG,
+    # the parameter's Python name).
+    text = _help("serve", "--help")
+    assert "serve [OPTIONS] [MODEL]" in text
+    panel = text.split("╭─ Arguments")[1].split("╰")[0]
+    assert re.search(r"│ MODEL\s+The model", panel) and "MODEL_ARG" not in text
+    assert re.search(r"│ PROMPTS\.\.\.\s", _help("generate", "--help"))

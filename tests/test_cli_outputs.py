@@ -44,6 +44,49 @@ def test_generate_says_it_stopped_at_max_tokens():
     (record,) = json.loads(done.stdout)
     said = "stopped at max tokens" in done.stderr
     assert said == (record["finish_reason"] == "length")
+    # Cut by the context's end before --max-tokens: it says so, not "max tokens".
+    ctx = invoke("generate", "hello", *TINY, "--max-tokens", "500", "--ignore-eos",
+                 "--max-model-len", "32", "--json", "-")
+    assert ctx.exit_code == 0, ctx.output
+    (record,) = json.loads(ctx.stdout)
+    assert record["finish_reason"] == "length" and len(record["token_ids"]) < 500
+    assert "stopped at the context's end (max-model-len 32, prompt included)" in ctx.stderr
+    assert "max tokens" not in ctx.stderr
+
+
+def test_generate_interrupted_writes_what_finished(tmp_path, monkeypatch):
+    """Ctrl-C once one of two prompts finished (raised where it lands while generate
+    waits, between engine steps): that completion is printed and recorded, the other is
+    marked interrupted, exit 130."""
+    import contextlib
+
+    import llmfast.cli.generate as generate_cli
+
+    @contextlib.contextmanager
+    def interrupting_progress(description, console=None):
+        def progress(done, total):
+            if done >= 1:
+                raise KeyboardInterrupt
+        yield progress
+
+    monkeypatch.setattr(generate_cli, "count_progress", interrupting_progress)
+    out = tmp_path / "out.json"
+    # Both run to the context's end (max-model-len 64), the longer prompt 8 tokens sooner.
+    result = invoke("generate", "hi", *TINY, "--max-tokens", "100", "--ignore-eos",
+                    "--max-model-len", "64", "--json", str(out), "--no-chat",
+                    "--file", str(_lines(tmp_path, "ten bytes!")))
+    assert result.exit_code == 130, result.output
+    records = json.loads(out.read_text())
+    assert [r["finish_reason"] for r in records] == ["interrupted", "length"]
+    assert records[0]["text"] is None and len(records[1]["token_ids"]) > 0
+    assert records[1]["text"] in result.stdout
+    assert "interrupted: 1 of 2 completions finished" in result.stderr
+
+
+def _lines(tmp_path, *lines):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def test_bench_json_dash_is_stdout_alone():

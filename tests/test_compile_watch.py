@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfast.cli.bench_tables import sweep_table, throughput_table
+from llmfast.cli.bench.tables import sweep_table, throughput_table
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.offline_target import offline_hopper
 

@@ -253,7 +253,7 @@ def test_real_default_model_answers_paris():
     from transformers import AutoModelForCausalLM
 
     from llmfast.models.families import model_config_from_json
-    from llmfast.engine.detokenizer import IncrementalDetokenizer
+    from llmfast.engine.processing.detokenizer import IncrementalDetokenizer
     from llmfast.tokenizer import load_tokenizer
 
     start = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +82,26 @@ def test_tp2_ray_tokens_equal_uni_then_a_killed_actor_stops_everything(family, t
     assert not ray.is_initialized()  # the failure shut the local cluster down
     assert not wait_until_gone(pids, 15)
     assert not wait_until_gone(children() - before, 30), "Ray processes left behind"
+
+
+def test_an_address_where_nothing_listens_is_one_line_at_once():
+    """Ray itself retries such an address for minutes (over five measured): llmfast
+    checks that something answers there first."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "llmfast", "generate", "hi", *TINY, "-tp", "2",
+             "--distributed-executor-backend", "ray", "--ray-address", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+            timeout=90, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a Ray address where nothing listens was retried past 90 s")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: cannot connect to the Ray cluster at 127.0.0.1:{port}: nothing answers at "
+        f"127.0.0.1:{port} (Connection refused)"]
 
 
 @pytest.mark.slow

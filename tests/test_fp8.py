@@ -5,6 +5,8 @@ the weight bytes; the flag."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -119,6 +121,15 @@ def test_quantize_keeps_lm_head_and_unaligned_shapes():
     assert type(model.odd) is Linear and type(model.lm_head) is Linear
     assert summary.quantized == 1 and summary.kept == ("odd",)
     assert (summary.bytes_before, summary.bytes_after) == (64 * 32 * 2, 64 * 32 + 32 * 4)
+
+
+def test_fp8_on_the_cpu_warns_that_it_is_slow(caplog):
+    # A user trying --quantization fp8 for speed on a CPU learns why it got slower.
+    model = nn.Module()
+    model.proj = _layer(64, 32, False, torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="llmfast.models.quantization.fp8"):
+        quantize_fp8(model)
+    assert any("much slower than float32" in r.getMessage() for r in caplog.records)
 
 
 # ----------------------------------------------------------------- the engine

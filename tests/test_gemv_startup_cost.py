@@ -115,7 +115,7 @@ def test_the_measurement_is_a_start_up_stage(tmp_path, monkeypatch):
     the runner's `gemv` stage, and `bench --startup`'s table names it."""
     from rich.console import Console
 
-    from llmfast.cli.bench_tables import startup_table
+    from llmfast.cli.bench.tables import startup_table
     from llmfast.engine.args import EngineArgs
     from llmfast.engine.llm_engine import LLMEngine
     from llmfast.worker.startup import gemv_routing
@@ -151,3 +151,67 @@ def test_the_measurement_is_a_start_up_stage(tmp_path, monkeypatch):
     console = Console(width=400, record=True)
     console.print(startup_table(dict(model="random:tiny", cold=run, warm=run)))
     assert "time the GEMV against cuBLAS (once per GPU)" in console.export_text()
+
+
+def test_every_split_count_of_a_tile_shares_one_variant(offline):
+    """The split count is a launch argument, not a constexpr: timing splits 2, 4 and 8
+    of one tile compiles one GEMV variant and one reduce (split 1, no reduce: one more)."""
+    weight = torch.zeros(64, 2048)
+    x = torch.zeros(1, 2048)
+    precompiler = precompile.KernelPrecompiler()
+    with precompiler.dry_launches():
+        for split_k in (2, 4, 8):
+            ops.gemv_triton(x, weight, launch_config.GemvConfig(16, 128, split_k=split_k))
+    assert precompiler.num_submitted == 2
+    with precompiler.dry_launches():
+        ops.gemv_triton(x, weight, launch_config.GemvConfig(16, 128, split_k=1))
+    precompiler.wait()
+    assert precompiler.num_submitted == 3
+
+
+@pytest.mark.parametrize(("preset", "fused", "variants"), [
+    ("random:llama-3.2-1b", False, 37), ("random:llama-3.2-1b", True, 84),
+    ("random:llama-3.1-8b", False, 32)])
+def test_a_cold_start_binds_few_variants(preset, fused, variants):
+    """What --gemv auto's start-up compiles for a preset in bf16 at the five buckets on
+    132 SMs (scripts/bench_gemv.py --compile-cost --count-only: the variants its launches bind,
+    nothing compiled): 67, 135 and 59 while the split count was a constexpr."""
+    from llmfast.bench.kernels import gemv_compile_cost
+
+    groups = gemv_compile_cost.preset_launches(preset, fp8=False, fused=fused)
+    todo = [(key, b) for key in groups for b in launch_config.M_BUCKETS]
+    assert gemv_compile_cost.count_variants(groups, todo) == variants
+
+
+def test_the_dry_launches_compile_every_routed_bucket(offline, tmp_path, monkeypatch):
+    """The start-up's dry launches (precompile_kernels' `gemv`) reach every routed
+    projection, the lm_head too, at each M bucket of the decode sizes: a launch table
+    that chose the GEMV (here --gemv triton's heuristic, as on the faked GPU) then
+    compiles nothing at the real launches of those sizes (the captures' warm-up)."""
+    from llmfast.models.loading.loader import build_model
+    from llmfast.models.sources.model_source import resolve_model
+    from llmfast.worker.startup.gemv_routing import dry_gemv_launches
+
+    model = build_model(resolve_model("random:tiny"), torch.float32, "cpu", max_positions=64)
+    route_gemv(model, SkinnyLinearConfig("triton"), (1,), cache=tmp_path, gpu=GPU)
+    choose = launch_config.choose
+
+    def choice_as_on_the_gpu(x, weight, silu_mul, norm, residual, backend):
+        n = ops.out_features(weight, silu_mul)
+        return choose(x.shape[0], n, x.shape[1], "", GPU.name, GPU.num_sms, backend)
+
+    monkeypatch.setattr(ops, "choice_for", choice_as_on_the_gpu)
+    rows = (1, 3, 16)  # buckets 1, 4, 16
+    precompiler = precompile.KernelPrecompiler()
+    with precompiler.dry_launches():
+        assert dry_gemv_launches(model, rows) == 5 * 3  # five shapes, three buckets
+    precompiler.wait()
+    assert precompiler.num_submitted > 0 and offline == []
+    routed = [m for m in model.modules() if getattr(m, "gemv_backend", "")]
+    assert len(routed) == 9 and model.lm_head in routed
+    with TritonCompileWatch() as watch:
+        for module in routed:
+            for m in (1, 4, 16):
+                module(torch.zeros(m, module.in_features))
+    assert watch.compiles == [], [c.name for c in watch.compiles]
+    assert len(offline) >= 9 * 3

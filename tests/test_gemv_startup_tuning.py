@@ -375,3 +375,57 @@ def test_the_gpu_checks_startup_step_writes_a_table_to_ship(tmp_path, monkeypatc
         ("random:tiny", "none"), ("random:tiny", "fp8")]
     assert report["runs"][1]["shapes"]["n128-k64-float8_e4m3fn"]["1"]["timings_us"]["cublas"] \
         == 50.0
+    # A preset that never finishes (gpu_check kills the step at its limit; here it
+    # raises) loses only itself: what the earlier ones measured is written already.
+    args.copy_to.unlink()
+    args.json.unlink()
+    args.models = "random:tiny,random:no-such-preset"
+    args.quantizations = "none"
+    with pytest.raises(Exception):
+        bench_gemv.startup(args, torch.device("cpu"), H100)
+    assert "n512-k64-float32" in launch_config.parse_table(json.loads(args.copy_to.read_text()))
+    assert [r["model"] for r in json.loads(args.json.read_text())["runs"]] == ["random:tiny"]
+    assert launch_config.TABLE_DIR == tmp_path / "shipped"  # (the fixture's, restored)
+
+
+def test_a_draft_model_is_routed_like_the_target(tmp_path, monkeypatch):
+    """--speculative-method draft on a CPU engine routed as on a GPU (fake facts and
+    timer, the GEMV faster everywhere): the draft model's own projection shapes are
+    timed at every bucket its eager forwards take, and its projections take the op as
+    the target's do; greedy tokens as with --gemv cublas."""
+    from llmfast import SamplingParams
+    from llmfast.engine.llm_engine import LLMEngine
+    from llmfast.worker.startup import runner_startup
+    from tests.helpers.checkpoints import make_hf_checkpoint
+    from tests.helpers.engine_config import engine_config
+    from tests.helpers.full_graphs import run_with_arrivals
+
+    draft = make_hf_checkpoint(tmp_path / "draft", vocab_size=512, hidden_size=32,
+                               num_attention_heads=2, num_key_value_heads=1,
+                               intermediate_size=96, num_hidden_layers=1)
+    timer = FakeTimer(10.0, triton=5.0)
+
+    def route_as_on_a_gpu(model, settings, rows, progress=None):
+        return gemv_routing.route_gemv(model, settings, rows, progress, measure=timer,
+                                       cache=tmp_path / "cache", gpu=GPU)
+
+    monkeypatch.setattr(runner_startup, "route_gemv", route_as_on_a_gpu)
+    outputs = {}
+    for backend in ("auto", "cublas"):
+        config, source = engine_config(EngineArgs(
+            model="random:tiny", device="cpu", enforce_eager=True, max_model_len=64,
+            gemv=backend, speculative_method="draft", speculative_model=str(draft),
+            num_speculative_tokens=2))
+        engine = LLMEngine(config, source)
+        proposer = engine.runner.spec.proposer
+        want = "auto" if backend == "auto" else ""
+        assert set(_backends(engine.runner.model).values()) == {want}
+        assert set(_backends(proposer.model).values()) == {want}
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        outputs[backend] = run_with_arrivals(engine, [[5, 6, 7]], [params], [0])
+    # The draft's shapes (hidden 32: qkv n64-k32, gate_up n192-k32, ...) at every bucket.
+    draft_keys = {key for key, _, _ in timer.calls if "-k32-" in key or "n32-" in key}
+    assert draft_keys == {"n64-k32-float32", "n32-k32-float32", "n192-k32-float32",
+                          "n32-k96-float32", "n512-k32-float32"}
+    assert {rows for key, rows, _ in timer.calls if key in draft_keys} == {1, 2, 4, 8, 16}
+    assert outputs["auto"] == outputs["cublas"]

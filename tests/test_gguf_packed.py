@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmfast.kernels.cpu.int4_linear import (
-    Int4Linear,
-    dequantize_packed,
-    dequantize_planes,
-    nibble_planes,
-)
+from llmfast.kernels.cpu.int4_dequant import dequantize_packed
+from llmfast.kernels.cpu.int4_linear import Int4Linear, dequantize_planes, nibble_planes
 from llmfast.models.formats.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from tests.helpers.gguf_files import quantized_blocks, tiny_llama, write_llama_gguf
 from tests.helpers.tokenizers import train_byte_level_bpe
@@ -72,7 +68,7 @@ def test_packed_matmul_matches_float64(type_name, num_tokens):
 def test_dequantized_kernel_layout_is_the_planes(type_name):
     """The prefill path reads the kernel's packed bytes back (dequantize_packed): the
     planes' values with the kernel's bfloat16 scales and zeros, folded onto the columns."""
-    from llmfast.kernels.cpu.int4_linear import packed_layout_known
+    from llmfast.kernels.cpu.int4_dequant import packed_layout_known
 
     if not packed_layout_known():  # another torch or ISA: every call takes the kernel
         pytest.skip("this torch packs int4 weights in another layout")

@@ -289,7 +289,7 @@ def test_interleaved_timing_alternates_the_calls_and_takes_each_ones_median(monk
     # advances it by its cost (the second function's drifting), a record reads it.
     import torch
 
-    from llmfast.bench import cuda_timing
+    from llmfast.bench.kernels import cuda_timing
 
     clock, calls = [0.0], []
 

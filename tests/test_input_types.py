@@ -43,6 +43,23 @@ def test_numpy_integers_are_integers(llm):
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("prompts, params, words", [
+    # A dict of sampling fields iterated as its keys: 'str' has no attribute 'fit_to_model'.
+    ("hi", {"max_tokens": 3}, "sampling_params must be a SamplingParams or a list of them, "
+                              "one per prompt; got dict"),
+    (["a", "b"], [SamplingParams(max_tokens=2), {"max_tokens": 2}], "got dict"),
+    ("hi", "max_tokens=3", "got str"),
+    (None, None, "prompts must be a str, a list of token ids, a dict with 'prompt_token_ids', "
+                 "or a list of these; got NoneType None"),
+    (5, None, "got int 5"),
+])
+def test_generate_arguments_of_the_wrong_type(llm, prompts, params, words):
+    with pytest.raises(TypeError) as info:
+        llm.generate(prompts, params)
+    assert words in str(info.value)
+    assert not llm.engine.has_unfinished()
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"temperature": "0.5"}, "temperature must be a finite number, got str '0.5'"),
     ({"temperature": float("inf")}, "temperature must be a finite number"),

@@ -1,4 +1,4 @@
-"""The per-layer-kind table of a decode step (llmfast/bench/layer_kinds.py): bytes per
+"""The per-layer-kind table of a decode step (llmfast/bench/kernels/layer_kinds.py): bytes per
 kind at Llama-3.2-1B's real shapes (a meta-device model) against the arithmetic done by
 hand, fp8 projections, kernel-name classification on the names an H100 profile showed
 (profiles/h100-2026-11-27/call1-full_B1_kernels.md), and the table's fractions."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfast.bench import layer_kinds
+from llmfast.bench.kernels import layer_kinds
 from llmfast.models.decoder import DecoderForCausalLM
 from llmfast.models.sources.model_source import resolve_model
 

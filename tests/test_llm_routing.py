@@ -176,3 +176,25 @@ def test_outputs_reach_their_queue_whoever_steps(llm, expected):
     # Every step's output waited in the stream's queue: read now, with no step left.
     assert [t for out in stream for t in out.outputs[0].delta_token_ids] == expected[0]
     assert _all_blocks_free(llm)
+
+
+def test_ctrl_c_keeps_the_finished_outputs(llm, expected):
+    """A KeyboardInterrupt between steps (where a Ctrl-C lands while generate waits) hands
+    back what finished, in input order; the rest is aborted and its blocks freed."""
+    from llmfast import GenerationInterrupted
+
+    def interrupt_once_one_finished(done, total):
+        if done >= 1:
+            raise KeyboardInterrupt
+
+    short, long = 2, 3  # LENGTHS 3 and 12: the first ends well before the second
+    with pytest.raises(GenerationInterrupted) as info:
+        llm.generate([{"prompt_token_ids": PROMPTS[i]} for i in (long, short)],
+                     [_params(LENGTHS[i]) for i in (long, short)],
+                     progress=interrupt_once_one_finished)
+    assert isinstance(info.value, KeyboardInterrupt)  # code catching Ctrl-C still does
+    unfinished, finished = info.value.outputs
+    assert unfinished is None
+    assert finished.finished and list(finished.outputs[0].token_ids) == expected[short]
+    assert not llm.engine.has_unfinished()
+    assert _gen(llm, [long]) == [expected[long]]  # the engine serves on

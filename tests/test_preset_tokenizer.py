@@ -161,7 +161,7 @@ def test_chat_and_generate_on_a_random_preset(empty_cache):
 def test_chat_on_qwen3_preset_cpu(empty_cache):
     """Real size (0.6B parameters, 2.4 GB in fp32): a turn of chat on CPU."""
     from llmfast import LLM
-    from llmfast.cli.chat_session import ChatSession, ChatSettings
+    from llmfast.cli.chat.session import ChatSession, ChatSettings
 
     llm = LLM("random:qwen3-0.6b", device="cpu", max_model_len=128)
     session = ChatSession(llm, ChatSettings(temperature=0.0, max_tokens=4, ignore_eos=True))

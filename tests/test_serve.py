@@ -411,7 +411,7 @@ def test_greedy_text_equals_llmfast_generate(client, model, serve_model_dir):
 def test_load_generator_counts_every_request(server):
     """scripts/bench_serve.py's runner: all requests complete with their token counts and
     the latency summaries cover them (no timing is asserted)."""
-    from llmfast.bench.serving import format_result, run_serve_bench
+    from llmfast.bench.serving.load_generator import format_result, run_serve_bench
     from llmfast.bench.workload import random_requests
 
     requests = random_requests(6, 24, 5, vocab_size=300, seed=1)
@@ -427,7 +427,7 @@ def test_load_generator_counts_every_request(server):
 def test_load_generator_refuses_requests_past_the_context(server):
     """Each would be a 400 (prompt + max_tokens past max-model-len): refused up front,
     with the sizes, instead of timing failures."""
-    from llmfast.bench.serving import run_serve_bench
+    from llmfast.bench.serving.load_generator import run_serve_bench
     from llmfast.bench.workload import BenchError, BenchRequest
 
     max_len = httpx.get(server.base_url + "/v1/models").json()["data"][0]["max_model_len"]
@@ -440,7 +440,7 @@ def test_load_generator_refuses_requests_past_the_context(server):
 def test_load_generator_without_a_models_endpoint():
     """Another OpenAI-compatible server may have no usable /v1/models: with --model given
     the run goes on (no context check), without it the error is one line."""
-    from llmfast.bench.serving import fetch_model
+    from llmfast.bench.serving.load_generator import fetch_model
     from llmfast.bench.workload import BenchError
 
     def answer(request: httpx.Request) -> httpx.Response:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import openai
@@ -15,7 +16,7 @@ TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 HI = [{"role": "user", "content": "hi"}]
 
-# (route, raw body or JSON object, status, param)
+# (route, raw body or JSON object, status, param[, a regex the message must match])
 CASES = {
     "malformed json": (COMPLETIONS, b'{"prompt": "hi", "max_tokens": ', 400, None),
     "not an object": (COMPLETIONS, b'["hi"]', 400, None),
@@ -38,6 +39,9 @@ CASES = {
     "logprobs too many": (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     "top_logprobs without logprobs": (CHAT, {"messages": HI, "top_logprobs": 2}, 400,
                                       "top_logprobs"),
+    # The message names the field the client sent, as the param does.
+    "top_logprobs too many": (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 50}, 400,
+                              "top_logprobs", "^top_logprobs must be"),
     "unknown field": (COMPLETIONS, {"prompt": "hi", "temprature": 0.5}, 400, "temprature"),
     "unknown model": (COMPLETIONS, {"prompt": "hi", "model": "gpt-17"}, 400, "model"),
     "n too large": (COMPLETIONS, {"prompt": "hi", "n": 1000}, 400, "n"),
@@ -139,9 +143,11 @@ def _assert_error_body(response, status):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_request(server, case):
-    route, body, status, param = CASES[case]
+    route, body, status, param, *message = CASES[case]
     error = _assert_error_body(_post(server, route, body), status)
     assert error["param"] == param
+    for pattern in message:
+        assert re.search(pattern, error["message"]), error["message"]
 
 
 def test_oversized_body_is_413(server):

@@ -121,6 +121,14 @@ def test_streamed_json_schema_joins_to_a_valid_document(client, model):
         "type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
       "tool_choice": "required"}, "invalid JSON schema"),
     ({"tool_choice": "required"}, "tool_choice needs tools"),
+    # Definitions no call could be made from, or not unambiguously.
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "get_weather"}}]},
+     "'get_weather' is given twice"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"},
+     "name is empty"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}], "tool_choice": "required"}, "of type 'object'"),
+    ({"tools": [TIME, TIME], "tool_choice": "none"}, "given twice"),
 ])
 def test_bad_constraints_are_400s(client, model, server, body, cause):
     before = httpx.get(server.base_url + "/metrics").text
@@ -179,6 +187,9 @@ def _streamed_calls(stream) -> tuple[dict, str | None, str]:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
+        # No chunk of nothing (a held-back token used to send `delta: {}`).
+        assert (delta.role or delta.content or delta.tool_calls
+                or chunk.choices[0].finish_reason), chunk
         content += delta.content or ""
         for tc in delta.tool_calls or ():
             if tc.index not in calls:  # the first delta of a call: id, type, name

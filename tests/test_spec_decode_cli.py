@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from llmfast.bench.throughput import run_throughput
 from llmfast.bench.workload import BenchRequest
-from llmfast.cli.bench_tables import throughput_table
+from llmfast.cli.bench.tables import throughput_table
 from llmfast.config import ConfigError
 from llmfast.engine.args import EngineArgs
 from llmfast.engine.messages import StepStats

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmfast.models.sources.preset_tokenizer import byte_level_tokenizer
-from llmfast.engine.detokenizer import IncrementalDetokenizer
+from llmfast.engine.processing.detokenizer import IncrementalDetokenizer
 from llmfast.tokenizer import TokenizerError, load_tokenizer
 from tests.helpers.chat_model import make_chat_model
 from tests.helpers.tokenizers import MIXED_TEXT, save_hf_tokenizer, train_byte_level_bpe

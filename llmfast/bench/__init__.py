@@ -8,11 +8,11 @@ TPOT = (e2e - ttft) / (output_len - 1), ITL = the gaps between consecutive token
 Where each part lives: `stats` (Summary, summarize), `workload` (requests, sampling
 params, warm-up, BenchError), `sweep`, `throughput` and `latency` (the runners),
 `environment` (versions and hardware), `bandwidth` (the HBM weight-streaming limit),
-`startup` (cold and warm start in fresh processes), `serve_vs_offline` (the server against
-offline `LLM.generate`); for the kernel scripts, `cuda_timing`, `attention_inputs`,
-`attention_decode`, `attention_prefill` and `decode_configs` (they import torch and
-Triton's launch side, so none is re-exported here); size specs (`--sizes 1..512`) are
-read by `llmfast.utils.flag_values.parse_sizes`. The HF transformers
+`startup` (cold and warm start in fresh processes), `serving` (the server's load
+generator, and the server against offline `LLM.generate`), `kernels` (for the kernel
+scripts: CUDA timing, the attention cases and launch configurations, the per-layer-kind
+table; they import torch and Triton's launch side, so none is re-exported here); size
+specs (`--sizes 1..512`) are read by `llmfast.utils.flag_values.parse_sizes`. The HF transformers
 baseline lives in `llmfast.bench.hf`; it imports torch, so it is not re-exported here.
 """
 

@@ -71,7 +71,7 @@ def check_json_path(path: str | None) -> None:
     if not path.lower().endswith(".json"):
         raise ValueError(f"--json takes a file name ending in .json, or - for standard "
                          f"output; got {path!r}")
-    from llmfast.cli.bench_checks import check_writable
+    from llmfast.cli.bench.checks import check_writable
 
     check_writable(Path(path), "--json")
 

@@ -28,6 +28,7 @@ from llmfast.cli.common import (
     stderr_console,
 )
 from llmfast.cli.structured_flags import structured_flags
+from llmfast.outputs import GenerationInterrupted
 from llmfast.sampling_params import SamplingParams
 
 GENERATE_EXAMPLES = """\
@@ -94,31 +95,52 @@ def generate(
     llm = load_llm(opts, err)
     inputs = _prepare(llm, texts, chat, system)
     t0 = time.perf_counter()
-    with count_progress("generating", err) as progress:
-        outputs = llm.generate(inputs, params, progress=progress)
+    try:
+        with count_progress("generating", err) as progress:
+            outputs = llm.generate(inputs, params, progress=progress)
+    except GenerationInterrupted as e:  # Ctrl-C: what finished is written, then exit 130
+        _write(texts, e.outputs, json_out, err)
+        err.print(f"interrupted: {e}; the others are left out"
+                  + ("" if json_out is None else ' (finish_reason "interrupted")'),
+                  style="dim", markup=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     elapsed = time.perf_counter() - t0
+    _write(texts, outputs, json_out, err)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    err.print(f"{len(outputs)} prompt(s), {tokens} tokens in {elapsed:.2f} s "
+              f"({tokens / elapsed:.1f} tok/s)"
+              + _cut_short(outputs, max_tokens, llm.engine.config.scheduler.max_model_len),
+              style="dim", soft_wrap=True)
+
+
+def _write(texts: list[str], outputs: list, json_out: str | None, err: Console) -> None:
+    """The completions as text and/or JSON; an output that is None (not finished when
+    Ctrl-C came) is left out of the text and recorded as interrupted."""
     records = [_as_json(text, out) for text, out in zip(texts, outputs)]
     if json_out == "-":
         json.dump(records, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
-    else:
-        _print_plain(texts, outputs)
-        if json_out is not None:
-            Path(json_out).write_text(json.dumps(records, indent=2, ensure_ascii=False) + "\n")
-            err.print(f"wrote {json_out}", style="dim")
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    err.print(f"{len(outputs)} prompt(s), {tokens} tokens in {elapsed:.2f} s "
-              f"({tokens / elapsed:.1f} tok/s)" + _at_max_tokens(outputs, max_tokens), style="dim",
-              soft_wrap=True)
+        sys.stdout.flush()
+        return
+    _print_plain(texts, outputs)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(records, indent=2, ensure_ascii=False) + "\n")
+        err.print(f"wrote {json_out}", style="dim")
 
 
-def _at_max_tokens(outputs, max_tokens: int) -> str:
-    """` · stopped at max tokens (...)`: a completion cut short says so, as chat does."""
-    cut = sum(o.outputs[0].finish_reason == "length" for o in outputs)
-    if not cut:
-        return ""
-    which = "" if len(outputs) == 1 else f"{cut} of {len(outputs)} "
-    return f" · {which}stopped at max tokens ({max_tokens}; raise --max-tokens for more)"
+def _cut_short(outputs, max_tokens: int, max_model_len: int) -> str:
+    """` · stopped at max tokens (...)`: a completion cut short says so, as chat does,
+    and by which limit: --max-tokens, or the context's end (max-model-len) before it."""
+    cut = [o.outputs[0] for o in outputs if o.outputs[0].finish_reason == "length"]
+    at_max = sum(len(c.token_ids) >= max_tokens for c in cut)
+    said = []
+    for count, what in ((at_max, f"stopped at max tokens ({max_tokens}; raise --max-tokens "
+                                 "for more)"),
+                        (len(cut) - at_max, f"stopped at the context's end (max-model-len "
+                                            f"{max_model_len}, prompt included)")):
+        if count:
+            said.append(what if len(outputs) == 1 else f"{count} of {len(outputs)} {what}")
+    return "".join(f" · {s}" for s in said)
 
 
 def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:
@@ -137,7 +159,11 @@ def _read_prompts(prompts: list[str], file: Path | None) -> list[str]:
             content = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{file} is not valid UTF-8 (byte {e.start})") from None
-        texts += [line for line in content.splitlines() if line.strip()]
+        lines = [line for line in content.splitlines() if line.strip()]
+        if not lines:  # "pass them with --file" would tell the user what they just did
+            raise ValueError(f"{file} holds no prompts (one per line; blank lines are "
+                             "skipped)")
+        texts += lines
     if not texts:
         raise ValueError("no prompts: pass them as arguments or with --file")
     return texts
@@ -160,6 +186,9 @@ def _prepare(llm, texts: list[str], chat: bool | None, system: str | None) -> li
 
 
 def _as_json(prompt: str, out) -> dict:
+    if out is None:
+        return {"prompt": prompt, "text": None, "token_ids": None,
+                "finish_reason": "interrupted", "metrics": None}
     completion = out.outputs[0]
     m = out.metrics
     return {
@@ -179,6 +208,8 @@ def _as_json(prompt: str, out) -> dict:
 def _print_plain(texts: list[str], outputs) -> None:
     con = Console(highlight=False, soft_wrap=True)
     for i, (prompt, out) in enumerate(zip(texts, outputs)):
+        if out is None:
+            continue
         if len(texts) > 1:
             title = prompt if len(prompt) <= 60 else prompt[:57] + "..."
             con.print(Rule(Text(f"{i + 1}: {title}"), style="dim"))

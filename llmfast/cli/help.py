@@ -144,7 +144,7 @@ def _ordered(panels: dict[str, list]) -> list[str]:
 def _name(param: Any, ctx: Any) -> str:
     """`-f, --file PATH`, `--compile / --no-compile`, `--ignore-eos`, `PROMPTS...`."""
     if param.param_type_name == "argument":
-        return param.name.upper() + ("..." if param.nargs != 1 else "")
+        return (param.metavar or param.name.upper()) + ("..." if param.nargs != 1 else "")
     longs = [o for o in param.opts if o.startswith("--")]
     shorts = [o for o in param.opts if not o.startswith("--")]
     negative = [o for o in param.secondary_opts if o.startswith("--")]

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from llmfast.cli.bench import BENCH_EXAMPLES, bench
-from llmfast.cli.chat import CHAT_EXAMPLES, chat
+from llmfast.cli.bench.command import BENCH_EXAMPLES, bench
+from llmfast.cli.chat.command import CHAT_EXAMPLES, chat
 from llmfast.cli.common import engine_command, print_error
 from llmfast.cli.help import CompactHelpCommand
 from llmfast.cli.generate import GENERATE_EXAMPLES, generate
@@ -75,14 +75,14 @@ def _show_version(value: bool) -> None:
 def _root(version: Annotated[bool, typer.Option(
         "--version", "-V", is_eager=True, callback=_show_version,
         help="Show the version and exit.")] = False) -> None:
-    """A small, fast LLM inference engine for Llama, Mistral and Qwen models."""
+    """A small, fast LLM inference engine for Llama, Mistral, Qwen and Gemma 3 models."""
 
 
 def build_app() -> typer.Typer:
     app = typer.Typer(
         name="llmfast",
         cls=_OneLineErrorGroup,
-        help="A small, fast LLM inference engine for Llama, Mistral and Qwen models.",
+        help="A small, fast LLM inference engine for Llama, Mistral, Qwen and Gemma 3 models.",
         no_args_is_help=True,
         add_completion=False,
         rich_markup_mode="markdown",

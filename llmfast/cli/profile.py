@@ -72,8 +72,9 @@ def profile(
     )
 
     size_list = parse_sizes(sizes)
-    if steps < 1 or context < 1:
-        raise BenchError("--steps and --context must be >= 1")
+    for flag, value in (("--steps", steps), ("--context", context)):
+        if value < 1:
+            raise BenchError(f"{flag} must be >= 1, got {value}")
     under_nsys = bool(os.environ.get(_UNDER_NSYS))
     nsys = shutil.which("nsys")
     if tracer is Tracer.nsys and nsys is None:

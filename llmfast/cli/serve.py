@@ -110,13 +110,16 @@ def serve(
     config_ = ServeConfig(model_name=name, model_aliases=aliases, api_key=api_key,
                           max_body_bytes=max_body, tool_call_parser=tool_call_parser)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
-    err.print(f"serving {name} at {url}/v1 (OpenAI API; /health, /metrics)"
-              + ("; API key required" if api_key else ""), style="dim")
     defaults = config.sampling_defaults
-    if defaults:  # they change what requests get: say so, as vLLM does
-        err.print("default sampling parameters from the model's generation_config.json: "
-                  + ", ".join(f"{k}={v}" for k, v in defaults)
-                  + " (--generation-config vllm to ignore them)", style="dim", markup=False,
-                  soft_wrap=True)
+
+    def say_serving() -> None:  # once the server accepts: a request sent now is answered
+        err.print(f"serving {name} at {url}/v1 (OpenAI API; /health, /metrics)"
+                  + ("; API key required" if api_key else ""), style="dim")
+        if defaults:  # they change what requests get: say so, as vLLM does
+            err.print("default sampling parameters from the model's generation_config.json: "
+                      + ", ".join(f"{k}={v}" for k, v in defaults)
+                      + " (--generation-config vllm to ignore them)", style="dim",
+                      markup=False, soft_wrap=True)
+
     run_server(core, config, source, sock, config_, access_log=access_log or opts.debug,
-               api_servers=api_servers)
+               api_servers=api_servers, on_ready=say_serving)

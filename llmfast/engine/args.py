@@ -106,7 +106,8 @@ class ResolvedModel:
 @dataclass(frozen=True)
 class EngineArgs:
     model: str | None = engine_flag(
-        None, "A local HF directory (Llama, Mistral, Qwen2/2.5, Qwen3), a .gguf file, "
+        None, "A local HF directory (Llama, Mistral, Mixtral, Qwen2/2.5/3, Qwen3-MoE, "
+              "Gemma 3), a .gguf file, "
               "random:PRESET (tiny, llama-3.2-1b, qwen3-0.6b, ...) or 'default'.  "
               "[default: SmolLM2-135M-Instruct, fetched once]",
         flags=("--model", "-m"))

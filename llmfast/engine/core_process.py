@@ -35,7 +35,7 @@ import msgspec
 import zmq
 
 from llmfast.engine.core import EngineCore
-from llmfast.engine.input_processor import CoreLimits
+from llmfast.engine.processing.input_processor import CoreLimits
 from llmfast.engine.messages import (
     ClientMessage,
     CoreMessage,

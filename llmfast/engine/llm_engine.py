@@ -21,8 +21,8 @@ from llmfast.config import EngineConfig
 from llmfast.core.request import RequestRejected
 from llmfast.engine.core import EngineCore
 from llmfast.engine.core_client import InprocClient
-from llmfast.engine.input_processor import CoreLimits, InputProcessor, Prompt, tokenize_prompt
-from llmfast.engine.output_processor import OutputProcessor
+from llmfast.engine.processing.input_processor import CoreLimits, InputProcessor, Prompt, tokenize_prompt
+from llmfast.engine.processing.output_processor import OutputProcessor
 from llmfast.engine.startup import start_engine
 from llmfast.engine.args import EngineArgs
 from llmfast.engine.model_resolution import resolve_model

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from llmfast.config import EngineConfig
-from llmfast.engine.frontend_tokenizer import FrontendTokenizer, load_frontend_tokenizer
+from llmfast.engine.processing.tokenizer import FrontendTokenizer, load_frontend_tokenizer
 from llmfast.executor import Executor, create_executor
 from llmfast.models.sources.model_source import ModelSource
 from llmfast.utils.progress import Progress

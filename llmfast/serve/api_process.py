@@ -1,10 +1,11 @@
 """The entry point of an API server process (`llmfast serve --api-servers N`):
-`python -m llmfast.serve.api_process SPEC_FD LISTEN_FD`.
+`python -m llmfast.serve.api_process SPEC_FD LISTEN_FD [READY_FD]`.
 
 A frontend (frontend.py) with the FastAPI app under uvicorn on the shared listening
 socket: it tokenizes, detokenizes, streams, and talks to the engine core's process over
 ZeroMQ. It does not import torch. It reads its `ApiProcessSpec` (launcher.py) from
-SPEC_FD. It runs in a session of its own, so the terminal's Ctrl-C reaches only the main
+SPEC_FD and writes one byte to READY_FD once uvicorn accepts on the socket (the main
+process says "serving ... at URL" when every API process has). It runs in a session of its own, so the terminal's Ctrl-C reaches only the main
 process, which decides (it SIGTERMs this one: every live request ends with an error
 event, then uvicorn stops); a SIGINT sent here directly is ignored. It exits when the
 core fails (after its error events are out) or when the main process dies.
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_when_orphaned()
     listen = socket.socket(fileno=int(argv[2]))
+    ready_fd = int(argv[3]) if len(argv) > 3 else None
     try:
         with os.fdopen(int(argv[1]), "rb") as f:
             spec = pickle.load(f)
@@ -44,6 +46,12 @@ def main(argv: list[str]) -> int:
     app = build_app(front, spec.config)
 
     class _ApiServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if ready_fd is not None and self.started:
+                os.write(ready_fd, b"r")
+                os.close(ready_fd)
+
         def handle_exit(self, sig, frame) -> None:
             if sig == signal.SIGINT:
                 return  # the main process decides when to stop

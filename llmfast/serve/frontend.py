@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmfast.engine.core_client import MPClient
-from llmfast.engine.frontend_tokenizer import FrontendTokenizer
-from llmfast.engine.input_processor import CoreLimits, InputProcessor
+from llmfast.engine.processing.tokenizer import FrontendTokenizer
+from llmfast.engine.processing.input_processor import CoreLimits, InputProcessor
 from llmfast.engine.messages import CoreMessage, EngineCoreOutputs, EngineCoreRequest, StepStats
-from llmfast.engine.output_processor import OutputProcessor
+from llmfast.engine.processing.output_processor import OutputProcessor
 from llmfast.outputs import RequestOutput
 from llmfast.sampling_params import SamplingParams
 from llmfast.serve.api.tool_parsers import parser_for

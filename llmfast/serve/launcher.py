@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmfast.engine.core_process import CoreProcessSpec, CoreReady
@@ -104,9 +105,10 @@ class ApiProcessSpec:
 
 
 def serve_in_process(core: CoreHandle, spec, sock: socket.socket, config, *,
-                     access_log: bool) -> None:
+                     access_log: bool, on_ready: Callable[[], None] | None = None) -> None:
     """One frontend in this process, uvicorn on this thread; until SIGTERM / Ctrl-C
-    (uvicorn then re-raises the signal) or a core failure (ServerStopped)."""
+    (uvicorn then re-raises the signal) or a core failure (ServerStopped). `on_ready`
+    runs once uvicorn accepts on the socket."""
     import uvicorn
 
     from llmfast.serve.api.app import build_app
@@ -116,6 +118,11 @@ def serve_in_process(core: CoreHandle, spec, sock: socket.socket, config, *,
     app = build_app(front, config)
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and on_ready is not None:
+                on_ready()
+
         def handle_exit(self, sig, frame) -> None:  # a signal handler, on the loop's thread
             if not self.should_exit:
                 front.stop_threadsafe("the server is shutting down")
@@ -138,9 +145,12 @@ def serve_in_process(core: CoreHandle, spec, sock: socket.socket, config, *,
 
 
 def serve_with_api_processes(core: CoreHandle, spec, sock: socket.socket, config,
-                             num_api_servers: int, *, access_log: bool) -> None:
-    """N API server processes; this process watches them and the core. Ends by the signal
-    that stopped it, or with ServerStopped."""
+                             num_api_servers: int, *, access_log: bool,
+                             on_ready: Callable[[], None] | None = None) -> None:
+    """N API server processes; this process watches them and the core. `on_ready` runs
+    once every API process accepts on the socket (they start in seconds: importing
+    FastAPI, loading the tokenizer; connections queue meanwhile). Ends by the signal that
+    stopped it, or with ServerStopped."""
     sock.listen(2048)  # connections queue while the API processes start
     stop_signal: list[int] = []
     wake_r, wake_w = os.pipe()
@@ -157,6 +167,7 @@ def serve_with_api_processes(core: CoreHandle, spec, sock: socket.socket, config
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     metrics_dir = tempfile.TemporaryDirectory(prefix=f"llmfast-metrics-{os.getpid()}-")
     apis: list[subprocess.Popen] = []
+    ready_fds: list[int] = []
     failure = None
     try:
         env = {**child_env(), METRICS_DIR_ENV: metrics_dir.name,
@@ -164,11 +175,13 @@ def serve_with_api_processes(core: CoreHandle, spec, sock: socket.socket, config
         for i in range(num_api_servers):
             if stop_signal:
                 break
-            apis.append(_start_api_process(
+            popen, ready_r = _start_api_process(
                 ApiProcessSpec(spec, config, i, access_log,
-                               logging.getLogger().getEffectiveLevel()), sock, env))
+                               logging.getLogger().getEffectiveLevel()), sock, env)
+            apis.append(popen)
+            ready_fds.append(ready_r)
         sock.close()  # the API processes hold it; none is accepted here
-        failure = _watch(core, apis, wake_r, stop_signal)
+        failure = _watch(core, apis, wake_r, stop_signal, ready_fds, on_ready)
         if failure is not None and core.popen.poll() is not None:
             time.sleep(FAILURE_GRACE_S)  # the frontends write their error events
     finally:
@@ -195,35 +208,53 @@ def serve_with_api_processes(core: CoreHandle, spec, sock: socket.socket, config
 
 
 def _start_api_process(spec: ApiProcessSpec, sock: socket.socket, env: dict
-                       ) -> subprocess.Popen:
+                       ) -> tuple[subprocess.Popen, int]:
+    """The process, and the read end of its ready pipe (one byte once it accepts)."""
     spec_r, spec_w = os.pipe()
+    ready_r, ready_w = os.pipe()
     try:
         popen = subprocess.Popen(
             [sys.executable, "-m", "llmfast.serve.api_process", str(spec_r),
-             str(sock.fileno())], pass_fds=(spec_r, sock.fileno()), env=env,
-            stdin=subprocess.DEVNULL, start_new_session=True, stdout=child_stdout())
+             str(sock.fileno()), str(ready_w)], pass_fds=(spec_r, sock.fileno(), ready_w),
+            env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=child_stdout())
+    except BaseException:
+        os.close(ready_r)
+        raise
     finally:
         os.close(spec_r)
+        os.close(ready_w)
     with os.fdopen(spec_w, "wb") as f:
         pickle.dump(spec, f)
-    return popen
+    return popen, ready_r
 
 
 def _watch(core: CoreHandle, apis: list[subprocess.Popen], wake_r: int,
-           stop_signal: list[int]) -> str | None:
-    """Until a signal (None) or a fault (its one-line description)."""
+           stop_signal: list[int], ready_fds: list[int],
+           on_ready: Callable[[], None] | None) -> str | None:
+    """Until a signal (None) or a fault (its one-line description). Calls `on_ready` once
+    every API process has said it accepts (a process that dies first closes its pipe
+    without a byte: its exit is reported below instead)."""
     fds = {os.pidfd_open(core.pid): None}
     for i, p in enumerate(apis):
         fds[os.pidfd_open(p.pid)] = i
     alive = set(range(len(apis)))
+    starting, started = set(ready_fds), 0
     try:
         while not stop_signal:
             try:
-                ready, _, _ = select.select([wake_r, *fds], [], [])
+                ready, _, _ = select.select([wake_r, *starting, *fds], [], [])
             except InterruptedError:
                 continue
             for fd in ready:
                 if fd == wake_r:
+                    continue
+                if fd in starting:
+                    starting.discard(fd)
+                    started += os.read(fd, 1) == b"r"
+                    os.close(fd)
+                    if not starting and started == len(ready_fds) and on_ready is not None:
+                        on_ready()
                     continue
                 index = fds.pop(fd)
                 os.close(fd)
@@ -241,5 +272,5 @@ def _watch(core: CoreHandle, apis: list[subprocess.Popen], wake_r: int,
                             "server stopped")
         return None
     finally:
-        for fd in fds:
+        for fd in (*fds, *starting):
             os.close(fd)

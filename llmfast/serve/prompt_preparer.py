@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from llmfast.core.request import check_prompt_length
-from llmfast.engine.input_processor import tokenize_prompt
+from llmfast.engine.processing.input_processor import tokenize_prompt
 from llmfast.serve.preparer_commands import AddCommand, QueryCommand
 from llmfast.serve.frontend_types import (
     ChatPrompt,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 
 from llmfast.serve.api.app import ServeConfig
 from llmfast.serve.switch_interval import serving_switch_interval, switch_interval
@@ -35,7 +36,7 @@ def start_core(config, source):
 
 def frontend_spec(core, config, source, model_name: str, tool_call_parser: str | None = None):
     """What every frontend of this server starts from (its own tokenizer loaded here)."""
-    from llmfast.engine.frontend_tokenizer import load_frontend_tokenizer
+    from llmfast.engine.processing.tokenizer import load_frontend_tokenizer
     from llmfast.serve.frontend import FrontendSpec, api_limits
 
     tokens = load_frontend_tokenizer(config, source)
@@ -45,8 +46,10 @@ def frontend_spec(core, config, source, model_name: str, tool_call_parser: str |
 
 
 def serve(core, config, source, sock: socket.socket, serve_config: ServeConfig, *,
-          access_log: bool = True, api_servers: int = 0) -> None:
-    """Serve until SIGTERM / Ctrl-C (then end by that signal) or a fault (ServerStopped).
+          access_log: bool = True, api_servers: int = 0,
+          on_ready: Callable[[], None] | None = None) -> None:
+    """Serve until SIGTERM / Ctrl-C (then end by that signal) or a fault (ServerStopped);
+    `on_ready` runs once the server accepts requests.
     With `api_servers` = 0 the frontend runs in this process; with N > 0 in N processes
     of their own. The GIL switch interval is Python's unless LLMFAST_SWITCH_INTERVAL_MS
     sets another for the server's life (switch_interval.py)."""
@@ -61,6 +64,7 @@ def serve(core, config, source, sock: socket.socket, serve_config: ServeConfig, 
     with switch_interval(serving_switch_interval()):
         if api_servers > 0:
             serve_with_api_processes(core, spec, sock, serve_config, api_servers,
-                                     access_log=access_log)
+                                     access_log=access_log, on_ready=on_ready)
         else:
-            serve_in_process(core, spec, sock, serve_config, access_log=access_log)
+            serve_in_process(core, spec, sock, serve_config, access_log=access_log,
+                             on_ready=on_ready)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmfast.config import ConfigError
+from llmfast.executor.ray.address import unreachable_reason
 from llmfast.executor.base import DistributedExecutor
 from llmfast.executor.errors import (
     PEER_DEATH_GRACE_S,
@@ -130,6 +131,9 @@ class RayExecutor(DistributedExecutor):
             kwargs.update(num_cpus=max(os.cpu_count() or 1, world),
                           object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                           runtime_env={"env_vars": {"PYTHONPATH": path}})
+        reason = address and unreachable_reason(address)
+        if reason:
+            raise ExecutorError(f"cannot connect to the Ray cluster at {address}: {reason}")
         try:
             ray.init(address=address, **kwargs)
         except Exception as e:  # noqa: BLE001 - Ray's errors for a bad address vary

@@ -20,14 +20,13 @@ sum to bfloat16: relative errors of ~2^-8, what the tests bound.
 
 The kernel is a GEMV at heart: its time grows with the tokens about as a float32 GEMM's
 does not, so a call of DEQUANTIZE_MIN_TOKENS or more (a prefill) unpacks the weight to
-float32 for the call and runs F.linear instead (prompts ~1.5x faster from 128 tokens on
-the dev VM; profiles/cpu.md). Compiled graphs call the layer as the opaque
-`llmfast::int4_linear` op, so that choice happens at run time.
+float32 into a reused scratch and runs float32 GEMMs instead (int4_dequant.py; prompts
+1.4-2x faster than the kernel from 64 tokens on the dev VM; profiles/cpu.md). Compiled graphs call the
+layer as the opaque `llmfast::int4_linear` op, so that choice happens at run time.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,16 +34,24 @@ import torch
 from torch import nn
 
 from llmfast.kernels.cpu.affine_codes import AffineCodes
+from llmfast.kernels.cpu.int4_dequant import (
+    BLOCK_ROWS,
+    GROUP,  # columns per scale/zero pair, the kernel's smallest group
+    dequantized_linear,
+    packed_layout_known,
+)
 
-GROUP = 32  # columns per scale/zero pair, the kernel's smallest group
 # The kernel's packing needs N divisible by 16; a multiple of 32 keeps its layout to
-# whole blocks of 32 rows (a last block of 16 is laid out otherwise), which
-# `dequantize_packed` reads.
-ROW_MULTIPLE = 32
+# whole blocks of 32 rows (a last block of 16 is laid out otherwise), which the
+# prefill path's unpack reads (int4_dequant.py).
+ROW_MULTIPLE = BLOCK_ROWS
 ACT_DTYPE = torch.bfloat16
 # From this many tokens a call dequantizes its weight and runs a float32 GEMM instead of
-# the int4 kernel (measured: scripts/bench_cpu_quant.py --prefill, profiles/cpu.md).
-DEQUANTIZE_MIN_TOKENS = 64
+# the int4 kernel: near where the two cost the same (scripts/bench_cpu_quant.py: per
+# projection of the default model, the kernel ahead at 32 tokens, the GEMM at 64; whole
+# prompts on the shared VM, the two within noise of each other at 40-48, the GEMM ahead
+# from 56, by 1.07-1.4x; profiles/cpu.md, "Prefill").
+DEQUANTIZE_MIN_TOKENS = 48
 
 
 def int4_supported() -> bool:
@@ -96,48 +103,6 @@ def dequantize_planes(values: np.ndarray, sz: np.ndarray, x_index: np.ndarray,
     return out[:, :cols]
 
 
-def dequantize_packed(weight_packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                      x_index: torch.Tensor | None, in_features: int,
-                      out_features: int) -> torch.Tensor:
-    """float32 [N, K]: the weight the kernel's packed planes stand for (scales and zeros
-    as the kernel reads them, in bfloat16), the planes folded back onto x's columns.
-
-    The kernel's layout (torch 2.13, `_convert_weight_to_int4pack_for_cpu`, checked by
-    tests/test_gguf_packed.py against the values packed): blocks of 32 rows, as
-    [N' / 32, K', 16] bytes whose low nibble is row 32 b + l and high nibble row 32 b + 16 + l.
-    """
-    rows, cols = weight_packed.shape[0], weight_packed.shape[1] * 2  # N', K'
-    if rows % 32:
-        raise ValueError(f"{rows} packed rows: not whole blocks of 32")
-    p = weight_packed.view(rows // 32, cols, 16)
-    # Unpacked straight into float32 (the copy converts): [N' / 32, 2, 16, K'].
-    w = torch.empty(rows // 32, 2, 16, cols)
-    w[:, 0].copy_((p & 15).transpose(1, 2))
-    w[:, 1].copy_((p >> 4).transpose(1, 2))
-    w = w.view(rows, cols // GROUP, GROUP)[:out_features]  # [N, K' / 32, 32]
-    sz = scales_and_zeros[:, :out_features].float().transpose(0, 1)  # [N, K' / 32, 2]
-    scale = sz[..., 0:1]
-    w = w.mul_(scale).add_(sz[..., 1:2] - 8 * scale).view(out_features, cols)  # (v - 8) s + z
-    if x_index is None:
-        return w
-    folded = w.new_zeros(out_features, in_features + 1)  # the last: the zero column
-    return folded.index_add_(1, x_index, w)[:, :in_features]
-
-
-@functools.cache
-def packed_layout_known() -> bool:
-    """Whether this torch packs as `dequantize_packed` reads (checked once on a probe;
-    where not, every call takes the kernel)."""
-    values = torch.arange(64 * 64, dtype=torch.int32).reshape(64, 64) * 7 % 16
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-    if packed.shape != (64, 32) or packed.dtype != torch.uint8:
-        return False
-    sz = torch.zeros(2, 64, 2, dtype=ACT_DTYPE)
-    sz[..., 0] = 1
-    sz[..., 1] = 8  # w = v - 8 + 8 = v
-    return torch.equal(dequantize_packed(packed, sz, None, 64, 64), values.float())
-
-
 def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
                      scales_and_zeros: torch.Tensor, x_index: torch.Tensor | None,
                      zero_column: bool, out_features: int) -> torch.Tensor:
@@ -146,9 +111,8 @@ def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
     DEQUANTIZE_MIN_TOKENS costs less than the kernel (a GEMV at heart)."""
     dtype = x.dtype
     if x.shape[0] >= DEQUANTIZE_MIN_TOKENS and packed_layout_known():
-        w = dequantize_packed(weight_packed, scales_and_zeros, x_index, x.shape[1],
-                              out_features)
-        return torch.nn.functional.linear(x, w.to(dtype))
+        return dequantized_linear(x, weight_packed, scales_and_zeros, x_index, zero_column,
+                                  out_features)
     x = x.to(ACT_DTYPE)
     if x_index is not None:
         if zero_column:

@@ -105,15 +105,15 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     launches = [(kernels.gemv_kernel, (tiles, split_k), (
         x, weight, weight_scale, norm_weight, bias, residual, out, part,
         rows, n, k, k_per_split, x.stride(0), weight.stride(0), res_stride, out.stride(0), eps),
-        dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+        dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1,
              NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
              HAS_BIAS=bias is not None, W_SCALE=weight_scale is not None, DOT=config.dot,
              DOT_F32=triton_interpret_enabled(), num_warps=config.num_warps,
              num_stages=config.num_stages))]
     if split_k > 1:
         launches.append((kernels.gemv_reduce_kernel, (tiles,), (
-            part, bias, residual, out, rows, n, res_stride, out.stride(0)),
-            dict(BLOCK_M=block_m, BLOCK_N=config.block_n, SPLIT_K=split_k, SILU_MUL=silu_mul,
+            part, bias, residual, out, rows, n, split_k, res_stride, out.stride(0)),
+            dict(BLOCK_M=block_m, BLOCK_N=config.block_n, SILU_MUL=silu_mul,
                  RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
                  num_warps=config.num_warps)))
     dry = precompile.ACTIVE

@@ -1,9 +1,9 @@
 """Triton kernels of the skinny GEMM (a few token rows times a weight), launched by
-gemv.py (kept apart so that importing that, as every linear layer does, imports no
+ops.py (kept apart so that importing that, as every linear layer does, imports no
 Triton).
 
 One program owns BLOCK_N output columns of every row (M <= BLOCK_M <= 16) over one
-K range: `pid_k` of SPLIT_K. At batch 1 a decode projection is a weight stream, and the
+K range: `pid_k` of split_k. At batch 1 a decode projection is a weight stream, and the
 programs must cover every SM with loads in flight: few columns per program (N=2048 /
 16 = 128 programs) and, where that is still too few, K split in ranges whose fp32 sums
 the reduce kernel adds (a deterministic order, no atomics, no zeroed workspace).
@@ -60,12 +60,14 @@ def gemv_kernel(
     x_ptr, w_ptr, w_scale_ptr, norm_w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_rm, stride_om, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
+    SPLIT: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
     DOT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """out [M, N] = epilogue(norm?(x) [M, K] @ w[N(, 2N), K].T); SPLIT_K > 1: the fp32
-    partial sums of K range pid_k into part [SPLIT_K, M, N (x2 with SILU_MUL)] instead."""
+    """out [M, N] = epilogue(norm?(x) [M, K] @ w[N(, 2N), K].T); SPLIT (K in ranges of
+    k_per_split, one per pid_k): the fp32 partial sums of K range pid_k into
+    part [split_k, M, N (x2 with SILU_MUL)] instead. The split count is no constexpr:
+    every count of one tile shares a compiled variant (the start-up compiles fewer)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -100,7 +102,7 @@ def gemv_kernel(
         if SILU_MUL:
             acc_up *= tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:
+    if SPLIT:
         width = 2 * N if SILU_MUL else N
         part = part_ptr + (pid_k * M + offs_m)[:, None] * width + offs_n[None, :]
         tl.store(part, acc, mask=out_mask)
@@ -113,8 +115,8 @@ def gemv_kernel(
 
 @triton.jit
 def gemv_reduce_kernel(
-    part_ptr, bias_ptr, res_ptr, out_ptr, M, N, stride_rm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    part_ptr, bias_ptr, res_ptr, out_ptr, M, N, split_k, stride_rm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """The split-K partial sums, in split order, then gemv_kernel's epilogue."""
@@ -125,7 +127,7 @@ def gemv_reduce_kernel(
     width = 2 * N if SILU_MUL else N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in range(SPLIT_K):
+    for s in range(split_k):
         part = part_ptr + (s * M + offs_m)[:, None] * width + offs_n[None, :]
         acc += tl.load(part, mask=mask, other=0.0)
         if SILU_MUL:

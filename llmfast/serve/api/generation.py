@@ -133,10 +133,13 @@ async def _events(front: EngineFront, metrics: ServerMetrics, rs: DeltaQueue,
                     yield "".join(parts) + event(error_body(item.message, item.status)) + DONE
                     return
                 tracker.on_delta(item)
-                parts.append(event(builder.chunk(item)))
+                chunk = builder.chunk(item)
+                if chunk is not None:
+                    parts.append(event(chunk))
                 if builder.done:
                     break
-            yield "".join(parts)
+            if parts:
+                yield "".join(parts)
         yield (event(builder.usage_chunk()) if include_usage else "") + DONE
     finally:
         _abort_unfinished(front, metrics, rs, builder)

@@ -153,8 +153,9 @@ class ResponseBuilder:
                     for i in range(len(self.choices))]
         return []
 
-    def chunk(self, delta: ChoiceDelta) -> dict:
-        """The streaming chunk of one delta (call instead of `add`)."""
+    def chunk(self, delta: ChoiceDelta) -> dict | None:
+        """The streaming chunk of one delta (call instead of `add`); None when it has
+        nothing to tell (a chat with tools holding back text that may be a call)."""
         choice = self.add(delta)
         finish = choice.finish_reason if delta.finish_reason is not None else None
         logprobs = None
@@ -176,6 +177,8 @@ class ResponseBuilder:
                 logprobs = _chat_logprobs(list(delta.logprobs or ()))
             if choice.tool_stream is not None:
                 body = self._tool_chunk(choice.tool_stream, delta, finish)
+                if not body["delta"] and finish is None and not (logprobs or {}).get("content"):
+                    return None  # a token held back: no empty `delta: {}` per token
                 body["logprobs"] = logprobs
             else:
                 body = {"index": delta.index,

@@ -196,6 +196,7 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
         if isinstance(req, ChatCompletionRequest):  # name the field the client sent
             if field == "logprobs":
                 field = "top_logprobs"
+                message = message.replace("logprobs", field, 1)
             elif field == "max_tokens" and req.max_completion_tokens is not None:
                 field = "max_completion_tokens"
                 message = message.replace("max_tokens", field, 1)

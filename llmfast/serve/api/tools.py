@@ -65,6 +65,7 @@ def tool_mode(req: ChatCompletionRequest, parser: str | None) -> ToolMode | None
         if choice not in (None, "none", "auto"):
             raise APIError("tool_choice needs tools", param="tool_choice")
         return None
+    _check_tools(req.tools)
     if choice == "none":
         return None
     schemas = {}
@@ -92,6 +93,27 @@ def tool_mode(req: ChatCompletionRequest, parser: str | None) -> ToolMode | None
                        f"({', '.join(map(repr, schemas))})", param="tool_choice")
     return ToolMode("named", parser, template_tools, checked("tools", json=schemas[name]),
                     name)
+
+
+def _check_tools(tools: list) -> None:
+    """400s for definitions a call could not be made from, or made from unambiguously:
+    an empty or repeated name (a call names its function; the second definition would
+    silently replace the first), parameters that are not an object schema (a call's
+    arguments are a JSON object, so no call could match)."""
+    seen = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if not name:
+            raise APIError(f"tools[{i}].function.name is empty", param="tools")
+        if name in seen:
+            raise APIError(f"tools[{i}].function.name {name!r} is given twice; function "
+                           "names must be unique", param="tools")
+        seen.add(name)
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise APIError(f"tools[{i}].function.parameters must be a JSON schema of type "
+                           f"'object' (a call's arguments are an object), got type {kind!r}",
+                           param="tools")
 
 
 def call_id() -> str:

@@ -98,6 +98,9 @@ class Proposer(ABC):
     # KV slots past a request's scheduled tokens that `propose` writes (see the module
     # doc): the scheduler allocates them; 0 for a proposer without a KV cache.
     num_lookahead_slots: int = 0
+    # A draft model the proposer runs (None: none): the runner routes its projections to
+    # the GEMV as the target's (worker/startup/gemv_routing.py).
+    model: torch.nn.Module | None = None
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = num_speculative_tokens  # K

@@ -61,6 +61,11 @@ class GemvRouting:
     seconds: float  # spent timing
 
 
+# A draft model (--speculative-method draft) runs its forwards eagerly, each of as many
+# rows as requests draft or catch up: any count up to 16 takes the GEMV.
+DRAFT_ROWS = tuple(range(1, MAX_GEMV_ROWS + 1))
+
+
 def decode_rows(compile_config: CompileConfig) -> tuple[int, ...]:
     """The token counts of the decode steps the GEMV can take: the full CUDA graphs'
     sizes up to 16 where they run (a step pads to one), else every count up to 16."""
@@ -160,3 +165,34 @@ def _measure(launches: list[Launch], rows: Sequence[int], gpu: GpuFacts, measure
     launch_config.add_measured(gpu.name, table)
     ops.forget_choices()
     return tuple(table)
+
+
+def dry_gemv_launches(model: nn.Module, rows: Sequence[int]) -> int:
+    """Launch every routed projection of `model` once per M bucket of `rows`, on empty
+    rows of M = the bucket (what the full graphs launch): inside the start-up's dry
+    launches (worker/startup/kernel_precompile.py) each GEMV the launch table chose
+    submits its variant's compile, so those of the buckets the dry forwards do not run
+    (4, 8, 16; the lm_head's, outside the forward) compile in threads rather than one
+    after another at the captures' warm-up (a cuBLAS choice just runs, on empty rows).
+    Returns how many launches were made."""
+    decoder = model.model
+    buckets = sorted({m_bucket(r) for r in rows if r <= MAX_GEMV_ROWS})
+    fused = bool(getattr(decoder, "gemv_fused", ""))
+    seen: set[str] = set()
+    count = 0
+    for layer, launch in model_launches(model, fused):
+        backend = decoder.gemv_fused if layer is None else layer.gemv_backend
+        if not backend or launch.key in seen:
+            continue
+        seen.add(launch.key)
+        device = launch.weight.device
+        for m in buckets:
+            x = torch.empty(m, launch.k, dtype=launch.dtype, device=device)  # [M, K]
+            residual = (torch.empty(m, launch.n, dtype=launch.dtype, device=device)
+                        if launch.residual else None)  # [M, N]
+            ops.skinny_linear(x, launch.weight, launch.weight_scale, launch.bias,
+                              launch.norm_weight, residual, launch.eps, launch.silu_mul,
+                              launch.mm_out_dtype, backend)
+            count += 1
+    return count
+

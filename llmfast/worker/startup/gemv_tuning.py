@@ -172,10 +172,11 @@ def compile_candidates(groups: dict[str, list[Launch]], todo: Sequence[tuple[str
     launch, in threads, all at once (kernels/launch/precompile.py's dry launches): the
     timing would otherwise compile them one after another at their first launches, each
     about a second (Llama-3.2-1B's five shapes at five buckets, four candidates each:
-    ~70 variants, ~130 with --gemv-fuse). Returns how many were submitted, or None
-    (a Triton without asynchronous compiles, LLMFAST_KERNEL_PRECOMPILE=0 as for the
-    runner's precompile, or a failure: logged; the launches then compile what they
-    need, as without this)."""
+    37 variants, 84 with --gemv-fuse; the split counts of a tile share one, and Triton
+    dedups the rest across shapes: scripts/bench_gemv.py --compile-cost counts them). Returns
+    how many were submitted, or None (a Triton without asynchronous compiles,
+    LLMFAST_KERNEL_PRECOMPILE=0 as for the runner's precompile, or a failure: logged;
+    the launches then compile what they need, as without this)."""
     if not kernel_precompile_enabled():
         return None
     precompiler = KernelPrecompiler()

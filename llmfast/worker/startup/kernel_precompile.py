@@ -10,7 +10,9 @@ arguments, and hence the variant, that the real one will):
 - the capture's dummy batches (one request of n tokens): n = 1 is a uniform decode
   (the fused decode + RoPE kernel), n = 2 decode-like (the unified kernel's decode
   tiles), the largest piecewise size a one-request prefill;
-- the full graphs' uniform decode batch at the largest full size.
+- the full graphs' uniform decode batch at the largest full size;
+- the projections routed to the GEMV, alone, at each M bucket of the decode sizes
+  (gemv_routing.dry_gemv_launches; the forwards above reach only 1 and 2 rows).
 A decode launch's tiles do not depend on its batch, nor a prefill's beyond its class (one
 request or several: attention/triton/launch_config.py), so these cover every size. The
 compiled model's norms are Inductor's copies of the kernels (its compile workers'
@@ -28,6 +30,7 @@ import torch
 from llmfast.attention.metadata import AttentionMetadata
 from llmfast.kernels.launch.precompile import KernelPrecompiler
 from llmfast.models.decoder import DecoderForCausalLM
+from llmfast.worker.startup.gemv_routing import dry_gemv_launches
 from llmfast.worker.startup.graph_capture import CaptureInputs
 from llmfast.worker.startup.memory_profile import bind_one_block_caches, profile_batch
 
@@ -56,11 +59,14 @@ def dry_batches(capture: CaptureInputs, max_num_tokens: int, max_num_reqs: int,
 
 
 def precompile_kernels(model: DecoderForCausalLM, batches: Sequence[DryBatch],
-                       block_size: int, kv_dtype: torch.dtype, device: torch.device
+                       block_size: int, kv_dtype: torch.dtype, device: torch.device,
+                       gemv: Sequence[tuple[DecoderForCausalLM, Sequence[int]]] = ()
                        ) -> int | None:
     """Compile every variant the dry forwards of `batches` launch, in threads, and wait
     for them; returns how many, or None where Triton has no asynchronous compile. Leaves
-    one-block KV caches bound.
+    one-block KV caches bound. `gemv`: (model, row counts) whose routed projections'
+    GEMV variants are compiled too, at every M bucket (gemv_routing.dry_gemv_launches:
+    the target's at its full graphs' sizes, a draft model's).
 
     The wait comes at once rather than at each variant's first launch: Triton 3.6 keeps
     a submitted compile out of the kernel's cache until it is finalized (3.7 puts its
@@ -77,6 +83,8 @@ def precompile_kernels(model: DecoderForCausalLM, batches: Sequence[DryBatch],
         with torch.inference_mode(), precompiler.dry_launches():
             for ids, positions, md in batches:
                 model(ids, positions, md)
+            for routed, rows in gemv:
+                dry_gemv_launches(routed, rows)
     finally:
         submitted = time.perf_counter() - start
         waited = precompiler.wait()

@@ -1,5 +1,5 @@
 """The model runner's start-up stages, in `initialize`'s order: the prefill tiles tuned,
-the projections routed (--gemv), the Triton variants compiled in threads, the KV cache
+the projections routed (--gemv; a draft model's too), the Triton variants compiled in threads, the KV cache
 sized (from a profile on CUDA, from the config elsewhere) and allocated, the model
 compiled and its CUDA graphs captured.
 The stages themselves live beside this module; this is their order and bookkeeping.
@@ -20,7 +20,7 @@ from llmfast.config import dtype_name
 from llmfast.distributed import min_across_ranks
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
-from llmfast.worker.startup.gemv_routing import decode_rows, route_gemv
+from llmfast.worker.startup.gemv_routing import DRAFT_ROWS, decode_rows, route_gemv
 from llmfast.utils.progress import Progress
 from llmfast.worker.startup.graph_capture import compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
@@ -62,7 +62,11 @@ class RunnerStartup:
         t0 = time.perf_counter()
         routing = route_gemv(self.model, self.config.gemv, decode_rows(self.config.compile),
                              progress)
-        if routing.measured:  # (timed now, or read from the file of an earlier start)
+        measured = routing.measured
+        draft = self.spec.proposer.model if self.spec is not None else None
+        if draft is not None:  # --speculative-method draft: its model routed alike
+            measured += route_gemv(draft, self.config.gemv, DRAFT_ROWS, progress).measured
+        if measured:  # (timed now, or read from the file of an earlier start)
             self.startup_times["gemv"] = time.perf_counter() - t0
         # The Triton variants the rest launches, compiled in threads now (the tiles are
         # known); what it still compiles at a launch is counted.
@@ -73,8 +77,11 @@ class RunnerStartup:
             progress("compiling the attention and layer kernels", None)
         failed = False
         try:
+            gemv = [(self.model, decode_rows(self.config.compile))]
+            if draft is not None:
+                gemv.append((draft, DRAFT_ROWS))
             precompiled = precompile_kernels(self.model, self._dry_batches(), self.block_size,
-                                             self.kv_dtype, self.device)
+                                             self.kv_dtype, self.device, gemv)
         except Exception as exc:  # noqa: BLE001 - an optimisation: the launches compile
             # Nothing is lost: each variant compiles at its first launch, as without the
             # precompile (counted below, so the start-up report shows the failure).

@@ -16,8 +16,8 @@ import typer
 from rich.console import Console
 
 from llmfast.bench import BenchError
-from llmfast.cli.bench_checks import check_mode_options, check_output_paths, save_elsewhere
-from llmfast.cli.bench_tables import (
+from llmfast.cli.bench.checks import check_mode_options, check_output_paths, save_elsewhere
+from llmfast.cli.bench.tables import (
     latency_table,
     startup_table,
     sweep_table,
@@ -119,9 +119,11 @@ def bench(
         mode = BenchMode.sweep
     check_mode_options(mode.value if mode else None, _given_options(ctx))
     check_output_paths(json_path, plot_path)
-    if min(context, steps, num_prompts, input_len, output_len) < 1:
-        raise BenchError("--context, --steps, --num-prompts, --input-len and --output-len "
-                         "must be >= 1")
+    counts = {"--context": context, "--steps": steps, "--num-prompts": num_prompts,
+              "--input-len": input_len, "--output-len": output_len}
+    for flag, value in counts.items():
+        if value < 1:
+            raise BenchError(f"{flag} must be >= 1, got {value}")
     if not 0.0 <= random_range_ratio < 1.0:  # else found only once the model is loaded
         raise BenchError(f"--random-range-ratio must be in [0, 1), got {random_range_ratio}")
     if mode is BenchMode.latency:
@@ -219,7 +221,7 @@ def write_outputs(report: dict, json_path: Path | None, plot_path: Path | None,
             failures.append(f"cannot write --json {json_path}: {e.strerror or e}; " + (
                 f"the report is saved in {saved}" if saved else "the tables above hold it"))
     if plot_path is not None:
-        from llmfast.cli.plot import plot_report
+        from llmfast.cli.bench.plot import plot_report
 
         try:
             plot_report(report, plot_path)

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from llmfast.attention.triton import launch as attention
 from llmfast.attention.tuning.split_table import SWEEP_SPLITS
 from llmfast.attention.workspaces import AttentionWorkspaces
-from llmfast.bench.attention_inputs import flash_backend, paged_copy
-from llmfast.bench.cuda_timing import graph_replay, host_launch_us, time_us, time_us_interleaved
+from llmfast.bench.kernels.attention_inputs import flash_backend, paged_copy
+from llmfast.bench.kernels.cuda_timing import graph_replay, host_launch_us, time_us, time_us_interleaved
 
 
 def _sdpa_decode(q_s, k_s, v_s, causal: bool, scale: float):

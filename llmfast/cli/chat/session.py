@@ -1,5 +1,5 @@
 """A multi-turn chat over an `LLM`: history, sampling settings, slash commands and one
-streamed reply at a time. No terminal I/O here; `llmfast.cli.chat` drives it.
+streamed reply at a time. No terminal I/O here; `llmfast.cli.chat.command` drives it.
 
 Each turn re-renders the whole conversation with the chat template, so the prompt of
 turn n starts with turn n-1's prompt and reply: the prefix cache serves those blocks and
@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmfast.cli.repetition import repeating_period
+from llmfast.cli.chat.repetition import repeating_period
 from llmfast.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -143,6 +143,7 @@ class TurnResult:
     aborted: bool
     dropped_turns: int  # old turns dropped to fit max-model-len
     repeating_period: int | None = None  # stopped in a loop of this many tokens
+    max_model_len: int | None = None  # set when the context's end, not max_tokens, cut it
 
 
 @dataclass
@@ -258,6 +259,9 @@ class ChatSession:
             stream.close()
         text = last.outputs[0].text if last is not None else ""
         result = _turn_result(last, ids, text, aborted, dropped, period or None)
+        if (result.finish_reason == "length"
+                and result.num_output_tokens < self.settings.max_tokens):
+            result = dataclasses.replace(result, max_model_len=max_len)
         self.totals.turns += 1
         self.totals.prompt_tokens += len(ids)
         self.totals.cached_tokens += result.num_cached_tokens

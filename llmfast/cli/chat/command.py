@@ -22,7 +22,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from llmfast.cli.chat_session import (
+from llmfast.cli.chat.session import (
     DEFAULT_MAX_REPEATS,
     ChatCommandError,
     ChatSession,
@@ -39,7 +39,7 @@ from llmfast.cli.common import (
     print_error,
     stderr_console,
 )
-from llmfast.cli.repetition import MAX_PERIOD
+from llmfast.cli.chat.repetition import MAX_PERIOD
 
 # "The model's": its generation_config.json, or the default model's card (CHAT_EXAMPLES).
 _MODEL_DEFAULT = "  [default: the model's, else {}]"
@@ -286,7 +286,8 @@ def _stats_line(r: TurnResult) -> str:
     if r.dropped_turns:
         parts.append(f"{r.dropped_turns} old turn(s) dropped to fit")
     if r.finish_reason == "length":
-        parts.append("stopped at max tokens")
+        parts.append("stopped at max tokens" if r.max_model_len is None else
+                     f"stopped at the context's end (max-model-len {r.max_model_len})")
     if r.repeating_period:
         parts.append("stopped: repeating")
     return " · ".join(parts)

@@ -14,8 +14,8 @@ from dataclasses import asdict, replace
 import torch
 
 from llmfast.attention.triton import launch as attention
-from llmfast.bench.attention_inputs import decode_case
-from llmfast.bench.cuda_timing import graph_replay, time_us
+from llmfast.bench.kernels.attention_inputs import decode_case
+from llmfast.bench.kernels.cuda_timing import graph_replay, time_us
 
 
 def config_key(cfg: attention.AttentionConfig) -> str:

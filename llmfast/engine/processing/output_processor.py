@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from llmfast.engine.detokenizer import IncrementalDetokenizer
+from llmfast.engine.processing.detokenizer import IncrementalDetokenizer
 from llmfast.engine.messages import EngineCoreOutputs
 from llmfast.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmfast.sampling_params import SamplingParams

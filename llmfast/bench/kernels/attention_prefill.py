@@ -24,8 +24,8 @@ from llmfast.attention.triton import launch as attention
 from llmfast.attention.tuning import prefill_tuning
 from llmfast.attention.tuning.prefill_tuning import ShapeClass, heuristic_tiles
 from llmfast.attention.workspaces import AttentionWorkspaces
-from llmfast.bench.attention_inputs import flash_backend, paged_copy, sdpa_flash
-from llmfast.bench.cuda_timing import graph_replay, max_diff_ulps, time_us
+from llmfast.bench.kernels.attention_inputs import flash_backend, paged_copy, sdpa_flash
+from llmfast.bench.kernels.cuda_timing import graph_replay, max_diff_ulps, time_us
 
 
 def tune(args, device: torch.device) -> dict:

@@ -1,0 +1,2 @@
+"""`llmfast bench`: the command, its checks before anything runs, its Rich tables and
+its plot."""
