@@ -35,9 +35,9 @@ swept against cuBLAS).
 
 Under $OUT (default /tmp/llmfast_gpu_check): gpu_check.json (the one result: tree, device,
 versions, command, date, per step its commands, samples, figures with median and spread,
-verdicts), report.md (scripts/gpu_report.py), and results.tar.gz (every log and sample
-JSON). Back here: `python3 scripts/gpu_report.py gpu_check.json --pages profiles` writes
-the figures into the topic pages and keeps the JSON under profiles/gpu/.
+verdicts), report.md (scripts/gpu_verdicts.py's report), and results.tar.gz (every log and
+sample JSON). Back here: `python3 scripts/gpu_verdicts.py report gpu_check.json --pages
+profiles` writes the figures into the topic pages and keeps the JSON under profiles/gpu/.
 
 Dry run on the CPU (`--dry-run`): the same steps with random:tiny, float32 and tiny sizes
 (pytest: --collect-only; bench_kernels: its flags), judged the same way (DRY-PASS /
@@ -575,10 +575,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = check(names, out, args.budget, args.dry_run)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
-    import gpu_report
-
-    (out / "report.md").write_text(gpu_report.report(result))
-    print("\n" + gpu_report.verdict_lines(result))
+    (out / "report.md").write_text(gpu_verdicts.report(result))
+    print("\n" + gpu_verdicts.verdict_lines(result))
     if not (args.no_pack or args.dry_run):
         pack(out, {"gpu_check.json", "report.md", "kernels.md"})
     # A dry run fails only when a step failed or a GPU-only command lacks a flag (CPU

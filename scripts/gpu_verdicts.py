@@ -11,17 +11,31 @@
   and the spread it was judged on; a check FAILs when any sample failed it.
 - `pytest_outcome(log)`: a `pytest -m gpu -v -rA` log -> counts, failed ids and the test
   files it never reached (a run cut off by its time limit).
+- `report(result)`: what one scripts/gpu_check.py call measured, as text (report.md: the
+  tree, device, versions, command and date, then per step its commands, outcome, verdicts
+  and figures); `update_pages(result, pages, raw)`: every block
+  `<!-- gpu-check STEP -->` ... `<!-- /gpu-check -->` of profiles/*.md rewritten with that
+  step's figures (median, min-max, spread, samples) and verdicts, and the JSON's path.
 
     python3 scripts/gpu_verdicts.py sweep sample1.json sample2.json sample3.json
+    python3 scripts/gpu_verdicts.py report OUT/gpu_check.json            # report.md to stdout
+    python3 scripts/gpu_verdicts.py report OUT/gpu_check.json --pages profiles
+
+With `report --pages` the JSON is kept as profiles/gpu/<date>-<device>-<commit>.json
+(tracked) and the pages' gpu-check blocks are rewritten from it.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+import shutil
 import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 Figures = dict[str, float]
 Checks = list[tuple[bool, str]]
@@ -435,13 +449,133 @@ def judge_tests(outcome: dict, dry_run: bool = False) -> list[dict]:
     return lines
 
 
-if __name__ == "__main__":
-    import json
+# ------------------------------------------------------------------ report and pages
 
-    step, paths = sys.argv[1], sys.argv[2:]
-    samples = [s for p in paths for s in figures(step, json.loads(open(p).read()))]
+BLOCK = re.compile(r"(<!-- gpu-check (\S+) -->\n)(.*?)(<!-- /gpu-check -->)", re.S)
+
+
+def provenance(result: dict) -> str:
+    tree, env = result["tree"], result["environment"]
+    commit = tree.get("commit", "unknown")[:10]
+    state = ("dirty: " + (tree.get("diff_stat") or "untracked files")
+             + f", diff sha256 {str(tree.get('diff_sha256'))[:12]}") if tree.get("dirty") \
+        else "clean"
+    return (f"{env['device'].splitlines()[0] if env['device'] else 'no device'}; torch "
+            f"{env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}; {result['model']} "
+            f"{result['dtype']}; tree {commit} ({state}; from {tree.get('source')}); "
+            f"{result['date']}; `{result['command']}`")
+
+
+def figures_table(step: dict) -> list[str]:
+    if not step.get("figures"):
+        return []
+    lines = ["| figure | median | min-max | spread | samples |", "|---|---:|---:|---:|---:|"]
+    for name, s in step["figures"].items():
+        lines.append(f"| {name} | {_fmt(s['median'])} | {_fmt(s['min'])}-{_fmt(s['max'])} "
+                     f"| {100 * s['spread']:.1f}% | {s['n']} |")
+    return lines
+
+
+def step_section(name: str, step: dict) -> list[str]:
+    parts = [f"## {name}: {step['status']}", ""]
+    for r in step.get("runs", []):
+        parts += [f"- `{r['command']}`: rc {r['rc']} in {r['seconds']} s"]
+    if step.get("runs"):
+        parts.append("")
+    parts += [f"- {v['verdict']} {v['text']}" for v in step.get("verdicts", [])]
+    if step.get("verdicts"):
+        parts.append("")
+    outcome = step.get("outcome")
+    if outcome and outcome.get("not_reached_files"):
+        parts += ["Not reached (run next: `GPU_CHECK_TESTS=\"" + " ".join(
+            outcome["not_reached_files"]) + "\" python3 scripts/gpu_check.py tests`)", ""]
+    table = figures_table(step)
+    return parts + table + ([""] if table else [])
+
+
+def report(result: dict) -> str:
+    parts = [f"# llmfast gpu_check, {result['date'][:10]}", "", provenance(result), ""]
+    for name, step in result["steps"].items():
+        parts += step_section(name, step)
+    return "\n".join(parts) + "\n"
+
+
+def verdict_lines(result: dict) -> str:
+    return "\n".join(f"{v['verdict']:<8} {v['text']}" for s in result["steps"].values()
+                     for v in s.get("verdicts", []))
+
+
+def raw_name(result: dict) -> str:
+    device = result["environment"]["device"] or "cpu"
+    m = re.search(r"NVIDIA ([A-Za-z0-9]+)", device)
+    gpu = m.group(1).lower() if m else "cpu"
+    return f"{result['date'][:10]}-{gpu}-{result['tree'].get('commit', 'unknown')[:7]}.json"
+
+
+def update_pages(result: dict, pages: Path, raw: Path) -> list[Path]:
+    """Rewrites every gpu-check block of pages/*.md whose step this result ran."""
+    changed = []
+    for page in sorted(pages.glob("*.md")):
+        text = page.read_text()
+
+        def block(m: re.Match) -> str:
+            step = result["steps"].get(m.group(2))
+            if step is None or not step.get("runs"):
+                return m.group(0)  # not run this time: the page keeps its figures
+            body = [f"Measured by `{m.group(2)}`: {provenance(result)}. Raw: "
+                    f"`{raw.as_posix()}`.", ""]
+            body += [f"- {v['verdict']} {v['text']}" for v in step.get("verdicts", [])]
+            body += [""] + figures_table(step)
+            return m.group(1) + "\n".join(body).strip() + "\n" + m.group(4)
+
+        new = BLOCK.sub(block, text)
+        if new != text:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
+def _judge_samples(step: str, paths: list[Path]) -> None:
+    samples = [s for p in paths for s in figures(step, json.loads(p.read_text()))]
     summary = summarize([f for f, _ in samples])
     for line in judge(step, summary, merge_checks([c for _, c in samples])):
         print(f"{line['verdict']:<8} {line['text']}")
     for name, s in summary.items():
         print(f"{name}: {quote(s)}")
+
+
+def _report(result_path: Path, pages: Path | None) -> None:
+    result = json.loads(result_path.read_text())
+    if pages is None:
+        sys.stdout.write(report(result))
+        return
+    raw = pages / "gpu" / raw_name(result)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(result_path, raw)
+    repo_relative = Path(pages.name) / raw.relative_to(pages)
+    for page in update_pages(result, pages, repo_relative):
+        print(f"updated {page}")
+    print(f"kept {raw} (git add it)")
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["report"]:
+        ap = argparse.ArgumentParser(prog="gpu_verdicts.py report",
+                                     description="report.md of one gpu_check.json, or the "
+                                                 "pages updated from it")
+        ap.add_argument("result", type=Path, help="gpu_check.json")
+        ap.add_argument("--pages", type=Path, help="profiles/: keep the JSON under its gpu/ "
+                                                   "and update its pages' gpu-check blocks")
+        args = ap.parse_args(sys.argv[2:])
+        _report(args.result, args.pages)
+        return 0
+    ap = argparse.ArgumentParser(description="one step's samples judged against its bars")
+    ap.add_argument("step", choices=sorted(EXTRACT))
+    ap.add_argument("samples", type=Path, nargs="+", help="the step's benchmark JSON files")
+    args = ap.parse_args()
+    _judge_samples(args.step, args.samples)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -51,13 +51,17 @@ def uni_run(tmp_path_factory):
     return _sweep(tmp_path_factory.mktemp("uni"))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_sweep_in_workers_reports_each_rank_s_weight_bytes(uni_run, tmp_path, tp):
+def test_sweep_in_workers_reports_each_rank_s_weight_bytes(uni_run, tmp_path):
+    """Two ranks; one rank's sweep is the GPU-facts test's below (a worker set's start is
+    ~20-60 s on the 2-core CI machine)."""
+    _check_rank_weight_bytes(uni_run, _sweep(tmp_path, *workers(2)), 2)
+
+
+def _check_rank_weight_bytes(uni_run: dict, run: dict, tp: int) -> None:
     uni_bytes = uni_run["sweep"][0]["weight_bytes"]
     assert uni_run["weight_bytes_per_rank"] == [uni_bytes]
     assert uni_bytes == expected_decode_weight_bytes(CONFIG)
 
-    run = _sweep(tmp_path, *workers(tp))
     assert run["engine_config"]["parallel"]["distributed_executor_backend"] == "mp"
     assert run["engine_config"]["parallel"]["tensor_parallel_size"] == tp
     assert {"join_group", "load", "kv_cache"} <= set(run["startup"])  # rank 0's
@@ -83,11 +87,12 @@ REMOTE_H100 = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3",
                "device_memory_bytes": 85_045_231_616, "cuda_version": "12.8"}
 
 
-def test_bench_environment_takes_the_gpu_from_rank_0_and_the_host_from_here(tmp_path,
-                                                                             monkeypatch):
+def test_bench_environment_takes_the_gpu_from_rank_0_and_the_host_from_here(
+        uni_run, tmp_path, monkeypatch):
     """One `mp` rank whose RunnerInfo names a GPU this process does not have (there is
     no CUDA here, so querying it here would fail): the report's GPU facts are that
-    rank's, the CPU and versions this process's."""
+    rank's, the CPU and versions this process's. Its sweep is also the one-rank case of
+    the weight bytes per rank (the device facts do not enter them)."""
     import platform
     from dataclasses import replace
 
@@ -111,6 +116,7 @@ def test_bench_environment_takes_the_gpu_from_rank_0_and_the_host_from_here(tmp_
     assert run["bandwidth"]["name"] == "NVIDIA H100 80GB HBM3"
     assert run["bandwidth"]["peak_bytes_per_s"] == 3.35e12
     assert run["bandwidth"]["measured_copy_bytes_per_s"] is None
+    _check_rank_weight_bytes(uni_run, run, 1)
 
 
 @pytest.fixture(scope="module")

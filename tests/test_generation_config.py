@@ -128,8 +128,16 @@ def test_server_requests_get_the_model_defaults(model_dir, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # a server start (~20-50 s on the 2-core CI machine) for what these cover:
 def test_generation_config_flag_reaches_the_server(model_dir, tmp_path):
-    """`--generation-config vllm`: OpenAI's 16 tokens for a completion, as without one."""
+    """`--generation-config vllm`: OpenAI's 16 tokens for a completion, as without one.
+    Slow: `serve` takes the engine flags every command shares (common.py), and the default
+    suite covers each link: the flag parsed on the command line
+    (test_chat_cli_takes_the_model_defaults_for_flags_not_given), `vllm` dropping the
+    model's defaults (test_python_api_uses_the_model_defaults_unless_told_not_to), the
+    engine's defaults reaching a real server's requests
+    (test_server_requests_get_the_model_defaults), and no defaults meaning 16 tokens for a
+    completion (test_server_default_lengths)."""
     server = start_server(model_dir, tmp_path / "server.log", "--generation-config", "vllm")
     try:
         r = httpx.post(server.base_url + "/v1/completions", timeout=60,

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py and its figures, bars and report (gpu_verdicts.py, gpu_report.py),
+"""scripts/gpu_check.py and its figures, bars and report (gpu_verdicts.py),
 on the CPU: figures and verdicts from the committed raw results of earlier H100 runs, the
 pytest log reader on a real GPU log, the tree stamp, the pages' update, every script
 importable, and (slow) the driver's dry run of headline steps at tiny sizes."""
@@ -18,7 +18,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_check
-import gpu_report
 import gpu_verdicts
 
 H100 = REPO / "profiles" / "h100-2026-11-27"
@@ -200,14 +199,14 @@ def _result_from(step_files: dict[str, list[Path]]) -> dict:
 def test_report_and_pages_take_the_figures_from_the_json(tmp_path):
     result = _result_from({"modes": [H100 / "call1-modes.json"],
                            "startup": [H100B / "call1-startup.json"]})
-    text = gpu_report.report(result)
+    text = gpu_verdicts.report(result)
     assert "NVIDIA H100 80GB HBM3" in text and "tree aaaaaaaaaa (clean" in text
     assert "- PASS #18 startup: warm time to first token s: median 8.3 of 1" in text
     page = tmp_path / "decode.md"
     page.write_text("# Decode\n\nintro\n\n<!-- gpu-check modes -->\nold figures\n"
                     "<!-- /gpu-check -->\n\n<!-- gpu-check sweep -->\nkept\n"
                     "<!-- /gpu-check -->\ntail\n")
-    changed = gpu_report.update_pages(result, tmp_path, Path("profiles/gpu/x.json"))
+    changed = gpu_verdicts.update_pages(result, tmp_path, Path("profiles/gpu/x.json"))
     assert changed == [page]
     new = page.read_text()
     assert "old figures" not in new and "kept" in new  # sweep did not run: kept
@@ -215,7 +214,7 @@ def test_report_and_pages_take_the_figures_from_the_json(tmp_path):
     assert "Raw: `profiles/gpu/x.json`" in new
     assert "- PASS #15 modes: B=1 full / linears: median 1.19 of 1" in new
     assert "| B=1 full ms |" in new
-    assert gpu_report.raw_name(result) == "2026-11-27-h100-aaaaaaa.json"
+    assert gpu_verdicts.raw_name(result) == "2026-11-27-h100-aaaaaaa.json"
 
 
 def test_every_script_imports():

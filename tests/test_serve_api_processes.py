@@ -56,6 +56,11 @@ def _connection_owner(server_port: int, client_port: int, pids: list[int]) -> in
     return None
 
 
+def _metrics_dirs(server) -> list[Path]:
+    """The API processes' shared metrics folder(s) of this server (named by its pid)."""
+    return list(Path(tempfile.gettempdir()).glob(f"llmfast-metrics-{server.proc.pid}-*"))
+
+
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
 def test_a_dead_api_process_takes_only_its_requests_and_the_last_stops_the_server(
         serve_model_dir, tmp_path):
@@ -109,31 +114,6 @@ def test_a_dead_api_process_takes_only_its_requests_and_the_last_stops_the_serve
             client.close()
 
 
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
-def test_a_stalled_api_process_stalls_nobody_else(serve_model_dir, tmp_path):
-    """The engine never blocks writing to an API process: with one of two stopped
-    (SIGSTOP: a long GC pause, a debugger), a long generation through the other runs to
-    its end (the engine's steps would fill the stopped one's pipe within ~1000 steps if
-    it waited on it). SIGTERM then ends the server by that signal, as with 0 API servers."""
-    server = start_server(serve_model_dir, tmp_path / "server.log", "--max-model-len", "2048",
-                          "--api-servers", "2")
-    try:
-        victim, _ = _api_pids(server.proc.pid)
-        os.kill(victim, signal.SIGSTOP)
-        try:
-            done = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
-                "prompt": "hi", "max_tokens": 1500, "temperature": 0, "ignore_eos": True})
-        finally:
-            os.kill(victim, signal.SIGCONT)
-        assert done.status_code == 200
-        assert done.json()["usage"]["completion_tokens"] == 1500
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(timeout=30) == -signal.SIGTERM
-        assert "Traceback" not in server.log()
-    finally:
-        server.stop()
-
-
 def test_outputs_cross_the_socket_whole():
     """Every field of a step's outputs (a new one included, once added here) survives the
     msgpack encoding between the core's process and a frontend."""
@@ -157,11 +137,22 @@ def test_outputs_cross_the_socket_whole():
     assert back == request
 
 
+@pytest.fixture(scope="module")
+def two_api_server(serve_model_dir, tmp_path_factory):
+    """One `--api-servers 2` server for the metrics test and then the stall test, which
+    ends it with SIGTERM (a start is ~20-40 s on the 2-core CI machine)."""
+    log = tmp_path_factory.mktemp("serve-two-api") / "server.log"
+    server = start_server(serve_model_dir, log, "--max-model-len", "2048", "--api-servers", "2")
+    yield server
+    server.stop()
+
+
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
-def test_metrics_count_the_requests_of_every_api_process(serve_model_dir, tmp_path):
+def test_metrics_count_the_requests_of_every_api_process(two_api_server):
     """Each API process observes only the requests it takes; whichever answers /metrics
-    must report them all (a scrape reaches one process at random)."""
-    server = start_server(serve_model_dir, tmp_path / "server.log", "--api-servers", "2")
+    must report them all (a scrape reaches one process at random). The server is new: no
+    request reached it before this test (the stall test after it ends it)."""
+    server = two_api_server
     port = int(server.base_url.rsplit(":", 1)[1])
 
     def on_fresh_connection(method: str, path: str, **kwargs) -> tuple[httpx.Response, int]:
@@ -173,34 +164,52 @@ def test_metrics_count_the_requests_of_every_api_process(serve_model_dir, tmp_pa
                 "client_addr")[1]
             return response, _connection_owner(port, client_port, pids)
 
+    pids = _api_pids(server.proc.pid)
+    assert len(pids) == 2
+    assert len(_metrics_dirs(server)) == 1
+    served_by, tokens = [], 0
+    for i in range(40):  # until each process has served some
+        r, owner = on_fresh_connection("POST", "/v1/completions", json={
+            "prompt": "hello there", "max_tokens": 2 + i % 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        tokens += r.json()["usage"]["completion_tokens"]
+        served_by.append(owner)
+        if set(served_by) == set(pids) and len(served_by) >= 4:
+            break
+    assert set(served_by) == set(pids), "one API process took every request"
+    scraped_by = set()
+    for _ in range(40):  # until each process has answered a scrape
+        r, owner = on_fresh_connection("GET", "/metrics")
+        values = parse_metrics(r.text)
+        assert values['llmfast_request_success_total{finished_reason="length"}'] == \
+            len(served_by), (owner, served_by)
+        assert values["llmfast_generation_tokens_total"] == tokens
+        assert values["llmfast_time_to_first_token_seconds_count"] == len(served_by)
+        scraped_by.add(owner)
+        if scraped_by == set(pids):
+            break
+    assert scraped_by == set(pids), "one API process answered every scrape"
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_a_stalled_api_process_stalls_nobody_else(two_api_server):
+    """The engine never blocks writing to an API process: with one of two stopped
+    (SIGSTOP: a long GC pause, a debugger), a long generation through the other runs to
+    its end (the engine's steps would fill the stopped one's pipe within ~1000 steps if
+    it waited on it). SIGTERM then ends the server by that signal, as with 0 API servers,
+    and the API processes' metrics files go with it."""
+    server = two_api_server
+    assert _metrics_dirs(server)
+    victim, _ = _api_pids(server.proc.pid)
+    os.kill(victim, signal.SIGSTOP)
     try:
-        pids = _api_pids(server.proc.pid)
-        assert len(pids) == 2
-        metrics_dirs = list(Path(tempfile.gettempdir()).glob(
-            f"llmfast-metrics-{server.proc.pid}-*"))
-        assert len(metrics_dirs) == 1
-        served_by, tokens = [], 0
-        for i in range(40):  # until each process has served some
-            r, owner = on_fresh_connection("POST", "/v1/completions", json={
-                "prompt": "hello there", "max_tokens": 2 + i % 3, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            tokens += r.json()["usage"]["completion_tokens"]
-            served_by.append(owner)
-            if set(served_by) == set(pids) and len(served_by) >= 4:
-                break
-        assert set(served_by) == set(pids), "one API process took every request"
-        scraped_by = set()
-        for _ in range(40):  # until each process has answered a scrape
-            r, owner = on_fresh_connection("GET", "/metrics")
-            values = parse_metrics(r.text)
-            assert values['llmfast_request_success_total{finished_reason="length"}'] == \
-                len(served_by), (owner, served_by)
-            assert values["llmfast_generation_tokens_total"] == tokens
-            assert values["llmfast_time_to_first_token_seconds_count"] == len(served_by)
-            scraped_by.add(owner)
-            if scraped_by == set(pids):
-                break
-        assert scraped_by == set(pids), "one API process answered every scrape"
+        done = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+            "prompt": "hi", "max_tokens": 1500, "temperature": 0, "ignore_eos": True})
     finally:
-        server.stop()
-    assert not metrics_dirs[0].exists()  # the files go with the server
+        os.kill(victim, signal.SIGCONT)
+    assert done.status_code == 200
+    assert done.json()["usage"]["completion_tokens"] == 1500
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == -signal.SIGTERM
+    assert "Traceback" not in server.log()
+    assert not _metrics_dirs(server)  # the files go with the server

@@ -14,8 +14,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serve_server import start_server
-
 ITEM = {"type": "object", "properties": {
     "sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
     "qty": {"type": "integer", "minimum": 1, "maximum": 20},
@@ -46,12 +44,10 @@ MESSAGES = [{"role": "user", "content": "hello there, how are you today?"}]
 
 
 @pytest.fixture(scope="module")
-def server(serve_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve-structured") / "server.log"
-    proc = start_server(serve_model_dir, log, "--max-model-len", "1024", "--max-num-seqs", "16",
-                        "--api-servers", "1")
-    yield proc
-    proc.stop()
+def server(shared_servers):
+    """The shared server with its API process (tests/conftest.py): its start is the cost
+    of this file, and one of the server files before it on this worker may have paid it."""
+    return shared_servers(1)
 
 
 def _chat(client, model, temperature, **kw):
