@@ -185,14 +185,10 @@ def dry_gemv_launches(model: nn.Module, rows: Sequence[int]) -> int:
         if not backend or launch.key in seen:
             continue
         seen.add(launch.key)
-        device = launch.weight.device
         for m in buckets:
-            x = torch.empty(m, launch.k, dtype=launch.dtype, device=device)  # [M, K]
-            residual = (torch.empty(m, launch.n, dtype=launch.dtype, device=device)
-                        if launch.residual else None)  # [M, N]
+            x, residual = gemv_tuning._rows(launch, m, torch.empty)  # [M, K], [M, N]?
             ops.skinny_linear(x, launch.weight, launch.weight_scale, launch.bias,
                               launch.norm_weight, residual, launch.eps, launch.silu_mul,
                               launch.mm_out_dtype, backend)
             count += 1
     return count
-

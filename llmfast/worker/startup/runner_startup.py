@@ -60,8 +60,8 @@ class RunnerStartup:
             self.startup_times["tune"] = time.perf_counter() - t0
         # Which projections take the GEMV (--gemv auto times what no table knows, CUDA).
         t0 = time.perf_counter()
-        routing = route_gemv(self.model, self.config.gemv, decode_rows(self.config.compile),
-                             progress)
+        target_rows = decode_rows(self.config.compile)
+        routing = route_gemv(self.model, self.config.gemv, target_rows, progress)
         measured = routing.measured
         draft = self.spec.proposer.model if self.spec is not None else None
         if draft is not None:  # --speculative-method draft: its model routed alike
@@ -77,7 +77,7 @@ class RunnerStartup:
             progress("compiling the attention and layer kernels", None)
         failed = False
         try:
-            gemv = [(self.model, decode_rows(self.config.compile))]
+            gemv = [(self.model, target_rows)]
             if draft is not None:
                 gemv.append((draft, DRAFT_ROWS))
             precompiled = precompile_kernels(self.model, self._dry_batches(), self.block_size,
