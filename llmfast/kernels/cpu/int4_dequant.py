@@ -98,6 +98,17 @@ def chunk_rows(cols: int) -> int:
     return max(BLOCK_ROWS, SCRATCH_ELEMENTS // cols // BLOCK_ROWS * BLOCK_ROWS)
 
 
+def plane_columns(x: torch.Tensor, x_index: torch.Tensor | None,
+                  zero_column: bool) -> torch.Tensor:
+    """x [M, K] -> [M, K']: x's columns gathered to the packed planes' (int4_linear.py's
+    `nibble_planes`: a column per plane, K meaning a zero column); x itself for one plane."""
+    if x_index is None:
+        return x
+    if zero_column:
+        x = torch.nn.functional.pad(x, (0, 1))
+    return x.index_select(1, x_index)
+
+
 def dequantized_linear(x: torch.Tensor, weight_packed: torch.Tensor,
                        scales_and_zeros: torch.Tensor, x_index: torch.Tensor | None,
                        zero_column: bool, out_features: int) -> torch.Tensor:
@@ -106,11 +117,7 @@ def dequantized_linear(x: torch.Tensor, weight_packed: torch.Tensor,
     onto x's columns: x's columns are gathered to the planes' K' instead (M x K', smaller
     than the weight), as for the kernel."""
     dtype = x.dtype
-    x = x.float()
-    if x_index is not None:
-        if zero_column:
-            x = torch.nn.functional.pad(x, (0, 1))
-        x = x.index_select(1, x_index)  # [M, K']
+    x = plane_columns(x.float(), x_index, zero_column)  # [M, K']
     cols = weight_packed.shape[1] * 2
     needed = -(-out_features // BLOCK_ROWS) * BLOCK_ROWS  # padded rows past it: unused
     step = chunk_rows(cols)

@@ -39,6 +39,7 @@ from llmfast.kernels.cpu.int4_dequant import (
     GROUP,  # columns per scale/zero pair, the kernel's smallest group
     dequantized_linear,
     packed_layout_known,
+    plane_columns,
 )
 
 # The kernel's packing needs N divisible by 16; a multiple of 32 keeps its layout to
@@ -113,11 +114,7 @@ def int4_linear_impl(x: torch.Tensor, weight_packed: torch.Tensor,
     if x.shape[0] >= DEQUANTIZE_MIN_TOKENS and packed_layout_known():
         return dequantized_linear(x, weight_packed, scales_and_zeros, x_index, zero_column,
                                   out_features)
-    x = x.to(ACT_DTYPE)
-    if x_index is not None:
-        if zero_column:
-            x = torch.nn.functional.pad(x, (0, 1))
-        x = x.index_select(1, x_index)  # [M, K']
+    x = plane_columns(x.to(ACT_DTYPE), x_index, zero_column)  # [M, K']
     out = _INT4_MM(x, weight_packed, GROUP, scales_and_zeros)  # [M, N'] bf16
     if out.shape[1] != out_features:  # padded rows (contiguous: the op's fake result is)
         out = out[:, :out_features].contiguous()
