@@ -64,7 +64,7 @@ def profile(
                                            "nsys).")] = Tracer.auto,
 ) -> None:
     """Profile a short decode workload (nsys or torch profiler) with the engine's phases."""
-    from llmfast.bench import BenchError
+    from llmfast.cli.bench.checks import check_counts
     from llmfast.bench.profile_run import (
         default_profile_dir,
         prepare_profile_dir,
@@ -72,9 +72,7 @@ def profile(
     )
 
     size_list = parse_sizes(sizes)
-    for flag, value in (("--steps", steps), ("--context", context)):
-        if value < 1:
-            raise BenchError(f"{flag} must be >= 1, got {value}")
+    check_counts({"--steps": steps, "--context": context})
     under_nsys = bool(os.environ.get(_UNDER_NSYS))
     nsys = shutil.which("nsys")
     if tracer is Tracer.nsys and nsys is None:

@@ -45,6 +45,13 @@ def check_mode_options(mode: str | None, given: Iterable[str]) -> None:
             raise BenchError(f"{flag} applies to {used}, not to {this}")
 
 
+def check_counts(counts: dict[str, int]) -> None:
+    """Each count flag (`--steps`: its value) at least 1, named alone with its value."""
+    for flag, value in counts.items():
+        if value < 1:
+            raise BenchError(f"{flag} must be >= 1, got {value}")
+
+
 def check_output_paths(json_path: Path | None, plot_path: Path | None) -> None:
     """Fail before a long benchmark, not after it: each output file writable, with an
     extension naming its format (a plot without one would be written under another name)."""

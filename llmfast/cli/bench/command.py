@@ -16,7 +16,12 @@ import typer
 from rich.console import Console
 
 from llmfast.bench import BenchError
-from llmfast.cli.bench.checks import check_mode_options, check_output_paths, save_elsewhere
+from llmfast.cli.bench.checks import (
+    check_counts,
+    check_mode_options,
+    check_output_paths,
+    save_elsewhere,
+)
 from llmfast.cli.bench.tables import (
     latency_table,
     startup_table,
@@ -119,11 +124,8 @@ def bench(
         mode = BenchMode.sweep
     check_mode_options(mode.value if mode else None, _given_options(ctx))
     check_output_paths(json_path, plot_path)
-    counts = {"--context": context, "--steps": steps, "--num-prompts": num_prompts,
-              "--input-len": input_len, "--output-len": output_len}
-    for flag, value in counts.items():
-        if value < 1:
-            raise BenchError(f"{flag} must be >= 1, got {value}")
+    check_counts({"--context": context, "--steps": steps, "--num-prompts": num_prompts,
+                  "--input-len": input_len, "--output-len": output_len})
     if not 0.0 <= random_range_ratio < 1.0:  # else found only once the model is loaded
         raise BenchError(f"--random-range-ratio must be in [0, 1), got {random_range_ratio}")
     if mode is BenchMode.latency:
