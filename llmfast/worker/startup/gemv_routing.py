@@ -61,8 +61,9 @@ class GemvRouting:
     seconds: float  # spent timing
 
 
-# A draft model (--speculative-method draft) runs its forwards eagerly, each of as many
-# rows as requests draft or catch up: any count up to 16 takes the GEMV.
+# Every row count the GEMV takes: a step without full graphs may have any of them, and so
+# may a draft model's forwards (--speculative-method draft: eager, as many rows as
+# requests draft or catch up).
 DRAFT_ROWS = tuple(range(1, MAX_GEMV_ROWS + 1))
 
 
@@ -71,7 +72,12 @@ def decode_rows(compile_config: CompileConfig) -> tuple[int, ...]:
     sizes up to 16 where they run (a step pads to one), else every count up to 16."""
     if compile_config.use_cuda_graphs and compile_config.cuda_graph_mode.has_full:
         return tuple(s for s in compile_config.cuda_graph_sizes if s <= MAX_GEMV_ROWS)
-    return tuple(range(1, MAX_GEMV_ROWS + 1))
+    return DRAFT_ROWS
+
+
+def m_buckets(rows: Sequence[int]) -> list[int]:
+    """The M buckets (launch_config.m_bucket) of the row counts the GEMV takes."""
+    return sorted({m_bucket(r) for r in rows if r <= MAX_GEMV_ROWS})
 
 
 def route_gemv(model: nn.Module, settings: SkinnyLinearConfig, rows: Sequence[int],
@@ -149,7 +155,7 @@ def _measure(launches: list[Launch], rows: Sequence[int], gpu: GpuFacts, measure
     for launch in launches:
         if launch.key not in shipped and not (launch.fp8 and not gpu.converts_fp8):
             groups.setdefault(launch.key, []).append(launch)
-    buckets = sorted({m_bucket(r) for r in rows if r <= MAX_GEMV_ROWS})
+    buckets = m_buckets(rows)
     if not groups or not buckets:
         return ()
     try:
@@ -176,7 +182,7 @@ def dry_gemv_launches(model: nn.Module, rows: Sequence[int]) -> int:
     after another at the captures' warm-up (a cuBLAS choice just runs, on empty rows).
     Returns how many launches were made."""
     decoder = model.model
-    buckets = sorted({m_bucket(r) for r in rows if r <= MAX_GEMV_ROWS})
+    buckets = m_buckets(rows)
     fused = bool(getattr(decoder, "gemv_fused", ""))
     seen: set[str] = set()
     count = 0
