@@ -64,7 +64,7 @@ class GemvRouting:
 # Every row count the GEMV takes: a step without full graphs may have any of them, and so
 # may a draft model's forwards (--speculative-method draft: eager, as many rows as
 # requests draft or catch up).
-DRAFT_ROWS = tuple(range(1, MAX_GEMV_ROWS + 1))
+EVERY_GEMV_ROWS = tuple(range(1, MAX_GEMV_ROWS + 1))
 
 
 def decode_rows(compile_config: CompileConfig) -> tuple[int, ...]:
@@ -72,7 +72,7 @@ def decode_rows(compile_config: CompileConfig) -> tuple[int, ...]:
     sizes up to 16 where they run (a step pads to one), else every count up to 16."""
     if compile_config.use_cuda_graphs and compile_config.cuda_graph_mode.has_full:
         return tuple(s for s in compile_config.cuda_graph_sizes if s <= MAX_GEMV_ROWS)
-    return DRAFT_ROWS
+    return EVERY_GEMV_ROWS
 
 
 def m_buckets(rows: Sequence[int]) -> list[int]:

@@ -20,7 +20,7 @@ from llmfast.config import dtype_name
 from llmfast.distributed import min_across_ranks
 from llmfast.kernels.launch.compile_watch import TritonCompileWatch
 from llmfast.kernels.launch.precompile import kernel_precompile_enabled
-from llmfast.worker.startup.gemv_routing import DRAFT_ROWS, decode_rows, route_gemv
+from llmfast.worker.startup.gemv_routing import EVERY_GEMV_ROWS, decode_rows, route_gemv
 from llmfast.utils.progress import Progress
 from llmfast.worker.startup.graph_capture import compile_and_capture
 from llmfast.worker.startup.graph_memory import estimate_graph_memory
@@ -65,7 +65,7 @@ class RunnerStartup:
         measured = routing.measured
         draft = self.spec.proposer.model if self.spec is not None else None
         if draft is not None:  # --speculative-method draft: its model routed alike
-            measured += route_gemv(draft, self.config.gemv, DRAFT_ROWS, progress).measured
+            measured += route_gemv(draft, self.config.gemv, EVERY_GEMV_ROWS, progress).measured
         if measured:  # (timed now, or read from the file of an earlier start)
             self.startup_times["gemv"] = time.perf_counter() - t0
         # The Triton variants the rest launches, compiled in threads now (the tiles are
@@ -79,7 +79,7 @@ class RunnerStartup:
         try:
             gemv = [(self.model, target_rows)]
             if draft is not None:
-                gemv.append((draft, DRAFT_ROWS))
+                gemv.append((draft, EVERY_GEMV_ROWS))
             precompiled = precompile_kernels(self.model, self._dry_batches(), self.block_size,
                                              self.kv_dtype, self.device, gemv)
         except Exception as exc:  # noqa: BLE001 - an optimisation: the launches compile
